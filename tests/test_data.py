@@ -93,7 +93,7 @@ def test_dataset_arrays_are_read_only(digits):
 
 
 def test_unknown_dataset_lists_valid_names():
-    with pytest.raises(DataError, match="digits.*cifar10"):
+    with pytest.raises(DataError, match=r"digits.*cifar10"):
         load_dataset("mnist")
 
 
@@ -280,7 +280,7 @@ def test_pickle_codecs_encode_only_latin1(tiny_cifar):
     payload = pickle.dumps({b"data": b"\xff"}, protocol=2)  # bytes travel as _codecs.encode(str, 'latin1')
     assert b"_codecs\nencode" in payload and b"latin1" in payload
     path.write_bytes(payload.replace(b"latin1", b"rot_13"))
-    with pytest.raises(DataError, match="test_batch: refusing _codecs.encode"):
+    with pytest.raises(DataError, match=r"test_batch: refusing _codecs\.encode"):
         load_cifar10(str(root))
 
 
@@ -374,7 +374,7 @@ def test_shards_are_disjoint_covering_and_balanced(num_samples, num_shards):
         assert max(sizes) - min(sizes) <= 1
         assert sizes == [len(s) for s in shards]
         # the same samples every epoch, only their order changes
-        for s, p in zip(shards, parts):
+        for s, p in zip(shards, parts, strict=True):
             np.testing.assert_array_equal(np.sort(p), np.sort(s.indices(0)))
 
 
