@@ -1,0 +1,315 @@
+"""NumPy ops backend: every backward op against float64 central finite differences, conv2d_fprop
+against a direct loop, and the input validation.
+
+The ops are dtype-generic (float32 in production, float64 here), so the gradient checks run in
+float64 where central differences are accurate to ~1e-10; float32 is checked against float64.
+"""
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_limits
+
+from mpiasgd.ops import get_backend
+
+ops = get_backend("numpy")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_blas_thread():
+    """Tiny GEMMs gain nothing from BLAS threads, and spinning threads slow down ~50x when other
+    processes (MPI ranks of a parallel test) hold the cores."""
+    with threadpool_limits(1, user_api="blas"):
+        yield
+
+# tolerances, stated once: |got - ref| <= atol + rtol * |ref| elementwise
+FD_STEP = 1e-6
+ATOL64, RTOL64 = 1e-7, 1e-6  # float64 analytic vs float64 finite differences
+ATOL32, RTOL32 = 1e-4, 1e-4  # float32 result vs float64 result (values are O(1))
+
+
+def assert_close(got, ref, what: str, atol: float = ATOL64, rtol: float = RTOL64) -> None:
+    """Elementwise |got - ref| <= atol + rtol*|ref|; on failure report the worst element."""
+    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != expected {ref.shape}"
+    if got.size == 0:
+        return
+    excess = np.abs(got - ref) - (atol + rtol * np.abs(ref))
+    worst = np.unravel_index(int(np.argmax(excess)), excess.shape)
+    assert excess[worst] <= 0, (
+        f"{what}: worst element {tuple(int(i) for i in worst)}: got {got[worst]:.10g}, "
+        f"expected {ref[worst]:.10g} (|diff| {abs(got[worst] - ref[worst]):.3g} > "
+        f"atol + rtol*|ref| = {atol + rtol * abs(ref[worst]):.3g})")
+
+
+def numeric_grad(f, x: np.ndarray, h: float = FD_STEP) -> np.ndarray:
+    """Central differences of the scalar f() with respect to every element of x (modified in place)."""
+    grad = np.empty_like(x)
+    flat, gflat = x.reshape(-1), grad.reshape(-1)
+    for i in range(flat.size):
+        keep = flat[i]
+        flat[i] = keep + h
+        up = f()
+        flat[i] = keep - h
+        down = f()
+        flat[i] = keep
+        gflat[i] = (up - down) / (2 * h)
+    return grad
+
+
+def naive_conv(x, w, b, stride, pad):
+    """Direct loop over output pixels: y[n,k,p,q] = b[k] + sum_{c,r,s} w[k,c,r,s] * xpad[n,c,p*st+r,q*st+s]."""
+    N, C, H, W = x.shape
+    K, _, R, S = w.shape
+    xp = np.zeros((N, C, H + 2 * pad, W + 2 * pad), dtype=np.float64)
+    xp[:, :, pad:pad + H, pad:pad + W] = x
+    P, Q = (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
+    y = np.zeros((N, K, P, Q))
+    for n in range(N):
+        for k in range(K):
+            for p in range(P):
+                for q in range(Q):
+                    patch = xp[n, :, p * stride:p * stride + R, q * stride:q * stride + S]
+                    y[n, k, p, q] = np.sum(patch * w[k]) + (0.0 if b is None else b[k])
+    return y
+
+
+# (N, C, H, W, K, R, S, stride, pad): stride 1/2/3, pad 0/1/2, odd and non-square inputs and
+# kernels; covers both dgrad paths (stride 1 with pad < kernel -> as a convolution; else col2im)
+CONV_CASES = [
+    (2, 3, 5, 5, 4, 3, 3, 1, 0),
+    (2, 2, 7, 6, 3, 3, 3, 2, 1),
+    (1, 3, 6, 9, 2, 5, 5, 1, 2),
+    (2, 1, 8, 5, 2, 3, 2, 2, 2),
+    (1, 2, 5, 4, 3, 1, 1, 1, 1),
+    (2, 2, 9, 7, 2, 3, 3, 3, 1),
+    (1, 2, 6, 7, 3, 2, 4, 1, 1),
+    (1, 2, 4, 4, 2, 3, 3, 1, 2),
+]
+
+
+def _conv_case(case, seed=0):
+    N, C, H, W, K, R, S, stride, pad = case
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((N, C, H, W))
+    w = rng.standard_normal((K, C, R, S))
+    b = rng.standard_normal(K)
+    return x, w, b, stride, pad
+
+
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_conv2d_fprop_matches_direct_loop(case):
+    x, w, b, stride, pad = _conv_case(case)
+    ref = naive_conv(x, w, b, stride, pad)
+    assert_close(ops.conv2d_fprop(x, w, b, stride, pad), ref, f"conv2d_fprop float64 {case}", 1e-12, 1e-12)
+    assert_close(ops.conv2d_fprop(x, w, None, stride, pad), naive_conv(x, w, None, stride, pad),
+                 f"conv2d_fprop no bias {case}", 1e-12, 1e-12)
+    y32 = ops.conv2d_fprop(x.astype(np.float32), w.astype(np.float32), b.astype(np.float32), stride, pad)
+    assert y32.dtype == np.float32 and y32.flags.c_contiguous
+    assert_close(y32, ref, f"conv2d_fprop float32 {case}", ATOL32, RTOL32)
+
+
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_conv2d_backward_matches_finite_differences(case):
+    x, w, b, stride, pad = _conv_case(case)
+    y = ops.conv2d_fprop(x, w, b, stride, pad)
+    g = np.random.default_rng(1).standard_normal(y.shape)  # upstream gradient of sum(y * g)
+
+    def loss():
+        return float(np.sum(ops.conv2d_fprop(x, w, b, stride, pad) * g))
+
+    assert_close(ops.conv2d_dgrad(g, w, x.shape, stride, pad), numeric_grad(loss, x), f"conv2d_dgrad {case}")
+    assert_close(ops.conv2d_wgrad(g, x, w.shape, stride, pad), numeric_grad(loss, w), f"conv2d_wgrad {case}")
+    assert_close(ops.bias_grad(g), numeric_grad(loss, b), f"bias_grad {case}")
+
+
+@pytest.mark.parametrize("case", CONV_CASES[:4])
+def test_conv2d_backward_float32_matches_float64(case):
+    x, w, b, stride, pad = _conv_case(case)
+    g = np.random.default_rng(1).standard_normal(ops.conv2d_fprop(x, w, b, stride, pad).shape)
+    x32, w32, g32 = (a.astype(np.float32) for a in (x, w, g))
+    dx = ops.conv2d_dgrad(g32, w32, x.shape, stride, pad)
+    dw = ops.conv2d_wgrad(g32, x32, w.shape, stride, pad)
+    assert dx.dtype == dw.dtype == np.float32
+    assert_close(dx, ops.conv2d_dgrad(g, w, x.shape, stride, pad), "dgrad float32", ATOL32, RTOL32)
+    assert_close(dw, ops.conv2d_wgrad(g, x, w.shape, stride, pad), "wgrad float32", ATOL32, RTOL32)
+
+
+def test_conv2d_workspace_reuse_is_exact_and_tracks_the_input():
+    x, w, b, stride, pad = _conv_case((3, 2, 6, 5, 3, 3, 3, 1, 1))
+    x2 = x[::-1].copy()
+    g = np.random.default_rng(2).standard_normal((3, 3, 6, 5))
+    ws = ops.Workspace()
+    for _ in range(2):  # second round runs on reused scratch
+        assert_close(ops.conv2d_fprop(x, w, b, stride, pad, ws=ws), ops.conv2d_fprop(x, w, b, stride, pad),
+                     "fprop with workspace", 0, 0)
+        assert_close(ops.conv2d_wgrad(g, x, w.shape, stride, pad, ws=ws), ops.conv2d_wgrad(g, x, w.shape, stride, pad),
+                     "wgrad reusing fprop columns", 0, 0)
+        assert_close(ops.conv2d_dgrad(g, w, x.shape, stride, pad, ws=ws), ops.conv2d_dgrad(g, w, x.shape, stride, pad),
+                     "dgrad with workspace", 0, 0)
+    # columns in the workspace belong to x2 now; wgrad of x must not use them
+    ops.conv2d_fprop(x2, w, b, stride, pad, ws=ws)
+    assert_close(ops.conv2d_wgrad(g, x, w.shape, stride, pad, ws=ws), ops.conv2d_wgrad(g, x, w.shape, stride, pad),
+                 "wgrad after fprop of another input", 0, 0)
+    assert ws.nbytes > 0
+
+
+def test_wgrad_and_bias_grad_overwrite_out_views():
+    x, w, b, stride, pad = _conv_case((2, 2, 5, 5, 3, 3, 3, 1, 1))
+    g = np.random.default_rng(3).standard_normal((2, 3, 5, 5))
+    flat = np.full(w.size + b.size + 4, 7.0)  # stand-in for the model's gradient vector
+    dw_view = flat[2:2 + w.size].reshape(w.shape)
+    db_view = flat[2 + w.size:2 + w.size + b.size]
+    assert ops.conv2d_wgrad(g, x, w.shape, stride, pad, out=dw_view) is dw_view
+    assert ops.bias_grad(g, out=db_view) is db_view
+    assert_close(dw_view, ops.conv2d_wgrad(g, x, w.shape, stride, pad), "wgrad out=", 0, 0)
+    assert_close(db_view, g.sum(axis=(0, 2, 3)), "bias_grad out=", 1e-12, 1e-12)
+    assert (flat[:2] == 7).all() and (flat[-2:] == 7).all()  # nothing written outside the views
+    lw = np.full((3, 4), 7.0)
+    xl, gl = np.ones((5, 4)), np.ones((5, 3))
+    assert ops.linear_wgrad(gl, xl, out=lw) is lw
+    assert (lw == 5).all()  # overwritten, not accumulated onto the 7s
+
+
+def test_bias_grad_2d_and_4d():
+    g = np.random.default_rng(4).standard_normal((3, 5, 2, 4))
+    assert_close(ops.bias_grad(g), g.sum(axis=(0, 2, 3)), "bias_grad 4-D", 1e-12, 1e-12)
+    assert_close(ops.bias_grad(g[:, :, 0, 0].copy()), g[:, :, 0, 0].sum(axis=0), "bias_grad 2-D", 1e-12, 1e-12)
+
+
+def test_relu_backward_matches_finite_differences():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 4, 5))
+    x[np.abs(x) < 1e-3] = 0.5  # keep away from the kink
+    g = rng.standard_normal(x.shape)
+    y = ops.relu_fprop(x)
+    assert_close(y, np.maximum(x, 0), "relu_fprop", 0, 0)
+    assert_close(ops.relu_bprop(g, y), numeric_grad(lambda: float(np.sum(ops.relu_fprop(x) * g)), x), "relu_bprop")
+
+
+# (N, C, H, W, kernel, stride): overlapping 3/2 and 3/1, non-overlapping 2/2, gaps 3/3 and 1/1,
+# odd and non-square sizes with floor output
+POOL_CASES = [
+    (2, 3, 7, 7, 3, 2),
+    (1, 2, 8, 6, 2, 2),
+    (2, 2, 6, 5, 3, 1),
+    (1, 1, 5, 9, 3, 3),
+    (2, 1, 4, 3, 1, 1),
+    (1, 2, 9, 8, 3, 2),
+]
+
+
+@pytest.mark.parametrize("case", POOL_CASES)
+def test_maxpool_matches_loop_and_finite_differences(case):
+    N, C, H, W, k, s = case
+    rng = np.random.default_rng(6)
+    # distinct values 0.01 apart: no ties, and no window changes its max within the FD step
+    x = (rng.permutation(N * C * H * W) * 0.01).reshape(N, C, H, W)
+    y, argmax = ops.maxpool_fprop(x, k, s)
+    P, Q = (H - k) // s + 1, (W - k) // s + 1
+    assert y.shape == argmax.shape == (N, C, P, Q)
+    ref = np.array([[[[x[n, c, p * s:p * s + k, q * s:q * s + k].max() for q in range(Q)] for p in range(P)]
+                     for c in range(C)] for n in range(N)])
+    assert_close(y, ref, f"maxpool_fprop {case}", 0, 0)
+    g = rng.standard_normal(y.shape)
+    numeric = numeric_grad(lambda: float(np.sum(ops.maxpool_fprop(x, k, s)[0] * g)), x)
+    assert_close(ops.maxpool_bprop(g, argmax, x.shape, k, s), numeric, f"maxpool_bprop {case}")
+
+
+def test_maxpool_overlapping_windows_accumulate_and_ties_pick_first():
+    x = np.zeros((1, 1, 3, 5), dtype=np.float32)
+    x[0, 0, 1, 2] = 5.0  # the max of both 3x3 windows (columns 0-2 and 2-4 share column 2)
+    y, argmax = ops.maxpool_fprop(x, 3, 2)
+    assert y.shape == (1, 1, 1, 2) and (y == 5).all()
+    dx = ops.maxpool_bprop(np.array([[[[1.0, 2.0]]]], dtype=np.float32), argmax, x.shape, 3, 2)
+    assert dx[0, 0, 1, 2] == 3.0 and dx.sum() == 3.0
+    # all equal: the first element of each window wins
+    _, argmax = ops.maxpool_fprop(np.ones((1, 1, 3, 5), dtype=np.float32), 3, 2)
+    assert (argmax == 0).all()
+
+
+def test_linear_matches_finite_differences():
+    rng = np.random.default_rng(7)
+    x, w, b = rng.standard_normal((4, 5)), rng.standard_normal((3, 5)), rng.standard_normal(3)
+    g = rng.standard_normal((4, 3))
+    assert_close(ops.linear_fprop(x, w, b), x @ w.T + b, "linear_fprop", 1e-12, 1e-12)
+
+    def loss():
+        return float(np.sum(ops.linear_fprop(x, w, b) * g))
+
+    assert_close(ops.linear_dgrad(g, w), numeric_grad(loss, x), "linear_dgrad")
+    assert_close(ops.linear_wgrad(g, x), numeric_grad(loss, w), "linear_wgrad")
+    assert_close(ops.bias_grad(g), numeric_grad(loss, b), "linear bias_grad")
+
+
+def test_softmax_xent_matches_finite_differences_and_definition():
+    rng = np.random.default_rng(8)
+    logits = rng.standard_normal((5, 4)) * 3
+    labels = np.array([0, 3, 1, 1, 2], dtype=np.int64)
+    loss, dlogits, correct = ops.softmax_xent(logits, labels)
+    prob = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    assert isinstance(loss, float) and isinstance(correct, int)
+    assert loss == pytest.approx(-np.mean(np.log(prob[np.arange(5), labels])), rel=1e-12)
+    assert correct == int(np.sum(logits.argmax(axis=1) == labels))
+    assert_close(dlogits, numeric_grad(lambda: ops.softmax_xent(logits, labels)[0], logits), "softmax_xent dlogits")
+
+
+def test_softmax_xent_is_stable_for_large_logits():
+    logits = np.array([[1e4, 0.0, -1e4], [50.0, 50.0, 50.0]], dtype=np.float32)
+    loss, dlogits, correct = ops.softmax_xent(logits, np.array([1, 2]))
+    assert np.isfinite(loss) and np.isfinite(dlogits).all() and dlogits.dtype == np.float32
+    assert loss == pytest.approx((1e4 + np.log(3)) / 2, rel=1e-6)
+    assert correct == 0  # row 1 ties: argmax picks class 0
+
+
+@pytest.mark.parametrize("bad", [-1, 4])
+def test_softmax_xent_rejects_out_of_range_labels(bad):
+    labels = np.array([0, bad, 1], dtype=np.int64)
+    with pytest.raises(ValueError, match=rf"softmax_xent: label {bad} at index 1 is outside \[0, 4\)"):
+        ops.softmax_xent(np.zeros((3, 4), dtype=np.float32), labels)
+    with pytest.raises(ValueError, match="labels must be an integer array"):
+        ops.softmax_xent(np.zeros((3, 4), dtype=np.float32), np.zeros(3, dtype=np.float32))
+
+
+def test_inputs_are_validated_with_op_argument_and_expected_shape():
+    x = np.zeros((2, 3, 8, 8), dtype=np.float32)
+    w = np.zeros((4, 3, 3, 3), dtype=np.float32)
+    with pytest.raises(ValueError, match=r"conv2d_fprop: x must have shape \(N, C, H, W\)"):
+        ops.conv2d_fprop(x[0], w, None, 1, 1)
+    with pytest.raises(ValueError, match=r"conv2d_fprop: w must have shape \(K, C=3, R, S\)"):
+        ops.conv2d_fprop(x, np.zeros((4, 2, 3, 3), dtype=np.float32), None, 1, 1)
+    with pytest.raises(ValueError, match="conv2d_fprop: w must have dtype float32"):
+        ops.conv2d_fprop(x, w.astype(np.float64), None, 1, 1)
+    with pytest.raises(ValueError, match="conv2d_fprop: x must be float32"):
+        ops.conv2d_fprop(x.astype(np.int32), w, None, 1, 1)
+    with pytest.raises(ValueError, match=r"conv2d_fprop: b must have shape \(4,\)"):
+        ops.conv2d_fprop(x, w, np.zeros(3, dtype=np.float32), 1, 1)
+    with pytest.raises(ValueError, match="conv2d_fprop: stride must be an int >= 1"):
+        ops.conv2d_fprop(x, w, None, 0, 1)
+    with pytest.raises(ValueError, match=r"conv2d_dgrad: dy must have shape \(2, 4, 8, 8\)"):
+        ops.conv2d_dgrad(np.zeros((2, 4, 7, 8), dtype=np.float32), w, x.shape, 1, 1)
+    dy = np.zeros((2, 4, 8, 8), dtype=np.float32)
+    with pytest.raises(ValueError, match=r"conv2d_wgrad: out must be a float32 array of shape \(4, 3, 3, 3\)"):
+        ops.conv2d_wgrad(dy, x, w.shape, 1, 1, out=np.zeros((4, 3, 3, 2), dtype=np.float32))
+    with pytest.raises(ValueError, match="conv2d_wgrad: out must be C-contiguous"):
+        ops.conv2d_wgrad(dy, x, w.shape, 1, 1, out=np.zeros((4, 3, 3, 6), dtype=np.float32)[..., ::2])
+    with pytest.raises(ValueError, match=r"maxpool_fprop: kernel 3 larger than input"):
+        ops.maxpool_fprop(np.zeros((1, 1, 2, 5), dtype=np.float32), 3, 2)
+    with pytest.raises(ValueError, match=r"linear_fprop: expected w \(O, 5\)"):
+        ops.linear_fprop(np.zeros((2, 5), np.float32), np.zeros((3, 4), np.float32), np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="relu_bprop: dy and y must be float arrays of one shape"):
+        ops.relu_bprop(np.zeros((2, 3), np.float32), np.zeros((3, 2), np.float32))
+
+
+def test_array_helpers():
+    assert ops.zeros(3).dtype == np.float32 and (ops.zeros(3) == 0).all()
+    assert ops.empty((2, 3)).shape == (2, 3)
+    a = ops.asarray([[1, 2], [3, 4]])
+    assert a.dtype == np.float32 and a.flags.c_contiguous
+    assert ops.to_numpy(a) is a
+    assert ops.may_share_memory(a, a[0]) and not ops.may_share_memory(a, ops.zeros(2))
+
+
+def test_get_backend():
+    assert get_backend("numpy") is ops
+    with pytest.raises(ValueError, match="unknown ops backend 'cuda'; valid backends: numpy"):
+        get_backend("cuda")
