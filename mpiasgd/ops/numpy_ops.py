@@ -19,7 +19,7 @@ and the fastest wgrad; (N*P*Q, C*R*S) makes im2col ~2.5x slower (short inner cop
 
 Every array here is fresh unless written into `out=`; a `Workspace` (one per layer) holds the large
 temporaries between minibatches: fresh arrays over glibc's 32 MB mmap threshold are page-faulted
-in on every call, which cost ~15% of a cifar10 step.
+in on every call, which cost ~25% of a cifar10 step.
 
 Public names (the cupy backend provides the same): ndarray, Workspace, zeros, empty, asarray,
 to_numpy, may_share_memory, conv2d_fprop, conv2d_dgrad, conv2d_wgrad, bias_grad, relu_fprop,
