@@ -1,0 +1,95 @@
+"""Command line: `mpiasgd train | evaluate | report` (also `python -m mpiasgd ...`).
+
+    mpiexec -n 3 python -m mpiasgd train --model digits --epochs 30   # 1 parameter server + 2 workers
+    python -m mpiasgd evaluate runs/NAME.h5                            # accuracy of every weight snapshot
+    python -m mpiasgd report runs/NAME.h5 [runs/OTHER.h5 ...]          # summary tables
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mpiasgd import __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="mpiasgd", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"mpiasgd {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub.add_parser("train", help="train (run under mpiexec/srun: rank 0 server, ranks 1..N workers)",
+                   add_help=False)
+    ev = sub.add_parser("evaluate", help="evaluate every weight snapshot of a run log on the test set")
+    ev.add_argument("logs", nargs="+", metavar="RUN.h5")
+    ev.add_argument("--data-dir", default=None, help="where the dataset is (default: the run's own)")
+    ev.add_argument("--every", type=int, default=1, help="evaluate every N-th snapshot (default 1)")
+    ev.add_argument("--batch-size", type=int, default=1000, help="images per forward pass")
+    rp = sub.add_parser("report", help="print summary tables of run logs")
+    rp.add_argument("logs", nargs="+", metavar="RUN.h5")
+    args, rest = parser.parse_known_args(argv)
+
+    if args.command == "train":
+        return _train(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "evaluate":
+        return _evaluate(args)
+    return _report(args)
+
+
+def _train(argv: list[str]) -> int:
+    from mpiasgd.config import ConfigError, make_parser, resolve
+
+    parser = make_parser()
+    if "-h" in argv or "--help" in argv:
+        parser.print_help()
+        return 0
+    try:
+        cfg = resolve(parser.parse_args(argv))
+    except ConfigError as e:
+        error = str(e)
+    else:
+        error = None
+    from mpi4py import MPI  # MPI starts only for training
+
+    from mpiasgd.train import EXIT_BAD_INPUT, train
+
+    comm = MPI.COMM_WORLD
+    if any(comm.allgather(error)):  # every rank parsed the same argv: one message, from rank 0
+        if comm.Get_rank() == 0:
+            print(f"mpiasgd: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return train(cfg, comm)
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from mpiasgd.evaluate import evaluate_snapshots
+
+    for path in args.logs:
+        try:
+            rows = evaluate_snapshots(path, args.data_dir, args.batch_size, args.every)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"mpiasgd evaluate: error: {path}: {e}", file=sys.stderr)
+            return 2
+        print(f"== {path}: {len(rows)} snapshots evaluated")
+        print("snapshot    time s   epoch   test acc   test loss")
+        for r in rows:
+            print(f"{r['snapshot']:>8} {r['time']:>8.1f} {r['epoch']:>7.2f} {100 * r['accuracy']:>9.2f}% "
+                  f"{r['loss']:>11.4f}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from mpiasgd.report import report
+
+    try:
+        print(report(args.logs))
+    except (OSError, KeyError) as e:
+        print(f"mpiasgd report: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

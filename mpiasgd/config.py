@@ -1,0 +1,211 @@
+"""Run configuration: one frozen dataclass, filled from defaults < TOML file < command-line flags.
+
+Every field has a default and a one-line help with its unit. Unknown or ill-typed keys are errors
+(`ConfigError`), and so are values out of range. Rank 0 prints the resolved config once and stores
+it in the run log (attribute `config`, JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, ill-typed or out of range (the message names the key)."""
+
+
+MODES = ("async",)
+BACKENDS = ("numpy",)
+SCHEDULES = ("constant", "step", "cosine")
+
+
+def _opt(default: Any, group: str, help: str) -> Any:
+    return field(default=default, metadata={"group": group, "help": help})
+
+
+@dataclass(frozen=True)
+class Config:
+    # --- model and data ---
+    model: str = _opt("digits", "model and data", "network: digits | cifar10")
+    dataset: str = _opt("", "model and data", "dataset: digits | cifar10 (default: same as --model)")
+    data_dir: str = _opt("", "model and data",
+                         "folder holding cifar-10-batches-py/ or -bin/ (default: $MPIASGD_DATA or ~/.cache/mpiasgd)")
+    seed: int = _opt(0, "model and data", "seed of initial weights, shards and augmentation")
+    batch_size: int = _opt(32, "model and data", "minibatch per worker, images")
+    # --- parallelism ---
+    mode: str = _opt("async", "parallelism", "training mode: async (A-SGD with a parameter server)")
+    backend: str = _opt("numpy", "parallelism", "compute backend of the workers: numpy")
+    threads: int = _opt(0, "parallelism", "BLAS threads per worker rank; 0 = cores of the node / workers on it")
+    comm_timeout: float = _opt(300.0, "parallelism", "longest wait for any one message before failing, seconds")
+    # --- optimizer (applied by the parameter server) ---
+    lr: float = _opt(0.01, "optimizer", "peak learning rate (SGD step size)")
+    momentum: float = _opt(0.9, "optimizer", "heavy-ball momentum, 0 <= m < 1")
+    weight_decay: float = _opt(5e-4, "optimizer", "L2 penalty on conv/linear weights (not biases)")
+    lr_schedule: str = _opt("cosine", "optimizer", "after warm-up: constant | step | cosine (to 0 at the stop)")
+    warmup_epochs: float = _opt(0.5, "optimizer", "linear learning-rate warm-up from 0, epochs")
+    lr_milestones: tuple = _opt((), "optimizer", "step schedule: epochs at which lr is multiplied by --lr-gamma")
+    lr_gamma: float = _opt(0.1, "optimizer", "step schedule: factor per milestone")
+    # --- stopping (first limit reached stops the run; 0 = no limit) ---
+    epochs: float = _opt(10.0, "stopping", "passes over the training set by all workers together, epochs")
+    max_pushes: int = _opt(0, "stopping", "gradient pushes applied by the server, count")
+    max_time: float = _opt(0.0, "stopping", "wall time of training, seconds")
+    # --- run log ---
+    name: str = _opt("", "run log", "run name; the log is RUN_DIR/NAME.h5 (default: model-mode-Nw-timestamp)")
+    run_dir: str = _opt("runs", "run log", "folder of run logs")
+    overwrite: bool = _opt(False, "run log", "replace an existing log of the same name")
+    snapshot_interval: float = _opt(5.0, "run log", "weight snapshot every this many seconds; 0 = first and last only")
+    flush_interval: float = _opt(2.0, "run log", "log flushed to disk every this many seconds")
+    eval_batch_size: int = _opt(1000, "run log", "images per forward pass when evaluating")
+    progress: bool = _opt(True, "run log", "progress bar on rank 0")
+
+    def validate(self) -> Config:
+        """Check every value's range; raise ConfigError naming the key. Returns self."""
+        def need(ok: bool, key: str, expected: str) -> None:
+            if not ok:
+                raise ConfigError(f"config key '{key}' = {getattr(self, key)!r}: expected {expected}")
+
+        from mpiasgd.model import MODELS  # late import: the model registry pulls in the ops
+
+        need(self.model in MODELS, "model", f"one of {sorted(MODELS)}")
+        need(self.dataset in ("", "digits", "cifar10"), "dataset", "digits or cifar10")
+        need(self.mode in MODES, "mode", f"one of {MODES}")
+        need(self.backend in BACKENDS, "backend", f"one of {BACKENDS}")
+        need(self.batch_size >= 1, "batch_size", "an integer >= 1")
+        need(self.threads >= 0, "threads", "an integer >= 0")
+        need(self.comm_timeout > 0, "comm_timeout", "seconds > 0")
+        need(math.isfinite(self.lr) and self.lr > 0, "lr", "a finite number > 0")
+        need(0 <= self.momentum < 1, "momentum", "0 <= momentum < 1")
+        need(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "a number >= 0")
+        need(self.lr_schedule in SCHEDULES, "lr_schedule", f"one of {SCHEDULES}")
+        need(self.warmup_epochs >= 0, "warmup_epochs", "epochs >= 0")
+        need(all(m > 0 for m in self.lr_milestones), "lr_milestones", "a list of epochs > 0")
+        need(list(self.lr_milestones) == sorted(self.lr_milestones), "lr_milestones", "increasing epochs")
+        need(0 < self.lr_gamma <= 1, "lr_gamma", "0 < gamma <= 1")
+        need(self.epochs >= 0, "epochs", "epochs >= 0 (0 = no limit)")
+        need(self.max_pushes >= 0, "max_pushes", "a count >= 0 (0 = no limit)")
+        need(self.max_time >= 0, "max_time", "seconds >= 0 (0 = no limit)")
+        if self.epochs == 0 and self.max_pushes == 0 and self.max_time == 0:
+            raise ConfigError("no stopping rule: set at least one of 'epochs', 'max_pushes', 'max_time' > 0")
+        if self.lr_schedule == "cosine" and self.epochs == 0 and self.max_pushes == 0 and self.max_time == 0:
+            raise ConfigError("lr_schedule 'cosine' needs a stopping rule to decay towards")
+        need(self.snapshot_interval >= 0, "snapshot_interval", "seconds >= 0")
+        need(self.flush_interval > 0, "flush_interval", "seconds > 0")
+        need(self.eval_batch_size >= 1, "eval_batch_size", "an integer >= 1")
+        need("/" not in self.name and self.name not in (".", ".."), "name", "a file name without '/'")
+        return self
+
+    @property
+    def dataset_name(self) -> str:
+        """The dataset to load: `dataset`, or the model's own when empty."""
+        return self.dataset or self.model
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    def describe(self) -> str:
+        """The resolved config as aligned `key = value` lines (printed once by rank 0)."""
+        width = max(len(f.name) for f in dataclasses.fields(self))
+        return "\n".join(f"  {f.name:<{width}} = {getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Check one TOML/JSON value against the field's type; raise ConfigError if it does not fit."""
+    kind = FIELDS[key].type
+    if kind == "bool":
+        ok = isinstance(value, bool)
+    elif kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif kind == "str":
+        ok = isinstance(value, str)
+    elif kind == "tuple":
+        ok = isinstance(value, (list, tuple)) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        value = tuple(float(v) for v in value) if ok else value
+    else:  # pragma: no cover - a new field type needs a branch here
+        raise AssertionError(f"unhandled config type {kind} of {key}")
+    if not ok:
+        raise ConfigError(f"config key '{key}' = {value!r}: expected a {kind}")
+    return value
+
+
+def from_mapping(values: dict, base: Config | None = None, source: str = "config") -> Config:
+    """Config from a dict (e.g. a parsed TOML file) over `base`; unknown or ill-typed keys raise ConfigError."""
+    unknown = sorted(set(values) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) {unknown}; valid keys: {sorted(FIELDS)}")
+    return dataclasses.replace(base or Config(), **{k: _coerce(k, v) for k, v in values.items()})
+
+
+def load_toml(path: str, base: Config | None = None) -> Config:
+    """Config from a TOML file of top-level `key = value` lines (keys as the dataclass fields)."""
+    try:
+        with open(path, "rb") as f:
+            values = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
+    return from_mapping(values, base, source=f"config file '{path}'")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that raises ConfigError instead of exiting, so MPI ranks can agree on errors."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def _parse_milestones(text: str) -> tuple:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated epochs, got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `--config FILE` and one flag per Config field, grouped as in the dataclass."""
+    parser.add_argument("--config", metavar="FILE", help="TOML file of config keys (flags override it)")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(Config):
+        group = groups.setdefault(f.metadata["group"], parser.add_argument_group(f.metadata["group"]))
+        flag = "--" + f.name.replace("_", "-")
+        common = dict(dest=f.name, default=None, help=f"{f.metadata['help']} (default: {f.default!r})")
+        if f.type == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+        elif f.type == "tuple":
+            group.add_argument(flag, type=_parse_milestones, metavar="E1,E2", **common)
+        else:
+            group.add_argument(flag, type={"int": int, "float": float, "str": str}[f.type], **common)
+
+
+def resolve(args: argparse.Namespace) -> Config:
+    """Defaults < TOML (`args.config`) < flags given on the command line; validated."""
+    cfg = load_toml(args.config) if getattr(args, "config", None) else Config()
+    flags = {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
+    for key, value in flags.items():
+        if FIELDS[key].type == "float" and not math.isfinite(value):
+            raise ConfigError(f"flag --{key.replace('_', '-')} = {value!r}: expected a finite number")
+    return dataclasses.replace(cfg, **flags).validate()
+
+
+def make_parser(prog: str = "mpiasgd train") -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, description="Train with asynchronous SGD: rank 0 parameter server, ranks 1..N workers.")
+    add_arguments(parser)
+    return parser

@@ -1,0 +1,142 @@
+"""Wire format of the A-SGD protocol between the parameter server (rank 0) and the workers.
+
+Every message is ONE contiguous byte buffer sent with buffer-based MPI (never pickle):
+
+    [ header: HEADER, HEADER_BYTES = 96 bytes ][ payload: `count` float32 values ]
+
+The header makes each message self-describing: kind, sender, step, the weight version, loss,
+sample count and timings travel in the same message as the gradient or weights they describe, so a
+push can never be matched with another sender's figures. `check()` verifies every arrival: magic,
+tag, sender, size.
+
+Message flow (async mode, GPU A-SGD of Paine et al. 2013 with n_fetch = n_push = 1):
+
+    server -> worker  WEIGHTS  (version v, params)          initial pull, and the reply to every push
+    worker -> server  PUSH     (base version v, gradient)    one outstanding push per worker
+    server -> worker  STOP     (final version, params)       reply to a push once the run must end
+    worker -> server  EVAL     (loss sum, correct, count)    its slice of the test set, final weights
+    worker -> server  ERROR    (UTF-8 traceback)             a worker failed; the server logs, acks
+    server -> worker  ERROR_ACK                              log closed, the job may now abort
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import numpy as np
+
+MAGIC = 0x41534744  # "ASGD"
+
+
+class Tag(IntEnum):
+    """MPI tags; one per message kind, unique values. An unknown tag is a ProtocolError."""
+
+    WEIGHTS = 11
+    PUSH = 12
+    STOP = 13
+    EVAL = 14
+    ERROR = 15
+    ERROR_ACK = 16
+
+
+class ProtocolError(RuntimeError):
+    """A message broke the protocol: unknown tag, wrong size, wrong sender, or out of order."""
+
+
+HEADER = np.dtype([
+    ("magic", "<u4"),
+    ("tag", "<u4"),
+    ("sender", "<i8"),      # rank of the sender
+    ("step", "<i8"),        # PUSH: worker's step (1, 2, ...); WEIGHTS/STOP: step of the push answered
+    ("version", "<i8"),     # PUSH: version the gradient was computed from; WEIGHTS/STOP: version sent
+    ("samples", "<i8"),     # PUSH: minibatch size; EVAL: images evaluated
+    ("epoch", "<i8"),       # PUSH: the worker's epoch over its shard
+    ("correct", "<i8"),     # PUSH: correct predictions in the minibatch; EVAL: over the slice
+    ("count", "<i8"),       # float32 values in the payload
+    ("loss", "<f8"),        # PUSH: minibatch mean loss; EVAL: summed loss
+    ("compute_s", "<f8"),   # PUSH: seconds of data + forward + backward for this gradient
+    ("comm_s", "<f8"),      # PUSH: seconds spent posting and completing MPI calls for the previous pull
+    ("wait_s", "<f8"),      # PUSH: seconds idle waiting for the weights this gradient used
+])
+HEADER_BYTES = -(-HEADER.itemsize // 16) * 16  # 96: rounded up to 16 bytes so the payload stays aligned
+
+
+class Message:
+    """A send or receive buffer: `buf` (uint8, what MPI sees), `header` (HEADER view), `payload` (float32 view).
+
+    The buffer belongs to MPI while a request on it is pending: fill it before posting the send,
+    read it only after the receive completed.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.buf = np.zeros(HEADER_BYTES + 4 * count, dtype=np.uint8)
+        self.header = self.buf[: HEADER.itemsize].view(HEADER)[0]
+        self.payload = self.buf[HEADER_BYTES:].view(np.float32)
+        self.header["magic"] = MAGIC
+        self.header["count"] = count
+
+    @property
+    def count(self) -> int:
+        return self.payload.size
+
+    def stamp(self, tag: Tag, sender: int, **fields: float) -> Message:
+        """Set the tag, the sender and the given header fields; returns self."""
+        self.header["tag"] = int(tag)
+        self.header["sender"] = sender
+        for key, value in fields.items():
+            self.header[key] = value
+        return self
+
+
+def message_bytes(count: int) -> int:
+    """Size in bytes of a message carrying `count` float32 values."""
+    return HEADER_BYTES + 4 * count
+
+
+def parse_tag(tag: int, source: int, rank: int) -> Tag:
+    """The Tag for an MPI tag number; ProtocolError naming the receiving rank and the source if unknown."""
+    try:
+        return Tag(tag)
+    except ValueError:
+        raise ProtocolError(
+            f"rank {rank}: message from rank {source} has unknown tag {tag}; "
+            f"known tags: {', '.join(f'{t.name}={t.value}' for t in Tag)}") from None
+
+
+def check_size(tag: Tag, source: int, rank: int, nbytes: int, count: int) -> None:
+    """Raise ProtocolError unless a message of `nbytes` carries exactly `count` float32 values."""
+    expected = message_bytes(count)
+    if nbytes != expected:
+        raise ProtocolError(
+            f"rank {rank}: {tag.name} message from rank {source} is {nbytes} bytes, expected {expected} "
+            f"({HEADER_BYTES}-byte header + {count} float32 values)")
+
+
+def check(msg: Message, tag: Tag, source: int, rank: int) -> None:
+    """Validate a received message's header against the MPI envelope; raise ProtocolError naming what differs."""
+    h = msg.header
+    if int(h["magic"]) != MAGIC:
+        raise ProtocolError(f"rank {rank}: {tag.name} message from rank {source} has a bad magic number "
+                            f"{int(h['magic']):#x} (not an mpiasgd message)")
+    if int(h["tag"]) != tag:
+        raise ProtocolError(f"rank {rank}: message from rank {source} arrived on tag {tag.name} "
+                            f"but its header says tag {int(h['tag'])}")
+    if int(h["sender"]) != source:
+        raise ProtocolError(f"rank {rank}: {tag.name} message from rank {source} claims sender {int(h['sender'])}")
+    if int(h["count"]) != msg.count:
+        raise ProtocolError(f"rank {rank}: {tag.name} message from rank {source} declares {int(h['count'])} "
+                            f"values, expected {msg.count}")
+
+
+def error_message(sender: int, text: str) -> Message:
+    """An ERROR message: UTF-8 `text` padded into the payload; header `samples` holds its byte length."""
+    data = text.encode("utf-8", "replace")
+    msg = Message(-(-len(data) // 4)).stamp(Tag.ERROR, sender, samples=len(data))
+    msg.buf[HEADER_BYTES : HEADER_BYTES + len(data)] = np.frombuffer(data, np.uint8)
+    return msg
+
+
+def error_text(msg: Message) -> str:
+    """The text of an ERROR message built by `error_message`."""
+    n = min(int(msg.header["samples"]), msg.buf.size - HEADER_BYTES)
+    return msg.buf[HEADER_BYTES : HEADER_BYTES + n].tobytes().decode("utf-8", "replace")

@@ -1,0 +1,140 @@
+"""The HDF5 run log, written by rank 0 alone.
+
+One file per run, `RUN_DIR/NAME.h5`:
+
+    attrs        config (JSON), versions (JSON), layout (JSON), model, mode, num_workers,
+                 num_params, created, status ("running" | "completed" | "failed"), and at the end
+                 wall_time_s, test_accuracy, test_loss, images_per_s
+    /workers     one row per worker: rank, host, pid, threads, backend, shard_size
+    /pushes      one row per push received (PUSH_ROW): time, worker, step, base version, version,
+                 staleness, loss, correct, samples, epoch, compute/comm/wait seconds, applied, lr
+    /updates     one row per server update (UPDATE_ROW): time, version, lr, gradient norm, samples, epoch
+    /snapshots/params  (S, P) float32 weights every `snapshot_interval` seconds, first and last included
+    /snapshots/meta    (S,) SNAPSHOT_ROW: time, version, samples, epoch
+    /evals       EVAL_ROW: time, version, epoch, snapshot (-1: the final weights), loss, accuracy, count
+    /events      EVENT_ROW: time, kind, text (start, stop reason, failures)
+
+Times are seconds since the start of training. All tables are chunked and appendable. The file is
+written in SWMR mode (HDF5 single-writer/multiple-reader): rows are buffered and flushed every
+`flush_interval` seconds, and a reader (`mpiasgd report`, `h5py.File(path, "r", swmr=True)`) can
+follow it while it grows; a run killed at any moment leaves a file readable up to its last flush.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+
+import h5py
+import numpy as np
+
+PUSH_ROW = np.dtype([
+    ("time", "<f8"), ("worker", "<i4"), ("step", "<i8"), ("base_version", "<i8"), ("version", "<i8"),
+    ("staleness", "<i8"), ("loss", "<f4"), ("correct", "<i4"), ("samples", "<i4"), ("epoch", "<i4"),
+    ("compute_s", "<f4"), ("comm_s", "<f4"), ("wait_s", "<f4"), ("applied", "<i1"), ("lr", "<f4"),
+])
+UPDATE_ROW = np.dtype([("time", "<f8"), ("version", "<i8"), ("lr", "<f4"), ("grad_norm", "<f4"),
+                       ("samples", "<i8"), ("epoch", "<f8")])
+SNAPSHOT_ROW = np.dtype([("time", "<f8"), ("version", "<i8"), ("samples", "<i8"), ("epoch", "<f8")])
+EVAL_ROW = np.dtype([("time", "<f8"), ("version", "<i8"), ("epoch", "<f8"), ("snapshot", "<i4"),
+                     ("loss", "<f8"), ("accuracy", "<f8"), ("count", "<i8")])
+EVENT_ROW = np.dtype([("time", "<f8"), ("kind", "S16"), ("text", h5py.string_dtype())])
+WORKER_ROW = np.dtype([("rank", "<i4"), ("host", "S64"), ("pid", "<i8"), ("threads", "<i4"),
+                       ("backend", "S16"), ("shard_size", "<i8")])
+
+TABLES = {"pushes": PUSH_ROW, "updates": UPDATE_ROW, "snapshots/meta": SNAPSHOT_ROW,
+          "evals": EVAL_ROW, "events": EVENT_ROW}
+
+
+def open_log(path: str, mode: str = "r") -> h5py.File:
+    """Open a run log for reading, also while it is being written or after its writer was killed."""
+    if mode == "r":
+        return h5py.File(path, "r", libver="latest", swmr=True)
+    return h5py.File(path, mode, libver="latest")
+
+
+def append(ds: h5py.Dataset, rows: np.ndarray) -> None:
+    """Append `rows` along axis 0 of a resizable dataset."""
+    n = ds.shape[0]
+    ds.resize(n + len(rows), axis=0)
+    ds[n:] = rows
+
+
+class RunLog:
+    """Buffered, appendable writer of one run log (server only). Use `RunLog.create`."""
+
+    def __init__(self, path: str, file: h5py.File, flush_interval: float) -> None:
+        self.path = path
+        self.file = file
+        self.flush_interval = flush_interval
+        self.pending: dict[str, list] = {name: [] for name in TABLES}
+        self.pending_params: list[np.ndarray] = []
+        self.last_flush = time.monotonic()
+
+    @classmethod
+    def create(cls, path: str, attrs: dict, workers: list[tuple], num_params: int,
+               flush_interval: float, overwrite: bool = False) -> RunLog:
+        """Create the file with every dataset, then switch to SWMR mode (no new objects after that).
+
+        `attrs` values that are not str/int/float are stored as JSON. Raises FileExistsError when
+        `path` exists and `overwrite` is False.
+        """
+        if os.path.exists(path) and not overwrite:
+            raise FileExistsError(f"run log '{path}' exists; choose another --name or pass --overwrite")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        f = h5py.File(path, "w", libver="latest")
+        for key, value in attrs.items():
+            f.attrs[key] = value if isinstance(value, (str, int, float)) else json.dumps(value)
+        f.attrs["created"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        f.attrs["status"] = "running"
+        f.create_dataset("workers", data=np.array(workers, dtype=WORKER_ROW))
+        for name, dtype in TABLES.items():
+            f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
+        f.create_dataset("snapshots/params", shape=(0, num_params), maxshape=(None, num_params),
+                         dtype=np.float32, chunks=(1, num_params))
+        f.swmr_mode = True
+        return cls(path, f, flush_interval)
+
+    # --- appending (server only; rows reach the file at the next flush) ---
+    def add(self, table: str, row: tuple) -> None:
+        self.pending[table].append(row)
+
+    def add_snapshot(self, row: tuple, params: np.ndarray) -> None:
+        self.pending["snapshots/meta"].append(row)
+        self.pending_params.append(params.copy())
+
+    def maybe_flush(self) -> None:
+        if time.monotonic() - self.last_flush >= self.flush_interval:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every buffered row and make it visible to readers."""
+        if self.pending_params:
+            ds = self.file["snapshots/params"]
+            append(ds, np.stack(self.pending_params))
+            ds.flush()
+            self.pending_params.clear()
+        for name, rows in self.pending.items():
+            if rows:
+                ds = self.file[name]
+                append(ds, np.array(rows, dtype=TABLES[name]))
+                ds.flush()
+                rows.clear()
+        self.file.flush()
+        self.last_flush = time.monotonic()
+
+    def close(self, status: str, attrs: dict | None = None) -> None:
+        """Flush, close, and record the final `status` and summary `attrs` (the file leaves SWMR mode)."""
+        if self.file is None:
+            return
+        try:
+            self.flush()
+        finally:
+            self.file.close()
+            self.file = None
+        with h5py.File(self.path, "r+", libver="latest") as f:
+            f.attrs["status"] = status
+            for key, value in (attrs or {}).items():
+                f.attrs[key] = value

@@ -1,0 +1,247 @@
+"""The parameter server (rank 0): master weights, optimizer, stopping rule, snapshots, run log.
+
+Asynchronous SGD as in GPU A-SGD (Paine et al. 2013, arXiv 1312.6186) and Downpour SGD (Dean et
+al. 2012) with n_fetch = n_push = 1: every PUSH is applied the moment it arrives,
+
+    staleness = version (server, before the update) - base version (the push was computed from)
+    w <- SGD-momentum step of w with the pushed gradient;  version <- version + 1
+
+and answered with the new weights (WEIGHTS), so no worker ever waits for another. Once a stopping
+rule fires, each worker's next push is answered with STOP and the final weights instead; the worker
+evaluates its slice of the test set and sends EVAL. The run ends when every worker has sent EVAL,
+with no request pending. The server never computes gradients.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpiasgd import protocol
+from mpiasgd.comms import Backoff, probe, wait, wait_all
+from mpiasgd.config import Config
+from mpiasgd.optim import SGD, learning_rate
+from mpiasgd.protocol import Message, ProtocolError, Tag
+from mpiasgd.runlog import RunLog
+
+
+class WorkerFailed(RuntimeError):
+    """A worker reported an exception (ERROR message); `rank` and `text` (its traceback) are kept."""
+
+    def __init__(self, rank: int, text: str) -> None:
+        super().__init__(f"worker rank {rank} failed:\n{text}")
+        self.rank = rank
+        self.text = text
+
+
+class ParameterServer:
+    """(server only) Serves pushes from workers 1..num_workers over `comm`; see the module docstring.
+
+    `params` (float32 (P,)) is the master weight vector, updated in place; `decay_mask` (float32
+    (P,)) marks the weights that take weight decay; `num_train` is the size of the training set,
+    which defines an epoch. `log` receives every row; `progress` (a tqdm bar or None) is updated
+    about twice a second.
+    """
+
+    def __init__(self, comm: Any, cfg: Config, params: np.ndarray, decay_mask: np.ndarray,
+                 num_workers: int, num_train: int, log: RunLog, progress: Any = None) -> None:
+        self.comm = comm
+        self.rank = 0
+        self.cfg = cfg
+        self.params = params
+        self.optimizer = SGD(params, decay_mask, cfg.momentum, cfg.weight_decay)
+        self.workers = range(1, num_workers + 1)
+        self.num_train = num_train
+        self.log = log
+        self.progress = progress
+        self.version = 0
+        self.samples = 0                      # images in applied pushes
+        self.last_step = dict.fromkeys(self.workers, 0)
+        self.stopped: set[int] = set()        # workers sent STOP
+        self.evals: dict[int, tuple] = {}     # worker -> (loss sum, correct, count)
+        self.stop_reason = ""
+        self.inbox = {w: Message(params.size) for w in self.workers}
+        self.outbox = {w: Message(params.size) for w in self.workers}
+        self.sending: dict[int, Any] = dict.fromkeys(self.workers)
+        self.start = 0.0
+        self.last_snapshot = 0.0
+        self.last_progress = 0.0
+        self.stop_time = 0.0
+        self.staleness_sum = 0
+        self.staleness_max = 0
+        self.loss_avg = float("nan")
+
+    # --- clocks and rules ---
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    @property
+    def epoch(self) -> float:
+        return self.samples / self.num_train
+
+    def fraction_done(self) -> float:
+        """Fraction of the run done, by the stopping rule closest to its limit."""
+        cfg, parts = self.cfg, [0.0]
+        if cfg.epochs:
+            parts.append(self.epoch / cfg.epochs)
+        if cfg.max_pushes:
+            parts.append(self.version / cfg.max_pushes)
+        if cfg.max_time:
+            parts.append(self.now() / cfg.max_time)
+        return min(1.0, max(parts))
+
+    def check_stop(self) -> None:
+        cfg = self.cfg
+        if self.stop_reason:
+            return
+        if cfg.epochs and self.samples >= cfg.epochs * self.num_train:
+            self.stop_reason = f"epochs: {self.epoch:.2f} >= {cfg.epochs:g}"
+        elif cfg.max_pushes and self.version >= cfg.max_pushes:
+            self.stop_reason = f"max_pushes: {self.version} >= {cfg.max_pushes}"
+        elif cfg.max_time and self.now() >= cfg.max_time:
+            self.stop_reason = f"max_time: {self.now():.1f} s >= {cfg.max_time:g} s"
+        if self.stop_reason:
+            self.log.add("events", (self.now(), b"stop", self.stop_reason))
+
+    def snapshot(self) -> None:
+        self.last_snapshot = self.now()
+        self.log.add_snapshot((self.last_snapshot, self.version, self.samples, self.epoch), self.params)
+
+    def tick(self) -> None:
+        """Clock-driven duties between messages: time limit, snapshots, log flush, progress bar."""
+        self.check_stop()
+        if (self.cfg.snapshot_interval and not self.stop_reason
+                and self.now() - self.last_snapshot >= self.cfg.snapshot_interval):
+            self.snapshot()
+        self.log.maybe_flush()
+        if self.progress is not None and self.now() - self.last_progress >= 0.5:
+            self.last_progress = self.now()
+            self.progress.n = self.samples
+            mean_stale = self.staleness_sum / max(1, self.version)
+            self.progress.set_postfix_str(
+                f"epoch {self.epoch:.2f} loss {self.loss_avg:.3f} staleness {mean_stale:.2f}", refresh=True)
+
+    # --- the loop ---
+    def run(self) -> dict:
+        """Serve until every worker has been stopped and has sent its EVAL; returns the summary dict."""
+        self.start = time.perf_counter()
+        self.log.add("events", (0.0, b"start", f"{len(self.workers)} workers"))
+        self.snapshot()
+        for w in self.workers:
+            self.send(w, Tag.WEIGHTS, step=0)
+        backoff = Backoff()
+        while len(self.evals) < len(self.workers):
+            message, status = probe(self.comm, self.rank, self.cfg.comm_timeout,
+                                    "message from any worker", backoff, idle=self.tick)
+            self.handle(message, status)
+            self.tick()
+        wait_all(list(self.sending.values()), "completion of the final sends", self.rank, self.cfg.comm_timeout)
+        return self.finish()
+
+    def handle(self, message: Any, status: Any) -> None:
+        """Receive one probed message and act on it; ProtocolError on anything outside the protocol."""
+        source = status.Get_source()
+        tag = protocol.parse_tag(status.Get_tag(), source, self.rank)
+        nbytes = status.Get_count(MPI.BYTE)
+        if source not in self.workers:
+            raise ProtocolError(f"rank 0: {tag.name} message from rank {source}, which is not a worker "
+                                f"(workers are ranks 1..{len(self.workers)})")
+        if tag == Tag.ERROR:
+            msg = Message(max(0, nbytes - protocol.HEADER_BYTES) // 4)
+            message.Recv(msg.buf[:nbytes])
+            raise WorkerFailed(source, protocol.error_text(msg))
+        if tag == Tag.PUSH:
+            msg = self.inbox[source]
+        elif tag == Tag.EVAL:
+            msg = Message(0)
+        else:
+            raise ProtocolError(f"rank 0: unexpected {tag.name} message from rank {source} "
+                                f"(the server receives PUSH, EVAL and ERROR)")
+        protocol.check_size(tag, source, self.rank, nbytes, msg.count)
+        message.Recv(msg.buf)
+        protocol.check(msg, tag, source, self.rank)
+        if tag == Tag.PUSH:
+            self.on_push(source, msg)
+        else:
+            self.on_eval(source, msg)
+
+    def on_push(self, w: int, msg: Message) -> None:
+        h = msg.header
+        step, base = int(h["step"]), int(h["version"])
+        if w in self.stopped:
+            raise ProtocolError(f"rank 0: PUSH step {step} from worker rank {w} after it was sent STOP")
+        if step != self.last_step[w] + 1:
+            raise ProtocolError(f"rank 0: PUSH from worker rank {w} has step {step}, expected "
+                                f"{self.last_step[w] + 1} (duplicate or out-of-order push)")
+        if not 0 <= base <= self.version:
+            raise ProtocolError(f"rank 0: PUSH step {step} from worker rank {w} was computed from version "
+                                f"{base}, but the server is at version {self.version}")
+        self.last_step[w] = step
+        staleness = self.version - base
+        applied = not self.stop_reason  # pushes arriving after the stop decision are drained, not applied
+        lr = learning_rate(self.cfg, self.epoch, self.fraction_done()) if applied else 0.0
+        if applied:
+            grad = msg.payload
+            self.optimizer.step(grad, lr)
+            self.version += 1
+            self.samples += int(h["samples"])
+            self.staleness_sum += staleness
+            self.staleness_max = max(self.staleness_max, staleness)
+            loss = float(h["loss"])
+            self.loss_avg = loss if self.loss_avg != self.loss_avg else 0.95 * self.loss_avg + 0.05 * loss
+            self.log.add("updates", (self.now(), self.version, lr, float(np.sqrt(np.dot(grad, grad))),
+                                     self.samples, self.epoch))
+            self.check_stop()
+        self.log.add("pushes", (self.now(), w, step, base, self.version, staleness, h["loss"], h["correct"],
+                                h["samples"], h["epoch"], h["compute_s"], h["comm_s"], h["wait_s"], applied, lr))
+        if self.stop_reason:
+            self.stopped.add(w)
+            self.stop_time = self.now()
+            self.send(w, Tag.STOP, step)
+        else:
+            self.send(w, Tag.WEIGHTS, step)
+
+    def on_eval(self, w: int, msg: Message) -> None:
+        if w not in self.stopped:
+            raise ProtocolError(f"rank 0: EVAL from worker rank {w} before it was sent STOP")
+        if w in self.evals:
+            raise ProtocolError(f"rank 0: second EVAL from worker rank {w}")
+        h = msg.header
+        self.evals[w] = (float(h["loss"]), int(h["correct"]), int(h["samples"]))
+
+    def send(self, w: int, tag: Tag, step: int) -> None:
+        """Post the current weights to worker `w`; its previous send must complete first (buffer reuse)."""
+        wait(self.sending[w], f"completion of the previous send to worker rank {w}", self.rank, self.cfg.comm_timeout)
+        out = self.outbox[w]
+        out.payload[:] = self.params
+        out.stamp(tag, self.rank, step=step, version=self.version)
+        self.sending[w] = self.comm.Isend(out.buf, dest=w, tag=int(tag))
+
+    def finish(self) -> dict:
+        """Final snapshot and evaluation rows; returns the summary (also stored as log attributes)."""
+        self.snapshot()
+        loss_sum = sum(e[0] for e in self.evals.values())
+        correct = sum(e[1] for e in self.evals.values())
+        count = sum(e[2] for e in self.evals.values())
+        accuracy = correct / count if count else float("nan")
+        test_loss = loss_sum / count if count else float("nan")
+        self.log.add("evals", (self.now(), self.version, self.epoch, -1, test_loss, accuracy, count))
+        self.log.add("events", (self.now(), b"end", f"test accuracy {accuracy:.4f} on {count} images"))
+        train_time = self.stop_time or self.now()
+        return {
+            "wall_time_s": self.now(),
+            "train_time_s": train_time,
+            "test_accuracy": accuracy,
+            "test_loss": test_loss,
+            "test_count": count,
+            "version": self.version,
+            "samples": self.samples,
+            "epochs_done": self.epoch,
+            "images_per_s": self.samples / train_time if train_time else 0.0,
+            "staleness_mean": self.staleness_sum / max(1, self.version),
+            "staleness_max": self.staleness_max,
+            "stop_reason": self.stop_reason,
+        }

@@ -1,0 +1,234 @@
+"""`mpiasgd train`: assign roles by rank, set up every rank, run, and fail fast.
+
+Run it with one parameter server and N workers, e.g. 1 + 2 on one machine:
+
+    mpiexec -n 3 python -m mpiasgd train --model digits --epochs 30 --name demo
+    mpiexec -n 3 python -m mpiasgd train --model cifar10 --epochs 10 --data-dir ~/data
+
+Start-up (config, data, model, run log) is collective: if any rank fails there, rank 0 prints one
+message naming the ranks and what went wrong, and every rank exits with status 2. After start-up,
+an exception on any rank prints that rank's traceback and aborts the whole job (MPI_Abort) with a
+non-zero status within seconds; a failing worker first tells the server, which records the failure
+and closes the run log, so nothing already logged is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpiasgd import __version__, protocol
+from mpiasgd.comms import CommTimeout, wait
+from mpiasgd.config import Config, ConfigError
+from mpiasgd.data import DataError, ShardSampler, default_data_dir, load_dataset
+from mpiasgd.protocol import Message, Tag
+
+STARTUP_ERRORS = (ConfigError, DataError, FileExistsError, OSError, ValueError)
+EXIT_BAD_INPUT = 2
+ABORT_CODE = 1
+
+
+@dataclass
+class Rank:
+    """Who this process is: `rank` in `comm` of `size`; rank 0 is the parameter server."""
+
+    comm: Any
+    rank: int
+    size: int
+    host: str
+
+    @property
+    def is_server(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_workers(self) -> int:
+        return self.size - 1
+
+
+def blas_threads(me: Rank, requested: int) -> int:
+    """BLAS threads for this rank: `requested`, or (0) the cores this rank may use / workers sharing them.
+
+    The server gets 1 (it only runs vector updates). Workers on one node split the node's cores, so
+    ranks never oversubscribe them: 2 workers on 2 cores get 1 thread each.
+    """
+    node = me.comm.Split_type(MPI.COMM_TYPE_SHARED)  # collective: every rank calls it
+    workers_here = node.allreduce(0 if me.is_server else 1)
+    node.Free()
+    if me.is_server:
+        return 1
+    if requested:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, workers_here))
+
+
+def run_name(cfg: Config, num_workers: int) -> str:
+    return cfg.name or f"{cfg.model}-{cfg.mode}-{num_workers}w-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def versions() -> dict:
+    import h5py
+    import mpi4py
+
+    return {"mpiasgd": __version__, "python": platform.python_version(), "numpy": np.__version__,
+            "mpi4py": mpi4py.__version__, "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "h5py": h5py.version.version, "hdf5": h5py.version.hdf5_version}
+
+
+def setup(cfg: Config, me: Rank, threads: int) -> dict:
+    """Per-rank start-up; returns what the role needs. Raises one of STARTUP_ERRORS on bad input."""
+    from mpiasgd.model import build_model
+
+    if me.size < 2:
+        raise ConfigError(f"mpiasgd train needs at least 2 MPI ranks (1 parameter server + workers), got {me.size}; "
+                          "launch it with e.g. 'mpiexec -n 3 python -m mpiasgd train'")
+    data_dir = cfg.data_dir or default_data_dir()
+    dataset = load_dataset(cfg.dataset_name, data_dir)
+    model = build_model(cfg.model, cfg.backend)
+    if tuple(dataset.train_x.shape[1:]) != tuple(model.input_shape):
+        raise ConfigError(f"model '{cfg.model}' takes inputs {tuple(model.input_shape)}, dataset "
+                          f"'{cfg.dataset_name}' has images {tuple(dataset.train_x.shape[1:])}")
+    out = {"dataset": dataset, "model": model}
+    if me.is_server:
+        out["path"] = os.path.join(cfg.run_dir, run_name(cfg, me.num_workers) + ".h5")
+        if os.path.exists(out["path"]) and not cfg.overwrite:
+            raise FileExistsError(f"run log '{out['path']}' exists; choose another --name or pass --overwrite")
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        if not os.access(cfg.run_dir, os.W_OK):
+            raise PermissionError(f"run directory '{cfg.run_dir}' is not writable")
+    else:
+        # validates: more workers than samples is a DataError naming both numbers
+        out["sampler"] = ShardSampler(dataset.train_y.size, me.num_workers, me.rank - 1, cfg.seed)
+        out["test_idx"] = np.array_split(np.arange(dataset.test_y.size, dtype=np.int64), me.num_workers)[me.rank - 1]
+    return out
+
+
+def report_startup_errors(me: Rank, error: str | None) -> bool:
+    """Collective: gather every rank's start-up error; rank 0 prints them once. True if any rank failed."""
+    errors = me.comm.allgather(error)
+    if not any(errors):
+        return False
+    if me.is_server:
+        by_text: dict[str, list[int]] = {}
+        for r, text in enumerate(errors):
+            if text:
+                by_text.setdefault(text, []).append(r)
+        for text, ranks in by_text.items():
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+            print(f"mpiasgd: error ({who}): {text}", file=sys.stderr, flush=True)
+    return True
+
+
+def abort(me: Rank, text: str) -> None:
+    """Print `text` (a traceback) prefixed with the rank and host, then abort the whole job."""
+    sys.stdout.flush()
+    print(f"mpiasgd: rank {me.rank} on {me.host} failed:\n{text}", file=sys.stderr, flush=True)
+    me.comm.Abort(ABORT_CODE)
+
+
+def worker_failed(me: Rank, text: str, timeout: float = 5.0) -> None:
+    """(all workers) Tell the server about this rank's exception, wait briefly for it to close the log, abort."""
+    try:
+        sending = me.comm.Isend(protocol.error_message(me.rank, text).buf, dest=0, tag=int(Tag.ERROR))
+        ack = Message(0)
+        acked = me.comm.Irecv(ack.buf, source=0, tag=int(Tag.ERROR_ACK))
+        wait(acked, "acknowledgement of the error report", me.rank, timeout)
+        wait(sending, "the error report send", me.rank, timeout)
+    except CommTimeout:
+        pass  # the server is gone or stuck: abort regardless
+    abort(me, text)
+
+
+def run_server(cfg: Config, me: Rank, state: dict, threads: int) -> None:
+    """(server only) Create the run log, serve, close the log, print the summary."""
+    from tqdm import tqdm
+
+    from mpiasgd.report import summary_lines
+    from mpiasgd.runlog import RunLog
+    from mpiasgd.server import ParameterServer, WorkerFailed
+
+    model, dataset = state["model"], state["dataset"]
+    workers = me.comm.gather(None, root=0)[1:]
+    print(f"mpiasgd {__version__}: {me.num_workers} workers, model {cfg.model} ({model.num_params:,} parameters), "
+          f"dataset {cfg.dataset_name} ({dataset.train_y.size:,} train / {dataset.test_y.size:,} test images)\n"
+          f"resolved config:\n{cfg.describe()}", flush=True)
+    attrs = {"config": cfg.to_json(), "versions": versions(), "layout": model.layout(), "model": cfg.model,
+             "mode": cfg.mode, "num_workers": me.num_workers, "num_params": model.num_params,
+             "num_train": int(dataset.train_y.size), "num_test": int(dataset.test_y.size),
+             "data_source": dataset.source, "command": " ".join(sys.argv)}
+    log = RunLog.create(state["path"], attrs, workers, model.num_params, cfg.flush_interval, cfg.overwrite)
+    params = model.init_params(cfg.seed)
+    bar = None
+    if cfg.progress:
+        total = int(cfg.epochs * dataset.train_y.size) if cfg.epochs else None
+        bar = tqdm(total=total, unit="img", unit_scale=True, dynamic_ncols=True, mininterval=0.5,
+                   desc="training", file=sys.stderr)
+    server = ParameterServer(me.comm, cfg, params, model.decay_mask(), me.num_workers, dataset.train_y.size,
+                             log, bar)
+    try:
+        summary = server.run()
+    except WorkerFailed as failure:
+        log.add("events", (server.now(), b"failed", str(failure)))
+        log.close("failed")
+        me.comm.Isend(Message(0).stamp(Tag.ERROR_ACK, 0).buf, dest=failure.rank, tag=int(Tag.ERROR_ACK))
+        if bar is not None:
+            bar.close()
+        print(f"mpiasgd: worker rank {failure.rank} failed; run log '{state['path']}' closed with status "
+              f"'failed'.\n{failure.text}", file=sys.stderr, flush=True)
+        me.comm.Abort(ABORT_CODE)
+        return
+    except BaseException:
+        log.add("events", (server.now(), b"failed", traceback.format_exc()))
+        log.close("failed")
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    log.close("completed", summary)
+    print("\n".join(summary_lines(state["path"])), flush=True)
+
+
+def train(cfg: Config, comm: Any = None) -> int:
+    """Run `mpiasgd train` on every rank of `comm` (default MPI.COMM_WORLD); returns the exit status."""
+    comm = comm or MPI.COMM_WORLD
+    me = Rank(comm, comm.Get_rank(), comm.Get_size(), socket.gethostname())
+    # start-up (all ranks): collective, so bad input gives one message and a clean exit
+    error, state, threads = None, {}, 1
+    try:
+        threads = blas_threads(me, cfg.threads)
+        state = setup(cfg, me, threads)
+    except STARTUP_ERRORS as e:
+        error = str(e)
+    if report_startup_errors(me, error):
+        return EXIT_BAD_INPUT
+
+    from threadpoolctl import threadpool_limits
+
+    try:
+        with threadpool_limits(limits=threads, user_api="blas"):
+            if me.is_server:
+                run_server(cfg, me, state, threads)
+            else:
+                comm.gather((me.rank, me.host, os.getpid(), threads, cfg.backend, len(state["sampler"])),
+                            root=0)
+                from mpiasgd.worker import Worker
+
+                Worker(comm, cfg, state["model"], state["dataset"], state["sampler"], state["test_idx"],
+                       me.rank).run()
+    except BaseException:
+        text = traceback.format_exc()
+        if me.is_server:
+            abort(me, text)
+        else:
+            worker_failed(me, text)
+    return 0

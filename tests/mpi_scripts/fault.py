@@ -1,0 +1,64 @@
+"""`mpiasgd train` with one fault injected by monkeypatching (no test hooks live in the product).
+
+    mpiexec -n 3 python tests/mpi_scripts/fault.py KIND RANK [train flags...]
+
+KIND: raise      rank RANK (a worker) raises RuntimeError("injected failure") in its 5th minibatch
+      server     rank 0 raises RuntimeError("injected server failure") at its 5th push
+      badtag     worker RANK sends a message with unknown tag 99 instead of training
+      badsize    worker RANK sends a PUSH 8 bytes too short instead of training
+"""
+
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from mpiasgd import protocol
+from mpiasgd.cli import main
+from mpiasgd.protocol import Message, Tag
+
+kind, target, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+rank = MPI.COMM_WORLD.Get_rank()
+
+if kind == "raise" and rank == target:
+    from mpiasgd.data import Dataset
+
+    original, calls = Dataset.batch, [0]
+
+    def failing_batch(self, split, idx, rng=None):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("injected failure")
+        return original(self, split, idx, rng)
+
+    Dataset.batch = failing_batch
+
+if kind == "server" and rank == 0:
+    from mpiasgd.server import ParameterServer
+
+    original_push = ParameterServer.on_push
+
+    def failing_push(self, w, msg):
+        if self.version == 4:
+            raise RuntimeError("injected server failure")
+        return original_push(self, w, msg)
+
+    ParameterServer.on_push = failing_push
+
+if kind in ("badtag", "badsize") and rank == target:
+    from mpiasgd.worker import Worker
+
+    def rogue_run(self):
+        comm = self.comm
+        if kind == "badtag":
+            comm.Send(np.zeros(16, np.uint8), dest=0, tag=99)
+        else:
+            msg = Message(self.model.num_params).stamp(Tag.PUSH, rank, step=1, version=0, samples=1)
+            comm.Send(msg.buf[:-8], dest=0, tag=int(Tag.PUSH))
+        assert protocol  # the server must abort the job; wait here to be killed
+        import time
+        time.sleep(60)
+
+    Worker.run = rogue_run
+
+sys.exit(main(["train", *argv]))

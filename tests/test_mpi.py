@@ -1,0 +1,141 @@
+"""Real multi-rank runs under mpiexec (each under a timeout: a hang fails the test, with its output).
+
+Test bodies are written in terms of the number of ranks, so the same checks run with 2, 3 and 5.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpiasgd.runlog import open_log
+
+FAST = ["--model", "digits", "--batch-size", "16", "--snapshot-interval", "0.2", "--flush-interval", "0.2",
+        "--no-progress", "--comm-timeout", "60"]
+
+
+def read_log(path):
+    with open_log(str(path)) as f:
+        return ({k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()},
+                {name: f[name][()] for name in ("pushes", "updates", "evals", "workers", "snapshots/meta",
+                                                "events")},
+                f["snapshots/params"][()])
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 5])
+def test_async_run_writes_consistent_log(mpirun, tmp_path, nranks):
+    workers = nranks - 1
+    res = mpirun(nranks, ["train", *FAST, "--max-pushes", "120", "--epochs", "0", "--name", "t"], timeout=120)
+    assert res.returncode == 0, res.explain()
+    assert "test accuracy" in res.stdout and "staleness" in res.stdout, res.explain()
+    attrs, t, params = read_log(tmp_path / "runs" / "t.h5")
+    assert attrs["status"] == "completed" and attrs["num_workers"] == workers
+    pushes, applied = t["pushes"], t["pushes"][t["pushes"]["applied"] == 1]
+    # every worker pushed, with consecutive steps 1..n, and exactly max_pushes were applied
+    assert sorted(set(pushes["worker"].tolist())) == list(range(1, nranks))
+    for w in range(1, nranks):
+        assert pushes["step"][pushes["worker"] == w].tolist() == list(range(1, (pushes["worker"] == w).sum() + 1))
+    assert len(applied) == 120 and applied["version"].tolist() == list(range(1, 121))
+    # staleness = server version before the update - base version; drained pushes are at most one per worker
+    assert (applied["staleness"] == applied["version"] - 1 - applied["base_version"]).all()
+    assert applied["staleness"].min() >= 0
+    assert len(pushes) - len(applied) <= workers
+    # updates: one per applied push, lr warms up from 0
+    assert len(t["updates"]) == 120 and t["updates"]["lr"][0] == 0.0
+    # snapshots: first at version 0, last at the final version, params stored for each
+    meta = t["snapshots/meta"]
+    assert meta["version"][0] == 0 and meta["version"][-1] == 120 and len(meta) >= 2
+    assert params.shape == (len(meta), int(attrs["num_params"])) and np.isfinite(params).all()
+    assert not np.array_equal(params[0], params[-1])
+    # final evaluation: all 360 digits test images, shared by the workers
+    final = t["evals"][t["evals"]["snapshot"] == -1]
+    assert final["count"].tolist() == [360] and 0.0 <= final["accuracy"][0] <= 1.0
+    assert t["workers"]["rank"].tolist() == list(range(1, nranks))
+
+
+def test_digits_converges_and_evaluate_report(mpirun, tmp_path):
+    res = mpirun(3, ["train", *FAST, "--epochs", "12", "--lr", "0.05", "--name", "conv"], timeout=180)
+    assert res.returncode == 0, res.explain()
+    attrs, _, _ = read_log(tmp_path / "runs" / "conv.h5")
+    assert attrs["test_accuracy"] >= 0.93, res.explain()
+    assert attrs["epochs_done"] >= 12
+    log = str(tmp_path / "runs" / "conv.h5")
+    ev = subprocess.run([sys.executable, "-m", "mpiasgd", "evaluate", log], capture_output=True, text=True,
+                        timeout=120, cwd=tmp_path)
+    assert ev.returncode == 0, ev.stderr
+    _, t2, _ = read_log(log)
+    snaps = t2["evals"][t2["evals"]["snapshot"] >= 0]
+    assert len(snaps) == len(t2["snapshots/meta"])
+    assert snaps["accuracy"][0] < 0.5 < snaps["accuracy"][-1]      # untrained vs trained weights
+    assert snaps["accuracy"][-1] == pytest.approx(attrs["test_accuracy"], abs=1e-6)
+    rep = subprocess.run([sys.executable, "-m", "mpiasgd", "report", log], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert rep.returncode == 0, rep.stderr
+    assert "staleness" in rep.stdout and "compute" in rep.stdout and "snapshot" in rep.stdout
+
+
+def test_stop_by_wall_time(mpirun, tmp_path):
+    res = mpirun(3, ["train", *FAST, "--epochs", "0", "--max-time", "2", "--name", "timed"], timeout=60)
+    assert res.returncode == 0, res.explain()
+    attrs, t, _ = read_log(tmp_path / "runs" / "timed.h5")
+    assert attrs["stop_reason"].startswith("max_time")
+    stops = [e["text"] for e in t["events"] if e["kind"] == b"stop"]
+    assert len(stops) == 1 and stops[0].decode().startswith("max_time")
+    assert 2.0 <= attrs["train_time_s"] < 10.0
+
+
+def test_worker_exception_aborts_job_and_keeps_log(mpirun, tmp_path):
+    res = mpirun(3, ["raise", "2", *FAST, "--epochs", "50", "--name", "crash"], timeout=60, script="fault.py")
+    assert res.returncode != 0, res.explain()
+    assert res.seconds < 30, res.explain()
+    assert "injected failure" in res.stderr and "rank 2" in res.stderr, res.explain()
+    attrs, t, _ = read_log(tmp_path / "runs" / "crash.h5")
+    assert attrs["status"] == "failed"
+    failed = [e for e in t["events"] if e["kind"] == b"failed"]
+    assert failed and "injected failure" in failed[0]["text"].decode()
+    assert len(t["pushes"]) >= 4   # the pushes made before the failure are in the log
+
+
+def test_server_exception_aborts_job(mpirun, tmp_path):
+    res = mpirun(3, ["server", "0", *FAST, "--epochs", "50", "--name", "scrash"], timeout=60, script="fault.py")
+    assert res.returncode != 0 and res.seconds < 30, res.explain()
+    assert "injected server failure" in res.stderr and "rank 0" in res.stderr, res.explain()
+    attrs, t, _ = read_log(tmp_path / "runs" / "scrash.h5")
+    assert attrs["status"] == "failed" and len(t["pushes"]) == 4
+
+
+@pytest.mark.parametrize("kind,expected", [("badtag", "unknown tag 99"), ("badsize", "bytes, expected")])
+def test_malformed_message_aborts_with_clear_error(mpirun, kind, expected):
+    res = mpirun(3, [kind, "1", *FAST, "--epochs", "50", "--name", kind], timeout=60, script="fault.py")
+    assert res.returncode != 0 and res.seconds < 30, res.explain()
+    assert expected in res.stderr and "from rank 1" in res.stderr, res.explain()
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--lr", "-1"], "config key 'lr' = -1.0: expected a finite number > 0"),
+    (["--modle", "digits"], "unrecognized arguments: --modle"),
+    (["--batch-size", "many"], "argument --batch-size: invalid int value"),
+    (["--model", "cifar10", "--data-dir", "/nonexistent/cifar"], "/nonexistent/cifar"),
+])
+def test_bad_input_gives_one_error(mpirun, args, expected):
+    res = mpirun(3, ["train", *FAST, *args], timeout=60)
+    assert res.returncode == 2, res.explain()
+    errors = [line for line in res.stderr.splitlines() if line.startswith("mpiasgd: error")]
+    assert len(errors) == 1 and expected in errors[0], res.explain()
+    assert "Traceback" not in res.stderr
+
+
+def test_single_rank_is_refused(mpirun):
+    res = mpirun(1, ["train", *FAST], timeout=60)
+    assert res.returncode == 2 and "at least 2 MPI ranks" in res.stderr, res.explain()
+
+
+def test_existing_log_not_overwritten(mpirun, tmp_path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "keep.h5").write_bytes(b"precious")
+    res = mpirun(3, ["train", *FAST, "--name", "keep"], timeout=60)
+    assert res.returncode == 2 and "exists" in res.stderr, res.explain()
+    assert (tmp_path / "runs" / "keep.h5").read_bytes() == b"precious"

@@ -1,0 +1,223 @@
+"""The parameter server driven in-process through a fake communicator: crafted, reordered, stale,
+duplicate and malformed messages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fakempi import Network
+
+from mpiasgd import protocol
+from mpiasgd.comms import Backoff, CommTimeout, probe
+from mpiasgd.config import Config
+from mpiasgd.protocol import HEADER_BYTES, Message, ProtocolError, Tag
+from mpiasgd.runlog import RunLog, open_log
+from mpiasgd.server import ParameterServer, WorkerFailed
+
+P = 6
+
+
+def make_server(tmp_path, num_workers=2, **overrides):
+    cfg = Config(lr=0.5, momentum=0.0, weight_decay=0.0, lr_schedule="constant", warmup_epochs=0.0,
+                 epochs=0, max_pushes=overrides.pop("max_pushes", 100), snapshot_interval=0,
+                 comm_timeout=2.0, progress=False, **overrides)
+    net = Network(num_workers + 1)
+    log = RunLog.create(str(tmp_path / "run.h5"), {"config": cfg.to_json()}, [], P, flush_interval=60)
+    params = np.arange(P, dtype=np.float32)
+    server = ParameterServer(net.comm(0), cfg, params, np.ones(P, np.float32), num_workers, 100, log)
+    return server, net, log
+
+
+def push(net, worker, step, version, grad, samples=10, loss=1.0, **fields):
+    msg = Message(len(grad)).stamp(Tag.PUSH, worker, step=step, version=version, samples=samples,
+                                   loss=loss, **fields)
+    msg.payload[:] = grad
+    net.post(worker, 0, Tag.PUSH, msg.buf)
+    return msg
+
+
+def serve_one(server):
+    server.handle(*probe(server.comm, 0, 1.0, "test message", Backoff()))
+
+
+def reply(net, worker):
+    """The last message the server sent to `worker`: (tag, header, payload)."""
+    source, tag, data = net.pending(worker)[-1]
+    assert source == 0
+    msg = Message((len(data) - HEADER_BYTES) // 4)
+    msg.buf[:] = np.frombuffer(data, np.uint8)
+    return Tag(tag), msg.header, msg.payload.copy()
+
+
+def test_push_applied_in_arrival_order_with_staleness(tmp_path):
+    server, net, log = make_server(tmp_path)
+    server.start = 0.0
+    g1, g2 = np.full(P, 1.0, np.float32), np.full(P, 2.0, np.float32)
+    # worker 2's push arrives before worker 1's; both computed from version 0
+    push(net, 2, step=1, version=0, grad=g2)
+    push(net, 1, step=1, version=0, grad=g1)
+    serve_one(server)
+    serve_one(server)
+    expected = np.arange(P, dtype=np.float32) - 0.5 * g2 - 0.5 * g1
+    np.testing.assert_array_equal(server.params, expected)
+    assert server.version == 2
+    tag, header, payload = reply(net, 1)
+    assert tag == Tag.WEIGHTS and header["version"] == 2 and header["step"] == 1
+    np.testing.assert_array_equal(payload, expected)
+    tag, header, _ = reply(net, 2)
+    assert header["version"] == 1
+    log.flush()
+    with open_log(log.path) as f:
+        pushes = f["pushes"][()]
+    assert pushes["worker"].tolist() == [2, 1]
+    assert pushes["staleness"].tolist() == [0, 1]     # worker 1's gradient was one update old
+    assert pushes["version"].tolist() == [1, 2]
+    assert (pushes["base_version"] + pushes["staleness"] + 1 == pushes["version"]).all()
+
+
+def test_very_stale_push_counts_staleness(tmp_path):
+    server, net, _ = make_server(tmp_path, num_workers=2)
+    for step in range(1, 5):
+        push(net, 2, step=step, version=step - 1, grad=np.zeros(P, np.float32))
+        serve_one(server)
+    push(net, 1, step=1, version=0, grad=np.zeros(P, np.float32))
+    serve_one(server)
+    assert server.staleness_max == 4 and server.version == 5
+
+
+def test_duplicate_push_rejected(tmp_path):
+    server, net, _ = make_server(tmp_path)
+    push(net, 1, step=1, version=0, grad=np.zeros(P, np.float32))
+    serve_one(server)
+    push(net, 1, step=1, version=0, grad=np.zeros(P, np.float32))
+    with pytest.raises(ProtocolError, match="worker rank 1 has step 1, expected 2"):
+        serve_one(server)
+
+
+def test_push_from_future_version_rejected(tmp_path):
+    server, net, _ = make_server(tmp_path)
+    push(net, 1, step=1, version=7, grad=np.zeros(P, np.float32))
+    with pytest.raises(ProtocolError, match="computed from version 7, but the server is at version 0"):
+        serve_one(server)
+
+
+def test_wrong_size_rejected_naming_sizes(tmp_path):
+    server, net, _ = make_server(tmp_path)
+    push(net, 1, step=1, version=0, grad=np.zeros(P + 3, np.float32))
+    with pytest.raises(ProtocolError, match=rf"PUSH message from rank 1 is {HEADER_BYTES + 4 * (P + 3)} bytes, "
+                                            rf"expected {HEADER_BYTES + 4 * P}"):
+        serve_one(server)
+
+
+def test_unknown_tag_rejected(tmp_path):
+    server, net, _ = make_server(tmp_path)
+    net.post(2, 0, 99, np.zeros(8, np.uint8))
+    with pytest.raises(ProtocolError, match="rank 0: message from rank 2 has unknown tag 99"):
+        serve_one(server)
+
+
+def test_header_sender_must_match_source(tmp_path):
+    server, net, _ = make_server(tmp_path)
+    msg = Message(P).stamp(Tag.PUSH, 2, step=1, version=0, samples=1)
+    net.post(1, 0, Tag.PUSH, msg.buf)  # arrives from rank 1 but claims to be rank 2
+    with pytest.raises(ProtocolError, match="from rank 1 claims sender 2"):
+        serve_one(server)
+
+
+def test_garbage_bytes_rejected(tmp_path):
+    server, net, _ = make_server(tmp_path)
+    net.post(1, 0, Tag.PUSH, np.full(protocol.message_bytes(P), 7, np.uint8))
+    with pytest.raises(ProtocolError, match="bad magic number"):
+        serve_one(server)
+
+
+def test_message_from_non_worker_rejected(tmp_path):
+    server, net, _ = make_server(tmp_path, num_workers=1)
+    net.queues[0].append((0, int(Tag.PUSH), bytes(Message(P).buf)))
+    with pytest.raises(ProtocolError, match="not a worker"):
+        serve_one(server)
+
+
+def test_stop_after_max_pushes_drains_then_evals(tmp_path):
+    server, net, _ = make_server(tmp_path, max_pushes=2)
+    push(net, 1, step=1, version=0, grad=np.ones(P, np.float32))
+    push(net, 2, step=1, version=0, grad=np.ones(P, np.float32))
+    push(net, 1, step=2, version=1, grad=np.ones(P, np.float32))
+    for _ in range(2):
+        serve_one(server)
+    assert reply(net, 1)[0] == Tag.WEIGHTS
+    assert reply(net, 2)[0] == Tag.STOP  # the second push reached max_pushes: its reply is STOP
+    final = server.params.copy()
+    serve_one(server)                    # a push in flight at the stop is drained, not applied
+    tag, header, payload = reply(net, 1)
+    assert tag == Tag.STOP and header["version"] == 2
+    np.testing.assert_array_equal(payload, final)
+    np.testing.assert_array_equal(server.params, final)
+    # a push after STOP is a protocol error
+    push(net, 1, step=3, version=2, grad=np.ones(P, np.float32))
+    with pytest.raises(ProtocolError, match="after it was sent STOP"):
+        serve_one(server)
+
+
+def test_eval_before_stop_rejected(tmp_path):
+    server, net, _ = make_server(tmp_path)
+    net.post(1, 0, Tag.EVAL, Message(0).stamp(Tag.EVAL, 1, samples=5).buf)
+    with pytest.raises(ProtocolError, match="EVAL from worker rank 1 before it was sent STOP"):
+        serve_one(server)
+
+
+def test_worker_error_message_raises_worker_failed(tmp_path):
+    server, net, _ = make_server(tmp_path)
+    net.post(2, 0, Tag.ERROR, protocol.error_message(2, "Traceback: boom").buf)
+    with pytest.raises(WorkerFailed, match="worker rank 2 failed") as info:
+        serve_one(server)
+    assert info.value.rank == 2 and info.value.text == "Traceback: boom"
+
+
+def test_full_run_with_scripted_workers(tmp_path):
+    """server.run() end to end: initial pull, pushes, STOP, EVAL; summary and log agree."""
+    import threading
+
+    server, net, log = make_server(tmp_path, max_pushes=6)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(summary=server.run()))
+    thread.start()
+    versions = {1: None, 2: None}
+    steps = {1: 0, 2: 0}
+    done = set()
+    import time
+    deadline = time.monotonic() + 10
+    while len(done) < 2 and time.monotonic() < deadline:
+        for w in (1, 2):
+            got = net.take(w)
+            if got is None:
+                continue
+            _, tag, data = got
+            msg = Message(P)
+            msg.buf[:] = np.frombuffer(data, np.uint8)
+            if tag == Tag.STOP:
+                net.post(w, 0, Tag.EVAL, Message(0).stamp(Tag.EVAL, w, samples=50, correct=40 + w, loss=5.0).buf)
+                done.add(w)
+                continue
+            versions[w] = int(msg.header["version"])
+            steps[w] += 1
+            push(net, w, step=steps[w], version=versions[w], grad=np.full(P, 0.1, np.float32))
+        time.sleep(0.001)
+    thread.join(10)
+    assert not thread.is_alive(), "server did not finish"
+    summary = result["summary"]
+    assert summary["version"] == 6 and summary["test_count"] == 100
+    assert summary["test_accuracy"] == pytest.approx((41 + 42) / 100)
+    log.close("completed")
+    with open_log(log.path) as f:
+        pushes = f["pushes"][()]
+        evals = f["evals"][()]
+        assert f["snapshots/params"].shape == (2, P)  # first and last
+    assert pushes["applied"].sum() == 6
+    assert evals["snapshot"].tolist() == [-1] and evals["count"].tolist() == [100]
+
+
+def test_probe_times_out_naming_what(tmp_path):
+    server, _, _ = make_server(tmp_path)
+    with pytest.raises(CommTimeout, match="rank 0: no message from any worker after 0 s"):
+        probe(server.comm, 0, 0.05, "message from any worker", Backoff())
