@@ -66,7 +66,7 @@ class Config:
     overwrite: bool = _opt(False, "run log", "replace an existing log of the same name")
     snapshot_interval: float = _opt(5.0, "run log", "weight snapshot every this many seconds; 0 = first and last only")
     flush_interval: float = _opt(2.0, "run log", "log flushed to disk every this many seconds")
-    eval_batch_size: int = _opt(1000, "run log", "images per forward pass when evaluating")
+    eval_batch_size: int = _opt(256, "run log", "images per forward pass when evaluating")
     progress: bool = _opt(True, "run log", "progress bar on rank 0")
 
     def validate(self) -> Config:

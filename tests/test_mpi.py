@@ -57,7 +57,7 @@ def test_async_run_writes_consistent_log(mpirun, tmp_path, nranks):
 
 
 def test_digits_converges_and_evaluate_report(mpirun, tmp_path):
-    res = mpirun(3, ["train", *FAST, "--epochs", "12", "--lr", "0.05", "--name", "conv"], timeout=180)
+    res = mpirun(3, ["train", *FAST, "--epochs", "12", "--name", "conv"], timeout=180)
     assert res.returncode == 0, res.explain()
     attrs, _, _ = read_log(tmp_path / "runs" / "conv.h5")
     assert attrs["test_accuracy"] >= 0.93, res.explain()
