@@ -89,6 +89,16 @@ def run_mpi(nranks: int, args: list[str], timeout: float, cwd: str | Path, env: 
     return Result(proc.returncode, out, err, time.monotonic() - start)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_blas_thread():
+    """Tiny GEMMs gain nothing from BLAS threads, and spinning threads slow down ~50x when other
+    processes (MPI ranks of a parallel test) hold the cores."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1, user_api="blas"):
+        yield
+
+
 @pytest.fixture
 def mpirun(tmp_path):
     """`mpirun(nranks, args, timeout=..)` -> Result, run in tmp_path."""

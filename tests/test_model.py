@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 from sklearn.datasets import load_digits
-from threadpoolctl import threadpool_limits
 
 from mpiasgd.layers import Conv2d, Linear
 from mpiasgd.model import MODELS, Model, build_model
@@ -12,12 +11,6 @@ from mpiasgd.ops import get_backend
 ops = get_backend("numpy")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_blas_thread():
-    """Tiny GEMMs gain nothing from BLAS threads, and spinning threads slow down ~50x when other
-    processes (MPI ranks of a parallel test) hold the cores."""
-    with threadpool_limits(1, user_api="blas"):
-        yield
 
 
 def bound(name: str, seed: int = 0) -> Model:

@@ -7,19 +7,12 @@ float64 where central differences are accurate to ~1e-10; float32 is checked aga
 
 import numpy as np
 import pytest
-from threadpoolctl import threadpool_limits
 
 from mpiasgd.ops import get_backend
 
 ops = get_backend("numpy")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_blas_thread():
-    """Tiny GEMMs gain nothing from BLAS threads, and spinning threads slow down ~50x when other
-    processes (MPI ranks of a parallel test) hold the cores."""
-    with threadpool_limits(1, user_api="blas"):
-        yield
 
 # tolerances, stated once: |got - ref| <= atol + rtol * |ref| elementwise
 FD_STEP = 1e-6
