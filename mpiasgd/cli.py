@@ -13,6 +13,13 @@ import sys
 from mpiasgd import __version__
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="mpiasgd", description=__doc__.split("\n\n")[0])
@@ -23,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     ev = sub.add_parser("evaluate", help="evaluate every weight snapshot of a run log on the test set")
     ev.add_argument("logs", nargs="+", metavar="RUN.h5")
     ev.add_argument("--data-dir", default=None, help="where the dataset is (default: the run's own)")
-    ev.add_argument("--every", type=int, default=1, help="evaluate every N-th snapshot (default 1)")
-    ev.add_argument("--batch-size", type=int, default=1000, help="images per forward pass")
+    ev.add_argument("--every", type=positive, default=1, help="evaluate every N-th snapshot and the last (default 1)")
+    ev.add_argument("--batch-size", type=positive, default=256, help="images per forward pass (default 256)")
     rp = sub.add_parser("report", help="print summary tables of run logs")
     rp.add_argument("logs", nargs="+", metavar="RUN.h5")
     args, rest = parser.parse_known_args(argv)
@@ -66,29 +73,34 @@ def _train(argv: list[str]) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     from mpiasgd.evaluate import evaluate_snapshots
 
+    def show(r) -> None:
+        print(f"{r['snapshot']:>8} {r['time']:>8.1f} {r['epoch']:>7.2f} {100 * r['accuracy']:>9.2f}% "
+              f"{r['loss']:>11.4f}", flush=True)
+
+    status = 0
     for path in args.logs:
+        print(f"== {path}\nsnapshot    time s   epoch   test acc   test loss", flush=True)
         try:
-            rows = evaluate_snapshots(path, args.data_dir, args.batch_size, args.every)
-        except (OSError, ValueError, KeyError) as e:
-            print(f"mpiasgd evaluate: error: {path}: {e}", file=sys.stderr)
-            return 2
-        print(f"== {path}: {len(rows)} snapshots evaluated")
-        print("snapshot    time s   epoch   test acc   test loss")
-        for r in rows:
-            print(f"{r['snapshot']:>8} {r['time']:>8.1f} {r['epoch']:>7.2f} {100 * r['accuracy']:>9.2f}% "
-                  f"{r['loss']:>11.4f}")
-    return 0
+            rows = evaluate_snapshots(path, args.data_dir, args.batch_size, args.every, show)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            print(f"mpiasgd evaluate: error: {e}", file=sys.stderr)
+            status = 2
+            continue
+        print(f"{len(rows)} snapshots evaluated and stored in {path}")
+    return status
 
 
 def _report(args: argparse.Namespace) -> int:
     from mpiasgd.report import report
 
-    try:
-        print(report(args.logs))
-    except (OSError, KeyError) as e:
-        print(f"mpiasgd report: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    status = 0
+    for path in args.logs:
+        try:
+            print(report([path]))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"mpiasgd report: error: {e}", file=sys.stderr)
+            status = 2
+    return status
 
 
 if __name__ == "__main__":

@@ -57,9 +57,9 @@ class Config:
     lr_milestones: tuple = _opt((), "optimizer", "step schedule: epochs at which lr is multiplied by --lr-gamma")
     lr_gamma: float = _opt(0.1, "optimizer", "step schedule: factor per milestone")
     # --- stopping (first limit reached stops the run; 0 = no limit) ---
-    epochs: float = _opt(10.0, "stopping", "passes over the training set by all workers together, epochs")
-    max_pushes: int = _opt(0, "stopping", "gradient pushes applied by the server, count")
-    max_time: float = _opt(0.0, "stopping", "wall time of training, seconds")
+    epochs: float = _opt(10.0, "stopping", "passes over the training set by all workers together (0 = no limit)")
+    max_pushes: int = _opt(0, "stopping", "gradient pushes applied by the server, count (0 = no limit)")
+    max_time: float = _opt(0.0, "stopping", "wall time of training, seconds (0 = no limit)")
     # --- run log ---
     name: str = _opt("", "run log", "run name; the log is RUN_DIR/NAME.h5 (default: model-mode-Nw-timestamp)")
     run_dir: str = _opt("runs", "run log", "folder of run logs")
@@ -102,7 +102,9 @@ class Config:
         need(self.snapshot_interval >= 0, "snapshot_interval", "seconds >= 0")
         need(self.flush_interval > 0, "flush_interval", "seconds > 0")
         need(self.eval_batch_size >= 1, "eval_batch_size", "an integer >= 1")
-        need("/" not in self.name and self.name not in (".", ".."), "name", "a file name without '/'")
+        need(self.name == "" or (self.name.strip() == self.name and "/" not in self.name
+                                 and not self.name.startswith(".") and not self.name.endswith(".h5")),
+             "name", "a file name without '/', leading '.', surrounding blanks or '.h5' (it is added)")
         return self
 
     @property
@@ -141,7 +143,9 @@ def _coerce(key: str, value: Any) -> Any:
     else:  # pragma: no cover - a new field type needs a branch here
         raise AssertionError(f"unhandled config type {kind} of {key}")
     if not ok:
-        raise ConfigError(f"config key '{key}' = {value!r}: expected a {kind}")
+        expected = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
+                    "tuple": "an array of numbers"}[kind]
+        raise ConfigError(f"config key '{key}' = {value!r}: expected {expected}")
     return value
 
 
@@ -160,8 +164,10 @@ def load_toml(path: str, base: Config | None = None) -> Config:
             values = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file '{path}' not found") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"config file '{path}' cannot be read: {e.strerror}") from None
     return from_mapping(values, base, source=f"config file '{path}'")
 
 
@@ -186,7 +192,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(Config):
         group = groups.setdefault(f.metadata["group"], parser.add_argument_group(f.metadata["group"]))
         flag = "--" + f.name.replace("_", "-")
-        common = dict(dest=f.name, default=None, help=f"{f.metadata['help']} (default: {f.default!r})")
+        text = f.metadata["help"]
+        text = text if "default:" in text else f"{text} (default: {f.default!r})"
+        common = dict(dest=f.name, default=None, help=text)
         if f.type == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
         elif f.type == "tuple":

@@ -8,12 +8,11 @@ without slowing the run down.
 
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
 
-from mpiasgd.runlog import append, open_log
+from mpiasgd.runlog import EVAL_ROW, append, open_log, recover, writer_alive
 
 
 def evaluate(model, dataset, idx: np.ndarray, batch_size: int) -> tuple[float, int, int]:
@@ -31,39 +30,52 @@ def evaluate(model, dataset, idx: np.ndarray, batch_size: int) -> tuple[float, i
 
 
 def evaluate_snapshots(path: str, data_dir: str | None = None, batch_size: int = 1000,
-                       every: int = 1) -> np.ndarray:
-    """Evaluate every `every`-th weight snapshot of the run log at `path` on the full test set.
+                       every: int = 1, show=None) -> np.ndarray:
+    """Evaluate every `every`-th weight snapshot (and the last) of the run log at `path` on the full test set.
 
-    Appends one row per snapshot to the log's `/evals` table (column `snapshot` = its index;
-    earlier rows for the same snapshots are kept) and returns the new rows (EVAL_ROW). The
-    dataset and model are the run's own (from the stored config); `data_dir` overrides where the
-    data is read. Raises FileNotFoundError, or ValueError if the log has no snapshots.
+    Each result row (EVAL_ROW) is passed to `show` as soon as it is computed, then all are stored in
+    the log's `/evals` table (column `snapshot` = its index), replacing earlier rows of the same
+    snapshots. The dataset and model are the run's own (from the stored config); `data_dir`
+    overrides where the data is read. A log whose writer was killed is first rewritten into a clean
+    file (`runlog.recover`, status "killed"). Raises FileNotFoundError, ValueError (not an
+    mpiasgd log, or no snapshots) or RuntimeError (the run is still being written).
     """
     from mpiasgd.data import load_dataset
     from mpiasgd.model import build_model
-    from mpiasgd.runlog import EVAL_ROW
+    from mpiasgd.report import load
 
+    run = load(path)  # FileNotFoundError / ValueError with a clear message
+    if writer_alive(path):
+        raise RuntimeError(f"run log '{path}' is still being written by a running job; evaluate it when it has ended")
+    cfg, meta = run["config"], run["snapshots/meta"]
+    if meta is None or len(meta) == 0:
+        raise ValueError(f"run log '{path}' has no weight snapshots to evaluate")
+    chosen = sorted(set(range(0, len(meta), every)) | {len(meta) - 1})
     with open_log(path) as f:
-        cfg = json.loads(f.attrs["config"])
-        meta = f["snapshots/meta"][()]
-        params = f["snapshots/params"]
-        if len(meta) == 0:
-            raise ValueError(f"run log '{path}' has no weight snapshots to evaluate")
-        chosen = sorted(set(range(0, len(meta), every)) | {len(meta) - 1})
-        snapshots = params[chosen]                       # (S, P) float32
+        snapshots = f["snapshots/params"][chosen]  # (S, P) float32
     dataset = load_dataset(cfg["dataset"] or cfg["model"], data_dir or cfg["data_dir"] or None)
     model = build_model(cfg["model"], "numpy")
     weights, grads = np.empty(model.num_params, np.float32), np.empty(model.num_params, np.float32)
     model.bind(weights, grads)
     idx = np.arange(dataset.test_y.size, dtype=np.int64)
-    rows = []
-    for i, snap in zip(chosen, snapshots, strict=True):
+    rows = np.zeros(len(chosen), dtype=EVAL_ROW)
+    for k, (i, snap) in enumerate(zip(chosen, snapshots, strict=True)):
         weights[:] = snap
         loss_sum, correct, count = evaluate(model, dataset, idx, batch_size)
         m = meta[i]
-        rows.append((m["time"], m["version"], m["epoch"], i, loss_sum / count, correct / count, count))
-    rows = np.array(rows, dtype=EVAL_ROW)
-    with open_log(path, "r+") as f:
-        append(f["evals"], rows)
+        rows[k] = (m["time"], m["version"], m["epoch"], i, loss_sum / count, correct / count, count)
+        if show is not None:
+            show(rows[k])
+    try:
+        f = open_log(path, "r+")
+    except OSError:  # still marked open for writing: its writer was killed (checked alive above)
+        recover(path)
+        f = open_log(path, "r+")
+    with f:
+        old = f["evals"][()]
+        keep = old[~np.isin(old["snapshot"], chosen)]
+        table = f["evals"]
+        table.resize(0, axis=0)
+        append(table, np.concatenate([keep, rows]))
         f.attrs["evaluated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     return rows

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from mpiasgd.runlog import open_log
+from mpiasgd.runlog import open_log, writer_alive
 
 
 def _attr(f, key: str, default=None):
@@ -20,15 +20,27 @@ def _attr(f, key: str, default=None):
 
 
 def load(path: str) -> dict:
-    """Read what a report needs from the run log at `path` (FileNotFoundError / OSError if unreadable)."""
-    if not os.path.exists(path):
+    """Read what a report needs from the run log at `path`.
+
+    Raises FileNotFoundError if it does not exist, ValueError if it is not an mpiasgd run log.
+    A log marked "running" whose writer is gone gets status "killed".
+    """
+    if not os.path.isfile(path):
         raise FileNotFoundError(f"run log '{path}' not found")
-    with open_log(path) as f:
+    try:
+        f = open_log(path)
+    except OSError as e:
+        raise ValueError(f"'{path}' is not a readable HDF5 file ({e})") from None
+    with f:
+        if "config" not in f.attrs or "pushes" not in f:
+            raise ValueError(f"'{path}' is not an mpiasgd run log (no 'config' attribute or 'pushes' table)")
         run = {key: _attr(f, key) for key in f.attrs}
         for name in ("pushes", "updates", "evals", "workers", "snapshots/meta", "events"):
             run[name] = f[name][()] if name in f else None
     run["config"] = json.loads(run.get("config") or "{}")
     run["path"] = path
+    if run.get("status") == "running" and not writer_alive(path):
+        run["status"] = "killed (its writer is gone; rows up to the last flush)"
     return run
 
 
@@ -48,9 +60,9 @@ def _train_time(run: dict) -> float:
     return float(pushes["time"].max()) if pushes is not None and len(pushes) else 0.0
 
 
-def summary_lines(path: str) -> list[str]:
+def summary_lines(path: str, run: dict | None = None) -> list[str]:
     """The short summary printed at the end of `mpiasgd train`: accuracy, images/s, staleness, time."""
-    run = load(path)
+    run = run or load(path)
     pushes = run["pushes"]
     applied = pushes[pushes["applied"] == 1] if pushes is not None else pushes
     final = _final_eval(run)
@@ -104,7 +116,7 @@ def snapshot_table(run: dict) -> list[str]:
     if len(rows) == 0:
         return [f"(no snapshot evaluations: run 'mpiasgd evaluate {run['path']}')"]
     lines = ["snapshot    time s   epoch   version   test acc   test loss"]
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r["snapshot"]):
         lines.append(f"{r['snapshot']:>8} {r['time']:>8.1f} {r['epoch']:>7.2f} {r['version']:>9} "
                      f"{100 * r['accuracy']:>9.2f}% {r['loss']:>11.4f}")
     return lines
@@ -120,7 +132,7 @@ def report(paths: list[str]) -> str:
         out.append(f"model {run.get('model')}, mode {run.get('mode')}, {run.get('num_workers')} workers, "
                    f"{run.get('num_params')} parameters, batch {cfg.get('batch_size')}, lr {cfg.get('lr')}, "
                    f"created {run.get('created')}")
-        out += summary_lines(path)
+        out += summary_lines(path, run)
         if run["pushes"] is not None and len(run["pushes"]):
             out += ["", *worker_table(run), "", *staleness_histogram(run["pushes"])]
         out += ["", *snapshot_table(run), ""]

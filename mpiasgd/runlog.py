@@ -2,8 +2,8 @@
 
 One file per run, `RUN_DIR/NAME.h5`:
 
-    attrs        config (JSON), versions (JSON), layout (JSON), model, mode, num_workers,
-                 num_params, created, status ("running" | "completed" | "failed"), and at the end
+    attrs        config (JSON), versions (JSON), layout (JSON), model, mode, num_workers, num_params,
+                 created, status ("running" | "completed" | "failed" | "interrupted" | "killed"), and at the end
                  wall_time_s, test_accuracy, test_loss, images_per_s
     /workers     one row per worker: rank, host, pid, threads, backend, shard_size
     /pushes      one row per push received (PUSH_ROW): time, worker, step, base version, version,
@@ -18,11 +18,15 @@ Times are seconds since the start of training. All tables are chunked and append
 written in SWMR mode (HDF5 single-writer/multiple-reader): rows are buffered and flushed every
 `flush_interval` seconds, and a reader (`mpiasgd report`, `h5py.File(path, "r", swmr=True)`) can
 follow it while it grows; a run killed at any moment leaves a file readable up to its last flush.
+While the run lives, rank 0 holds an exclusive lock on `NAME.h5.lock` (`WriterLock`): a second job
+cannot overwrite the log, and `writer_alive` tells a running log from a killed one (`recover`
+turns the latter into a clean file with status "killed").
 """
 
 from __future__ import annotations
 
 import datetime
+import fcntl
 import json
 import os
 import time
@@ -48,6 +52,79 @@ TABLES = {"pushes": PUSH_ROW, "updates": UPDATE_ROW, "snapshots/meta": SNAPSHOT_
           "evals": EVAL_ROW, "events": EVENT_ROW}
 
 
+class WriterLock:
+    """An exclusive `flock` on `PATH.lock`, held by the run's writer (rank 0) from start-up to the end.
+
+    It keeps a second job from overwriting a log that is being written (also with --overwrite),
+    and tells readers whether a log marked "running" still has a live writer: the kernel releases
+    the lock when the writer dies, however it dies.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path + ".lock"
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock; FileExistsError naming the log if another live job holds it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        for attempt in range(10):  # a reader's brief shared lock (`writer_alive`) may be in the way
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt == 9:
+                    os.close(fd)
+                    raise FileExistsError(f"run log '{self.path[:-5]}' is being written by a running job "
+                                          f"(lock {self.path} is held); choose another --name") from None
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.unlink(self.path)
+            os.close(self.fd)
+            self.fd = None
+
+
+def writer_alive(path: str) -> bool:
+    """True if a live job holds the writer lock of the run log at `path`."""
+    try:
+        fd = os.open(path + ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def recover(path: str) -> None:
+    """Rewrite the log of a run whose writer was killed into a clean, closed file; status "killed".
+
+    A writer killed in SWMR mode leaves the file marked open for writing: readers (SWMR) see every
+    row up to its last flush, but it cannot be opened for writing. This copies every object and
+    attribute into `PATH.recover.tmp` and renames it over `PATH`. Raises RuntimeError if the writer
+    is alive.
+    """
+    if writer_alive(path):
+        raise RuntimeError(f"run log '{path}' is still being written by a running job; try when it has ended")
+    tmp = path + ".recover.tmp"
+    with open_log(path) as src, h5py.File(tmp, "w", libver="latest") as dst:
+        for key, value in src.attrs.items():
+            dst.attrs[key] = value
+        for name in src:
+            src.copy(src[name], dst, name=name)
+        if dst.attrs.get("status") == "running":
+            dst.attrs["status"] = "killed"
+    os.replace(tmp, path)
+
+
 def open_log(path: str, mode: str = "r") -> h5py.File:
     """Open a run log for reading, also while it is being written or after its writer was killed."""
     if mode == "r":
@@ -65,9 +142,10 @@ def append(ds: h5py.Dataset, rows: np.ndarray) -> None:
 class RunLog:
     """Buffered, appendable writer of one run log (server only). Use `RunLog.create`."""
 
-    def __init__(self, path: str, file: h5py.File, flush_interval: float) -> None:
+    def __init__(self, path: str, file: h5py.File, flush_interval: float, lock: WriterLock | None = None) -> None:
         self.path = path
         self.file = file
+        self.lock = lock
         self.flush_interval = flush_interval
         self.pending: dict[str, list] = {name: [] for name in TABLES}
         self.pending_params: list[np.ndarray] = []
@@ -75,11 +153,11 @@ class RunLog:
 
     @classmethod
     def create(cls, path: str, attrs: dict, workers: list[tuple], num_params: int,
-               flush_interval: float, overwrite: bool = False) -> RunLog:
+               flush_interval: float, overwrite: bool = False, lock: WriterLock | None = None) -> RunLog:
         """Create the file with every dataset, then switch to SWMR mode (no new objects after that).
 
         `attrs` values that are not str/int/float are stored as JSON. Raises FileExistsError when
-        `path` exists and `overwrite` is False.
+        `path` exists and `overwrite` is False. `lock` (held by the caller) is released by `close`.
         """
         if os.path.exists(path) and not overwrite:
             raise FileExistsError(f"run log '{path}' exists; choose another --name or pass --overwrite")
@@ -95,7 +173,7 @@ class RunLog:
         f.create_dataset("snapshots/params", shape=(0, num_params), maxshape=(None, num_params),
                          dtype=np.float32, chunks=(1, num_params))
         f.swmr_mode = True
-        return cls(path, f, flush_interval)
+        return cls(path, f, flush_interval, lock)
 
     # --- appending (server only; rows reach the file at the next flush) ---
     def add(self, table: str, row: tuple) -> None:
@@ -138,3 +216,5 @@ class RunLog:
             f.attrs["status"] = status
             for key, value in (attrs or {}).items():
                 f.attrs[key] = value
+        if self.lock is not None:
+            self.lock.release()

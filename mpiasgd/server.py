@@ -14,6 +14,8 @@ with no request pending. The server never computes gradients.
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 from typing import Any
 
@@ -73,6 +75,7 @@ class ParameterServer:
         self.staleness_sum = 0
         self.staleness_max = 0
         self.loss_avg = float("nan")
+        self.warned_nonfinite = False
 
     # --- clocks and rules ---
     def now(self) -> float:
@@ -192,6 +195,12 @@ class ParameterServer:
             self.staleness_max = max(self.staleness_max, staleness)
             loss = float(h["loss"])
             self.loss_avg = loss if self.loss_avg != self.loss_avg else 0.95 * self.loss_avg + 0.05 * loss
+            if not math.isfinite(loss) and not self.warned_nonfinite:
+                self.warned_nonfinite = True
+                text = (f"worker rank {w} pushed a non-finite loss at step {step} (version {self.version}): "
+                        "training has diverged; lower --lr")
+                self.log.add("events", (self.now(), b"warning", text))
+                print(f"mpiasgd: warning: {text}", file=sys.stderr, flush=True)
             self.log.add("updates", (self.now(), self.version, lr, float(np.sqrt(np.dot(grad, grad))),
                                      self.samples, self.epoch))
             self.check_stop()
@@ -223,6 +232,9 @@ class ParameterServer:
     def finish(self) -> dict:
         """Final snapshot and evaluation rows; returns the summary (also stored as log attributes)."""
         self.snapshot()
+        if self.progress is not None:
+            self.progress.n = self.samples
+            self.progress.refresh()
         loss_sum = sum(e[0] for e in self.evals.values())
         correct = sum(e[1] for e in self.evals.values())
         count = sum(e[2] for e in self.evals.values())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 import socket
 import sys
 import time
@@ -31,10 +32,15 @@ from mpiasgd.comms import CommTimeout, wait
 from mpiasgd.config import Config, ConfigError
 from mpiasgd.data import DataError, ShardSampler, default_data_dir, load_dataset
 from mpiasgd.protocol import Message, Tag
+from mpiasgd.runlog import WriterLock
 
-STARTUP_ERRORS = (ConfigError, DataError, FileExistsError, OSError, ValueError)
+STARTUP_ERRORS = (ConfigError, DataError, OSError, ValueError)
 EXIT_BAD_INPUT = 2
 ABORT_CODE = 1
+
+
+class Interrupted(Exception):
+    """Rank 0 received SIGTERM or SIGINT (scancel, a time limit, Ctrl-C); the message is the signal name."""
 
 
 @dataclass
@@ -98,17 +104,29 @@ def setup(cfg: Config, me: Rank, threads: int) -> dict:
     if tuple(dataset.train_x.shape[1:]) != tuple(model.input_shape):
         raise ConfigError(f"model '{cfg.model}' takes inputs {tuple(model.input_shape)}, dataset "
                           f"'{cfg.dataset_name}' has images {tuple(dataset.train_x.shape[1:])}")
+    smallest_shard = dataset.train_y.size // me.num_workers
+    if smallest_shard and cfg.batch_size > smallest_shard:  # 0: the sampler names too many workers
+        raise ConfigError(f"config key 'batch_size' = {cfg.batch_size}: larger than the smallest worker shard "
+                          f"({smallest_shard} images: {dataset.train_y.size} over {me.num_workers} workers)")
     out = {"dataset": dataset, "model": model}
     if me.is_server:
         out["path"] = os.path.join(cfg.run_dir, run_name(cfg, me.num_workers) + ".h5")
+        if os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
+            raise ConfigError(f"config key 'run_dir' = {cfg.run_dir!r}: is a file, expected a directory")
+        try:
+            os.makedirs(cfg.run_dir, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"config key 'run_dir' = {cfg.run_dir!r}: cannot create it ({e.strerror})") from None
+        if not os.access(cfg.run_dir, os.W_OK):
+            raise ConfigError(f"config key 'run_dir' = {cfg.run_dir!r}: directory is not writable")
+        out["lock"] = WriterLock(out["path"])
+        out["lock"].acquire()  # held until the log is closed, or the process dies
         if os.path.exists(out["path"]) and not cfg.overwrite:
             raise FileExistsError(f"run log '{out['path']}' exists; choose another --name or pass --overwrite")
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        if not os.access(cfg.run_dir, os.W_OK):
-            raise PermissionError(f"run directory '{cfg.run_dir}' is not writable")
     else:
         # validates: more workers than samples is a DataError naming both numbers
         out["sampler"] = ShardSampler(dataset.train_y.size, me.num_workers, me.rank - 1, cfg.seed)
+
         out["test_idx"] = np.array_split(np.arange(dataset.test_y.size, dtype=np.int64), me.num_workers)[me.rank - 1]
     return out
 
@@ -166,7 +184,8 @@ def run_server(cfg: Config, me: Rank, state: dict, threads: int) -> None:
              "mode": cfg.mode, "num_workers": me.num_workers, "num_params": model.num_params,
              "num_train": int(dataset.train_y.size), "num_test": int(dataset.test_y.size),
              "data_source": dataset.source, "command": " ".join(sys.argv)}
-    log = RunLog.create(state["path"], attrs, workers, model.num_params, cfg.flush_interval, cfg.overwrite)
+    log = RunLog.create(state["path"], attrs, workers, model.num_params, cfg.flush_interval, cfg.overwrite,
+                        state["lock"])
     params = model.init_params(cfg.seed)
     bar = None
     if cfg.progress:
@@ -175,8 +194,22 @@ def run_server(cfg: Config, me: Rank, state: dict, threads: int) -> None:
                    desc="training", file=sys.stderr)
     server = ParameterServer(me.comm, cfg, params, model.decay_mask(), me.num_workers, dataset.train_y.size,
                              log, bar)
+    def interrupt(signum: int, frame: Any) -> None:
+        raise Interrupted(signal.Signals(signum).name)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, interrupt)
     try:
         summary = server.run()
+    except Interrupted as stop:
+        log.add("events", (server.now(), b"interrupted", f"{stop} received by rank 0"))
+        log.close("interrupted")
+        if bar is not None:
+            bar.close()
+        print(f"mpiasgd: {stop} received; run log '{state['path']}' flushed and closed with status "
+              f"'interrupted'.", file=sys.stderr, flush=True)
+        me.comm.Abort(ABORT_CODE)
+        return
     except WorkerFailed as failure:
         log.add("events", (server.now(), b"failed", str(failure)))
         log.close("failed")

@@ -61,9 +61,33 @@ def start_mpi(nranks: int, args: list[str], cwd: str | Path) -> subprocess.Popen
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+def session_pids(sid: int) -> list[int]:
+    """Processes of session `sid`: mpiexec and every rank (Open MPI puts each rank in its own group)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid:  # after the command name: state, ppid, pgrp, session
+                pids.append(int(entry))
+    return pids
+
+
+def kill_session(sid: int, sig: int = signal.SIGKILL) -> None:
+    """Send `sig` to every process of session `sid` at once."""
+    for pid in session_pids(sid):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def stop_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+    """Kill the job started by start_mpi/run_mpi, ranks included, and reap it."""
+    kill_session(proc.pid)
     proc.communicate()
 
 
@@ -82,7 +106,7 @@ def run_mpi(nranks: int, args: list[str], timeout: float, cwd: str | Path, env: 
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_session(proc.pid)
         out, err = proc.communicate()
         pytest.fail(f"mpiexec -n {nranks} {' '.join(args)} hung: killed after {timeout:.0f} s\n"
                     f"--- stdout ---\n{out}\n--- stderr ---\n{err}")

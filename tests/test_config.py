@@ -36,10 +36,10 @@ def test_flags_of_every_kind():
 
 @pytest.mark.parametrize("text,match", [
     ('modle = "digits"\n', r"unknown key\(s\) \['modle'\]"),
-    ('batch_size = "64"\n', "config key 'batch_size' = '64': expected a int"),
-    ("batch_size = 6.5\n", "config key 'batch_size' = 6.5: expected a int"),
-    ("progress = 1\n", "config key 'progress' = 1: expected a bool"),
-    ("lr = true\n", "config key 'lr' = True: expected a float"),
+    ('batch_size = "64"\n', "config key 'batch_size' = '64': expected an integer"),
+    ("batch_size = 6.5\n", "config key 'batch_size' = 6.5: expected an integer"),
+    ("progress = 1\n", "config key 'progress' = 1: expected true or false"),
+    ("lr = true\n", "config key 'lr' = True: expected a number"),
     ('lr_milestones = ["a"]\n', "config key 'lr_milestones'"),
     ("lr = [\n", "is not valid TOML"),
 ])
@@ -48,6 +48,14 @@ def test_bad_toml_names_the_key(tmp_path, text, match):
     path.write_text(text)
     with pytest.raises(ConfigError, match=match):
         load_toml(str(path))
+
+
+def test_unreadable_toml_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_toml(str(tmp_path))                        # a directory
+    (tmp_path / "utf16.toml").write_bytes(b"\xff\xfel\x00r\x00")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_toml(str(tmp_path / "utf16.toml"))
 
 
 def test_missing_toml_file():
@@ -64,6 +72,9 @@ def test_missing_toml_file():
     ({"epochs": 0}, "no stopping rule"),
     ({"lr_milestones": (5.0, 2.0)}, "increasing epochs"),
     ({"name": "a/b"}, "'name'"),
+    ({"name": " x"}, "'name'"),
+    ({"name": ".hidden"}, "'name'"),
+    ({"name": "run.h5"}, "'name'"),
     ({"flush_interval": 0}, "'flush_interval'"),
 ])
 def test_out_of_range_values(values, match):

@@ -330,12 +330,13 @@ def shared_dir() -> Path:
 @pytest.fixture(scope="module")
 def real_cifar_dir(tmp_path_factory) -> Path:
     """A folder holding both layouts written by shared/tools/cifar10_batches.py (reused when present)."""
-    archive = shared_dir() / "data" / "cifar10-jpg.tar.gz"
-    if not archive.is_file():
-        pytest.skip(f"real CIFAR-10 not available: {archive} not found (set MPIASGD_SHARED to its shared/ folder)")
     done = Path(default_data_dir())
     if all((done / d / ".complete").is_file() for d in ("cifar-10-batches-py", "cifar-10-batches-bin")):
         return done  # the converter's own output, written earlier
+    archive = shared_dir() / "data" / "cifar10-jpg.tar.gz"
+    if not archive.is_file():
+        pytest.skip(f"real CIFAR-10 not available: neither {done} nor {archive} "
+                    "(set MPIASGD_DATA to a converted copy, or MPIASGD_SHARED to the shared/ folder)")
     if importlib.util.find_spec("PIL") is None:
         pytest.skip("real CIFAR-10 needs pillow to decode the JPEG archive")
     out = tmp_path_factory.mktemp("cifar10")

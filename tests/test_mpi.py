@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import start_mpi, stop_group
+from conftest import kill_session, session_pids, start_mpi, stop_group
 
 from mpiasgd.runlog import open_log
 
@@ -64,12 +64,14 @@ def test_digits_converges_and_evaluate_report(mpirun, tmp_path):
     assert attrs["test_accuracy"] >= 0.93, res.explain()
     assert attrs["epochs_done"] >= 12
     log = str(tmp_path / "runs" / "conv.h5")
-    ev = subprocess.run([sys.executable, "-m", "mpiasgd", "evaluate", log], capture_output=True, text=True,
-                        timeout=120, cwd=tmp_path)
-    assert ev.returncode == 0, ev.stderr
+    for _ in range(2):  # a second evaluation replaces the rows of the first
+        ev = subprocess.run([sys.executable, "-m", "mpiasgd", "evaluate", log], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path)
+        assert ev.returncode == 0, ev.stderr
     _, t2, _ = read_log(log)
     snaps = t2["evals"][t2["evals"]["snapshot"] >= 0]
-    assert len(snaps) == len(t2["snapshots/meta"])
+    assert snaps["snapshot"].tolist() == list(range(len(t2["snapshots/meta"])))
+    assert (t2["evals"]["snapshot"] == -1).sum() == 1
     assert snaps["accuracy"][0] < 0.5 < snaps["accuracy"][-1]      # untrained vs trained weights
     assert snaps["accuracy"][-1] == pytest.approx(attrs["test_accuracy"], abs=1e-6)
     rep = subprocess.run([sys.executable, "-m", "mpiasgd", "report", log], capture_output=True, text=True,
@@ -100,6 +102,96 @@ def test_log_readable_while_it_grows(tmp_path):
         stop_group(proc)
     growing = [n for n in seen if n > 0]
     assert len(growing) >= 3 and growing == sorted(growing) and growing[-1] > growing[0], seen
+
+
+def wait_for_pushes(path, proc, timeout=60.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with open_log(str(path)) as f:
+                if f["pushes"].shape[0] > 0:
+                    return
+        except (OSError, KeyError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"no pushes in {path} within {timeout} s")
+
+
+def test_overwrite_refused_while_log_is_written(mpirun, tmp_path):
+    proc = start_mpi(3, ["train", *FAST, "--epochs", "0", "--max-time", "15", "--name", "busy"], tmp_path)
+    try:
+        wait_for_pushes(tmp_path / "runs" / "busy.h5", proc)
+        res = mpirun(3, ["train", *FAST, "--name", "busy", "--overwrite"], timeout=60)
+        assert res.returncode == 2 and "is being written by a running job" in res.stderr, res.explain()
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    finally:
+        stop_group(proc)
+    attrs, _, _ = read_log(tmp_path / "runs" / "busy.h5")
+    assert attrs["status"] == "completed"
+    assert not (tmp_path / "runs" / "busy.h5.lock").exists()
+
+
+def test_sigterm_closes_log_as_interrupted(tmp_path):
+    import signal
+    import time
+
+    proc = start_mpi(3, ["train", *FAST, "--epochs", "0", "--max-time", "60", "--name", "term"], tmp_path)
+    try:
+        wait_for_pushes(tmp_path / "runs" / "term.h5", proc)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)   # what scancel and SLURM's time limit send
+        proc.wait(timeout=30)
+        elapsed = time.monotonic() - start
+    finally:
+        stop_group(proc)
+    assert proc.returncode != 0 and elapsed < 10
+    attrs, t, _ = read_log(tmp_path / "runs" / "term.h5")
+    assert attrs["status"] == "interrupted" and len(t["pushes"]) > 0
+    assert [e["kind"] for e in t["events"]][-1] == b"interrupted"
+
+
+def test_killed_run_reported_and_recovered_by_evaluate(tmp_path):
+    import signal
+    import time
+
+    proc = start_mpi(3, ["train", *FAST, "--epochs", "0", "--max-time", "60", "--name", "dead"], tmp_path)
+    log = tmp_path / "runs" / "dead.h5"
+    try:
+        wait_for_pushes(log, proc)
+        time.sleep(1.0)
+        kill_session(proc.pid, signal.SIGKILL)  # every rank dies at once: no chance to close the log
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while session_pids(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop_group(proc)
+    rep = subprocess.run([sys.executable, "-m", "mpiasgd", "report", str(log)], capture_output=True, text=True,
+                         timeout=60)
+    assert rep.returncode == 0 and "status: killed" in rep.stdout, rep.stdout + rep.stderr
+    ev = subprocess.run([sys.executable, "-m", "mpiasgd", "evaluate", str(log)], capture_output=True, text=True,
+                        timeout=120)
+    assert ev.returncode == 0, ev.stdout + ev.stderr
+    attrs, t, _ = read_log(log)
+    assert attrs["status"] == "killed"
+    assert len(t["evals"]) == len(t["snapshots/meta"]) >= 1 and len(t["pushes"]) > 0
+
+
+def test_report_refuses_foreign_files(tmp_path):
+    import h5py
+
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["x"] = [1, 2]
+    (tmp_path / "text.h5").write_text("hello")
+    for name, expected in [("other.h5", "not an mpiasgd run log"), ("text.h5", "not a readable HDF5 file"),
+                           ("missing.h5", "not found")]:
+        for command in ("report", "evaluate"):
+            res = subprocess.run([sys.executable, "-m", "mpiasgd", command, str(tmp_path / name)],
+                                 capture_output=True, text=True, timeout=60)
+            assert res.returncode == 2 and expected in res.stderr, (command, name, res.stderr)
+            assert "Traceback" not in res.stderr
 
 
 def test_stop_by_wall_time(mpirun, tmp_path):
@@ -144,6 +236,8 @@ def test_malformed_message_aborts_with_clear_error(mpirun, kind, expected):
     (["--modle", "digits"], "unrecognized arguments: --modle"),
     (["--batch-size", "many"], "argument --batch-size: invalid int value"),
     (["--model", "cifar10", "--data-dir", "/nonexistent/cifar"], "/nonexistent/cifar"),
+    (["--batch-size", "5000"], "(ranks 0, 1, 2): config key 'batch_size' = 5000: larger than the smallest"),
+    (["--run-dir", "/proc/version"], "'run_dir' = '/proc/version': is a file"),
 ])
 def test_bad_input_gives_one_error(mpirun, args, expected):
     res = mpirun(3, ["train", *FAST, *args], timeout=60)

@@ -1,0 +1,550 @@
+"""CuPy backend of `mpiasgd.ops`: the hand-written CUDA C kernels of `kernels/*.cu` on one GPU, NCHW float32.
+
+Same public names and signatures as `mpiasgd.ops.numpy_ops` (the ground truth these kernels are
+tested against), plus `sgd_momentum` (the optimizer step as one kernel, for workers doing local steps):
+
+    ops = get_backend("cupy")
+    y = ops.conv2d_fprop(x, w, b, stride, pad)        # x, w, b cupy float32, C-contiguous
+
+Each `.cu` file is compiled once per process into a `cupy.RawModule` (NVRTC; the compiled-kernel
+cache on disk is CuPy's), on first use of one of its kernels. Every wrapper
+
+  * checks each array: on this backend (a cupy.ndarray, never a host array whose pointer the
+    kernel would misread), dtype float32 (argmax/labels: their integer type), C-contiguous (a view
+    or transpose is refused, not silently misread: pass `ascontiguousarray` yourself), shape;
+  * casts every scalar to its C type: `np.int32` for int, `np.int64` for long long, `np.float32`
+    for float, after checking it fits;
+  * computes grid, block and shared memory in plain view and checks them against the CUDA limits
+    (grid x <= 2^31-1, y and z <= 65,535, block <= 1,024 threads) before the launch.
+
+The checks and the launch arithmetic are pure functions of shapes/attributes (`check_array`,
+`c_int32`, `check_launch`, `conv_launch`, `wgrad_split`, ...), tested without a GPU; with `xp` set to
+numpy and `get_kernel` to the CUDA-on-CPU harness, the whole backend runs on the CPU (tests do).
+
+Importing this module needs neither cupy nor a GPU; `mpiasgd.ops.get_backend("cupy")` does.
+Float sums run in a different order than NumPy's BLAS: results agree to float32 rounding, and
+every reduction (wgrad over the batch, bias_grad, maxpool_bprop) has a fixed order without
+atomics, so each result is bit-reproducible run to run on one device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+
+try:  # importable without cupy: get_backend("cupy") reports its absence
+    import cupy
+except ImportError:  # pragma: no cover - depends on the installation
+    cupy = None
+
+name = "cupy"
+xp = cupy  # array module of this backend (tests substitute numpy to run the kernels on the CPU)
+ndarray = cupy.ndarray if cupy is not None else None
+
+# ----------------------------------------------------------------------------------------------
+# launch limits and tile constants (must match the #defines in kernels/*.cu)
+
+MAX_GRID_X = 2**31 - 1
+MAX_GRID_YZ = 65535
+MAX_BLOCK_THREADS = 1024
+MAX_STATIC_SHARED = 48 * 1024  # bytes
+
+CONV_BM, CONV_BN, CONV_BK, CONV_THREADS = 64, 64, 8, 256  # kernels/conv2d.cu
+CONV_SHARED = 2 * CONV_BK * CONV_BM * 4  # As + Bs, float32 (static shared memory, informational)
+CONV_TARGET_BLOCKS = 512  # wgrad splits the batch until the grid has about this many blocks
+CONV_MIN_CHUNK = 256  # ... but each split reduces at least this many (n, p, q) terms
+REDUCE_THREADS = 256  # bias_grad, softmax_xent: power of two <= 256 (BIAS/SOFTMAX_THREADS_MAX)
+ELEMENTWISE_THREADS = 256
+ELEMENTWISE_MAX_BLOCKS = 65535  # grid-stride loops cover the rest
+
+_KERNEL_FILES = {  # kernel -> file under kernels/
+    "conv2d_fprop": "conv2d.cu", "conv2d_dgrad": "conv2d.cu", "conv2d_wgrad_partial": "conv2d.cu",
+    "conv2d_wgrad_reduce": "conv2d.cu", "bias_grad": "bias.cu", "relu_fprop": "relu.cu", "relu_bprop": "relu.cu",
+    "maxpool_fprop_u8": "pool.cu", "maxpool_fprop_i32": "pool.cu", "maxpool_bprop_u8": "pool.cu",
+    "maxpool_bprop_i32": "pool.cu", "softmax_xent": "softmax_xent.cu", "sgd_momentum": "sgd.cu",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# kernel loading (once per process per file)
+
+
+def kernel_dir() -> Path:
+    """Folder holding the .cu files: $MPIASGD_KERNELS, else `mpiasgd/kernels` (installed package),
+    else `kernels/` of the source checkout. Raises FileNotFoundError naming the places tried."""
+    here = Path(__file__).resolve()
+    candidates = [Path(os.environ["MPIASGD_KERNELS"])] if os.environ.get("MPIASGD_KERNELS") else []
+    candidates += [here.parents[1] / "kernels", here.parents[2] / "kernels"]
+    for d in candidates:
+        if (d / "conv2d.cu").is_file():
+            return d
+    raise FileNotFoundError(f"CUDA kernel sources not found in any of {[str(d) for d in candidates]}")
+
+
+@functools.cache
+def _module(filename: str):
+    """The cupy.RawModule of one .cu file, compiled on first use (once per process)."""
+    if cupy is None:
+        raise RuntimeError("the cupy backend needs cupy (pip install cupy-cuda12x)")
+    source = (kernel_dir() / filename).read_text()
+    return cupy.RawModule(code=source, options=("--std=c++14",))
+
+
+def _cupy_kernel(kernel: str):
+    return _module(_KERNEL_FILES[kernel]).get_function(kernel)
+
+
+get_kernel = _cupy_kernel  # kernel name -> callable (grid, block, args, shared_mem=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# argument checks and C scalar casts (pure: numpy arrays or any object with the same attributes)
+
+
+def check_array(op: str, arg: str, a, shape: tuple[int, ...] | None = None, ndim: int | None = None,
+                dtype=np.float32):
+    """Return `a` if it is a C-contiguous array of this backend with `dtype` and `shape`/`ndim`.
+
+    Raises ValueError naming op and argument otherwise; a non-contiguous view (transpose, slice) is
+    refused because the kernels index it as dense row-major memory.
+    """
+    nd_type = xp.ndarray if xp is not None else None
+    if nd_type is None or not isinstance(a, nd_type):
+        raise ValueError(f"{op}: {arg} must be a {getattr(nd_type, '__module__', 'cupy')}.ndarray on this "
+                         f"backend, got {type(a).__module__}.{type(a).__name__}")
+    if a.dtype != np.dtype(dtype):
+        raise ValueError(f"{op}: {arg} must have dtype {np.dtype(dtype)}, got {a.dtype}")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{op}: {arg} must have shape {tuple(shape)}, got {tuple(a.shape)}")
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{op}: {arg} must have {ndim} dimensions, got shape {tuple(a.shape)}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{op}: {arg} must be C-contiguous (a view or transpose would be misread by the "
+                         f"kernel; pass an ascontiguousarray copy), got strides {a.strides} for shape "
+                         f"{tuple(a.shape)}")
+    return a
+
+
+def c_int32(op: str, arg: str, value) -> np.int32:
+    """`value` as np.int32 (a C int); ValueError if it is not an integer or does not fit."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{op}: {arg} must be an integer, got {value!r}")
+    if not -(2**31) <= int(value) < 2**31:
+        raise ValueError(f"{op}: {arg} = {value} does not fit a 32-bit int")
+    return np.int32(value)
+
+
+def c_int64(op: str, arg: str, value) -> np.int64:
+    """`value` as np.int64 (a C long long); ValueError if it is not an integer or does not fit."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{op}: {arg} must be an integer, got {value!r}")
+    if not -(2**63) <= int(value) < 2**63:
+        raise ValueError(f"{op}: {arg} = {value} does not fit a 64-bit int")
+    return np.int64(value)
+
+
+def c_float32(op: str, arg: str, value) -> np.float32:
+    """`value` as np.float32 (a C float); ValueError if it is not a finite real number."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{op}: {arg} must be a real number, got {value!r}")
+    f = np.float32(value)
+    if not np.isfinite(f):
+        raise ValueError(f"{op}: {arg} = {value} is not a finite float32")
+    return f
+
+
+def check_launch(kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int = 0) -> None:
+    """ValueError unless grid/block/shared memory are within the CUDA limits (checked before launch)."""
+    gx, gy, gz = grid
+    bx, by, bz = block
+    if min(gx, gy, gz) < 1 or gx > MAX_GRID_X or gy > MAX_GRID_YZ or gz > MAX_GRID_YZ:
+        raise ValueError(f"{kernel}: grid {grid} outside the limits (1..{MAX_GRID_X}, 1..{MAX_GRID_YZ}, "
+                         f"1..{MAX_GRID_YZ})")
+    if min(bx, by, bz) < 1 or bx * by * bz > MAX_BLOCK_THREADS or bz > 64:
+        raise ValueError(f"{kernel}: block {block} outside the limits (<= {MAX_BLOCK_THREADS} threads, z <= 64)")
+    if not 0 <= shared_mem <= MAX_STATIC_SHARED:
+        raise ValueError(f"{kernel}: shared memory {shared_mem} B outside 0..{MAX_STATIC_SHARED}")
+
+
+def _launch(kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple,
+            shared_mem: int = 0) -> None:
+    check_launch(kernel, grid, block, shared_mem)
+    for a in args:  # every scalar already has its C type; a Python int/float here is a bug
+        if not (a is None or isinstance(a, (np.int32, np.int64, np.float32)) or hasattr(a, "dtype")):
+            raise TypeError(f"{kernel}: argument {a!r} has no C type (use np.int32/np.int64/np.float32)")
+    get_kernel(kernel)(grid, block, args, shared_mem=shared_mem)
+
+
+# ----------------------------------------------------------------------------------------------
+# launch arithmetic (pure)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def conv_launch(M: int, NG: int, splits: int = 1) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """Grid and block of an implicit-GEMM conv kernel: C (M, NG) in 64x64 tiles, `splits` along z."""
+    grid = (_cdiv(NG, CONV_BN), _cdiv(M, CONV_BM), splits)  # (column tiles, row tiles, batch splits)
+    block = (CONV_THREADS, 1, 1)  # 16x16 threads, 4x4 outputs each
+    return grid, block
+
+
+def wgrad_split(K: int, CRS: int, NPQ: int) -> tuple[int, int]:
+    """(splits, chunk) for wgrad: the N*P*Q reduction cut into `splits` ranges of `chunk` terms.
+
+    chunk is a multiple of the K-slab CONV_BK; splits = ceil(NPQ / chunk) so no range is empty.
+    Chosen so that the grid has about CONV_TARGET_BLOCKS blocks (the (K, C*R*S) output alone is
+    often only a few dozen tiles) while each range keeps >= CONV_MIN_CHUNK terms; at most 65,535.
+    """
+    tiles = _cdiv(CRS, CONV_BN) * _cdiv(K, CONV_BM)
+    want = max(1, min(_cdiv(CONV_TARGET_BLOCKS, tiles), NPQ // CONV_MIN_CHUNK, MAX_GRID_YZ))
+    chunk = _cdiv(_cdiv(NPQ, want), CONV_BK) * CONV_BK
+    return _cdiv(NPQ, chunk), chunk
+
+
+def elementwise_launch(n: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """Grid-stride launch over n elements: 256 threads, at most 65,535 blocks (>= 1 even for n = 0)."""
+    blocks = max(1, min(_cdiv(n, ELEMENTWISE_THREADS), ELEMENTWISE_MAX_BLOCKS))
+    return (blocks, 1, 1), (ELEMENTWISE_THREADS, 1, 1)
+
+
+def conv_geometry(op: str, x_shape, w_shape, stride: int, pad: int) -> tuple[int, int]:
+    """Output size (P, Q); ValueError on a channel mismatch, stride < 1, pad < 0, a filter larger than the
+    padded input, or an extent the kernels' 32-bit per-image indices cannot hold."""
+    c_int32(op, "stride", stride)
+    c_int32(op, "pad", pad)
+    if stride < 1 or pad < 0:
+        raise ValueError(f"{op}: stride must be >= 1 and pad >= 0, got stride {stride}, pad {pad}")
+    N, C, H, W = (int(v) for v in x_shape)
+    K, Cw, R, S = (int(v) for v in w_shape)
+    if Cw != C:
+        raise ValueError(f"{op}: w must have shape (K, C={C}, R, S) to match x channels, "
+                         f"got w {tuple(w_shape)} for x {tuple(x_shape)}")
+    if H + 2 * pad < R or W + 2 * pad < S:
+        raise ValueError(f"{op}: filter {R}x{S} larger than padded input {H + 2 * pad}x{W + 2 * pad}")
+    P, Q = (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
+    for what, v in (("C*R*S", C * R * S), ("K*R*S", K * R * S), ("H*W", H * W), ("P*Q", P * Q), ("N", N),
+                    ("K", K)):
+        c_int32(op, what, v)
+    return P, Q
+
+
+# ----------------------------------------------------------------------------------------------
+# array helpers
+
+
+def zeros(shape: int | tuple[int, ...], dtype=np.float32):
+    """Zero-filled C-contiguous device array (default float32)."""
+    return xp.zeros(shape, dtype=dtype)
+
+
+def empty(shape: int | tuple[int, ...], dtype=np.float32):
+    """Uninitialized C-contiguous device array (default float32)."""
+    return xp.empty(shape, dtype=dtype)
+
+
+def asarray(x, dtype=np.float32):
+    """`x` (host or device) as a C-contiguous device array of `dtype` (no copy when it already is one)."""
+    return xp.ascontiguousarray(xp.asarray(x, dtype=dtype))
+
+
+def to_numpy(x) -> np.ndarray:
+    """Host copy of a device array (synchronizes with the stream that produced it)."""
+    return xp.asnumpy(x) if hasattr(xp, "asnumpy") else np.asarray(x)
+
+
+def may_share_memory(a, b) -> bool:
+    """Cheap (bounds-only) test whether two device arrays may overlap in memory."""
+    return bool(xp.may_share_memory(a, b))
+
+
+class Workspace:
+    """Device scratch arrays of one layer, kept between minibatches and reused while shapes match
+    (the wgrad split buffer). The kernels build no im2col matrix, so no columns are kept."""
+
+    def __init__(self) -> None:
+        self._arrays: dict = {}
+        self.cols_src = None  # interface parity with numpy_ops.Workspace; unused here
+
+    def get(self, key: str, shape: tuple[int, ...], dtype):
+        """The scratch array named `key`, reallocated (uninitialized) if shape or dtype changed."""
+        a = self._arrays.get(key)
+        if a is None or tuple(a.shape) != tuple(shape) or a.dtype != dtype:
+            a = xp.empty(shape, dtype=dtype)
+            self._arrays[key] = a
+        return a
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all scratch arrays."""
+        return sum(int(a.nbytes) for a in self._arrays.values())
+
+
+def _out(op: str, out, shape: tuple[int, ...]):
+    if out is None:
+        return xp.empty(shape, dtype=np.float32)
+    return check_array(op, "out", out, shape=shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# convolution
+
+
+def conv2d_fprop(x, w, b, stride: int, pad: int, ws: Workspace | None = None):
+    """Forward convolution, NCHW float32: x (N, C, H, W), w (K, C, R, S), b (K,) or None -> y (N, K, P, Q).
+
+    See `numpy_ops.conv2d_fprop`. Kernel `conv2d_fprop` (bias fused into the epilogue; relu=0).
+    Raises ValueError on a bad dtype/contiguity/shape or geometry.
+    """
+    op = "conv2d_fprop"
+    check_array(op, "x", x, ndim=4)
+    check_array(op, "w", w, ndim=4)
+    N, C, H, W = x.shape
+    K, _, R, S = w.shape
+    if b is not None:
+        check_array(op, "b", b, shape=(K,))
+    P, Q = conv_geometry(op, x.shape, w.shape, stride, pad)
+    y = xp.empty((N, K, P, Q), dtype=np.float32)
+    grid, block = conv_launch(M=K, NG=N * P * Q)  # GEMM (K) x (N*P*Q), reduction C*R*S
+    i32 = functools.partial(c_int32, op)
+    _launch(op, grid, block, (x, w, b, y, i32("N", N), i32("C", C), i32("H", H), i32("W", W), i32("K", K),
+                              i32("R", R), i32("S", S), i32("P", P), i32("Q", Q), i32("stride", stride),
+                              i32("pad", pad), np.int32(0)))
+    return y
+
+
+def conv2d_dgrad(dy, w, x_shape: tuple[int, int, int, int], stride: int, pad: int, ws: Workspace | None = None):
+    """Input gradient: dy (N, K, P, Q), w (K, C, R, S), x_shape (N, C, H, W) -> dx (N, C, H, W) fresh.
+
+    See `numpy_ops.conv2d_dgrad`. Kernel `conv2d_dgrad` (implicit GEMM (C) x (N*H*W), reduction K*R*S).
+    """
+    op = "conv2d_dgrad"
+    check_array(op, "dy", dy, ndim=4)
+    check_array(op, "w", w, ndim=4)
+    if len(x_shape) != 4:
+        raise ValueError(f"{op}: x_shape must be (N, C, H, W), got {x_shape}")
+    N, C, H, W = (int(v) for v in x_shape)
+    K, _, R, S = w.shape
+    P, Q = conv_geometry(op, (N, C, H, W), w.shape, stride, pad)
+    check_array(op, "dy", dy, shape=(N, K, P, Q))
+    dx = xp.empty((N, C, H, W), dtype=np.float32)
+    grid, block = conv_launch(M=C, NG=N * H * W)
+    i32 = functools.partial(c_int32, op)
+    _launch(op, grid, block, (dy, w, dx, i32("N", N), i32("C", C), i32("H", H), i32("W", W), i32("K", K),
+                              i32("R", R), i32("S", S), i32("P", P), i32("Q", Q), i32("stride", stride),
+                              i32("pad", pad)))
+    return dx
+
+
+def conv2d_wgrad(dy, x, w_shape: tuple[int, int, int, int], stride: int, pad: int, out=None,
+                 ws: Workspace | None = None):
+    """Filter gradient: dy (N, K, P, Q), x (N, C, H, W) -> dw (K, C, R, S), into `out` when given.
+
+    Two launches, no atomics: `conv2d_wgrad_partial` sums `splits` ranges of the N*P*Q reduction
+    into a (splits, K, C*R*S) workspace, `conv2d_wgrad_reduce` adds the ranges in order.
+    """
+    op = "conv2d_wgrad"
+    check_array(op, "x", x, ndim=4)
+    check_array(op, "dy", dy, ndim=4)
+    if len(w_shape) != 4:
+        raise ValueError(f"{op}: w_shape must be (K, C, R, S), got {w_shape}")
+    K, C, R, S = (int(v) for v in w_shape)
+    N, _, H, W = x.shape
+    P, Q = conv_geometry(op, x.shape, (K, C, R, S), stride, pad)
+    check_array(op, "dy", dy, shape=(N, K, P, Q))
+    dw = _out(op, out, (K, C, R, S))
+    splits, chunk = wgrad_split(K, C * R * S, N * P * Q)
+    part_shape = (splits, K, C * R * S)
+    part = xp.empty(part_shape, dtype=np.float32) if ws is None else ws.get("wgrad.split", part_shape, np.float32)
+    grid, block = conv_launch(M=K, NG=C * R * S, splits=splits)
+    i32 = functools.partial(c_int32, op)
+    _launch("conv2d_wgrad_partial", grid, block,
+            (dy, x, part, i32("N", N), i32("C", C), i32("H", H), i32("W", W), i32("K", K), i32("R", R),
+             i32("S", S), i32("P", P), i32("Q", Q), i32("stride", stride), i32("pad", pad),
+             c_int64(op, "chunk", chunk)))
+    n = K * C * R * S
+    grid, block = elementwise_launch(n)
+    _launch("conv2d_wgrad_reduce", grid, block, (part, dw, i32("splits", splits), c_int64(op, "n", n)))
+    return dw
+
+
+def bias_grad(dy, out=None):
+    """db (K,) = dy summed over all axes but 1; dy (N, K, P, Q) or (N, K). Kernel `bias_grad`, one block per k."""
+    op = "bias_grad"
+    if getattr(dy, "ndim", None) not in (2, 4):
+        raise ValueError(f"{op}: dy must be (N, K, P, Q) or (N, K), got {getattr(dy, 'shape', type(dy).__name__)}")
+    check_array(op, "dy", dy)
+    N, K = dy.shape[:2]
+    L = int(np.prod(dy.shape[2:], dtype=np.int64))
+    db = _out(op, out, (K,))
+    grid, block = (max(K, 1), 1, 1), (REDUCE_THREADS, 1, 1)  # one block per output channel
+    if K:
+        _launch(op, grid, block, (dy, db, c_int32(op, "N", N), c_int32(op, "K", K), c_int64(op, "L", L)))
+    return db
+
+
+# ----------------------------------------------------------------------------------------------
+# elementwise and pooling
+
+
+def relu_fprop(x):
+    """y = max(x, 0), fresh, any shape. Kernel `relu_fprop`."""
+    check_array("relu_fprop", "x", x)
+    y = xp.empty(x.shape, dtype=np.float32)
+    grid, block = elementwise_launch(x.size)
+    _launch("relu_fprop", grid, block, (x, y, c_int64("relu_fprop", "n", x.size)))
+    return y
+
+
+def relu_bprop(dy, y):
+    """dx = dy where y > 0 else 0; y the forward output. Kernel `relu_bprop`."""
+    check_array("relu_bprop", "dy", dy)
+    check_array("relu_bprop", "y", y, shape=dy.shape)
+    dx = xp.empty(dy.shape, dtype=np.float32)
+    grid, block = elementwise_launch(dy.size)
+    _launch("relu_bprop", grid, block, (dy, y, dx, c_int64("relu_bprop", "n", dy.size)))
+    return dx
+
+
+def _pool_geometry(op: str, x_shape, kernel: int, stride: int) -> tuple[int, int]:
+    c_int32(op, "kernel", kernel)
+    c_int32(op, "stride", stride)
+    if kernel < 1 or stride < 1:
+        raise ValueError(f"{op}: kernel and stride must be >= 1, got {kernel}, {stride}")
+    H, W = x_shape[2:]
+    if H < kernel or W < kernel:
+        raise ValueError(f"{op}: kernel {kernel} larger than input {H}x{W}")
+    return (H - kernel) // stride + 1, (W - kernel) // stride + 1
+
+
+def _argmax_dtype(kernel: int):
+    return np.uint8 if kernel * kernel <= 256 else np.int32  # as numpy_ops
+
+
+def maxpool_fprop(x, kernel: int, stride: int):
+    """Max pooling: x (N, C, H, W) -> (y (N, C, P, Q), argmax (N, C, P, Q) uint8/int32). See numpy_ops."""
+    op = "maxpool_fprop"
+    check_array(op, "x", x, ndim=4)
+    N, C, H, W = x.shape
+    P, Q = _pool_geometry(op, x.shape, kernel, stride)
+    adt = _argmax_dtype(kernel)
+    y = xp.empty((N, C, P, Q), dtype=np.float32)
+    argmax = xp.empty((N, C, P, Q), dtype=adt)
+    grid, block = elementwise_launch(y.size)  # one thread per output
+    kname = "maxpool_fprop_u8" if adt == np.uint8 else "maxpool_fprop_i32"
+    i32 = functools.partial(c_int32, op)
+    _launch(kname, grid, block, (x, y, argmax, c_int64(op, "N*C", N * C), i32("H", H), i32("W", W), i32("P", P),
+                                 i32("Q", Q), i32("kernel", kernel), i32("stride", stride)))
+    return y, argmax
+
+
+def maxpool_bprop(dy, argmax, x_shape: tuple[int, int, int, int], kernel: int, stride: int):
+    """Gradient of `maxpool_fprop`: dx (N, C, H, W), fresh; overlapping windows sum (gather, no atomics)."""
+    op = "maxpool_bprop"
+    if len(x_shape) != 4:
+        raise ValueError(f"{op}: x_shape must be (N, C, H, W), got {x_shape}")
+    N, C, H, W = (int(v) for v in x_shape)
+    P, Q = _pool_geometry(op, (N, C, H, W), kernel, stride)
+    adt = _argmax_dtype(kernel)
+    check_array(op, "dy", dy, shape=(N, C, P, Q))
+    check_array(op, "argmax", argmax, shape=(N, C, P, Q), dtype=adt)
+    dx = xp.empty((N, C, H, W), dtype=np.float32)
+    grid, block = elementwise_launch(dx.size)  # one thread per input element
+    kname = "maxpool_bprop_u8" if adt == np.uint8 else "maxpool_bprop_i32"
+    i32 = functools.partial(c_int32, op)
+    _launch(kname, grid, block, (dy, argmax, dx, c_int64(op, "N*C", N * C), i32("H", H), i32("W", W),
+                                 i32("P", P), i32("Q", Q), i32("kernel", kernel), i32("stride", stride)))
+    return dx
+
+
+# ----------------------------------------------------------------------------------------------
+# fully connected (cuBLAS through matmul)
+
+
+def linear_fprop(x, w, b):
+    """y (N, O) = x (N, I) @ w.T + b; w (O, I), b (O,)."""
+    op = "linear_fprop"
+    check_array(op, "x", x, ndim=2)
+    check_array(op, "w", w, shape=(w.shape[0], x.shape[1]) if getattr(w, "ndim", 0) == 2 else None, ndim=2)
+    check_array(op, "b", b, shape=(w.shape[0],))
+    y = xp.matmul(x, w.T)  # (N, O)
+    y += b
+    return y
+
+
+def linear_dgrad(dy, w):
+    """dx (N, I) = dy (N, O) @ w (O, I)."""
+    op = "linear_dgrad"
+    check_array(op, "dy", dy, ndim=2)
+    check_array(op, "w", w, ndim=2)
+    if w.shape[0] != dy.shape[1]:
+        raise ValueError(f"{op}: w must have shape ({dy.shape[1]}, I), got {tuple(w.shape)}")
+    return xp.matmul(dy, w)
+
+
+def linear_wgrad(dy, x, out=None):
+    """dw (O, I) = dy.T (O, N) @ x (N, I), written into `out` when given (overwritten) and returned."""
+    op = "linear_wgrad"
+    check_array(op, "x", x, ndim=2)
+    check_array(op, "dy", dy, ndim=2)
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"{op}: dy must have shape ({x.shape[0]}, O), got {tuple(dy.shape)}")
+    dw = _out(op, out, (dy.shape[1], x.shape[1]))
+    xp.matmul(dy.T, x, out=dw)
+    return dw
+
+
+# ----------------------------------------------------------------------------------------------
+# loss and optimizer
+
+
+def softmax_xent(logits, labels) -> tuple[float, object, int]:
+    """Softmax cross-entropy, mean over the minibatch: (loss, dlogits (N, K), correct). See numpy_ops.
+
+    One kernel computes dlogits, per-row losses and hits; their sums are taken here (a device sync).
+    labels: integer array (N,) on the device (or host), cast to int32. Raises ValueError on a label
+    outside [0, K), naming it and its index.
+    """
+    op = "softmax_xent"
+    check_array(op, "logits", logits, ndim=2)
+    N, K = logits.shape
+    if getattr(labels, "shape", None) != (N,) or np.dtype(labels.dtype).kind not in "iu":
+        raise ValueError(f"{op}: labels must be an integer array of shape ({N},), got "
+                         f"{getattr(labels, 'shape', type(labels).__name__)} {getattr(labels, 'dtype', '')}")
+    labels = xp.asarray(labels)
+    # out-of-range labels become -1 before the int32 cast (so that none wraps into range); the
+    # kernel flags them and the check below runs on the host copy it needs anyway (no extra sync)
+    labels32 = xp.ascontiguousarray(xp.where((labels < 0) | (labels >= K), -1, labels), dtype=np.int32)
+    dlogits = xp.empty((N, K), dtype=np.float32)
+    row_loss = xp.empty((N,), dtype=np.float32)
+    row_correct = xp.empty((N,), dtype=np.int32)
+    if N == 0:
+        return 0.0, dlogits, 0
+    grid, block = (N, 1, 1), (REDUCE_THREADS, 1, 1)  # one block per row
+    _launch(op, grid, block, (logits, labels32, dlogits, row_loss, row_correct, c_int32(op, "N", N),
+                              c_int32(op, "K", K), c_float32(op, "scale", 1.0 / N)))
+    correct = to_numpy(row_correct)  # (N,) device sync point
+    if correct.min() < 0:
+        bad = int(np.flatnonzero(correct < 0)[0])
+        raise ValueError(f"{op}: label {int(to_numpy(labels[bad:bad + 1])[0])} at index {bad} is outside [0, {K})")
+    loss = float(to_numpy(row_loss).astype(np.float64).mean())
+    return loss, dlogits, int(correct.sum())
+
+
+def sgd_momentum(params, velocity, grad, decay, momentum: float, lr: float) -> None:
+    """In place: velocity <- momentum*velocity + (grad + decay*params); params <- params - lr*velocity.
+
+    All (P,) float32 C-contiguous; decay = weight_decay * mask (0 on biases), as `mpiasgd.optim.SGD`.
+    One kernel (`sgd_momentum`), for workers taking local steps on the device.
+    """
+    op = "sgd_momentum"
+    check_array(op, "params", params, ndim=1)
+    for arg, a in (("velocity", velocity), ("grad", grad), ("decay", decay)):
+        check_array(op, arg, a, shape=params.shape)
+    grid, block = elementwise_launch(params.size)
+    _launch(op, grid, block, (params, velocity, grad, decay, c_float32(op, "momentum", momentum),
+                              c_float32(op, "lr", lr), c_int64(op, "n", params.size)))
