@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpiasgd import protocol
-from mpiasgd.comms import Backoff, probe, wait, wait_all
+from mpiasgd.comms import Backoff, CommTimeout, probe, wait, wait_all
 from mpiasgd.config import Config
 from mpiasgd.optim import SGD, learning_rate
 from mpiasgd.protocol import Message, ProtocolError, Tag
@@ -62,6 +62,7 @@ class ParameterServer:
         self.version = 0
         self.samples = 0                      # images in applied pushes
         self.last_step = dict.fromkeys(self.workers, 0)
+        self.last_seen = dict.fromkeys(self.workers, 0.0)  # seconds since start of each worker's last message
         self.stopped: set[int] = set()        # workers sent STOP
         self.evals: dict[int, tuple] = {}     # worker -> (loss sum, correct, count)
         self.stop_reason = ""
@@ -137,9 +138,16 @@ class ParameterServer:
             self.send(w, Tag.WEIGHTS, step=0)
         backoff = Backoff()
         while len(self.evals) < len(self.workers):
-            message, status = probe(self.comm, self.rank, self.cfg.comm_timeout,
-                                    "message from any worker", backoff, idle=self.tick)
+            try:
+                message, status = probe(self.comm, self.rank, self.cfg.comm_timeout,
+                                        "message from any worker", backoff, idle=self.tick)
+            except CommTimeout as e:
+                waiting = [w for w in self.workers if w not in self.evals]
+                silent = ", ".join(f"rank {w} ({self.now() - self.last_seen[w]:.0f} s)" for w in waiting)
+                raise CommTimeout(f"{e}; still waiting for workers {waiting}; time since each last sent: "
+                                  f"{silent} (hung or very slow; see --comm-timeout)") from None
             self.handle(message, status)
+            self.last_seen[status.Get_source()] = self.now()
             self.tick()
         wait_all(list(self.sending.values()), "completion of the final sends", self.rank, self.cfg.comm_timeout)
         return self.finish()

@@ -20,7 +20,7 @@ P = 6
 def make_server(tmp_path, num_workers=2, **overrides):
     cfg = Config(lr=0.5, momentum=0.0, weight_decay=0.0, lr_schedule="constant", warmup_epochs=0.0,
                  epochs=0, max_pushes=overrides.pop("max_pushes", 100), snapshot_interval=0,
-                 comm_timeout=2.0, progress=False, **overrides)
+                 progress=False, **{"comm_timeout": 2.0, **overrides})
     net = Network(num_workers + 1)
     log = RunLog.create(str(tmp_path / "run.h5"), {"config": cfg.to_json()}, [], P, flush_interval=60)
     params = np.arange(P, dtype=np.float32)
@@ -215,6 +215,13 @@ def test_full_run_with_scripted_workers(tmp_path):
         assert f["snapshots/params"].shape == (2, P)  # first and last
     assert pushes["applied"].sum() == 6
     assert evals["snapshot"].tolist() == [-1] and evals["count"].tolist() == [100]
+
+
+def test_run_times_out_naming_silent_workers(tmp_path):
+    server, net, _ = make_server(tmp_path, comm_timeout=0.3)
+    push(net, 1, step=1, version=0, grad=np.zeros(P, np.float32))   # worker 2 never says anything
+    with pytest.raises(CommTimeout, match=r"still waiting for workers \[1, 2\]; .*rank 2 \("):
+        server.run()
 
 
 def test_probe_times_out_naming_what(tmp_path):
