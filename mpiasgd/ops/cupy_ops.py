@@ -128,22 +128,23 @@ def check_array(op: str, arg: str, a, shape: tuple[int, ...] | None = None, ndim
     return a
 
 
-def c_int32(op: str, arg: str, value) -> np.int32:
-    """`value` as np.int32 (a C int); ValueError if it is not an integer or does not fit."""
+def _c_int(op: str, arg: str, value, ctype):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{op}: {arg} must be an integer, got {value!r}")
-    if not -(2**31) <= int(value) < 2**31:
-        raise ValueError(f"{op}: {arg} = {value} does not fit a 32-bit int")
-    return np.int32(value)
+    info = np.iinfo(ctype)
+    if not info.min <= int(value) <= info.max:
+        raise ValueError(f"{op}: {arg} = {value} does not fit a {info.bits}-bit int")
+    return ctype(value)
+
+
+def c_int32(op: str, arg: str, value) -> np.int32:
+    """`value` as np.int32 (a C int); ValueError if it is not an integer or does not fit."""
+    return _c_int(op, arg, value, np.int32)
 
 
 def c_int64(op: str, arg: str, value) -> np.int64:
     """`value` as np.int64 (a C long long); ValueError if it is not an integer or does not fit."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{op}: {arg} must be an integer, got {value!r}")
-    if not -(2**63) <= int(value) < 2**63:
-        raise ValueError(f"{op}: {arg} = {value} does not fit a 64-bit int")
-    return np.int64(value)
+    return _c_int(op, arg, value, np.int64)
 
 
 def c_float32(op: str, arg: str, value) -> np.float32:

@@ -1,0 +1,244 @@
+"""Kernel test cases run through the CUDA-on-CPU harness, shared by pytest and the TSAN subprocess.
+
+Each case runs one op family two ways and compares with the NumPy backend (`numpy_ops`, evaluated in
+float64 so that the reference is exact to well below float32 rounding):
+
+  * through `mpiasgd.ops.cupy_ops` itself, with its array module swapped for numpy and its kernel
+    lookup for the harness (`cpu_backend`): the wrappers' checks, casts and launch arithmetic run
+    exactly as on a GPU;
+  * straight to the raw kernel where the wrapper does not reach a path (fused ReLU epilogue, chosen
+    wgrad splits, small and capped grids, small blocks).
+
+Tolerance, stated once: |got - ref| <= ATOL + RTOL * |ref| elementwise (float32 kernels vs float64
+reference; sums of up to ~600 O(1) terms). A failure names the worst element.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpiasgd.ops import cupy_ops, numpy_ops
+
+ATOL, RTOL = 1e-4, 1e-4
+
+# (N, C, H, W, K, R, S, stride, pad), each picked for a path:
+CONV_SHAPES = [
+    (2, 3, 7, 9, 5, 3, 3, 1, 1),    # odd H/W, pad 1; N*P*Q = 126: a partial column tile
+    (3, 4, 8, 8, 70, 3, 3, 2, 1),   # K = 70: two row tiles (fprop/wgrad), stride 2
+    (2, 5, 11, 10, 6, 5, 5, 2, 2),  # 5x5, stride 2, pad 2
+    (2, 70, 5, 6, 3, 3, 3, 1, 1),   # C = 70: two dgrad row tiles; C*R*S = 630: many K-slabs
+    (2, 2, 10, 10, 3, 2, 2, 3, 0),  # stride 3 > kernel: dx rows and columns no window reaches
+    (1, 2, 6, 5, 3, 1, 1, 1, 0),    # 1x1
+    (2, 3, 9, 8, 4, 3, 2, 1, 2),    # R != S, pad >= S
+]
+CONV_SHAPES_SMALL = [CONV_SHAPES[0], CONV_SHAPES[2]]  # the ThreadSanitizer run
+
+POOL_SHAPES = [  # (N, C, H, W, kernel, stride)
+    (2, 3, 8, 8, 2, 2), (2, 3, 9, 11, 3, 2), (1, 2, 7, 6, 3, 1), (2, 1, 17, 18, 17, 1)]  # 17*17 > 256: int32
+
+
+def assert_close(got, ref, what: str, atol: float = ATOL, rtol: float = RTOL) -> None:
+    """Elementwise |got - ref| <= atol + rtol*|ref|; on failure report the worst element."""
+    got, ref = np.atleast_1d(np.asarray(got, dtype=np.float64)), np.atleast_1d(np.asarray(ref, dtype=np.float64))
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != expected {ref.shape}"
+    if got.size == 0:
+        return
+    excess = np.abs(got - ref) - (atol + rtol * np.abs(ref))
+    excess[np.isnan(excess)] = np.inf
+    worst = np.unravel_index(int(np.argmax(excess)), excess.shape)
+    assert excess[worst] <= 0, (
+        f"{what}: worst element {tuple(int(i) for i in worst)}: got {got[worst]:.8g}, expected {ref[worst]:.8g} "
+        f"(|diff| {abs(got[worst] - ref[worst]):.3g} > atol + rtol*|ref| = {atol + rtol * abs(ref[worst]):.3g})")
+
+
+@contextlib.contextmanager
+def cpu_backend(lib, **constants) -> Iterator:
+    """`cupy_ops` with numpy arrays and the harness kernels (and launch constants overridden)."""
+    saved = {"xp": cupy_ops.xp, "get_kernel": cupy_ops.get_kernel}
+    saved.update({k: getattr(cupy_ops, k) for k in constants})
+    cupy_ops.xp, cupy_ops.get_kernel = np, lib.kernel
+    for k, v in constants.items():
+        setattr(cupy_ops, k, v)
+    try:
+        yield cupy_ops
+    finally:
+        for k, v in saved.items():
+            setattr(cupy_ops, k, v)
+
+
+def f32(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def f64(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float64)
+
+
+def _i32(*v: int) -> tuple:
+    return tuple(np.int32(x) for x in v)
+
+
+# ----------------------------------------------------------------------------------------------
+# cases: fn(lib, rng, small) -> None, asserting
+
+
+def conv_wrappers(lib, rng, small: bool) -> None:
+    """fprop (with and without bias), dgrad, wgrad through cupy_ops vs numpy_ops, every conv shape.
+    Small wgrad split targets force several batch splits, including a ragged last one."""
+    for shape in CONV_SHAPES_SMALL if small else CONV_SHAPES:
+        N, C, H, W, K, R, S, st, pad = shape
+        x, w, b = f32(rng, N, C, H, W), f32(rng, K, C, R, S), f32(rng, K)
+        P, Q = (H + 2 * pad - R) // st + 1, (W + 2 * pad - S) // st + 1
+        dy = f32(rng, N, K, P, Q)
+        with cpu_backend(lib, CONV_TARGET_BLOCKS=4, CONV_MIN_CHUNK=8) as ops:
+            y = ops.conv2d_fprop(x, w, b, st, pad)
+            y0 = ops.conv2d_fprop(x, w, None, st, pad)
+            dx = ops.conv2d_dgrad(dy, w, x.shape, st, pad)
+            dw = np.full((K, C, R, S), np.nan, np.float32)
+            ops.conv2d_wgrad(dy, x, (K, C, R, S), st, pad, out=dw, ws=ops.Workspace())
+        assert_close(y, numpy_ops.conv2d_fprop(f64(x), f64(w), f64(b), st, pad), f"conv2d_fprop {shape}")
+        assert_close(y0, numpy_ops.conv2d_fprop(f64(x), f64(w), None, st, pad), f"conv2d_fprop no bias {shape}")
+        assert_close(dx, numpy_ops.conv2d_dgrad(f64(dy), f64(w), x.shape, st, pad), f"conv2d_dgrad {shape}")
+        assert_close(dw, numpy_ops.conv2d_wgrad(f64(dy), f64(x), (K, C, R, S), st, pad), f"conv2d_wgrad {shape}")
+
+
+def conv_fprop_relu_epilogue(lib, rng, small: bool) -> None:
+    """conv2d_fprop with the fused bias + ReLU epilogue (relu=1), raw launch."""
+    N, C, H, W, K, R, S, st, pad = CONV_SHAPES[1]
+    x, w, b = f32(rng, N, C, H, W), f32(rng, K, C, R, S), f32(rng, K)
+    P, Q = (H + 2 * pad - R) // st + 1, (W + 2 * pad - S) // st + 1
+    y = np.full((N, K, P, Q), np.nan, np.float32)
+    grid, block = cupy_ops.conv_launch(M=K, NG=N * P * Q)
+    lib.kernel("conv2d_fprop")(grid, block, (x, w, b, y, *_i32(N, C, H, W, K, R, S, P, Q, st, pad, 1)))
+    ref = np.maximum(numpy_ops.conv2d_fprop(f64(x), f64(w), f64(b), st, pad), 0)
+    assert_close(y, ref, "conv2d_fprop relu epilogue")
+
+
+def conv_wgrad_splits(lib, rng, small: bool) -> None:
+    """conv2d_wgrad_partial + conv2d_wgrad_reduce with chosen chunks (1 split, ragged splits, one slab
+    per split): each matches the reference and each is bit-identical when run again."""
+    N, C, H, W, K, R, S, st, pad = CONV_SHAPES[2]
+    x = f32(rng, N, C, H, W)
+    P, Q = (H + 2 * pad - R) // st + 1, (W + 2 * pad - S) // st + 1
+    dy = f32(rng, N, K, P, Q)
+    ref = numpy_ops.conv2d_wgrad(f64(dy), f64(x), (K, C, R, S), st, pad)
+    NPQ, CRS = N * P * Q, C * R * S
+    for chunk in ([24] if small else [NPQ + 8 - NPQ % 8, 24, 8]):
+        splits = -(-NPQ // chunk)
+        results = []
+        for _ in range(2):
+            part = np.full((splits, K, CRS), np.nan, np.float32)
+            dw = np.full((K, C, R, S), np.nan, np.float32)
+            grid, block = cupy_ops.conv_launch(M=K, NG=CRS, splits=splits)
+            lib.kernel("conv2d_wgrad_partial")(grid, block, (dy, x, part, *_i32(N, C, H, W, K, R, S, P, Q, st, pad),
+                                                              np.int64(chunk)))
+            lib.kernel("conv2d_wgrad_reduce")((3,), (32,), (part, dw, np.int32(splits), np.int64(dw.size)))
+            results.append(dw)
+        assert_close(results[0], ref, f"conv2d_wgrad chunk {chunk} ({splits} splits)")
+        assert np.array_equal(results[0], results[1]), f"conv2d_wgrad chunk {chunk}: not bit-reproducible"
+
+
+def bias_grad(lib, rng, small: bool) -> None:
+    """bias_grad on (N, K, P, Q) and (N, K) with 256- and 32-thread blocks (L below and above the block)."""
+    for threads in (32,) if small else (256, 32):
+        for shape in [(3, 5, 7, 9), (4, 3), (2, 65, 1, 1)]:
+            dy = f32(rng, *shape)
+            with cpu_backend(lib, REDUCE_THREADS=threads) as ops:
+                db = ops.bias_grad(dy, out=np.full(shape[1], np.nan, np.float32))
+            assert_close(db, numpy_ops.bias_grad(f64(dy)), f"bias_grad {shape} block {threads}")
+
+
+def relu(lib, rng, small: bool) -> None:
+    """relu_fprop and relu_bprop, odd sizes, with exact zeros; a capped grid exercises the grid-stride loop."""
+    for threads, max_blocks in [(64, 2)] if small else [(256, 65535), (64, 2), (32, 1)]:
+        x = f32(rng, 3, 5, 7, 11)
+        x.reshape(-1)[::7] = 0.0
+        dy = f32(rng, *x.shape)
+        with cpu_backend(lib, ELEMENTWISE_THREADS=threads, ELEMENTWISE_MAX_BLOCKS=max_blocks) as ops:
+            y = ops.relu_fprop(x)
+            dx = ops.relu_bprop(dy, y)
+        assert np.array_equal(y, numpy_ops.relu_fprop(x)), "relu_fprop"
+        assert np.array_equal(dx, numpy_ops.relu_bprop(dy, numpy_ops.relu_fprop(x))), "relu_bprop"
+
+
+def maxpool(lib, rng, small: bool) -> None:
+    """maxpool_fprop (y and the argmax, uint8 and int32) and maxpool_bprop (overlapping windows sum),
+    including ties (values rounded to a coarse grid)."""
+    for N, C, H, W, k, st in POOL_SHAPES[1:2] if small else POOL_SHAPES:
+        x = np.round(f32(rng, N, C, H, W) * 2) / 2  # many ties: the first maximum must win
+        with cpu_backend(lib, ELEMENTWISE_THREADS=64) as ops:
+            y, am = ops.maxpool_fprop(x, k, st)
+            dy = f32(rng, *y.shape)
+            dx = ops.maxpool_bprop(dy, am, x.shape, k, st)
+        y_ref, am_ref = numpy_ops.maxpool_fprop(x, k, st)
+        assert am.dtype == am_ref.dtype, f"maxpool argmax dtype {am.dtype} != {am_ref.dtype}"
+        assert np.array_equal(y, y_ref), f"maxpool_fprop {(N, C, H, W, k, st)}"
+        assert np.array_equal(am, am_ref), f"maxpool_fprop argmax {(N, C, H, W, k, st)}"
+        dx_ref = numpy_ops.maxpool_bprop(f64(dy), am_ref, x.shape, k, st)
+        assert_close(dx, dx_ref, f"maxpool_bprop {(N, C, H, W, k, st)}")
+
+
+def softmax_xent(lib, rng, small: bool) -> None:
+    """loss, dlogits and correct count; K below and above the block; a tied row; int64 labels;
+    a label out of range raises ValueError naming it and its index."""
+    for threads in (32,) if small else (256, 32):
+        for N, K in [(7, 10), (3, 300)]:
+            logits = f32(rng, N, K) * 3
+            logits[0, :] = 1.0  # all tied: argmax is 0
+            labels = rng.integers(0, K, N).astype(np.int64)
+            with cpu_backend(lib, REDUCE_THREADS=threads) as ops:
+                loss, d, correct = ops.softmax_xent(logits, labels)
+            loss_ref, d_ref, correct_ref = numpy_ops.softmax_xent(f64(logits), labels)
+            assert_close(loss, loss_ref, f"softmax_xent loss {(N, K)} block {threads}", atol=1e-5, rtol=1e-5)
+            assert_close(d, d_ref, f"softmax_xent dlogits {(N, K)} block {threads}", atol=1e-6, rtol=1e-5)
+            assert correct == correct_ref, f"softmax_xent correct {correct} != {correct_ref}"
+    bad = np.array([1, 2, 10, -1], dtype=np.int64)
+    with cpu_backend(lib, REDUCE_THREADS=32) as ops:
+        try:
+            ops.softmax_xent(f32(rng, 4, 10), bad)
+        except ValueError as e:
+            assert "label 10 at index 2" in str(e), str(e)
+        else:
+            raise AssertionError("softmax_xent accepted label 10 of 10 classes")
+
+
+def sgd(lib, rng, small: bool) -> None:
+    """sgd_momentum vs mpiasgd.optim.SGD over three steps (decay 0 on 'biases')."""
+    from mpiasgd.optim import SGD
+
+    n = 1001
+    w0 = f32(rng, n)
+    mask = (rng.random(n) < 0.8).astype(np.float32)
+    ref = SGD(w0.copy(), mask, momentum=0.9, weight_decay=5e-4)
+    w, v = w0.copy(), np.zeros(n, np.float32)
+    with cpu_backend(lib, ELEMENTWISE_THREADS=64, ELEMENTWISE_MAX_BLOCKS=3) as ops:
+        for step in range(3):
+            g = f32(rng, n)
+            ref.step(g, 0.05)
+            ops.sgd_momentum(w, v, g, ref.decay, 0.9, 0.05)
+            assert_close(w, ref.params, f"sgd_momentum params, step {step}", atol=1e-6, rtol=1e-6)
+            assert_close(v, ref.velocity, f"sgd_momentum velocity, step {step}", atol=1e-6, rtol=1e-6)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    run: Callable
+    kernels: tuple[str, ...]  # the kernels it launches (a test checks every kernel is covered)
+
+
+CASES = [
+    Case("conv_wrappers", conv_wrappers,
+         ("conv2d_fprop", "conv2d_dgrad", "conv2d_wgrad_partial", "conv2d_wgrad_reduce")),
+    Case("conv_fprop_relu_epilogue", conv_fprop_relu_epilogue, ("conv2d_fprop",)),
+    Case("conv_wgrad_splits", conv_wgrad_splits, ("conv2d_wgrad_partial", "conv2d_wgrad_reduce")),
+    Case("bias_grad", bias_grad, ("bias_grad",)),
+    Case("relu", relu, ("relu_fprop", "relu_bprop")),
+    Case("maxpool", maxpool, ("maxpool_fprop_u8", "maxpool_fprop_i32", "maxpool_bprop_u8", "maxpool_bprop_i32")),
+    Case("softmax_xent", softmax_xent, ("softmax_xent",)),
+    Case("sgd", sgd, ("sgd_momentum",)),
+]

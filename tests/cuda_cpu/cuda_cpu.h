@@ -1,0 +1,156 @@
+// CUDA-on-CPU shim: lets g++ compile the unmodified kernels/*.cu and run a kernel over a grid.
+//
+// Model (what the kernels may rely on, and nothing more):
+//   * one OS thread per CUDA thread of a block (blockDim.x*y*z threads, at most 1024), taken from a
+//     persistent pool so that a launch costs no thread creation (ThreadSanitizer makes that ~1 ms);
+//   * threadIdx / blockIdx are thread_local; gridDim / blockDim are set before the pool is woken;
+//   * the blocks of a grid run one after another, all threads of the block stepping through the
+//     same block sequence with a barrier between blocks, so `__shared__` can be plain `static`
+//     storage shared by the pool threads (one copy per kernel instantiation);
+//   * __syncthreads() is a pthread barrier over the block's threads; ThreadSanitizer intercepts
+//     pthread_barrier_wait, so a missing barrier shows up as a data race on the static storage;
+//   * intrinsics map to their libm counterparts (__expf -> expf, __ldg -> plain load, ...).
+// Not modelled (the kernels must not use them): warps (shuffles, votes, warp-synchronous code),
+// atomics, dynamic (extern) shared memory, streams, cooperative groups, textures.
+#pragma once
+
+#include <pthread.h>
+
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+struct dim3 {
+  unsigned int x, y, z;
+  constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+namespace cudacpu {
+inline thread_local dim3 tl_threadIdx{0, 0, 0};
+inline thread_local dim3 tl_blockIdx{0, 0, 0};
+inline dim3 g_blockDim{1, 1, 1};  // written only while the pool is parked (a launch holds the lock)
+inline dim3 g_gridDim{1, 1, 1};
+inline pthread_barrier_t g_barrier;
+
+inline void syncthreads() {
+  int rc = pthread_barrier_wait(&g_barrier);
+  if (rc != 0 && rc != PTHREAD_BARRIER_SERIAL_THREAD) {
+    std::fprintf(stderr, "cuda_cpu: pthread_barrier_wait failed (%d)\n", rc);
+    std::abort();
+  }
+}
+
+// Persistent pool: thread t (t < blockDim volume) runs `job` for every block of the grid in order.
+class Pool {
+ public:
+  static Pool& get() {
+    // never destroyed: its threads stay parked in wait() until the process exits, and destroying a
+    // condition variable with waiters blocks in glibc (the exit would hang)
+    static Pool* pool = new Pool;
+    return *pool;
+  }
+
+  void launch(dim3 grid, dim3 block, const std::function<void()>& job) {
+    const unsigned long long nt = 1ull * block.x * block.y * block.z;
+    if (nt == 0 || nt > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
+        grid.y > 65535 || grid.z > 65535 || grid.x > 2147483647u) {
+      std::fprintf(stderr, "cuda_cpu: invalid launch grid (%u,%u,%u) block (%u,%u,%u)\n", grid.x, grid.y,
+                   grid.z, block.x, block.y, block.z);
+      std::abort();
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    while (threads_.size() < nt) {
+      int tid = static_cast<int>(threads_.size());
+      threads_.emplace_back([this, tid] { worker(tid); });
+      threads_.back().detach();
+    }
+    g_gridDim = grid;
+    g_blockDim = block;
+    pthread_barrier_init(&g_barrier, nullptr, static_cast<unsigned>(nt));
+    job_ = &job;
+    active_ = static_cast<int>(nt);
+    remaining_ = static_cast<int>(nt);
+    ++generation_;
+    wake_.notify_all();
+    done_.wait(lock, [this] { return remaining_ == 0; });
+    pthread_barrier_destroy(&g_barrier);
+    job_ = nullptr;
+  }
+
+ private:
+  Pool() = default;
+
+  void worker(int tid) {
+    unsigned long long seen = 0;
+    for (;;) {
+      const std::function<void()>* job;
+      dim3 grid, block;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [&] { return generation_ != seen && tid < active_; });
+        seen = generation_;
+        job = job_;
+        grid = g_gridDim;
+        block = g_blockDim;
+      }
+      tl_threadIdx = dim3(tid % block.x, (tid / block.x) % block.y, tid / (block.x * block.y));
+      for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+          for (unsigned x = 0; x < grid.x; ++x) {
+            tl_blockIdx = dim3(x, y, z);
+            (*job)();
+            syncthreads();  // block boundary: the next block may reuse the static __shared__ storage
+          }
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--remaining_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> threads_;
+  const std::function<void()>* job_ = nullptr;
+  int active_ = 0, remaining_ = 0;
+  unsigned long long generation_ = 0;
+};
+
+template <class F>
+void launch(dim3 grid, dim3 block, F f) {
+  std::function<void()> job(f);
+  Pool::get().launch(grid, block, job);
+}
+}  // namespace cudacpu
+
+#define threadIdx (::cudacpu::tl_threadIdx)
+#define blockIdx (::cudacpu::tl_blockIdx)
+#define blockDim (::cudacpu::g_blockDim)
+#define gridDim (::cudacpu::g_gridDim)
+#define __syncthreads() ::cudacpu::syncthreads()
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+
+template <class T>
+inline T __ldg(const T* p) { return *p; }
+inline float __int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, sizeof f);
+  return f;
+}
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+using std::fmaxf;
+using std::fminf;
