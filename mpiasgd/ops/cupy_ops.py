@@ -151,7 +151,7 @@ def c_float32(op: str, arg: str, value) -> np.float32:
     """`value` as np.float32 (a C float); ValueError if it is not a finite real number."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{op}: {arg} must be a real number, got {value!r}")
-    f = np.float32(value)
+    f = np.float32(value) if abs(float(value)) <= float(np.finfo(np.float32).max) else np.float32(np.inf)
     if not np.isfinite(f):
         raise ValueError(f"{op}: {arg} = {value} is not a finite float32")
     return f

@@ -35,7 +35,6 @@ CONV_SHAPES = [
     (1, 2, 6, 5, 3, 1, 1, 1, 0),    # 1x1
     (2, 3, 9, 8, 4, 3, 2, 1, 2),    # R != S, pad >= S
 ]
-CONV_SHAPES_SMALL = [CONV_SHAPES[0], CONV_SHAPES[2]]  # the ThreadSanitizer run
 
 POOL_SHAPES = [  # (N, C, H, W, kernel, stride)
     (2, 3, 8, 8, 2, 2), (2, 3, 9, 11, 3, 2), (1, 2, 7, 6, 3, 1), (2, 1, 17, 18, 17, 1)]  # 17*17 > 256: int32
@@ -57,7 +56,15 @@ def assert_close(got, ref, what: str, atol: float = ATOL, rtol: float = RTOL) ->
 
 @contextlib.contextmanager
 def cpu_backend(lib, **constants) -> Iterator:
-    """`cupy_ops` with numpy arrays and the harness kernels (and launch constants overridden)."""
+    """`cupy_ops` with numpy arrays and the harness kernels (and launch constants overridden).
+
+    Tile macros the library was built with (`lib.defines`, e.g. CONV_BM=32) carry over into the
+    wrapper's launch arithmetic.
+    """
+    d = lib.defines
+    if "CONV_BM" in d or "CONV_BN" in d:
+        bm, bn = d.get("CONV_BM", cupy_ops.CONV_BM), d.get("CONV_BN", cupy_ops.CONV_BN)
+        constants = {"CONV_BM": bm, "CONV_BN": bn, "CONV_THREADS": (bm // 4) * (bn // 4), **constants}
     saved = {"xp": cupy_ops.xp, "get_kernel": cupy_ops.get_kernel}
     saved.update({k: getattr(cupy_ops, k) for k in constants})
     cupy_ops.xp, cupy_ops.get_kernel = np, lib.kernel
@@ -83,13 +90,14 @@ def _i32(*v: int) -> tuple:
 
 
 # ----------------------------------------------------------------------------------------------
-# cases: fn(lib, rng, small) -> None, asserting
+# cases: fn(lib, rng, small) -> None, asserting. `small`: blocks of <= 64 threads only where the
+# kernel allows (a quick run); otherwise production block sizes as well. conv always uses its tiles.
 
 
 def conv_wrappers(lib, rng, small: bool) -> None:
     """fprop (with and without bias), dgrad, wgrad through cupy_ops vs numpy_ops, every conv shape.
     Small wgrad split targets force several batch splits, including a ragged last one."""
-    for shape in CONV_SHAPES_SMALL if small else CONV_SHAPES:
+    for shape in CONV_SHAPES:
         N, C, H, W, K, R, S, st, pad = shape
         x, w, b = f32(rng, N, C, H, W), f32(rng, K, C, R, S), f32(rng, K)
         P, Q = (H + 2 * pad - R) // st + 1, (W + 2 * pad - S) // st + 1
@@ -112,7 +120,8 @@ def conv_fprop_relu_epilogue(lib, rng, small: bool) -> None:
     x, w, b = f32(rng, N, C, H, W), f32(rng, K, C, R, S), f32(rng, K)
     P, Q = (H + 2 * pad - R) // st + 1, (W + 2 * pad - S) // st + 1
     y = np.full((N, K, P, Q), np.nan, np.float32)
-    grid, block = cupy_ops.conv_launch(M=K, NG=N * P * Q)
+    with cpu_backend(lib) as ops:
+        grid, block = ops.conv_launch(M=K, NG=N * P * Q)
     lib.kernel("conv2d_fprop")(grid, block, (x, w, b, y, *_i32(N, C, H, W, K, R, S, P, Q, st, pad, 1)))
     ref = np.maximum(numpy_ops.conv2d_fprop(f64(x), f64(w), f64(b), st, pad), 0)
     assert_close(y, ref, "conv2d_fprop relu epilogue")
@@ -127,13 +136,14 @@ def conv_wgrad_splits(lib, rng, small: bool) -> None:
     dy = f32(rng, N, K, P, Q)
     ref = numpy_ops.conv2d_wgrad(f64(dy), f64(x), (K, C, R, S), st, pad)
     NPQ, CRS = N * P * Q, C * R * S
-    for chunk in ([24] if small else [NPQ + 8 - NPQ % 8, 24, 8]):
+    for chunk in [NPQ + 8 - NPQ % 8, 24, 8]:
         splits = -(-NPQ // chunk)
         results = []
         for _ in range(2):
             part = np.full((splits, K, CRS), np.nan, np.float32)
             dw = np.full((K, C, R, S), np.nan, np.float32)
-            grid, block = cupy_ops.conv_launch(M=K, NG=CRS, splits=splits)
+            with cpu_backend(lib) as ops:
+                grid, block = ops.conv_launch(M=K, NG=CRS, splits=splits)
             lib.kernel("conv2d_wgrad_partial")(grid, block, (dy, x, part, *_i32(N, C, H, W, K, R, S, P, Q, st, pad),
                                                               np.int64(chunk)))
             lib.kernel("conv2d_wgrad_reduce")((3,), (32,), (part, dw, np.int32(splits), np.int64(dw.size)))
@@ -168,7 +178,7 @@ def relu(lib, rng, small: bool) -> None:
 def maxpool(lib, rng, small: bool) -> None:
     """maxpool_fprop (y and the argmax, uint8 and int32) and maxpool_bprop (overlapping windows sum),
     including ties (values rounded to a coarse grid)."""
-    for N, C, H, W, k, st in POOL_SHAPES[1:2] if small else POOL_SHAPES:
+    for N, C, H, W, k, st in POOL_SHAPES:
         x = np.round(f32(rng, N, C, H, W) * 2) / 2  # many ties: the first maximum must win
         with cpu_backend(lib, ELEMENTWISE_THREADS=64) as ops:
             y, am = ops.maxpool_fprop(x, k, st)

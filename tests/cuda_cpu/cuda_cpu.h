@@ -7,14 +7,24 @@
 //   * the blocks of a grid run one after another, all threads of the block stepping through the
 //     same block sequence with a barrier between blocks, so `__shared__` can be plain `static`
 //     storage shared by the pool threads (one copy per kernel instantiation);
-//   * __syncthreads() is a pthread barrier over the block's threads; ThreadSanitizer intercepts
-//     pthread_barrier_wait, so a missing barrier shows up as a data race on the static storage;
+//   * __syncthreads() is a barrier over the block's threads built from two atomics and a futex:
+//     arrivals are acq_rel increments of a counter, the last one publishes a new generation with a
+//     release store, the others acquire it. ThreadSanitizer sees exactly these edges, so a missing
+//     barrier shows up as a data race on the static storage. (pthread_barrier_wait is NOT used: its
+//     ThreadSanitizer interceptor releases and acquires one clock for all generations, so a thread
+//     that leaves barrier k late acquires what a faster thread did after it and before barrier k+1,
+//     and planted races went unreported in about half of the processes);
 //   * intrinsics map to their libm counterparts (__expf -> expf, __ldg -> plain load, ...).
 // Not modelled (the kernels must not use them): warps (shuffles, votes, warp-synchronous code),
 // atomics, dynamic (extern) shared memory, streams, cooperative groups, textures.
 #pragma once
 
-#include <pthread.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <climits>
 
 #include <cmath>
 #include <condition_variable>
@@ -37,15 +47,37 @@ inline thread_local dim3 tl_threadIdx{0, 0, 0};
 inline thread_local dim3 tl_blockIdx{0, 0, 0};
 inline dim3 g_blockDim{1, 1, 1};  // written only while the pool is parked (a launch holds the lock)
 inline dim3 g_gridDim{1, 1, 1};
-inline pthread_barrier_t g_barrier;
 
-inline void syncthreads() {
-  int rc = pthread_barrier_wait(&g_barrier);
-  if (rc != 0 && rc != PTHREAD_BARRIER_SERIAL_THREAD) {
-    std::fprintf(stderr, "cuda_cpu: pthread_barrier_wait failed (%d)\n", rc);
-    std::abort();
+// Reusable barrier for `count` threads (see the header comment for why not pthread_barrier_t).
+class Barrier {
+ public:
+  void reset(int count) {  // only while no thread is inside wait()
+    count_ = count;
+    arrived_.store(0, std::memory_order_relaxed);
   }
-}
+
+  void wait() {
+    const int gen = generation_.load(std::memory_order_relaxed);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == count_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);  // nobody arrives again before the release below
+      generation_.store(gen + 1, std::memory_order_release);
+      syscall(SYS_futex, reinterpret_cast<int*>(&generation_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+      return;
+    }
+    while (generation_.load(std::memory_order_acquire) == gen)
+      syscall(SYS_futex, reinterpret_cast<int*>(&generation_), FUTEX_WAIT_PRIVATE, gen, nullptr, nullptr, 0);
+  }
+
+ private:
+  static_assert(sizeof(std::atomic<int>) == sizeof(int), "futex needs a plain int");
+  std::atomic<int> arrived_{0};
+  std::atomic<int> generation_{0};
+  int count_ = 1;
+};
+
+inline Barrier g_barrier;
+
+inline void syncthreads() { g_barrier.wait(); }
 
 // Persistent pool: thread t (t < blockDim volume) runs `job` for every block of the grid in order.
 class Pool {
@@ -73,14 +105,13 @@ class Pool {
     }
     g_gridDim = grid;
     g_blockDim = block;
-    pthread_barrier_init(&g_barrier, nullptr, static_cast<unsigned>(nt));
+    g_barrier.reset(static_cast<int>(nt));
     job_ = &job;
     active_ = static_cast<int>(nt);
     remaining_ = static_cast<int>(nt);
     ++generation_;
     wake_.notify_all();
     done_.wait(lock, [this] { return remaining_ == 0; });
-    pthread_barrier_destroy(&g_barrier);
     job_ = nullptr;
   }
 

@@ -10,7 +10,7 @@ the call: a pointer parameter needs a C-contiguous numpy array of the matching d
 parameter a numpy scalar of exactly the C type (np.int32 for int, np.int64 for long long,
 np.float32 for float), the same rule the CuPy wrappers follow.
 
-Builds are cached under $TMPDIR/mpiasgd-cuda-cpu/<hash of sources, shim and flags>/.
+Builds are cached under $TMPDIR/mpiasgd-cuda-cpu/ (objects per source text, shim and flags; libraries).
 A ThreadSanitizer build (`tsan=True`) can only be loaded into a process started with libtsan
 preloaded (`tsan_env()`); tests run it in a subprocess (`python -m cuda_cpu.run_cases`).
 """
@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,7 +37,11 @@ REPO = HERE.parents[1]
 KERNELS = REPO / "kernels"
 SHIM = HERE / "cuda_cpu.h"
 
-CXXFLAGS = ["-std=c++17", "-fPIC", "-pthread", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-variable"]
+# Several builds (tile overrides, planted bugs) are loaded into one process: hidden visibility and no
+# GNU-unique symbols keep each library's template instances, `__shared__` statics and shim state its
+# own (otherwise the dynamic linker binds them process-wide to the first library loaded).
+CXXFLAGS = ["-std=c++17", "-fPIC", "-pthread", "-fvisibility=hidden", "-fno-gnu-unique", "-Wall",
+            "-Wno-unknown-pragmas", "-Wno-unused-variable"]
 PLAIN_FLAGS = ["-O2"]
 TSAN_FLAGS = ["-O1", "-g", "-fsanitize=thread"]
 
@@ -106,8 +111,8 @@ def _trampolines(src_path: Path, sigs: list[KernelSig]) -> str:
         decls = ", ".join(p.decl for p in sig.params)
         names = ", ".join(p.name for p in sig.params)
         lines += [
-            f'extern "C" void cpu_launch_{sig.name}(unsigned gx, unsigned gy, unsigned gz, '
-            f"unsigned bx, unsigned by, unsigned bz, {decls}) {{",
+            f'extern "C" __attribute__((visibility("default"))) void cpu_launch_{sig.name}('
+            f"unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, {decls}) {{",
             f"  cudacpu::launch(dim3(gx, gy, gz), dim3(bx, by, bz), [=] {{ {sig.name}({names}); }});",
             "}", ""]
     return "\n".join(lines)
@@ -116,9 +121,10 @@ def _trampolines(src_path: Path, sigs: list[KernelSig]) -> str:
 class KernelLib:
     """A loaded harness library; `kernel(name)` returns a launcher with cupy.RawKernel's call form."""
 
-    def __init__(self, path: Path, sigs: dict[str, KernelSig]) -> None:
+    def __init__(self, path: Path, sigs: dict[str, KernelSig], defines: Mapping[str, int]) -> None:
         self.path = path
         self.sigs = sigs
+        self.defines = dict(defines)  # -D macros the kernels were built with (tile overrides)
         self._dll = ctypes.CDLL(str(path))
 
     def kernel(self, name: str) -> Launcher:
@@ -162,16 +168,39 @@ class Launcher:
         self._fn(*(int(v) for v in grid), *(int(v) for v in block), *c_args)
 
 
-def _compile(cxx: str, flags: list[str], src: Path, obj: Path) -> None:
-    cmd = [cxx, *CXXFLAGS, *flags, "-c", str(src), "-o", str(obj)]
+CACHE = Path(tempfile.gettempdir()) / "mpiasgd-cuda-cpu"
+
+
+def _digest(*parts: str) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _object(cxx: str, flags: list[str], name: str, text: str) -> Path:
+    """The object file of one .cu under the shim, compiled once per (shim, compiler, flags, text)."""
+    d = _mkdir(CACHE / "obj" / _digest(SHIM.read_text(), cxx, *CXXFLAGS, *flags, name, text))
+    obj = d / (name + ".o")
+    if obj.exists():
+        return obj
+    cu, tramp = d / name, d / (name + ".cpp")
+    cu.write_text(text)  # same content whoever writes it; the path shows in ThreadSanitizer reports
+    tramp.write_text(_trampolines(cu, parse_kernels(name, text)))
+    tmp = d / f"{name}.{os.getpid()}.{threading.get_ident()}.o"
+    cmd = [cxx, *CXXFLAGS, *flags, "-c", str(tramp), "-o", str(tmp)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"g++ failed on {src.name}:\n{' '.join(cmd)}\n{proc.stderr}")
+        raise RuntimeError(f"g++ failed on {name}:\n{' '.join(cmd)}\n{proc.stderr}")
+    os.replace(tmp, obj)
+    return obj
 
 
-def build(tsan: bool = False, sources: Mapping[str, str] | None = None) -> KernelLib:
+def build(tsan: bool = False, sources: Mapping[str, str] | None = None,
+          defines: Mapping[str, int] | None = None) -> KernelLib:
     """Compile `sources` ({file name: CUDA text}; default: every kernels/*.cu) into one shared library.
 
+    `defines` are passed as -DNAME=VALUE (the tile overrides a kernel allows, e.g. CONV_BM).
     Each .cu is its own translation unit (its macros stay private). Raises RuntimeError with
     g++'s output when a source does not compile under the shim.
     """
@@ -179,41 +208,27 @@ def build(tsan: bool = False, sources: Mapping[str, str] | None = None) -> Kerne
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) found")
     sources = dict(kernel_sources() if sources is None else sources)
-    flags = TSAN_FLAGS if tsan else PLAIN_FLAGS
-    key = hashlib.sha256()
-    for part in (SHIM.read_text(), cxx, " ".join(CXXFLAGS + flags), *sorted(sources.items())):
-        key.update(repr(part).encode())
-    out = Path(tempfile.gettempdir()) / "mpiasgd-cuda-cpu" / key.hexdigest()[:16]
-    lib_path = out / ("kernels_tsan.so" if tsan else "kernels.so")
+    defines = dict(defines or {})
+    flags = (TSAN_FLAGS if tsan else PLAIN_FLAGS) + [f"-D{k}={v}" for k, v in sorted(defines.items())]
     sigs: dict[str, KernelSig] = {}
     for name, text in sources.items():
         for sig in parse_kernels(name, text):
             if sig.name in sigs:
                 raise ValueError(f"kernel {sig.name} defined in both {sigs[sig.name].source} and {name}")
             sigs[sig.name] = sig
+    # one cached object per (source, flags): a planted variant recompiles only the file it changes
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        objs = list(pool.map(lambda item: _object(cxx, flags, *item), sorted(sources.items())))
+    lib_path = CACHE / "lib" / _digest(*map(str, objs), *flags) / ("kernels_tsan.so" if tsan else "kernels.so")
     if not lib_path.exists():
-        work = Path(tempfile.mkdtemp(prefix="build-", dir=_mkdir(out.parent)))
-        objs = []
-        jobs = []
-        for name, text in sources.items():
-            cu = work / name
-            cu.write_text(text)
-            tramp = work / (name + ".cpp")
-            tramp.write_text(_trampolines(cu, parse_kernels(name, text)))
-            objs.append(work / (name + ".o"))
-            jobs.append((tramp, objs[-1]))
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            for f in [pool.submit(_compile, cxx, flags, s, o) for s, o in jobs]:
-                f.result()
-        tmp_lib = work / lib_path.name
+        _mkdir(lib_path.parent)
+        tmp_lib = lib_path.with_suffix(f".{os.getpid()}.tmp")
         cmd = [cxx, *CXXFLAGS, *flags, "-shared", *map(str, objs), "-o", str(tmp_lib)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"g++ link failed:\n{' '.join(cmd)}\n{proc.stderr}")
-        _mkdir(out)
         os.replace(tmp_lib, lib_path)  # atomic: concurrent builds of the same key agree
-        shutil.rmtree(work, ignore_errors=True)
-    return KernelLib(lib_path, sigs)
+    return KernelLib(lib_path, sigs, defines)
 
 
 def _mkdir(path: Path) -> Path:

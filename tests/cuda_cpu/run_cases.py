@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tsan", action="store_true", help="use the ThreadSanitizer build (needs libtsan preloaded)")
     ap.add_argument("--plant", metavar="FILE:TEXT", help="remove the __syncthreads() on the line containing TEXT")
     ap.add_argument("--cases", help="comma-separated case names (default: all)")
-    ap.add_argument("--full", action="store_true", help="all shapes (default: the small set)")
+    ap.add_argument("--full", action="store_true", help="production block sizes too (default: <= 64 threads)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run each case this many times (ThreadSanitizer keeps a few accesses per word, so a "
                          "race it missed once may show the next time)")

@@ -1,0 +1,246 @@
+"""The CuPy backend's argument checks, C scalar casts, launch limits and launch arithmetic, without a GPU.
+
+`cupy_ops` imports without cupy or a device; its checks are pure functions of array attributes, so
+they run here on numpy arrays and on a fake array type (which also lets shapes far too large to
+allocate reach the grid checks). The kernels themselves run on the CPU in test_kernels_cpu.py.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+from cuda_cpu import harness
+
+from mpiasgd.ops import BACKENDS, BackendUnavailable, cuda_device_count, cupy_ops, get_backend
+
+
+class FakeArray:
+    """Attributes of a device array, no memory: shape, dtype, ndim, size, strides, flags.c_contiguous."""
+
+    def __init__(self, shape, dtype=np.float32, contiguous=True):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.ndim, self.size = len(self.shape), int(np.prod(self.shape, dtype=object))
+        self.strides = tuple(int(np.prod(self.shape[i + 1:], dtype=object)) * self.dtype.itemsize
+                             for i in range(self.ndim))
+        self.flags = types.SimpleNamespace(c_contiguous=contiguous)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """cupy_ops on FakeArray with a kernel lookup that records launches instead of running them."""
+    launches = []
+    fake_xp = types.SimpleNamespace(ndarray=FakeArray, empty=lambda shape, dtype=np.float32: FakeArray(shape, dtype))
+    monkeypatch.setattr(cupy_ops, "xp", fake_xp)
+    monkeypatch.setattr(cupy_ops, "get_kernel", lambda name: lambda grid, block, args, shared_mem=0:
+                        launches.append((name, grid, block, args, shared_mem)))
+    return launches
+
+
+@pytest.fixture
+def numpy_xp(monkeypatch):
+    monkeypatch.setattr(cupy_ops, "xp", np)
+
+
+# ----------------------------------------------------------------------------------------------
+# arrays
+
+
+def test_check_array_accepts_contiguous_float32(numpy_xp):
+    a = np.zeros((2, 3), np.float32)
+    assert cupy_ops.check_array("op", "a", a, shape=(2, 3), ndim=2) is a
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: np.zeros((2, 3), np.float64), "dtype float32, got float64"),
+    (lambda: np.zeros((3, 2), np.float32).T, "C-contiguous"),           # transpose: refused, not misread
+    (lambda: np.zeros((4, 3), np.float32)[::2], "C-contiguous"),        # strided slice
+    (lambda: np.zeros((2, 4), np.float32), r"shape \(2, 3\), got \(2, 4\)"),
+    (lambda: [[0.0] * 3] * 2, "ndarray on this backend, got builtins.list"),
+])
+def test_check_array_refuses(numpy_xp, make, match):
+    with pytest.raises(ValueError, match=match):
+        cupy_ops.check_array("op", "a", make(), shape=(2, 3))
+
+
+def test_check_array_refuses_host_array_on_the_device_backend(fake_gpu):
+    with pytest.raises(ValueError, match=r"got numpy\.ndarray"):
+        cupy_ops.check_array("conv2d_fprop", "x", np.zeros((1, 1, 1, 1), np.float32))
+
+
+def test_check_array_on_attribute_objects(fake_gpu):
+    cupy_ops.check_array("op", "a", FakeArray((5,)))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cupy_ops.check_array("op", "a", FakeArray((5,), contiguous=False))
+
+
+def test_wrappers_refuse_a_transposed_input_before_launch(numpy_xp, monkeypatch):
+    monkeypatch.setattr(cupy_ops, "get_kernel", lambda name: pytest.fail(f"{name} launched"))
+    x = np.zeros((1, 2, 5, 5), np.float32)
+    w = np.zeros((3, 3, 3, 2), np.float32).transpose(0, 3, 1, 2)  # (3, 2, 3, 3), not contiguous
+    with pytest.raises(ValueError, match="w must be C-contiguous"):
+        cupy_ops.conv2d_fprop(x, w, None, 1, 1)
+    with pytest.raises(ValueError, match="dy must have dtype float32"):
+        cupy_ops.relu_bprop(np.zeros(4), np.zeros(4, np.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# scalars
+
+
+def test_scalar_casts_give_exact_c_types():
+    assert type(cupy_ops.c_int32("op", "n", 7)) is np.int32
+    assert type(cupy_ops.c_int32("op", "n", np.int64(7))) is np.int32
+    assert type(cupy_ops.c_int64("op", "n", 2**40)) is np.int64
+    assert type(cupy_ops.c_float32("op", "lr", 0.1)) is np.float32
+    assert cupy_ops.c_float32("op", "lr", 0.1) == np.float32(0.1)
+
+
+@pytest.mark.parametrize("cast, value, match", [
+    (cupy_ops.c_int32, 2**31, "does not fit a 32-bit int"),
+    (cupy_ops.c_int32, -(2**31) - 1, "does not fit a 32-bit int"),
+    (cupy_ops.c_int32, 1.0, "must be an integer"),
+    (cupy_ops.c_int32, True, "must be an integer"),
+    (cupy_ops.c_int64, 2**63, "does not fit a 64-bit int"),
+    (cupy_ops.c_float32, float("inf"), "not a finite float32"),
+    (cupy_ops.c_float32, 1e39, "not a finite float32"),
+    (cupy_ops.c_float32, "0.1", "must be a real number"),
+])
+def test_scalar_casts_refuse(cast, value, match):
+    with pytest.raises(ValueError, match=match):
+        cast("op", "v", value)
+
+
+def test_every_launched_scalar_has_its_c_type(fake_gpu):
+    N, C, H, W, K = 2, 3, 8, 8, 4
+    x, w, b = FakeArray((N, C, H, W)), FakeArray((K, C, 3, 3)), FakeArray((K,))
+    cupy_ops.conv2d_fprop(x, w, b, 1, 1)
+    cupy_ops.conv2d_dgrad(FakeArray((N, K, H, W)), w, (N, C, H, W), 1, 1)
+    cupy_ops.conv2d_wgrad(FakeArray((N, K, H, W)), x, (K, C, 3, 3), 1, 1)
+    cupy_ops.maxpool_fprop(x, 3, 2)
+    cupy_ops.relu_fprop(x)
+    cupy_ops.sgd_momentum(*(FakeArray((10,)) for _ in range(4)), momentum=0.9, lr=0.01)
+    names = [launch[0] for launch in fake_gpu]
+    assert names == ["conv2d_fprop", "conv2d_dgrad", "conv2d_wgrad_partial", "conv2d_wgrad_reduce",
+                     "maxpool_fprop_u8", "relu_fprop", "sgd_momentum"]
+    sigs = {s.name: s for f, t in harness.kernel_sources().items() for s in harness.parse_kernels(f, t)}
+    for name, _, _, args, _ in fake_gpu:
+        params = sigs[name].params
+        assert len(args) == len(params), name
+        for p, a in zip(params, args, strict=True):
+            if p.pointer:
+                assert isinstance(a, FakeArray) and a.dtype == p.dtype, f"{name}: {p.decl} got {a!r}"
+            else:
+                assert type(a) is p.dtype.type, f"{name}: {p.decl} got {type(a).__name__}"
+
+
+def test_launch_refuses_a_python_scalar(fake_gpu):
+    with pytest.raises(TypeError, match="no C type"):
+        cupy_ops._launch("relu_fprop", (1, 1, 1), (32, 1, 1), (FakeArray((4,)), FakeArray((4,)), 4))
+    assert fake_gpu == []
+
+
+# ----------------------------------------------------------------------------------------------
+# launch limits and arithmetic
+
+
+@pytest.mark.parametrize("grid, block, shared, ok", [
+    ((2**31 - 1, 65535, 65535), (1024, 1, 1), 48 * 1024, True),
+    ((2**31, 1, 1), (256, 1, 1), 0, False),
+    ((1, 65536, 1), (256, 1, 1), 0, False),
+    ((1, 1, 65536), (256, 1, 1), 0, False),
+    ((0, 1, 1), (256, 1, 1), 0, False),
+    ((1, 1, 1), (1025, 1, 1), 0, False),
+    ((1, 1, 1), (32, 32, 2), 0, False),
+    ((1, 1, 1), (1, 1, 65), 0, False),
+    ((1, 1, 1), (256, 1, 1), 48 * 1024 + 1, False),
+])
+def test_check_launch(grid, block, shared, ok):
+    if ok:
+        cupy_ops.check_launch("k", grid, block, shared)
+    else:
+        with pytest.raises(ValueError, match="k: "):
+            cupy_ops.check_launch("k", grid, block, shared)
+
+
+def test_grid_checked_before_launch(fake_gpu):
+    # 2^20 images of 1x1024x1024 with a 1x1 filter: N*P*Q / 64 column tiles > 2^31 - 1
+    x, w = FakeArray((2**20, 1, 1024, 1024)), FakeArray((1, 1, 1, 1))
+    with pytest.raises(ValueError, match=r"conv2d_fprop: grid \(17179869184, 1, 1\) outside the limits"):
+        cupy_ops.conv2d_fprop(x, w, None, 1, 0)
+    assert fake_gpu == []
+
+
+def test_conv_extents_beyond_int32_refused(fake_gpu):
+    x, w = FakeArray((1, 2**16, 8, 8)), FakeArray((1, 2**16, 200, 200))
+    with pytest.raises(ValueError, match=r"C\*R\*S = .* does not fit a 32-bit int"):
+        cupy_ops.conv2d_fprop(x, w, None, 1, 100)
+    assert fake_gpu == []
+
+
+def test_conv_launch_cifar10_conv1():
+    grid, block = cupy_ops.conv_launch(M=32, NG=128 * 32 * 32)  # cifar10 conv1 fprop at batch 128
+    assert grid == (2048, 1, 1) and block == (256, 1, 1)
+    assert cupy_ops.CONV_THREADS == (cupy_ops.CONV_BM // 4) * (cupy_ops.CONV_BN // 4)
+    assert cupy_ops.CONV_SHARED == 4096  # what ptxas reports for conv2d.cu
+
+
+@pytest.mark.parametrize("K, CRS, NPQ", [(32, 75, 131072), (32, 800, 28800), (64, 800, 6272), (1, 1, 1),
+                                         (512, 4608, 7), (16, 27, 10**9), (3, 5, 8 * 65535 * 3 + 1)])
+def test_wgrad_split_covers_the_reduction(K, CRS, NPQ):
+    splits, chunk = cupy_ops.wgrad_split(K, CRS, NPQ)
+    assert chunk % cupy_ops.CONV_BK == 0 and chunk > 0
+    assert (splits - 1) * chunk < NPQ <= splits * chunk  # no empty split, nothing left out
+    assert 1 <= splits <= cupy_ops.MAX_GRID_YZ
+    grid, _ = cupy_ops.conv_launch(M=K, NG=CRS, splits=splits)
+    cupy_ops.check_launch("conv2d_wgrad_partial", grid, (256, 1, 1))
+
+
+def test_wgrad_split_fills_the_device_for_small_outputs():
+    splits, chunk = cupy_ops.wgrad_split(32, 800, 128 * 15 * 15)  # cifar10 conv2: 13 output tiles
+    assert 13 * splits >= cupy_ops.CONV_TARGET_BLOCKS * 0.9 and chunk >= cupy_ops.CONV_MIN_CHUNK
+
+
+@pytest.mark.parametrize("n, blocks", [(0, 1), (1, 1), (256, 1), (257, 2), (10**12, 65535)])
+def test_elementwise_launch(n, blocks):
+    assert cupy_ops.elementwise_launch(n) == ((blocks, 1, 1), (256, 1, 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# registry and sources
+
+
+def test_registry_lists_cupy_and_reports_a_missing_device():
+    assert BACKENDS["cupy"] == "mpiasgd.ops.cupy_ops"
+    with pytest.raises(ValueError, match="valid backends: numpy, cupy"):
+        get_backend("tpu")
+    if cuda_device_count() > 0:
+        pytest.skip("a CUDA device is visible")
+    with pytest.raises(BackendUnavailable, match=r"(no CUDA device was found|needs cupy)"):
+        get_backend("cupy")
+
+
+def test_every_wrapped_kernel_exists_in_its_file():
+    sources = harness.kernel_sources()
+    assert cupy_ops.kernel_dir() == harness.KERNELS
+    defined = {s.name: f for f, t in sources.items() for s in harness.parse_kernels(f, t)}
+    assert cupy_ops._KERNEL_FILES == defined
+
+
+def test_tile_constants_match_the_sources():
+    text = harness.kernel_sources()["conv2d.cu"]
+    for name in ("CONV_BM", "CONV_BN", "CONV_BK"):
+        assert f"#define {name} {getattr(cupy_ops, name)} " in text, name
+    assert "#define CONV_TM 4 " in text and "#define CONV_TN 4 " in text
+    assert cupy_ops.CONV_THREADS == (cupy_ops.CONV_BM // 4) * (cupy_ops.CONV_BN // 4)
+    for f, macro in (("bias.cu", "BIAS_THREADS_MAX"), ("softmax_xent.cu", "SOFTMAX_THREADS_MAX")):
+        assert f"#define {macro} {cupy_ops.REDUCE_THREADS}" in harness.kernel_sources()[f]
+
+
+def test_public_names_match_numpy_backend():
+    from mpiasgd.ops import numpy_ops
+
+    public = [n.strip(" .\n") for n in numpy_ops.__doc__.split("cupy backend provides the same):")[1].split(",")]
+    missing = [n for n in public if not hasattr(cupy_ops, n)]
+    assert not missing, f"cupy_ops lacks {missing}"
