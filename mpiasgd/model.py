@@ -128,17 +128,21 @@ class Model:
         return list(self._layout)
 
     def init_params(self, seed: int) -> np.ndarray:
-        """Fresh host float32 (num_params,) vector: He/Kaiming normal weights, zero biases.
+        """Fresh host float32 (num_params,) vector: He/Kaiming normal weights, zero biases, zero classifier.
 
         Weights ~ N(0, 2/fan_in) (He et al. 2015, for ReLU nets), fan_in = C*k*k for conv and
         in_features for linear layers; drawn in layout order from np.random.default_rng(seed),
-        so the same seed always gives the same vector.
+        so the same seed always gives the same vector. The last layer (the classifier, followed by
+        softmax, not ReLU) starts at zero, as the zero-initialised head of Dosovitskiy et al. 2021:
+        the first loss is exactly ln(num_classes) instead of the ~9 that He-scaled logits give
+        after max-pooling, which keeps the first asynchronous steps stable.
         """
         rng = np.random.default_rng(seed)
         params = np.zeros(self.num_params, dtype=np.float32)
-        for layer, slots in zip(self.layers, self._slots, strict=True):
+        classifier = max(i for i, layer in enumerate(self.layers) if layer.param_shapes())
+        for i, (layer, slots) in enumerate(zip(self.layers, self._slots, strict=True)):
             for (pname, _), (offset, shape) in zip(layer.param_shapes(), slots, strict=True):
-                if pname == "weight":
+                if pname == "weight" and i != classifier:
                     size = _size(shape)
                     std = np.sqrt(2.0 / layer.fan_in)
                     params[offset:offset + size] = rng.standard_normal(size) * std

@@ -101,7 +101,7 @@ def test_layers_hold_views_into_the_flat_vectors(digits_batch):
     assert np.array_equal(grads[fc_offset:fc_offset + 1280].reshape(10, 128), convs[-1].dweight)
 
 
-def test_init_is_deterministic_he_normal_with_zero_biases():
+def test_init_is_deterministic_he_normal_with_zero_biases_and_classifier():
     model = build_model("cifar10")
     a, b, c = model.init_params(0), model.init_params(0), model.init_params(1)
     assert a.dtype == np.float32 and a.shape == (85098,)
@@ -109,7 +109,7 @@ def test_init_is_deterministic_he_normal_with_zero_biases():
     fan_in = {"conv1": 75, "conv2": 800, "conv3": 800, "fc1": 576}
     for name, offset, shape in model.layout():
         values = a[offset:offset + int(np.prod(shape))]
-        if name.endswith(".bias"):
+        if name.endswith(".bias") or name.startswith("fc1"):  # biases and the classifier start at zero
             assert (values == 0).all(), name
         else:
             expected = np.sqrt(2.0 / fan_in[name.split(".")[0]])
@@ -131,10 +131,10 @@ def test_whole_model_gradient_matches_finite_differences():
     # float64 copy of the digits network: central differences are then accurate to ~1e-9
     spec = MODELS["digits"]
     model = Model("digits", spec.input_shape, spec(ops), ops, dtype=np.float64)
-    params = model.init_params(3).astype(np.float64)
+    rng = np.random.default_rng(4)
+    params = model.init_params(3).astype(np.float64) + 0.1 * rng.standard_normal(model.num_params)  # non-zero head
     grads = np.zeros_like(params)
     model.bind(params, grads)
-    rng = np.random.default_rng(4)
     x, y = rng.standard_normal((4, 1, 8, 8)), rng.integers(0, 10, 4)
     model.forward_backward(x, y)
     analytic = grads.copy()
@@ -154,6 +154,7 @@ def test_whole_model_gradient_matches_finite_differences():
             f"parameter {i}: analytic {analytic[i]:.10g}, numeric {numeric:.10g}"
     # the production float32 model computes the same gradient to float32 precision
     model32 = bound("digits", 3)
+    model32.params[:] = params  # the same (perturbed) weights in float32
     model32.forward_backward(x.astype(np.float32), y)
     np.testing.assert_allclose(model32.grads, analytic, atol=1e-5, rtol=1e-3)
 
@@ -182,10 +183,11 @@ def test_sgd_steps_on_a_fixed_digits_batch_decrease_the_loss(digits_batch):
     model = bound("digits")
     x, y = digits_batch
     losses = []
-    for _ in range(15):
+    for _ in range(30):
         loss, _ = model.forward_backward(x, y)
         losses.append(loss)
         model.params -= 0.1 * model.grads  # in place: the layers keep their views
+    assert losses[0] == pytest.approx(np.log(10))  # zero-initialised classifier
     assert losses[-1] < 0.5 * losses[0], losses
 
 
