@@ -123,7 +123,7 @@ class ParameterServer:
         self.log.maybe_flush()
         if self.progress is not None and self.now() - self.last_progress >= 0.5:
             self.last_progress = self.now()
-            self.progress.n = self.samples
+            self.progress.n = min(self.samples, self.progress.total or self.samples)
             mean_stale = self.staleness_sum / max(1, self.version)
             self.progress.set_postfix_str(
                 f"epoch {self.epoch:.2f} loss {self.loss_avg:.3f} staleness {mean_stale:.2f}", refresh=True)
@@ -241,7 +241,7 @@ class ParameterServer:
         """Final snapshot and evaluation rows; returns the summary (also stored as log attributes)."""
         self.snapshot()
         if self.progress is not None:
-            self.progress.n = self.samples
+            self.progress.n = min(self.samples, self.progress.total or self.samples)
             self.progress.refresh()
         loss_sum = sum(e[0] for e in self.evals.values())
         correct = sum(e[1] for e in self.evals.values())
