@@ -26,7 +26,8 @@ class ConfigError(ValueError):
 
 
 MODES = ("async",)
-BACKENDS = ("numpy",)
+BACKENDS = ("auto", "numpy", "cupy")
+CUDA_AWARE = ("auto", "on", "off")
 SCHEDULES = ("constant", "step", "cosine")
 
 
@@ -45,7 +46,12 @@ class Config:
     batch_size: int = _opt(32, "model and data", "minibatch per worker, images")
     # --- parallelism ---
     mode: str = _opt("async", "parallelism", "training mode: async (A-SGD with a parameter server)")
-    backend: str = _opt("numpy", "parallelism", "compute backend of the workers: numpy")
+    backend: str = _opt("auto", "parallelism",
+                        "compute backend of the workers: auto (cupy where the worker's node has a GPU, else numpy) "
+                        "| numpy | cupy (default: auto)")
+    share_devices: bool = _opt(False, "parallelism", "allow two workers on one GPU (else a start-up error)")
+    cuda_aware: str = _opt("auto", "parallelism",
+                           "MPI takes device buffers: auto (ask MPI.Query_cuda_support; off without it) | on | off")
     threads: int = _opt(0, "parallelism", "BLAS threads per worker rank; 0 = cores of the node / workers on it")
     comm_timeout: float = _opt(300.0, "parallelism", "longest wait for any one message before failing, seconds")
     # --- optimizer (applied by the parameter server) ---
@@ -81,6 +87,7 @@ class Config:
         need(self.dataset in ("", "digits", "cifar10"), "dataset", "digits or cifar10")
         need(self.mode in MODES, "mode", f"one of {MODES}")
         need(self.backend in BACKENDS, "backend", f"one of {BACKENDS}")
+        need(self.cuda_aware in CUDA_AWARE, "cuda_aware", f"one of {CUDA_AWARE}")
         need(self.batch_size >= 1, "batch_size", "an integer >= 1")
         need(self.threads >= 0, "threads", "an integer >= 0")
         need(self.comm_timeout > 0, "comm_timeout", "seconds > 0")

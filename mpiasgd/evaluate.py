@@ -19,10 +19,13 @@ def evaluate(model, dataset, idx: np.ndarray, batch_size: int) -> tuple[float, i
     """Forward the test images `idx` (int64) through `model` with its bound weights.
 
     Returns (summed cross-entropy loss, number correct, number of images), in batches of `batch_size`.
+    Batches are read on the host and moved to the model's backend (cupy: to the device; numpy: no copy).
     """
     loss_sum, correct = 0.0, 0
+    ops = model.ops
     for start in range(0, idx.size, batch_size):
         x, y = dataset.batch("test", idx[start:start + batch_size])  # (B, C, H, W) float32, (B,) int64
+        x, y = ops.asarray(x), ops.asarray(y, y.dtype)
         batch_loss, batch_correct = model.evaluate(x, y, batch_size)
         loss_sum += float(batch_loss)
         correct += int(batch_correct)

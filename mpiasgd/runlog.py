@@ -46,7 +46,10 @@ EVAL_ROW = np.dtype([("time", "<f8"), ("version", "<i8"), ("epoch", "<f8"), ("sn
                      ("loss", "<f8"), ("accuracy", "<f8"), ("count", "<i8")])
 EVENT_ROW = np.dtype([("time", "<f8"), ("kind", "S16"), ("text", h5py.string_dtype())])
 WORKER_ROW = np.dtype([("rank", "<i4"), ("host", "S64"), ("pid", "<i8"), ("threads", "<i4"),
-                       ("backend", "S16"), ("shard_size", "<i8")])
+                       ("backend", "S16"), ("shard_size", "<i8"),
+                       # GPU binding (device -1 and empty strings on numpy workers); transfer: how
+                       # weights/grads meet MPI: host (no copies) | pinned (staged) | device (CUDA-aware)
+                       ("device", "<i4"), ("device_name", "S64"), ("device_uuid", "S48"), ("transfer", "S16")])
 
 TABLES = {"pushes": PUSH_ROW, "updates": UPDATE_ROW, "snapshots/meta": SNAPSHOT_ROW,
           "evals": EVAL_ROW, "events": EVENT_ROW}

@@ -31,10 +31,22 @@ from mpiasgd import __version__, protocol
 from mpiasgd.comms import CommTimeout, wait
 from mpiasgd.config import Config, ConfigError
 from mpiasgd.data import DataError, ShardSampler, default_data_dir, load_dataset
+from mpiasgd.device import (
+    DeviceError,
+    assign_device,
+    local_worker_rank,
+    make_staging,
+    resolve_backend,
+    resolve_cuda_aware,
+    sharing_error,
+    use_device,
+    visible_hint,
+)
+from mpiasgd.ops import BackendUnavailable, cuda_device_count, get_backend
 from mpiasgd.protocol import Message, Tag
 from mpiasgd.runlog import WriterLock
 
-STARTUP_ERRORS = (ConfigError, DataError, OSError, ValueError)
+STARTUP_ERRORS = (ConfigError, DataError, OSError, ValueError, BackendUnavailable, DeviceError)
 EXIT_BAD_INPUT = 2
 ABORT_CODE = 1
 
@@ -61,15 +73,27 @@ class Rank:
         return self.size - 1
 
 
-def blas_threads(me: Rank, requested: int) -> int:
+def node_workers(me: Rank) -> tuple[int, int]:
+    """Collective: (workers on this rank's node, this worker's index among them; -1 on the server).
+
+    The index is the local rank used to pick a GPU; the parameter server takes none, so it is not counted.
+    """
+    node = me.comm.Split_type(MPI.COMM_TYPE_SHARED)  # collective: every rank calls it
+    is_worker = node.allgather(not me.is_server)
+    node_rank = node.Get_rank()
+    node.Free()
+    if me.is_server:
+        return sum(is_worker), -1
+    index, count = local_worker_rank(is_worker, node_rank)
+    return count, index
+
+
+def blas_threads(me: Rank, requested: int, workers_here: int) -> int:
     """BLAS threads for this rank: `requested`, or (0) the cores this rank may use / workers sharing them.
 
     The server gets 1 (it only runs vector updates). Workers on one node split the node's cores, so
     ranks never oversubscribe them: 2 workers on 2 cores get 1 thread each.
     """
-    node = me.comm.Split_type(MPI.COMM_TYPE_SHARED)  # collective: every rank calls it
-    workers_here = node.allreduce(0 if me.is_server else 1)
-    node.Free()
     if me.is_server:
         return 1
     if requested:
@@ -91,8 +115,28 @@ def versions() -> dict:
             "h5py": h5py.version.version, "hdf5": h5py.version.hdf5_version}
 
 
-def setup(cfg: Config, me: Rank, threads: int) -> dict:
-    """Per-rank start-up; returns what the role needs. Raises one of STARTUP_ERRORS on bad input."""
+def worker_backend(cfg: Config, me: Rank, local_rank: int) -> tuple[str, object]:
+    """(all workers) Resolve the backend and, for cupy, select this worker's GPU before anything is allocated.
+
+    Returns (backend, DeviceInfo or None). Raises BackendUnavailable (cupy requested, but cupy or a
+    device is missing) or DeviceError.
+    """
+    count = 0 if cfg.backend == "numpy" else cuda_device_count()  # numpy: cupy is never imported
+    backend = resolve_backend(cfg.backend, count)
+    if backend != "cupy":
+        return backend, None
+    try:
+        get_backend("cupy")
+    except BackendUnavailable as e:
+        raise BackendUnavailable(f"--backend cupy: {e}{visible_hint()}") from None
+    return backend, use_device(assign_device(local_rank, count), me.rank, me.host)
+
+
+def setup(cfg: Config, me: Rank, threads: int, local_rank: int = 0) -> dict:
+    """Per-rank start-up; returns what the role needs. Raises one of STARTUP_ERRORS on bad input.
+
+    `local_rank` is a worker's index among the workers of its node (its GPU, modulo visible devices).
+    """
     from mpiasgd.model import build_model
 
     if me.size < 2:
@@ -100,7 +144,8 @@ def setup(cfg: Config, me: Rank, threads: int) -> dict:
                           "launch it with e.g. 'mpiexec -n 3 python -m mpiasgd train'")
     data_dir = cfg.data_dir or default_data_dir()
     dataset = load_dataset(cfg.dataset_name, data_dir)
-    model = build_model(cfg.model, cfg.backend)
+    backend, device = ("numpy", None) if me.is_server else worker_backend(cfg, me, local_rank)
+    model = build_model(cfg.model, backend)  # the server keeps host weights: always numpy
     if tuple(dataset.train_x.shape[1:]) != tuple(model.input_shape):
         raise ConfigError(f"model '{cfg.model}' takes inputs {tuple(model.input_shape)}, dataset "
                           f"'{cfg.dataset_name}' has images {tuple(dataset.train_x.shape[1:])}")
@@ -108,7 +153,7 @@ def setup(cfg: Config, me: Rank, threads: int) -> dict:
     if smallest_shard and cfg.batch_size > smallest_shard:  # 0: the sampler names too many workers
         raise ConfigError(f"config key 'batch_size' = {cfg.batch_size}: larger than the smallest worker shard "
                           f"({smallest_shard} images: {dataset.train_y.size} over {me.num_workers} workers)")
-    out = {"dataset": dataset, "model": model}
+    out = {"dataset": dataset, "model": model, "backend": backend, "device": device}
     if me.is_server:
         out["path"] = os.path.join(cfg.run_dir, run_name(cfg, me.num_workers) + ".h5")
         if os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
@@ -128,6 +173,8 @@ def setup(cfg: Config, me: Rank, threads: int) -> dict:
         out["sampler"] = ShardSampler(dataset.train_y.size, me.num_workers, me.rank - 1, cfg.seed)
 
         out["test_idx"] = np.array_split(np.arange(dataset.test_y.size, dtype=np.int64), me.num_workers)[me.rank - 1]
+        cuda_aware = backend == "cupy" and resolve_cuda_aware(cfg.cuda_aware, getattr(MPI, "Query_cuda_support", None))
+        out["staging"] = make_staging(backend, cuda_aware, model.num_params)  # buffers reused every step
     return out
 
 
@@ -177,7 +224,12 @@ def run_server(cfg: Config, me: Rank, state: dict, threads: int) -> None:
 
     model, dataset = state["model"], state["dataset"]
     workers = me.comm.gather(None, root=0)[1:]
-    print(f"mpiasgd {__version__}: {me.num_workers} workers, model {cfg.model} ({model.num_params:,} parameters), "
+    kinds: dict[str, int] = {}
+    for w in workers:  # e.g. "cupy (pinned) x2" or "numpy (host) x2"
+        key = f"{w[4]} ({w[9]})"
+        kinds[key] = kinds.get(key, 0) + 1
+    print(f"mpiasgd {__version__}: {me.num_workers} workers "
+          f"[{', '.join(f'{k} x{n}' for k, n in kinds.items())}], model {cfg.model} ({model.num_params:,} parameters), "
           f"dataset {cfg.dataset_name} ({dataset.train_y.size:,} train / {dataset.test_y.size:,} test images)\n"
           f"resolved config:\n{cfg.describe()}", flush=True)
     attrs = {"config": cfg.to_json(), "versions": versions(), "layout": model.layout(), "model": cfg.model,
@@ -238,11 +290,17 @@ def train(cfg: Config, comm: Any = None) -> int:
     # start-up (all ranks): collective, so bad input gives one message and a clean exit
     error, state, threads = None, {}, 1
     try:
-        threads = blas_threads(me, cfg.threads)
-        state = setup(cfg, me, threads)
+        workers_here, local_rank = node_workers(me)
+        threads = blas_threads(me, cfg.threads, workers_here)
+        state = setup(cfg, me, threads, local_rank)
     except STARTUP_ERRORS as e:
         error = str(e)
     if report_startup_errors(me, error):
+        return EXIT_BAD_INPUT
+    # (all ranks) two workers on one GPU: every rank judges the same gathered list
+    devices = comm.allgather(state.get("device"))
+    shared = None if me.is_server else sharing_error(devices, me.rank, cfg.share_devices)
+    if report_startup_errors(me, shared):
         return EXIT_BAD_INPUT
 
     from threadpoolctl import threadpool_limits
@@ -252,12 +310,14 @@ def train(cfg: Config, comm: Any = None) -> int:
             if me.is_server:
                 run_server(cfg, me, state, threads)
             else:
-                comm.gather((me.rank, me.host, os.getpid(), threads, cfg.backend, len(state["sampler"])),
-                            root=0)
+                dev = state["device"]
+                comm.gather((me.rank, me.host, os.getpid(), threads, state["backend"], len(state["sampler"]),
+                             -1 if dev is None else dev.index, "" if dev is None else dev.name,
+                             "" if dev is None else dev.uuid, state["staging"].kind), root=0)
                 from mpiasgd.worker import Worker
 
                 Worker(comm, cfg, state["model"], state["dataset"], state["sampler"], state["test_idx"],
-                       me.rank).run()
+                       me.rank, state["staging"]).run()
     except BaseException:
         text = traceback.format_exc()
         if me.is_server:

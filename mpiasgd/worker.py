@@ -5,6 +5,12 @@ vector IS the payload of the send buffer, so a push or a pull never copies the m
 the gradient where backward wrote it and writes the weights where forward reads them. The
 receive for the reply is posted before the push is sent (no unexpected-message buffering), and
 both buffers are touched only after their requests completed.
+
+That holds for the numpy backend. On a GPU (cupy backend) the model lives on the device and a
+`mpiasgd.device.Staging` chosen at start-up moves data between it and the MPI buffers: pinned
+host buffers with one host->device copy of the weights per pull and one device->host copy of the
+gradient per push, or (CUDA-aware MPI) device buffers handed to MPI directly. The loop is the same
+for all three; on the numpy backend the staging calls do nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from mpiasgd import protocol
 from mpiasgd.comms import wait
 from mpiasgd.config import Config
 from mpiasgd.data import Dataset, ShardSampler
+from mpiasgd.device import Staging
 from mpiasgd.evaluate import evaluate
 from mpiasgd.protocol import Message, ProtocolError, Tag
 
@@ -27,11 +34,12 @@ class Worker:
     """(all workers) One A-SGD worker of rank `rank` (1-based) over `comm`; see the module docstring.
 
     `model` is an unbound `mpiasgd.model.Model`; `dataset` the loaded Dataset; `sampler` this
-    worker's ShardSampler; `test_idx` (int64) the test images this worker evaluates at the end.
+    worker's ShardSampler; `test_idx` (int64) the test images this worker evaluates at the end;
+    `staging` how the model's params/grads meet the MPI buffers (default: the numpy backend's, no copies).
     """
 
     def __init__(self, comm: Any, cfg: Config, model: Any, dataset: Dataset, sampler: ShardSampler,
-                 test_idx: np.ndarray, rank: int) -> None:
+                 test_idx: np.ndarray, rank: int, staging: Staging | None = None) -> None:
         self.comm = comm
         self.cfg = cfg
         self.model = model
@@ -39,6 +47,7 @@ class Worker:
         self.sampler = sampler
         self.test_idx = test_idx
         self.rank = rank
+        self.staging = staging
         self.step = 0
         self.version = -1
 
@@ -52,10 +61,15 @@ class Worker:
             yield epoch - 1, queue[: self.cfg.batch_size]
             queue = queue[self.cfg.batch_size:]
 
-    def receive_reply(self, request: Any, weights: Message, what: str) -> tuple[Tag, float]:
-        """Wait for WEIGHTS or STOP from the server into `weights`; returns (tag, seconds waited)."""
+    def receive_reply(self, request: Any, staging: Staging, what: str) -> tuple[Tag, float]:
+        """Wait for WEIGHTS or STOP from the server into `staging.recv_buf`; returns (tag, seconds waited).
+
+        After it returns, `staging.weights.header` and the model's params hold what arrived.
+        """
         status = MPI.Status()
         waited = wait(request, what, self.rank, self.cfg.comm_timeout, status)
+        staging.after_receive()  # cupy: weights host->device (pinned) or the header device->host (CUDA-aware)
+        weights = staging.weights
         tag = protocol.parse_tag(status.Get_tag(), status.Get_source(), self.rank)
         if tag not in (Tag.WEIGHTS, Tag.STOP):
             raise ProtocolError(f"rank {self.rank}: expected WEIGHTS or STOP from rank 0, got {tag.name}")
@@ -71,31 +85,36 @@ class Worker:
     def run(self) -> None:
         """Train until the server says STOP, then evaluate the final weights on this worker's test slice."""
         cfg, model, rank = self.cfg, self.model, self.rank
-        weights, push = Message(model.num_params), Message(model.num_params)
-        model.bind(weights.payload, push.payload)  # params live in the receive buffer, grads in the send buffer
+        staging = self.staging or Staging(model.num_params)
+        push, ops = staging.push, model.ops
+        # numpy: params live in the receive buffer, grads in the send buffer; cupy: on the device
+        model.bind(staging.params, staging.grads)
         rng = np.random.default_rng([cfg.seed, 1, rank])  # augmentation
-        request = self.comm.Irecv(weights.buf, source=0, tag=MPI.ANY_TAG)
-        tag, wait_s = self.receive_reply(request, weights, "initial weights from the parameter server (rank 0)")
+        request = self.comm.Irecv(staging.recv_buf, source=0, tag=MPI.ANY_TAG)
+        tag, wait_s = self.receive_reply(request, staging, "initial weights from the parameter server (rank 0)")
         comm_s = 0.0
         batches = self.batches()
         while tag == Tag.WEIGHTS:
             t0 = time.perf_counter()
             epoch, idx = next(batches)
-            x, y = self.dataset.batch("train", idx, rng)      # (B, C, H, W) float32, (B,) int64
-            loss, correct = model.forward_backward(x, y)      # gradient written into push.payload
+            x, y = self.dataset.batch("train", idx, rng)      # (B, C, H, W) float32, (B,) int64, host
+            x, y = ops.asarray(x), ops.asarray(y, y.dtype)    # cupy: host -> device; numpy: the same arrays
+            loss, correct = model.forward_backward(x, y)      # gradient written into staging.grads
+            staging.finish_compute()                          # cupy: device sync point
             t1 = time.perf_counter()
             self.step += 1
             push.stamp(Tag.PUSH, rank, step=self.step, version=self.version, samples=idx.size, epoch=epoch,
                        correct=correct, loss=loss, compute_s=t1 - t0, comm_s=comm_s, wait_s=wait_s)
-            request = self.comm.Irecv(weights.buf, source=0, tag=MPI.ANY_TAG)  # weights buffer owned by MPI
-            sending = self.comm.Isend(push.buf, dest=0, tag=int(Tag.PUSH))     # gradient buffer owned by MPI
+            staging.before_send()  # cupy: gradient device->host (pinned) or header host->device (CUDA-aware)
+            request = self.comm.Irecv(staging.recv_buf, source=0, tag=MPI.ANY_TAG)  # weights buffer owned by MPI
+            sending = self.comm.Isend(staging.send_buf, dest=0, tag=int(Tag.PUSH))  # gradient buffer owned by MPI
             t2 = time.perf_counter()
             tag, wait_s = self.receive_reply(
-                request, weights, f"reply to push step {self.step} from the parameter server (rank 0)")
+                request, staging, f"reply to push step {self.step} from the parameter server (rank 0)")
             t3 = time.perf_counter()
             wait(sending, f"completion of push step {self.step}", rank, cfg.comm_timeout)
             comm_s = (t2 - t1) + (time.perf_counter() - t3)
-        # STOP: `weights` holds the final weights
+        # STOP: the model's params hold the final weights
         loss_sum, correct, count = evaluate(model, self.dataset, self.test_idx, cfg.eval_batch_size)
         result = Message(0).stamp(Tag.EVAL, rank, samples=count, correct=correct, loss=loss_sum)
         sending = self.comm.Isend(result.buf, dest=0, tag=int(Tag.EVAL))

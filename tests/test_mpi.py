@@ -258,3 +258,32 @@ def test_existing_log_not_overwritten(mpirun, tmp_path):
     res = mpirun(3, ["train", *FAST, "--name", "keep"], timeout=60)
     assert res.returncode == 2 and "exists" in res.stderr, res.explain()
     assert (tmp_path / "runs" / "keep.h5").read_bytes() == b"precious"
+
+
+def test_backend_cupy_without_gpu_is_one_startup_error(mpirun):
+    from mpiasgd.ops import cuda_device_count
+
+    if cuda_device_count() > 0:
+        pytest.skip("a CUDA device is visible: --backend cupy runs here (tests/gpu covers it)")
+    res = mpirun(3, ["train", *FAST, "--backend", "cupy", "--name", "nogpu"], timeout=60)
+    assert res.returncode == 2, res.explain()
+    errors = [line for line in res.stderr.splitlines() if line.startswith("mpiasgd: error")]
+    assert len(errors) == 1 and errors[0].startswith("mpiasgd: error (ranks 1, 2): --backend cupy:"), res.explain()
+    assert "no CUDA device was found" in errors[0] or "needs cupy" in errors[0], res.explain()
+    assert "Traceback" not in res.stderr
+
+
+def test_auto_backend_resolution_is_logged(mpirun, tmp_path):
+    from mpiasgd.ops import cuda_device_count
+
+    res = mpirun(2, ["train", *FAST, "--max-pushes", "5", "--epochs", "0", "--name", "auto", "--share-devices"],
+                 timeout=60)
+    assert res.returncode == 0, res.explain()
+    _, t, _ = read_log(tmp_path / "runs" / "auto.h5")
+    w = t["workers"][0]
+    if cuda_device_count() == 0:
+        assert (w["backend"], w["device"], w["device_name"], w["device_uuid"], w["transfer"]) == \
+            (b"numpy", -1, b"", b"", b"host")
+        assert "numpy (host) x1" in res.stdout
+    else:
+        assert w["backend"] == b"cupy" and w["device"] >= 0 and w["transfer"] in (b"pinned", b"device")

@@ -1,0 +1,347 @@
+"""GPU binding of the workers: backend resolution, one device per worker, and moving data for MPI.
+
+Launch (train.py) resolves each worker's backend and device, then builds its `Staging`, all at start-up:
+
+    backend = resolve_backend(cfg.backend, cuda_device_count())      # "auto" -> cupy if a GPU is visible
+    index = assign_device(local_worker_rank, cuda_device_count())     # local rank modulo visible devices
+    info = use_device(index)                                          # cupy: select it; name, UUID
+    staging = make_staging(backend, cuda_aware, model.num_params)     # how weights/grads meet MPI
+
+Device numbers are those the process sees: CUDA_VISIBLE_DEVICES (and SLURM's `--gpus-per-task`,
+which sets it per task) renumber the visible devices from 0, so two workers may both use "device
+0" and still be on different GPUs. Whether two workers share one GPU is therefore decided by the
+device's UUID (`shared_devices`), not by its number.
+
+Staging (one object per worker, chosen once; the worker loop calls the same three methods on all):
+
+    host      numpy backend: params ARE the receive payload, grads ARE the send payload; no copies
+    pinned    cupy backend: MPI buffers in pinned host memory (reused every step); weights copied
+              host->device after each receive, the gradient device->host before each send
+    device    cupy backend with a CUDA-aware MPI: the message buffers live on the device, params and
+              grads are views into them; only the 96-byte header crosses to and from the host
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mpiasgd.protocol import HEADER, HEADER_BYTES, Message, message_bytes
+
+
+class DeviceError(RuntimeError):
+    """A worker cannot get a device of its own (sharing without --share-devices, no device visible)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# backend and device assignment (pure functions: tested without a GPU)
+
+
+def resolve_backend(requested: str, device_count: int) -> str:
+    """The backend a worker runs: "auto" is "cupy" when `device_count` > 0, else "numpy".
+
+    "numpy" and "cupy" are returned as given; whether cupy can run is checked when its ops module
+    is loaded (`mpiasgd.ops.get_backend` raises BackendUnavailable naming what is missing).
+    """
+    if requested == "auto":
+        return "cupy" if device_count > 0 else "numpy"
+    if requested not in ("numpy", "cupy"):
+        raise ValueError(f"unknown backend {requested!r}; expected auto, numpy or cupy")
+    return requested
+
+
+def local_worker_rank(is_worker_by_node_rank: list[bool], node_rank: int) -> tuple[int, int]:
+    """(index of this worker among the workers of its node, workers on the node).
+
+    `is_worker_by_node_rank[i]` says whether node rank i (of `comm.Split_type(COMM_TYPE_SHARED)`)
+    is a worker; the parameter server takes no GPU, so it is not counted. Raises ValueError when
+    `node_rank` is not a worker.
+    """
+    if not is_worker_by_node_rank[node_rank]:
+        raise ValueError(f"node rank {node_rank} is not a worker")
+    return sum(is_worker_by_node_rank[:node_rank]), sum(is_worker_by_node_rank)
+
+
+def assign_device(local_rank: int, visible: int) -> int:
+    """Device number (as this process sees it) of the worker with node-local worker index `local_rank`.
+
+    Local rank modulo the `visible` devices; DeviceError when none is visible.
+    """
+    if visible < 1:
+        raise DeviceError(f"no CUDA device visible{visible_hint()}")
+    return local_rank % visible
+
+
+def parse_visible(value: str | None) -> list[str] | None:
+    """The entries of CUDA_VISIBLE_DEVICES ("0,2", "GPU-8f3c...", "" or "-1" = none); None when unset.
+
+    The CUDA runtime stops at the first invalid entry; so does this ("0,-1,1" -> ["0"]).
+    """
+    if value is None:
+        return None
+    out = []
+    for entry in value.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        out.append(entry)
+    return out
+
+
+def visible_hint(env: dict | None = None) -> str:
+    """' (CUDA_VISIBLE_DEVICES=...)' when set, for error messages; '' otherwise."""
+    value = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    return "" if value is None else f" (CUDA_VISIBLE_DEVICES={value!r})"
+
+
+def physical_id(index: int, env: dict | None = None) -> str:
+    """What device `index` (numbered from 0 as this process sees it) is on its node.
+
+    The CUDA_VISIBLE_DEVICES entry it maps to (e.g. index 0 under "2,3" is "2"), else the index itself.
+    """
+    visible = parse_visible((os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"))
+    if visible is not None and index < len(visible):
+        return visible[index]
+    return str(index)
+
+
+def format_uuid(raw: Any) -> str:
+    """A device UUID as nvidia-smi prints it ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"); "" if absent.
+
+    `raw` is the 16 bytes of cudaDeviceProp.uuid (bytes, or a str CuPy may hand back as is).
+    """
+    if isinstance(raw, str):
+        return raw
+    if not raw:
+        return ""
+    h = bytes(raw)[:16].hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One worker's device, as logged: host, index (as the process sees it), name, UUID, node-wide id."""
+
+    rank: int
+    host: str
+    index: int
+    name: str
+    uuid: str
+    physical: str  # CUDA_VISIBLE_DEVICES entry or index: identifies the GPU on its node without a UUID
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Identity of the physical GPU: its UUID when known, else (host, CUDA_VISIBLE_DEVICES entry)."""
+        return ("", self.uuid) if self.uuid else (self.host, self.physical)
+
+
+def shared_devices(infos: list[DeviceInfo | None]) -> dict[tuple[str, str], list[DeviceInfo]]:
+    """The GPUs used by two or more workers: key -> the workers on it (ranks ascending). None entries
+    (numpy workers, the server) are ignored."""
+    by_key: dict[tuple[str, str], list[DeviceInfo]] = {}
+    for info in infos:
+        if info is not None:
+            by_key.setdefault(info.key, []).append(info)
+    return {k: sorted(v, key=lambda i: i.rank) for k, v in by_key.items() if len(v) > 1}
+
+
+def sharing_error(infos: list[DeviceInfo | None], rank: int, share: bool) -> str | None:
+    """The start-up error of worker `rank` if it shares its GPU and `share` is False; else None.
+
+    Every rank computes this from the same gathered list, so all agree without another message.
+    """
+    if share:
+        return None
+    for group in shared_devices(infos).values():
+        if any(i.rank == rank for i in group):
+            first = group[0]
+            ranks = ", ".join(str(i.rank) for i in group)
+            return (f"workers (ranks {ranks}) would share one GPU: device {first.index} ({first.name or 'unnamed'}"
+                    f"{', ' + first.uuid if first.uuid else ''}) on host {first.host}{visible_hint()}; start at "
+                    "most one worker per visible GPU on each node, or pass --share-devices")
+    return None
+
+
+def resolve_cuda_aware(setting: str, query: Callable[[], bool] | None) -> bool:
+    """Whether device buffers go to MPI directly: "on"/"off" as given; "auto" asks the MPI library.
+
+    `query` is `MPI.Query_cuda_support` where this mpi4py and MPI have it (Open MPI >= 5, MPICH
+    >= 4.1 via MPIX); without it "auto" means off (pinned host buffers: always correct).
+    """
+    if setting == "on":
+        return True
+    if setting == "off" or query is None:
+        return False
+    if setting != "auto":
+        raise ValueError(f"unknown cuda_aware setting {setting!r}; expected auto, on or off")
+    return bool(query())
+
+
+def use_device(index: int, rank: int, host: str) -> DeviceInfo:
+    """(cupy workers) Make device `index` current for this process and describe it. Needs cupy and a GPU.
+
+    Called before the model allocates anything, so every array of this worker lives on that device.
+    """
+    import cupy
+
+    cupy.cuda.Device(index).use()
+    props = cupy.cuda.runtime.getDeviceProperties(index)
+    name = props.get("name", b"")
+    name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+    return DeviceInfo(rank, host, index, name, format_uuid(props.get("uuid", b"")), physical_id(index))
+
+
+# ----------------------------------------------------------------------------------------------
+# staging: where the model's params/grads live relative to the MPI buffers
+
+
+def message_in(buf: np.ndarray, count: int) -> Message:
+    """A protocol Message of `count` values whose buffer is `buf` (uint8, message_bytes(count) long,
+    e.g. pinned host memory) instead of a fresh numpy allocation."""
+    if buf.dtype != np.uint8 or buf.shape != (message_bytes(count),) or not buf.flags.c_contiguous:
+        raise ValueError(f"message_in: buf must be contiguous uint8 of {message_bytes(count)} bytes, "
+                         f"got {buf.dtype} {buf.shape}")
+    msg = Message(0)  # header fields set; then rehomed onto `buf`
+    buf[:] = 0
+    buf[:HEADER_BYTES] = msg.buf[:HEADER_BYTES]
+    msg.buf = buf
+    msg.header = buf[:HEADER.itemsize].view(HEADER)[0]
+    msg.payload = buf[HEADER_BYTES:].view(np.float32)
+    msg.header["count"] = count
+    return msg
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """The device primitives staging needs (CuPy's by default; tests pass numpy stand-ins).
+
+    empty(n): (n,) float32 device array; empty_bytes(n): (n,) uint8 device array; pinned(n): (n,)
+    uint8 numpy array in page-locked host memory; to_device(dst, src) / to_host(dst, src): copy a
+    whole host array into a device array and back; synchronize(): wait for the current stream.
+    """
+
+    empty: Callable[[int], Any]
+    empty_bytes: Callable[[int], Any]
+    pinned: Callable[[int], np.ndarray]
+    to_device: Callable[[Any, np.ndarray], None]
+    to_host: Callable[[np.ndarray, Any], None]
+    synchronize: Callable[[], None]
+
+
+def cupy_transfers() -> Transfers:
+    """Transfers on the current CuPy device (call `use_device` first)."""
+    import cupy
+
+    def pinned(n: int) -> np.ndarray:
+        mem = cupy.cuda.alloc_pinned_memory(n)  # kept alive by the array (frombuffer holds it)
+        return np.frombuffer(mem, np.uint8, n)
+
+    def to_host(dst: np.ndarray, src: Any) -> None:
+        src.get(out=dst)
+
+    return Transfers(empty=lambda n: cupy.empty(n, dtype=np.float32),
+                     empty_bytes=lambda n: cupy.empty(n, dtype=np.uint8),
+                     pinned=pinned,
+                     to_device=lambda dst, src: dst.set(src),
+                     to_host=to_host,
+                     synchronize=lambda: cupy.cuda.get_current_stream().synchronize())
+
+
+class Staging:
+    """How a worker's weights and gradient meet MPI. Kind "host" (numpy backend): no copies at all.
+
+    Attributes: `weights` and `push` (protocol Messages whose headers the worker reads and stamps),
+    `recv_buf` / `send_buf` (what MPI receives into / sends from), `params` / `grads` (what the
+    model binds). The worker calls, every step, in this order:
+
+        after_receive()    the receive into recv_buf completed: make weights.header and params current
+        finish_compute()   backward was launched: wait until the gradient exists (device sync point)
+        before_send()      push is stamped: make send_buf hold header and gradient
+
+    Here params ARE weights.payload and grads ARE push.payload, so all three do nothing.
+    """
+
+    kind = "host"
+
+    def __init__(self, count: int) -> None:
+        self.weights, self.push = Message(count), Message(count)
+        self.recv_buf, self.send_buf = self.weights.buf, self.push.buf
+        self.params, self.grads = self.weights.payload, self.push.payload
+
+    def after_receive(self) -> None:
+        pass
+
+    def finish_compute(self) -> None:
+        pass
+
+    def before_send(self) -> None:
+        pass
+
+
+class PinnedStaging(Staging):
+    """cupy backend, MPI without CUDA support: host messages in pinned memory, model on the device.
+
+    after_receive: weights payload host->device into params. finish_compute: stream sync.
+    before_send: grads device->host into the push payload. Buffers are allocated once and reused.
+    """
+
+    kind = "pinned"
+
+    def __init__(self, count: int, dev: Transfers) -> None:
+        self.dev = dev
+        self.weights = message_in(dev.pinned(message_bytes(count)), count)
+        self.push = message_in(dev.pinned(message_bytes(count)), count)
+        self.recv_buf, self.send_buf = self.weights.buf, self.push.buf
+        self.params, self.grads = dev.empty(count), dev.empty(count)
+
+    def after_receive(self) -> None:
+        self.dev.to_device(self.params, self.weights.payload)  # pinned -> device; done before MPI reuses it
+
+    def finish_compute(self) -> None:
+        self.dev.synchronize()  # device sync point: the gradient is complete before it is copied
+
+    def before_send(self) -> None:
+        self.dev.to_host(self.push.payload, self.grads)  # device -> pinned; MPI sends it next
+
+
+class DeviceStaging(Staging):
+    """cupy backend with a CUDA-aware MPI: messages on the device, params/grads views into their payloads.
+
+    Host `weights` / `push` keep only the headers: after_receive copies the received header
+    device->host (96 bytes), before_send the stamped header host->device, then syncs the stream,
+    so MPI never reads device memory a kernel or copy is still writing.
+    """
+
+    kind = "device"
+
+    def __init__(self, count: int, dev: Transfers) -> None:
+        self.dev = dev
+        self.weights, self.push = Message(count), Message(count)
+        self.recv_buf, self.send_buf = dev.empty_bytes(message_bytes(count)), dev.empty_bytes(message_bytes(count))
+        self.params = self.recv_buf[HEADER_BYTES:].view(np.float32)
+        self.grads = self.send_buf[HEADER_BYTES:].view(np.float32)
+
+    def after_receive(self) -> None:
+        self.dev.to_host(self.weights.buf[:HEADER_BYTES], self.recv_buf[:HEADER_BYTES])
+
+    def finish_compute(self) -> None:
+        self.dev.synchronize()  # device sync point
+
+    def before_send(self) -> None:
+        self.dev.to_device(self.send_buf[:HEADER_BYTES], self.push.buf[:HEADER_BYTES])
+        self.dev.synchronize()  # the header copy is complete before MPI reads send_buf
+
+
+def make_staging(backend: str, cuda_aware: bool, count: int, dev: Transfers | None = None) -> Staging:
+    """The staging of a worker with `count` parameters: host (numpy), pinned or device (cupy).
+
+    `dev` defaults to `cupy_transfers()` for the cupy backend.
+    """
+    if backend == "numpy":
+        return Staging(count)
+    dev = dev or cupy_transfers()
+    return DeviceStaging(count, dev) if cuda_aware else PinnedStaging(count, dev)

@@ -1,0 +1,336 @@
+"""GPU binding without a GPU: backend resolution, device assignment, sharing, CUDA_VISIBLE_DEVICES,
+config keys, and the staging of weights/gradients between the model and the MPI buffers.
+
+The staging paths of the cupy backend (pinned host buffers, CUDA-aware device buffers) run here on a
+fake device whose "device arrays" are numpy arrays and whose copies are recorded; a whole worker
+then trains through each staging against the test playing the parameter server (fakempi).
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import numpy as np
+import pytest
+from fakempi import Network
+from test_worker import receive, reference_grad, send
+
+from mpiasgd import train
+from mpiasgd.config import Config, ConfigError, from_mapping
+from mpiasgd.data import ShardSampler, load_dataset
+from mpiasgd.device import (
+    DeviceError,
+    DeviceInfo,
+    DeviceStaging,
+    PinnedStaging,
+    Staging,
+    Transfers,
+    assign_device,
+    format_uuid,
+    local_worker_rank,
+    make_staging,
+    message_in,
+    parse_visible,
+    physical_id,
+    resolve_backend,
+    resolve_cuda_aware,
+    shared_devices,
+    sharing_error,
+)
+from mpiasgd.model import build_model
+from mpiasgd.ops import BackendUnavailable
+from mpiasgd.protocol import HEADER_BYTES, Message, Tag, message_bytes
+
+# ----------------------------------------------------------------------------------------------
+# backend resolution and config
+
+
+@pytest.mark.parametrize("requested,count,expected", [
+    ("auto", 0, "numpy"), ("auto", 1, "cupy"), ("auto", 8, "cupy"),
+    ("numpy", 4, "numpy"), ("cupy", 0, "cupy"),  # cupy without a device: get_backend says so
+])
+def test_resolve_backend(requested, count, expected):
+    assert resolve_backend(requested, count) == expected
+
+
+def test_resolve_backend_rejects_unknown():
+    with pytest.raises(ValueError, match="'tpu'"):
+        resolve_backend("tpu", 1)
+
+
+def test_config_backend_keys():
+    cfg = Config().validate()
+    assert (cfg.backend, cfg.cuda_aware, cfg.share_devices) == ("auto", "auto", False)
+    cfg = from_mapping({"backend": "cupy", "cuda_aware": "off", "share_devices": True}).validate()
+    assert (cfg.backend, cfg.cuda_aware, cfg.share_devices) == ("cupy", "off", True)
+    with pytest.raises(ConfigError, match="config key 'backend' = 'cuda': expected one of"):
+        from_mapping({"backend": "cuda"}).validate()
+    with pytest.raises(ConfigError, match="config key 'cuda_aware' = 'yes'"):
+        from_mapping({"cuda_aware": "yes"}).validate()
+    with pytest.raises(ConfigError, match="config key 'share_devices' = 1: expected true or false"):
+        from_mapping({"share_devices": 1})
+
+
+@pytest.mark.parametrize("setting,query,expected", [
+    ("on", None, True), ("off", lambda: True, False), ("auto", None, False),
+    ("auto", lambda: True, True), ("auto", lambda: False, False),
+])
+def test_resolve_cuda_aware(setting, query, expected):
+    assert resolve_cuda_aware(setting, query) is expected
+
+
+# ----------------------------------------------------------------------------------------------
+# device assignment
+
+
+def test_local_worker_rank_skips_the_server():
+    # node 0 holds the server (node rank 0) and three workers; node 1 holds four workers
+    node0, node1 = [False, True, True, True], [True, True, True, True]
+    assert [local_worker_rank(node0, r) for r in (1, 2, 3)] == [(0, 3), (1, 3), (2, 3)]
+    assert [local_worker_rank(node1, r)[0] for r in range(4)] == [0, 1, 2, 3]
+    # the server need not be node rank 0 (e.g. a rank file); it still takes no GPU
+    assert [local_worker_rank([True, False, True], r) for r in (0, 2)] == [(0, 2), (1, 2)]
+    with pytest.raises(ValueError, match="not a worker"):
+        local_worker_rank(node0, 0)
+
+
+def test_assign_device_is_local_rank_modulo_visible(monkeypatch):
+    assert [assign_device(r, 4) for r in range(4)] == [0, 1, 2, 3]
+    assert [assign_device(r, 2) for r in range(5)] == [0, 1, 0, 1, 0]
+    assert [assign_device(r, 1) for r in range(3)] == [0, 0, 0]  # --gpus-per-task=1: each sees its own "0"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(DeviceError, match=r"no CUDA device visible \(CUDA_VISIBLE_DEVICES=''\)"):
+        assign_device(0, 0)
+
+
+@pytest.mark.parametrize("value,expected", [
+    (None, None), ("", []), ("-1", []), ("0", ["0"]), ("2,3", ["2", "3"]), (" 1 , 0 ", ["1", "0"]),
+    ("0,-1,1", ["0"]), ("GPU-8f3c0a1e-aaaa-bbbb-cccc-1234,1", ["GPU-8f3c0a1e-aaaa-bbbb-cccc-1234", "1"]),
+])
+def test_parse_visible(value, expected):
+    assert parse_visible(value) == expected
+
+
+def test_physical_id_follows_cuda_visible_devices():
+    assert physical_id(1, {}) == "1"                                      # unset: numbering of the node
+    assert physical_id(0, {"CUDA_VISIBLE_DEVICES": "2,3"}) == "2"         # renumbered from 0
+    assert physical_id(1, {"CUDA_VISIBLE_DEVICES": "2,3"}) == "3"
+    assert physical_id(0, {"CUDA_VISIBLE_DEVICES": "MIG-1"}) == "MIG-1"
+
+
+def test_format_uuid():
+    raw = bytes(range(16))
+    assert format_uuid(raw) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+    assert format_uuid(b"") == "" and format_uuid(None) == ""
+    assert format_uuid("GPU-abc") == "GPU-abc"
+
+
+def info(rank, index, uuid="", host="n0", physical=None):
+    return DeviceInfo(rank, host, index, "Fake GPU", uuid, physical if physical is not None else str(index))
+
+
+def test_sharing_by_uuid_not_by_number():
+    # --gpus-per-task=1: both workers see "device 0", but they are different GPUs
+    per_task = [None, info(1, 0, "GPU-a"), info(2, 0, "GPU-b")]
+    assert shared_devices(per_task) == {}
+    assert sharing_error(per_task, 1, share=False) is None
+    # one GPU visible to three workers (local rank modulo 1): ranks 1..3 share it
+    one_gpu = [None, info(1, 0, "GPU-a"), info(2, 0, "GPU-a"), info(3, 0, "GPU-a")]
+    text = sharing_error(one_gpu, 2, share=False)
+    assert "ranks 1, 2, 3" in text and "GPU-a" in text and "--share-devices" in text and "host n0" in text
+    assert sharing_error(one_gpu, 2, share=True) is None
+
+
+def test_sharing_without_uuid_uses_host_and_cuda_visible_devices():
+    # per-task CUDA_VISIBLE_DEVICES "0" and "1": index 0 for both, different GPUs
+    assert shared_devices([info(1, 0, physical="0"), info(2, 0, physical="1")]) == {}
+    # same entry on different hosts: different GPUs
+    assert shared_devices([info(1, 0, host="n0"), info(2, 0, host="n1")]) == {}
+    # 4 workers, 2 visible devices on one node: two pairs share
+    four = [None] + [info(r, assign_device(r - 1, 2)) for r in range(1, 5)]
+    groups = shared_devices(four)
+    assert sorted([i.rank for i in g] for g in groups.values()) == [[1, 3], [2, 4]]
+    assert "ranks 2, 4" in sharing_error(four, 4, share=False)
+    assert sharing_error([None, info(1, 0), info(2, 1)], 1, share=False) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# worker backend resolution in train.setup (no GPU needed: cupy's absence is faked)
+
+
+def test_auto_without_device_is_numpy(monkeypatch):
+    monkeypatch.setattr(train, "cuda_device_count", lambda: 0)
+    me = train.Rank(None, 1, 3, "h")
+    assert train.worker_backend(Config(), me, 0) == ("numpy", None)
+
+
+def test_numpy_backend_never_asks_for_devices(monkeypatch):
+    monkeypatch.setattr(train, "cuda_device_count", lambda: pytest.fail("counted devices"))
+    assert train.worker_backend(Config(backend="numpy"), train.Rank(None, 1, 3, "h"), 0) == ("numpy", None)
+
+
+def test_cupy_without_device_is_a_startup_error(monkeypatch):
+    def unavailable(name):
+        raise BackendUnavailable("ops backend 'cupy': no CUDA device was found")
+
+    monkeypatch.setattr(train, "cuda_device_count", lambda: 0)
+    monkeypatch.setattr(train, "get_backend", unavailable)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(BackendUnavailable, match=r"--backend cupy: .*no CUDA device was found "
+                                                  r"\(CUDA_VISIBLE_DEVICES=''\)") as err:
+        train.worker_backend(Config(backend="cupy"), train.Rank(None, 1, 3, "h"), 0)
+    assert isinstance(err.value, train.STARTUP_ERRORS)
+
+
+def test_cupy_worker_selects_local_rank_modulo_devices(monkeypatch):
+    chosen = []
+    monkeypatch.setattr(train, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(train, "get_backend", lambda name: None)
+    monkeypatch.setattr(train, "use_device", lambda index, rank, host: chosen.append(index) or info(rank, index))
+    for local in range(3):
+        backend, dev = train.worker_backend(Config(), train.Rank(None, local + 1, 4, "h"), local)
+        assert backend == "cupy" and dev.index == local % 2
+    assert chosen == [0, 1, 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# staging
+
+
+class FakeDevice:
+    """Transfers whose device arrays are numpy arrays; every copy and sync is recorded."""
+
+    def __init__(self):
+        self.calls = []
+        self.pinned_sizes = []
+
+    def transfers(self) -> Transfers:
+        def pinned(n):
+            self.pinned_sizes.append(n)
+            return np.empty(n, np.uint8)
+
+        def to_device(dst, src):
+            self.calls.append(("to_device", src.nbytes))
+            dst[...] = src
+
+        def to_host(dst, src):
+            self.calls.append(("to_host", src.nbytes))
+            dst[...] = src
+
+        return Transfers(empty=lambda n: np.empty(n, np.float32), empty_bytes=lambda n: np.empty(n, np.uint8),
+                         pinned=pinned, to_device=to_device, to_host=to_host,
+                         synchronize=lambda: self.calls.append(("sync", 0)))
+
+
+def test_message_in_matches_message_layout():
+    buf = np.full(message_bytes(5), 7, np.uint8)
+    msg = message_in(buf, 5)
+    ref = Message(5)
+    assert msg.buf is buf and np.array_equal(buf, ref.buf)  # same header defaults, zero payload
+    msg.stamp(Tag.PUSH, 3, step=2, loss=1.5)
+    msg.payload[:] = np.arange(5)
+    assert int(np.frombuffer(buf[:HEADER_BYTES].tobytes()[:8], "<u4")[1]) == int(Tag.PUSH)
+    assert buf[HEADER_BYTES:].view(np.float32).tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match=f"{message_bytes(5)} bytes"):
+        message_in(np.empty(10, np.uint8), 5)
+
+
+def test_host_staging_makes_no_copies():
+    s = make_staging("numpy", cuda_aware=True, count=7)  # CUDA-aware is irrelevant without a device
+    assert type(s) is Staging and s.kind == "host"
+    assert s.params is s.weights.payload and s.grads is s.push.payload
+    assert s.recv_buf is s.weights.buf and s.send_buf is s.push.buf
+
+
+def test_pinned_staging_copies_once_each_way():
+    dev = FakeDevice()
+    s = make_staging("cupy", False, 6, dev.transfers())
+    assert isinstance(s, PinnedStaging) and s.kind == "pinned"
+    assert dev.pinned_sizes == [message_bytes(6)] * 2  # both MPI buffers in pinned memory, allocated once
+    assert not np.shares_memory(s.params, s.weights.buf) and not np.shares_memory(s.grads, s.push.buf)
+    s.weights.payload[:] = np.arange(6)
+    s.after_receive()
+    assert s.params.tolist() == list(range(6))
+    s.grads[:] = -1
+    s.finish_compute()
+    s.before_send()
+    assert s.push.payload.tolist() == [-1] * 6 and s.send_buf is s.push.buf
+    assert dev.calls == [("to_device", 24), ("sync", 0), ("to_host", 24)]
+
+
+def test_device_staging_moves_only_headers():
+    dev = FakeDevice()
+    s = make_staging("cupy", True, 6, dev.transfers())
+    assert isinstance(s, DeviceStaging) and s.kind == "device" and dev.pinned_sizes == []
+    assert np.shares_memory(s.params, s.recv_buf) and np.shares_memory(s.grads, s.send_buf)
+    incoming = Message(6).stamp(Tag.WEIGHTS, 0, version=4, step=0)
+    incoming.payload[:] = 2.0
+    s.recv_buf[:] = incoming.buf  # what a CUDA-aware MPI receive writes
+    s.after_receive()
+    assert int(s.weights.header["version"]) == 4 and s.params.tolist() == [2.0] * 6
+    s.grads[:] = 3.0
+    s.finish_compute()
+    s.push.stamp(Tag.PUSH, 1, step=1)
+    s.before_send()
+    assert np.array_equal(s.send_buf[:HEADER_BYTES], s.push.buf[:HEADER_BYTES])  # the stamped header
+    assert s.send_buf[HEADER_BYTES:].view(np.float32).tolist() == [3.0] * 6
+    assert dev.calls == [("to_host", HEADER_BYTES), ("sync", 0), ("to_device", HEADER_BYTES), ("sync", 0)]
+
+
+@pytest.mark.parametrize("kind", ["host", "pinned", "device"])
+def test_worker_through_each_staging_pushes_exact_gradients(kind):
+    """A whole worker (model on the numpy backend standing in for the device) trains through each
+    staging: the pushes carry the exact gradients, and STOP's weights are the ones it evaluates."""
+    digits = load_dataset("digits")
+    cfg = Config(batch_size=16, comm_timeout=5.0, seed=3)
+    model = build_model("digits")
+    dev = FakeDevice()
+    staging = make_staging("numpy", False, model.num_params) if kind == "host" else \
+        make_staging("cupy", kind == "device", model.num_params, dev.transfers())
+    from mpiasgd.worker import Worker
+
+    net = Network(3)
+    sampler = ShardSampler(digits.train_y.size, 2, 0, cfg.seed)
+    worker = Worker(net.comm(1), cfg, model, digits, sampler, np.arange(20, dtype=np.int64), 1, staging)
+    outcome = {}
+
+    def run():
+        try:
+            worker.run()
+            outcome["done"] = True
+        except Exception as e:  # the test inspects it
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    p0 = model.init_params(0)
+    send(net, Tag.WEIGHTS, p0, version=0, step=0)
+    push = receive(net, Tag.PUSH, model.num_params)
+    g, loss = reference_grad(p0, digits, sampler.indices(0)[:16])
+    np.testing.assert_array_equal(push.payload, g)
+    assert (int(push.header["step"]), float(push.header["loss"])) == (1, pytest.approx(loss))
+    send(net, Tag.STOP, p0 - 0.1 * g, version=1, step=1)
+    result = receive(net, Tag.EVAL, 0)
+    thread.join(5)
+    assert outcome == {"done": True} and int(result.header["samples"]) == 20
+    if kind != "host":  # per step: one receive-side and one send-side transfer, one sync
+        assert [c[0] for c in dev.calls] == {"pinned": ["to_device", "sync", "to_host", "to_device"],
+                                             "device": ["to_host", "sync", "to_device", "sync", "to_host"]}[kind]
+
+
+def test_use_device_reads_name_and_uuid(monkeypatch):
+    """use_device against a stand-in cupy module: selects the device, decodes name and UUID."""
+    import sys
+
+    used = []
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda i: types.SimpleNamespace(use=lambda: used.append(i)),
+        runtime=types.SimpleNamespace(getDeviceProperties=lambda i: {"name": b"NVIDIA H200", "uuid": bytes(16)})))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    from mpiasgd.device import use_device
+
+    got = use_device(1, rank=2, host="n7")
+    assert used == [1]
+    assert got == DeviceInfo(2, "n7", 1, "NVIDIA H200", "GPU-00000000-0000-0000-0000-000000000000", "1")
