@@ -1,0 +1,159 @@
+"""Every op of the cupy backend (our CUDA C kernels, cuBLAS for linear) against the numpy backend on
+the shapes of real training: the cifar10 model's layers at batch 128, one larger layer (64 -> 128
+channels, 3x3, 32x32, batch 256), stride 2, and a whole cifar10 forward/backward at batch 128.
+
+Tolerance, stated once: |got - ref| <= TOL * (|ref| + max|ref|) elementwise (float32 sums of up to
+~10^5 terms in a different order); a failure names the worst element.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpiasgd.model import build_model
+from mpiasgd.ops import get_backend
+
+pytestmark = pytest.mark.gpu
+TOL = 1e-3
+
+# (name, x shape (N, C, H, W), w shape (K, C, R, S), stride, pad)
+CONVS = [
+    ("cifar10.conv1", (128, 3, 32, 32), (32, 3, 5, 5), 1, 2),
+    ("cifar10.conv2", (128, 32, 15, 15), (32, 32, 5, 5), 1, 2),
+    ("cifar10.conv3", (128, 32, 7, 7), (64, 32, 5, 5), 1, 2),
+    ("large 64->128 3x3", (256, 64, 32, 32), (128, 64, 3, 3), 1, 1),
+    ("stride 2 3x3", (128, 32, 32, 32), (64, 32, 3, 3), 2, 1),
+]
+POOLS = [((128, 32, 32, 32), 3, 2), ((128, 32, 15, 15), 3, 2), ((128, 64, 7, 7), 3, 2), ((256, 64, 32, 32), 2, 2)]
+
+
+@pytest.fixture(scope="module")
+def cp():
+    return get_backend("cupy")
+
+
+@pytest.fixture(scope="module")
+def npo():
+    return get_backend("numpy")
+
+
+def close(got, ref, what):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    bound = TOL * (np.abs(ref) + np.abs(ref).max())
+    excess = np.abs(got - ref) - bound
+    worst = np.unravel_index(int(np.argmax(excess)), excess.shape)
+    assert excess[worst] <= 0, (f"{what}: worst element {tuple(int(i) for i in worst)}: got {got[worst]:.8g}, "
+                                f"expected {ref[worst]:.8g}")
+
+
+def rand(rng, shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("name,xs,ws,stride,pad", CONVS, ids=[c[0] for c in CONVS])
+def test_conv_passes(cp, npo, name, xs, ws, stride, pad):
+    rng = np.random.default_rng(0)
+    x, w, b = rand(rng, xs), rand(rng, ws) * 0.1, rand(rng, ws[:1])
+    y = npo.conv2d_fprop(x, w, b, stride, pad)
+    dy = rand(rng, y.shape)
+    d = cp.asarray
+    close(cp.to_numpy(cp.conv2d_fprop(d(x), d(w), d(b), stride, pad)), y, f"{name} fprop")
+    close(cp.to_numpy(cp.conv2d_dgrad(d(dy), d(w), xs, stride, pad)), npo.conv2d_dgrad(dy, w, xs, stride, pad),
+          f"{name} dgrad")
+    close(cp.to_numpy(cp.conv2d_wgrad(d(dy), d(x), ws, stride, pad)), npo.conv2d_wgrad(dy, x, ws, stride, pad),
+          f"{name} wgrad")
+    close(cp.to_numpy(cp.bias_grad(d(dy))), npo.bias_grad(dy), f"{name} bias_grad")
+    # reproducible: no atomics, fixed reduction order
+    a = cp.to_numpy(cp.conv2d_wgrad(d(dy), d(x), ws, stride, pad))
+    assert np.array_equal(a, cp.to_numpy(cp.conv2d_wgrad(d(dy), d(x), ws, stride, pad)))
+
+
+@pytest.mark.parametrize("xs,k,s", POOLS)
+def test_pool_relu(cp, npo, xs, k, s):
+    rng = np.random.default_rng(1)
+    x = rand(rng, xs)
+    y, arg = npo.maxpool_fprop(x, k, s)
+    yc, argc = cp.maxpool_fprop(cp.asarray(x), k, s)
+    close(cp.to_numpy(yc), y, "maxpool_fprop")
+    dy = rand(rng, y.shape)
+    close(cp.to_numpy(cp.maxpool_bprop(cp.asarray(dy), argc, xs, k, s)), npo.maxpool_bprop(dy, arg, xs, k, s),
+          "maxpool_bprop")
+    r = npo.relu_fprop(x)
+    close(cp.to_numpy(cp.relu_fprop(cp.asarray(x))), r, "relu_fprop")
+    close(cp.to_numpy(cp.relu_bprop(cp.asarray(x), cp.asarray(r))), npo.relu_bprop(x, r), "relu_bprop")
+
+
+@pytest.mark.parametrize("n", [128, 1024])
+def test_linear_softmax(cp, npo, n):
+    rng = np.random.default_rng(2)
+    x, w, b = rand(rng, (n, 576)), rand(rng, (10, 576)) * 0.05, rand(rng, (10,))
+    labels = rng.integers(0, 10, n)
+    y = npo.linear_fprop(x, w, b)
+    d = cp.asarray
+    close(cp.to_numpy(cp.linear_fprop(d(x), d(w), d(b))), y, "linear_fprop")
+    dy = rand(rng, y.shape)
+    close(cp.to_numpy(cp.linear_dgrad(d(dy), d(w))), npo.linear_dgrad(dy, w), "linear_dgrad")
+    close(cp.to_numpy(cp.linear_wgrad(d(dy), d(x))), npo.linear_wgrad(dy, x), "linear_wgrad")
+    loss, dl, correct = npo.softmax_xent(y, labels)
+    loss_c, dl_c, correct_c = cp.softmax_xent(d(y), cp.asarray(labels, labels.dtype))
+    assert loss_c == pytest.approx(loss, rel=1e-5) and correct_c == correct
+    close(cp.to_numpy(dl_c), dl, "softmax_xent dlogits")
+
+
+def test_sgd_momentum(cp):
+    rng = np.random.default_rng(3)
+    p, v, g, decay = (rand(rng, 85_098) for _ in range(4))
+    ref_v = 0.9 * v + (g + decay * p)
+    ref_p = p - 0.01 * ref_v
+    pc, vc = cp.asarray(p), cp.asarray(v)
+    cp.sgd_momentum(pc, vc, cp.asarray(g), cp.asarray(decay), 0.9, 0.01)
+    close(cp.to_numpy(vc), ref_v, "sgd velocity")
+    close(cp.to_numpy(pc), ref_p, "sgd params")
+
+
+@pytest.mark.parametrize("batch", [128, 256])
+def test_cifar10_model_gradient(cp, batch):
+    """The whole model: the flat gradient of one minibatch on the device matches the numpy backend's."""
+    rng = np.random.default_rng(4)
+    ref, dev = build_model("cifar10", "numpy"), build_model("cifar10", "cupy")
+    p = ref.init_params(0)
+    p[-10 * 577:] = rand(rng, 10 * 577) * 0.01  # a non-zero classifier, so every layer gets a gradient
+    g = np.zeros_like(p)
+    ref.bind(p, g)
+    pc, gc = cp.asarray(p), cp.zeros(p.size)
+    dev.bind(pc, gc)
+    x, y = rand(rng, (batch, 3, 32, 32)), rng.integers(0, 10, batch)
+    loss, correct = ref.forward_backward(x, y)
+    loss_c, correct_c = dev.forward_backward(cp.asarray(x), cp.asarray(y, y.dtype))
+    assert loss_c == pytest.approx(loss, rel=1e-4) and correct_c == correct
+    for name, offset, shape in ref.layout():
+        size = int(np.prod(shape))
+        close(cp.to_numpy(gc[offset:offset + size]), g[offset:offset + size], f"gradient of {name}")
+
+
+def test_staging_on_the_device():
+    """Pinned and CUDA-aware staging with real CuPy transfers (the latter without MPI: views and copies)."""
+    import cupy
+
+    from mpiasgd.device import make_staging
+    from mpiasgd.protocol import Tag
+
+    for cuda_aware in (False, True):
+        s = make_staging("cupy", cuda_aware, 1000)
+        assert isinstance(s.params, cupy.ndarray) and s.params.shape == (1000,) and s.params.flags.c_contiguous
+        host = np.arange(1000, dtype=np.float32)
+        if cuda_aware:
+            s.params[...] = cupy.asarray(host)
+        else:
+            s.weights.payload[:] = host
+        s.after_receive()
+        assert np.array_equal(cupy.asnumpy(s.params), host)
+        s.grads[...] = -s.params
+        s.finish_compute()
+        s.push.stamp(Tag.PUSH, 1, step=1)
+        s.before_send()
+        sent = cupy.asnumpy(s.send_buf) if cuda_aware else s.send_buf
+        assert np.array_equal(sent[96:].view(np.float32), -host)
+        assert np.array_equal(sent[:96], s.push.buf[:96])

@@ -1,0 +1,78 @@
+"""Training with `--backend cupy` under mpiexec, against the numpy backend from the same seed.
+
+With one worker (2 ranks) the order of pushes is deterministic, so the first 20 minibatch losses of
+the two backends must agree to float32 rounding (compounded over 20 SGD steps); then a 3-rank
+smoke run with two workers (on one GPU with --share-devices when only one is visible), and the
+start-up error when two workers would share a GPU without it. The cifar10 model runs on a small
+random CIFAR-10 written here (the machine needs no download).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import run_mpi
+from test_data import write_py_batch
+
+from mpiasgd.ops import cuda_device_count
+from mpiasgd.runlog import open_log
+
+pytestmark = pytest.mark.gpu
+STEPS = 20
+COMMON = ["--batch-size", "32", "--snapshot-interval", "0", "--no-progress", "--comm-timeout", "120", "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def cifar_dir(tmp_path_factory):
+    """A random CIFAR-10 in the python layout: 5 x 200 train, 100 test images."""
+    root = tmp_path_factory.mktemp("cifar")
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir()
+    rng = np.random.default_rng(7)
+    for i in range(5):
+        write_py_batch(folder / f"data_batch_{i + 1}", rng.integers(0, 256, (200, 3, 32, 32), dtype=np.uint8),
+                       rng.integers(0, 10, 200))
+    write_py_batch(folder / "test_batch", rng.integers(0, 256, (100, 3, 32, 32), dtype=np.uint8),
+                   rng.integers(0, 10, 100))
+    return root
+
+
+def train(tmp_path, nranks, backend, name, extra):
+    res = run_mpi(nranks, ["train", *COMMON, "--backend", backend, "--name", name, *extra], 240, tmp_path)
+    assert res.returncode == 0, res.explain()
+    with open_log(str(tmp_path / "runs" / f"{name}.h5")) as f:
+        return f["pushes"][()], f["workers"][()], dict(f.attrs)
+
+
+@pytest.mark.parametrize("model", ["digits", "cifar10"])
+def test_first_losses_match_numpy(tmp_path, cifar_dir, model):
+    extra = ["--model", model, "--max-pushes", str(STEPS), "--epochs", "0", "--data-dir", str(cifar_dir)]
+    ref, _, _ = train(tmp_path, 2, "numpy", f"{model}-np", extra)
+    got, workers, attrs = train(tmp_path, 2, "cupy", f"{model}-cp", extra)
+    ref, got = ref[ref["applied"] == 1], got[got["applied"] == 1]
+    assert ref["step"].tolist() == got["step"].tolist() == list(range(1, STEPS + 1))
+    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=2e-3, atol=2e-4,
+                               err_msg=f"{model}: losses of the first {STEPS} steps, cupy vs numpy")
+    assert got["correct"].tolist() == pytest.approx(ref["correct"].tolist(), abs=2)
+    w = workers[0]
+    assert w["backend"] == b"cupy" and w["device"] == 0 and w["transfer"] in (b"pinned", b"device")
+    assert w["device_name"] and w["device_uuid"].startswith(b"GPU-")
+    assert np.isfinite(attrs["test_loss"])
+
+
+def test_three_ranks_smoke(tmp_path, cifar_dir):
+    share = ["--share-devices"] if cuda_device_count() < 2 else []
+    pushes, workers, attrs = train(tmp_path, 3, "auto", "smoke",
+                                   ["--model", "cifar10", "--epochs", "1", "--data-dir", str(cifar_dir), *share])
+    assert attrs["status"] == "completed" and sorted(set(pushes["worker"].tolist())) == [1, 2]
+    assert workers["backend"].tolist() == [b"cupy", b"cupy"]
+    assert workers["device"].tolist() == [0, 0] if share else [0, 1]
+    assert np.isfinite(pushes["loss"]).all() and 0.0 <= attrs["test_accuracy"] <= 1.0
+
+
+def test_two_workers_on_one_gpu_need_share_devices(tmp_path):
+    n = cuda_device_count() + 2  # one more worker than devices: local rank modulo devices repeats one
+    res = run_mpi(n, ["train", *COMMON, "--backend", "cupy", "--name", "shared", "--max-pushes", "5"], 240, tmp_path)
+    assert res.returncode == 2, res.explain()
+    errors = [line for line in res.stderr.splitlines() if line.startswith("mpiasgd: error")]
+    assert len(errors) == 1 and "would share one GPU" in errors[0] and "--share-devices" in errors[0], res.explain()
