@@ -8,7 +8,7 @@
 What it checks: the parameter server's idle wait must not take a core from the workers. On a
 2-core machine with 1 BLAS thread per worker, the ideal ratio is 2.0; the goal is >= 1.8. Every
 worker gets `--threads 1` in both configurations, so the ratio measures the server's cost and not
-BLAS threading. The default workload is the cifar10 network (about 45 ms per minibatch of 64 on
+BLAS threading. The default workload is the cifar10 network (about 90 ms per minibatch of 64 on
 one core), where the server is idle between pushes, which is the property under test; it falls
 back to digits, with a notice, when CIFAR-10 is not found (`--data-dir`, $MPIASGD_DATA,
 ~/.cache/mpiasgd). With digits, steps take under a millisecond and the ratio also measures the
