@@ -246,6 +246,7 @@ def run_server(cfg: Config, me: Rank, state: dict, threads: int) -> None:
                    desc="training", file=sys.stderr)
     server = ParameterServer(me.comm, cfg, params, model.decay_mask(), me.num_workers, dataset.train_y.size,
                              log, bar)
+
     def interrupt(signum: int, frame: Any) -> None:
         raise Interrupted(signal.Signals(signum).name)
 
@@ -253,23 +254,18 @@ def run_server(cfg: Config, me: Rank, state: dict, threads: int) -> None:
         signal.signal(signum, interrupt)
     try:
         summary = server.run()
-    except Interrupted as stop:
-        log.add("events", (server.now(), b"interrupted", f"{stop} received by rank 0"))
-        log.close("interrupted")
+    except (Interrupted, WorkerFailed) as stop:
+        # close the log first, so nothing already logged is lost, then end the whole job
+        failed = isinstance(stop, WorkerFailed)
+        status, what = ("failed", f"worker rank {stop.rank} failed") if failed else ("interrupted", f"{stop} received")
+        log.add("events", (server.now(), status.encode(), str(stop) if failed else f"{what} by rank 0"))
+        log.close(status)
+        if failed:  # the failed worker waits for this acknowledgement before it aborts
+            me.comm.Isend(Message(0).stamp(Tag.ERROR_ACK, 0).buf, dest=stop.rank, tag=int(Tag.ERROR_ACK))
         if bar is not None:
             bar.close()
-        print(f"mpiasgd: {stop} received; run log '{state['path']}' flushed and closed with status "
-              f"'interrupted'.", file=sys.stderr, flush=True)
-        me.comm.Abort(ABORT_CODE)
-        return
-    except WorkerFailed as failure:
-        log.add("events", (server.now(), b"failed", str(failure)))
-        log.close("failed")
-        me.comm.Isend(Message(0).stamp(Tag.ERROR_ACK, 0).buf, dest=failure.rank, tag=int(Tag.ERROR_ACK))
-        if bar is not None:
-            bar.close()
-        print(f"mpiasgd: worker rank {failure.rank} failed; run log '{state['path']}' closed with status "
-              f"'failed'.\n{failure.text}", file=sys.stderr, flush=True)
+        print(f"mpiasgd: {what}; run log '{state['path']}' closed with status '{status}'."
+              + (f"\n{stop.text}" if failed else ""), file=sys.stderr, flush=True)
         me.comm.Abort(ABORT_CODE)
         return
     except BaseException:
