@@ -29,6 +29,7 @@ MODES = ("async",)
 BACKENDS = ("auto", "numpy", "cupy")
 CUDA_AWARE = ("auto", "on", "off")
 SCHEDULES = ("constant", "step", "cosine")
+STALENESS_LR = ("none", "inverse", "sqrt")
 
 
 def _opt(default: Any, group: str, help: str) -> Any:
@@ -62,6 +63,10 @@ class Config:
     warmup_epochs: float = _opt(0.5, "optimizer", "linear learning-rate warm-up from 0, epochs")
     lr_milestones: tuple = _opt((), "optimizer", "step schedule: epochs at which lr is multiplied by --lr-gamma")
     lr_gamma: float = _opt(0.1, "optimizer", "step schedule: factor per milestone")
+    staleness_lr: str = _opt("none", "optimizer",
+                             "step for a push of staleness s: none = lr, inverse = lr/max(1,s), "
+                             "sqrt = lr/sqrt(max(1,s)) (Zhang et al. 2016)")
+    max_rejects: int = _opt(10, "optimizer", "non-finite gradients in a row from one worker before the run stops")
     # --- stopping (first limit reached stops the run; 0 = no limit) ---
     epochs: float = _opt(10.0, "stopping", "passes over the training set by all workers together (0 = no limit)")
     max_pushes: int = _opt(0, "stopping", "gradient pushes applied by the server, count (0 = no limit)")
@@ -99,6 +104,8 @@ class Config:
         need(all(m > 0 for m in self.lr_milestones), "lr_milestones", "a list of epochs > 0")
         need(list(self.lr_milestones) == sorted(self.lr_milestones), "lr_milestones", "increasing epochs")
         need(0 < self.lr_gamma <= 1, "lr_gamma", "0 < gamma <= 1")
+        need(self.staleness_lr in STALENESS_LR, "staleness_lr", f"one of {STALENESS_LR}")
+        need(self.max_rejects >= 1, "max_rejects", "an integer >= 1")
         need(self.epochs >= 0, "epochs", "epochs >= 0 (0 = no limit)")
         need(self.max_pushes >= 0, "max_pushes", "a count >= 0 (0 = no limit)")
         need(self.max_time >= 0, "max_time", "seconds >= 0 (0 = no limit)")

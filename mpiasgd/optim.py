@@ -51,3 +51,17 @@ def learning_rate(cfg: Config, epoch: float, progress: float) -> float:
     if cfg.lr_schedule == "cosine":
         return 0.5 * cfg.lr * (1.0 + math.cos(math.pi * min(1.0, max(0.0, progress))))
     return cfg.lr
+
+
+def staleness_factor(rule: str, staleness: int) -> float:
+    """Multiplier of the step size for a push of `staleness` (>= 0) under `rule`.
+
+    "none": 1. "inverse": 1 / max(1, s), the staleness-dependent learning rate of Zhang, Gupta,
+    Lian and Liu 2016 (arXiv 1511.05950, alpha / tau). "sqrt": 1 / sqrt(max(1, s)), a milder form.
+    A fresh push (s = 0) and one of staleness 1 get the full step under every rule.
+    """
+    if rule == "inverse":
+        return 1.0 / max(1, staleness)
+    if rule == "sqrt":
+        return 1.0 / math.sqrt(max(1, staleness))
+    return 1.0

@@ -77,6 +77,10 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
                  f"{images / max(1, int(run.get('num_train') or 1)):.2f} epochs)")
     if applied is not None and len(applied):
         lines.append(f"staleness        mean {applied['staleness'].mean():.2f}, max {applied['staleness'].max()}")
+    if pushes is not None and "rejected" in (pushes.dtype.names or ()) and pushes["rejected"].any():
+        bad = pushes[pushes["rejected"] == 1]
+        per = ", ".join(f"rank {w}: {(bad['worker'] == w).sum()}" for w in sorted(set(bad["worker"].tolist())))
+        lines.append(f"rejected pushes  {len(bad)} non-finite gradients ({per})")
     if run.get("wall_time_s") is not None:
         lines.append(f"wall time        {float(run['wall_time_s']):.1f} s (server, start to end)")
     return lines

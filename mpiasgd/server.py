@@ -6,7 +6,10 @@ al. 2012) with n_fetch = n_push = 1: every PUSH is applied the moment it arrives
     staleness = version (server, before the update) - base version (the push was computed from)
     w <- SGD-momentum step of w with the pushed gradient;  version <- version + 1
 
-and answered with the new weights (WEIGHTS), so no worker ever waits for another. Once a stopping
+and answered with the new weights (WEIGHTS), so no worker ever waits for another. With
+`--staleness-lr inverse` the step of a push is lr / max(1, staleness) (Zhang et al. 2016). A push
+whose gradient is not finite is rejected (not applied, counted per worker, answered with the
+current weights); `--max-rejects` of them in a row from one worker stop the run with an error. Once a stopping
 rule fires, each worker's next push is answered with STOP and the final weights instead; the worker
 evaluates its slice of the test set and sends EVAL. The run ends when every worker has sent EVAL,
 with no request pending. The server never computes gradients.
@@ -25,7 +28,7 @@ from mpi4py import MPI
 from mpiasgd import protocol
 from mpiasgd.comms import Backoff, CommTimeout, probe, wait, wait_all
 from mpiasgd.config import Config
-from mpiasgd.optim import SGD, learning_rate
+from mpiasgd.optim import SGD, learning_rate, staleness_factor
 from mpiasgd.protocol import Message, ProtocolError, Tag
 from mpiasgd.runlog import RunLog
 
@@ -37,6 +40,10 @@ class WorkerFailed(RuntimeError):
         super().__init__(f"worker rank {rank} failed:\n{text}")
         self.rank = rank
         self.text = text
+
+
+class TrainingDiverged(RuntimeError):
+    """A worker pushed `max_rejects` non-finite gradients in a row; the message names it and the steps."""
 
 
 class ParameterServer:
@@ -76,7 +83,8 @@ class ParameterServer:
         self.staleness_sum = 0
         self.staleness_max = 0
         self.loss_avg = float("nan")
-        self.warned_nonfinite = False
+        self.rejected = dict.fromkeys(self.workers, 0)       # non-finite pushes per worker
+        self.rejects_in_row = dict.fromkeys(self.workers, 0)
 
     # --- clocks and rules ---
     def now(self) -> float:
@@ -192,10 +200,15 @@ class ParameterServer:
                                 f"{base}, but the server is at version {self.version}")
         self.last_step[w] = step
         staleness = self.version - base
-        applied = not self.stop_reason  # pushes arriving after the stop decision are drained, not applied
-        lr = learning_rate(self.cfg, self.epoch, self.fraction_done()) if applied else 0.0
+        grad = msg.payload
+        with np.errstate(over="ignore", invalid="ignore"):
+            square = float(np.dot(grad, grad))  # fast path: finite unless the gradient has a NaN/inf (or overflows)
+        rejected = not math.isfinite(square) and not np.isfinite(grad).all()
+        applied = not rejected and not self.stop_reason  # after the stop decision pushes are drained
+        lr = 0.0
         if applied:
-            grad = msg.payload
+            lr = (learning_rate(self.cfg, self.epoch, self.fraction_done())
+                  * staleness_factor(self.cfg.staleness_lr, staleness))
             self.optimizer.step(grad, lr)
             self.version += 1
             self.samples += int(h["samples"])
@@ -203,23 +216,35 @@ class ParameterServer:
             self.staleness_max = max(self.staleness_max, staleness)
             loss = float(h["loss"])
             self.loss_avg = loss if self.loss_avg != self.loss_avg else 0.95 * self.loss_avg + 0.05 * loss
-            if not math.isfinite(loss) and not self.warned_nonfinite:
-                self.warned_nonfinite = True
-                text = (f"worker rank {w} pushed a non-finite loss at step {step} (version {self.version}): "
-                        "training has diverged; lower --lr")
-                self.log.add("events", (self.now(), b"warning", text))
-                print(f"mpiasgd: warning: {text}", file=sys.stderr, flush=True)
-            self.log.add("updates", (self.now(), self.version, lr, float(np.sqrt(np.dot(grad, grad))),
-                                     self.samples, self.epoch))
+            self.log.add("updates", (self.now(), self.version, lr, math.sqrt(square), self.samples, self.epoch))
             self.check_stop()
         self.log.add("pushes", (self.now(), w, step, base, self.version, staleness, h["loss"], h["correct"],
-                                h["samples"], h["epoch"], h["compute_s"], h["comm_s"], h["wait_s"], applied, lr))
+                                h["samples"], h["epoch"], h["compute_s"], h["comm_s"], h["wait_s"], applied, lr,
+                                rejected))
+        if rejected:
+            self.reject(w, step)  # after its row is logged: may stop the run
+        else:
+            self.rejects_in_row[w] = 0
         if self.stop_reason:
             self.stopped.add(w)
             self.stop_time = self.now()
             self.send(w, Tag.STOP, step)
         else:
             self.send(w, Tag.WEIGHTS, step)
+
+    def reject(self, w: int, step: int) -> None:
+        """Count a non-finite push of worker `w`; TrainingDiverged after `max_rejects` in a row."""
+        self.rejected[w] += 1
+        self.rejects_in_row[w] += 1
+        if self.rejected[w] == 1:
+            text = f"worker rank {w} pushed a non-finite gradient at step {step}: rejected (not applied)"
+            self.log.add("events", (self.now(), b"warning", text))
+            print(f"mpiasgd: warning: {text}", file=sys.stderr, flush=True)
+        if self.rejects_in_row[w] >= self.cfg.max_rejects:
+            raise TrainingDiverged(
+                f"rank 0: worker rank {w} pushed {self.rejects_in_row[w]} non-finite gradients in a row "
+                f"(steps {step - self.rejects_in_row[w] + 1}..{step}; --max-rejects {self.cfg.max_rejects}): "
+                f"training has diverged; lower --lr")
 
     def on_eval(self, w: int, msg: Message) -> None:
         if w not in self.stopped:
@@ -264,4 +289,5 @@ class ParameterServer:
             "staleness_mean": self.staleness_sum / max(1, self.version),
             "staleness_max": self.staleness_max,
             "stop_reason": self.stop_reason,
+            "rejected": sum(self.rejected.values()),
         }

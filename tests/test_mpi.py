@@ -224,6 +224,17 @@ def test_server_exception_aborts_job(mpirun, tmp_path):
     assert attrs["status"] == "failed" and len(t["pushes"]) == 4
 
 
+def test_non_finite_gradients_rejected_then_run_stops(mpirun, tmp_path):
+    res = mpirun(3, ["nan", "2", *FAST, "--epochs", "50", "--max-rejects", "5", "--name", "nan"], timeout=60,
+                 script="fault.py")
+    assert res.returncode != 0 and res.seconds < 30, res.explain()
+    assert "worker rank 2 pushed 5 non-finite gradients in a row" in res.stderr, res.explain()
+    attrs, t, _ = read_log(tmp_path / "runs" / "nan.h5")
+    assert attrs["status"] == "failed"
+    rejected = t["pushes"][t["pushes"]["rejected"] == 1]
+    assert set(rejected["worker"].tolist()) == {2} and len(rejected) == 5 and not rejected["applied"].any()
+
+
 @pytest.mark.parametrize("kind,expected", [("badtag", "unknown tag 99"), ("badsize", "bytes, expected")])
 def test_malformed_message_aborts_with_clear_error(mpirun, kind, expected):
     res = mpirun(3, [kind, "1", *FAST, "--epochs", "50", "--name", kind], timeout=60, script="fault.py")

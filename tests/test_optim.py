@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mpiasgd.config import Config
-from mpiasgd.optim import SGD, learning_rate
+from mpiasgd.optim import SGD, learning_rate, staleness_factor
 
 
 def test_sgd_momentum_weight_decay_matches_formula():
@@ -47,3 +47,9 @@ def test_cosine_schedule_follows_fraction_done():
     for t in (0.0, 0.25, 0.5, 1.0):
         assert learning_rate(cfg, 1.0, t) == pytest.approx(0.2 * (1 + math.cos(math.pi * t)))
     assert learning_rate(cfg, 1.0, 1.0) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_staleness_factor_rules():
+    assert [staleness_factor("inverse", s) for s in (0, 1, 2, 4)] == [1.0, 1.0, 0.5, 0.25]
+    assert staleness_factor("sqrt", 4) == pytest.approx(0.5)
+    assert staleness_factor("none", 9) == 1.0

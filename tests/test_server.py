@@ -12,7 +12,7 @@ from mpiasgd.comms import Backoff, CommTimeout, probe
 from mpiasgd.config import Config
 from mpiasgd.protocol import HEADER_BYTES, Message, ProtocolError, Tag
 from mpiasgd.runlog import RunLog, open_log
-from mpiasgd.server import ParameterServer, WorkerFailed
+from mpiasgd.server import ParameterServer, TrainingDiverged, WorkerFailed
 
 P = 6
 
@@ -228,3 +228,59 @@ def test_probe_times_out_naming_what(tmp_path):
     server, _, _ = make_server(tmp_path)
     with pytest.raises(CommTimeout, match="rank 0: no message from any worker after 0 s"):
         probe(server.comm, 0, 0.05, "message from any worker", Backoff())
+
+
+@pytest.mark.parametrize("rule,factors", [("none", [1, 1, 1, 1]), ("inverse", [1, 1, 1 / 2, 1 / 3]),
+                                          ("sqrt", [1, 1, 2 ** -0.5, 3 ** -0.5])])
+def test_staleness_aware_step(tmp_path, rule, factors):
+    """Crafted versions give staleness 0, 1, 2, 3; the step is lr * factor(staleness) exactly."""
+    server, net, log = make_server(tmp_path, num_workers=4, staleness_lr=rule)
+    g = np.full(P, 1.0, np.float32)
+    expected = server.params.astype(np.float64)
+    for w, base in zip((1, 2, 3, 4), (0, 0, 0, 0), strict=True):  # all from version 0: staleness 0,1,2,3
+        push(net, w, step=1, version=base, grad=g)
+        serve_one(server)
+    for f in factors:
+        expected -= 0.5 * f * 1.0
+    np.testing.assert_allclose(server.params, expected, rtol=1e-6)
+    log.flush()
+    with open_log(log.path) as fh:
+        pushes = fh["pushes"][()]
+    assert pushes["staleness"].tolist() == [0, 1, 2, 3]
+    np.testing.assert_allclose(pushes["lr"], [0.5 * f for f in factors], rtol=1e-6)
+
+
+def test_non_finite_pushes_rejected_counted_then_stop(tmp_path):
+    server, net, log = make_server(tmp_path, max_rejects=3)
+    before = server.params.copy()
+    bad = np.ones(P, np.float32)
+    bad[2] = np.nan
+    push(net, 1, step=1, version=0, grad=bad)
+    serve_one(server)
+    np.testing.assert_array_equal(server.params, before)           # not applied
+    tag, header, payload = reply(net, 1)
+    assert tag == Tag.WEIGHTS and header["version"] == 0           # the worker gets the current weights
+    np.testing.assert_array_equal(payload, before)
+    push(net, 1, step=2, version=0, grad=np.full(P, np.inf, np.float32))
+    serve_one(server)
+    push(net, 1, step=3, version=0, grad=np.ones(P, np.float32))   # a finite push resets the run of rejects
+    serve_one(server)
+    assert server.version == 1 and server.rejected == {1: 2, 2: 0} and server.rejects_in_row[1] == 0
+    log.flush()
+    with open_log(log.path) as fh:
+        pushes = fh["pushes"][()]
+    assert pushes["rejected"].tolist() == [1, 1, 0] and pushes["applied"].tolist() == [0, 0, 1]
+    for step in (4, 5):
+        push(net, 1, step=step, version=1, grad=bad)
+        serve_one(server)
+    push(net, 1, step=6, version=1, grad=bad)
+    with pytest.raises(TrainingDiverged, match=r"worker rank 1 pushed 3 non-finite gradients in a row \(steps 4..6"):
+        serve_one(server)
+
+
+def test_huge_but_finite_gradient_is_applied(tmp_path):
+    server, net, _ = make_server(tmp_path)
+    g = np.full(P, 1e30, np.float32)  # its squared norm overflows float32, the values do not
+    push(net, 1, step=1, version=0, grad=g)
+    serve_one(server)
+    assert server.version == 1 and server.rejected[1] == 0

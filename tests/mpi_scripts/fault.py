@@ -6,6 +6,7 @@ KIND: raise      rank RANK (a worker) raises RuntimeError("injected failure") in
       server     rank 0 raises RuntimeError("injected server failure") at its 5th push
       badtag     worker RANK sends a message with unknown tag 99 instead of training
       badsize    worker RANK sends a PUSH 8 bytes too short instead of training
+      nan        worker RANK pushes NaN gradients from its 3rd step on
 """
 
 import sys
@@ -44,6 +45,20 @@ if kind == "server" and rank == 0:
         return original_push(self, w, msg)
 
     ParameterServer.on_push = failing_push
+
+if kind == "nan" and rank == target:
+    from mpiasgd.model import Model
+
+    original_fb, steps = Model.forward_backward, [0]
+
+    def nan_forward_backward(self, x, y):
+        out = original_fb(self, x, y)
+        steps[0] += 1
+        if steps[0] >= 3:
+            self.grads[:] = np.nan
+        return out
+
+    Model.forward_backward = nan_forward_backward
 
 if kind in ("badtag", "badsize") and rank == target:
     from mpiasgd.worker import Worker
