@@ -55,6 +55,9 @@ class Config:
                            "MPI takes device buffers: auto (ask MPI.Query_cuda_support; off without it) | on | off")
     threads: int = _opt(0, "parallelism", "BLAS threads per worker rank; 0 = cores of the node / workers on it")
     comm_timeout: float = _opt(300.0, "parallelism", "longest wait for any one message before failing, seconds")
+    straggler: str = _opt("", "parallelism",
+                          "RANK:FACTOR[,RANK:FACTOR]: those workers sleep FACTOR-1 times their compute time per "
+                          "step (a heterogeneous cluster on one machine)")
     # --- optimizer (applied by the parameter server) ---
     lr: float = _opt(0.01, "optimizer", "peak learning rate (SGD step size)")
     momentum: float = _opt(0.9, "optimizer", "heavy-ball momentum, 0 <= m < 1")
@@ -106,6 +109,7 @@ class Config:
         need(0 < self.lr_gamma <= 1, "lr_gamma", "0 < gamma <= 1")
         need(self.staleness_lr in STALENESS_LR, "staleness_lr", f"one of {STALENESS_LR}")
         need(self.max_rejects >= 1, "max_rejects", "an integer >= 1")
+        self.stragglers()  # raises on a malformed entry
         need(self.epochs >= 0, "epochs", "epochs >= 0 (0 = no limit)")
         need(self.max_pushes >= 0, "max_pushes", "a count >= 0 (0 = no limit)")
         need(self.max_time >= 0, "max_time", "seconds >= 0 (0 = no limit)")
@@ -120,6 +124,21 @@ class Config:
                                  and not self.name.startswith(".") and not self.name.endswith(".h5")),
              "name", "a file name without '/', leading '.', surrounding blanks or '.h5' (it is added)")
         return self
+
+    def stragglers(self) -> dict[int, float]:
+        """`straggler` parsed: {worker rank: slowdown factor >= 1}; ConfigError naming the bad entry."""
+        out: dict[int, float] = {}
+        for entry in filter(None, (e.strip() for e in self.straggler.split(","))):
+            try:
+                rank_text, factor_text = entry.split(":")
+                rank, factor = int(rank_text), float(factor_text)
+            except ValueError:
+                raise ConfigError(f"config key 'straggler' entry {entry!r}: expected RANK:FACTOR, e.g. 2:3") from None
+            if rank < 1 or not (math.isfinite(factor) and factor >= 1) or rank in out:
+                raise ConfigError(f"config key 'straggler' entry {entry!r}: expected a worker rank >= 1 (once) "
+                                  f"and a factor >= 1")
+            out[rank] = factor
+        return out
 
     @property
     def dataset_name(self) -> str:

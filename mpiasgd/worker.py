@@ -50,6 +50,7 @@ class Worker:
         self.staging = staging
         self.step = 0
         self.version = -1
+        self.slowdown = cfg.stragglers().get(rank, 1.0)  # compute time multiplier of this worker
 
     def batches(self):
         """Endless (epoch, indices) minibatches over this shard; a batch may straddle two epochs."""
@@ -101,6 +102,8 @@ class Worker:
             x, y = ops.asarray(x), ops.asarray(y, y.dtype)    # cupy: host -> device; numpy: the same arrays
             loss, correct = model.forward_backward(x, y)      # gradient written into staging.grads
             staging.finish_compute()                          # cupy: device sync point
+            if self.slowdown > 1:  # --straggler: emulate a device `slowdown` times slower than this one
+                time.sleep((self.slowdown - 1) * (time.perf_counter() - t0))
             t1 = time.perf_counter()
             self.step += 1
             push.stamp(Tag.PUSH, rank, step=self.step, version=self.version, samples=idx.size, epoch=epoch,

@@ -89,3 +89,11 @@ def test_bad_flags_raise_config_error_not_exit():
         parse(["--epochs", "ten"])
     with pytest.raises(ConfigError, match="expected a finite number"):
         parse(["--lr", "nan"])
+
+
+def test_straggler_parsing():
+    assert Config(straggler="2:3, 4:1.5").stragglers() == {2: 3.0, 4: 1.5}
+    assert Config().stragglers() == {}
+    for bad in ("2", "0:3", "2:0.5", "2:x", "2:3,2:4", "2:nan"):
+        with pytest.raises(ConfigError, match="config key 'straggler' entry"):
+            Config(straggler=bad).validate()

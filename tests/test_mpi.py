@@ -194,6 +194,18 @@ def test_report_refuses_foreign_files(tmp_path):
             assert "Traceback" not in res.stderr
 
 
+def test_straggler_pushes_fewer_times(mpirun, tmp_path):
+    res = mpirun(3, ["train", *FAST, "--batch-size", "64",
+                     "--epochs", "0", "--max-time", "4", "--straggler", "2:4", "--name", "slow"], timeout=90)
+    assert res.returncode == 0, res.explain()
+    _, t, _ = read_log(tmp_path / "runs" / "slow.h5")
+    p = t["pushes"]
+    fast, slow = p[p["worker"] == 1], p[p["worker"] == 2]
+    ratio = len(slow) / len(fast)
+    assert 0.1 < ratio < 0.5, (len(fast), len(slow))               # ideal 1/4 of the pushes
+    assert np.median(slow["compute_s"]) > 2.5 * np.median(fast["compute_s"])
+
+
 def test_stop_by_wall_time(mpirun, tmp_path):
     res = mpirun(3, ["train", *FAST, "--epochs", "0", "--max-time", "2", "--name", "timed"], timeout=60)
     assert res.returncode == 0, res.explain()
