@@ -115,8 +115,6 @@ class Config:
         need(self.max_time >= 0, "max_time", "seconds >= 0 (0 = no limit)")
         if self.epochs == 0 and self.max_pushes == 0 and self.max_time == 0:
             raise ConfigError("no stopping rule: set at least one of 'epochs', 'max_pushes', 'max_time' > 0")
-        if self.lr_schedule == "cosine" and self.epochs == 0 and self.max_pushes == 0 and self.max_time == 0:
-            raise ConfigError("lr_schedule 'cosine' needs a stopping rule to decay towards")
         need(self.snapshot_interval >= 0, "snapshot_interval", "seconds >= 0")
         need(self.flush_interval > 0, "flush_interval", "seconds > 0")
         need(self.eval_batch_size >= 1, "eval_batch_size", "an integer >= 1")

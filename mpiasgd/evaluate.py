@@ -8,6 +8,7 @@ without slowing the run down.
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -45,16 +46,16 @@ def evaluate_snapshots(path: str, data_dir: str | None = None, batch_size: int =
     """
     from mpiasgd.data import load_dataset
     from mpiasgd.model import build_model
-    from mpiasgd.report import load
+    from mpiasgd.report import open_run
 
-    run = load(path)  # FileNotFoundError / ValueError with a clear message
     if writer_alive(path):
         raise RuntimeError(f"run log '{path}' is still being written by a running job; evaluate it when it has ended")
-    cfg, meta = run["config"], run["snapshots/meta"]
-    if meta is None or len(meta) == 0:
-        raise ValueError(f"run log '{path}' has no weight snapshots to evaluate")
-    chosen = sorted(set(range(0, len(meta), every)) | {len(meta) - 1})
-    with open_log(path) as f:
+    with open_run(path) as f:  # FileNotFoundError / ValueError with a clear message
+        cfg = json.loads(f.attrs["config"])
+        meta = f["snapshots/meta"][()]
+        if len(meta) == 0:
+            raise ValueError(f"run log '{path}' has no weight snapshots to evaluate")
+        chosen = sorted(set(range(0, len(meta), every)) | {len(meta) - 1})
         snapshots = f["snapshots/params"][chosen]  # (S, P) float32
     dataset = load_dataset(cfg["dataset"] or cfg["model"], data_dir or cfg["data_dir"] or None)
     model = build_model(cfg["model"], "numpy")

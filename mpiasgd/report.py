@@ -19,11 +19,10 @@ def _attr(f, key: str, default=None):
     return value.decode() if isinstance(value, bytes) else value
 
 
-def load(path: str) -> dict:
-    """Read what a report needs from the run log at `path`.
+def open_run(path: str):
+    """Open the run log at `path` for reading (an h5py.File, SWMR), checking that it is one.
 
     Raises FileNotFoundError if it does not exist, ValueError if it is not an mpiasgd run log.
-    A log marked "running" whose writer is gone gets status "killed".
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"run log '{path}' not found")
@@ -31,9 +30,18 @@ def load(path: str) -> dict:
         f = open_log(path)
     except OSError as e:
         raise ValueError(f"'{path}' is not a readable HDF5 file ({e})") from None
-    with f:
-        if "config" not in f.attrs or "pushes" not in f:
-            raise ValueError(f"'{path}' is not an mpiasgd run log (no 'config' attribute or 'pushes' table)")
+    if "config" not in f.attrs or "pushes" not in f:
+        f.close()
+        raise ValueError(f"'{path}' is not an mpiasgd run log (no 'config' attribute or 'pushes' table)")
+    return f
+
+
+def load(path: str) -> dict:
+    """Read what a report needs from the run log at `path` (errors as `open_run`).
+
+    A log marked "running" whose writer is gone gets status "killed".
+    """
+    with open_run(path) as f:
         run = {key: _attr(f, key) for key in f.attrs}
         for name in ("pushes", "updates", "evals", "workers", "snapshots/meta", "events"):
             run[name] = f[name][()] if name in f else None

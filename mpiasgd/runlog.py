@@ -158,14 +158,13 @@ class RunLog:
 
     @classmethod
     def create(cls, path: str, attrs: dict, workers: list[tuple], num_params: int,
-               flush_interval: float, overwrite: bool = False, lock: WriterLock | None = None) -> RunLog:
+               flush_interval: float, lock: WriterLock | None = None) -> RunLog:
         """Create the file with every dataset, then switch to SWMR mode (no new objects after that).
 
-        `attrs` values that are not str/int/float are stored as JSON. Raises FileExistsError when
-        `path` exists and `overwrite` is False. `lock` (held by the caller) is released by `close`.
+        `attrs` values that are not str/int/float are stored as JSON. An existing file at `path` is
+        replaced: the caller decides (train.setup refuses one unless --overwrite, holding `lock`).
+        `lock` is released by `close`.
         """
-        if os.path.exists(path) and not overwrite:
-            raise FileExistsError(f"run log '{path}' exists; choose another --name or pass --overwrite")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         f = h5py.File(path, "w", libver="latest")
         for key, value in attrs.items():

@@ -132,7 +132,7 @@ def worker_backend(cfg: Config, me: Rank, local_rank: int) -> tuple[str, object]
     return backend, use_device(assign_device(local_rank, count), me.rank, me.host)
 
 
-def setup(cfg: Config, me: Rank, threads: int, local_rank: int = 0) -> dict:
+def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
     """Per-rank start-up; returns what the role needs. Raises one of STARTUP_ERRORS on bad input.
 
     `local_rank` is a worker's index among the workers of its node (its GPU, modulo visible devices).
@@ -214,7 +214,7 @@ def worker_failed(me: Rank, text: str, timeout: float = 5.0) -> None:
     abort(me, text)
 
 
-def run_server(cfg: Config, me: Rank, state: dict, threads: int) -> None:
+def run_server(cfg: Config, me: Rank, state: dict) -> None:
     """(server only) Create the run log, serve, close the log, print the summary."""
     from tqdm import tqdm
 
@@ -236,8 +236,7 @@ def run_server(cfg: Config, me: Rank, state: dict, threads: int) -> None:
              "mode": cfg.mode, "num_workers": me.num_workers, "num_params": model.num_params,
              "num_train": int(dataset.train_y.size), "num_test": int(dataset.test_y.size),
              "data_source": dataset.source, "command": " ".join(sys.argv)}
-    log = RunLog.create(state["path"], attrs, workers, model.num_params, cfg.flush_interval, cfg.overwrite,
-                        state["lock"])
+    log = RunLog.create(state["path"], attrs, workers, model.num_params, cfg.flush_interval, state["lock"])
     params = model.init_params(cfg.seed)
     bar = None
     if cfg.progress:
@@ -288,7 +287,7 @@ def train(cfg: Config, comm: Any = None) -> int:
     try:
         workers_here, local_rank = node_workers(me)
         threads = blas_threads(me, cfg.threads, workers_here)
-        state = setup(cfg, me, threads, local_rank)
+        state = setup(cfg, me, local_rank)
     except STARTUP_ERRORS as e:
         error = str(e)
     if report_startup_errors(me, error):
@@ -304,7 +303,7 @@ def train(cfg: Config, comm: Any = None) -> int:
     try:
         with threadpool_limits(limits=threads, user_api="blas"):
             if me.is_server:
-                run_server(cfg, me, state, threads)
+                run_server(cfg, me, state)
             else:
                 dev = state["device"]
                 comm.gather((me.rank, me.host, os.getpid(), threads, state["backend"], len(state["sampler"]),
