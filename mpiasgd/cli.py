@@ -2,7 +2,7 @@
 
     mpiexec -n 3 python -m mpiasgd train --model digits --epochs 30   # 1 parameter server + 2 workers
     python -m mpiasgd evaluate runs/NAME.h5                            # accuracy of every weight snapshot
-    python -m mpiasgd report runs/NAME.h5 [runs/OTHER.h5 ...]          # summary tables
+    python -m mpiasgd report runs/NAME.h5 [runs/OTHER.h5 ...]          # summary tables, runs compared
 """
 
 from __future__ import annotations
@@ -11,12 +11,21 @@ import argparse
 import sys
 
 from mpiasgd import __version__
+from mpiasgd.report import DEFAULT_TARGET, FORMATS
 
 
 def positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A test accuracy given as a fraction in (0, 1]; a percentage such as 60 is refused, not guessed."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], e.g. 0.6 for 60 %; got {text}")
     return value
 
 
@@ -32,8 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--data-dir", default=None, help="where the dataset is (default: the run's own)")
     ev.add_argument("--every", type=positive, default=1, help="evaluate every N-th snapshot and the last (default 1)")
     ev.add_argument("--batch-size", type=positive, default=256, help="images per forward pass (default 256)")
-    rp = sub.add_parser("report", help="print summary tables of run logs")
+    rp = sub.add_parser("report", help="print summary tables of run logs, and a table comparing them")
     rp.add_argument("logs", nargs="+", metavar="RUN.h5")
+    rp.add_argument("--target-accuracy", type=fraction, default=DEFAULT_TARGET, metavar="FRACTION",
+                    help="test accuracy of the comparison's 'time to' column, a fraction: 0.6 = 60 %% "
+                         f"(default {DEFAULT_TARGET}; values above 1 are refused)")
+    rp.add_argument("--format", choices=FORMATS, default="text",
+                    help="text (default): each run's report, then the comparison table for 2+ runs; "
+                         "markdown | csv: the comparison table alone")
     args, rest = parser.parse_known_args(argv)
 
     if args.command == "train":
@@ -93,14 +108,13 @@ def _evaluate(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from mpiasgd.report import report
 
-    status = 0
-    for path in args.logs:
-        try:
-            print(report([path]))
-        except (OSError, ValueError, KeyError) as e:
-            print(f"mpiasgd report: error: {e}", file=sys.stderr)
-            status = 2
-    return status
+    try:  # every log is read before anything is printed: a bad one stops the whole report
+        text = report(args.logs, args.target_accuracy, args.format)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"mpiasgd report: error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
 
 
 if __name__ == "__main__":
