@@ -25,7 +25,7 @@ class ConfigError(ValueError):
     """A configuration key is unknown, ill-typed or out of range (the message names the key)."""
 
 
-MODES = ("async",)
+MODES = ("async", "sync", "ssp")
 BACKENDS = ("auto", "numpy", "cupy")
 CUDA_AWARE = ("auto", "on", "off")
 SCHEDULES = ("constant", "step", "cosine")
@@ -46,7 +46,22 @@ class Config:
     seed: int = _opt(0, "model and data", "seed of initial weights, shards and augmentation")
     batch_size: int = _opt(32, "model and data", "minibatch per worker, images")
     # --- parallelism ---
-    mode: str = _opt("async", "parallelism", "training mode: async (A-SGD with a parameter server)")
+    mode: str = _opt("async", "parallelism",
+                     "training mode: async (A-SGD through the parameter server) | sync (workers allreduce their "
+                     "gradients every step; rank 0 only logs) | ssp (async, but no worker more than "
+                     "--staleness-bound steps ahead of the slowest)")
+    staleness_bound: int = _opt(3, "parallelism",
+                                "ssp: steps a worker may run ahead of the slowest worker (0 = lockstep); steps")
+    nsync: int = _opt(1, "parallelism",
+                      "async/ssp: local optimizer steps between exchanges; a worker pushes the accumulated "
+                      "update (its weights minus the weights it pulled) every NSYNC minibatches (n_push = "
+                      "n_fetch = NSYNC, GPU A-SGD / Downpour); 1 = push every gradient")
+    warm_start: float = _opt(0.0, "parallelism",
+                             "async/ssp: worker rank 1 trains alone for this many seconds before the others "
+                             "get their first weights (GPU A-SGD's warm start); seconds")
+    overlap: bool = _opt(False, "parallelism",
+                         "async/ssp: compute the next minibatch on the weights at hand while the pull is in "
+                         "flight (hides communication, one more step of staleness)")
     backend: str = _opt("auto", "parallelism",
                         "compute backend of the workers: auto (cupy where the worker's node has a GPU, else numpy) "
                         "| numpy | cupy (default: auto)")
@@ -94,6 +109,13 @@ class Config:
         need(self.model in MODELS, "model", f"one of {sorted(MODELS)}")
         need(self.dataset in ("", "digits", "cifar10"), "dataset", "digits or cifar10")
         need(self.mode in MODES, "mode", f"one of {MODES}")
+        need(self.staleness_bound >= 0, "staleness_bound", "an integer >= 0")
+        need(self.nsync >= 1, "nsync", "an integer >= 1")
+        need(math.isfinite(self.warm_start) and self.warm_start >= 0, "warm_start", "seconds >= 0")
+        if self.mode == "sync":  # options of the parameter-server modes only
+            for key, off in (("nsync", 1), ("warm_start", 0.0), ("overlap", False), ("staleness_lr", "none")):
+                need(getattr(self, key) == off, key, f"{off!r} in mode 'sync' (workers allreduce every step; "
+                     f"'{key}' applies to the async and ssp modes)")
         need(self.backend in BACKENDS, "backend", f"one of {BACKENDS}")
         need(self.cuda_aware in CUDA_AWARE, "cuda_aware", f"one of {CUDA_AWARE}")
         need(self.batch_size >= 1, "batch_size", "an integer >= 1")

@@ -18,7 +18,7 @@ Staging (one object per worker, chosen once; the worker loop calls the same thre
     pinned    cupy backend: MPI buffers in pinned host memory (reused every step); weights copied
               host->device after each receive, the gradient device->host before each send
     device    cupy backend with a CUDA-aware MPI: the message buffers live on the device, params and
-              grads are views into them; only the 96-byte header crosses to and from the host
+              grads are views into them; only the 112-byte header crosses to and from the host
 """
 
 from __future__ import annotations
@@ -281,6 +281,13 @@ class Staging:
     def before_send(self) -> None:
         pass
 
+    def grads_to_mpi(self) -> Any:
+        """(sync mode) After finish_compute: the array an allreduce of the gradient works on."""
+        return self.grads
+
+    def grads_from_mpi(self) -> None:
+        """(sync mode) After the allreduce completed: make `grads` hold its result."""
+
 
 class PinnedStaging(Staging):
     """cupy backend, MPI without CUDA support: host messages in pinned memory, model on the device.
@@ -307,12 +314,19 @@ class PinnedStaging(Staging):
     def before_send(self) -> None:
         self.dev.to_host(self.push.payload, self.grads)  # device -> pinned; MPI sends it next
 
+    def grads_to_mpi(self) -> Any:
+        self.dev.to_host(self.push.payload, self.grads)  # the allreduce runs on the pinned host copy
+        return self.push.payload
+
+    def grads_from_mpi(self) -> None:
+        self.dev.to_device(self.grads, self.push.payload)
+
 
 class DeviceStaging(Staging):
     """cupy backend with a CUDA-aware MPI: messages on the device, params/grads views into their payloads.
 
     Host `weights` / `push` keep only the headers: after_receive copies the received header
-    device->host (96 bytes), before_send the stamped header host->device, then syncs the stream,
+    device->host (HEADER_BYTES), before_send the stamped header host->device, then syncs the stream,
     so MPI never reads device memory a kernel or copy is still writing.
     """
 

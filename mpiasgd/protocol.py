@@ -2,21 +2,29 @@
 
 Every message is ONE contiguous byte buffer sent with buffer-based MPI (never pickle):
 
-    [ header: HEADER, HEADER_BYTES = 96 bytes ][ payload: `count` float32 values ]
+    [ header: HEADER, HEADER_BYTES = 112 bytes ][ payload: `count` float32 values ]
 
 The header makes each message self-describing: kind, sender, step, the weight version, loss,
 sample count and timings travel in the same message as the gradient or weights they describe, so a
 push can never be matched with another sender's figures. `check()` verifies every arrival: magic,
 tag, sender, size.
 
-Message flow (async mode, GPU A-SGD of Paine et al. 2013 with n_fetch = n_push = 1):
+Message flow, async and ssp modes (GPU A-SGD of Paine et al. 2013, n_fetch = n_push = nsync):
 
-    server -> worker  WEIGHTS  (version v, params)          initial pull, and the reply to every push
-    worker -> server  PUSH     (base version v, gradient)    one outstanding push per worker
+    server -> worker  WEIGHTS  (version v, lr, params)      initial pull, and the reply to every push
+    worker -> server  PUSH     (base version v, gradient    one outstanding push per worker; the
+                               or accumulated update)        payload is an update when nsync > 1
     server -> worker  STOP     (final version, params)       reply to a push once the run must end
     worker -> server  EVAL     (loss sum, correct, count)    its slice of the test set, final weights
     worker -> server  ERROR    (UTF-8 traceback)             a worker failed; the server logs, acks
     server -> worker  ERROR_ACK                              log closed, the job may now abort
+
+Sync mode (workers allreduce among themselves; rank 0 only logs): after the initial WEIGHTS,
+
+    worker -> server  REPORT   (step, loss, timings, flags)  header only, one per worker per step
+    worker -> server  SNAPSHOT (version, params)             the first worker, every snapshot interval
+                                                             and once more (flag FINAL) at the end
+    worker -> server  EVAL, ERROR as above
 """
 
 from __future__ import annotations
@@ -37,6 +45,18 @@ class Tag(IntEnum):
     EVAL = 14
     ERROR = 15
     ERROR_ACK = 16
+    REPORT = 17
+    SNAPSHOT = 18
+
+
+class Flag(IntEnum):
+    """Bits of the header's `flags` field."""
+
+    SKIPPED = 1      # REPORT: the step was skipped by every worker (a non-finite gradient somewhere)
+    NONFINITE = 2    # REPORT: this worker's own gradient was not finite
+    LAST = 4         # REPORT: the workers' last step (the stopping rule fired)
+    FINAL = 8        # SNAPSHOT: the final weights (stored, not logged as an interval snapshot)
+    DELTA = 16       # PUSH: the payload is an accumulated update (nsync > 1), not a gradient
 
 
 class ProtocolError(RuntimeError):
@@ -57,8 +77,10 @@ HEADER = np.dtype([
     ("compute_s", "<f8"),   # PUSH: seconds of data + forward + backward for this gradient
     ("comm_s", "<f8"),      # PUSH: seconds spent posting and completing MPI calls for the previous pull
     ("wait_s", "<f8"),      # PUSH: seconds idle waiting for the weights this gradient used
+    ("lr", "<f8"),          # WEIGHTS: step size for a worker's local steps (nsync > 1); REPORT: step size used
+    ("flags", "<i8"),       # Flag bits
 ])
-HEADER_BYTES = -(-HEADER.itemsize // 16) * 16  # 96: rounded up to 16 bytes so the payload stays aligned
+HEADER_BYTES = -(-HEADER.itemsize // 16) * 16  # 112: rounded up to 16 bytes so the payload stays aligned
 
 
 class Message:

@@ -8,7 +8,12 @@ One file per run, `RUN_DIR/NAME.h5`:
     /workers     one row per worker: rank, host, pid, threads, backend, shard_size
     /pushes      one row per push received (PUSH_ROW): time, worker, step, base version, version,
                  staleness, loss, correct, samples, epoch, compute/comm/wait seconds, applied, lr (the
-                 step used, staleness rule included), rejected (a non-finite gradient, not applied)
+                 step used, staleness rule included; nsync > 1: the worker's local step size times
+                 the staleness factor), rejected (a non-finite gradient, not applied), held_s (ssp:
+                 seconds the server held the reply to this worker's previous push). Sync mode: one
+                 row per worker per step from its REPORT (staleness 0; version = steps applied;
+                 wait_s = seconds in the allreduces; applied 0 on a step skipped by all workers,
+                 rejected 1 on the worker whose own gradient was not finite)
     /updates     one row per server update (UPDATE_ROW): time, version, lr, gradient norm, samples, epoch
     /snapshots/params  (S, P) float32 weights every `snapshot_interval` seconds, first and last included
     /snapshots/meta    (S,) SNAPSHOT_ROW: time, version, samples, epoch
@@ -39,7 +44,7 @@ PUSH_ROW = np.dtype([
     ("time", "<f8"), ("worker", "<i4"), ("step", "<i8"), ("base_version", "<i8"), ("version", "<i8"),
     ("staleness", "<i8"), ("loss", "<f4"), ("correct", "<i4"), ("samples", "<i4"), ("epoch", "<i4"),
     ("compute_s", "<f4"), ("comm_s", "<f4"), ("wait_s", "<f4"), ("applied", "<i1"), ("lr", "<f4"),
-    ("rejected", "<i1"),
+    ("rejected", "<i1"), ("held_s", "<f4"),
 ])
 UPDATE_ROW = np.dtype([("time", "<f8"), ("version", "<i8"), ("lr", "<f4"), ("grad_norm", "<f4"),
                        ("samples", "<i8"), ("epoch", "<f8")])

@@ -1,18 +1,34 @@
 """The parameter server (rank 0): master weights, optimizer, stopping rule, snapshots, run log.
 
 Asynchronous SGD as in GPU A-SGD (Paine et al. 2013, arXiv 1312.6186) and Downpour SGD (Dean et
-al. 2012) with n_fetch = n_push = 1: every PUSH is applied the moment it arrives,
+al. 2012): every PUSH is applied the moment it arrives,
 
     staleness = version (server, before the update) - base version (the push was computed from)
-    w <- SGD-momentum step of w with the pushed gradient;  version <- version + 1
+    nsync = 1:  w <- SGD-momentum step of w with the pushed gradient, step lr * f(staleness)
+    nsync = K:  w <- w + f(staleness) * u, u = the worker's accumulated update over K local steps
+    version <- version + 1
 
-and answered with the new weights (WEIGHTS), so no worker ever waits for another. With
-`--staleness-lr inverse` the step of a push is lr / max(1, staleness) (Zhang et al. 2016). A push
-whose gradient is not finite is rejected (not applied, counted per worker, answered with the
-current weights); `--max-rejects` of them in a row from one worker stop the run with an error. Once a stopping
-rule fires, each worker's next push is answered with STOP and the final weights instead; the worker
-evaluates its slice of the test set and sends EVAL. The run ends when every worker has sent EVAL,
-with no request pending. The server never computes gradients.
+and answered with the new weights (WEIGHTS, carrying the step size for the worker's local steps),
+so no worker ever waits for another. f is 1, or with `--staleness-lr inverse` 1 / max(1,
+staleness) (Zhang et al. 2016, arXiv 1511.05950; `sqrt`: 1 / sqrt(max(1, staleness))).
+
+`--mode ssp` (stale synchronous parallel, Ho et al. 2013): a worker's clock is the number of
+pushes it has made; the reply to a push that leaves its worker more than `--staleness-bound` s
+clocks ahead of the slowest running worker is held until the slowest catches up, so no worker
+computes step c + 1 before every other has pushed step c - s. s = 0 is lockstep (BSP). The time
+each reply was held is logged (pushes table, `held_s`, on the worker's next push).
+
+`--warm-start S`: only worker rank 1 gets its first weights at start-up; the others get theirs
+once S seconds have passed (GPU A-SGD's warm start).
+
+A push whose payload is not finite is rejected (not applied, counted per worker, answered with the
+current weights); `--max-rejects` of them in a row from one worker stop the run with an error. Once a
+stopping rule fires, each worker's next push is answered with STOP and the final weights instead;
+the worker evaluates its slice of the test set and sends EVAL. The run ends when every worker has
+sent EVAL, with no request pending. The server never computes gradients.
+
+`SyncMonitor` is rank 0 of `--mode sync`: the workers allreduce among themselves; it sends the
+initial weights, logs their REPORTs and SNAPSHOTs, and collects the EVALs.
 """
 
 from __future__ import annotations
@@ -29,7 +45,7 @@ from mpiasgd import protocol
 from mpiasgd.comms import Backoff, CommTimeout, probe, wait, wait_all
 from mpiasgd.config import Config
 from mpiasgd.optim import SGD, learning_rate, staleness_factor
-from mpiasgd.protocol import Message, ProtocolError, Tag
+from mpiasgd.protocol import Flag, Message, ProtocolError, Tag
 from mpiasgd.runlog import RunLog
 
 
@@ -74,6 +90,7 @@ class ParameterServer:
         self.evals: dict[int, tuple] = {}     # worker -> (loss sum, correct, count)
         self.stop_reason = ""
         self.inbox = {w: Message(params.size) for w in self.workers}
+        self.header_only = Message(0)         # EVAL and REPORT: received and handled one at a time
         self.outbox = {w: Message(params.size) for w in self.workers}
         self.sending: dict[int, Any] = dict.fromkeys(self.workers)
         self.start = 0.0
@@ -85,6 +102,11 @@ class ParameterServer:
         self.loss_avg = float("nan")
         self.rejected = dict.fromkeys(self.workers, 0)       # non-finite pushes per worker
         self.rejects_in_row = dict.fromkeys(self.workers, 0)
+        self.started: set[int] = set()        # workers sent their first weights (--warm-start holds back some)
+        self.held: dict[int, tuple[int, float]] = {}  # ssp: worker -> (step answered, time held since)
+        self.clock_offset = dict.fromkeys(self.workers, 0)  # ssp: the slowest clock when a late starter began
+        self.held_s = dict.fromkeys(self.workers, 0.0)  # ssp: how long the last reply to each worker was held
+        self.held_total = dict.fromkeys(self.workers, 0.0)
 
     # --- clocks and rules ---
     def now(self) -> float:
@@ -116,6 +138,7 @@ class ParameterServer:
         elif cfg.max_time and self.now() >= cfg.max_time:
             self.stop_reason = f"max_time: {self.now():.1f} s >= {cfg.max_time:g} s"
         if self.stop_reason:
+            self.stop_time = self.now()
             self.log.add("events", (self.now(), b"stop", self.stop_reason))
 
     def snapshot(self) -> None:
@@ -123,9 +146,12 @@ class ParameterServer:
         self.log.add_snapshot((self.last_snapshot, self.version, self.samples, self.epoch), self.params)
 
     def tick(self) -> None:
-        """Clock-driven duties between messages: time limit, snapshots, log flush, progress bar."""
+        """Clock-driven duties between messages: time limit, warm start, snapshots, log flush, progress bar."""
         self.check_stop()
-        if (self.cfg.snapshot_interval and not self.stop_reason
+        if len(self.started) < len(self.workers) and (self.now() >= self.cfg.warm_start or self.stop_reason):
+            self.start_workers()
+        self.release()  # ssp: a stop answers every held push
+        if (self.cfg.snapshot_interval and self.cfg.mode != "sync" and not self.stop_reason
                 and self.now() - self.last_snapshot >= self.cfg.snapshot_interval):
             self.snapshot()
         self.log.maybe_flush()
@@ -142,8 +168,13 @@ class ParameterServer:
         self.start = time.perf_counter()
         self.log.add("events", (0.0, b"start", f"{len(self.workers)} workers"))
         self.snapshot()
-        for w in self.workers:
-            self.send(w, Tag.WEIGHTS, step=0)
+        if self.cfg.warm_start > 0 and len(self.workers) > 1:
+            self.started.add(self.workers[0])
+            self.send(self.workers[0], Tag.WEIGHTS, step=0)
+            self.log.add("events", (0.0, b"warm_start", f"worker rank {self.workers[0]} trains alone for "
+                                                        f"{self.cfg.warm_start:g} s"))
+        else:
+            self.start_workers()
         backoff = Backoff()
         while len(self.evals) < len(self.workers):
             try:
@@ -160,6 +191,20 @@ class ParameterServer:
         wait_all(list(self.sending.values()), "completion of the final sends", self.rank, self.cfg.comm_timeout)
         return self.finish()
 
+    def start_workers(self) -> None:
+        """Send the first weights to every worker not started yet (at start-up, or when the warm start ends)."""
+        if self.started:
+            self.log.add("events", (self.now(), b"warm_start_end",
+                                    f"the other workers start at version {self.version}"))
+        slowest = self.slowest_clock()
+        for w in self.workers:
+            if w not in self.started:
+                self.clock_offset[w] = slowest  # ssp: a warm-started worker is not held back by late starters
+                self.started.add(w)
+                self.send(w, Tag.STOP if self.stop_reason else Tag.WEIGHTS, step=0)
+                if self.stop_reason:
+                    self.stopped.add(w)
+
     def handle(self, message: Any, status: Any) -> None:
         """Receive one probed message and act on it; ProtocolError on anything outside the protocol."""
         source = status.Get_source()
@@ -172,20 +217,19 @@ class ParameterServer:
             msg = Message(max(0, nbytes - protocol.HEADER_BYTES) // 4)
             message.Recv(msg.buf[:nbytes])
             raise WorkerFailed(source, protocol.error_text(msg))
-        if tag == Tag.PUSH:
-            msg = self.inbox[source]
-        elif tag == Tag.EVAL:
-            msg = Message(0)
-        else:
-            raise ProtocolError(f"rank 0: unexpected {tag.name} message from rank {source} "
-                                f"(the server receives PUSH, EVAL and ERROR)")
+        handlers = self.handlers()
+        if tag not in handlers:
+            raise ProtocolError(f"rank 0: unexpected {tag.name} message from rank {source} (in mode "
+                                f"'{self.cfg.mode}' rank 0 receives {', '.join(t.name for t in handlers)} and ERROR)")
+        msg = self.inbox[source] if tag in (Tag.PUSH, Tag.SNAPSHOT) else self.header_only
         protocol.check_size(tag, source, self.rank, nbytes, msg.count)
         message.Recv(msg.buf)
         protocol.check(msg, tag, source, self.rank)
-        if tag == Tag.PUSH:
-            self.on_push(source, msg)
-        else:
-            self.on_eval(source, msg)
+        handlers[tag](source, msg)
+
+    def handlers(self) -> dict:
+        """The message kinds rank 0 takes in this mode (besides ERROR) and their handlers."""
+        return {Tag.PUSH: self.on_push, Tag.EVAL: self.on_eval}
 
     def on_push(self, w: int, msg: Message) -> None:
         h = msg.header
@@ -198,6 +242,11 @@ class ParameterServer:
         if not 0 <= base <= self.version:
             raise ProtocolError(f"rank 0: PUSH step {step} from worker rank {w} was computed from version "
                                 f"{base}, but the server is at version {self.version}")
+        delta = bool(int(h["flags"]) & Flag.DELTA)
+        if delta != (self.cfg.nsync > 1):
+            raise ProtocolError(f"rank 0: PUSH step {step} from worker rank {w} carries "
+                                f"{'an accumulated update' if delta else 'a gradient'}, but nsync is "
+                                f"{self.cfg.nsync} (expected {'an update' if self.cfg.nsync > 1 else 'a gradient'})")
         self.last_step[w] = step
         staleness = self.version - base
         grad = msg.payload
@@ -207,9 +256,13 @@ class ParameterServer:
         applied = not rejected and not self.stop_reason  # after the stop decision pushes are drained
         lr = 0.0
         if applied:
-            lr = (learning_rate(self.cfg, self.epoch, self.fraction_done())
-                  * staleness_factor(self.cfg.staleness_lr, staleness))
-            self.optimizer.step(grad, lr)
+            factor = staleness_factor(self.cfg.staleness_lr, staleness)
+            if delta:  # already scaled by the worker's own step size: added, scaled by the staleness rule only
+                lr = float(h["lr"]) * factor
+                self.optimizer.params += np.float32(factor) * grad
+            else:
+                lr = learning_rate(self.cfg, self.epoch, self.fraction_done()) * factor
+                self.optimizer.step(grad, lr)
             self.version += 1
             self.samples += int(h["samples"])
             self.staleness_sum += staleness
@@ -220,14 +273,44 @@ class ParameterServer:
             self.check_stop()
         self.log.add("pushes", (self.now(), w, step, base, self.version, staleness, h["loss"], h["correct"],
                                 h["samples"], h["epoch"], h["compute_s"], h["comm_s"], h["wait_s"], applied, lr,
-                                rejected))
+                                rejected, self.held_s[w]))
         if rejected:
             self.reject(w, step)  # after its row is logged: may stop the run
         else:
             self.rejects_in_row[w] = 0
+        self.held_s[w] = 0.0
+        if (self.cfg.mode == "ssp" and not self.stop_reason
+                and self.clock(w) - self.slowest_clock() > self.cfg.staleness_bound):
+            self.held[w] = (self.clock(w), self.now())  # answered when the slowest worker catches up
+        else:
+            self.reply(w, step)
+        self.release()
+
+    def clock(self, w: int) -> int:
+        """ssp: the clock of worker `w`, the pushes it has made (plus the slowest clock when it started late)."""
+        return self.last_step[w] + self.clock_offset[w]
+
+    def slowest_clock(self) -> int:
+        """ssp: the slowest clock of the workers that are running (started and not stopped)."""
+        running = [self.clock(w) for w in self.workers if w in self.started and w not in self.stopped]
+        return min(running, default=0)
+
+    def release(self) -> None:
+        """ssp: answer every held push that the bound now allows (all of them once the run stops)."""
+        if not self.held:
+            return
+        slowest = self.slowest_clock()
+        for w, (clock, since) in list(self.held.items()):
+            if self.stop_reason or clock - slowest <= self.cfg.staleness_bound:
+                del self.held[w]
+                self.held_s[w] = self.now() - since
+                self.held_total[w] += self.held_s[w]
+                self.reply(w, self.last_step[w])
+
+    def reply(self, w: int, step: int) -> None:
+        """Answer push `step` of worker `w`: WEIGHTS, or STOP once a stopping rule fired."""
         if self.stop_reason:
             self.stopped.add(w)
-            self.stop_time = self.now()
             self.send(w, Tag.STOP, step)
         else:
             self.send(w, Tag.WEIGHTS, step)
@@ -259,7 +342,8 @@ class ParameterServer:
         wait(self.sending[w], f"completion of the previous send to worker rank {w}", self.rank, self.cfg.comm_timeout)
         out = self.outbox[w]
         out.payload[:] = self.params
-        out.stamp(tag, self.rank, step=step, version=self.version)
+        out.stamp(tag, self.rank, step=step, version=self.version,
+                  lr=learning_rate(self.cfg, self.epoch, self.fraction_done()))
         self.sending[w] = self.comm.Isend(out.buf, dest=w, tag=int(tag))
 
     def finish(self) -> dict:
@@ -290,4 +374,62 @@ class ParameterServer:
             "staleness_max": self.staleness_max,
             "stop_reason": self.stop_reason,
             "rejected": sum(self.rejected.values()),
+            "held_s": sum(self.held_total.values()),
         }
+
+
+class SyncMonitor(ParameterServer):
+    """(server only, --mode sync) Rank 0 of synchronous data parallelism: logs, never updates.
+
+    The workers allreduce their gradients among themselves and each applies the same step (see
+    `mpiasgd.worker`); rank 0 sends the initial weights, turns every worker's REPORT into a row of
+    the pushes table (one per worker per step) and an updates row per step, stores the SNAPSHOTs
+    the first worker sends, and collects the EVALs. The stopping rule is judged by the workers (on
+    a max-allreduced clock); their last REPORT carries the flag LAST. A step skipped by every worker
+    (a non-finite gradient somewhere) is logged as an event naming the worker; `--max-rejects` such
+    steps in a row from one worker end the run with TrainingDiverged.
+    """
+
+    def handlers(self) -> dict:
+        return {Tag.REPORT: self.on_report, Tag.SNAPSHOT: self.on_snapshot, Tag.EVAL: self.on_eval}
+
+    def check_stop(self) -> None:
+        pass  # decided by the workers; see on_report
+
+    def on_report(self, w: int, msg: Message) -> None:
+        h = msg.header
+        step, version, flags = int(h["step"]), int(h["version"]), int(h["flags"])
+        if w in self.stopped:
+            raise ProtocolError(f"rank 0: REPORT step {step} from worker rank {w} after its last step")
+        if step != self.last_step[w] + 1:
+            raise ProtocolError(f"rank 0: REPORT from worker rank {w} has step {step}, expected "
+                                f"{self.last_step[w] + 1} (duplicate or out-of-order report)")
+        self.last_step[w] = step
+        applied, nonfinite = not flags & Flag.SKIPPED, bool(flags & Flag.NONFINITE)
+        if version > self.version:  # the first report of a step that updated the weights
+            self.version = version
+            self.samples = version * self.cfg.batch_size * len(self.workers)
+            self.log.add("updates", (self.now(), version, float(h["lr"]), float("nan"), self.samples, self.epoch))
+        loss = float(h["loss"])
+        self.loss_avg = loss if self.loss_avg != self.loss_avg else 0.95 * self.loss_avg + 0.05 * loss
+        self.log.add("pushes", (self.now(), w, step, version - applied, version, 0, loss, h["correct"], h["samples"],
+                                h["epoch"], h["compute_s"], h["comm_s"], h["wait_s"], applied, h["lr"], nonfinite, 0.0))
+        if nonfinite:
+            text = f"step {step} skipped by every worker: worker rank {w} computed a non-finite gradient"
+            self.log.add("events", (self.now(), b"skip", text))
+            self.reject(w, step)
+        else:
+            self.rejects_in_row[w] = 0
+        if flags & Flag.LAST:
+            self.stopped.add(w)
+            if not self.stop_reason:
+                self.stop_reason = f"the workers' stopping rule at step {step} (epoch {self.epoch:.2f})"
+                self.stop_time = self.now()
+                self.log.add("events", (self.now(), b"stop", self.stop_reason))
+
+    def on_snapshot(self, w: int, msg: Message) -> None:
+        if w != self.workers[0]:
+            raise ProtocolError(f"rank 0: SNAPSHOT from worker rank {w}; only rank {self.workers[0]} sends them")
+        self.params[:] = msg.payload
+        if not int(msg.header["flags"]) & Flag.FINAL:  # the final weights are logged by finish()
+            self.snapshot()

@@ -175,6 +175,7 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
         out["test_idx"] = np.array_split(np.arange(dataset.test_y.size, dtype=np.int64), me.num_workers)[me.rank - 1]
         cuda_aware = backend == "cupy" and resolve_cuda_aware(cfg.cuda_aware, getattr(MPI, "Query_cuda_support", None))
         out["staging"] = make_staging(backend, cuda_aware, model.num_params)  # buffers reused every step
+        out["make_staging"] = lambda: make_staging(backend, cuda_aware, model.num_params)  # --overlap: a second one
     return out
 
 
@@ -220,7 +221,7 @@ def run_server(cfg: Config, me: Rank, state: dict) -> None:
 
     from mpiasgd.report import summary_lines
     from mpiasgd.runlog import RunLog
-    from mpiasgd.server import ParameterServer, WorkerFailed
+    from mpiasgd.server import ParameterServer, SyncMonitor, WorkerFailed
 
     model, dataset = state["model"], state["dataset"]
     workers = me.comm.gather(None, root=0)[1:]
@@ -243,8 +244,8 @@ def run_server(cfg: Config, me: Rank, state: dict) -> None:
         total = int(cfg.epochs * dataset.train_y.size) if cfg.epochs else None
         bar = tqdm(total=total, unit="img", unit_scale=True, dynamic_ncols=True, mininterval=0.5,
                    desc="training", file=sys.stderr)
-    server = ParameterServer(me.comm, cfg, params, model.decay_mask(), me.num_workers, dataset.train_y.size,
-                             log, bar)
+    role = SyncMonitor if cfg.mode == "sync" else ParameterServer
+    server = role(me.comm, cfg, params, model.decay_mask(), me.num_workers, dataset.train_y.size, log, bar)
 
     def interrupt(signum: int, frame: Any) -> None:
         raise Interrupted(signal.Signals(signum).name)
@@ -300,6 +301,8 @@ def train(cfg: Config, comm: Any = None) -> int:
 
     from threadpoolctl import threadpool_limits
 
+    # (all ranks) sync mode: the workers' own communicator for the allreduce; rank 0 is not in it
+    workers_comm = comm.Split(0 if not me.is_server else MPI.UNDEFINED, me.rank) if cfg.mode == "sync" else None
     try:
         with threadpool_limits(limits=threads, user_api="blas"):
             if me.is_server:
@@ -312,7 +315,7 @@ def train(cfg: Config, comm: Any = None) -> int:
                 from mpiasgd.worker import Worker
 
                 Worker(comm, cfg, state["model"], state["dataset"], state["sampler"], state["test_idx"],
-                       me.rank, state["staging"]).run()
+                       me.rank, state["staging"], state["make_staging"], workers_comm).run()
     except BaseException:
         text = traceback.format_exc()
         if me.is_server:

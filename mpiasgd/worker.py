@@ -1,21 +1,33 @@
-"""A worker (ranks 1..N): pull weights, compute a minibatch gradient on its shard, push it, repeat.
+"""A worker (ranks 1..N): pull weights, compute minibatch gradients on its shard, push, repeat.
 
-The model's flat parameter vector IS the payload of the receive buffer, and its flat gradient
-vector IS the payload of the send buffer, so a push or a pull never copies the model: MPI reads
-the gradient where backward wrote it and writes the weights where forward reads them. The
-receive for the reply is posted before the push is sent (no unexpected-message buffering), and
-both buffers are touched only after their requests completed.
+Async and ssp modes (the parameter server on rank 0 answers every push, see `mpiasgd.server`):
 
-That holds for the numpy backend. On a GPU (cupy backend) the model lives on the device and a
-`mpiasgd.device.Staging` chosen at start-up moves data between it and the MPI buffers: pinned
-host buffers with one host->device copy of the weights per pull and one device->host copy of the
-gradient per push, or (CUDA-aware MPI) device buffers handed to MPI directly. The loop is the same
-for all three; on the numpy backend the staging calls do nothing.
+    pull w (version v)  ->  nsync = 1: one gradient g on w;            push g (base version v)
+                            nsync = K: K local SGD steps from w to w'; push w' - w (base version v)
+
+`--overlap` posts the pull and computes the next minibatch on the weights at hand while the
+reply is in flight: the gradient pushed at step t was computed on the weights of the reply to
+push t-2 instead of t-1 (one more step of staleness), and the wait for the reply overlaps compute.
+
+Sync mode (`--mode sync`): after the initial pull, the workers average their gradients with an
+allreduce on a communicator of workers only and each applies the same SGD step to its own copy,
+so the copies stay identical; rank 0 only receives figures (REPORT) and snapshots (SNAPSHOT).
+A max-allreduce of (non-finite flag, elapsed seconds) comes first every step: a non-finite
+gradient on any worker makes every worker skip that step, and the time limit is judged on one
+clock for all.
+
+Buffers: the model's flat parameter vector IS the payload of a receive buffer, and its flat
+gradient vector IS the payload of a send buffer, so a push or a pull never copies the model
+(numpy backend). On a GPU (cupy backend) a `mpiasgd.device.Staging` chosen at start-up moves data
+between the device and the MPI buffers (pinned host buffers, or device buffers with a CUDA-aware
+MPI). A receive is posted before the push it answers is sent; a buffer is written only after its
+send completed and read only after its receive completed. With `--overlap` there are two of each.
 """
 
 from __future__ import annotations
 
 import time
+import zlib
 from typing import Any
 
 import numpy as np
@@ -27,19 +39,42 @@ from mpiasgd.config import Config
 from mpiasgd.data import Dataset, ShardSampler
 from mpiasgd.device import Staging
 from mpiasgd.evaluate import evaluate
-from mpiasgd.protocol import Message, ProtocolError, Tag
+from mpiasgd.optim import learning_rate
+from mpiasgd.protocol import Flag, Message, ProtocolError, Tag
+
+
+class LocalSGD:
+    """SGD with momentum and weight decay on a worker's own weights, on the model's backend.
+
+    The update of the parameter server (`mpiasgd.optim.SGD`), for workers that step locally: every
+    step in sync mode, and between exchanges with nsync > 1. `step(lr)` updates `model.params` in
+    place with `model.grads`; the velocity lives on the model's backend and persists across pulls.
+    """
+
+    def __init__(self, model: Any, cfg: Config) -> None:
+        self.model = model
+        self.ops = model.ops
+        self.momentum = cfg.momentum
+        self.decay = self.ops.asarray(cfg.weight_decay * model.decay_mask())  # (P,) float32, 0 on biases
+        self.velocity = self.ops.zeros(model.num_params)
+
+    def step(self, lr: float) -> None:
+        self.ops.sgd_momentum(self.model.params, self.velocity, self.model.grads, self.decay, self.momentum, lr)
 
 
 class Worker:
-    """(all workers) One A-SGD worker of rank `rank` (1-based) over `comm`; see the module docstring.
+    """(all workers) One worker of rank `rank` (1-based) over `comm`; see the module docstring.
 
     `model` is an unbound `mpiasgd.model.Model`; `dataset` the loaded Dataset; `sampler` this
     worker's ShardSampler; `test_idx` (int64) the test images this worker evaluates at the end;
-    `staging` how the model's params/grads meet the MPI buffers (default: the numpy backend's, no copies).
+    `staging` how the model's params/grads meet the MPI buffers (default: the numpy backend's, no
+    copies); `make_staging()` builds one more like it (needed by `--overlap`); `workers_comm` the
+    communicator of the workers only (needed by sync mode).
     """
 
     def __init__(self, comm: Any, cfg: Config, model: Any, dataset: Dataset, sampler: ShardSampler,
-                 test_idx: np.ndarray, rank: int, staging: Staging | None = None) -> None:
+                 test_idx: np.ndarray, rank: int, staging: Staging | None = None, make_staging: Any = None,
+                 workers_comm: Any = None, num_train: int = 0) -> None:
         self.comm = comm
         self.cfg = cfg
         self.model = model
@@ -47,12 +82,17 @@ class Worker:
         self.sampler = sampler
         self.test_idx = test_idx
         self.rank = rank
-        self.staging = staging
+        self.staging = staging or Staging(model.num_params)
+        self.make_staging = make_staging or (lambda: Staging(model.num_params))
+        self.workers_comm = workers_comm
+        self.num_train = num_train or dataset.train_y.size
         self.step = 0
         self.version = -1
         self.slowdown = cfg.stragglers().get(rank, 1.0)  # compute time multiplier of this worker
+        self.rng = np.random.default_rng([cfg.seed, 1, rank])  # augmentation
+        self.batches = self.minibatches()
 
-    def batches(self):
+    def minibatches(self):
         """Endless (epoch, indices) minibatches over this shard; a batch may straddle two epochs."""
         epoch, queue = 0, np.empty(0, dtype=np.int64)
         while True:
@@ -62,13 +102,27 @@ class Worker:
             yield epoch - 1, queue[: self.cfg.batch_size]
             queue = queue[self.cfg.batch_size:]
 
-    def receive_reply(self, request: Any, staging: Staging, what: str) -> tuple[Tag, float]:
+    def gradient(self) -> tuple[float, int, int, int]:
+        """Forward and backward on the next minibatch into the bound grads; (loss, correct, samples, epoch)."""
+        epoch, idx = next(self.batches)
+        ops = self.model.ops
+        x, y = self.dataset.batch("train", idx, self.rng)  # (B, C, H, W) float32, (B,) int64, host
+        x, y = ops.asarray(x), ops.asarray(y, y.dtype)     # cupy: host -> device; numpy: the same arrays
+        loss, correct = self.model.forward_backward(x, y)
+        return loss, correct, idx.size, epoch
+
+    def straggle(self, t0: float) -> None:
+        """--straggler: emulate a device `slowdown` times slower than this one (sleep for the difference)."""
+        if self.slowdown > 1:
+            time.sleep((self.slowdown - 1) * (time.perf_counter() - t0))
+
+    def receive_reply(self, request: Any, staging: Staging, what: str, timeout: float = 0.0) -> tuple[Tag, float]:
         """Wait for WEIGHTS or STOP from the server into `staging.recv_buf`; returns (tag, seconds waited).
 
-        After it returns, `staging.weights.header` and the model's params hold what arrived.
+        After it returns, `staging.weights.header` and `staging.params` hold what arrived.
         """
         status = MPI.Status()
-        waited = wait(request, what, self.rank, self.cfg.comm_timeout, status)
+        waited = wait(request, what, self.rank, timeout or self.cfg.comm_timeout, status)
         staging.after_receive()  # cupy: weights host->device (pinned) or the header device->host (CUDA-aware)
         weights = staging.weights
         tag = protocol.parse_tag(status.Get_tag(), status.Get_source(), self.rank)
@@ -84,41 +138,180 @@ class Worker:
         return tag, waited
 
     def run(self) -> None:
-        """Train until the server says STOP, then evaluate the final weights on this worker's test slice."""
-        cfg, model, rank = self.cfg, self.model, self.rank
-        staging = self.staging or Staging(model.num_params)
-        push, ops = staging.push, model.ops
-        # numpy: params live in the receive buffer, grads in the send buffer; cupy: on the device
-        model.bind(staging.params, staging.grads)
-        rng = np.random.default_rng([cfg.seed, 1, rank])  # augmentation
-        request = self.comm.Irecv(staging.recv_buf, source=0, tag=MPI.ANY_TAG)
-        tag, wait_s = self.receive_reply(request, staging, "initial weights from the parameter server (rank 0)")
-        comm_s = 0.0
-        batches = self.batches()
-        while tag == Tag.WEIGHTS:
-            t0 = time.perf_counter()
-            epoch, idx = next(batches)
-            x, y = self.dataset.batch("train", idx, rng)      # (B, C, H, W) float32, (B,) int64, host
-            x, y = ops.asarray(x), ops.asarray(y, y.dtype)    # cupy: host -> device; numpy: the same arrays
-            loss, correct = model.forward_backward(x, y)      # gradient written into staging.grads
-            staging.finish_compute()                          # cupy: device sync point
-            if self.slowdown > 1:  # --straggler: emulate a device `slowdown` times slower than this one
-                time.sleep((self.slowdown - 1) * (time.perf_counter() - t0))
-            t1 = time.perf_counter()
-            self.step += 1
-            push.stamp(Tag.PUSH, rank, step=self.step, version=self.version, samples=idx.size, epoch=epoch,
-                       correct=correct, loss=loss, compute_s=t1 - t0, comm_s=comm_s, wait_s=wait_s)
-            staging.before_send()  # cupy: gradient device->host (pinned) or header host->device (CUDA-aware)
-            request = self.comm.Irecv(staging.recv_buf, source=0, tag=MPI.ANY_TAG)  # weights buffer owned by MPI
-            sending = self.comm.Isend(staging.send_buf, dest=0, tag=int(Tag.PUSH))  # gradient buffer owned by MPI
-            t2 = time.perf_counter()
-            tag, wait_s = self.receive_reply(
-                request, staging, f"reply to push step {self.step} from the parameter server (rank 0)")
-            t3 = time.perf_counter()
-            wait(sending, f"completion of push step {self.step}", rank, cfg.comm_timeout)
-            comm_s = (t2 - t1) + (time.perf_counter() - t3)
-        # STOP: the model's params hold the final weights
-        loss_sum, correct, count = evaluate(model, self.dataset, self.test_idx, cfg.eval_batch_size)
-        result = Message(0).stamp(Tag.EVAL, rank, samples=count, correct=correct, loss=loss_sum)
+        """Train until the run stops, then evaluate the final weights on this worker's test slice."""
+        if self.cfg.mode == "sync":
+            self.run_sync()
+        else:
+            self.run_async()
+        loss_sum, correct, count = evaluate(self.model, self.dataset, self.test_idx, self.cfg.eval_batch_size)
+        result = Message(0).stamp(Tag.EVAL, self.rank, samples=count, correct=correct, loss=loss_sum)
         sending = self.comm.Isend(result.buf, dest=0, tag=int(Tag.EVAL))
-        wait(sending, "completion of the EVAL send", rank, cfg.comm_timeout)
+        wait(sending, "completion of the EVAL send", self.rank, self.cfg.comm_timeout)
+
+    # --- async and ssp ---------------------------------------------------------------------------
+    def run_async(self) -> None:
+        """Push gradients (or nsync-step updates) and pull weights until the server says STOP.
+
+        On return the model is bound to the final weights.
+        """
+        cfg, model, rank = self.cfg, self.model, self.rank
+        ops = model.ops
+        # one staging, or two with --overlap: the weights of one reply are in use while the next arrives
+        stagings = [self.staging, self.make_staging()] if cfg.overlap else [self.staging]
+        n = len(stagings)
+        cur = 0  # the staging whose params hold the weights in use
+        request = self.comm.Irecv(stagings[cur].recv_buf, source=0, tag=MPI.ANY_TAG)
+        tag, wait_s = self.receive_reply(request, stagings[cur], "initial weights from the parameter server (rank 0)",
+                                         timeout=cfg.comm_timeout + cfg.warm_start)
+        local = LocalSGD(model, cfg) if cfg.nsync > 1 else None
+        pulled = ops.empty(model.num_params) if local else None  # the weights at the start of this round
+        sending: list[Any] = [None] * n  # the push in flight from each staging's send buffer
+        reply = None  # --overlap: (request, staging index) of the reply in flight
+        comm_s = 0.0
+        version = self.version  # the version of the weights in use
+        bound = None
+        while tag == Tag.WEIGHTS:
+            lr = float(stagings[cur].weights.header["lr"])  # step size of local steps (nsync > 1)
+            out = (self.step + 1) % n  # the staging whose send buffer takes this push
+            t = time.perf_counter()
+            wait(sending[out], f"completion of push step {self.step + 1 - n}", rank, cfg.comm_timeout)
+            t0 = time.perf_counter()
+            comm_s += t0 - t
+            if bound != (cur, out):
+                model.bind(stagings[cur].params, stagings[out].grads)
+                bound = (cur, out)
+            if local is not None:
+                pulled[...] = model.params
+            loss = correct = samples = epoch = 0
+            for _ in range(cfg.nsync):
+                batch_loss, batch_correct, batch_samples, epoch = self.gradient()
+                loss += batch_loss * batch_samples
+                correct += batch_correct
+                samples += batch_samples
+                if local is not None:
+                    local.step(lr)
+            if local is not None:  # the accumulated update: the weights now minus the weights at the start
+                model.grads[...] = model.params
+                model.grads -= pulled
+            stagings[out].finish_compute()  # cupy: device sync point
+            self.straggle(t0)
+            t1 = time.perf_counter()
+            if reply is not None:  # --overlap: the reply to the previous push, usually here already
+                request, cur = reply
+                reply = None
+                tag, wait_s = self.receive_reply(request, stagings[cur],
+                                                 f"reply to push step {self.step} from the parameter server (rank 0)")
+                if tag == Tag.STOP:
+                    break  # the gradient just computed is dropped: the server takes no push after STOP
+            t2 = time.perf_counter()
+            self.step += 1
+            stagings[out].push.stamp(Tag.PUSH, rank, step=self.step, version=version, samples=samples, epoch=epoch,
+                                     correct=correct, loss=loss / samples, compute_s=t1 - t0, comm_s=comm_s,
+                                     wait_s=wait_s, lr=lr, flags=Flag.DELTA if local is not None else 0)
+            stagings[out].before_send()  # cupy: gradient device->host (pinned) or header host->device (CUDA-aware)
+            into = (cur + 1) % n  # --overlap: the reply lands in the staging not in use
+            request = self.comm.Irecv(stagings[into].recv_buf, source=0, tag=MPI.ANY_TAG)
+            sending[out] = self.comm.Isend(stagings[out].send_buf, dest=0, tag=int(Tag.PUSH))
+            comm_s = time.perf_counter() - t2
+            if cfg.overlap:
+                reply = (request, into)
+                version = self.version  # the weights now in use came with the reply received above
+                continue
+            tag, wait_s = self.receive_reply(
+                request, stagings[into], f"reply to push step {self.step} from the parameter server (rank 0)")
+            cur, version = into, self.version
+        for req in sending:
+            wait(req, "completion of the last push", rank, cfg.comm_timeout)
+        model.bind(stagings[cur].params, stagings[cur].grads)  # the final weights
+
+    # --- sync --------------------------------------------------------------------------------------
+    def run_sync(self) -> None:
+        """Allreduce-average gradients with the other workers and step locally until the stopping rule."""
+        cfg, model, rank, wc = self.cfg, self.model, self.rank, self.workers_comm
+        staging, nworkers = self.staging, wc.Get_size()
+        request = self.comm.Irecv(staging.recv_buf, source=0, tag=MPI.ANY_TAG)
+        tag, _ = self.receive_reply(request, staging, "initial weights from the parameter server (rank 0)")
+        if tag != Tag.WEIGHTS:
+            raise ProtocolError(f"rank {rank}: expected the initial WEIGHTS from rank 0, got {tag.name}")
+        model.bind(staging.params, staging.grads)
+        local = LocalSGD(model, cfg)
+        leader = wc.Get_rank() == 0  # sends the snapshots
+        reports = [Message(0), Message(0)]  # header-only REPORTs; alternate so one is always free
+        report_sends: list[Any] = [None, None]
+        snap, snap_send = (Message(model.num_params), None) if leader else (None, None)
+        ctrl = np.zeros(2, dtype=np.float64)  # [non-finite flag, elapsed seconds], max-allreduced
+        start = time.perf_counter()
+        last_snapshot = 0.0
+        samples_per_step = cfg.batch_size * nworkers
+        applied = 0
+        last = False
+        while not last:
+            t0 = time.perf_counter()
+            loss, correct, samples, epoch = self.gradient()
+            staging.finish_compute()
+            self.straggle(t0)
+            t1 = time.perf_counter()
+            grads = model.grads
+            with np.errstate(over="ignore", invalid="ignore"):  # fast path: one dot, exact check if it overflows
+                nonfinite = not np.isfinite(float(grads.dot(grads))) and not bool(np.isfinite(grads).all())
+            ctrl[0], ctrl[1] = float(nonfinite), time.perf_counter() - start
+            wait_s = wait(wc.Iallreduce(MPI.IN_PLACE, ctrl, op=MPI.MAX), "the control allreduce", rank,
+                          cfg.comm_timeout)
+            skipped = bool(ctrl[0])
+            self.step += 1
+            lr = 0.0
+            if not skipped:  # every worker takes the same branch: ctrl is identical everywhere
+                buf = staging.grads_to_mpi()
+                wait_s += wait(wc.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), "the gradient allreduce", rank,
+                               cfg.comm_timeout)
+                staging.grads_from_mpi()
+                grads *= np.float32(1.0 / nworkers)
+                done = applied * samples_per_step / self.num_train
+                lr = learning_rate(cfg, done, self.fraction_done(done, applied, ctrl[1]))
+                local.step(lr)
+                applied += 1
+            t2 = time.perf_counter()
+            last = self.sync_should_stop(applied, ctrl[1], samples_per_step)
+            flags = (Flag.SKIPPED if skipped else 0) | (Flag.NONFINITE if nonfinite else 0) | (Flag.LAST if last else 0)
+            slot = self.step % 2
+            wait(report_sends[slot], "completion of a REPORT send", rank, cfg.comm_timeout)
+            reports[slot].stamp(Tag.REPORT, rank, step=self.step, version=applied, samples=samples, epoch=epoch,
+                                correct=correct, loss=loss, compute_s=t1 - t0, comm_s=t2 - t1 - wait_s,
+                                wait_s=wait_s, lr=lr, flags=flags)
+            report_sends[slot] = self.comm.Isend(reports[slot].buf, dest=0, tag=int(Tag.REPORT))
+            if leader and (last or (cfg.snapshot_interval and ctrl[1] - last_snapshot >= cfg.snapshot_interval)):
+                last_snapshot = ctrl[1]
+                wait(snap_send, "completion of a SNAPSHOT send", rank, cfg.comm_timeout)
+                snap.payload[:] = model.ops.to_numpy(model.params)
+                snap.stamp(Tag.SNAPSHOT, rank, step=self.step, version=applied, flags=Flag.FINAL if last else 0)
+                snap_send = self.comm.Isend(snap.buf, dest=0, tag=int(Tag.SNAPSHOT))
+        for req in (*report_sends, snap_send):
+            wait(req, "completion of the last REPORT/SNAPSHOT sends", rank, cfg.comm_timeout)
+        # the copies must be bit-identical (same initial weights, same averaged gradient, same step)
+        digests = wc.allgather(zlib.crc32(model.ops.to_numpy(model.params).tobytes()))
+        if len(set(digests)) > 1:
+            ranks = {r + 1: f"{d:08x}" for r, d in enumerate(digests)}
+            raise RuntimeError(f"rank {rank}: sync mode: the workers' weights differ after step {self.step} "
+                               f"(CRC-32 by worker rank: {ranks}); the allreduce did not give every worker "
+                               f"the same sum")
+
+    def fraction_done(self, epochs_done: float, steps: int, elapsed: float) -> float:
+        """Fraction of the run done by the stopping rule closest to its limit (the server's rule)."""
+        cfg, parts = self.cfg, [0.0]
+        if cfg.epochs:
+            parts.append(epochs_done / cfg.epochs)
+        if cfg.max_pushes:
+            parts.append(steps / cfg.max_pushes)
+        if cfg.max_time:
+            parts.append(elapsed / cfg.max_time)
+        return min(1.0, max(parts))
+
+    def sync_should_stop(self, steps: int, elapsed: float, samples_per_step: int) -> bool:
+        """The stopping rule, judged identically on every worker (steps and the max-allreduced clock).
+
+        In sync mode --max-pushes counts steps (one update of every worker's copy each).
+        """
+        cfg = self.cfg
+        return bool((cfg.epochs and steps * samples_per_step >= cfg.epochs * self.num_train)
+                    or (cfg.max_pushes and steps >= cfg.max_pushes)
+                    or (cfg.max_time and elapsed >= cfg.max_time))

@@ -18,9 +18,9 @@ P = 6
 
 
 def make_server(tmp_path, num_workers=2, **overrides):
-    cfg = Config(lr=0.5, momentum=0.0, weight_decay=0.0, lr_schedule="constant", warmup_epochs=0.0,
-                 epochs=0, max_pushes=overrides.pop("max_pushes", 100), snapshot_interval=0,
-                 progress=False, **{"comm_timeout": 2.0, **overrides})
+    cfg = Config(**{"lr": 0.5, "momentum": 0.0, "weight_decay": 0.0, "lr_schedule": "constant", "warmup_epochs": 0.0,
+                    "epochs": 0, "max_pushes": 100, "snapshot_interval": 0, "progress": False, "comm_timeout": 2.0,
+                    **overrides})
     net = Network(num_workers + 1)
     log = RunLog.create(str(tmp_path / "run.h5"), {"config": cfg.to_json()}, [], P, flush_interval=60)
     params = np.arange(P, dtype=np.float32)

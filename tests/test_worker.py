@@ -23,8 +23,9 @@ def digits():
     return load_dataset("digits")
 
 
-def start_worker(digits, timeout=5.0):
-    cfg = Config(batch_size=B, comm_timeout=timeout, seed=3)
+def start_worker(digits, timeout=5.0, **overrides):
+    """Worker rank 1 of 2 running in a thread on a fake network; returns (net, sampler, thread, outcome)."""
+    cfg = Config(batch_size=B, comm_timeout=timeout, seed=3, **overrides)
     net = Network(3)
     from mpiasgd.worker import Worker
 

@@ -8,8 +8,8 @@ Layers call only these names, never numpy or cupy directly, so one layer code ru
 
 Every backend module provides: ndarray, Workspace, zeros, empty, asarray, to_numpy,
 may_share_memory, conv2d_fprop, conv2d_dgrad, conv2d_wgrad, bias_grad, relu_fprop, relu_bprop,
-maxpool_fprop, maxpool_bprop, linear_fprop, linear_dgrad, linear_wgrad, softmax_xent
-(signatures and shapes: the docstrings in `numpy_ops`); `cupy_ops` adds sgd_momentum.
+maxpool_fprop, maxpool_bprop, linear_fprop, linear_dgrad, linear_wgrad, softmax_xent,
+sgd_momentum (signatures and shapes: the docstrings in `numpy_ops`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ in on every call, which cost ~25% of a cifar10 step.
 
 Public names (the cupy backend provides the same): ndarray, Workspace, zeros, empty, asarray,
 to_numpy, may_share_memory, conv2d_fprop, conv2d_dgrad, conv2d_wgrad, bias_grad, relu_fprop,
-relu_bprop, maxpool_fprop, maxpool_bprop, linear_fprop, linear_dgrad, linear_wgrad, softmax_xent.
+relu_bprop, maxpool_fprop, maxpool_bprop, linear_fprop, linear_dgrad, linear_wgrad, softmax_xent, sgd_momentum.
 """
 
 from __future__ import annotations
@@ -484,3 +484,27 @@ def softmax_xent(logits: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndar
     dlogits *= 1.0 / max(N, 1)
     correct = int(np.count_nonzero(logits.argmax(axis=1) == labels))
     return loss, dlogits, correct
+
+
+# ----------------------------------------------------------------------------------------------
+# optimizer (workers taking local steps: sync mode, nsync > 1)
+
+
+def sgd_momentum(params: np.ndarray, velocity: np.ndarray, grad: np.ndarray, decay: np.ndarray,
+                 momentum: float, lr: float) -> None:
+    """In place: velocity <- momentum*velocity + (grad + decay*params); params <- params - lr*velocity.
+
+    All (P,) float32 C-contiguous; decay = weight_decay * mask (0 on biases). The arithmetic of
+    `mpiasgd.optim.SGD` and of the CUDA kernel `sgd_momentum` (kernels/sgd.cu), in float32.
+    Raises ValueError naming the argument whose shape or dtype differs from params'.
+    """
+    op = "sgd_momentum"
+    _check_float(op, "params", params, 1, "(P,)")
+    for arg, a in (("velocity", velocity), ("grad", grad), ("decay", decay)):
+        _check_float(op, arg, a, 1, f"({params.shape[0]},)", params.dtype)
+        if a.shape != params.shape or not a.flags.c_contiguous:
+            raise ValueError(f"{op}: {arg} must be C-contiguous of shape {params.shape}, got {a.shape}")
+    m, step = params.dtype.type(momentum), params.dtype.type(lr)
+    velocity *= m
+    velocity += grad + decay * params
+    params -= step * velocity

@@ -13,6 +13,7 @@ import pytest
 
 from mpiasgd.model import build_model
 from mpiasgd.ops import get_backend
+from mpiasgd.protocol import HEADER_BYTES
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-3
@@ -155,5 +156,5 @@ def test_staging_on_the_device():
         s.push.stamp(Tag.PUSH, 1, step=1)
         s.before_send()
         sent = cupy.asnumpy(s.send_buf) if cuda_aware else s.send_buf
-        assert np.array_equal(sent[96:].view(np.float32), -host)
-        assert np.array_equal(sent[:96], s.push.buf[:96])
+        assert np.array_equal(sent[HEADER_BYTES:].view(np.float32), -host)
+        assert np.array_equal(sent[:HEADER_BYTES], s.push.buf[:HEADER_BYTES])

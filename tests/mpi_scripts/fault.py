@@ -7,6 +7,7 @@ KIND: raise      rank RANK (a worker) raises RuntimeError("injected failure") in
       badtag     worker RANK sends a message with unknown tag 99 instead of training
       badsize    worker RANK sends a PUSH 8 bytes too short instead of training
       nan        worker RANK pushes NaN gradients from its 3rd step on
+      nan1       worker RANK computes a NaN gradient in its 3rd step only
 """
 
 import sys
@@ -46,7 +47,7 @@ if kind == "server" and rank == 0:
 
     ParameterServer.on_push = failing_push
 
-if kind == "nan" and rank == target:
+if kind in ("nan", "nan1") and rank == target:
     from mpiasgd.model import Model
 
     original_fb, steps = Model.forward_backward, [0]
@@ -54,7 +55,7 @@ if kind == "nan" and rank == target:
     def nan_forward_backward(self, x, y):
         out = original_fb(self, x, y)
         steps[0] += 1
-        if steps[0] >= 3:
+        if steps[0] == 3 or (kind == "nan" and steps[0] > 3):
             self.grads[:] = np.nan
         return out
 
