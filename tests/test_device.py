@@ -334,3 +334,75 @@ def test_use_device_reads_name_and_uuid(monkeypatch):
     got = use_device(1, rank=2, host="n7")
     assert used == [1]
     assert got == DeviceInfo(2, "n7", 1, "NVIDIA H200", "GPU-00000000-0000-0000-0000-000000000000", "1")
+
+
+def run_scripted_worker(kind, **overrides):
+    """Worker rank 1 through staging `kind`: WEIGHTS p0, reply p1 to push 1, STOP to push 2.
+
+    Returns (the two pushes' payloads and headers' (step, version, flags), the EVAL's (correct, loss)).
+    """
+    digits = load_dataset("digits")
+    cfg = Config(batch_size=16, comm_timeout=5.0, seed=3, **overrides)
+    model = build_model("digits")
+    dev = FakeDevice()
+
+    def new_staging():
+        if kind == "host":
+            return make_staging("numpy", False, model.num_params)
+        return make_staging("cupy", kind == "device", model.num_params, dev.transfers())
+
+    from mpiasgd.worker import Worker
+
+    net = Network(3)
+    sampler = ShardSampler(digits.train_y.size, 2, 0, cfg.seed)
+    worker = Worker(net.comm(1), cfg, model, digits, sampler, np.arange(20, dtype=np.int64), 1, new_staging(),
+                    new_staging)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    p0 = model.init_params(0)
+
+    def reply(tag, params, version):  # lr: the step size of local steps (nsync > 1)
+        msg = Message(params.size).stamp(tag, 0, version=version, step=version, lr=0.05)
+        msg.payload[:] = params
+        net.post(0, 1, tag, msg.buf)
+
+    reply(Tag.WEIGHTS, p0, 0)
+    pushes = [receive(net, Tag.PUSH, model.num_params)]
+    reply(Tag.WEIGHTS, p0 * np.float32(0.9), 1)
+    pushes.append(receive(net, Tag.PUSH, model.num_params))
+    reply(Tag.STOP, p0 * np.float32(0.8), 2)
+    result = receive(net, Tag.EVAL, 0)
+    thread.join(5)
+    assert not thread.is_alive()
+    return ([p.payload.copy() for p in pushes],
+            [(int(p.header["step"]), int(p.header["version"]), int(p.header["flags"])) for p in pushes],
+            (int(result.header["correct"]), float(result.header["loss"])))
+
+
+@pytest.mark.parametrize("options", [{"overlap": True}, {"nsync": 2}, {"overlap": True, "nsync": 2}])
+def test_overlap_and_nsync_push_the_same_through_every_staging(options):
+    """The double-buffered (--overlap) and local-step (--nsync) paths give bit-identical pushes on
+    the host, pinned and device stagings (the numpy backend standing in for the device)."""
+    payloads, headers, result = run_scripted_worker("host", **options)
+    expected_versions = [0, 0] if options.get("overlap") else [0, 1]
+    assert [h[1] for h in headers] == expected_versions
+    assert all(np.abs(p).max() > 0 for p in payloads)
+    for kind in ("pinned", "device"):
+        other = run_scripted_worker(kind, **options)
+        for a, b in zip(payloads, other[0], strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert other[1:] == (headers, result)
+
+
+def test_pinned_staging_round_trips_grads_for_the_allreduce():
+    dev = FakeDevice()
+    s = make_staging("cupy", False, 6, dev.transfers())
+    s.grads[:] = np.arange(6)
+    buf = s.grads_to_mpi()
+    assert buf is s.push.payload and buf.tolist() == list(range(6))  # the allreduce works on the pinned copy
+    buf *= 2  # what the allreduce leaves there
+    s.grads_from_mpi()
+    assert s.grads.tolist() == [2.0 * i for i in range(6)]
+    assert dev.calls == [("to_host", 24), ("to_device", 24)]
+    host = make_staging("numpy", False, 6)
+    assert host.grads_to_mpi() is host.grads
