@@ -44,7 +44,7 @@ from mpi4py import MPI
 from mpiasgd import protocol
 from mpiasgd.comms import Backoff, CommTimeout, probe, wait, wait_all
 from mpiasgd.config import Config
-from mpiasgd.optim import SGD, learning_rate, staleness_factor
+from mpiasgd.optim import SGD, apply_delta, learning_rate, staleness_factor
 from mpiasgd.protocol import Flag, Message, ProtocolError, Tag
 from mpiasgd.runlog import RunLog
 
@@ -65,7 +65,8 @@ class TrainingDiverged(RuntimeError):
 class ParameterServer:
     """(server only) Serves pushes from workers 1..num_workers over `comm`; see the module docstring.
 
-    `params` (float32 (P,)) is the master weight vector, updated in place; `decay_mask` (float32
+    `params` (float32 (P,)) are the initial master weights; `self.params` is always the current
+    master weight vector (updates write it into a worker's send buffer, see `send`); `decay_mask` (float32
     (P,)) marks the weights that take weight decay; `num_train` is the size of the training set,
     which defines an epoch. `log` receives every row; `progress` (a tqdm bar or None) is updated
     about twice a second.
@@ -257,12 +258,16 @@ class ParameterServer:
         lr = 0.0
         if applied:
             factor = staleness_factor(self.cfg.staleness_lr, staleness)
+            # the new weights are written straight into w's send buffer (its previous send has completed:
+            # w pushed after receiving it), which then holds the master weights until the next update
+            self.wait_send(w)
+            out = self.outbox[w].payload
             if delta:  # already scaled by the worker's own step size: added, scaled by the staleness rule only
                 lr = float(h["lr"]) * factor
-                self.optimizer.params += np.float32(factor) * grad
+                self.params = self.optimizer.params = apply_delta(self.params, grad, factor, out=out)
             else:
                 lr = learning_rate(self.cfg, self.epoch, self.fraction_done()) * factor
-                self.optimizer.step(grad, lr)
+                self.params = self.optimizer.step(grad, lr, out=out)
             self.version += 1
             self.samples += int(h["samples"])
             self.staleness_sum += staleness
@@ -337,11 +342,22 @@ class ParameterServer:
         h = msg.header
         self.evals[w] = (float(h["loss"]), int(h["correct"]), int(h["samples"]))
 
-    def send(self, w: int, tag: Tag, step: int) -> None:
-        """Post the current weights to worker `w`; its previous send must complete first (buffer reuse)."""
+    def wait_send(self, w: int) -> None:
+        """Complete the previous send to worker `w`, so that its send buffer may be written."""
         wait(self.sending[w], f"completion of the previous send to worker rank {w}", self.rank, self.cfg.comm_timeout)
+        self.sending[w] = None
+
+    def send(self, w: int, tag: Tag, step: int) -> None:
+        """Post the current weights to worker `w` from its send buffer (copied there unless they live there).
+
+        The master weights move between the send buffers: an update writes them into the buffer of
+        the worker it answers, so a reply costs no copy. A buffer is written only after its previous
+        send completed; the master weights are only read while a send from their buffer is in flight.
+        """
+        self.wait_send(w)
         out = self.outbox[w]
-        out.payload[:] = self.params
+        if out.payload is not self.params:
+            out.payload[:] = self.params
         out.stamp(tag, self.rank, step=step, version=self.version,
                   lr=learning_rate(self.cfg, self.epoch, self.fraction_done()))
         self.sending[w] = self.comm.Isend(out.buf, dest=w, tag=int(tag))
