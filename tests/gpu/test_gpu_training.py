@@ -76,3 +76,24 @@ def test_two_workers_on_one_gpu_need_share_devices(tmp_path):
     assert res.returncode == 2, res.explain()
     errors = [line for line in res.stderr.splitlines() if line.startswith("mpiasgd: error")]
     assert len(errors) == 1 and "would share one GPU" in errors[0] and "--share-devices" in errors[0], res.explain()
+
+
+@pytest.mark.parametrize("mode", [["--nsync", "3"], ["--overlap"], ["--mode", "ssp", "--staleness-bound", "1"],
+                                  ["--mode", "sync"]])
+def test_modes_on_the_gpu(tmp_path, mode):
+    """Each training mode with 2 cupy workers (one GPU shared if need be) completes and learns digits."""
+    share = ["--share-devices"] if cuda_device_count() < 2 else []
+    pushes, workers, attrs = train(tmp_path, 3, "cupy", "gpu-mode", ["--model", "digits", "--epochs", "5", *mode,
+                                                                    *share])
+    assert attrs["status"] == "completed" and workers["backend"].tolist() == [b"cupy", b"cupy"]
+    assert np.isfinite(pushes["loss"]).all() and attrs["test_accuracy"] > 0.8
+
+
+def test_sync_mode_weights_match_numpy(tmp_path):
+    """Sync mode is deterministic: after 20 steps the cupy workers' weights match the numpy backend's."""
+    share = ["--share-devices"] if cuda_device_count() < 2 else []
+    extra = ["--model", "digits", "--mode", "sync", "--epochs", "0", "--max-pushes", str(STEPS)]
+    train(tmp_path, 3, "cupy", "sync-cp", [*extra, *share])
+    train(tmp_path, 3, "numpy", "sync-np", extra)
+    with open_log(str(tmp_path / "runs" / "sync-cp.h5")) as f, open_log(str(tmp_path / "runs" / "sync-np.h5")) as g:
+        np.testing.assert_allclose(f["snapshots/params"][-1], g["snapshots/params"][-1], rtol=1e-3, atol=1e-5)
