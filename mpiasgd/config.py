@@ -25,7 +25,9 @@ class ConfigError(ValueError):
     """A configuration key is unknown, ill-typed or out of range (the message names the key)."""
 
 
-MODES = ("async", "sync", "ssp")
+MODES = ("async", "sync", "ssp", "pipeline")
+DECOUPLING = ("full", "backward")
+BALANCE = ("flops", "params")
 BACKENDS = ("auto", "numpy", "cupy")
 CUDA_AWARE = ("auto", "on", "off")
 SCHEDULES = ("constant", "step", "cosine")
@@ -49,7 +51,8 @@ class Config:
     mode: str = _opt("async", "parallelism",
                      "training mode: async (A-SGD through the parameter server) | sync (workers allreduce their "
                      "gradients every step; rank 0 only logs) | ssp (async, but no worker more than "
-                     "--staleness-bound steps ahead of the slowest)")
+                     "--staleness-bound steps ahead of the slowest) | pipeline (decoupled backpropagation: "
+                     "--modules K x --replicas N units, Pham and Ahn 2025)")
     staleness_bound: int = _opt(3, "parallelism",
                                 "ssp: steps a worker may run ahead of the slowest worker (0 = lockstep); steps")
     nsync: int = _opt(1, "parallelism",
@@ -59,6 +62,21 @@ class Config:
     warm_start: float = _opt(0.0, "parallelism",
                              "async/ssp: worker rank 1 trains alone for this many seconds before the others "
                              "get their first weights (GPU A-SGD's warm start); seconds")
+    modules: int = _opt(2, "pipeline", "pipeline: K, the modules the layer list is cut into (1 = plain backprop)")
+    replicas: int = _opt(0, "pipeline",
+                         "pipeline: N, data-parallel replicas of the whole pipeline; 0 = (ranks - 1) / K")
+    cuts: str = _opt("", "pipeline",
+                     "pipeline: K-1 layer indices where modules start, e.g. '3,6' (default: balanced by --balance)")
+    balance: str = _opt("flops", "pipeline", "pipeline: automatic cuts balance forward FLOPs | params")
+    decoupling: str = _opt("full", "pipeline",
+                           "pipeline: full (forward and backward decoupled: module k's gradient is 2(K-1-k) "
+                           "iterations old, FDG) | backward (forward locked: K-1-k, DDG)")
+    shrink: float = _opt(1.0, "pipeline",
+                         "pipeline: beta, each module scales the input gradient it sends back (module k's "
+                         "gradient is scaled by beta^(K-1-k); FDG's gradient shrinking)")
+    weight_stashing: bool = _opt(False, "pipeline",
+                                 "pipeline: backward uses the weights the minibatch's forward used (PipeDream); "
+                                 "default: the current weights")
     overlap: bool = _opt(False, "parallelism",
                          "async/ssp: compute the next minibatch on the weights at hand while the pull is in "
                          "flight (hides communication, one more step of staleness)")
@@ -112,10 +130,18 @@ class Config:
         need(self.staleness_bound >= 0, "staleness_bound", "an integer >= 0")
         need(self.nsync >= 1, "nsync", "an integer >= 1")
         need(math.isfinite(self.warm_start) and self.warm_start >= 0, "warm_start", "seconds >= 0")
-        if self.mode == "sync":  # options of the parameter-server modes only
+        need(self.modules >= 1, "modules", "an integer >= 1")
+        need(self.replicas >= 0, "replicas", "an integer >= 0 (0: derived from the number of ranks)")
+        need(self.balance in BALANCE, "balance", f"one of {BALANCE}")
+        need(self.decoupling in DECOUPLING, "decoupling", f"one of {DECOUPLING}")
+        need(math.isfinite(self.shrink) and 0 < self.shrink <= 1, "shrink", "0 < beta <= 1")
+        cuts = self.cut_points()  # raises on a malformed list
+        need(not cuts or len(cuts) == self.modules - 1, "cuts", f"{self.modules - 1} layer indices (--modules "
+             f"{self.modules})")
+        if self.mode in ("sync", "pipeline"):  # options of the parameter-server modes only
             for key, off in (("nsync", 1), ("warm_start", 0.0), ("overlap", False), ("staleness_lr", "none")):
-                need(getattr(self, key) == off, key, f"{off!r} in mode 'sync' (workers allreduce every step; "
-                     f"'{key}' applies to the async and ssp modes)")
+                need(getattr(self, key) == off, key, f"{off!r} in mode '{self.mode}' (no parameter server "
+                     f"updates; '{key}' applies to the async and ssp modes)")
         need(self.backend in BACKENDS, "backend", f"one of {BACKENDS}")
         need(self.cuda_aware in CUDA_AWARE, "cuda_aware", f"one of {CUDA_AWARE}")
         need(self.batch_size >= 1, "batch_size", "an integer >= 1")
@@ -159,6 +185,17 @@ class Config:
                                   f"and a factor >= 1")
             out[rank] = factor
         return out
+
+    def cut_points(self) -> tuple[int, ...]:
+        """`cuts` parsed: increasing layer indices > 0 where modules 1..K-1 start; ConfigError if malformed."""
+        try:
+            cuts = tuple(int(c) for c in self.cuts.split(",") if c.strip())
+        except ValueError:
+            raise ConfigError(f"config key 'cuts' = {self.cuts!r}: expected comma-separated layer indices, "
+                              f"e.g. '3,6'") from None
+        if any(c <= 0 for c in cuts) or list(cuts) != sorted(set(cuts)):
+            raise ConfigError(f"config key 'cuts' = {self.cuts!r}: expected increasing layer indices > 0")
+        return cuts
 
     @property
     def dataset_name(self) -> str:

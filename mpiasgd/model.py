@@ -182,6 +182,44 @@ class Model:
                        [grads[o:o + _size(s)].reshape(s) for o, s in slots])
         self.params, self.grads = params, grads
 
+    def param_range(self, first: int, last: int) -> tuple[int, int]:
+        """[start, stop) of the flat parameter vector that holds the parameters of layers first..last-1.
+
+        Layers own consecutive ranges in layer order, so any run of layers (a pipeline module) owns
+        one contiguous slice. Raises ValueError unless 0 <= first < last <= len(layers).
+        """
+        if not 0 <= first < last <= len(self.layers):
+            raise ValueError(f"Model.param_range: need 0 <= first < last <= {len(self.layers)}, got {first}, {last}")
+        start = next((s[0][0] for s in self._slots[first:last] if s), None)
+        if start is None:  # no parameters in these layers: an empty range where the next ones start
+            start = next((s[0][0] for s in self._slots[last:] if s), self.num_params)
+            return start, start
+        stop = max(o + _size(shape) for s in self._slots[first:last] for o, shape in s)
+        return start, stop
+
+    def bind_layers(self, first: int, last: int, params: Any, grads: Any) -> None:
+        """Bind layers first..last-1 to views into `params` and `grads`, which hold just their slice.
+
+        Both are 1-D float32 arrays of length stop - start (see `param_range`); a pipeline module
+        keeps only its own parameters. Raises ValueError on a wrong length.
+        """
+        start, stop = self.param_range(first, last)
+        for what, a in (("params", params), ("grads", grads)):
+            if a.ndim != 1 or a.shape[0] != stop - start:
+                raise ValueError(f"Model.bind_layers: {what} must have shape ({stop - start},), got {a.shape}")
+        for layer, slots in zip(self.layers[first:last], self._slots[first:last], strict=True):
+            layer.bind([params[o - start:o - start + _size(s)].reshape(s) for o, s in slots],
+                       [grads[o - start:o - start + _size(s)].reshape(s) for o, s in slots])
+
+    def layer_flops(self) -> list[int]:
+        """Multiply-adds x 2 of each layer's forward pass for one sample (conv and linear; 0 for the rest)."""
+        flops = []
+        for layer, out in zip(self.layers, self.shapes, strict=True):
+            weights = sum(_size(s) for name, s in layer.param_shapes() if name == "weight")
+            spatial = _size(out[1:]) if len(out) == 3 else 1
+            flops.append(2 * weights * spatial)
+        return flops
+
     # ------------------------------------------------------------------------------------------
     # compute
 

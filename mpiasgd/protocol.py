@@ -2,7 +2,7 @@
 
 Every message is ONE contiguous byte buffer sent with buffer-based MPI (never pickle):
 
-    [ header: HEADER, HEADER_BYTES = 112 bytes ][ payload: `count` float32 values ]
+    [ header: HEADER, HEADER_BYTES = 128 bytes ][ payload: `count` float32 values ]
 
 The header makes each message self-describing: kind, sender, step, the weight version, loss,
 sample count and timings travel in the same message as the gradient or weights they describe, so a
@@ -25,6 +25,16 @@ Sync mode (workers allreduce among themselves; rank 0 only logs): after the init
     worker -> server  SNAPSHOT (version, params)             the first worker, every snapshot interval
                                                              and once more (flag FINAL) at the end
     worker -> server  EVAL, ERROR as above
+
+Pipeline mode (module k of replica n on rank 1 + n*K + k; see `mpiasgd.pipeline`): after the
+initial WEIGHTS (the unit's module slice), every iteration
+
+    unit k -> unit k+1  ACTIVATION (minibatch m, flags LAST,    on the replica's pipeline communicator
+                                    snapshot iteration, output)
+    unit k -> unit k-1  GRADIENT   (minibatch m, d loss / d input)
+    unit   -> server    REPORT     (iteration, delay, timings)   header only
+    unit   -> server    SNAPSHOT   (module slice)                replica 0, at announced iterations and
+                                                                 at the end (flag FINAL)
 """
 
 from __future__ import annotations
@@ -47,6 +57,8 @@ class Tag(IntEnum):
     ERROR_ACK = 16
     REPORT = 17
     SNAPSHOT = 18
+    ACTIVATION = 19
+    GRADIENT = 20
 
 
 class Flag(IntEnum):
@@ -57,6 +69,8 @@ class Flag(IntEnum):
     LAST = 4         # REPORT: the workers' last step (the stopping rule fired)
     FINAL = 8        # SNAPSHOT: the final weights (stored, not logged as an interval snapshot)
     DELTA = 16       # PUSH: the payload is an accumulated update (nsync > 1), not a gradient
+    WARMUP = 32      # REPORT (pipeline): no delayed gradient has reached this module yet, no update
+    END = 64         # REPORT (pipeline): this unit's last iteration
 
 
 class ProtocolError(RuntimeError):
@@ -79,8 +93,9 @@ HEADER = np.dtype([
     ("wait_s", "<f8"),      # PUSH: seconds idle waiting for the weights this gradient used
     ("lr", "<f8"),          # WEIGHTS: step size for a worker's local steps (nsync > 1); REPORT: step size used
     ("flags", "<i8"),       # Flag bits
+    ("digest", "<u8"),      # REPORT (sync, pipeline): CRC-32 of the worker's weights after the step
 ])
-HEADER_BYTES = -(-HEADER.itemsize // 16) * 16  # 112: rounded up to 16 bytes so the payload stays aligned
+HEADER_BYTES = -(-HEADER.itemsize // 16) * 16  # 128: rounded up to 16 bytes so the payload stays aligned
 
 
 class Message:

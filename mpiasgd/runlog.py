@@ -13,7 +13,9 @@ One file per run, `RUN_DIR/NAME.h5`:
                  seconds the server held the reply to this worker's previous push). Sync mode: one
                  row per worker per step from its REPORT (staleness 0; version = steps applied;
                  wait_s = seconds in the allreduces; applied 0 on a step skipped by all workers,
-                 rejected 1 on the worker whose own gradient was not finite)
+                 rejected 1 on the worker whose own gradient was not finite). digest: sync and
+                 pipeline modes, the CRC-32 of the worker's weights after the step (replicas must agree;
+                 rank 0 checks it as the rows arrive)
     /updates     one row per server update (UPDATE_ROW): time, version, lr, gradient norm, samples, epoch
     /snapshots/params  (S, P) float32 weights every `snapshot_interval` seconds, first and last included
     /snapshots/meta    (S,) SNAPSHOT_ROW: time, version, samples, epoch
@@ -44,7 +46,7 @@ PUSH_ROW = np.dtype([
     ("time", "<f8"), ("worker", "<i4"), ("step", "<i8"), ("base_version", "<i8"), ("version", "<i8"),
     ("staleness", "<i8"), ("loss", "<f4"), ("correct", "<i4"), ("samples", "<i4"), ("epoch", "<i4"),
     ("compute_s", "<f4"), ("comm_s", "<f4"), ("wait_s", "<f4"), ("applied", "<i1"), ("lr", "<f4"),
-    ("rejected", "<i1"), ("held_s", "<f4"),
+    ("rejected", "<i1"), ("held_s", "<f4"), ("digest", "<u4"),
 ])
 UPDATE_ROW = np.dtype([("time", "<f8"), ("version", "<i8"), ("lr", "<f4"), ("grad_norm", "<f4"),
                        ("samples", "<i8"), ("epoch", "<f8")])
@@ -56,7 +58,9 @@ WORKER_ROW = np.dtype([("rank", "<i4"), ("host", "S64"), ("pid", "<i8"), ("threa
                        ("backend", "S16"), ("shard_size", "<i8"),
                        # GPU binding (device -1 and empty strings on numpy workers); transfer: how
                        # weights/grads meet MPI: host (no copies) | pinned (staged) | device (CUDA-aware)
-                       ("device", "<i4"), ("device_name", "S64"), ("device_uuid", "S48"), ("transfer", "S16")])
+                       ("device", "<i4"), ("device_name", "S64"), ("device_uuid", "S48"), ("transfer", "S16"),
+                       # pipeline mode: module k and replica n of the unit (-1 in the other modes)
+                       ("module", "<i4"), ("replica", "<i4")])
 
 TABLES = {"pushes": PUSH_ROW, "updates": UPDATE_ROW, "snapshots/meta": SNAPSHOT_ROW,
           "evals": EVAL_ROW, "events": EVENT_ROW}

@@ -105,6 +105,7 @@ class ParameterServer:
         self.rejects_in_row = dict.fromkeys(self.workers, 0)
         self.started: set[int] = set()        # workers sent their first weights (--warm-start holds back some)
         self.held: dict[int, tuple[int, float]] = {}  # ssp: worker -> (step answered, time held since)
+        self.digests: dict[tuple[int, int], tuple] = {}  # sync/pipeline: (group, step) -> (first digest, ranks)
         self.clock_offset = dict.fromkeys(self.workers, 0)  # ssp: the slowest clock when a late starter began
         self.held_s = dict.fromkeys(self.workers, 0.0)  # ssp: how long the last reply to each worker was held
         self.held_total = dict.fromkeys(self.workers, 0.0)
@@ -152,7 +153,7 @@ class ParameterServer:
         if len(self.started) < len(self.workers) and (self.now() >= self.cfg.warm_start or self.stop_reason):
             self.start_workers()
         self.release()  # ssp: a stop answers every held push
-        if (self.cfg.snapshot_interval and self.cfg.mode != "sync" and not self.stop_reason
+        if (self.cfg.snapshot_interval and self.cfg.mode in ("async", "ssp") and not self.stop_reason
                 and self.now() - self.last_snapshot >= self.cfg.snapshot_interval):
             self.snapshot()
         self.log.maybe_flush()
@@ -169,6 +170,12 @@ class ParameterServer:
         self.start = time.perf_counter()
         self.log.add("events", (0.0, b"start", f"{len(self.workers)} workers"))
         self.snapshot()
+        self.begin()
+        self.serve()
+        return self.finish()
+
+    def begin(self) -> None:
+        """Send the first weights: to every worker, or (--warm-start) to the first one only."""
         if self.cfg.warm_start > 0 and len(self.workers) > 1:
             self.started.add(self.workers[0])
             self.send(self.workers[0], Tag.WEIGHTS, step=0)
@@ -176,13 +183,24 @@ class ParameterServer:
                                                         f"{self.cfg.warm_start:g} s"))
         else:
             self.start_workers()
+
+    def done(self) -> bool:
+        """The loop's end: every worker has sent its EVAL."""
+        return len(self.evals) == len(self.workers)
+
+    def waiting_for(self) -> list[int]:
+        """The workers `done()` still waits for (named when a wait times out)."""
+        return [w for w in self.workers if w not in self.evals]
+
+    def serve(self) -> None:
+        """Handle messages until `done()`, then complete every send."""
         backoff = Backoff()
-        while len(self.evals) < len(self.workers):
+        while not self.done():
             try:
                 message, status = probe(self.comm, self.rank, self.cfg.comm_timeout,
                                         "message from any worker", backoff, idle=self.tick)
             except CommTimeout as e:
-                waiting = [w for w in self.workers if w not in self.evals]
+                waiting = self.waiting_for()
                 silent = ", ".join(f"rank {w} ({self.now() - self.last_seen[w]:.0f} s)" for w in waiting)
                 raise CommTimeout(f"{e}; still waiting for workers {waiting}; time since each last sent: "
                                   f"{silent} (hung or very slow; see --comm-timeout)") from None
@@ -190,7 +208,6 @@ class ParameterServer:
             self.last_seen[status.Get_source()] = self.now()
             self.tick()
         wait_all(list(self.sending.values()), "completion of the final sends", self.rank, self.cfg.comm_timeout)
-        return self.finish()
 
     def start_workers(self) -> None:
         """Send the first weights to every worker not started yet (at start-up, or when the warm start ends)."""
@@ -278,7 +295,7 @@ class ParameterServer:
             self.check_stop()
         self.log.add("pushes", (self.now(), w, step, base, self.version, staleness, h["loss"], h["correct"],
                                 h["samples"], h["epoch"], h["compute_s"], h["comm_s"], h["wait_s"], applied, lr,
-                                rejected, self.held_s[w]))
+                                rejected, self.held_s[w], 0))
         if rejected:
             self.reject(w, step)  # after its row is logged: may stop the run
         else:
@@ -319,6 +336,20 @@ class ParameterServer:
             self.send(w, Tag.STOP, step)
         else:
             self.send(w, Tag.WEIGHTS, step)
+
+    def check_replicas(self, group: int, step: int, w: int, digest: int, replicas: int) -> None:
+        """Replicas (sync: all workers; pipeline: a module's replicas) must report the same weight digest
+        for the same step; RuntimeError naming the step and the ranks at the first difference."""
+        key = (group, step)
+        first, seen = self.digests.get(key, (None, []))
+        seen.append(w)
+        if first is not None and digest != first[0]:
+            raise RuntimeError(f"rank 0: the replicas' weights differ after step {step}: worker rank {w} has "
+                               f"CRC-32 {digest:08x}, worker rank {first[1]} has {first[0]:08x}")
+        if len(seen) == replicas:
+            self.digests.pop(key, None)
+        else:
+            self.digests[key] = (first or (digest, w), seen)
 
     def reject(self, w: int, step: int) -> None:
         """Count a non-finite push of worker `w`; TrainingDiverged after `max_rejects` in a row."""
@@ -429,7 +460,9 @@ class SyncMonitor(ParameterServer):
         loss = float(h["loss"])
         self.loss_avg = loss if self.loss_avg != self.loss_avg else 0.95 * self.loss_avg + 0.05 * loss
         self.log.add("pushes", (self.now(), w, step, version - applied, version, 0, loss, h["correct"], h["samples"],
-                                h["epoch"], h["compute_s"], h["comm_s"], h["wait_s"], applied, h["lr"], nonfinite, 0.0))
+                                h["epoch"], h["compute_s"], h["comm_s"], h["wait_s"], applied, h["lr"], nonfinite, 0.0,
+                                h["digest"]))
+        self.check_replicas(0, step, w, int(h["digest"]), len(self.workers))
         if nonfinite:
             text = f"step {step} skipped by every worker: worker rank {w} computed a non-finite gradient"
             self.log.add("events", (self.now(), b"skip", text))

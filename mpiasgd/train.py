@@ -149,11 +149,18 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
     if tuple(dataset.train_x.shape[1:]) != tuple(model.input_shape):
         raise ConfigError(f"model '{cfg.model}' takes inputs {tuple(model.input_shape)}, dataset "
                           f"'{cfg.dataset_name}' has images {tuple(dataset.train_x.shape[1:])}")
-    smallest_shard = dataset.train_y.size // me.num_workers
+    shards, shard = me.num_workers, me.rank - 1  # pipeline: one shard per replica
+    out = {"dataset": dataset, "model": model, "backend": backend, "device": device}
+    if cfg.mode == "pipeline":
+        from mpiasgd.pipeline import partition
+
+        shards, modules = pipeline_grid(cfg, me)
+        shard = (me.rank - 1) // modules
+        out["bounds"] = partition(model, modules, cfg.cut_points(), cfg.balance)
+    smallest_shard = dataset.train_y.size // shards
     if smallest_shard and cfg.batch_size > smallest_shard:  # 0: the sampler names too many workers
         raise ConfigError(f"config key 'batch_size' = {cfg.batch_size}: larger than the smallest worker shard "
-                          f"({smallest_shard} images: {dataset.train_y.size} over {me.num_workers} workers)")
-    out = {"dataset": dataset, "model": model, "backend": backend, "device": device}
+                          f"({smallest_shard} images: {dataset.train_y.size} over {shards} shards)")
     if me.is_server:
         out["path"] = os.path.join(cfg.run_dir, run_name(cfg, me.num_workers) + ".h5")
         if os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
@@ -170,13 +177,40 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
             raise FileExistsError(f"run log '{out['path']}' exists; choose another --name or pass --overwrite")
     else:
         # validates: more workers than samples is a DataError naming both numbers
-        out["sampler"] = ShardSampler(dataset.train_y.size, me.num_workers, me.rank - 1, cfg.seed)
+        out["sampler"] = ShardSampler(dataset.train_y.size, shards, shard, cfg.seed)
 
         out["test_idx"] = np.array_split(np.arange(dataset.test_y.size, dtype=np.int64), me.num_workers)[me.rank - 1]
         cuda_aware = backend == "cupy" and resolve_cuda_aware(cfg.cuda_aware, getattr(MPI, "Query_cuda_support", None))
         out["staging"] = make_staging(backend, cuda_aware, model.num_params)  # buffers reused every step
         out["make_staging"] = lambda: make_staging(backend, cuda_aware, model.num_params)  # --overlap: a second one
     return out
+
+
+def pipeline_grid(cfg: Config, me: Rank) -> tuple[int, int]:
+    """(replicas N, modules K) of pipeline mode; ConfigError unless the workers are exactly N x K."""
+    K = cfg.modules
+    N = cfg.replicas or me.num_workers // K
+    if N < 1 or N * K != me.num_workers:
+        given = f" --replicas {cfg.replicas}" if cfg.replicas else ""
+        raise ConfigError(f"--mode pipeline with --modules {K}{given} needs 1 + N x {K} ranks (rank 0 logs; "
+                          f"N replicas of {K} modules), got {me.size} ranks; launch e.g. "
+                          f"'mpiexec -n {1 + max(1, N) * K}'")
+    return N, K
+
+
+def communicators(cfg: Config, me: Rank) -> tuple[Any, Any]:
+    """Collective (all ranks): the workers-only communicators of the mode, (None, None) elsewhere.
+
+    sync: (workers, None), every worker; pipeline: (the replica's pipeline along k, the module's
+    data communicator along n) for unit (n, k) on rank 1 + n*K + k. Rank 0 gets MPI.COMM_NULL.
+    """
+    comm, worker = me.comm, not me.is_server
+    if cfg.mode == "sync":
+        return comm.Split(0 if worker else MPI.UNDEFINED, me.rank), None
+    if cfg.mode == "pipeline":
+        n, k = divmod(me.rank - 1, cfg.modules)
+        return (comm.Split(n if worker else MPI.UNDEFINED, k), comm.Split(k if worker else MPI.UNDEFINED, n))
+    return None, None
 
 
 def report_startup_errors(me: Rank, error: str | None) -> bool:
@@ -233,10 +267,17 @@ def run_server(cfg: Config, me: Rank, state: dict) -> None:
           f"[{', '.join(f'{k} x{n}' for k, n in kinds.items())}], model {cfg.model} ({model.num_params:,} parameters), "
           f"dataset {cfg.dataset_name} ({dataset.train_y.size:,} train / {dataset.test_y.size:,} test images)\n"
           f"resolved config:\n{cfg.describe()}", flush=True)
+    if cfg.mode == "pipeline":
+        from mpiasgd.pipeline import describe_partition
+
+        print(f"pipeline: {me.num_workers // cfg.modules} replicas x {cfg.modules} modules, decoupling "
+              f"{cfg.decoupling}:\n{describe_partition(model, state['bounds'], cfg.balance)}", flush=True)
     attrs = {"config": cfg.to_json(), "versions": versions(), "layout": model.layout(), "model": cfg.model,
              "mode": cfg.mode, "num_workers": me.num_workers, "num_params": model.num_params,
              "num_train": int(dataset.train_y.size), "num_test": int(dataset.test_y.size),
              "data_source": dataset.source, "command": " ".join(sys.argv)}
+    if cfg.mode == "pipeline":
+        attrs["module_bounds"] = state["bounds"]  # module k: layers bounds[k]..bounds[k+1]-1
     log = RunLog.create(state["path"], attrs, workers, model.num_params, cfg.flush_interval, state["lock"])
     params = model.init_params(cfg.seed)
     bar = None
@@ -244,8 +285,13 @@ def run_server(cfg: Config, me: Rank, state: dict) -> None:
         total = int(cfg.epochs * dataset.train_y.size) if cfg.epochs else None
         bar = tqdm(total=total, unit="img", unit_scale=True, dynamic_ncols=True, mininterval=0.5,
                    desc="training", file=sys.stderr)
-    role = SyncMonitor if cfg.mode == "sync" else ParameterServer
-    server = role(me.comm, cfg, params, model.decay_mask(), me.num_workers, dataset.train_y.size, log, bar)
+    args = (me.comm, cfg, params, model.decay_mask(), me.num_workers, dataset.train_y.size, log, bar)
+    if cfg.mode == "pipeline":
+        from mpiasgd.pipeline import PipelineMonitor
+
+        server = PipelineMonitor(*args, model, dataset, state["bounds"])
+    else:
+        server = (SyncMonitor if cfg.mode == "sync" else ParameterServer)(*args)
 
     def interrupt(signum: int, frame: Any) -> None:
         raise Interrupted(signal.Signals(signum).name)
@@ -301,21 +347,29 @@ def train(cfg: Config, comm: Any = None) -> int:
 
     from threadpoolctl import threadpool_limits
 
-    # (all ranks) sync mode: the workers' own communicator for the allreduce; rank 0 is not in it
-    workers_comm = comm.Split(0 if not me.is_server else MPI.UNDEFINED, me.rank) if cfg.mode == "sync" else None
+    # (all ranks) sync: the workers' own communicator for the allreduce; pipeline: the grid's two
+    workers_comm, data_comm = communicators(cfg, me)
     try:
         with threadpool_limits(limits=threads, user_api="blas"):
             if me.is_server:
                 run_server(cfg, me, state)
             else:
                 dev = state["device"]
+                pipeline = cfg.mode == "pipeline"
+                module, replica = divmod(me.rank - 1, cfg.modules)[::-1] if pipeline else (-1, -1)
                 comm.gather((me.rank, me.host, os.getpid(), threads, state["backend"], len(state["sampler"]),
                              -1 if dev is None else dev.index, "" if dev is None else dev.name,
-                             "" if dev is None else dev.uuid, state["staging"].kind), root=0)
-                from mpiasgd.worker import Worker
+                             "" if dev is None else dev.uuid, state["staging"].kind, module, replica), root=0)
+                if pipeline:
+                    from mpiasgd.pipeline import PipelineUnit
 
-                Worker(comm, cfg, state["model"], state["dataset"], state["sampler"], state["test_idx"],
-                       me.rank, state["staging"], state["make_staging"], workers_comm).run()
+                    PipelineUnit(comm, cfg, state["model"], state["dataset"], state["sampler"], me.rank,
+                                 workers_comm, data_comm, state["bounds"]).run()
+                else:
+                    from mpiasgd.worker import Worker
+
+                    Worker(comm, cfg, state["model"], state["dataset"], state["sampler"], state["test_idx"],
+                           me.rank, state["staging"], state["make_staging"], workers_comm).run()
     except BaseException:
         text = traceback.format_exc()
         if me.is_server:

@@ -43,6 +43,31 @@ from mpiasgd.optim import learning_rate
 from mpiasgd.protocol import Flag, Message, ProtocolError, Tag
 
 
+def minibatches(sampler: ShardSampler, batch_size: int):
+    """Endless (epoch, indices) minibatches of `batch_size` over `sampler`'s shard, reshuffled every
+    epoch; a batch may straddle two epochs (indices: int64 (batch_size,))."""
+    epoch, queue = 0, np.empty(0, dtype=np.int64)
+    while True:
+        while queue.size < batch_size:
+            queue = np.concatenate([queue, sampler.indices(epoch)])
+            epoch += 1
+        yield epoch - 1, queue[:batch_size]
+        queue = queue[batch_size:]
+
+
+def fraction_done(cfg: Config, epochs_done: float, steps: int, elapsed: float) -> float:
+    """Fraction of the run done by the stopping rule closest to its limit (the server's rule, for
+    workers that step themselves): `epochs_done` epochs, `steps` updates, `elapsed` seconds."""
+    parts = [0.0]
+    if cfg.epochs:
+        parts.append(epochs_done / cfg.epochs)
+    if cfg.max_pushes:
+        parts.append(steps / cfg.max_pushes)
+    if cfg.max_time:
+        parts.append(elapsed / cfg.max_time)
+    return min(1.0, max(parts))
+
+
 class LocalSGD:
     """SGD with momentum and weight decay on a worker's own weights, on the model's backend.
 
@@ -51,15 +76,19 @@ class LocalSGD:
     place with `model.grads`; the velocity lives on the model's backend and persists across pulls.
     """
 
-    def __init__(self, model: Any, cfg: Config) -> None:
+    def __init__(self, model: Any, cfg: Config, start: int = 0, stop: int | None = None) -> None:
         self.model = model
         self.ops = model.ops
         self.momentum = cfg.momentum
-        self.decay = self.ops.asarray(cfg.weight_decay * model.decay_mask())  # (P,) float32, 0 on biases
-        self.velocity = self.ops.zeros(model.num_params)
+        mask = model.decay_mask()[start:stop]  # a pipeline module steps its own slice [start, stop)
+        self.decay = self.ops.asarray(cfg.weight_decay * mask)  # float32, 0 on biases
+        self.velocity = self.ops.zeros(mask.size)
 
-    def step(self, lr: float) -> None:
-        self.ops.sgd_momentum(self.model.params, self.velocity, self.model.grads, self.decay, self.momentum, lr)
+    def step(self, lr: float, params: Any = None, grads: Any = None) -> None:
+        """Update `params` (default: the model's) in place with `grads` (default: the model's)."""
+        params = self.model.params if params is None else params
+        grads = self.model.grads if grads is None else grads
+        self.ops.sgd_momentum(params, self.velocity, grads, self.decay, self.momentum, lr)
 
 
 class Worker:
@@ -93,14 +122,8 @@ class Worker:
         self.batches = self.minibatches()
 
     def minibatches(self):
-        """Endless (epoch, indices) minibatches over this shard; a batch may straddle two epochs."""
-        epoch, queue = 0, np.empty(0, dtype=np.int64)
-        while True:
-            while queue.size < self.cfg.batch_size:
-                queue = np.concatenate([queue, self.sampler.indices(epoch)])
-                epoch += 1
-            yield epoch - 1, queue[: self.cfg.batch_size]
-            queue = queue[self.cfg.batch_size:]
+        """Endless (epoch, indices) minibatches over this worker's shard (see `minibatches`)."""
+        return minibatches(self.sampler, self.cfg.batch_size)
 
     def gradient(self) -> tuple[float, int, int, int]:
         """Forward and backward on the next minibatch into the bound grads; (loss, correct, samples, epoch)."""
@@ -267,7 +290,7 @@ class Worker:
                 staging.grads_from_mpi()
                 grads *= np.float32(1.0 / nworkers)
                 done = applied * samples_per_step / self.num_train
-                lr = learning_rate(cfg, done, self.fraction_done(done, applied, ctrl[1]))
+                lr = learning_rate(cfg, done, fraction_done(cfg, done, applied, ctrl[1]))
                 local.step(lr)
                 applied += 1
             t2 = time.perf_counter()
@@ -275,9 +298,10 @@ class Worker:
             flags = (Flag.SKIPPED if skipped else 0) | (Flag.NONFINITE if nonfinite else 0) | (Flag.LAST if last else 0)
             slot = self.step % 2
             wait(report_sends[slot], "completion of a REPORT send", rank, cfg.comm_timeout)
+            digest = zlib.crc32(model.ops.to_numpy(model.params).tobytes())  # rank 0 checks the replicas agree
             reports[slot].stamp(Tag.REPORT, rank, step=self.step, version=applied, samples=samples, epoch=epoch,
                                 correct=correct, loss=loss, compute_s=t1 - t0, comm_s=t2 - t1 - wait_s,
-                                wait_s=wait_s, lr=lr, flags=flags)
+                                wait_s=wait_s, lr=lr, flags=flags, digest=digest)
             report_sends[slot] = self.comm.Isend(reports[slot].buf, dest=0, tag=int(Tag.REPORT))
             if leader and (last or (cfg.snapshot_interval and ctrl[1] - last_snapshot >= cfg.snapshot_interval)):
                 last_snapshot = ctrl[1]
@@ -287,24 +311,6 @@ class Worker:
                 snap_send = self.comm.Isend(snap.buf, dest=0, tag=int(Tag.SNAPSHOT))
         for req in (*report_sends, snap_send):
             wait(req, "completion of the last REPORT/SNAPSHOT sends", rank, cfg.comm_timeout)
-        # the copies must be bit-identical (same initial weights, same averaged gradient, same step)
-        digests = wc.allgather(zlib.crc32(model.ops.to_numpy(model.params).tobytes()))
-        if len(set(digests)) > 1:
-            ranks = {r + 1: f"{d:08x}" for r, d in enumerate(digests)}
-            raise RuntimeError(f"rank {rank}: sync mode: the workers' weights differ after step {self.step} "
-                               f"(CRC-32 by worker rank: {ranks}); the allreduce did not give every worker "
-                               f"the same sum")
-
-    def fraction_done(self, epochs_done: float, steps: int, elapsed: float) -> float:
-        """Fraction of the run done by the stopping rule closest to its limit (the server's rule)."""
-        cfg, parts = self.cfg, [0.0]
-        if cfg.epochs:
-            parts.append(epochs_done / cfg.epochs)
-        if cfg.max_pushes:
-            parts.append(steps / cfg.max_pushes)
-        if cfg.max_time:
-            parts.append(elapsed / cfg.max_time)
-        return min(1.0, max(parts))
 
     def sync_should_stop(self, steps: int, elapsed: float, samples_per_step: int) -> bool:
         """The stopping rule, judged identically on every worker (steps and the max-allreduced clock).

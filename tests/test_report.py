@@ -22,7 +22,7 @@ from mpiasgd.cli import main
 from mpiasgd.report import comparison_row, load, report, time_to_accuracy
 from mpiasgd.runlog import PUSH_ROW, RunLog, open_log
 
-WORKER = (1, b"host", 1, 1, b"numpy", 100, -1, b"", b"", b"host")
+WORKER = (1, b"host", 1, 1, b"numpy", 100, -1, b"", b"", b"host", -1, -1)
 
 
 def push(time: float, staleness: int, samples: int = 32, applied: int = 1) -> tuple:

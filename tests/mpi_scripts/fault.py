@@ -8,6 +8,7 @@ KIND: raise      rank RANK (a worker) raises RuntimeError("injected failure") in
       badsize    worker RANK sends a PUSH 8 bytes too short instead of training
       nan        worker RANK pushes NaN gradients from its 3rd step on
       nan1       worker RANK computes a NaN gradient in its 3rd step only
+      perturb    worker RANK's weights are nudged after its 3rd local SGD step (sync, pipeline replicas)
 """
 
 import sys
@@ -60,6 +61,19 @@ if kind in ("nan", "nan1") and rank == target:
         return out
 
     Model.forward_backward = nan_forward_backward
+
+if kind == "perturb" and rank == target:
+    from mpiasgd.worker import LocalSGD
+
+    original_step, calls = LocalSGD.step, [0]
+
+    def nudged_step(self, lr, params=None, grads=None):
+        original_step(self, lr, params, grads)
+        calls[0] += 1
+        if calls[0] == 3:
+            (self.model.params if params is None else params)[0] += 1e-3
+
+    LocalSGD.step = nudged_step
 
 if kind in ("badtag", "badsize") and rank == target:
     from mpiasgd.worker import Worker

@@ -1,0 +1,484 @@
+"""Decoupled parallel backpropagation with data parallelism (`--mode pipeline`).
+
+Pham and Ahn, "Distributed Deep Learning using Stochastic Gradient Staleness" (arXiv 2509.05679):
+the model's layer list is cut into K modules; N replicas of the whole pipeline train on disjoint
+data shards. Ranks 1..N*K form an N x K grid, rank 1 + n*K + k holding module k of replica n, with
+one pipeline communicator per replica (along k) and one data communicator per module (along n).
+Rank 0 only logs (REPORT, SNAPSHOT), as in sync mode.
+
+Every iteration t, every unit works without waiting for a full forward and backward pass:
+
+    forward   the newest minibatch: module 0 reads minibatch t, module k > 0 takes the activation
+              module k-1 sent; the output goes to module k+1 (non-blocking ACTIVATION). The last
+              module computes the loss and its backward at once.
+    backward  an older minibatch, with the output gradient module k+1 sent back (GRADIENT): the
+              module re-runs its forward on the input it stored for that minibatch, back-propagates,
+              sends the input gradient to module k-1, and updates its weights.
+
+    decoupling "full" (FDG, Zhuang et al. 2021; the default):  forward of minibatch t - k at module
+        k, which therefore updates with a gradient 2(K-1-k) iterations old (every message is
+        consumed one iteration after it was sent: all K modules compute at the same time).
+    decoupling "backward" (DDG, Huo et al. 2018):  the forward pass stays locked (minibatch t flows
+        through every module within iteration t); only the backward is decoupled: delay K-1-k.
+
+A module keeps exactly the inputs its delay needs (a queue of delay + 1 minibatches; with
+`--weight-stashing` also the weights each forward used, PipeDream's rule, which the backward then
+uses instead of the current weights). The first iterations of a module have no gradient yet
+(warm-up, logged with flag WARMUP). `--shrink beta` multiplies the input gradient a module sends
+back, so module k's gradient is scaled by beta^(K-1-k) (FDG's gradient shrinking). Replicas of a
+module average their gradients every iteration (allreduce on the data communicator) and apply the
+same SGD step, so they stay identical (every REPORT carries a CRC-32 of the module's weights, and
+rank 0 stops the run at the first iteration where two replicas differ). At the end every module
+drains: minibatches already started are back-propagated through every module, so each minibatch's
+gradient is applied exactly once by every module.
+
+With K = 1 this is synchronous data parallelism exactly (`--mode sync`: same shards, order, schedule).
+
+Step size. The convergence result for SGD with delayed gradients of bounded delay tau (e.g. Lian
+et al. 2015, Theorem 1; FDG, Theorem 1; Pham and Ahn 2025 for this combination) needs an L-smooth
+loss and a step size small against the delay: gamma_t L (1 + 2 tau) <= 1 in the form implemented
+here, with tau = 2(K-1) (full) or K-1 (backward) the largest module delay, and sum gamma_t =
+infinity, sum gamma_t^2 < infinity for convergence to a critical point; a constant step gives a
+neighbourhood of size O(gamma). We apply the same schedule (`--lr`, warm-up, cosine/step) to every
+module; deeper pipelines want a smaller `--lr` or `--shrink`.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections import deque
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpiasgd import protocol
+from mpiasgd.comms import wait
+from mpiasgd.config import Config, ConfigError
+from mpiasgd.data import Dataset, ShardSampler
+from mpiasgd.evaluate import evaluate
+from mpiasgd.optim import learning_rate
+from mpiasgd.protocol import Flag, Message, ProtocolError, Tag
+from mpiasgd.server import ParameterServer
+from mpiasgd.worker import LocalSGD, fraction_done, minibatches
+
+# ----------------------------------------------------------------------------------------------
+# cutting the layer list
+
+
+def layer_costs(model: Any, balance: str) -> list[float]:
+    """Per-layer cost for balancing: forward FLOPs ("flops") or parameter count ("params").
+
+    Every layer also costs its output size (elementwise work, and what a cut after it must send),
+    so layers without weights (ReLU, pooling) are not free and cuts avoid wide activations.
+    """
+    outputs = [int(np.prod(s)) for s in model.shapes]
+    if balance == "params":
+        sizes = [model.param_range(i, i + 1) for i in range(len(model.layers))]
+        return [float(stop - start + out) for (start, stop), out in zip(sizes, outputs, strict=True)]
+    return [float(f + out) for f, out in zip(model.layer_flops(), outputs, strict=True)]
+
+
+def partition(model: Any, modules: int, cuts: tuple[int, ...] = (), balance: str = "flops") -> list[int]:
+    """Module boundaries [0, c_1, ..., c_{K-1}, L]: module k is layers bounds[k]..bounds[k+1]-1.
+
+    `cuts` given: used as they are (ConfigError if out of range). Otherwise the K-1 cuts that
+    minimise the largest module cost (`layer_costs`), by dynamic programming over the L layers.
+    """
+    count = len(model.layers)
+    if modules > count:
+        raise ConfigError(f"config key 'modules' = {modules}: model '{model.name}' has only {count} layers")
+    if cuts:
+        if len(cuts) != modules - 1 or cuts[-1] >= count:
+            raise ConfigError(f"config key 'cuts' = {','.join(map(str, cuts))}: expected {modules - 1} "
+                              f"increasing layer indices in 1..{count - 1} for model '{model.name}'")
+        return [0, *cuts, count]
+    costs = layer_costs(model, balance)
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    # best[j][i]: the smallest max-module cost of layers 0..i-1 in j modules; split[j][i]: its last cut
+    best = np.full((modules + 1, count + 1), np.inf)
+    split = np.zeros((modules + 1, count + 1), dtype=int)
+    best[0][0] = 0.0
+    for j in range(1, modules + 1):
+        for i in range(j, count + 1):
+            for c in range(j - 1, i):
+                value = max(best[j - 1][c], prefix[i] - prefix[c])
+                if value < best[j][i]:
+                    best[j][i], split[j][i] = value, c
+    bounds, i = [count], count
+    for j in range(modules, 0, -1):
+        i = int(split[j][i])
+        bounds.append(i)
+    return bounds[::-1]
+
+
+def describe_partition(model: Any, bounds: list[int], balance: str) -> str:
+    """One line per module: its layers, parameters and share of the cost."""
+    costs = layer_costs(model, balance)
+    total = sum(costs)
+    lines = []
+    for k in range(len(bounds) - 1):
+        first, last = bounds[k], bounds[k + 1]
+        start, stop = model.param_range(first, last)
+        share = sum(costs[first:last]) / total
+        lines.append(f"  module {k}: layers {first}..{last - 1} ({', '.join(model.names[first:last])}), "
+                     f"{stop - start:,} parameters, {share:.0%} of the {balance}")
+    return "\n".join(lines)
+
+
+class Module:
+    """Layers first..last-1 of `model` with their parameters in one module-local flat vector.
+
+    `params`/`grads` (float32 (size,), on the model's backend) are the slice [start, stop) of the
+    whole model's vectors. forward(x (B, *in_shape)) -> (B, *out_shape); backward(dy) -> dx, or None
+    for module 0 (nothing consumes the gradient w.r.t. the images).
+    """
+
+    def __init__(self, model: Any, first: int, last: int) -> None:
+        self.model, self.first, self.last = model, first, last
+        self.layers = model.layers[first:last]
+        self.start, self.stop = model.param_range(first, last)
+        self.size = self.stop - self.start
+        self.in_shape = tuple(model.input_shape if first == 0 else model.shapes[first - 1])
+        self.out_shape = tuple(model.shapes[last - 1])
+        self.is_last = last == len(model.layers)
+        ops = model.ops
+        self.params, self.grads = ops.zeros(self.size), ops.zeros(self.size)
+        self.bind(self.params)
+
+    def bind(self, params: Any) -> None:
+        """Compute with `params` (the current weights, or a stashed copy); gradients go to `grads`."""
+        self.model.bind_layers(self.first, self.last, params, self.grads)
+
+    def forward(self, x: Any) -> Any:
+        for layer in self.layers:
+            x = layer.forward(x)
+        return x
+
+    def backward(self, dy: Any) -> Any:
+        for layer in reversed(self.layers):
+            dy = layer.backward(dy)
+        return dy
+
+    def loss_backward(self, logits: Any, labels: Any) -> tuple[float, int, Any]:
+        """(last module) loss of `logits`, then backward: (mean loss, correct, dx)."""
+        loss, correct = self.model.loss.forward(logits, labels)
+        return loss, correct, self.backward(self.model.loss.backward())
+
+
+# ----------------------------------------------------------------------------------------------
+# a unit: module k of replica n
+
+
+class PipelineUnit:
+    """(all workers, pipeline mode) Module k of replica n; see the module docstring.
+
+    `pipe` is the replica's pipeline communicator (rank k), `data` the module's data communicator
+    (rank n); `comm` reaches rank 0. `sampler` is the replica's shard; `bounds` the module cuts.
+    """
+
+    def __init__(self, comm: Any, cfg: Config, model: Any, dataset: Dataset, sampler: ShardSampler, rank: int,
+                 pipe: Any, data: Any, bounds: list[int]) -> None:
+        self.comm, self.cfg, self.dataset, self.rank = comm, cfg, dataset, rank
+        self.pipe, self.data = pipe, data
+        self.k, self.K = pipe.Get_rank(), pipe.Get_size()
+        self.n, self.N = data.Get_rank(), data.Get_size()
+        self.module = Module(model, bounds[self.k], bounds[self.k + 1])
+        self.ops = model.ops
+        self.sampler = sampler
+        self.num_train = dataset.train_y.size
+        self.full = cfg.decoupling == "full"
+        self.delay = (2 if self.full else 1) * (self.K - 1 - self.k)
+        self.rng = np.random.default_rng([cfg.seed, 1, 1 + self.n])  # as worker rank 1 + n: K = 1 is sync
+        self.sending: dict[str, list[Any]] = {}
+
+    def forward_minibatch(self, t: int) -> int:
+        """The minibatch whose forward this unit runs at iteration t."""
+        return t - self.k if self.full else t
+
+    def post(self, kind: str, slot: int, request: Any) -> None:
+        self.sending.setdefault(kind, [None, None])[slot] = request
+
+    def free(self, kind: str, slot: int, what: str) -> None:
+        """Complete the send that last used buffer `slot` of `kind` before it is written again."""
+        wait(self.sending.get(kind, [None, None])[slot], what, self.rank, self.cfg.comm_timeout)
+
+    def receive(self, request: Any, msg: Message, tag: Tag, source: int, m: int, what: str) -> float:
+        """Wait for an ACTIVATION/GRADIENT of minibatch `m`; checks; returns seconds waited."""
+        status = MPI.Status()
+        waited = wait(request, what, self.rank, self.cfg.comm_timeout, status)
+        protocol.check_size(tag, source, self.rank, status.Get_count(MPI.BYTE), msg.count)
+        protocol.check(msg, tag, status.Get_source(), self.rank)
+        if int(msg.header["step"]) != m:
+            raise ProtocolError(f"rank {self.rank}: {tag.name} for minibatch {int(msg.header['step'])} from "
+                                f"module {source}, expected minibatch {m}")
+        return waited
+
+    def run(self) -> None:
+        cfg, ops, module, k, K, rank = self.cfg, self.ops, self.module, self.k, self.K, self.rank
+        B = cfg.batch_size
+        in_count, out_count = B * int(np.prod(module.in_shape)), B * int(np.prod(module.out_shape))
+        # initial weights: this module's slice, from rank 0
+        start = Message(module.size)
+        wait(self.comm.Irecv(start.buf, source=0, tag=int(Tag.WEIGHTS)), "initial weights from rank 0", rank,
+             cfg.comm_timeout)
+        protocol.check(start, Tag.WEIGHTS, 0, rank)
+        module.params[...] = ops.asarray(start.payload)
+        local = LocalSGD(module.model, cfg, module.start, module.stop)
+        acts_in = [Message(in_count), Message(in_count)] if k > 0 else None
+        acts_out = [Message(out_count), Message(out_count)] if k < K - 1 else None
+        grads_in = [Message(out_count), Message(out_count)] if k < K - 1 else None
+        grads_out = [Message(in_count), Message(in_count)] if k > 0 else None
+        reports = [Message(0), Message(0)]
+        snap = Message(module.size) if self.n == 0 else None
+        act_req = self.pipe.Irecv(acts_in[0].buf, source=k - 1, tag=int(Tag.ACTIVATION)) if k > 0 else None
+        grad_req = self.pipe.Irecv(grads_in[0].buf, source=k + 1, tag=int(Tag.GRADIENT)) if k < K - 1 else None
+        stored: deque = deque()  # (minibatch, input, stashed weights or None): at most delay + 1
+        batches = minibatches(self.sampler, B)   # module 0: images; the last module: labels, same order
+        labels = minibatches(self.sampler, B) if module.is_last and k > 0 else batches
+        ctrl = np.zeros(1, dtype=np.float64)     # elapsed seconds, max over the module's replicas
+        began = time.perf_counter()
+        last_snapshot, snapshot_at = 0.0, -1     # the iteration after which replica 0 sends a snapshot
+        total = None                             # minibatches in the run, once the stopping rule fired
+        t = 0
+        while True:
+            t0 = time.perf_counter()
+            wait_s = comm_s = 0.0
+            ctrl[0] = t0 - began
+            if self.N > 1:  # one clock for the replicas: the same schedule and stopping decision
+                wait_s += wait(self.data.Iallreduce(MPI.IN_PLACE, ctrl, op=MPI.MAX), "the control allreduce",
+                               rank, cfg.comm_timeout)
+            m_f = self.forward_minibatch(t)
+            m_b = m_f - self.delay
+            flags, loss, correct = 0, 0.0, 0
+            # --- forward of the newest minibatch
+            if m_f >= 0 and (total is None or m_f < total):
+                if k == 0:
+                    _, idx = next(batches)
+                    x, y = self.dataset.batch("train", idx, self.rng)
+                    x = ops.asarray(x)
+                    if self.stopping(m_f + 1, ctrl[0]):
+                        total = m_f + 1
+                        flags |= Flag.LAST
+                    if (self.n == 0 and cfg.snapshot_interval and snapshot_at < t and total is None
+                            and ctrl[0] - last_snapshot >= cfg.snapshot_interval):
+                        # every module has heard of it by then (full: module k at t + k; backward: at t)
+                        last_snapshot, snapshot_at = ctrl[0], t + (K - 1 if self.full else 0)
+                else:
+                    msg = acts_in[m_f % 2]
+                    wait_s += self.receive(act_req, msg, Tag.ACTIVATION, k - 1, m_f,
+                                           f"activation of minibatch {m_f} from module {k - 1}")
+                    if int(msg.header["flags"]) & Flag.LAST:
+                        total = m_f + 1
+                    snapshot_at = max(snapshot_at, int(msg.header["version"]))
+                    x = ops.asarray(np.array(msg.payload.reshape(B, *module.in_shape)))  # a copy: the buffer is reused
+                    act_req = None
+                    if total is None:  # the next activation lands in the other buffer
+                        act_req = self.pipe.Irecv(acts_in[(m_f + 1) % 2].buf, source=k - 1, tag=int(Tag.ACTIVATION))
+                h = module.forward(x)
+                if module.is_last:  # loss and backward at once: delay 0
+                    y = self.dataset.train_y[next(labels)[1]] if k > 0 else y
+                    loss, correct, dx = module.loss_backward(h, ops.asarray(y, y.dtype))
+                else:
+                    out = acts_out[m_f % 2]
+                    self.free("act", m_f % 2, "completion of an activation send")
+                    out.payload[:] = ops.to_numpy(h).ravel()
+                    out.stamp(Tag.ACTIVATION, k, step=m_f, version=snapshot_at,
+                              flags=Flag.LAST if total == m_f + 1 else 0)
+                    t1 = time.perf_counter()
+                    self.post("act", m_f % 2, self.pipe.Isend(out.buf, dest=k + 1, tag=int(Tag.ACTIVATION)))
+                    comm_s += time.perf_counter() - t1
+                    stashed = ops.zeros(module.size) if cfg.weight_stashing else None
+                    if stashed is not None:
+                        stashed[...] = module.params
+                    stored.append((m_f, x, stashed))
+            # --- backward of an older minibatch, with the gradient module k+1 sent back
+            applied = m_b >= 0 and (total is None or m_b < total)
+            if applied and not module.is_last:
+                msg = grads_in[m_b % 2]
+                wait_s += self.receive(grad_req, msg, Tag.GRADIENT, k + 1, m_b,
+                                       f"gradient of minibatch {m_b} from module {k + 1}")
+                dy = ops.asarray(msg.payload.reshape(B, *module.out_shape))
+                m, x, stashed = stored.popleft()
+                if m != m_b:
+                    raise ProtocolError(f"rank {rank}: stored input of minibatch {m}, backward of {m_b}")
+                if stashed is not None:
+                    module.bind(stashed)
+                module.forward(x)  # rebuild the layer caches for this minibatch
+                dx = module.backward(dy)
+                if stashed is not None:
+                    module.bind(module.params)
+                grad_req = None
+                if total is None or m_b + 1 < total:
+                    grad_req = self.pipe.Irecv(grads_in[(m_b + 1) % 2].buf, source=k + 1, tag=int(Tag.GRADIENT))
+            if applied and k > 0:  # send the input gradient back, shrunk by beta
+                out = grads_out[m_b % 2]
+                self.free("grad", m_b % 2, "completion of a gradient send")
+                out.payload[:] = ops.to_numpy(dx).ravel()
+                if cfg.shrink != 1.0:
+                    out.payload *= np.float32(cfg.shrink)
+                out.stamp(Tag.GRADIENT, k, step=m_b)
+                t1 = time.perf_counter()
+                self.post("grad", m_b % 2, self.pipe.Isend(out.buf, dest=k - 1, tag=int(Tag.GRADIENT)))
+                comm_s += time.perf_counter() - t1
+            lr = 0.0
+            if applied:
+                if self.N > 1:  # average the module gradient over the replicas
+                    host = ops.to_numpy(module.grads)
+                    wait_s += wait(self.data.Iallreduce(MPI.IN_PLACE, host, op=MPI.SUM), "the gradient allreduce",
+                                   rank, cfg.comm_timeout)
+                    module.grads[...] = ops.asarray(host)
+                    module.grads *= np.float32(1.0 / self.N)
+                done = m_b * B * self.N / self.num_train
+                lr = learning_rate(cfg, done, fraction_done(cfg, done, m_b, ctrl[0]))
+                local.step(lr, module.params, module.grads)
+            else:
+                flags |= Flag.WARMUP
+            finished = total is not None and m_b == total - 1
+            if finished:
+                flags |= Flag.END
+            self.report(reports, t, m_f, m_b if applied else -1, flags, loss, correct, applied,
+                        time.perf_counter() - t0 - wait_s - comm_s, comm_s, wait_s, lr)
+            if self.n == 0 and (t == snapshot_at or finished):
+                self.free("snap", 0, "completion of a SNAPSHOT send")
+                snap.payload[:] = ops.to_numpy(module.params)
+                snap.stamp(Tag.SNAPSHOT, rank, step=t, version=m_b + 1, flags=Flag.FINAL if finished else 0)
+                self.post("snap", 0, self.comm.Isend(snap.buf, dest=0, tag=int(Tag.SNAPSHOT)))
+            if finished:
+                break
+            t += 1
+        for kind, requests in self.sending.items():
+            for req in requests:
+                wait(req, f"completion of the last {kind} sends", rank, cfg.comm_timeout)
+
+    def stopping(self, minibatches_done: int, elapsed: float) -> bool:
+        """(module 0) The stopping rule after `minibatches_done` minibatches per replica."""
+        cfg = self.cfg
+        return bool((cfg.epochs and minibatches_done * cfg.batch_size * self.N >= cfg.epochs * self.num_train)
+                    or (cfg.max_pushes and minibatches_done >= cfg.max_pushes)
+                    or (cfg.max_time and elapsed >= cfg.max_time))
+
+    def report(self, reports: list[Message], t: int, m_f: int, m_b: int, flags: int, loss: float, correct: int,
+               applied: bool, compute_s: float, comm_s: float, wait_s: float, lr: float) -> None:
+        """REPORT of iteration t to rank 0: version = the iteration whose forward the applied gradient used;
+        digest = CRC-32 of the module's weights (N > 1: rank 0 checks that the replicas agree)."""
+        slot = t % 2
+        self.free("report", slot, "completion of a REPORT send")
+        # samples: counted once per minibatch, by the last module (the pushes table sums them)
+        samples = self.cfg.batch_size if applied and self.module.is_last else 0
+        digest = zlib.crc32(self.ops.to_numpy(self.module.params).tobytes()) if self.N > 1 else 0
+        reports[slot].stamp(Tag.REPORT, self.rank, step=t, version=t - self.delay if applied else -1,
+                            epoch=m_b, samples=samples, correct=correct, loss=loss, compute_s=compute_s,
+                            comm_s=comm_s, wait_s=wait_s, lr=lr, flags=flags, digest=digest)
+        self.post("report", slot, self.comm.Isend(reports[slot].buf, dest=0, tag=int(Tag.REPORT)))
+
+
+# ----------------------------------------------------------------------------------------------
+# rank 0
+
+
+class PipelineMonitor(ParameterServer):
+    """(server only, pipeline mode) Sends each unit its module's initial weights, logs every REPORT
+    (pushes table: one row per unit per iteration, staleness = the module's delay), assembles the
+    snapshots replica 0 sends into whole-model snapshots, and at the end evaluates the final
+    weights on the test set itself (numpy). Never updates weights.
+
+    `bounds` are the module cuts; `model` (numpy) and `dataset` are used for the final evaluation.
+    """
+
+    def __init__(self, comm: Any, cfg: Config, params: np.ndarray, decay_mask: np.ndarray, num_workers: int,
+                 num_train: int, log: Any, progress: Any, model: Any, dataset: Dataset, bounds: list[int]) -> None:
+        super().__init__(comm, cfg, params, decay_mask, num_workers, num_train, log, progress)
+        self.model, self.dataset, self.bounds = model, dataset, bounds
+        self.K = len(bounds) - 1
+        self.N = num_workers // self.K
+        self.ranges = [model.param_range(bounds[k], bounds[k + 1]) for k in range(self.K)]
+        self.inbox = {w: Message(self.size_of(w)) for w in self.workers}
+        self.outbox = {}
+        self.pieces: dict[int, set] = {}        # snapshot iteration -> modules received
+        self.ended: set[int] = set()
+        self.final: set[int] = set()
+
+    def module_of(self, w: int) -> int:
+        return (w - 1) % self.K
+
+    def size_of(self, w: int) -> int:
+        start, stop = self.ranges[self.module_of(w)]
+        return stop - start
+
+    def handlers(self) -> dict:
+        return {Tag.REPORT: self.on_report, Tag.SNAPSHOT: self.on_snapshot}
+
+    def check_stop(self) -> None:
+        pass  # decided by module 0; see on_report
+
+    def begin(self) -> None:
+        for w in self.workers:
+            start, stop = self.ranges[self.module_of(w)]
+            out = Message(stop - start)
+            out.payload[:] = self.params[start:stop]
+            out.stamp(Tag.WEIGHTS, 0, version=0)
+            self.outbox[w] = out
+            self.sending[w] = self.comm.Isend(out.buf, dest=w, tag=int(Tag.WEIGHTS))
+        self.started = set(self.workers)
+
+    def done(self) -> bool:
+        return len(self.ended) == len(self.workers) and len(self.final) == self.K
+
+    def waiting_for(self) -> list[int]:
+        return [w for w in self.workers if w not in self.ended]
+
+    def on_report(self, w: int, msg: Message) -> None:
+        h = msg.header
+        t, version, flags = int(h["step"]), int(h["version"]), int(h["flags"])
+        if w in self.ended:
+            raise ProtocolError(f"rank 0: REPORT iteration {t} from unit rank {w} after its last iteration")
+        if t != self.last_step[w]:
+            raise ProtocolError(f"rank 0: REPORT from unit rank {w} has iteration {t}, expected "
+                                f"{self.last_step[w]} (duplicate or out-of-order report)")
+        self.last_step[w] = t + 1
+        applied = not flags & Flag.WARMUP
+        k = self.module_of(w)
+        if applied and k == self.K - 1 and w <= self.K:  # the last module of replica 0: one minibatch done
+            self.version = int(h["epoch"]) + 1
+            self.samples = self.version * self.cfg.batch_size * self.N
+            self.log.add("updates", (self.now(), self.version, float(h["lr"]), float("nan"), self.samples,
+                                     self.epoch))
+            loss = float(h["loss"])
+            self.loss_avg = loss if self.loss_avg != self.loss_avg else 0.95 * self.loss_avg + 0.05 * loss
+        staleness = t - version if applied else 0
+        self.log.add("pushes", (self.now(), w, t, version, t, staleness, h["loss"], h["correct"], h["samples"],
+                                h["epoch"], h["compute_s"], h["comm_s"], h["wait_s"], applied, h["lr"], 0, 0.0,
+                                h["digest"]))
+        self.check_replicas(k, t, w, int(h["digest"]), self.N)
+        if flags & Flag.LAST and not self.stop_reason:
+            self.stop_reason = f"the stopping rule after {int(h['step']) + 1} minibatches per replica"
+            self.stop_time = self.now()
+            self.log.add("events", (self.now(), b"stop", self.stop_reason))
+        if flags & Flag.END:
+            self.ended.add(w)
+
+    def on_snapshot(self, w: int, msg: Message) -> None:
+        if w > self.K:
+            raise ProtocolError(f"rank 0: SNAPSHOT from unit rank {w}; only replica 0 (ranks 1..{self.K}) sends them")
+        k = self.module_of(w)
+        start, stop = self.ranges[k]
+        self.params[start:stop] = msg.payload
+        if int(msg.header["flags"]) & Flag.FINAL:
+            self.final.add(k)
+            return
+        got = self.pieces.setdefault(int(msg.header["step"]), set())
+        got.add(k)
+        if len(got) == self.K:  # every module's weights after the same iteration: a whole-model snapshot
+            del self.pieces[int(msg.header["step"])]
+            self.snapshot()
+
+    def finish(self) -> dict:
+        """Evaluate the final weights on the whole test set (rank 0, numpy), then the usual summary."""
+        weights = self.params.copy()
+        self.model.bind(weights, np.zeros_like(weights))
+        idx = np.arange(self.dataset.test_y.size, dtype=np.int64)
+        loss_sum, correct, count = evaluate(self.model, self.dataset, idx, self.cfg.eval_batch_size)
+        self.evals = {1: (loss_sum, correct, count)}
+        return super().finish()
