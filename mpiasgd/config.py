@@ -41,8 +41,8 @@ def _opt(default: Any, group: str, help: str) -> Any:
 @dataclass(frozen=True)
 class Config:
     # --- model and data ---
-    model: str = _opt("digits", "model and data", "network: digits | cifar10")
-    dataset: str = _opt("", "model and data", "dataset: digits | cifar10 (default: same as --model)")
+    model: str = _opt("digits", "model and data", "network: digits | cifar10 | cifar10_deep (six conv layers)")
+    dataset: str = _opt("", "model and data", "dataset: digits | cifar10 (default: the model's own)")
     data_dir: str = _opt("", "model and data",
                          "folder holding cifar-10-batches-py/ or -bin/ (default: $MPIASGD_DATA or ~/.cache/mpiasgd)")
     seed: int = _opt(0, "model and data", "seed of initial weights, shards and augmentation")
@@ -200,7 +200,9 @@ class Config:
     @property
     def dataset_name(self) -> str:
         """The dataset to load: `dataset`, or the model's own when empty."""
-        return self.dataset or self.model
+        from mpiasgd.model import MODELS
+
+        return self.dataset or MODELS[self.model].dataset
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

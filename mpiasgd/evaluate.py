@@ -45,7 +45,7 @@ def evaluate_snapshots(path: str, data_dir: str | None = None, batch_size: int =
     mpiasgd log, or no snapshots) or RuntimeError (the run is still being written).
     """
     from mpiasgd.data import load_dataset
-    from mpiasgd.model import build_model
+    from mpiasgd.model import MODELS, build_model
     from mpiasgd.report import open_run
 
     if writer_alive(path):
@@ -57,7 +57,7 @@ def evaluate_snapshots(path: str, data_dir: str | None = None, batch_size: int =
             raise ValueError(f"run log '{path}' has no weight snapshots to evaluate")
         chosen = sorted(set(range(0, len(meta), every)) | {len(meta) - 1})
         snapshots = f["snapshots/params"][chosen]  # (S, P) float32
-    dataset = load_dataset(cfg["dataset"] or cfg["model"], data_dir or cfg["data_dir"] or None)
+    dataset = load_dataset(cfg["dataset"] or MODELS[cfg["model"]].dataset, data_dir or cfg["data_dir"] or None)
     model = build_model(cfg["model"], "numpy")
     weights, grads = np.empty(model.num_params, np.float32), np.empty(model.num_params, np.float32)
     model.bind(weights, grads)

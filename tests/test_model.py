@@ -35,6 +35,13 @@ def test_parameter_counts_and_shapes():
     assert [s for s, layer in zip(cifar.shapes, cifar.layers, strict=True) if layer.kind == "pool"] == \
         [(32, 15, 15), (32, 7, 7), (64, 3, 3)]
     assert cifar.shapes[-1] == (10,) and digits.shapes[-2] == (128,)
+    deep = build_model("cifar10_deep")  # parameters per conv/linear layer: 9*Cin*Cout + Cout
+    assert [deep.param_range(i, i + 1)[1] - deep.param_range(i, i + 1)[0] for i in range(len(deep.layers))
+            if deep.layers[i].param_shapes()] == [448, 2320, 4640, 9248, 18496, 36928, 10250]
+    assert deep.num_params == 82330 and sum(layer.kind == "conv" for layer in deep.layers) == 6
+    assert [s for s, layer in zip(deep.shapes, deep.layers, strict=True) if layer.kind == "pool"] == \
+        [(16, 16, 16), (32, 8, 8), (64, 4, 4)]
+    assert MODELS["cifar10_deep"].dataset == "cifar10" and MODELS["digits"].dataset == "digits"
 
 
 def test_layout_is_contiguous_and_named():
@@ -53,7 +60,7 @@ def test_layout_is_contiguous_and_named():
 
 def test_registry_and_unknown_names():
     assert set(MODELS) >= {"digits", "cifar10"}
-    with pytest.raises(ValueError, match="unknown model 'mnist'; valid models: cifar10, digits"):
+    with pytest.raises(ValueError, match="unknown model 'mnist'; valid models: cifar10, cifar10_deep, digits"):
         build_model("mnist")
     with pytest.raises(ValueError, match="unknown ops backend 'tpu'; valid backends: numpy"):
         build_model("digits", backend="tpu")
