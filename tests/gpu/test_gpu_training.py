@@ -97,3 +97,14 @@ def test_sync_mode_weights_match_numpy(tmp_path):
     train(tmp_path, 3, "numpy", "sync-np", extra)
     with open_log(str(tmp_path / "runs" / "sync-cp.h5")) as f, open_log(str(tmp_path / "runs" / "sync-np.h5")) as g:
         np.testing.assert_allclose(f["snapshots/params"][-1], g["snapshots/params"][-1], rtol=1e-3, atol=1e-5)
+
+
+def test_pipeline_modules_on_the_gpu_match_numpy(tmp_path):
+    """Two pipeline modules on cupy workers: after 20 iterations the weights match the numpy backend's."""
+    share = ["--share-devices"] if cuda_device_count() < 2 else []
+    extra = ["--model", "digits", "--mode", "pipeline", "--modules", "2", "--epochs", "0", "--max-pushes", str(STEPS)]
+    train(tmp_path, 3, "cupy", "pipe-cp", [*extra, *share])
+    train(tmp_path, 3, "numpy", "pipe-np", extra)
+    with open_log(str(tmp_path / "runs" / "pipe-cp.h5")) as f, open_log(str(tmp_path / "runs" / "pipe-np.h5")) as g:
+        np.testing.assert_allclose(f["snapshots/params"][-1], g["snapshots/params"][-1], rtol=1e-3, atol=1e-5)
+        assert f.attrs["test_accuracy"] == pytest.approx(g.attrs["test_accuracy"], abs=0.02)
