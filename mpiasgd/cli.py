@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from mpiasgd import __version__
@@ -113,7 +114,10 @@ def _report(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as e:
         print(f"mpiasgd report: error: {e}", file=sys.stderr)
         return 2
-    print(text)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `mpiasgd report ... | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

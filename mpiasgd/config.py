@@ -138,6 +138,11 @@ class Config:
         cuts = self.cut_points()  # raises on a malformed list
         need(not cuts or len(cuts) == self.modules - 1, "cuts", f"{self.modules - 1} layer indices (--modules "
              f"{self.modules})")
+        if self.mode != "pipeline":  # options of the pipeline mode only
+            for key in ("modules", "replicas", "cuts", "balance", "decoupling", "shrink", "weight_stashing"):
+                default = FIELDS[key].default
+                need(getattr(self, key) == default, key, f"{default!r} unless --mode pipeline (it applies to the "
+                     f"pipeline mode only; mode is {self.mode!r})")
         if self.mode in ("sync", "pipeline"):  # options of the parameter-server modes only
             for key, off in (("nsync", 1), ("warm_start", 0.0), ("overlap", False), ("staleness_lr", "none")):
                 need(getattr(self, key) == off, key, f"{off!r} in mode '{self.mode}' (no parameter server "

@@ -68,15 +68,16 @@ from mpiasgd.worker import LocalSGD, fraction_done, minibatches
 
 
 def layer_costs(model: Any, balance: str) -> list[float]:
-    """Per-layer cost for balancing: forward FLOPs ("flops") or parameter count ("params").
+    """Per-layer cost for balancing: forward work ("flops") or parameter count ("params").
 
-    Every layer also costs its output size (elementwise work, and what a cut after it must send),
-    so layers without weights (ReLU, pooling) are not free and cuts avoid wide activations.
+    "flops": 2 x multiply-adds of conv/linear layers plus one operation per output element, so
+    layers without weights (ReLU, pooling) are not free. "params": the parameter count, plus 1e-6
+    per output element only to break ties between cuts.
     """
     outputs = [int(np.prod(s)) for s in model.shapes]
     if balance == "params":
         sizes = [model.param_range(i, i + 1) for i in range(len(model.layers))]
-        return [float(stop - start + out) for (start, stop), out in zip(sizes, outputs, strict=True)]
+        return [float(stop - start) + 1e-6 * out for (start, stop), out in zip(sizes, outputs, strict=True)]
     return [float(f + out) for f, out in zip(model.layer_flops(), outputs, strict=True)]
 
 
@@ -91,8 +92,8 @@ def partition(model: Any, modules: int, cuts: tuple[int, ...] = (), balance: str
         raise ConfigError(f"config key 'modules' = {modules}: model '{model.name}' has only {count} layers")
     if cuts:
         if len(cuts) != modules - 1 or cuts[-1] >= count:
-            raise ConfigError(f"config key 'cuts' = {','.join(map(str, cuts))}: expected {modules - 1} "
-                              f"increasing layer indices in 1..{count - 1} for model '{model.name}'")
+            raise ConfigError(f"config key 'cuts' = {','.join(map(str, cuts))!r}: expected {modules - 1} increasing "
+                              f"layer index(es) in 1..{count - 1} for model '{model.name}' ({count} layers)")
         return [0, *cuts, count]
     costs = layer_costs(model, balance)
     prefix = np.concatenate([[0.0], np.cumsum(costs)])
@@ -113,17 +114,20 @@ def partition(model: Any, modules: int, cuts: tuple[int, ...] = (), balance: str
     return bounds[::-1]
 
 
-def describe_partition(model: Any, bounds: list[int], balance: str) -> str:
-    """One line per module: its layers, parameters and share of the cost."""
+def describe_partition(model: Any, bounds: list[int], balance: str, decoupling: str = "full") -> str:
+    """One line per module: its layers, parameters, share of the balanced cost, and delay in iterations."""
     costs = layer_costs(model, balance)
-    total = sum(costs)
+    total = sum(costs) or 1.0
+    what = "forward work" if balance == "flops" else "parameters"
+    K = len(bounds) - 1
+    delay = [(2 if decoupling == "full" else 1) * (K - 1 - k) for k in range(K)]
     lines = []
     for k in range(len(bounds) - 1):
         first, last = bounds[k], bounds[k + 1]
         start, stop = model.param_range(first, last)
         share = sum(costs[first:last]) / total
         lines.append(f"  module {k}: layers {first}..{last - 1} ({', '.join(model.names[first:last])}), "
-                     f"{stop - start:,} parameters, {share:.0%} of the {balance}")
+                     f"{stop - start:,} parameters, {share:.0%} of the {what}, delay {delay[k]}")
     return "\n".join(lines)
 
 
@@ -192,6 +196,7 @@ class PipelineUnit:
         self.delay = (2 if self.full else 1) * (self.K - 1 - self.k)
         self.rng = np.random.default_rng([cfg.seed, 1, 1 + self.n])  # as worker rank 1 + n: K = 1 is sync
         self.sending: dict[str, list[Any]] = {}
+        self.slowdown = cfg.stragglers().get(rank, 1.0)  # --straggler: compute time multiplier of this unit
 
     def forward_minibatch(self, t: int) -> int:
         """The minibatch whose forward this unit runs at iteration t."""
@@ -330,11 +335,20 @@ class PipelineUnit:
                                    rank, cfg.comm_timeout)
                     module.grads[...] = ops.asarray(host)
                     module.grads *= np.float32(1.0 / self.N)
-                done = m_b * B * self.N / self.num_train
-                lr = learning_rate(cfg, done, fraction_done(cfg, done, m_b, ctrl[0]))
-                local.step(lr, module.params, module.grads)
+                grads = module.grads
+                with np.errstate(over="ignore", invalid="ignore"):  # the same for every replica: after the allreduce
+                    finite = np.isfinite(float(grads.dot(grads))) or bool(np.isfinite(grads).all())
+                if finite:
+                    done = m_b * B * self.N / self.num_train
+                    lr = learning_rate(cfg, done, fraction_done(cfg, done, m_b, ctrl[0]))
+                    local.step(lr, module.params, module.grads)
+                else:  # skipped by every replica of this module; rank 0 counts it (--max-rejects)
+                    flags |= Flag.NONFINITE | Flag.WARMUP
             else:
                 flags |= Flag.WARMUP
+            if self.slowdown > 1:  # --straggler: emulate a unit `slowdown` times slower than this one
+                busy = time.perf_counter() - t0 - wait_s - comm_s
+                time.sleep((self.slowdown - 1) * busy)
             finished = total is not None and m_b == total - 1
             if finished:
                 flags |= Flag.END
@@ -368,7 +382,7 @@ class PipelineUnit:
         # samples: counted once per minibatch, by the last module (the pushes table sums them)
         samples = self.cfg.batch_size if applied and self.module.is_last else 0
         digest = zlib.crc32(self.ops.to_numpy(self.module.params).tobytes()) if self.N > 1 else 0
-        reports[slot].stamp(Tag.REPORT, self.rank, step=t, version=t - self.delay if applied else -1,
+        reports[slot].stamp(Tag.REPORT, self.rank, step=t, version=t - self.delay if m_b >= 0 else -1,
                             epoch=m_b, samples=samples, correct=correct, loss=loss, compute_s=compute_s,
                             comm_s=comm_s, wait_s=wait_s, lr=lr, flags=flags, digest=digest)
         self.post("report", slot, self.comm.Isend(reports[slot].buf, dest=0, tag=int(Tag.REPORT)))
@@ -447,11 +461,21 @@ class PipelineMonitor(ParameterServer):
                                      self.epoch))
             loss = float(h["loss"])
             self.loss_avg = loss if self.loss_avg != self.loss_avg else 0.95 * self.loss_avg + 0.05 * loss
-        staleness = t - version if applied else 0
+        nonfinite = bool(flags & Flag.NONFINITE)
+        staleness = t - version if applied or nonfinite else 0
+        if applied:
+            self.count_staleness(staleness)
         self.log.add("pushes", (self.now(), w, t, version, t, staleness, h["loss"], h["correct"], h["samples"],
-                                h["epoch"], h["compute_s"], h["comm_s"], h["wait_s"], applied, h["lr"], 0, 0.0,
-                                h["digest"]))
+                                h["epoch"], h["compute_s"], h["comm_s"], h["wait_s"], applied, h["lr"], nonfinite,
+                                0.0, h["digest"]))
         self.check_replicas(k, t, w, int(h["digest"]), self.N)
+        if nonfinite:  # the module's replicas skipped this update together
+            self.log.add("events", (self.now(), b"skip", f"iteration {t}: module {k} (unit rank {w}) got a "
+                                                         f"non-finite gradient for minibatch {int(h['epoch'])}; "
+                                                         f"update skipped"))
+            self.reject(w, t)
+        elif applied:
+            self.rejects_in_row[w] = 0
         if flags & Flag.LAST and not self.stop_reason:
             self.stop_reason = f"the stopping rule after {int(h['step']) + 1} minibatches per replica"
             self.stop_time = self.now()

@@ -118,17 +118,19 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
 
 
 def worker_table(run: dict) -> list[str]:
-    """Per-worker pushes, images/s, staleness and time split (compute / communicate / wait)."""
+    """Per-worker pushes, images/s, staleness (of applied pushes) and time split (compute / communicate / wait)."""
     pushes, train_time = run["pushes"], _train_time(run)
     lines = ["rank  host              pushes    images  images/s  stale mean  stale max   compute    comm    wait"]
     hosts = {int(w["rank"]): w["host"].decode() for w in run["workers"]} if run["workers"] is not None else {}
     for rank in sorted(set(pushes["worker"].tolist())):
         p = pushes[pushes["worker"] == rank]
+        stale = p["staleness"][p["applied"] == 1]  # applied pushes only (pipeline: no warm-up rows)
         total = float(p["compute_s"].sum() + p["comm_s"].sum() + p["wait_s"].sum()) or 1.0
         lines.append(
             f"{rank:>4}  {hosts.get(rank, '?')[:16]:<16} {len(p):>7} {int(p['samples'].sum()):>9} "
-            f"{p['samples'].sum() / train_time if train_time else 0:>9.0f} {p['staleness'].mean():>11.2f} "
-            f"{p['staleness'].max():>10} {100 * p['compute_s'].sum() / total:>8.1f}% "
+            f"{p['samples'].sum() / train_time if train_time else 0:>9.0f} "
+            f"{stale.mean() if stale.size else 0.0:>11.2f} {stale.max() if stale.size else 0:>10} "
+            f"{100 * p['compute_s'].sum() / total:>8.1f}% "
             f"{100 * p['comm_s'].sum() / total:>6.1f}% {100 * p['wait_s'].sum() / total:>6.1f}%")
     return lines
 

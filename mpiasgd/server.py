@@ -100,6 +100,7 @@ class ParameterServer:
         self.stop_time = 0.0
         self.staleness_sum = 0
         self.staleness_max = 0
+        self.staleness_count = 0              # applied pushes (rows) the staleness figures cover
         self.loss_avg = float("nan")
         self.rejected = dict.fromkeys(self.workers, 0)       # non-finite pushes per worker
         self.rejects_in_row = dict.fromkeys(self.workers, 0)
@@ -158,11 +159,14 @@ class ParameterServer:
             self.snapshot()
         self.log.maybe_flush()
         if self.progress is not None and self.now() - self.last_progress >= 0.5:
-            self.last_progress = self.now()
-            self.progress.n = min(self.samples, self.progress.total or self.samples)
-            mean_stale = self.staleness_sum / max(1, self.version)
-            self.progress.set_postfix_str(
-                f"epoch {self.epoch:.2f} loss {self.loss_avg:.3f} staleness {mean_stale:.2f}", refresh=True)
+            self.show_progress()
+
+    def show_progress(self) -> None:
+        self.last_progress = self.now()
+        self.progress.n = min(self.samples, self.progress.total or self.samples)
+        mean_stale = self.staleness_sum / max(1, self.staleness_count)
+        self.progress.set_postfix_str(
+            f"epoch {self.epoch:.2f} loss {self.loss_avg:.3f} staleness {mean_stale:.2f}", refresh=True)
 
     # --- the loop ---
     def run(self) -> dict:
@@ -287,8 +291,7 @@ class ParameterServer:
                 self.params = self.optimizer.step(grad, lr, out=out)
             self.version += 1
             self.samples += int(h["samples"])
-            self.staleness_sum += staleness
-            self.staleness_max = max(self.staleness_max, staleness)
+            self.count_staleness(staleness)
             loss = float(h["loss"])
             self.loss_avg = loss if self.loss_avg != self.loss_avg else 0.95 * self.loss_avg + 0.05 * loss
             self.log.add("updates", (self.now(), self.version, lr, math.sqrt(square), self.samples, self.epoch))
@@ -351,6 +354,11 @@ class ParameterServer:
         else:
             self.digests[key] = (first or (digest, w), seen)
 
+    def count_staleness(self, staleness: int) -> None:
+        self.staleness_sum += staleness
+        self.staleness_max = max(self.staleness_max, staleness)
+        self.staleness_count += 1
+
     def reject(self, w: int, step: int) -> None:
         """Count a non-finite push of worker `w`; TrainingDiverged after `max_rejects` in a row."""
         self.rejected[w] += 1
@@ -397,8 +405,7 @@ class ParameterServer:
         """Final snapshot and evaluation rows; returns the summary (also stored as log attributes)."""
         self.snapshot()
         if self.progress is not None:
-            self.progress.n = min(self.samples, self.progress.total or self.samples)
-            self.progress.refresh()
+            self.show_progress()  # the bar's last figures
         loss_sum = sum(e[0] for e in self.evals.values())
         correct = sum(e[1] for e in self.evals.values())
         count = sum(e[2] for e in self.evals.values())
@@ -417,7 +424,7 @@ class ParameterServer:
             "samples": self.samples,
             "epochs_done": self.epoch,
             "images_per_s": self.samples / train_time if train_time else 0.0,
-            "staleness_mean": self.staleness_sum / max(1, self.version),
+            "staleness_mean": self.staleness_sum / max(1, self.staleness_count),
             "staleness_max": self.staleness_max,
             "stop_reason": self.stop_reason,
             "rejected": sum(self.rejected.values()),

@@ -43,7 +43,7 @@ from mpiasgd.device import (
     visible_hint,
 )
 from mpiasgd.ops import BackendUnavailable, cuda_device_count, get_backend
-from mpiasgd.protocol import Message, Tag
+from mpiasgd.protocol import Message, ProtocolError, Tag
 from mpiasgd.runlog import WriterLock
 
 STARTUP_ERRORS = (ConfigError, DataError, OSError, ValueError, BackendUnavailable, DeviceError)
@@ -149,6 +149,10 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
     if tuple(dataset.train_x.shape[1:]) != tuple(model.input_shape):
         raise ConfigError(f"model '{cfg.model}' takes inputs {tuple(model.input_shape)}, dataset "
                           f"'{cfg.dataset_name}' has images {tuple(dataset.train_x.shape[1:])}")
+    slow = sorted(r for r in cfg.stragglers() if r > me.num_workers)
+    if slow:
+        raise ConfigError(f"config key 'straggler' = {cfg.straggler!r}: rank(s) {slow} are not workers "
+                          f"(workers are ranks 1..{me.num_workers})")
     shards, shard = me.num_workers, me.rank - 1  # pipeline: one shard per replica
     out = {"dataset": dataset, "model": model, "backend": backend, "device": device}
     if cfg.mode == "pipeline":
@@ -174,6 +178,7 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
         out["lock"] = WriterLock(out["path"])
         out["lock"].acquire()  # held until the log is closed, or the process dies
         if os.path.exists(out["path"]) and not cfg.overwrite:
+            out["lock"].release()
             raise FileExistsError(f"run log '{out['path']}' exists; choose another --name or pass --overwrite")
     else:
         # validates: more workers than samples is a DataError naming both numbers
@@ -270,8 +275,9 @@ def run_server(cfg: Config, me: Rank, state: dict) -> None:
     if cfg.mode == "pipeline":
         from mpiasgd.pipeline import describe_partition
 
+        cuts = describe_partition(model, state["bounds"], cfg.balance, cfg.decoupling)
         print(f"pipeline: {me.num_workers // cfg.modules} replicas x {cfg.modules} modules, decoupling "
-              f"{cfg.decoupling}:\n{describe_partition(model, state['bounds'], cfg.balance)}", flush=True)
+              f"{cfg.decoupling}:\n{cuts}", flush=True)
     attrs = {"config": cfg.to_json(), "versions": versions(), "layout": model.layout(), "model": cfg.model,
              "mode": cfg.mode, "num_workers": me.num_workers, "num_params": model.num_params,
              "num_train": int(dataset.train_y.size), "num_test": int(dataset.test_y.size),
@@ -338,11 +344,15 @@ def train(cfg: Config, comm: Any = None) -> int:
     except STARTUP_ERRORS as e:
         error = str(e)
     if report_startup_errors(me, error):
+        if state.get("lock") is not None:  # rank 0 took the log's lock; no log was written
+            state["lock"].release()
         return EXIT_BAD_INPUT
     # (all ranks) two workers on one GPU: every rank judges the same gathered list
     devices = comm.allgather(state.get("device"))
     shared = None if me.is_server else sharing_error(devices, me.rank, cfg.share_devices)
     if report_startup_errors(me, shared):
+        if state.get("lock") is not None:
+            state["lock"].release()
         return EXIT_BAD_INPUT
 
     from threadpoolctl import threadpool_limits
@@ -370,8 +380,9 @@ def train(cfg: Config, comm: Any = None) -> int:
 
                     Worker(comm, cfg, state["model"], state["dataset"], state["sampler"], state["test_idx"],
                            me.rank, state["staging"], state["make_staging"], workers_comm).run()
-    except BaseException:
-        text = traceback.format_exc()
+    except BaseException as e:
+        # a timeout or a protocol violation says all in its message (naming the rank); anything else: traceback
+        text = str(e) if isinstance(e, (CommTimeout, ProtocolError)) else traceback.format_exc()
         if me.is_server:
             abort(me, text)
         else:

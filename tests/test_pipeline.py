@@ -46,7 +46,7 @@ def test_partition_balances_flops_and_takes_given_cuts():
             assert worst(bounds) == best
     with pytest.raises(ConfigError, match="'modules' = 9: model 'digits' has only 8 layers"):
         partition(model, 9)
-    with pytest.raises(ConfigError, match=r"expected 1 increasing layer indices in 1\.\.7"):
+    with pytest.raises(ConfigError, match=r"expected 1 increasing layer index\(es\) in 1\.\.7"):
         partition(model, 2, cuts=(8,))
 
 
@@ -204,3 +204,29 @@ def test_pipeline_trains_digits(mpirun, tmp_path, nranks, modules):
     assert res.returncode == 0, res.explain()
     attrs, _, _ = read_log(tmp_path / "runs" / "acc.h5")
     assert attrs["test_accuracy"] >= 0.93 and attrs["test_count"] == 360
+
+
+def test_non_finite_module_gradients_are_skipped_then_stop_the_run(mpirun, tmp_path):
+    """Unit rank 1 (module 0) gets NaN gradients from its 3rd backward on: each is skipped (not applied),
+    logged, and --max-rejects of them in a row end the run with an error naming the unit."""
+    res = mpirun(4, ["nanmodule", "1", *FAST, "--mode", "pipeline", "--modules", "3", "--epochs", "5",
+                     "--max-rejects", "4", "--name", "nan"], timeout=60, script="fault.py")
+    assert res.returncode != 0 and res.seconds < 30, res.explain()
+    assert "worker rank 1 pushed 4 non-finite gradients in a row" in res.stderr, res.explain()
+    attrs, t, params = read_log(tmp_path / "runs" / "nan.h5")
+    assert attrs["status"] == "failed"
+    p = t["pushes"]
+    bad = p[p["rejected"] == 1]
+    assert set(bad["worker"].tolist()) == {1} and len(bad) == 4 and not bad["applied"].any()
+    assert (bad["staleness"] == 4).all()  # module 0 of 3: its delay
+    assert sum(e["kind"] == b"skip" for e in t["events"]) == 4
+    assert np.isfinite(params).all()  # no NaN reached the weights
+
+
+def test_pipeline_options_need_pipeline_mode_and_stragglers_must_be_workers(mpirun, tmp_path):
+    res = mpirun(3, ["train", *FAST, "--mode", "sync", "--modules", "3", "--name", "x"], timeout=60)
+    assert res.returncode == 2 and "'modules' = 3: expected 2 unless --mode pipeline" in res.stderr, res.explain()
+    res = mpirun(3, ["train", *FAST, "--straggler", "3:2", "--name", "x"], timeout=60)
+    assert res.returncode == 2, res.explain()
+    assert "'straggler' = '3:2': rank(s) [3] are not workers (workers are ranks 1..2)" in res.stderr, res.explain()
+    assert not list((tmp_path / "runs").glob("x.h5*"))  # neither a log nor a stale lock file is left

@@ -9,6 +9,7 @@ KIND: raise      rank RANK (a worker) raises RuntimeError("injected failure") in
       nan        worker RANK pushes NaN gradients from its 3rd step on
       nan1       worker RANK computes a NaN gradient in its 3rd step only
       perturb    worker RANK's weights are nudged after its 3rd local SGD step (sync, pipeline replicas)
+      nanmodule  pipeline unit RANK's module gradients are NaN from its 3rd backward on
 """
 
 import sys
@@ -74,6 +75,20 @@ if kind == "perturb" and rank == target:
             (self.model.params if params is None else params)[0] += 1e-3
 
     LocalSGD.step = nudged_step
+
+if kind == "nanmodule" and rank == target:
+    from mpiasgd.pipeline import Module
+
+    original_backward, backwards = Module.backward, [0]
+
+    def nan_backward(self, dy):
+        dx = original_backward(self, dy)
+        backwards[0] += 1
+        if backwards[0] >= 3:
+            self.grads[...] = np.nan
+        return dx
+
+    Module.backward = nan_backward
 
 if kind in ("badtag", "badsize") and rank == target:
     from mpiasgd.worker import Worker
