@@ -105,7 +105,8 @@ class Config:
     max_rejects: int = _opt(10, "optimizer", "non-finite gradients in a row from one worker before the run stops")
     # --- stopping (first limit reached stops the run; 0 = no limit) ---
     epochs: float = _opt(10.0, "stopping", "passes over the training set by all workers together (0 = no limit)")
-    max_pushes: int = _opt(0, "stopping", "gradient pushes applied by the server, count (0 = no limit)")
+    max_pushes: int = _opt(0, "stopping", "gradient pushes applied by the server; sync: steps; pipeline: minibatches "
+                                          "per replica (0 = no limit)")
     max_time: float = _opt(0.0, "stopping", "wall time of training, seconds (0 = no limit)")
     # --- run log ---
     name: str = _opt("", "run log", "run name; the log is RUN_DIR/NAME.h5 (default: model-mode-Nw-timestamp)")
