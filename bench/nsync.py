@@ -4,7 +4,7 @@ with `--nsync 1`, `10` and `100` on the digits network, 1 parameter server + 2 a
 workers, measured side by side (alternating runs, median of each), with the final test accuracy and
 images/s of every setting.
 
-    python bench/nsync.py                                    # nsync 1, 10, 100; 5 rounds of 30-epoch runs; ~1 min
+    python bench/nsync.py                                    # nsync 1, 10, 100; 5 rounds of 30-epoch runs; 1-2 min
     python bench/nsync.py --nsync 1,4,16 --target-loss 0.3   # other settings and target
 
 With nsync K a worker takes K local SGD steps (momentum and weight decay on its own copy, at the

@@ -3,7 +3,7 @@
 the asynchronous and the synchronous mode, each over 1 worker of the same mode, measured side by side
 (alternating runs, median of each and the ratio of every round).
 
-    python bench/scaling.py                                  # cifar10, batch 64, 2 rounds of 8 s runs; ~4.5 min
+    python bench/scaling.py                                  # cifar10, batch 64, 2 rounds of 8 s runs; ~4 min
     python bench/scaling.py --workers 1,2 --modes async --rounds 3 --seconds 20   # the 2-worker A-SGD check; ~3 min
     python bench/scaling.py --model digits                   # the server-bound extreme (batch 32, 0.8 ms steps)
 
