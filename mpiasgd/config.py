@@ -87,7 +87,9 @@ class Config:
     cuda_aware: str = _opt("auto", "parallelism",
                            "MPI takes device buffers: auto (ask MPI.Query_cuda_support; off without it) | on | off")
     threads: int = _opt(0, "parallelism", "BLAS threads per worker rank; 0 = cores of the node / workers on it")
-    comm_timeout: float = _opt(300.0, "parallelism", "longest wait for any one message before failing, seconds")
+    comm_timeout: float = _opt(300.0, "parallelism",
+                               "rank 0 ends the run when a worker has sent nothing for this long (naming it); "
+                               "workers give up on a peer or on rank 0 after twice this; seconds")
     straggler: str = _opt("", "parallelism",
                           "RANK:FACTOR[,RANK:FACTOR]: those workers sleep FACTOR-1 times their compute time per "
                           "step (a heterogeneous cluster on one machine)")
@@ -139,6 +141,9 @@ class Config:
         cuts = self.cut_points()  # raises on a malformed list
         need(not cuts or len(cuts) == self.modules - 1, "cuts", f"{self.modules - 1} layer indices (--modules "
              f"{self.modules})")
+        if self.mode != "ssp":
+            need(self.staleness_bound == FIELDS["staleness_bound"].default, "staleness_bound",
+                 f"{FIELDS['staleness_bound'].default} unless --mode ssp (mode is {self.mode!r})")
         if self.mode != "pipeline":  # options of the pipeline mode only
             for key in ("modules", "replicas", "cuts", "balance", "decoupling", "shrink", "weight_stashing"):
                 default = FIELDS[key].default
@@ -202,6 +207,12 @@ class Config:
         if any(c <= 0 for c in cuts) or list(cuts) != sorted(set(cuts)):
             raise ConfigError(f"config key 'cuts' = {self.cuts!r}: expected increasing layer indices > 0")
         return cuts
+
+    @property
+    def worker_timeout(self) -> float:
+        """Seconds a worker waits for any one message: twice `comm_timeout`, so that rank 0, which watches
+        every worker, is the one that names a hung worker."""
+        return 2 * self.comm_timeout
 
     @property
     def dataset_name(self) -> str:

@@ -193,3 +193,16 @@ def staleness_factor(rule: str, staleness: int) -> float:
     if rule == "sqrt":
         return 1.0 / math.sqrt(max(1, staleness))
     return 1.0
+
+
+def fraction_done(cfg: Config, epochs_done: float, steps: int, elapsed: float) -> float:
+    """Fraction of the run done, in [0, 1], by the stopping rule closest to its limit: `epochs_done`
+    epochs, `steps` updates (pushes, sync steps or pipeline minibatches), `elapsed` seconds."""
+    parts = [0.0]
+    if cfg.epochs:
+        parts.append(epochs_done / cfg.epochs)
+    if cfg.max_pushes:
+        parts.append(steps / cfg.max_pushes)
+    if cfg.max_time:
+        parts.append(elapsed / cfg.max_time)
+    return min(1.0, max(parts))

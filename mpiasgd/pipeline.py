@@ -58,10 +58,10 @@ from mpiasgd.comms import wait
 from mpiasgd.config import Config, ConfigError
 from mpiasgd.data import Dataset, ShardSampler
 from mpiasgd.evaluate import evaluate
-from mpiasgd.optim import learning_rate
+from mpiasgd.optim import fraction_done, learning_rate
 from mpiasgd.protocol import Flag, Message, ProtocolError, Tag
 from mpiasgd.server import ParameterServer
-from mpiasgd.worker import LocalSGD, fraction_done, minibatches
+from mpiasgd.worker import LocalSGD, minibatches
 
 # ----------------------------------------------------------------------------------------------
 # cutting the layer list
@@ -207,12 +207,12 @@ class PipelineUnit:
 
     def free(self, kind: str, slot: int, what: str) -> None:
         """Complete the send that last used buffer `slot` of `kind` before it is written again."""
-        wait(self.sending.get(kind, [None, None])[slot], what, self.rank, self.cfg.comm_timeout)
+        wait(self.sending.get(kind, [None, None])[slot], what, self.rank, self.cfg.worker_timeout)
 
     def receive(self, request: Any, msg: Message, tag: Tag, source: int, m: int, what: str) -> float:
         """Wait for an ACTIVATION/GRADIENT of minibatch `m`; checks; returns seconds waited."""
         status = MPI.Status()
-        waited = wait(request, what, self.rank, self.cfg.comm_timeout, status)
+        waited = wait(request, what, self.rank, self.cfg.worker_timeout, status)
         protocol.check_size(tag, source, self.rank, status.Get_count(MPI.BYTE), msg.count)
         protocol.check(msg, tag, status.Get_source(), self.rank)
         if int(msg.header["step"]) != m:
@@ -227,7 +227,7 @@ class PipelineUnit:
         # initial weights: this module's slice, from rank 0
         start = Message(module.size)
         wait(self.comm.Irecv(start.buf, source=0, tag=int(Tag.WEIGHTS)), "initial weights from rank 0", rank,
-             cfg.comm_timeout)
+             cfg.worker_timeout)
         protocol.check(start, Tag.WEIGHTS, 0, rank)
         module.params[...] = ops.asarray(start.payload)
         local = LocalSGD(module.model, cfg, module.start, module.stop)
@@ -253,7 +253,7 @@ class PipelineUnit:
             ctrl[0] = t0 - began
             if self.N > 1:  # one clock for the replicas: the same schedule and stopping decision
                 wait_s += wait(self.data.Iallreduce(MPI.IN_PLACE, ctrl, op=MPI.MAX), "the control allreduce",
-                               rank, cfg.comm_timeout)
+                               rank, cfg.worker_timeout)
             m_f = self.forward_minibatch(t)
             m_b = m_f - self.delay
             flags, loss, correct = 0, 0.0, 0
@@ -332,7 +332,7 @@ class PipelineUnit:
                 if self.N > 1:  # average the module gradient over the replicas
                     host = ops.to_numpy(module.grads)
                     wait_s += wait(self.data.Iallreduce(MPI.IN_PLACE, host, op=MPI.SUM), "the gradient allreduce",
-                                   rank, cfg.comm_timeout)
+                                   rank, cfg.worker_timeout)
                     module.grads[...] = ops.asarray(host)
                     module.grads *= np.float32(1.0 / self.N)
                 grads = module.grads
@@ -364,7 +364,7 @@ class PipelineUnit:
             t += 1
         for kind, requests in self.sending.items():
             for req in requests:
-                wait(req, f"completion of the last {kind} sends", rank, cfg.comm_timeout)
+                wait(req, f"completion of the last {kind} sends", rank, cfg.worker_timeout)
 
     def stopping(self, minibatches_done: int, elapsed: float) -> bool:
         """(module 0) The stopping rule after `minibatches_done` minibatches per replica."""

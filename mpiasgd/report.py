@@ -125,10 +125,11 @@ def worker_table(run: dict) -> list[str]:
     for rank in sorted(set(pushes["worker"].tolist())):
         p = pushes[pushes["worker"] == rank]
         stale = p["staleness"][p["applied"] == 1]  # applied pushes only (pipeline: no warm-up rows)
+        images = int(p["samples"][p["applied"] == 1].sum())
         total = float(p["compute_s"].sum() + p["comm_s"].sum() + p["wait_s"].sum()) or 1.0
         lines.append(
-            f"{rank:>4}  {hosts.get(rank, '?')[:16]:<16} {len(p):>7} {int(p['samples'].sum()):>9} "
-            f"{p['samples'].sum() / train_time if train_time else 0:>9.0f} "
+            f"{rank:>4}  {hosts.get(rank, '?')[:16]:<16} {len(p):>7} {images:>9} "
+            f"{images / train_time if train_time else 0:>9.0f} "
             f"{stale.mean() if stale.size else 0.0:>11.2f} {stale.max() if stale.size else 0:>10} "
             f"{100 * p['compute_s'].sum() / total:>8.1f}% "
             f"{100 * p['comm_s'].sum() / total:>6.1f}% {100 * p['wait_s'].sum() / total:>6.1f}%")
@@ -191,6 +192,29 @@ def time_to_accuracy(run: dict, target: float) -> float | None:
     return float(meta["time"][reached].min()) if len(reached) else None
 
 
+def mode_options(cfg: dict) -> str:
+    """The options that make a mode variant, short: e.g. "s=2" (ssp), "overlap", "warm 30s", "K=2 beta=0.5"."""
+    parts = []
+    mode = cfg.get("mode", "async")
+    if mode == "ssp":
+        parts.append(f"s={cfg.get('staleness_bound')}")
+    if mode == "pipeline":
+        parts.append(f"K={cfg.get('modules')}")
+        if cfg.get("shrink", 1.0) != 1.0:
+            parts.append(f"beta={cfg['shrink']:g}")
+        if cfg.get("decoupling", "full") != "full":
+            parts.append(str(cfg["decoupling"]))
+        if cfg.get("weight_stashing"):
+            parts.append("stashing")
+    if cfg.get("overlap"):
+        parts.append("overlap")
+    if cfg.get("warm_start"):
+        parts.append(f"warm {cfg['warm_start']:g}s")
+    if cfg.get("straggler"):
+        parts.append(f"straggler {cfg['straggler']}")
+    return " ".join(parts)
+
+
 def comparison_row(run: dict, target: float) -> dict:
     """One row of the comparison table, raw values (None where the log has none), keys as `CSV_COLUMNS`.
 
@@ -209,6 +233,7 @@ def comparison_row(run: dict, target: float) -> dict:
         "run": name[:-3] if name.endswith(".h5") else name,
         "status": str(run.get("status") or "unknown").split()[0],  # "killed (its writer is gone ...)" -> killed
         "mode": run.get("mode") or cfg.get("mode"),
+        "options": mode_options(cfg),
         "workers": None if workers is None else int(workers),
         "nsync": int(cfg.get("nsync", 1)),
         "staleness_lr": cfg.get("staleness_lr", "none"),
@@ -221,8 +246,8 @@ def comparison_row(run: dict, target: float) -> dict:
     }
 
 
-CSV_COLUMNS = ("run", "status", "mode", "workers", "nsync", "staleness_lr", "test_accuracy", "target_accuracy",
-               "time_to_target_s", "images_per_s", "staleness_mean", "staleness_p99")
+CSV_COLUMNS = ("run", "status", "mode", "options", "workers", "nsync", "staleness_lr", "test_accuracy",
+               "target_accuracy", "time_to_target_s", "images_per_s", "staleness_mean", "staleness_p99")
 CSV_DIGITS = {"test_accuracy": 4, "time_to_target_s": 2, "images_per_s": 1, "staleness_mean": 3}
 FORMATS = ("text", "markdown", "csv")
 
@@ -234,7 +259,8 @@ def _cells(row: dict) -> list[str]:
 
     name = row["run"] if row["status"] == "completed" else f"{row['run']} ({row['status']})"
     acc = "-" if row["test_accuracy"] is None else f"{100 * row['test_accuracy']:.2f}%"
-    return [name, str(row["mode"]), show("workers", "d"), show("nsync", "d"), str(row["staleness_lr"]), acc,
+    mode = f"{row['mode']} {row['options']}".rstrip()
+    return [name, mode, show("workers", "d"), show("nsync", "d"), str(row["staleness_lr"]), acc,
             show("time_to_target_s", ".1f"), show("images_per_s", ",.0f"), show("staleness_mean", ".2f"),
             show("staleness_p99", "d")]
 

@@ -44,7 +44,7 @@ from mpi4py import MPI
 from mpiasgd import protocol
 from mpiasgd.comms import Backoff, CommTimeout, probe, wait, wait_all
 from mpiasgd.config import Config
-from mpiasgd.optim import SGD, apply_delta, learning_rate, staleness_factor
+from mpiasgd.optim import SGD, apply_delta, fraction_done, learning_rate, staleness_factor
 from mpiasgd.protocol import Flag, Message, ProtocolError, Tag
 from mpiasgd.runlog import RunLog
 
@@ -97,6 +97,7 @@ class ParameterServer:
         self.start = 0.0
         self.last_snapshot = 0.0
         self.last_progress = 0.0
+        self.last_stall_check = 0.0
         self.stop_time = 0.0
         self.staleness_sum = 0
         self.staleness_max = 0
@@ -121,14 +122,14 @@ class ParameterServer:
 
     def fraction_done(self) -> float:
         """Fraction of the run done, by the stopping rule closest to its limit."""
-        cfg, parts = self.cfg, [0.0]
-        if cfg.epochs:
-            parts.append(self.epoch / cfg.epochs)
-        if cfg.max_pushes:
-            parts.append(self.version / cfg.max_pushes)
-        if cfg.max_time:
-            parts.append(self.now() / cfg.max_time)
-        return min(1.0, max(parts))
+        return fraction_done(self.cfg, self.epoch, self.version, self.now())
+
+    def local_lr(self) -> float:
+        """The step size a worker's nsync local steps use: the schedule at the middle of its next round
+        (K minibatches by each of the N workers ahead), so that warm-up does not start them at 0."""
+        ahead = 0.5 * self.cfg.nsync * self.cfg.batch_size * len(self.workers) / self.num_train
+        epoch = self.epoch + ahead
+        return learning_rate(self.cfg, epoch, fraction_done(self.cfg, epoch, self.version, self.now()))
 
     def check_stop(self) -> None:
         cfg = self.cfg
@@ -154,6 +155,9 @@ class ParameterServer:
         if len(self.started) < len(self.workers) and (self.now() >= self.cfg.warm_start or self.stop_reason):
             self.start_workers()
         self.release()  # ssp: a stop answers every held push
+        if self.now() - self.last_stall_check >= 0.5:
+            self.last_stall_check = self.now()
+            self.check_stalls()
         if (self.cfg.snapshot_interval and self.cfg.mode in ("async", "ssp") and not self.stop_reason
                 and self.now() - self.last_snapshot >= self.cfg.snapshot_interval):
             self.snapshot()
@@ -204,6 +208,7 @@ class ParameterServer:
                 message, status = probe(self.comm, self.rank, self.cfg.comm_timeout,
                                         "message from any worker", backoff, idle=self.tick)
             except CommTimeout as e:
+                self.check_stalls()  # names the silent workers, held ones (ssp) aside
                 waiting = self.waiting_for()
                 silent = ", ".join(f"rank {w} ({self.now() - self.last_seen[w]:.0f} s)" for w in waiting)
                 raise CommTimeout(f"{e}; still waiting for workers {waiting}; time since each last sent: "
@@ -213,16 +218,36 @@ class ParameterServer:
             self.tick()
         wait_all(list(self.sending.values()), "completion of the final sends", self.rank, self.cfg.comm_timeout)
 
+    def check_stalls(self) -> None:
+        """CommTimeout naming the workers silent for more than --comm-timeout, longest first.
+
+        Only workers the loop still waits for count, and not those whose reply is held (ssp): they
+        wait for the server. So a hung worker is named even while the others keep training.
+        """
+        limit = self.cfg.comm_timeout
+        silent = sorted(((self.now() - self.last_seen[w], w) for w in self.waiting_for()
+                         if w in self.started and w not in self.held), reverse=True)
+        if silent and silent[0][0] > limit:
+            names = ", ".join(f"rank {w} ({s:.0f} s)" for s, w in silent if s > limit)
+            raise CommTimeout(f"rank 0: worker rank {silent[0][1]} has sent nothing for {silent[0][0]:.0f} s "
+                              f"(--comm-timeout {limit:g} s): hung or very slow; silent longer than that: {names}")
+
     def start_workers(self) -> None:
         """Send the first weights to every worker not started yet (at start-up, or when the warm start ends)."""
         if self.started:
-            self.log.add("events", (self.now(), b"warm_start_end",
-                                    f"the other workers start at version {self.version}"))
+            late = [w for w in self.workers if w not in self.started]
+            text = (f"the run stopped before the warm start ended: workers {late} never trained" if self.stop_reason
+                    else f"the other workers start at version {self.version}")
+            self.log.add("events", (self.now(), b"warm_start_end", text))
+            if self.stop_reason:
+                print(f"mpiasgd: warning: {text} (--warm-start {self.cfg.warm_start:g} s)", file=sys.stderr,
+                      flush=True)
         slowest = self.slowest_clock()
         for w in self.workers:
             if w not in self.started:
                 self.clock_offset[w] = slowest  # ssp: a warm-started worker is not held back by late starters
                 self.started.add(w)
+                self.last_seen[w] = self.now()
                 self.send(w, Tag.STOP if self.stop_reason else Tag.WEIGHTS, step=0)
                 if self.stop_reason:
                     self.stopped.add(w)
@@ -398,7 +423,7 @@ class ParameterServer:
         if out.payload is not self.params:
             out.payload[:] = self.params
         out.stamp(tag, self.rank, step=step, version=self.version,
-                  lr=learning_rate(self.cfg, self.epoch, self.fraction_done()))
+                  lr=self.local_lr() if self.cfg.nsync > 1 else 0.0)
         self.sending[w] = self.comm.Isend(out.buf, dest=w, tag=int(tag))
 
     def finish(self) -> dict:

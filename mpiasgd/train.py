@@ -153,6 +153,10 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
     if slow:
         raise ConfigError(f"config key 'straggler' = {cfg.straggler!r}: rank(s) {slow} are not workers "
                           f"(workers are ranks 1..{me.num_workers})")
+    if cfg.nsync > 1 and cfg.epochs and cfg.nsync * cfg.batch_size * me.num_workers > cfg.epochs * dataset.train_y.size:
+        raise ConfigError(f"config key 'nsync' = {cfg.nsync}: one round of local steps by every worker "
+                          f"({cfg.nsync} x {cfg.batch_size} images x {me.num_workers} workers) is longer than the "
+                          f"run ({cfg.epochs:g} epochs of {dataset.train_y.size} images)")
     shards, shard = me.num_workers, me.rank - 1  # pipeline: one shard per replica
     out = {"dataset": dataset, "model": model, "backend": backend, "device": device}
     if cfg.mode == "pipeline":
@@ -310,13 +314,16 @@ def run_server(cfg: Config, me: Rank, state: dict) -> None:
         # close the log first, so nothing already logged is lost, then end the whole job
         failed = isinstance(stop, WorkerFailed)
         status, what = ("failed", f"worker rank {stop.rank} failed") if failed else ("interrupted", f"{stop} received")
-        log.add("events", (server.now(), status.encode(), str(stop) if failed else f"{what} by rank 0"))
+        why = ("" if failed else " (from the scheduler or Ctrl-C, or from the launcher ending the job after "
+                                 "another rank died: see its message)")
+        log.add("events", (server.now(), status.encode(), str(stop) if failed else f"{what} by rank 0{why}"))
         log.close(status)
         if failed:  # the failed worker waits for this acknowledgement before it aborts
             me.comm.Isend(Message(0).stamp(Tag.ERROR_ACK, 0).buf, dest=stop.rank, tag=int(Tag.ERROR_ACK))
         if bar is not None:
             bar.close()
-        print(f"mpiasgd: {what}; run log '{state['path']}' closed with status '{status}'."
+        print(f"mpiasgd: {what}{'' if failed else ' by rank 0' + why}; run log '{state['path']}' closed with "
+              f"status '{status}'."
               + (f"\n{stop.text}" if failed else ""), file=sys.stderr, flush=True)
         me.comm.Abort(ABORT_CODE)
         return

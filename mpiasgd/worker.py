@@ -39,7 +39,7 @@ from mpiasgd.config import Config
 from mpiasgd.data import Dataset, ShardSampler
 from mpiasgd.device import Staging
 from mpiasgd.evaluate import evaluate
-from mpiasgd.optim import learning_rate
+from mpiasgd.optim import fraction_done, learning_rate
 from mpiasgd.protocol import Flag, Message, ProtocolError, Tag
 
 
@@ -53,19 +53,6 @@ def minibatches(sampler: ShardSampler, batch_size: int):
             epoch += 1
         yield epoch - 1, queue[:batch_size]
         queue = queue[batch_size:]
-
-
-def fraction_done(cfg: Config, epochs_done: float, steps: int, elapsed: float) -> float:
-    """Fraction of the run done by the stopping rule closest to its limit (the server's rule, for
-    workers that step themselves): `epochs_done` epochs, `steps` updates, `elapsed` seconds."""
-    parts = [0.0]
-    if cfg.epochs:
-        parts.append(epochs_done / cfg.epochs)
-    if cfg.max_pushes:
-        parts.append(steps / cfg.max_pushes)
-    if cfg.max_time:
-        parts.append(elapsed / cfg.max_time)
-    return min(1.0, max(parts))
 
 
 class LocalSGD:
@@ -145,7 +132,7 @@ class Worker:
         After it returns, `staging.weights.header` and `staging.params` hold what arrived.
         """
         status = MPI.Status()
-        waited = wait(request, what, self.rank, timeout or self.cfg.comm_timeout, status)
+        waited = wait(request, what, self.rank, timeout or self.cfg.worker_timeout, status)
         staging.after_receive()  # cupy: weights host->device (pinned) or the header device->host (CUDA-aware)
         weights = staging.weights
         tag = protocol.parse_tag(status.Get_tag(), status.Get_source(), self.rank)
@@ -169,7 +156,7 @@ class Worker:
         loss_sum, correct, count = evaluate(self.model, self.dataset, self.test_idx, self.cfg.eval_batch_size)
         result = Message(0).stamp(Tag.EVAL, self.rank, samples=count, correct=correct, loss=loss_sum)
         sending = self.comm.Isend(result.buf, dest=0, tag=int(Tag.EVAL))
-        wait(sending, "completion of the EVAL send", self.rank, self.cfg.comm_timeout)
+        wait(sending, "completion of the EVAL send", self.rank, self.cfg.worker_timeout)
 
     # --- async and ssp ---------------------------------------------------------------------------
     def run_async(self) -> None:
@@ -185,7 +172,8 @@ class Worker:
         cur = 0  # the staging whose params hold the weights in use
         request = self.comm.Irecv(stagings[cur].recv_buf, source=0, tag=MPI.ANY_TAG)
         tag, wait_s = self.receive_reply(request, stagings[cur], "initial weights from the parameter server (rank 0)",
-                                         timeout=cfg.comm_timeout + cfg.warm_start)
+                                         timeout=cfg.worker_timeout + cfg.warm_start)
+        began = time.perf_counter()
         local = LocalSGD(model, cfg) if cfg.nsync > 1 else None
         pulled = ops.empty(model.num_params) if local else None  # the weights at the start of this round
         sending: list[Any] = [None] * n  # the push in flight from each staging's send buffer
@@ -197,7 +185,7 @@ class Worker:
             lr = float(stagings[cur].weights.header["lr"])  # step size of local steps (nsync > 1)
             out = (self.step + 1) % n  # the staging whose send buffer takes this push
             t = time.perf_counter()
-            wait(sending[out], f"completion of push step {self.step + 1 - n}", rank, cfg.comm_timeout)
+            wait(sending[out], f"completion of push step {self.step + 1 - n}", rank, cfg.worker_timeout)
             t0 = time.perf_counter()
             comm_s += t0 - t
             if bound != (cur, out):
@@ -213,6 +201,8 @@ class Worker:
                 samples += batch_samples
                 if local is not None:
                     local.step(lr)
+                    if cfg.max_time and time.perf_counter() - began >= cfg.max_time:
+                        break  # --max-time: push what this round has, the server then stops the run
             if local is not None:  # the accumulated update: the weights now minus the weights at the start
                 model.grads[...] = model.params
                 model.grads -= pulled
@@ -244,7 +234,7 @@ class Worker:
                 request, stagings[into], f"reply to push step {self.step} from the parameter server (rank 0)")
             cur, version = into, self.version
         for req in sending:
-            wait(req, "completion of the last push", rank, cfg.comm_timeout)
+            wait(req, "completion of the last push", rank, cfg.worker_timeout)
         model.bind(stagings[cur].params, stagings[cur].grads)  # the final weights
 
     # --- sync --------------------------------------------------------------------------------------
@@ -279,14 +269,14 @@ class Worker:
                 nonfinite = not np.isfinite(float(grads.dot(grads))) and not bool(np.isfinite(grads).all())
             ctrl[0], ctrl[1] = float(nonfinite), time.perf_counter() - start
             wait_s = wait(wc.Iallreduce(MPI.IN_PLACE, ctrl, op=MPI.MAX), "the control allreduce", rank,
-                          cfg.comm_timeout)
+                          cfg.worker_timeout)
             skipped = bool(ctrl[0])
             self.step += 1
             lr = 0.0
             if not skipped:  # every worker takes the same branch: ctrl is identical everywhere
                 buf = staging.grads_to_mpi()
                 wait_s += wait(wc.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), "the gradient allreduce", rank,
-                               cfg.comm_timeout)
+                               cfg.worker_timeout)
                 staging.grads_from_mpi()
                 grads *= np.float32(1.0 / nworkers)
                 done = applied * samples_per_step / self.num_train
@@ -297,7 +287,7 @@ class Worker:
             last = self.sync_should_stop(applied, ctrl[1], samples_per_step)
             flags = (Flag.SKIPPED if skipped else 0) | (Flag.NONFINITE if nonfinite else 0) | (Flag.LAST if last else 0)
             slot = self.step % 2
-            wait(report_sends[slot], "completion of a REPORT send", rank, cfg.comm_timeout)
+            wait(report_sends[slot], "completion of a REPORT send", rank, cfg.worker_timeout)
             digest = zlib.crc32(model.ops.to_numpy(model.params).tobytes())  # rank 0 checks the replicas agree
             reports[slot].stamp(Tag.REPORT, rank, step=self.step, version=applied, samples=samples, epoch=epoch,
                                 correct=correct, loss=loss, compute_s=t1 - t0, comm_s=t2 - t1 - wait_s,
@@ -305,12 +295,12 @@ class Worker:
             report_sends[slot] = self.comm.Isend(reports[slot].buf, dest=0, tag=int(Tag.REPORT))
             if leader and (last or (cfg.snapshot_interval and ctrl[1] - last_snapshot >= cfg.snapshot_interval)):
                 last_snapshot = ctrl[1]
-                wait(snap_send, "completion of a SNAPSHOT send", rank, cfg.comm_timeout)
+                wait(snap_send, "completion of a SNAPSHOT send", rank, cfg.worker_timeout)
                 snap.payload[:] = model.ops.to_numpy(model.params)
                 snap.stamp(Tag.SNAPSHOT, rank, step=self.step, version=applied, flags=Flag.FINAL if last else 0)
                 snap_send = self.comm.Isend(snap.buf, dest=0, tag=int(Tag.SNAPSHOT))
         for req in (*report_sends, snap_send):
-            wait(req, "completion of the last REPORT/SNAPSHOT sends", rank, cfg.comm_timeout)
+            wait(req, "completion of the last REPORT/SNAPSHOT sends", rank, cfg.worker_timeout)
 
     def sync_should_stop(self, steps: int, elapsed: float, samples_per_step: int) -> bool:
         """The stopping rule, judged identically on every worker (steps and the max-allreduced clock).

@@ -272,3 +272,18 @@ def test_warm_start_lets_worker_1_train_alone_first(mpirun, tmp_path):
     assert (p["worker"][p["time"] < 1.5] == 1).all() and (p["time"] < 1.5).sum() > 10
     kinds = [e["kind"] for e in t["events"]]
     assert b"warm_start" in kinds and b"warm_start_end" in kinds
+
+
+@pytest.mark.parametrize("mode", [["--mode", "async"], ["--mode", "ssp", "--staleness-bound", "1"]])
+def test_a_hung_worker_is_named_while_the_others_train(mpirun, tmp_path, mode):
+    """Worker 2 hangs in its 20th minibatch: rank 0 ends the run after --comm-timeout naming rank 2,
+    although worker 1 keeps pushing (async) or waits on a held reply (ssp)."""
+    res = mpirun(3, ["hang", "2", *FAST, *mode, "--epochs", "0", "--max-time", "60", "--comm-timeout", "3",
+                     "--name", "hung"], timeout=60, script="fault.py")
+    assert res.returncode != 0 and res.seconds < 30, res.explain()
+    assert "rank 0: worker rank 2 has sent nothing for" in res.stderr, res.explain()
+    assert "rank 1 failed" not in res.stderr, res.explain()
+    attrs, t, _ = read_log(tmp_path / "runs" / "hung.h5")
+    assert attrs["status"] == "failed"
+    p = t["pushes"]
+    assert (p["worker"] == 2).sum() == 19 and (p["worker"] == 1).sum() >= 19

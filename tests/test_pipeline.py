@@ -16,9 +16,9 @@ from mpiasgd.config import Config, ConfigError
 from mpiasgd.data import ShardSampler, load_dataset
 from mpiasgd.model import build_model
 from mpiasgd.ops import numpy_ops
-from mpiasgd.optim import learning_rate
+from mpiasgd.optim import fraction_done, learning_rate
 from mpiasgd.pipeline import Module, layer_costs, partition
-from mpiasgd.worker import fraction_done, minibatches
+from mpiasgd.worker import minibatches
 
 B = 16
 

@@ -88,14 +88,14 @@ def test_time_to_accuracy_is_the_earliest_snapshot_that_reached_it(logs):
 
 def test_comparison_rows(logs):
     a, b, c = (comparison_row(load(path), 0.6) for path in logs)
-    assert a == {"run": "fast", "status": "completed", "mode": "async", "workers": 2, "nsync": 1,
+    assert a == {"run": "fast", "status": "completed", "mode": "async", "options": "", "workers": 2, "nsync": 1,
                  "staleness_lr": "inverse", "test_accuracy": 0.7125, "target_accuracy": 0.6, "time_to_target_s": 3.0,
                  "images_per_s": 1200.0, "staleness_mean": pytest.approx(34 / 150), "staleness_p99": 9}
-    assert b == {"run": "sync", "status": "completed", "mode": "sync", "workers": 4, "nsync": 2,
+    assert b == {"run": "sync", "status": "completed", "mode": "sync", "options": "", "workers": 4, "nsync": 2,
                  "staleness_lr": "none", "test_accuracy": 0.5, "target_accuracy": 0.6, "time_to_target_s": None,
                  "images_per_s": 320.0, "staleness_mean": 0.0, "staleness_p99": 0}
     # killed, older log: no train_time_s (time of the last push), no final evaluation, defaults for new keys
-    assert c == {"run": "old", "status": "killed", "mode": "async", "workers": 2, "nsync": 1,
+    assert c == {"run": "old", "status": "killed", "mode": "async", "options": "", "workers": 2, "nsync": 1,
                  "staleness_lr": "none", "test_accuracy": None, "target_accuracy": 0.6, "time_to_target_s": None,
                  "images_per_s": 64.0, "staleness_mean": 1.5, "staleness_p99": 2}
 
@@ -119,7 +119,8 @@ def test_markdown_table(logs):
 
 def test_csv_table_has_raw_values(logs):
     rows = list(csv.DictReader(io.StringIO(report(list(logs[:2]), 0.5, "csv"))))
-    assert rows[0] == {"run": "fast", "status": "completed", "mode": "async", "workers": "2", "nsync": "1",
+    assert rows[0] == {"run": "fast", "status": "completed", "mode": "async", "options": "", "workers": "2",
+                       "nsync": "1",
                        "staleness_lr": "inverse", "test_accuracy": "0.7125", "target_accuracy": "0.5",
                        "time_to_target_s": "1.5", "images_per_s": "1200.0", "staleness_mean": "0.227",
                        "staleness_p99": "9"}
@@ -150,7 +151,7 @@ def test_cli_reads_every_log_before_printing(logs, tmp_path, capsys):
         assert main(["report", logs[0], str(bad)]) == 2  # text: not even the first run's section
         assert capsys.readouterr().out == ""
     assert main(["report", *logs, "--format", "csv", "--target-accuracy", "0.6"]) == 0
-    assert capsys.readouterr().out.splitlines()[1].startswith("fast,completed,async,2,1,inverse,0.7125,0.6,3.0,")
+    assert capsys.readouterr().out.splitlines()[1].startswith("fast,completed,async,,2,1,inverse,0.7125,0.6,3.0,")
 
 
 def test_malformed_log_is_named(logs, tmp_path, capsys):
@@ -193,3 +194,14 @@ def test_real_run_compared(mpirun, tmp_path):
     out = subprocess.run([sys.executable, "-m", "mpiasgd", "report", path, path, "--target-accuracy", "0.5"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "== comparison of 2 runs" in out.stdout, out.stderr
+
+
+def test_mode_options_tell_variants_apart():
+    from mpiasgd.report import mode_options
+
+    assert mode_options({"mode": "async"}) == ""
+    assert mode_options({"mode": "ssp", "staleness_bound": 2}) == "s=2"
+    assert mode_options({"mode": "async", "overlap": True, "warm_start": 30.0, "straggler": "2:3"}) == \
+        "overlap warm 30s straggler 2:3"
+    assert mode_options({"mode": "pipeline", "modules": 3, "shrink": 0.5, "decoupling": "backward",
+                         "weight_stashing": True}) == "K=3 beta=0.5 backward stashing"

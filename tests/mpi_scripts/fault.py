@@ -3,6 +3,7 @@
     mpiexec -n 3 python tests/mpi_scripts/fault.py KIND RANK [train flags...]
 
 KIND: raise      rank RANK (a worker) raises RuntimeError("injected failure") in its 5th minibatch
+      hang       rank RANK (a worker) hangs (sleeps for an hour) in its 20th minibatch
       server     rank 0 raises RuntimeError("injected server failure") at its 5th push
       badtag     worker RANK sends a message with unknown tag 99 instead of training
       badsize    worker RANK sends a PUSH 8 bytes too short instead of training
@@ -24,15 +25,18 @@ from mpiasgd.protocol import Message, Tag
 kind, target, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 rank = MPI.COMM_WORLD.Get_rank()
 
-if kind == "raise" and rank == target:
+if kind in ("raise", "hang") and rank == target:
     from mpiasgd.data import Dataset
 
     original, calls = Dataset.batch, [0]
 
     def failing_batch(self, split, idx, rng=None):
         calls[0] += 1
-        if calls[0] == 5:
+        if kind == "raise" and calls[0] == 5:
             raise RuntimeError("injected failure")
+        if kind == "hang" and calls[0] == 20:
+            import time
+            time.sleep(3600)
         return original(self, split, idx, rng)
 
     Dataset.batch = failing_batch
