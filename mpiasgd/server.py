@@ -228,8 +228,8 @@ class ParameterServer:
         silent = sorted(((self.now() - self.last_seen[w], w) for w in self.waiting_for()
                          if w in self.started and w not in self.held), reverse=True)
         if silent and silent[0][0] > limit:
-            names = ", ".join(f"rank {w} ({s:.0f} s)" for s, w in silent if s > limit)
-            raise CommTimeout(f"rank 0: worker rank {silent[0][1]} has sent nothing for {silent[0][0]:.0f} s "
+            names = ", ".join(f"rank {w} ({s:.1f} s)" for s, w in silent if s > limit)
+            raise CommTimeout(f"rank 0: worker rank {silent[0][1]} has sent nothing for {silent[0][0]:.1f} s "
                               f"(--comm-timeout {limit:g} s): hung or very slow; silent longer than that: {names}")
 
     def start_workers(self) -> None:
