@@ -37,7 +37,7 @@ import shlex
 import sys
 import time
 
-from launch import launcher, run
+from launch import add_run_arguments, launcher, run, run_dir
 
 from mpiasgd.cli import fraction, positive
 from mpiasgd.report import summary_lines
@@ -62,13 +62,6 @@ def mode_list(text: str) -> list[str]:
     return names
 
 
-def seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text}")
-    return value
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -84,10 +77,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                        help=f"which modes, in order: {', '.join(MODES)}")
     bench.add_argument("--target-accuracy", type=fraction, default=0.60, metavar="FRACTION",
                        help="test accuracy of the 'time to' column, a fraction (0.6 = 60 %%)")
-    bench.add_argument("--run-dir", default=None, help="folder of the run logs (default: runs/modes-MODEL-TIMESTAMP)")
-    bench.add_argument("--timeout", type=seconds, default=3600.0, help="time limit of each command, seconds")
+    add_run_arguments(bench, "modes")
     args = parser.parse_args(argv)
-    args.run_dir = args.run_dir or os.path.join("runs", f"modes-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
+    args.run_dir = run_dir(args, "modes")
     return args
 
 

@@ -29,8 +29,7 @@ import shlex
 import sys
 import time
 
-from cifar10_modes import seconds
-from launch import launcher, run
+from launch import add_run_arguments, launcher, run, run_dir
 
 from mpiasgd.cli import positive
 from mpiasgd.report import load
@@ -58,10 +57,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data-dir", default=None, help="CIFAR-10 folder (default: $MPIASGD_DATA or ~/.cache/mpiasgd)")
     parser.add_argument("--configs", type=config_list, default=list(CONFIGS), metavar="C1,C2,...",
                         help=f"which configurations, in order: {', '.join(CONFIGS)}")
-    parser.add_argument("--run-dir", default=None, help="folder of the logs (default: runs/pipeline-MODEL-TIMESTAMP)")
-    parser.add_argument("--timeout", type=seconds, default=3600.0, help="time limit of each command, seconds")
+    add_run_arguments(parser, "pipeline")
     args = parser.parse_args(argv)
-    args.run_dir = args.run_dir or os.path.join("runs", f"pipeline-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
+    args.run_dir = run_dir(args, "pipeline")
     return args
 
 

@@ -6,6 +6,8 @@ under a time limit that ends it, every MPI rank included, when the limit passes.
 
 from __future__ import annotations
 
+import argparse
+import os
 import shlex
 import shutil
 import subprocess
@@ -14,6 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 GRACE_S = 30.0  # after SIGTERM at the time limit, seconds before SIGKILL
 
@@ -77,3 +80,23 @@ def run(cmd: list[str], limit: float) -> Finished:
         out.seek(0)
         err.seek(0)
         return Finished(cmd, returncode, time.monotonic() - start, out.read(), err.read())
+
+
+def seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text}")
+    return value
+
+
+def add_run_arguments(parser: argparse.ArgumentParser | Any, prefix: str) -> None:
+    """--run-dir (default runs/PREFIX-MODEL-TIMESTAMP, see `run_dir`) and --timeout (per command)."""
+    parser.add_argument("--run-dir", default=None,
+                        help=f"folder of the run logs (default: runs/{prefix}-MODEL-TIMESTAMP)")
+    parser.add_argument("--timeout", type=seconds, default=3600.0, help="time limit of each command, seconds")
+
+
+def run_dir(args: argparse.Namespace, prefix: str) -> str:
+    """`args.run_dir`, or runs/PREFIX-MODEL-TIMESTAMP."""
+    return args.run_dir or os.path.join("runs", f"{prefix}-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
