@@ -1,8 +1,9 @@
-"""Command line: `mpiasgd train | evaluate | report` (also `python -m mpiasgd ...`).
+"""Command line: `mpiasgd train | evaluate | report | watch` (also `python -m mpiasgd ...`).
 
     mpiexec -n 3 python -m mpiasgd train --model digits --epochs 30   # 1 parameter server + 2 workers
     python -m mpiasgd evaluate runs/NAME.h5                            # accuracy of every weight snapshot
     python -m mpiasgd report runs/NAME.h5 [runs/OTHER.h5 ...]          # summary tables, runs compared
+    python -m mpiasgd watch runs/NAME.h5                               # follow a running job, a line per interval
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--format", choices=FORMATS, default="text",
                     help="text (default): each run's report, then the comparison table for 2+ runs; "
                          "markdown | csv: the comparison table alone")
+    wt = sub.add_parser("watch", help="follow a running job's log and print a line per interval until it ends")
+    wt.add_argument("log", metavar="RUN.h5")
+    wt.add_argument("--interval", type=float, default=2.0, help="seconds between lines (default 2)")
+    wt.add_argument("--wait", type=float, default=60.0,
+                    help="seconds to wait for the log to appear, for a job still starting (default 60)")
     args, rest = parser.parse_known_args(argv)
 
     if args.command == "train":
@@ -58,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "evaluate":
         return _evaluate(args)
+    if args.command == "watch":
+        from mpiasgd.watch import main as watch
+
+        return watch(args.log, args.interval, args.wait)
     return _report(args)
 
 
