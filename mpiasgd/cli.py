@@ -1,9 +1,10 @@
-"""Command line: `mpiasgd train | evaluate | report | watch` (also `python -m mpiasgd ...`).
+"""Command line: `mpiasgd train | evaluate | report | watch | trace` (also `python -m mpiasgd ...`).
 
     mpiexec -n 3 python -m mpiasgd train --model digits --epochs 30   # 1 parameter server + 2 workers
     python -m mpiasgd evaluate runs/NAME.h5                            # accuracy of every weight snapshot
     python -m mpiasgd report runs/NAME.h5 [runs/OTHER.h5 ...]          # summary tables, runs compared
     python -m mpiasgd watch runs/NAME.h5                               # follow a running job, a line per interval
+    python -m mpiasgd trace runs/NAME.h5 -o trace.json                 # Chrome trace, one track per rank
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     wt.add_argument("--interval", type=float, default=2.0, help="seconds between lines (default 2)")
     wt.add_argument("--wait", type=float, default=60.0,
                     help="seconds to wait for the log to appear, for a job still starting (default 60)")
+    tr = sub.add_parser("trace", help="write a Chrome trace of a run (Perfetto, chrome://tracing): a track per rank")
+    tr.add_argument("log", metavar="RUN.h5")
+    tr.add_argument("-o", "--output", default="trace.json", help="the JSON file to write (default trace.json)")
     args, rest = parser.parse_known_args(argv)
 
     if args.command == "train":
@@ -64,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "evaluate":
         return _evaluate(args)
+    if args.command == "trace":
+        from mpiasgd.trace import main as trace
+
+        return trace(args.log, args.output)
     if args.command == "watch":
         from mpiasgd.watch import main as watch
 

@@ -61,3 +61,34 @@ def test_watch_refuses_a_file_that_is_not_a_run_log(tmp_path):
     res = subprocess.run([sys.executable, "-m", "mpiasgd", "watch", str(bad), "--wait", "1"], capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 2 and "is not an mpiasgd run log" in res.stderr, res.stderr
+
+
+def test_trace_has_a_track_per_rank_and_the_steps_in_order(mpirun, tmp_path):
+    import json
+
+    import numpy as np
+
+    from mpiasgd.runlog import open_log
+
+    res = mpirun(3, ["train", *FAST, "--epochs", "0", "--max-pushes", "60", "--name", "t"], timeout=60)
+    assert res.returncode == 0, res.explain()
+    log, out = tmp_path / "runs" / "t.h5", tmp_path / "trace.json"
+    done = subprocess.run([sys.executable, "-m", "mpiasgd", "trace", str(log), "-o", str(out)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    events = json.loads(out.read_text())["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert tracks == {0: "rank 0 (server)", 1: "rank 1 (worker)", 2: "rank 2 (worker)"}
+    with open_log(str(log)) as f:
+        pushes = f["pushes"][()]
+    for rank in (1, 2):
+        rows = pushes[pushes["worker"] == rank]
+        compute = [e for e in events if e["ph"] == "X" and e["tid"] == rank and e["name"] == "compute"]
+        assert len(compute) == len(rows)  # one compute span per push
+        ends = np.array([e["ts"] + e["dur"] for e in compute]) / 1e6
+        np.testing.assert_allclose(ends, rows["time"], atol=1e-6)  # each ends where rank 0 received the push
+        starts = [e["ts"] for e in compute]
+        assert starts == sorted(starts) and all(e["dur"] >= 0 for e in compute)
+    applies = [e for e in events if e["name"] == "apply"]
+    assert len(applies) == 60 and sorted(e["args"]["version"] for e in applies) == list(range(1, 61))
+    assert {e["name"] for e in events if e.get("cat") == "event"} >= {"start", "stop", "end"}
