@@ -90,6 +90,9 @@ class Config:
     comm_timeout: float = _opt(300.0, "parallelism",
                                "rank 0 ends the run when a worker has sent nothing for this long (naming it); "
                                "workers give up on a peer or on rank 0 after twice this; seconds")
+    stall_warning: float = _opt(60.0, "parallelism",
+                                "rank 0 warns (stderr and the log's events) when a worker has sent nothing for this "
+                                "long; 0 = never; seconds")
     straggler: str = _opt("", "parallelism",
                           "RANK:FACTOR[,RANK:FACTOR]: those workers sleep FACTOR-1 times their compute time per "
                           "step (a heterogeneous cluster on one machine)")
@@ -158,6 +161,7 @@ class Config:
         need(self.batch_size >= 1, "batch_size", "an integer >= 1")
         need(self.threads >= 0, "threads", "an integer >= 0")
         need(self.comm_timeout > 0, "comm_timeout", "seconds > 0")
+        need(math.isfinite(self.stall_warning) and self.stall_warning >= 0, "stall_warning", "seconds >= 0")
         need(math.isfinite(self.lr) and self.lr > 0, "lr", "a finite number > 0")
         need(0 <= self.momentum < 1, "momentum", "0 <= momentum < 1")
         need(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "a number >= 0")

@@ -98,6 +98,7 @@ class ParameterServer:
         self.last_snapshot = 0.0
         self.last_progress = 0.0
         self.last_stall_check = 0.0
+        self.warned: set[int] = set()         # workers warned about (--stall-warning) in their current silence
         self.stop_time = 0.0
         self.staleness_sum = 0
         self.staleness_max = 0
@@ -227,6 +228,15 @@ class ParameterServer:
         limit = self.cfg.comm_timeout
         silent = sorted(((self.now() - self.last_seen[w], w) for w in self.waiting_for()
                          if w in self.started and w not in self.held), reverse=True)
+        warn = self.cfg.stall_warning
+        for quiet, w in silent:  # --stall-warning: one warning per silence, before the abort
+            if warn and warn < limit and quiet > warn and w not in self.warned:
+                self.warned.add(w)
+                text = (f"worker rank {w} has sent nothing for {quiet:.1f} s (--stall-warning {warn:g} s); "
+                        f"the run ends if it stays silent for {limit:g} s (--comm-timeout)")
+                self.log.add("events", (self.now(), b"warning", text))
+                print(f"mpiasgd: warning: {text}", file=sys.stderr, flush=True)
+        self.warned -= {w for quiet, w in silent if quiet <= (warn or 0)}  # it spoke again: warn anew next time
         if silent and silent[0][0] > limit:
             names = ", ".join(f"rank {w} ({s:.1f} s)" for s, w in silent if s > limit)
             raise CommTimeout(f"rank 0: worker rank {silent[0][1]} has sent nothing for {silent[0][0]:.1f} s "

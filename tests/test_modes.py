@@ -276,14 +276,19 @@ def test_warm_start_lets_worker_1_train_alone_first(mpirun, tmp_path):
 
 @pytest.mark.parametrize("mode", [["--mode", "async"], ["--mode", "ssp", "--staleness-bound", "1"]])
 def test_a_hung_worker_is_named_while_the_others_train(mpirun, tmp_path, mode):
-    """Worker 2 hangs in its 20th minibatch: rank 0 ends the run after --comm-timeout naming rank 2,
-    although worker 1 keeps pushing (async) or waits on a held reply (ssp)."""
+    """Worker 2 hangs in its 20th minibatch: rank 0 warns after --stall-warning and ends the run after
+    --comm-timeout, naming rank 2, although worker 1 keeps pushing (async) or waits on a held reply (ssp)."""
     res = mpirun(3, ["hang", "2", *FAST, *mode, "--epochs", "0", "--max-time", "60", "--comm-timeout", "3",
-                     "--name", "hung"], timeout=60, script="fault.py")
+                     "--stall-warning", "1", "--name", "hung"], timeout=60, script="fault.py")
     assert res.returncode != 0 and res.seconds < 30, res.explain()
     assert "rank 0: worker rank 2 has sent nothing for" in res.stderr, res.explain()
     assert "rank 1 failed" not in res.stderr, res.explain()
+    assert "mpiasgd: warning: worker rank 2 has sent nothing for" in res.stderr, res.explain()
+    assert "warning: worker rank 1" not in res.stderr, res.explain()
     attrs, t, _ = read_log(tmp_path / "runs" / "hung.h5")
     assert attrs["status"] == "failed"
+    warnings = [e for e in t["events"] if e["kind"] == b"warning"]
+    assert len(warnings) == 1 and warnings[0]["text"].decode().startswith("worker rank 2 has sent nothing for 1.")
+    assert warnings[0]["time"] < next(e for e in t["events"] if e["kind"] == b"failed")["time"]
     p = t["pushes"]
     assert (p["worker"] == 2).sum() == 19 and (p["worker"] == 1).sum() >= 19
