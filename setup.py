@@ -21,6 +21,7 @@ setup(
         "scikit-learn>=1.2",
         "tqdm>=4.60",
         "threadpoolctl>=3.1",
+        "matplotlib>=3.6",  # mpiasgd report --plots
         "tomli>=2.0; python_version<'3.11'",
     ],
     extras_require={

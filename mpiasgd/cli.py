@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--target-accuracy", type=fraction, default=DEFAULT_TARGET, metavar="FRACTION",
                     help="test accuracy of the comparison's 'time to' column, a fraction: 0.6 = 60 %% "
                          f"(default {DEFAULT_TARGET}; values above 1 are refused)")
+    rp.add_argument("--plots", metavar="DIR", default=None,
+                    help="also write PNG plots into DIR: accuracy and loss against time and epochs (runs overlaid), "
+                         "staleness per worker, time split per worker")
     rp.add_argument("--format", choices=FORMATS, default="text",
                     help="text (default): each run's report, then the comparison table for 2+ runs; "
                          "markdown | csv: the comparison table alone")
@@ -136,6 +139,16 @@ def _report(args: argparse.Namespace) -> int:
         print(text, flush=True)
     except BrokenPipeError:  # `mpiasgd report ... | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if args.plots:
+        from mpiasgd.plots import plot_runs
+        from mpiasgd.report import load
+
+        try:
+            paths = plot_runs([load(path) for path in args.logs], args.plots)
+        except OSError as e:
+            print(f"mpiasgd report: error: cannot write plots into '{args.plots}': {e}", file=sys.stderr)
+            return 2
+        print("plots: " + ", ".join(paths), file=sys.stderr)
     return 0
 
 

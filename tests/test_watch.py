@@ -92,3 +92,21 @@ def test_trace_has_a_track_per_rank_and_the_steps_in_order(mpirun, tmp_path):
     applies = [e for e in events if e["name"] == "apply"]
     assert len(applies) == 60 and sorted(e["args"]["version"] for e in applies) == list(range(1, 61))
     assert {e["name"] for e in events if e.get("cat") == "event"} >= {"start", "stop", "end"}
+
+
+def test_report_plots_two_runs(mpirun, tmp_path):
+    for name in ("a", "b"):
+        res = mpirun(3, ["train", *FAST, "--epochs", "3", "--name", name], timeout=60)
+        assert res.returncode == 0, res.explain()
+    logs = [str(tmp_path / "runs" / f"{name}.h5") for name in ("a", "b")]
+    subprocess.run([sys.executable, "-m", "mpiasgd", "evaluate", logs[0]], check=True, capture_output=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "mpiasgd", "report", *logs, "--plots", str(tmp_path / "plots")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for name in ("accuracy", "loss", "staleness", "time"):
+        data = (tmp_path / "plots" / f"{name}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    (tmp_path / "file").write_text("x")
+    bad = subprocess.run([sys.executable, "-m", "mpiasgd", "report", logs[0], "--plots", str(tmp_path / "file")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "cannot write plots into" in bad.stderr, bad.stderr
