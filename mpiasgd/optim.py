@@ -206,3 +206,14 @@ def fraction_done(cfg: Config, epochs_done: float, steps: int, elapsed: float) -
     if cfg.max_time:
         parts.append(elapsed / cfg.max_time)
     return min(1.0, max(parts))
+
+
+def finite_square(a) -> tuple[bool, float]:
+    """(every element of `a` is finite, sum of squares of `a`) for a float vector, numpy or cupy.
+
+    One dot product; the exact elementwise check runs only when the dot is not finite (a NaN or
+    infinity, or huge finite values whose squares overflow float32).
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        square = float(a.dot(a))
+        return math.isfinite(square) or bool(np.isfinite(a).all()), square

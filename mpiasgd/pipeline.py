@@ -46,7 +46,6 @@ module; deeper pipelines want a smaller `--lr` or `--shrink`.
 from __future__ import annotations
 
 import time
-import zlib
 from collections import deque
 from typing import Any
 
@@ -58,7 +57,7 @@ from mpiasgd.comms import wait
 from mpiasgd.config import Config, ConfigError
 from mpiasgd.data import Dataset, ShardSampler
 from mpiasgd.evaluate import evaluate
-from mpiasgd.optim import fraction_done, learning_rate
+from mpiasgd.optim import finite_square, fraction_done, learning_rate
 from mpiasgd.protocol import Flag, Message, ProtocolError, Tag
 from mpiasgd.server import ParameterServer
 from mpiasgd.worker import LocalSGD, minibatches
@@ -335,10 +334,7 @@ class PipelineUnit:
                                    rank, cfg.worker_timeout)
                     module.grads[...] = ops.asarray(host)
                     module.grads *= np.float32(1.0 / self.N)
-                grads = module.grads
-                with np.errstate(over="ignore", invalid="ignore"):  # the same for every replica: after the allreduce
-                    finite = np.isfinite(float(grads.dot(grads))) or bool(np.isfinite(grads).all())
-                if finite:
+                if finite_square(module.grads)[0]:  # the same for every replica: after the allreduce
                     done = m_b * B * self.N / self.num_train
                     lr = learning_rate(cfg, done, fraction_done(cfg, done, m_b, ctrl[0]))
                     local.step(lr, module.params, module.grads)
@@ -381,7 +377,7 @@ class PipelineUnit:
         self.free("report", slot, "completion of a REPORT send")
         # samples: counted once per minibatch, by the last module (the pushes table sums them)
         samples = self.cfg.batch_size if applied and self.module.is_last else 0
-        digest = zlib.crc32(self.ops.to_numpy(self.module.params).tobytes()) if self.N > 1 else 0
+        digest = protocol.weights_digest(self.ops.to_numpy(self.module.params)) if self.N > 1 else 0
         reports[slot].stamp(Tag.REPORT, self.rank, step=t, version=t - self.delay if m_b >= 0 else -1,
                             epoch=m_b, samples=samples, correct=correct, loss=loss, compute_s=compute_s,
                             comm_s=comm_s, wait_s=wait_s, lr=lr, flags=flags, digest=digest)

@@ -39,6 +39,7 @@ initial WEIGHTS (the unit's module slice), every iteration
 
 from __future__ import annotations
 
+import zlib
 from enum import IntEnum
 
 import numpy as np
@@ -177,3 +178,8 @@ def error_text(msg: Message) -> str:
     """The text of an ERROR message built by `error_message`."""
     n = min(int(msg.header["samples"]), msg.buf.size - HEADER_BYTES)
     return msg.buf[HEADER_BYTES : HEADER_BYTES + n].tobytes().decode("utf-8", "replace")
+
+
+def weights_digest(weights: np.ndarray) -> int:
+    """CRC-32 of a host float32 weight vector: the REPORT `digest` by which rank 0 checks replicas agree."""
+    return zlib.crc32(np.ascontiguousarray(weights))

@@ -44,7 +44,7 @@ from mpi4py import MPI
 from mpiasgd import protocol
 from mpiasgd.comms import Backoff, CommTimeout, probe, wait, wait_all
 from mpiasgd.config import Config
-from mpiasgd.optim import SGD, apply_delta, fraction_done, learning_rate, staleness_factor
+from mpiasgd.optim import SGD, apply_delta, finite_square, fraction_done, learning_rate, staleness_factor
 from mpiasgd.protocol import Flag, Message, ProtocolError, Tag
 from mpiasgd.runlog import RunLog
 
@@ -307,9 +307,8 @@ class ParameterServer:
         self.last_step[w] = step
         staleness = self.version - base
         grad = msg.payload
-        with np.errstate(over="ignore", invalid="ignore"):
-            square = float(np.dot(grad, grad))  # fast path: finite unless the gradient has a NaN/inf (or overflows)
-        rejected = not math.isfinite(square) and not np.isfinite(grad).all()
+        finite, square = finite_square(grad)
+        rejected = not finite
         applied = not rejected and not self.stop_reason  # after the stop decision pushes are drained
         lr = 0.0
         if applied:

@@ -27,7 +27,6 @@ send completed and read only after its receive completed. With `--overlap` there
 from __future__ import annotations
 
 import time
-import zlib
 from typing import Any
 
 import numpy as np
@@ -39,7 +38,7 @@ from mpiasgd.config import Config
 from mpiasgd.data import Dataset, ShardSampler
 from mpiasgd.device import Staging
 from mpiasgd.evaluate import evaluate
-from mpiasgd.optim import fraction_done, learning_rate
+from mpiasgd.optim import finite_square, fraction_done, learning_rate
 from mpiasgd.protocol import Flag, Message, ProtocolError, Tag
 
 
@@ -106,11 +105,7 @@ class Worker:
         self.version = -1
         self.slowdown = cfg.stragglers().get(rank, 1.0)  # compute time multiplier of this worker
         self.rng = np.random.default_rng([cfg.seed, 1, rank])  # augmentation
-        self.batches = self.minibatches()
-
-    def minibatches(self):
-        """Endless (epoch, indices) minibatches over this worker's shard (see `minibatches`)."""
-        return minibatches(self.sampler, self.cfg.batch_size)
+        self.batches = minibatches(sampler, cfg.batch_size)
 
     def gradient(self) -> tuple[float, int, int, int]:
         """Forward and backward on the next minibatch into the bound grads; (loss, correct, samples, epoch)."""
@@ -265,8 +260,7 @@ class Worker:
             self.straggle(t0)
             t1 = time.perf_counter()
             grads = model.grads
-            with np.errstate(over="ignore", invalid="ignore"):  # fast path: one dot, exact check if it overflows
-                nonfinite = not np.isfinite(float(grads.dot(grads))) and not bool(np.isfinite(grads).all())
+            nonfinite = not finite_square(grads)[0]
             ctrl[0], ctrl[1] = float(nonfinite), time.perf_counter() - start
             wait_s = wait(wc.Iallreduce(MPI.IN_PLACE, ctrl, op=MPI.MAX), "the control allreduce", rank,
                           cfg.worker_timeout)
@@ -288,7 +282,7 @@ class Worker:
             flags = (Flag.SKIPPED if skipped else 0) | (Flag.NONFINITE if nonfinite else 0) | (Flag.LAST if last else 0)
             slot = self.step % 2
             wait(report_sends[slot], "completion of a REPORT send", rank, cfg.worker_timeout)
-            digest = zlib.crc32(model.ops.to_numpy(model.params).tobytes())  # rank 0 checks the replicas agree
+            digest = protocol.weights_digest(model.ops.to_numpy(model.params))  # rank 0 checks the replicas agree
             reports[slot].stamp(Tag.REPORT, rank, step=self.step, version=applied, samples=samples, epoch=epoch,
                                 correct=correct, loss=loss, compute_s=t1 - t0, comm_s=t2 - t1 - wait_s,
                                 wait_s=wait_s, lr=lr, flags=flags, digest=digest)
