@@ -30,6 +30,7 @@ fi
 SIGNALS=0     # signals the batch shell forwarded to the launcher
 # shellcheck disable=SC2034  # read by the job script that sources this file
 PREEMPTED=0   # 1 once the batch shell got SIGUSR1 (the scheduler's warning before a time limit or preemption)
+trap 'PREEMPTED=1' USR1   # outside `launch` too: SIGUSR1's default action would end the batch shell
 
 launch() {
     local nranks=$1 pid rc seen flags cmd
@@ -55,6 +56,7 @@ launch() {
         wait "$pid" || rc=$?
         [ "$SIGNALS" = "$seen" ] && break   # no signal came in: the launcher ended, rc is its status
     done
-    trap - USR1 TERM
+    trap 'PREEMPTED=1' USR1
+    trap - TERM
     return "$rc"
 }

@@ -35,6 +35,7 @@ from pathlib import Path
 # has; without it `srun --mpi=pmix` fails ("can not load PMIx library")
 PACKAGES = ("slurm-wlm", "munge", "libpmix-dev")
 DAEMONS = ("munged", "slurmctld", "slurmd")
+SBIN_PATH = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"  # where Debian puts the daemons, on PATH or not
 MARKER = "MPIASGD_TEST_SLURM"  # environment variable naming the cluster's ROOT in every daemon it starts
 
 
@@ -56,7 +57,7 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, step: str = "")
 def missing_packages() -> list[str]:
     """PACKAGES that dpkg does not have installed; without dpkg, [] when the daemons are on PATH."""
     if shutil.which("dpkg-query") is None:
-        found = all(shutil.which(d, path="/usr/sbin:/usr/bin:" + os.environ.get("PATH", "")) for d in DAEMONS)
+        found = all(shutil.which(d, path=SBIN_PATH) for d in DAEMONS)
         return [] if found else list(PACKAGES)
     res = run(["dpkg-query", "-W", "-f=${Package} ${db:Status-Status}\n", *PACKAGES], 30, step="install")
     installed = {line.split()[0] for line in res.stdout.splitlines() if line.endswith(" installed")}
@@ -95,7 +96,7 @@ def free_port() -> int:
 
 def node_line(host: str) -> str:
     """`NodeName=HOST CPUs=.. Boards=.. ... RealMemory=MB` as `slurmd -C` measures this machine."""
-    res = run(["slurmd", "-C"], 30, step="config (slurmd -C)")
+    res = run([shutil.which("slurmd", path=SBIN_PATH) or "slurmd", "-C"], 30, step="config (slurmd -C)")
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("NodeName=")), None)
     if res.returncode != 0 or line is None:
         raise Unavailable(f"config: `slurmd -C` printed no node line: {res.stdout}{res.stderr}")
@@ -189,11 +190,14 @@ class Cluster:
     def spawn(self, name: str, cmd: list[str]) -> None:
         """Start daemon `name` in a session of its own, its output in ROOT/log/NAME.out; its
         environment carries MARKER=ROOT, inherited by the slurmstepd processes slurmd forks."""
-        log = open(self.root / "log" / f"{name}.out", "w")  # the daemon writes to it; ours is closed below
-        self.procs[name] = subprocess.Popen(cmd, env={**self.env, MARKER: str(self.root)}, stdout=log,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)
-        log.close()
+        cmd = [shutil.which(cmd[0], path=SBIN_PATH) or cmd[0], *cmd[1:]]
+        with open(self.root / "log" / f"{name}.out", "w") as log:  # the daemon keeps its own copy open
+            try:
+                self.procs[name] = subprocess.Popen(cmd, env={**self.env, MARKER: str(self.root)}, stdout=log,
+                                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                    start_new_session=True)
+            except OSError as e:
+                raise Unavailable(f"daemons: cannot start {name}: {e}") from None
 
     def leftovers(self) -> list[int]:
         """Processes still carrying this cluster's MARKER (a slurmstepd that outlived slurmd)."""
@@ -257,7 +261,8 @@ class Cluster:
 
 
 def start(root: Path, timeout: float = 60) -> Cluster:
-    """Install if needed, then bring up munged, slurmctld and slurmd under ROOT.
+    """Install if needed, then bring up munged, slurmctld and slurmd under ROOT within `timeout`
+    seconds (the install has its own bound).
 
     Raises Unavailable naming the step that failed; the daemons already started are stopped first.
     """
@@ -271,7 +276,7 @@ def start(root: Path, timeout: float = 60) -> Cluster:
     for sub in ("munge", "state", "spool", "log"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     os.chmod(root / "munge", 0o700)  # munged refuses a socket directory others may write
-    cluster = Cluster(root, host)
+    cluster, deadline = Cluster(root, host), time.monotonic() + timeout
     try:
         key = root / "munge" / "munge.key"
         if not key.exists():
@@ -280,7 +285,6 @@ def start(root: Path, timeout: float = 60) -> Cluster:
         cluster.spawn("munged", ["munged", "--foreground", "--force", f"--key-file={key}",
                                  f"--socket={root}/munge/munge.socket", f"--pid-file={root}/munge/munged.pid",
                                  f"--seed-file={root}/munge/munged.seed", f"--log-file={root}/log/munged.log"])
-        deadline = time.monotonic() + 10
         while not (root / "munge" / "munge.socket").exists():
             if cluster.procs["munged"].poll() is not None or time.monotonic() > deadline:
                 raise Unavailable(f"munge: munged did not come up\n{cluster.logs()}")
@@ -288,7 +292,7 @@ def start(root: Path, timeout: float = 60) -> Cluster:
         cluster.conf.write_text(slurm_conf(root, host, node_line(host), free_port(), free_port()))
         cluster.spawn("slurmctld", ["slurmctld", "-D", "-c", "-i", "-f", str(cluster.conf)])
         cluster.spawn("slurmd", ["slurmd", "-D", "-f", str(cluster.conf)])
-        cluster.wait_idle(max(deadline + timeout - 10 - time.monotonic(), 5))
+        cluster.wait_idle(max(deadline - time.monotonic(), 5))
     except BaseException:
         cluster.stop()
         raise
