@@ -21,6 +21,10 @@
 #    PREEMPTED=1 after a SIGUSR1. (Without B:, SLURM signals job steps only: srun's ranks would get
 #    it, but mpiexec's ranks live in the batch step and would not.)
 
+if [ -n "${VENV:-}" ] && [ ! -f "${VENV}/bin/activate" ]; then
+    echo "jobs/launch.sh: VENV=${VENV} is not a virtual environment (no bin/activate)" >&2
+    exit 2
+fi
 if [ -n "${VENV:-}" ] || [ -f "${MPIASGD_HOME}/.venv/bin/activate" ]; then
     VENV=${VENV:-${MPIASGD_HOME}/.venv}
     # shellcheck disable=SC1091
