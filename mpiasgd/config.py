@@ -119,6 +119,13 @@ class Config:
     overwrite: bool = _opt(False, "run log", "replace an existing log of the same name")
     snapshot_interval: float = _opt(5.0, "run log", "weight snapshot every this many seconds; 0 = first and last only")
     flush_interval: float = _opt(2.0, "run log", "log flushed to disk every this many seconds")
+    checkpoint_interval: float = _opt(300.0, "run log",
+                                      "rank 0 writes the training state to RUN_DIR/NAME.ckpt.h5 every this many "
+                                      "seconds, and always at the end and on SIGTERM/SIGUSR1; 0 = only then; seconds")
+    resume: str = _opt("", "run log",
+                       "continue the run saved in this checkpoint (RUN_DIR/NAME.ckpt.h5): its config, log, "
+                       "weights, optimizer state, step counts and data positions; flags given override the "
+                       "config (model, mode, seed, batch size, name and the pipeline's layout excepted)")
     eval_batch_size: int = _opt(256, "run log", "images per forward pass when evaluating")
     progress: bool = _opt(True, "run log", "progress bar on rank 0")
 
@@ -180,6 +187,8 @@ class Config:
             raise ConfigError("no stopping rule: set at least one of 'epochs', 'max_pushes', 'max_time' > 0")
         need(self.snapshot_interval >= 0, "snapshot_interval", "seconds >= 0")
         need(self.flush_interval > 0, "flush_interval", "seconds > 0")
+        need(math.isfinite(self.checkpoint_interval) and self.checkpoint_interval >= 0, "checkpoint_interval",
+             "seconds >= 0 (0 = only at the end and on a signal)")
         need(self.eval_batch_size >= 1, "eval_batch_size", "an integer >= 1")
         need(self.name == "" or (self.name.strip() == self.name and "/" not in self.name
                                  and not self.name.startswith(".") and not self.name.endswith(".h5")),
@@ -316,14 +325,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type={"int": int, "float": float, "str": str}[f.type], **common)
 
 
+# what a resumed run may not change: the state it continues would not fit
+FIXED_ON_RESUME = ("model", "dataset", "mode", "seed", "batch_size", "modules", "replicas", "cuts", "balance",
+                   "decoupling", "name", "run_dir")
+
+
+def resume_overrides(saved: Config, cfg: Config) -> dict[str, tuple]:
+    """{key: (saved value, new value)} for every key `cfg` changes from the checkpoint's config `saved`
+    (`resume`, `overwrite` and `progress` aside); ConfigError for a key in FIXED_ON_RESUME."""
+    out = {}
+    for key in FIELDS:
+        old, new = getattr(saved, key), getattr(cfg, key)
+        if old == new or key in ("resume", "overwrite", "progress"):
+            continue
+        if key in FIXED_ON_RESUME:
+            raise ConfigError(f"config key '{key}' = {new!r}: a resumed run keeps {old!r} (the checkpoint "
+                              f"'{cfg.resume}' holds state that only fits it)")
+        out[key] = (old, new)
+    return out
+
+
 def resolve(args: argparse.Namespace) -> Config:
-    """Defaults < TOML (`args.config`) < flags given on the command line; validated."""
-    cfg = load_toml(args.config) if getattr(args, "config", None) else Config()
+    """Defaults < TOML (`args.config`) < flags given on the command line; validated.
+
+    With `--resume PATH` the defaults are the config stored in that checkpoint (CheckpointError, a
+    ConfigError, if it cannot be read), and keys in FIXED_ON_RESUME may not change.
+    """
+    base = Config()
+    if getattr(args, "resume", None):
+        from mpiasgd.checkpoint import CheckpointError, load_config
+
+        try:
+            base = from_mapping(load_config(args.resume), source=f"checkpoint '{args.resume}'")
+        except CheckpointError as e:
+            raise ConfigError(f"--resume: {e}") from None
+    cfg = load_toml(args.config, base) if getattr(args, "config", None) else base
     flags = {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
     for key, value in flags.items():
         if FIELDS[key].type == "float" and not math.isfinite(value):
             raise ConfigError(f"flag --{key.replace('_', '-')} = {value!r}: expected a finite number")
-    return dataclasses.replace(cfg, **flags).validate()
+    cfg = dataclasses.replace(cfg, **flags).validate()
+    if cfg.resume:
+        resume_overrides(base, cfg)  # raises for a key that may not change
+    return cfg
 
 
 def make_parser(prog: str = "mpiasgd train") -> argparse.ArgumentParser:

@@ -52,7 +52,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpiasgd import protocol
+from mpiasgd import protocol, signals
+from mpiasgd.checkpoint import batch_rng
 from mpiasgd.comms import wait
 from mpiasgd.config import Config, ConfigError
 from mpiasgd.data import Dataset, ShardSampler
@@ -193,12 +194,12 @@ class PipelineUnit:
         self.num_train = dataset.train_y.size
         self.full = cfg.decoupling == "full"
         self.delay = (2 if self.full else 1) * (self.K - 1 - self.k)
-        self.rng = np.random.default_rng([cfg.seed, 1, 1 + self.n])  # as worker rank 1 + n: K = 1 is sync
         self.sending: dict[str, list[Any]] = {}
         self.slowdown = cfg.stragglers().get(rank, 1.0)  # --straggler: compute time multiplier of this unit
+        self.preempted = False
 
     def forward_minibatch(self, t: int) -> int:
-        """The minibatch whose forward this unit runs at iteration t."""
+        """The minibatch (counted from the segment's first) whose forward this unit runs at iteration t."""
         return t - self.k if self.full else t
 
     def post(self, kind: str, slot: int, request: Any) -> None:
@@ -219,52 +220,103 @@ class PipelineUnit:
                                 f"module {source}, expected minibatch {m}")
         return waited
 
-    def run(self) -> None:
-        cfg, ops, module, k, K, rank = self.cfg, self.ops, self.module, self.k, self.K, self.rank
+    def run(self) -> bool:
+        """Train in segments until the run stops; returns True if a signal ended it (preempted).
+
+        A segment ends with a drain: module 0 stops starting minibatches, every started one is
+        back-propagated through every module, and replica 0 sends rank 0 each module's weights and
+        velocity (CHECKPOINT). The state after a drain is complete (no minibatch in flight), so a run
+        resumed from it continues exactly as the uninterrupted run did after the same drain.
+        Segments end at the stopping rule, on a signal, and every --checkpoint-interval seconds.
+        """
+        cfg, ops, module, k, rank = self.cfg, self.ops, self.module, self.k, self.rank
         B = cfg.batch_size
-        in_count, out_count = B * int(np.prod(module.in_shape)), B * int(np.prod(module.out_shape))
-        # initial weights: this module's slice, from rank 0
+        self.in_count = B * int(np.prod(module.in_shape))
+        self.out_count = B * int(np.prod(module.out_shape))
+        # initial weights: this module's slice, from rank 0 (a resumed run: then the velocity)
         start = Message(module.size)
         wait(self.comm.Irecv(start.buf, source=0, tag=int(Tag.WEIGHTS)), "initial weights from rank 0", rank,
              cfg.worker_timeout)
         protocol.check(start, Tag.WEIGHTS, 0, rank)
         module.params[...] = ops.asarray(start.payload)
-        local = LocalSGD(module.model, cfg, module.start, module.stop)
-        acts_in = [Message(in_count), Message(in_count)] if k > 0 else None
-        acts_out = [Message(out_count), Message(out_count)] if k < K - 1 else None
-        grads_in = [Message(out_count), Message(out_count)] if k < K - 1 else None
-        grads_out = [Message(in_count), Message(in_count)] if k > 0 else None
-        reports = [Message(0), Message(0)]
-        snap = Message(module.size) if self.n == 0 else None
-        act_req = self.pipe.Irecv(acts_in[0].buf, source=k - 1, tag=int(Tag.ACTIVATION)) if k > 0 else None
-        grad_req = self.pipe.Irecv(grads_in[0].buf, source=k + 1, tag=int(Tag.GRADIENT)) if k < K - 1 else None
-        stored: deque = deque()  # (minibatch, input, stashed weights or None): at most delay + 1
-        batches = minibatches(self.sampler, B)   # module 0: images; the last module: labels, same order
-        labels = minibatches(self.sampler, B) if module.is_last and k > 0 else batches
-        ctrl = np.zeros(1, dtype=np.float64)     # elapsed seconds, max over the module's replicas
-        began = time.perf_counter()
-        last_snapshot, snapshot_at = 0.0, -1     # the iteration after which replica 0 sends a snapshot
-        total = None                             # minibatches in the run, once the stopping rule fired
+        self.local = LocalSGD(module.model, cfg, module.start, module.stop)
+        h = start.header
+        base, t_base, elapsed = 0, 0, 0.0  # minibatches and iterations done, seconds trained
+        if int(h["flags"]) & Flag.RESUME:
+            base, t_base, elapsed = int(h["cursor"]), int(h["step"]), float(h["elapsed"])
+            state = Message(module.size)
+            wait(self.comm.Irecv(state.buf, source=0, tag=int(Tag.CHECKPOINT)), "the checkpoint's velocity from "
+                 "rank 0", rank, cfg.worker_timeout)
+            protocol.check(state, Tag.CHECKPOINT, 0, rank)
+            self.local.velocity[...] = ops.asarray(state.payload)
+        self.acts_in = [Message(self.in_count), Message(self.in_count)] if k > 0 else None
+        self.acts_out = [Message(self.out_count), Message(self.out_count)] if k < self.K - 1 else None
+        self.grads_in = [Message(self.out_count), Message(self.out_count)] if k < self.K - 1 else None
+        self.grads_out = [Message(self.in_count), Message(self.in_count)] if k > 0 else None
+        self.reports = [Message(0), Message(0)]
+        self.snap = Message(module.size) if self.n == 0 else None
+        self.ckpt = Message(2 * module.size) if self.n == 0 else None
+        # module 0 hears of a signal on rank 0 (or on another unit) by a STOP; the last STOP ends the run
+        self.stop = Message(0) if k == 0 else None
+        self.stop_req = self.comm.Irecv(self.stop.buf, source=0, tag=int(Tag.STOP)) if k == 0 else None
+        self.batches = minibatches(self.sampler, B, base)   # module 0: images; the last module: labels
+        self.labels = minibatches(self.sampler, B, base) if module.is_last and k > 0 else self.batches
+        self.began = time.perf_counter() - elapsed
+        self.last_checkpoint = elapsed
+        final = False
+        while not final:
+            base, t_base, final = self.segment(base, t_base)
+        for kind, requests in self.sending.items():
+            for req in requests:
+                wait(req, f"completion of the last {kind} sends", rank, cfg.worker_timeout)
+        if k == 0:
+            wait(self.stop_req, "STOP from rank 0 after the last iteration", rank, cfg.worker_timeout)
+        return self.preempted
+
+    def segment(self, base: int, t_base: int) -> tuple[int, int, bool]:
+        """Iterations from minibatch `base` (the first of the segment) until the drain; the unit's
+        iterations so far are `t_base`. Returns (minibatches done, iterations done, the run ended)."""
+        cfg, ops, module, k, K, rank = self.cfg, self.ops, self.module, self.k, self.K, self.rank
+        B = cfg.batch_size
+        local, stored = self.local, deque()  # stored: (minibatch, input, stashed weights or None), <= delay + 1
+        acts_in, acts_out, grads_in, grads_out = self.acts_in, self.acts_out, self.grads_in, self.grads_out
+        act_req = self.pipe.Irecv(acts_in[base % 2].buf, source=k - 1, tag=int(Tag.ACTIVATION)) if k > 0 else None
+        grad_req = (self.pipe.Irecv(grads_in[base % 2].buf, source=k + 1, tag=int(Tag.GRADIENT))
+                    if k < K - 1 else None)
+        ctrl = np.zeros(2, dtype=np.float64)     # [elapsed seconds, preempt], max over the module's replicas
+        last_snapshot, snapshot_at = ctrl[0], -1  # the iteration after which replica 0 sends a snapshot
+        total = None                             # minibatches done at the segment's end, once module 0 decided
+        ending = 0                               # Flag bits of the end: FINAL (the run ends), PREEMPT (on a signal)
         t = 0
         while True:
             t0 = time.perf_counter()
             wait_s = comm_s = 0.0
-            ctrl[0] = t0 - began
+            signal = bool(signals.received()) or (self.stop_req is not None and bool(self.stop_req.Test()))
+            ctrl[0], ctrl[1] = t0 - self.began, float(signal)
             if self.N > 1:  # one clock for the replicas: the same schedule and stopping decision
                 wait_s += wait(self.data.Iallreduce(MPI.IN_PLACE, ctrl, op=MPI.MAX), "the control allreduce",
                                rank, cfg.worker_timeout)
-            m_f = self.forward_minibatch(t)
+            m_f = base + self.forward_minibatch(t)
             m_b = m_f - self.delay
-            flags, loss, correct = 0, 0.0, 0
+            flags, loss, correct = Flag.PREEMPT if signal else 0, 0.0, 0
             # --- forward of the newest minibatch
-            if m_f >= 0 and (total is None or m_f < total):
+            if m_f >= base and (total is None or m_f < total):
                 if k == 0:
-                    _, idx = next(batches)
-                    x, y = self.dataset.batch("train", idx, self.rng)
+                    _, idx = next(self.batches)
+                    x, y = self.dataset.batch("train", idx, batch_rng(cfg.seed, 1 + self.n, m_f))
                     x = ops.asarray(x)
-                    if self.stopping(m_f + 1, ctrl[0]):
-                        total = m_f + 1
-                        flags |= Flag.LAST
+                    if total is None:  # module 0 decides where the segment ends, on the replicas' clock
+                        if ctrl[1]:
+                            ending = Flag.FINAL | Flag.PREEMPT
+                        elif self.stopping(m_f + 1, ctrl[0]):
+                            ending = Flag.FINAL
+                        elif cfg.checkpoint_interval and ctrl[0] - self.last_checkpoint >= cfg.checkpoint_interval:
+                            ending = Flag.LAST
+                        if ending:
+                            total = m_f + 1
+                            self.last_checkpoint = ctrl[0]
+                            if ending & Flag.FINAL:
+                                flags |= Flag.LAST  # rank 0 logs the stop now; the drain follows
                     if (self.n == 0 and cfg.snapshot_interval and snapshot_at < t and total is None
                             and ctrl[0] - last_snapshot >= cfg.snapshot_interval):
                         # every module has heard of it by then (full: module k at t + k; backward: at t)
@@ -273,8 +325,9 @@ class PipelineUnit:
                     msg = acts_in[m_f % 2]
                     wait_s += self.receive(act_req, msg, Tag.ACTIVATION, k - 1, m_f,
                                            f"activation of minibatch {m_f} from module {k - 1}")
-                    if int(msg.header["flags"]) & Flag.LAST:
+                    if int(msg.header["flags"]) & Flag.LAST:  # the segment's last minibatch; how it ends
                         total = m_f + 1
+                        ending = int(msg.header["flags"]) & (Flag.LAST | Flag.FINAL | Flag.PREEMPT)
                     snapshot_at = max(snapshot_at, int(msg.header["version"]))
                     x = ops.asarray(np.array(msg.payload.reshape(B, *module.in_shape)))  # a copy: the buffer is reused
                     act_req = None
@@ -282,14 +335,14 @@ class PipelineUnit:
                         act_req = self.pipe.Irecv(acts_in[(m_f + 1) % 2].buf, source=k - 1, tag=int(Tag.ACTIVATION))
                 h = module.forward(x)
                 if module.is_last:  # loss and backward at once: delay 0
-                    y = self.dataset.train_y[next(labels)[1]] if k > 0 else y
+                    y = self.dataset.train_y[next(self.labels)[1]] if k > 0 else y
                     loss, correct, dx = module.loss_backward(h, ops.asarray(y, y.dtype))
                 else:
                     out = acts_out[m_f % 2]
                     self.free("act", m_f % 2, "completion of an activation send")
                     out.payload[:] = ops.to_numpy(h).ravel()
                     out.stamp(Tag.ACTIVATION, k, step=m_f, version=snapshot_at,
-                              flags=Flag.LAST if total == m_f + 1 else 0)
+                              flags=(ending | Flag.LAST) if total == m_f + 1 else 0)
                     t1 = time.perf_counter()
                     self.post("act", m_f % 2, self.pipe.Isend(out.buf, dest=k + 1, tag=int(Tag.ACTIVATION)))
                     comm_s += time.perf_counter() - t1
@@ -298,7 +351,7 @@ class PipelineUnit:
                         stashed[...] = module.params
                     stored.append((m_f, x, stashed))
             # --- backward of an older minibatch, with the gradient module k+1 sent back
-            applied = m_b >= 0 and (total is None or m_b < total)
+            applied = m_b >= base and (total is None or m_b < total)
             if applied and not module.is_last:
                 msg = grads_in[m_b % 2]
                 wait_s += self.receive(grad_req, msg, Tag.GRADIENT, k + 1, m_b,
@@ -345,22 +398,36 @@ class PipelineUnit:
             if self.slowdown > 1:  # --straggler: emulate a unit `slowdown` times slower than this one
                 busy = time.perf_counter() - t0 - wait_s - comm_s
                 time.sleep((self.slowdown - 1) * busy)
-            finished = total is not None and m_b == total - 1
+            drained = total is not None and m_b == total - 1
+            finished = drained and bool(ending & Flag.FINAL)
             if finished:
                 flags |= Flag.END
-            self.report(reports, t, m_f, m_b if applied else -1, flags, loss, correct, applied,
+                self.preempted = bool(ending & Flag.PREEMPT)
+            self.report(t_base + t, m_f, m_b if applied else -1, flags, loss, correct, applied,
                         time.perf_counter() - t0 - wait_s - comm_s, comm_s, wait_s, lr)
             if self.n == 0 and (t == snapshot_at or finished):
                 self.free("snap", 0, "completion of a SNAPSHOT send")
-                snap.payload[:] = ops.to_numpy(module.params)
-                snap.stamp(Tag.SNAPSHOT, rank, step=t, version=m_b + 1, flags=Flag.FINAL if finished else 0)
-                self.post("snap", 0, self.comm.Isend(snap.buf, dest=0, tag=int(Tag.SNAPSHOT)))
-            if finished:
-                break
+                self.snap.payload[:] = ops.to_numpy(module.params)
+                # (cursor, step) = (the segment's first minibatch, the iteration in it): the same for every module
+                self.snap.stamp(Tag.SNAPSHOT, rank, step=t, cursor=base, version=m_b + 1,
+                                flags=Flag.FINAL if finished else 0)
+                self.post("snap", 0, self.comm.Isend(self.snap.buf, dest=0, tag=int(Tag.SNAPSHOT)))
+            if drained:
+                if self.n == 0:
+                    self.send_checkpoint(t_base + t + 1, total, ending, ctrl[0])
+                return total, t_base + t + 1, finished
             t += 1
-        for kind, requests in self.sending.items():
-            for req in requests:
-                wait(req, f"completion of the last {kind} sends", rank, cfg.worker_timeout)
+
+    def send_checkpoint(self, steps: int, total: int, ending: int, elapsed: float) -> None:
+        """(replica 0, after a drain) This module's weights and velocity to rank 0, which writes the
+        checkpoint once every module's has arrived: `steps` iterations and `total` minibatches done."""
+        P = self.module.size
+        self.free("ckpt", 0, "completion of a CHECKPOINT send")
+        self.ckpt.payload[:P] = self.ops.to_numpy(self.module.params)
+        self.ckpt.payload[P:] = self.ops.to_numpy(self.local.velocity)
+        self.ckpt.stamp(Tag.CHECKPOINT, self.rank, step=steps, version=total, cursor=total, elapsed=elapsed,
+                        flags=ending & (Flag.FINAL | Flag.PREEMPT))
+        self.post("ckpt", 0, self.comm.Isend(self.ckpt.buf, dest=0, tag=int(Tag.CHECKPOINT)))
 
     def stopping(self, minibatches_done: int, elapsed: float) -> bool:
         """(module 0) The stopping rule after `minibatches_done` minibatches per replica."""
@@ -369,11 +436,11 @@ class PipelineUnit:
                     or (cfg.max_pushes and minibatches_done >= cfg.max_pushes)
                     or (cfg.max_time and elapsed >= cfg.max_time))
 
-    def report(self, reports: list[Message], t: int, m_f: int, m_b: int, flags: int, loss: float, correct: int,
+    def report(self, t: int, m_f: int, m_b: int, flags: int, loss: float, correct: int,
                applied: bool, compute_s: float, comm_s: float, wait_s: float, lr: float) -> None:
         """REPORT of iteration t to rank 0: version = the iteration whose forward the applied gradient used;
         digest = CRC-32 of the module's weights (N > 1: rank 0 checks that the replicas agree)."""
-        slot = t % 2
+        reports, slot = self.reports, t % 2
         self.free("report", slot, "completion of a REPORT send")
         # samples: counted once per minibatch, by the last module (the pushes table sums them)
         samples = self.cfg.batch_size if applied and self.module.is_last else 0
@@ -395,7 +462,12 @@ class PipelineMonitor(ParameterServer):
     weights on the test set itself (numpy). Never updates weights.
 
     `bounds` are the module cuts; `model` (numpy) and `dataset` are used for the final evaluation.
+    Checkpoints: replica 0's units send their module's weights and velocity after every drain
+    (CHECKPOINT); once all K have arrived for the same drain, rank 0 writes the file. A signal
+    (here, or flagged in a unit's REPORT) becomes a STOP with flag PREEMPT to every module 0.
     """
+
+    checkpoints_here = False
 
     def __init__(self, comm: Any, cfg: Config, params: np.ndarray, decay_mask: np.ndarray, num_workers: int,
                  num_train: int, log: Any, progress: Any, model: Any, dataset: Dataset, bounds: list[int]) -> None:
@@ -406,9 +478,14 @@ class PipelineMonitor(ParameterServer):
         self.ranges = [model.param_range(bounds[k], bounds[k + 1]) for k in range(self.K)]
         self.inbox = {w: Message(self.size_of(w)) for w in self.workers}
         self.outbox = {}
-        self.pieces: dict[int, set] = {}        # snapshot iteration -> modules received
+        self.pieces: dict[tuple, set] = {}      # snapshot (segment, iteration) -> modules received
         self.ended: set[int] = set()
         self.final: set[int] = set()
+        self.ckpt_params, self.ckpt_momentum = np.zeros_like(params), np.zeros_like(params)
+        self.ckpt_pieces: dict[int, dict] = {}  # minibatches done at a drain -> {module: its steps}
+        self.ckpt_inboxes: dict[int, Message] = {}
+        self.final_checkpoint = False
+        self.state_msgs: list[Message] = []     # resuming: the velocity slices sent to the units
 
     def module_of(self, w: int) -> int:
         return (w - 1) % self.K
@@ -418,23 +495,70 @@ class PipelineMonitor(ParameterServer):
         return stop - start
 
     def handlers(self) -> dict:
-        return {Tag.REPORT: self.on_report, Tag.SNAPSHOT: self.on_snapshot}
+        return {Tag.REPORT: self.on_report, Tag.SNAPSHOT: self.on_snapshot, Tag.CHECKPOINT: self.on_checkpoint}
+
+    def buffer_for(self, tag: Tag, source: int) -> Message:
+        if tag == Tag.CHECKPOINT:  # the module's weights and velocity
+            if source not in self.ckpt_inboxes:
+                self.ckpt_inboxes[source] = Message(2 * self.size_of(source))
+            return self.ckpt_inboxes[source]
+        return super().buffer_for(tag, source)
 
     def check_stop(self) -> None:
         pass  # decided by module 0; see on_report
 
     def begin(self) -> None:
+        """Each unit's module slice; on a resume flagged RESUME (iterations, minibatches and seconds done),
+        followed by the slice of the velocity (CHECKPOINT)."""
+        ck = self.resumed
         for w in self.workers:
             start, stop = self.ranges[self.module_of(w)]
             out = Message(stop - start)
             out.payload[:] = self.params[start:stop]
-            out.stamp(Tag.WEIGHTS, 0, version=0)
+            if ck is None:
+                out.stamp(Tag.WEIGHTS, 0, version=0)
+            else:
+                out.stamp(Tag.WEIGHTS, 0, version=self.version, step=self.last_step[w], cursor=self.cursor[w],
+                          elapsed=ck.elapsed, flags=Flag.RESUME)
+                state = Message(stop - start)
+                state.payload[:] = ck.momentum[start:stop]
+                state.stamp(Tag.CHECKPOINT, 0, version=self.version)
+                self.state_msgs.append(state)  # alive until its send completed (at the end)
+                self.state_sends.append(self.comm.Isend(state.buf, dest=w, tag=int(Tag.CHECKPOINT)))
             self.outbox[w] = out
             self.sending[w] = self.comm.Isend(out.buf, dest=w, tag=int(Tag.WEIGHTS))
         self.started = set(self.workers)
 
+    def on_preempt(self) -> None:
+        """Module 0 of every replica hears of it (STOP, flag PREEMPT) and ends the segment there."""
+        for w in self.workers:
+            if self.module_of(w) == 0:
+                self.send_stop(w)
+
+    def on_checkpoint(self, w: int, msg: Message) -> None:
+        if w > self.K:
+            raise ProtocolError(f"rank 0: CHECKPOINT from unit rank {w}; only replica 0 (ranks 1..{self.K}) "
+                                f"sends them")
+        h, k = msg.header, self.module_of(w)
+        start, stop = self.ranges[k]
+        total = int(h["version"])
+        self.ckpt_params[start:stop] = msg.payload[: stop - start]
+        self.ckpt_momentum[start:stop] = msg.payload[stop - start:]
+        got = self.ckpt_pieces.setdefault(total, {})
+        got[k] = int(h["step"])
+        if len(got) < self.K:
+            return
+        del self.ckpt_pieces[total]
+        flags = int(h["flags"])
+        reason = "preempt" if flags & Flag.PREEMPT else "end" if flags & Flag.FINAL else "interval"
+        steps = {u: (got[self.module_of(u)], total) for u in self.workers}
+        ckpt = self.make_checkpoint(self.ckpt_params, self.ckpt_momentum, reason, steps, float(h["elapsed"]))
+        ckpt.version, ckpt.samples = total, total * self.cfg.batch_size * self.N
+        self.write_checkpoint(reason, ckpt)
+        self.final_checkpoint = bool(flags & Flag.FINAL)
+
     def done(self) -> bool:
-        return len(self.ended) == len(self.workers) and len(self.final) == self.K
+        return len(self.ended) == len(self.workers) and len(self.final) == self.K and self.final_checkpoint
 
     def waiting_for(self) -> list[int]:
         return [w for w in self.workers if w not in self.ended]
@@ -476,8 +600,12 @@ class PipelineMonitor(ParameterServer):
             self.stop_reason = f"the stopping rule after {int(h['step']) + 1} minibatches per replica"
             self.stop_time = self.now()
             self.log.add("events", (self.now(), b"stop", self.stop_reason))
+        if flags & Flag.PREEMPT and not self.preempted:
+            self.preempt(f"a signal received by unit rank {w} (module {k})" if k else "a signal reached module 0")
         if flags & Flag.END:
             self.ended.add(w)
+            if k == 0:
+                self.send_stop(w)
 
     def on_snapshot(self, w: int, msg: Message) -> None:
         if w > self.K:
@@ -488,14 +616,18 @@ class PipelineMonitor(ParameterServer):
         if int(msg.header["flags"]) & Flag.FINAL:
             self.final.add(k)
             return
-        got = self.pieces.setdefault(int(msg.header["step"]), set())
+        key = (int(msg.header["cursor"]), int(msg.header["step"]))  # (segment, iteration in it)
+        got = self.pieces.setdefault(key, set())
         got.add(k)
         if len(got) == self.K:  # every module's weights after the same iteration: a whole-model snapshot
-            del self.pieces[int(msg.header["step"])]
+            del self.pieces[key]
             self.snapshot()
 
     def finish(self) -> dict:
-        """Evaluate the final weights on the whole test set (rank 0, numpy), then the usual summary."""
+        """Evaluate the final weights on the whole test set (rank 0, numpy; not when preempted), then the
+        usual summary."""
+        if self.preempted:
+            return super().finish()
         weights = self.params.copy()
         self.model.bind(weights, np.zeros_like(weights))
         idx = np.arange(self.dataset.test_y.size, dtype=np.int64)

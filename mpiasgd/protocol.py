@@ -2,7 +2,7 @@
 
 Every message is ONE contiguous byte buffer sent with buffer-based MPI (never pickle):
 
-    [ header: HEADER, HEADER_BYTES = 128 bytes ][ payload: `count` float32 values ]
+    [ header: HEADER, HEADER_BYTES = 144 bytes ][ payload: `count` float32 values ]
 
 The header makes each message self-describing: kind, sender, step, the weight version, loss,
 sample count and timings travel in the same message as the gradient or weights they describe, so a
@@ -12,9 +12,12 @@ tag, sender, size.
 Message flow, async and ssp modes (GPU A-SGD of Paine et al. 2013, n_fetch = n_push = nsync):
 
     server -> worker  WEIGHTS  (version v, lr, params)      initial pull, and the reply to every push
+                                                             (a resumed run's initial pull: flag RESUME,
+                                                             the worker's step, cursor and elapsed)
     worker -> server  PUSH     (base version v, gradient    one outstanding push per worker; the
                                or accumulated update)        payload is an update when nsync > 1
     server -> worker  STOP     (final version, params)       reply to a push once the run must end
+                                                             (flag PREEMPT: a signal, skip the EVAL)
     worker -> server  EVAL     (loss sum, correct, count)    its slice of the test set, final weights
     worker -> server  ERROR    (UTF-8 traceback)             a worker failed; the server logs, acks
     server -> worker  ERROR_ACK                              log closed, the job may now abort
@@ -24,6 +27,10 @@ Sync mode (workers allreduce among themselves; rank 0 only logs): after the init
     worker -> server  REPORT   (step, loss, timings, flags)  header only, one per worker per step
     worker -> server  SNAPSHOT (version, params)             the first worker, every snapshot interval
                                                              and once more (flag FINAL) at the end
+    worker -> server  CHECKPOINT (step, weights and         the first worker, every checkpoint interval
+                                 velocity, 2P values)       and at the end (rank 0 writes the file)
+    server -> worker  STOP     (header only)                 the run ends: after the worker's last REPORT,
+                                                             or at once (flag PREEMPT) on a signal
     worker -> server  EVAL, ERROR as above
 
 Pipeline mode (module k of replica n on rank 1 + n*K + k; see `mpiasgd.pipeline`): after the
@@ -35,6 +42,10 @@ initial WEIGHTS (the unit's module slice), every iteration
     unit   -> server    REPORT     (iteration, delay, timings)   header only
     unit   -> server    SNAPSHOT   (module slice)                replica 0, at announced iterations and
                                                                  at the end (flag FINAL)
+    unit   -> server    CHECKPOINT (module weights, velocity)    replica 0, after every drain (interval,
+                                                                 end, flag PREEMPT on a signal)
+    server -> module 0  STOP       (header only)                 after its last iteration, or at once
+                                                                 (flag PREEMPT) on a signal
 """
 
 from __future__ import annotations
@@ -60,6 +71,7 @@ class Tag(IntEnum):
     SNAPSHOT = 18
     ACTIVATION = 19
     GRADIENT = 20
+    CHECKPOINT = 21
 
 
 class Flag(IntEnum):
@@ -72,6 +84,10 @@ class Flag(IntEnum):
     DELTA = 16       # PUSH: the payload is an accumulated update (nsync > 1), not a gradient
     WARMUP = 32      # REPORT (pipeline): no delayed gradient has reached this module yet, no update
     END = 64         # REPORT (pipeline): this unit's last iteration
+    RESUME = 128     # WEIGHTS (initial): a resumed run; step, cursor and elapsed continue (sync, pipeline:
+                     # a CHECKPOINT with the optimizer state follows)
+    PREEMPT = 256    # PUSH/REPORT: a signal reached this worker; STOP (and sync/pipeline's end STOP): the run
+                     # ends on a signal, so skip the final evaluation and exit with EXIT_PREEMPTED
 
 
 class ProtocolError(RuntimeError):
@@ -95,8 +111,11 @@ HEADER = np.dtype([
     ("lr", "<f8"),          # WEIGHTS: step size for a worker's local steps (nsync > 1); REPORT: step size used
     ("flags", "<i8"),       # Flag bits
     ("digest", "<u8"),      # REPORT (sync, pipeline): CRC-32 of the worker's weights after the step
+    ("cursor", "<i8"),      # PUSH/REPORT/CHECKPOINT: minibatches the worker has drawn from its shard (its data
+                            # position); initial WEIGHTS of a resumed run: where to continue
+    ("elapsed", "<f8"),     # CHECKPOINT: training seconds at the step; initial WEIGHTS: seconds already trained
 ])
-HEADER_BYTES = -(-HEADER.itemsize // 16) * 16  # 128: rounded up to 16 bytes so the payload stays aligned
+HEADER_BYTES = -(-HEADER.itemsize // 16) * 16  # 144: rounded up to 16 bytes so the payload stays aligned
 
 
 class Message:

@@ -51,7 +51,7 @@ def load(path: str) -> dict:
     """
     with open_run(path) as f:
         run = {key: _attr(f, key) for key in f.attrs}
-        for name in ("pushes", "updates", "evals", "workers", "snapshots/meta", "events"):
+        for name in ("pushes", "updates", "evals", "workers", "snapshots/meta", "events", "checkpoints"):
             run[name] = f[name][()] if name in f else None
     try:
         run["config"] = json.loads(run.get("config") or "{}")

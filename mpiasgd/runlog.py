@@ -20,7 +20,14 @@ One file per run, `RUN_DIR/NAME.h5`:
     /snapshots/params  (S, P) float32 weights every `snapshot_interval` seconds, first and last included
     /snapshots/meta    (S,) SNAPSHOT_ROW: time, version, samples, epoch
     /evals       EVAL_ROW: time, version, epoch, snapshot (-1: the final weights), loss, accuracy, count
-    /events      EVENT_ROW: time, kind, text (start, stop reason, failures)
+    /events      EVENT_ROW: time, kind, text (start, stop reason, failures, preempt, resume)
+    /checkpoints CHECKPOINT_ROW: time, seconds (to write it), version, samples, elapsed (training seconds
+                 it holds), reason (interval | end | preempt); the file is RUN_DIR/NAME.ckpt.h5
+
+A resumed run (`--resume`) continues the same file: status goes back to "running", an event
+"resume" marks where the new segment starts, the clock continues after the last row, and rows
+continue from the checkpoint's version and steps. Rows the previous segment logged after its last
+checkpoint stay (nothing logged is lost); their versions and steps are repeated by the new segment.
 
 Times are seconds since the start of training. All tables are chunked and appendable. The file is
 written in SWMR mode (HDF5 single-writer/multiple-reader): rows are buffered and flushed every
@@ -54,6 +61,8 @@ SNAPSHOT_ROW = np.dtype([("time", "<f8"), ("version", "<i8"), ("samples", "<i8")
 EVAL_ROW = np.dtype([("time", "<f8"), ("version", "<i8"), ("epoch", "<f8"), ("snapshot", "<i4"),
                      ("loss", "<f8"), ("accuracy", "<f8"), ("count", "<i8")])
 EVENT_ROW = np.dtype([("time", "<f8"), ("kind", "S16"), ("text", h5py.string_dtype())])
+CHECKPOINT_ROW = np.dtype([("time", "<f8"), ("seconds", "<f4"), ("version", "<i8"), ("samples", "<i8"),
+                           ("elapsed", "<f8"), ("reason", "S16")])
 WORKER_ROW = np.dtype([("rank", "<i4"), ("host", "S64"), ("pid", "<i8"), ("threads", "<i4"),
                        ("backend", "S16"), ("shard_size", "<i8"),
                        # GPU binding (device -1 and empty strings on numpy workers); transfer: how
@@ -63,7 +72,7 @@ WORKER_ROW = np.dtype([("rank", "<i4"), ("host", "S64"), ("pid", "<i8"), ("threa
                        ("module", "<i4"), ("replica", "<i4")])
 
 TABLES = {"pushes": PUSH_ROW, "updates": UPDATE_ROW, "snapshots/meta": SNAPSHOT_ROW,
-          "evals": EVAL_ROW, "events": EVENT_ROW}
+          "evals": EVAL_ROW, "events": EVENT_ROW, "checkpoints": CHECKPOINT_ROW}
 
 
 class WriterLock:
@@ -118,15 +127,15 @@ def writer_alive(path: str) -> bool:
         os.close(fd)
 
 
-def recover(path: str) -> None:
+def recover(path: str, check_writer: bool = True) -> None:
     """Rewrite the log of a run whose writer was killed into a clean, closed file; status "killed".
 
     A writer killed in SWMR mode leaves the file marked open for writing: readers (SWMR) see every
     row up to its last flush, but it cannot be opened for writing. This copies every object and
     attribute into `PATH.recover.tmp` and renames it over `PATH`. Raises RuntimeError if the writer
-    is alive.
+    is alive (`check_writer` False: the caller holds the lock, e.g. a resuming job).
     """
-    if writer_alive(path):
+    if check_writer and writer_alive(path):
         raise RuntimeError(f"run log '{path}' is still being written by a running job; try when it has ended")
     tmp = path + ".recover.tmp"
     with open_log(path) as src, h5py.File(tmp, "w", libver="latest") as dst:
@@ -187,6 +196,34 @@ class RunLog:
                          dtype=np.float32, chunks=(1, num_params))
         f.swmr_mode = True
         return cls(path, f, flush_interval, lock)
+
+    @classmethod
+    def reopen(cls, path: str, workers: list[tuple], flush_interval: float, lock: WriterLock) -> RunLog:
+        """Continue the log at `path` for a resumed run (caller holds `lock`): a log left by a killed writer
+        is recovered first; status becomes "running"; the workers table is replaced by this job's
+        (pids and hosts change); tables added since the log was written are created."""
+        with open_log(path) as f:
+            status = f.attrs.get("status")
+        if status == "running":  # its writer was killed (we hold the lock): make it writable again
+            recover(path, check_writer=False)
+        f = h5py.File(path, "r+", libver="latest")
+        f.attrs["status"] = "running"
+        del f["workers"]
+        f.create_dataset("workers", data=np.array(workers, dtype=WORKER_ROW))
+        for name, dtype in TABLES.items():
+            if name not in f:
+                f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
+        f.swmr_mode = True
+        return cls(path, f, flush_interval, lock)
+
+    def last_time(self) -> float:
+        """The latest time of any row in the file (0 for an empty log): where a resumed run's clock starts."""
+        latest = 0.0
+        for name in TABLES:
+            ds = self.file[name]
+            if ds.shape[0]:
+                latest = max(latest, float(ds[ds.shape[0] - 1]["time"]))
+        return latest
 
     # --- appending (server only; rows reach the file at the next flush) ---
     def add(self, table: str, row: tuple) -> None:

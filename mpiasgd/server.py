@@ -27,6 +27,10 @@ stopping rule fires, each worker's next push is answered with STOP and the final
 the worker evaluates its slice of the test set and sends EVAL. The run ends when every worker has
 sent EVAL, with no request pending. The server never computes gradients.
 
+Checkpoints (`mpiasgd.checkpoint`): every `--checkpoint-interval` seconds, at the end, and at once
+when a signal arrives (`preempt`: the stop reason, STOPs flagged PREEMPT, the job ends with status
+75 within PREEMPT_GRACE seconds). `restore` continues from one (`--resume`).
+
 `SyncMonitor` is rank 0 of `--mode sync`: the workers allreduce among themselves; it sends the
 initial weights, logs their REPORTs and SNAPSHOTs, and collects the EVALs.
 """
@@ -34,6 +38,7 @@ initial weights, logs their REPORTs and SNAPSHOTs, and collects the EVALs.
 from __future__ import annotations
 
 import math
+import socket
 import sys
 import time
 from typing import Any
@@ -41,7 +46,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpiasgd import protocol
+from mpiasgd import checkpoint, protocol, signals
 from mpiasgd.comms import Backoff, CommTimeout, probe, wait, wait_all
 from mpiasgd.config import Config
 from mpiasgd.optim import SGD, apply_delta, finite_square, fraction_done, learning_rate, staleness_factor
@@ -58,6 +63,19 @@ class WorkerFailed(RuntimeError):
         self.text = text
 
 
+PREEMPT_GRACE = 5.0  # seconds the workers have to answer after a preemption signal
+
+
+class Preempted(RuntimeError):
+    """The run was preempted and `waiting` workers did not answer within PREEMPT_GRACE seconds (dead or
+    hung: the checkpoint is written; the job must be aborted)."""
+
+    def __init__(self, why: str, waiting: list[int]) -> None:
+        super().__init__(f"{why}; workers {waiting} did not answer within {PREEMPT_GRACE:g} s")
+        self.why = why
+        self.waiting = waiting
+
+
 class TrainingDiverged(RuntimeError):
     """A worker pushed `max_rejects` non-finite gradients in a row; the message names it and the steps."""
 
@@ -71,6 +89,8 @@ class ParameterServer:
     which defines an epoch. `log` receives every row; `progress` (a tqdm bar or None) is updated
     about twice a second.
     """
+
+    checkpoints_here = True  # rank 0 holds the state (async, ssp); sync and pipeline: the workers send it
 
     def __init__(self, comm: Any, cfg: Config, params: np.ndarray, decay_mask: np.ndarray,
                  num_workers: int, num_train: int, log: RunLog, progress: Any = None) -> None:
@@ -92,6 +112,9 @@ class ParameterServer:
         self.stop_reason = ""
         self.inbox = {w: Message(params.size) for w in self.workers}
         self.header_only = Message(0)         # EVAL and REPORT: received and handled one at a time
+        self.checkpoint_inbox: Message | None = None
+        self.state_sends: list[Any] = []      # sync, resuming: the velocity sent to each worker
+        self.stops: dict[int, Message] = {}   # sync, pipeline: the STOP sent to each worker
         self.outbox = {w: Message(params.size) for w in self.workers}
         self.sending: dict[int, Any] = dict.fromkeys(self.workers)
         self.start = 0.0
@@ -112,10 +135,24 @@ class ParameterServer:
         self.clock_offset = dict.fromkeys(self.workers, 0)  # ssp: the slowest clock when a late starter began
         self.held_s = dict.fromkeys(self.workers, 0.0)  # ssp: how long the last reply to each worker was held
         self.held_total = dict.fromkeys(self.workers, 0.0)
+        self.cursor = dict.fromkeys(self.workers, 0)  # minibatches each worker drew (its data position)
+        self.checkpoint_path = checkpoint.checkpoint_path(log.path)
+        self.last_checkpoint = 0.0
+        self.lost = 0.0                       # log clock minus training clock: time lost to a resume
+        self.resumed: checkpoint.Checkpoint | None = None
+        self.preempted = ""                   # why the run ends on a signal ("" otherwise)
+        self.preempt_deadline = 0.0
+        self.pids: dict[int, tuple[str, int]] = {}  # worker -> (host, pid), to name dead ones (train sets it)
+        self.host = socket.gethostname()
 
     # --- clocks and rules ---
     def now(self) -> float:
+        """Seconds on the run log's clock: since the run's first start, including time lost to a resume."""
         return time.perf_counter() - self.start
+
+    def train_time(self) -> float:
+        """Seconds of training the current state holds (the schedule's and --max-time's clock)."""
+        return self.now() - self.lost
 
     @property
     def epoch(self) -> float:
@@ -123,14 +160,14 @@ class ParameterServer:
 
     def fraction_done(self) -> float:
         """Fraction of the run done, by the stopping rule closest to its limit."""
-        return fraction_done(self.cfg, self.epoch, self.version, self.now())
+        return fraction_done(self.cfg, self.epoch, self.version, self.train_time())
 
     def local_lr(self) -> float:
         """The step size a worker's nsync local steps use: the schedule at the middle of its next round
         (K minibatches by each of the N workers ahead), so that warm-up does not start them at 0."""
         ahead = 0.5 * self.cfg.nsync * self.cfg.batch_size * len(self.workers) / self.num_train
         epoch = self.epoch + ahead
-        return learning_rate(self.cfg, epoch, fraction_done(self.cfg, epoch, self.version, self.now()))
+        return learning_rate(self.cfg, epoch, fraction_done(self.cfg, epoch, self.version, self.train_time()))
 
     def check_stop(self) -> None:
         cfg = self.cfg
@@ -140,8 +177,8 @@ class ParameterServer:
             self.stop_reason = f"epochs: {self.epoch:.2f} >= {cfg.epochs:g}"
         elif cfg.max_pushes and self.version >= cfg.max_pushes:
             self.stop_reason = f"max_pushes: {self.version} >= {cfg.max_pushes}"
-        elif cfg.max_time and self.now() >= cfg.max_time:
-            self.stop_reason = f"max_time: {self.now():.1f} s >= {cfg.max_time:g} s"
+        elif cfg.max_time and self.train_time() >= cfg.max_time:
+            self.stop_reason = f"max_time: {self.train_time():.1f} s >= {cfg.max_time:g} s"
         if self.stop_reason:
             self.stop_time = self.now()
             self.log.add("events", (self.now(), b"stop", self.stop_reason))
@@ -151,7 +188,10 @@ class ParameterServer:
         self.log.add_snapshot((self.last_snapshot, self.version, self.samples, self.epoch), self.params)
 
     def tick(self) -> None:
-        """Clock-driven duties between messages: time limit, warm start, snapshots, log flush, progress bar."""
+        """Clock-driven duties between messages: signals, time limit, warm start, snapshots, checkpoints,
+        log flush, progress bar."""
+        if signals.received() and not self.preempted:
+            self.preempt(f"{signals.received()} received by rank 0")
         self.check_stop()
         if len(self.started) < len(self.workers) and (self.now() >= self.cfg.warm_start or self.stop_reason):
             self.start_workers()
@@ -162,6 +202,9 @@ class ParameterServer:
         if (self.cfg.snapshot_interval and self.cfg.mode in ("async", "ssp") and not self.stop_reason
                 and self.now() - self.last_snapshot >= self.cfg.snapshot_interval):
             self.snapshot()
+        if (self.checkpoints_here and self.cfg.checkpoint_interval and not self.stop_reason
+                and self.now() - self.last_checkpoint >= self.cfg.checkpoint_interval):
+            self.write_checkpoint("interval")
         self.log.maybe_flush()
         if self.progress is not None and self.now() - self.last_progress >= 0.5:
             self.show_progress()
@@ -177,17 +220,27 @@ class ParameterServer:
     def run(self) -> dict:
         """Serve until every worker has been stopped and has sent its EVAL; returns the summary dict."""
         self.start = time.perf_counter()
-        self.log.add("events", (0.0, b"start", f"{len(self.workers)} workers"))
+        if self.resumed is not None:  # the log's clock continues after its last row; training's from the checkpoint
+            offset = max(self.resumed.log_time, self.log.last_time())
+            self.start -= offset
+            self.lost = offset - self.resumed.elapsed
+            self.last_checkpoint = self.last_snapshot = self.now()
+            ck = self.resumed
+            self.log.add("events", (self.now(), b"resume", f"resumed from '{ck.path}' ({ck.reason} checkpoint at "
+                                                           f"version {ck.version}, {ck.elapsed:.1f} s of training, "
+                                                           f"epoch {self.epoch:.2f})"))
+        else:
+            self.log.add("events", (0.0, b"start", f"{len(self.workers)} workers"))
         self.snapshot()
         self.begin()
         self.serve()
         return self.finish()
 
     def begin(self) -> None:
-        """Send the first weights: to every worker, or (--warm-start) to the first one only."""
-        if self.cfg.warm_start > 0 and len(self.workers) > 1:
+        """Send the first weights: to every worker, or (--warm-start, not on a resume) to the first one only."""
+        if self.cfg.warm_start > 0 and len(self.workers) > 1 and self.resumed is None:
             self.started.add(self.workers[0])
-            self.send(self.workers[0], Tag.WEIGHTS, step=0)
+            self.send(self.workers[0], Tag.WEIGHTS, step=0, initial=True)
             self.log.add("events", (0.0, b"warm_start", f"worker rank {self.workers[0]} trains alone for "
                                                         f"{self.cfg.warm_start:g} s"))
         else:
@@ -205,10 +258,15 @@ class ParameterServer:
         """Handle messages until `done()`, then complete every send."""
         backoff = Backoff()
         while not self.done():
+            if self.preempted and time.perf_counter() > self.preempt_deadline:
+                raise Preempted(self.preempted, self.waiting_for())
             try:
-                message, status = probe(self.comm, self.rank, self.cfg.comm_timeout,
+                timeout = self.cfg.comm_timeout if not self.preempted else PREEMPT_GRACE
+                message, status = probe(self.comm, self.rank, timeout,
                                         "message from any worker", backoff, idle=self.tick)
             except CommTimeout as e:
+                if self.preempted:
+                    raise Preempted(self.preempted, self.waiting_for()) from None
                 self.check_stalls()  # names the silent workers, held ones (ssp) aside
                 waiting = self.waiting_for()
                 silent = ", ".join(f"rank {w} ({self.now() - self.last_seen[w]:.0f} s)" for w in waiting)
@@ -217,7 +275,8 @@ class ParameterServer:
             self.handle(message, status)
             self.last_seen[status.Get_source()] = self.now()
             self.tick()
-        wait_all(list(self.sending.values()), "completion of the final sends", self.rank, self.cfg.comm_timeout)
+        wait_all(list(self.sending.values()) + self.state_sends, "completion of the final sends", self.rank,
+                 self.cfg.comm_timeout)
 
     def check_stalls(self) -> None:
         """CommTimeout naming the workers silent for more than --comm-timeout, longest first.
@@ -258,7 +317,7 @@ class ParameterServer:
                 self.clock_offset[w] = slowest  # ssp: a warm-started worker is not held back by late starters
                 self.started.add(w)
                 self.last_seen[w] = self.now()
-                self.send(w, Tag.STOP if self.stop_reason else Tag.WEIGHTS, step=0)
+                self.send(w, Tag.STOP if self.stop_reason else Tag.WEIGHTS, step=self.last_step[w], initial=True)
                 if self.stop_reason:
                     self.stopped.add(w)
 
@@ -278,11 +337,19 @@ class ParameterServer:
         if tag not in handlers:
             raise ProtocolError(f"rank 0: unexpected {tag.name} message from rank {source} (in mode "
                                 f"'{self.cfg.mode}' rank 0 receives {', '.join(t.name for t in handlers)} and ERROR)")
-        msg = self.inbox[source] if tag in (Tag.PUSH, Tag.SNAPSHOT) else self.header_only
+        msg = self.buffer_for(tag, source)
         protocol.check_size(tag, source, self.rank, nbytes, msg.count)
         message.Recv(msg.buf)
         protocol.check(msg, tag, source, self.rank)
         handlers[tag](source, msg)
+
+    def buffer_for(self, tag: Tag, source: int) -> Message:
+        """The receive buffer of a `tag` message from worker `source` (its size is checked against it)."""
+        if tag == Tag.CHECKPOINT:  # weights and velocity (sync)
+            if self.checkpoint_inbox is None:
+                self.checkpoint_inbox = Message(2 * self.params.size)
+            return self.checkpoint_inbox
+        return self.inbox[source] if tag in (Tag.PUSH, Tag.SNAPSHOT) else self.header_only
 
     def handlers(self) -> dict:
         """The message kinds rank 0 takes in this mode (besides ERROR) and their handlers."""
@@ -305,6 +372,8 @@ class ParameterServer:
                                 f"{'an accumulated update' if delta else 'a gradient'}, but nsync is "
                                 f"{self.cfg.nsync} (expected {'an update' if self.cfg.nsync > 1 else 'a gradient'})")
         self.last_step[w] = step
+        if int(h["flags"]) & Flag.PREEMPT and not self.preempted:
+            self.preempt(f"a signal received by worker rank {w}")
         staleness = self.version - base
         grad = msg.payload
         finite, square = finite_square(grad)
@@ -325,6 +394,7 @@ class ParameterServer:
                 self.params = self.optimizer.step(grad, lr, out=out)
             self.version += 1
             self.samples += int(h["samples"])
+            self.cursor[w] = int(h["cursor"])
             self.count_staleness(staleness)
             loss = float(h["loss"])
             self.loss_avg = loss if self.loss_avg != self.loss_avg else 0.95 * self.loss_avg + 0.05 * loss
@@ -334,6 +404,7 @@ class ParameterServer:
                                 h["samples"], h["epoch"], h["compute_s"], h["comm_s"], h["wait_s"], applied, lr,
                                 rejected, self.held_s[w], 0))
         if rejected:
+            self.cursor[w] = int(h["cursor"])
             self.reject(w, step)  # after its row is logged: may stop the run
         else:
             self.rejects_in_row[w] = 0
@@ -373,6 +444,98 @@ class ParameterServer:
             self.send(w, Tag.STOP, step)
         else:
             self.send(w, Tag.WEIGHTS, step)
+
+    # --- checkpoints and preemption ---
+    def preempt(self, why: str) -> None:
+        """A signal reached a rank: stop, checkpoint now, and end within PREEMPT_GRACE seconds (the STOPs
+        carry the flag PREEMPT: workers skip the final evaluation)."""
+        gone = self.exited_workers()
+        if gone:  # a launcher sends SIGTERM to the other ranks when one dies: say which
+            why += "; " + ", ".join(f"worker rank {w} (pid {pid} on {host}) has exited" for w, host, pid in gone)
+        self.preempted = why
+        self.preempt_deadline = time.perf_counter() + PREEMPT_GRACE
+        self.log.add("events", (self.now(), b"preempt", why))
+        print(f"mpiasgd: {why}: checkpointing and ending the run", file=sys.stderr, flush=True)
+        if not self.stop_reason:
+            self.stop_reason = f"preempted: {why}"
+            self.stop_time = self.now()
+            self.log.add("events", (self.now(), b"stop", self.stop_reason))
+        self.on_preempt()
+        self.log.flush()
+
+    def on_preempt(self) -> None:
+        """What a preemption does besides stopping: here, checkpoint the master weights at once."""
+        self.write_checkpoint("preempt")
+
+    def exited_workers(self) -> list[tuple[int, str, int]]:
+        """(rank, host, pid) of the workers on this rank's host whose process has exited (or is a zombie)."""
+        gone = []
+        for w, (host, pid) in self.pids.items():
+            if host != self.host or not pid:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    alive = f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            except OSError:
+                alive = False
+            if not alive:
+                gone.append((w, host, pid))
+        return gone
+
+    def state(self, reason: str) -> checkpoint.Checkpoint:
+        """The training state now, as a Checkpoint (async and ssp: rank 0 holds all of it)."""
+        velocity = self.optimizer.velocity
+        return self.make_checkpoint(self.params, np.zeros_like(self.params) if velocity is None else velocity,
+                                    reason, {w: (self.last_step[w], self.cursor[w]) for w in self.workers},
+                                    self.train_time())
+
+    def make_checkpoint(self, params: np.ndarray, momentum: np.ndarray, reason: str, steps: dict,
+                        elapsed: float) -> checkpoint.Checkpoint:
+        """A Checkpoint of `params`, `momentum` and `steps` ({worker: (step, cursor)}) with this rank's figures."""
+        rows = np.array([(w, steps[w][0], steps[w][1], self.rejected[w]) for w in self.workers],
+                        dtype=checkpoint.WORKER_STATE)
+        return checkpoint.Checkpoint(
+            params=params, momentum=momentum, workers=rows, version=self.version, samples=self.samples,
+            elapsed=elapsed, log_time=self.now(), config=self.cfg.to_json(), log=self.log.path,
+            mode=self.cfg.mode, model=self.cfg.model, reason=reason, staleness_sum=self.staleness_sum,
+            staleness_max=self.staleness_max, staleness_count=self.staleness_count)
+
+    def write_checkpoint(self, reason: str, ckpt: checkpoint.Checkpoint | None = None) -> None:
+        """Write `ckpt` (default: `state(reason)`) atomically and log it (the checkpoints table); a failed
+        write is a warning, not the end of the run: the previous checkpoint stays."""
+        self.last_checkpoint = self.now()
+        ckpt = ckpt or self.state(reason)
+        t0 = self.now()
+        try:
+            seconds = checkpoint.write(self.checkpoint_path, ckpt)
+        except OSError as e:
+            text = f"checkpoint '{self.checkpoint_path}' not written ({e}); the previous one stays"
+            self.log.add("events", (self.now(), b"warning", text))
+            print(f"mpiasgd: warning: {text}", file=sys.stderr, flush=True)
+            return
+        self.log.add("checkpoints", (t0, seconds, ckpt.version, ckpt.samples, ckpt.elapsed, reason.encode()))
+
+    def restore(self, ckpt: checkpoint.Checkpoint) -> None:
+        """Continue from `ckpt` (before `run`): weights, optimizer state, version, counts, each worker's step
+        and data position. ValueError if it does not fit this run (worker ranks, parameter count)."""
+        ranks = sorted(int(r) for r in ckpt.workers["rank"])
+        if ranks != list(self.workers):
+            raise ValueError(f"checkpoint '{ckpt.path}' holds workers {ranks}, this job has workers "
+                             f"{list(self.workers)}: resume with {1 + len(ranks)} ranks")
+        if ckpt.params.size != self.params.size:
+            raise ValueError(f"checkpoint '{ckpt.path}' holds {ckpt.params.size} parameters, model "
+                             f"'{self.cfg.model}' has {self.params.size}")
+        self.params[:] = ckpt.params
+        if self.optimizer.velocity is not None:
+            self.optimizer.velocity[:] = ckpt.momentum
+        self.version, self.samples = ckpt.version, ckpt.samples
+        self.staleness_sum, self.staleness_max = ckpt.staleness_sum, ckpt.staleness_max
+        self.staleness_count = ckpt.staleness_count
+        for row in ckpt.workers:
+            w = int(row["rank"])
+            self.last_step[w], self.cursor[w], self.rejected[w] = int(row["step"]), int(row["cursor"]), int(
+                row["rejected"])
+        self.resumed = ckpt
 
     def check_replicas(self, group: int, step: int, w: int, digest: int, replicas: int) -> None:
         """Replicas (sync: all workers; pipeline: a module's replicas) must report the same weight digest
@@ -415,12 +578,21 @@ class ParameterServer:
         h = msg.header
         self.evals[w] = (float(h["loss"]), int(h["correct"]), int(h["samples"]))
 
+    def send_stop(self, w: int) -> None:
+        """(sync, pipeline) The one header-only STOP worker `w` gets: after its last REPORT, or at once
+        (flag PREEMPT) on a signal; it completes the receive the worker posted at its start."""
+        if w in self.stops:
+            return
+        self.wait_send(w)
+        self.stops[w] = Message(0).stamp(Tag.STOP, self.rank, flags=Flag.PREEMPT if self.preempted else 0)
+        self.sending[w] = self.comm.Isend(self.stops[w].buf, dest=w, tag=int(Tag.STOP))
+
     def wait_send(self, w: int) -> None:
         """Complete the previous send to worker `w`, so that its send buffer may be written."""
         wait(self.sending[w], f"completion of the previous send to worker rank {w}", self.rank, self.cfg.comm_timeout)
         self.sending[w] = None
 
-    def send(self, w: int, tag: Tag, step: int) -> None:
+    def send(self, w: int, tag: Tag, step: int, initial: bool = False) -> None:
         """Post the current weights to worker `w` from its send buffer (copied there unless they live there).
 
         The master weights move between the send buffers: an update writes them into the buffer of
@@ -431,13 +603,18 @@ class ParameterServer:
         out = self.outbox[w]
         if out.payload is not self.params:
             out.payload[:] = self.params
-        out.stamp(tag, self.rank, step=step, version=self.version,
-                  lr=self.local_lr() if self.cfg.nsync > 1 else 0.0)
+        flags = Flag.PREEMPT if tag == Tag.STOP and self.preempted else 0
+        if initial and self.resumed is not None:  # the worker continues its step count and data position
+            flags |= Flag.RESUME
+        out.stamp(tag, self.rank, step=step, version=self.version, flags=flags, cursor=self.cursor[w],
+                  elapsed=self.train_time(), lr=self.local_lr() if self.cfg.nsync > 1 else 0.0)
         self.sending[w] = self.comm.Isend(out.buf, dest=w, tag=int(tag))
 
     def finish(self) -> dict:
-        """Final snapshot and evaluation rows; returns the summary (also stored as log attributes)."""
+        """Final snapshot, checkpoint and evaluation rows; returns the summary (also stored as log attributes)."""
         self.snapshot()
+        if self.checkpoints_here and not self.preempted:  # a preempted run checkpointed when the signal came
+            self.write_checkpoint("end")
         if self.progress is not None:
             self.show_progress()  # the bar's last figures
         loss_sum = sum(e[0] for e in self.evals.values())
@@ -446,7 +623,8 @@ class ParameterServer:
         accuracy = correct / count if count else float("nan")
         test_loss = loss_sum / count if count else float("nan")
         self.log.add("evals", (self.now(), self.version, self.epoch, -1, test_loss, accuracy, count))
-        self.log.add("events", (self.now(), b"end", f"test accuracy {accuracy:.4f} on {count} images"))
+        self.log.add("events", (self.now(), b"end", f"preempted ({self.preempted}): no final evaluation"
+                                if self.preempted else f"test accuracy {accuracy:.4f} on {count} images"))
         train_time = self.stop_time or self.now()
         return {
             "wall_time_s": self.now(),
@@ -463,6 +641,7 @@ class ParameterServer:
             "stop_reason": self.stop_reason,
             "rejected": sum(self.rejected.values()),
             "held_s": sum(self.held_total.values()),
+            "preempted": self.preempted,
         }
 
 
@@ -478,8 +657,41 @@ class SyncMonitor(ParameterServer):
     steps in a row from one worker end the run with TrainingDiverged.
     """
 
+    checkpoints_here = False  # the first worker sends its weights and velocity (CHECKPOINT)
+
     def handlers(self) -> dict:
-        return {Tag.REPORT: self.on_report, Tag.SNAPSHOT: self.on_snapshot, Tag.EVAL: self.on_eval}
+        return {Tag.REPORT: self.on_report, Tag.SNAPSHOT: self.on_snapshot, Tag.CHECKPOINT: self.on_checkpoint,
+                Tag.EVAL: self.on_eval}
+
+    def begin(self) -> None:
+        """The initial weights, and on a resume the checkpoint's velocity (CHECKPOINT), to every worker."""
+        super().begin()
+        if self.resumed is not None:
+            self.state_out = Message(self.params.size)
+            self.state_out.payload[:] = self.resumed.momentum
+            self.state_out.stamp(Tag.CHECKPOINT, self.rank, version=self.version)
+            self.state_sends = [self.comm.Isend(self.state_out.buf, dest=w, tag=int(Tag.CHECKPOINT))
+                                for w in self.workers]
+
+    def on_preempt(self) -> None:
+        """Tell every worker: they end together after the step where the control allreduce hears of it, and
+        the first worker sends the CHECKPOINT of that step."""
+        for w in self.workers:
+            self.send_stop(w)
+
+    def on_checkpoint(self, w: int, msg: Message) -> None:
+        if w != self.workers[0]:
+            raise ProtocolError(f"rank 0: CHECKPOINT from worker rank {w}; only rank {self.workers[0]} sends them")
+        h, P = msg.header, self.params.size
+        flags = int(h["flags"])
+        reason = "preempt" if flags & Flag.PREEMPT else "end" if flags & Flag.FINAL else "interval"
+        step, cursor = int(h["step"]), int(h["cursor"])  # the same on every worker
+        ckpt = self.make_checkpoint(msg.payload[:P], msg.payload[P:], reason, dict.fromkeys(self.workers,
+                                                                                            (step, cursor)),
+                                    float(h["elapsed"]))
+        ckpt.version = int(h["version"])
+        ckpt.samples = ckpt.version * self.cfg.batch_size * len(self.workers)
+        self.write_checkpoint(reason, ckpt)
 
     def check_stop(self) -> None:
         pass  # decided by the workers; see on_report
@@ -510,8 +722,11 @@ class SyncMonitor(ParameterServer):
             self.reject(w, step)
         else:
             self.rejects_in_row[w] = 0
+        if flags & Flag.PREEMPT and not self.preempted:
+            self.preempt(f"a signal received by worker rank {w}")
         if flags & Flag.LAST:
             self.stopped.add(w)
+            self.send_stop(w)
             if not self.stop_reason:
                 self.stop_reason = f"the workers' stopping rule at step {step} (epoch {self.epoch:.2f})"
                 self.stop_time = self.now()

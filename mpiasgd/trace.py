@@ -8,8 +8,9 @@ clock of their own in the log, so a span is as exact as that arrival time):
     wait      waiting for weights: the reply, an ssp hold, an allreduce, a pipeline message (wait_s)
     compute   data, forward, backward, local steps (compute_s)
 
-Rank 0 gets instants for weight snapshots, for the events of the run (start, stop, skips, warm
-start, failures) and, for async and ssp, one "apply" instant per applied push with its staleness.
+Rank 0 gets a "checkpoint" span for every checkpoint written (its duration is the write), instants
+for weight snapshots, for the events of the run (start, stop, skips, warm start, preemption,
+resume, failures) and, for async and ssp, one "apply" instant per applied push with its staleness.
 Times are microseconds since the start of training, as the format wants.
 """
 
@@ -59,6 +60,11 @@ def trace(path: str) -> dict:
     for i, snap in enumerate(meta if meta is not None else []):
         events.append({"name": "snapshot", "cat": "server", "ph": "i", "s": "t", "pid": 0, "tid": 0,
                        "ts": round(float(snap["time"]) * us, 1), "args": {"index": i, "version": int(snap["version"])}})
+    for c in run.get("checkpoints") if run.get("checkpoints") is not None else []:
+        events.append({"name": "checkpoint", "cat": "server", "ph": "X", "pid": 0, "tid": 0,
+                       "ts": round(float(c["time"]) * us, 1), "dur": round(float(c["seconds"]) * us, 1),
+                       "args": {"version": int(c["version"]), "reason": c["reason"].decode(),
+                                "training_s": round(float(c["elapsed"]), 3)}})
     for e in run["events"] if run["events"] is not None else []:
         text = e["text"].decode() if isinstance(e["text"], bytes) else str(e["text"])
         events.append({"name": e["kind"].decode(), "cat": "event", "ph": "i", "s": "g", "pid": 0, "tid": 0,

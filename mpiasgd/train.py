@@ -10,13 +10,17 @@ message naming the ranks and what went wrong, and every rank exits with status 2
 an exception on any rank prints that rank's traceback and aborts the whole job (MPI_Abort) with a
 non-zero status within seconds; a failing worker first tells the server, which records the failure
 and closes the run log, so nothing already logged is lost.
+
+SIGTERM, SIGUSR1 and SIGINT on any rank end the run with a checkpoint (`mpiasgd.signals`): every
+rank exits with EXIT_PREEMPTED (75), and `--resume RUN_DIR/NAME.ckpt.h5` continues it
+(`mpiasgd.checkpoint`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
-import signal
 import socket
 import sys
 import time
@@ -27,7 +31,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpiasgd import __version__, protocol
+from mpiasgd import __version__, checkpoint, protocol, signals
 from mpiasgd.comms import CommTimeout, wait
 from mpiasgd.config import Config, ConfigError
 from mpiasgd.data import DataError, ShardSampler, default_data_dir, load_dataset
@@ -48,11 +52,8 @@ from mpiasgd.runlog import WriterLock
 
 STARTUP_ERRORS = (ConfigError, DataError, OSError, ValueError, BackendUnavailable, DeviceError)
 EXIT_BAD_INPUT = 2
+EXIT_PREEMPTED = signals.EXIT_PREEMPTED  # 75: checkpointed on a signal; requeue and --resume
 ABORT_CODE = 1
-
-
-class Interrupted(Exception):
-    """Rank 0 received SIGTERM or SIGINT (scancel, a time limit, Ctrl-C); the message is the signal name."""
 
 
 @dataclass
@@ -171,6 +172,12 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
                           f"({smallest_shard} images: {dataset.train_y.size} over {shards} shards)")
     if me.is_server:
         out["path"] = os.path.join(cfg.run_dir, run_name(cfg, me.num_workers) + ".h5")
+        if cfg.resume:
+            ckpt = out["checkpoint"] = checkpoint.load(cfg.resume)
+            if ckpt.num_workers != me.num_workers:
+                raise ConfigError(f"--resume: checkpoint '{cfg.resume}' was written by a run with {ckpt.num_workers} "
+                                  f"workers; this job has {me.num_workers} (launch {1 + ckpt.num_workers} ranks)")
+            out["path"] = ckpt.log
         if os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
             raise ConfigError(f"config key 'run_dir' = {cfg.run_dir!r}: is a file, expected a directory")
         try:
@@ -181,7 +188,7 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
             raise ConfigError(f"config key 'run_dir' = {cfg.run_dir!r}: directory is not writable")
         out["lock"] = WriterLock(out["path"])
         out["lock"].acquire()  # held until the log is closed, or the process dies
-        if os.path.exists(out["path"]) and not cfg.overwrite:
+        if os.path.exists(out["path"]) and not cfg.overwrite and not cfg.resume:
             out["lock"].release()
             raise FileExistsError(f"run log '{out['path']}' exists; choose another --name or pass --overwrite")
     else:
@@ -258,13 +265,16 @@ def worker_failed(me: Rank, text: str, timeout: float = 5.0) -> None:
     abort(me, text)
 
 
-def run_server(cfg: Config, me: Rank, state: dict) -> None:
-    """(server only) Create the run log, serve, close the log, print the summary."""
+def run_server(cfg: Config, me: Rank, state: dict) -> int:
+    """(server only) Create (or, resuming, continue) the run log, serve, close the log, print the summary.
+
+    Returns 0, or EXIT_PREEMPTED when a signal ended the run (the checkpoint is written).
+    """
     from tqdm import tqdm
 
     from mpiasgd.report import summary_lines
     from mpiasgd.runlog import RunLog
-    from mpiasgd.server import ParameterServer, SyncMonitor, WorkerFailed
+    from mpiasgd.server import PREEMPT_GRACE, ParameterServer, Preempted, SyncMonitor, WorkerFailed
 
     model, dataset = state["model"], state["dataset"]
     workers = me.comm.gather(None, root=0)[1:]
@@ -288,7 +298,20 @@ def run_server(cfg: Config, me: Rank, state: dict) -> None:
              "data_source": dataset.source, "command": " ".join(sys.argv)}
     if cfg.mode == "pipeline":
         attrs["module_bounds"] = state["bounds"]  # module k: layers bounds[k]..bounds[k+1]-1
-    log = RunLog.create(state["path"], attrs, workers, model.num_params, cfg.flush_interval, state["lock"])
+    ckpt = state.get("checkpoint")
+    if ckpt is not None and os.path.exists(state["path"]):
+        log = RunLog.reopen(state["path"], workers, cfg.flush_interval, state["lock"])
+    else:
+        log = RunLog.create(state["path"], attrs, workers, model.num_params, cfg.flush_interval, state["lock"])
+    if ckpt is not None:
+        from mpiasgd.config import from_mapping, resume_overrides
+
+        changed = resume_overrides(from_mapping(json.loads(ckpt.config)), cfg)
+        text = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()) or "none"
+        log.add("events", (max(ckpt.log_time, log.last_time()), b"overrides", f"resumed with config changes: {text}"))
+        log.file.attrs["config"] = cfg.to_json()
+        print(f"mpiasgd: resuming '{state['path']}' from checkpoint '{ckpt.path}' (version {ckpt.version}, "
+              f"{ckpt.elapsed:.1f} s of training); config changes: {text}", flush=True)
     params = model.init_params(cfg.seed)
     bar = None
     if cfg.progress:
@@ -302,31 +325,32 @@ def run_server(cfg: Config, me: Rank, state: dict) -> None:
         server = PipelineMonitor(*args, model, dataset, state["bounds"])
     else:
         server = (SyncMonitor if cfg.mode == "sync" else ParameterServer)(*args)
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise Interrupted(signal.Signals(signum).name)
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, interrupt)
+    if ckpt is not None:
+        server.restore(ckpt)
+    hosts = {int(w[0]): w[1] for w in workers}
+    server.pids = {int(w[0]): (w[1], int(w[2])) for w in workers}
     try:
         summary = server.run()
-    except (Interrupted, WorkerFailed) as stop:
+    except (Preempted, WorkerFailed) as stop:
         # close the log first, so nothing already logged is lost, then end the whole job
-        failed = isinstance(stop, WorkerFailed)
-        status, what = ("failed", f"worker rank {stop.rank} failed") if failed else ("interrupted", f"{stop} received")
-        why = ("" if failed else " (from the scheduler or Ctrl-C, or from the launcher ending the job after "
-                                 "another rank died: see its message)")
-        log.add("events", (server.now(), status.encode(), str(stop) if failed else f"{what} by rank 0{why}"))
+        if isinstance(stop, WorkerFailed):
+            status, code, text = "failed", ABORT_CODE, f"worker rank {stop.rank} on {hosts[stop.rank]} failed"
+        else:  # a signal, and some workers did not answer: dead (the launcher's SIGTERM) or hung
+            names = ", ".join(f"rank {w} on {hosts[w]}" for w in stop.waiting)
+            status, code = "preempted", EXIT_PREEMPTED
+            text = (f"{stop.why}; checkpoint '{server.checkpoint_path}' written; worker(s) {names} did not answer "
+                    f"within {PREEMPT_GRACE:g} s: dead (a launcher ends the job with SIGTERM when a rank dies) or hung")
+        log.add("events", (server.now(), status.encode(),
+                           f"{text}:\n{stop.text}" if isinstance(stop, WorkerFailed) else text))
         log.close(status)
-        if failed:  # the failed worker waits for this acknowledgement before it aborts
+        if isinstance(stop, WorkerFailed):  # the failed worker waits for this acknowledgement before it aborts
             me.comm.Isend(Message(0).stamp(Tag.ERROR_ACK, 0).buf, dest=stop.rank, tag=int(Tag.ERROR_ACK))
         if bar is not None:
             bar.close()
-        print(f"mpiasgd: {what}{'' if failed else ' by rank 0' + why}; run log '{state['path']}' closed with "
-              f"status '{status}'."
-              + (f"\n{stop.text}" if failed else ""), file=sys.stderr, flush=True)
-        me.comm.Abort(ABORT_CODE)
-        return
+        print(f"mpiasgd: {text}; run log '{state['path']}' closed with status '{status}'."
+              + (f"\n{stop.text}" if isinstance(stop, WorkerFailed) else ""), file=sys.stderr, flush=True)
+        me.comm.Abort(code)
+        return code
     except BaseException:
         log.add("events", (server.now(), b"failed", traceback.format_exc()))
         log.close("failed")
@@ -334,8 +358,15 @@ def run_server(cfg: Config, me: Rank, state: dict) -> None:
     finally:
         if bar is not None:
             bar.close()
+    if server.preempted:
+        log.close("preempted", summary)
+        print(f"mpiasgd: run preempted ({server.preempted}); checkpoint '{server.checkpoint_path}' written at "
+              f"version {summary['version']}; continue with --resume {server.checkpoint_path}", file=sys.stderr,
+              flush=True)
+        return EXIT_PREEMPTED
     log.close("completed", summary)
     print("\n".join(summary_lines(state["path"])), flush=True)
+    return 0
 
 
 def train(cfg: Config, comm: Any = None) -> int:
@@ -366,10 +397,12 @@ def train(cfg: Config, comm: Any = None) -> int:
 
     # (all ranks) sync: the workers' own communicator for the allreduce; pipeline: the grid's two
     workers_comm, data_comm = communicators(cfg, me)
+    signals.install(None if me.is_server else me.rank)  # SIGTERM, SIGUSR1, SIGINT: checkpoint, end the run
+    status = 0
     try:
         with threadpool_limits(limits=threads, user_api="blas"):
             if me.is_server:
-                run_server(cfg, me, state)
+                status = run_server(cfg, me, state)
             else:
                 dev = state["device"]
                 pipeline = cfg.mode == "pipeline"
@@ -380,13 +413,15 @@ def train(cfg: Config, comm: Any = None) -> int:
                 if pipeline:
                     from mpiasgd.pipeline import PipelineUnit
 
-                    PipelineUnit(comm, cfg, state["model"], state["dataset"], state["sampler"], me.rank,
-                                 workers_comm, data_comm, state["bounds"]).run()
+                    preempted = PipelineUnit(comm, cfg, state["model"], state["dataset"], state["sampler"], me.rank,
+                                             workers_comm, data_comm, state["bounds"]).run()
                 else:
                     from mpiasgd.worker import Worker
 
-                    Worker(comm, cfg, state["model"], state["dataset"], state["sampler"], state["test_idx"],
-                           me.rank, state["staging"], state["make_staging"], workers_comm).run()
+                    preempted = Worker(comm, cfg, state["model"], state["dataset"], state["sampler"],
+                                       state["test_idx"], me.rank, state["staging"], state["make_staging"],
+                                       workers_comm).run()
+                status = EXIT_PREEMPTED if preempted else 0
     except BaseException as e:
         # a timeout or a protocol violation says all in its message (naming the rank); anything else: traceback
         text = str(e) if isinstance(e, (CommTimeout, ProtocolError)) else traceback.format_exc()
@@ -394,4 +429,4 @@ def train(cfg: Config, comm: Any = None) -> int:
             abort(me, text)
         else:
             worker_failed(me, text)
-    return 0
+    return status

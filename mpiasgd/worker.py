@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpiasgd import protocol
+from mpiasgd import protocol, signals
+from mpiasgd.checkpoint import batch_rng
 from mpiasgd.comms import wait
 from mpiasgd.config import Config
 from mpiasgd.data import Dataset, ShardSampler
@@ -42,10 +43,14 @@ from mpiasgd.optim import finite_square, fraction_done, learning_rate
 from mpiasgd.protocol import Flag, Message, ProtocolError, Tag
 
 
-def minibatches(sampler: ShardSampler, batch_size: int):
+def minibatches(sampler: ShardSampler, batch_size: int, start: int = 0):
     """Endless (epoch, indices) minibatches of `batch_size` over `sampler`'s shard, reshuffled every
-    epoch; a batch may straddle two epochs (indices: int64 (batch_size,))."""
-    epoch, queue = 0, np.empty(0, dtype=np.int64)
+    epoch; a batch may straddle two epochs (indices: int64 (batch_size,)). `start` skips the first
+    `start` minibatches (a resumed worker's cursor) without drawing them."""
+    skip = start * batch_size
+    epoch, offset = divmod(skip, len(sampler))
+    queue = sampler.indices(epoch)[offset:]
+    epoch += 1
     while True:
         while queue.size < batch_size:
             queue = np.concatenate([queue, sampler.indices(epoch)])
@@ -104,14 +109,23 @@ class Worker:
         self.step = 0
         self.version = -1
         self.slowdown = cfg.stragglers().get(rank, 1.0)  # compute time multiplier of this worker
-        self.rng = np.random.default_rng([cfg.seed, 1, rank])  # augmentation
+        self.cursor = 0                  # minibatches drawn from the shard: the data position
         self.batches = minibatches(sampler, cfg.batch_size)
+        self.elapsed = 0.0               # seconds of training before this job (a resumed run)
+        self.preempted = False           # the server's STOP said: a signal ended the run
+
+    def resume(self, header: np.void) -> None:
+        """Continue from the initial WEIGHTS of a resumed run (flag RESUME): step count, data position, clock."""
+        self.step, self.cursor, self.elapsed = int(header["step"]), int(header["cursor"]), float(header["elapsed"])
+        self.batches = minibatches(self.sampler, self.cfg.batch_size, self.cursor)
 
     def gradient(self) -> tuple[float, int, int, int]:
         """Forward and backward on the next minibatch into the bound grads; (loss, correct, samples, epoch)."""
         epoch, idx = next(self.batches)
         ops = self.model.ops
-        x, y = self.dataset.batch("train", idx, self.rng)  # (B, C, H, W) float32, (B,) int64, host
+        rng = batch_rng(self.cfg.seed, self.rank, self.cursor)  # augmentation, reproducible from the cursor
+        self.cursor += 1
+        x, y = self.dataset.batch("train", idx, rng)  # (B, C, H, W) float32, (B,) int64, host
         x, y = ops.asarray(x), ops.asarray(y, y.dtype)     # cupy: host -> device; numpy: the same arrays
         loss, correct = self.model.forward_backward(x, y)
         return loss, correct, idx.size, epoch
@@ -121,10 +135,12 @@ class Worker:
         if self.slowdown > 1:
             time.sleep((self.slowdown - 1) * (time.perf_counter() - t0))
 
-    def receive_reply(self, request: Any, staging: Staging, what: str, timeout: float = 0.0) -> tuple[Tag, float]:
+    def receive_reply(self, request: Any, staging: Staging, what: str, timeout: float = 0.0,
+                      initial: bool = False) -> tuple[Tag, float]:
         """Wait for WEIGHTS or STOP from the server into `staging.recv_buf`; returns (tag, seconds waited).
 
-        After it returns, `staging.weights.header` and `staging.params` hold what arrived.
+        After it returns, `staging.weights.header` and `staging.params` hold what arrived. The `initial`
+        weights of a resumed run (flag RESUME) set the step, data position and clock (`resume`).
         """
         status = MPI.Status()
         waited = wait(request, what, self.rank, timeout or self.cfg.worker_timeout, status)
@@ -136,22 +152,33 @@ class Worker:
         protocol.check_size(tag, 0, self.rank, status.Get_count(MPI.BYTE), weights.count)
         protocol.check(weights, tag, 0, self.rank)
         version, step = int(weights.header["version"]), int(weights.header["step"])
+        flags = int(weights.header["flags"])
+        if initial and flags & Flag.RESUME:
+            self.resume(weights.header)
+        if tag == Tag.STOP and flags & Flag.PREEMPT:
+            self.preempted = True
         if step != self.step or version < self.version:
             raise ProtocolError(f"rank {self.rank}: {tag.name} answers step {step} at version {version}; "
                                 f"expected step {self.step} at version >= {self.version}")
         self.version = version
         return tag, waited
 
-    def run(self) -> None:
-        """Train until the run stops, then evaluate the final weights on this worker's test slice."""
+    def run(self) -> bool:
+        """Train until the run stops, then evaluate the final weights on this worker's test slice.
+
+        Returns True if a signal ended the run (preempted: no evaluation, an EVAL of 0 images is sent).
+        """
         if self.cfg.mode == "sync":
             self.run_sync()
         else:
             self.run_async()
-        loss_sum, correct, count = evaluate(self.model, self.dataset, self.test_idx, self.cfg.eval_batch_size)
+        loss_sum = correct = count = 0
+        if not self.preempted:
+            loss_sum, correct, count = evaluate(self.model, self.dataset, self.test_idx, self.cfg.eval_batch_size)
         result = Message(0).stamp(Tag.EVAL, self.rank, samples=count, correct=correct, loss=loss_sum)
         sending = self.comm.Isend(result.buf, dest=0, tag=int(Tag.EVAL))
         wait(sending, "completion of the EVAL send", self.rank, self.cfg.worker_timeout)
+        return self.preempted
 
     # --- async and ssp ---------------------------------------------------------------------------
     def run_async(self) -> None:
@@ -167,8 +194,8 @@ class Worker:
         cur = 0  # the staging whose params hold the weights in use
         request = self.comm.Irecv(stagings[cur].recv_buf, source=0, tag=MPI.ANY_TAG)
         tag, wait_s = self.receive_reply(request, stagings[cur], "initial weights from the parameter server (rank 0)",
-                                         timeout=cfg.worker_timeout + cfg.warm_start)
-        began = time.perf_counter()
+                                         timeout=cfg.worker_timeout + cfg.warm_start, initial=True)
+        began = time.perf_counter() - self.elapsed
         local = LocalSGD(model, cfg) if cfg.nsync > 1 else None
         pulled = ops.empty(model.num_params) if local else None  # the weights at the start of this round
         sending: list[Any] = [None] * n  # the push in flight from each staging's send buffer
@@ -215,7 +242,9 @@ class Worker:
             self.step += 1
             stagings[out].push.stamp(Tag.PUSH, rank, step=self.step, version=version, samples=samples, epoch=epoch,
                                      correct=correct, loss=loss / samples, compute_s=t1 - t0, comm_s=comm_s,
-                                     wait_s=wait_s, lr=lr, flags=Flag.DELTA if local is not None else 0)
+                                     wait_s=wait_s, lr=lr, cursor=self.cursor,
+                                     flags=(Flag.DELTA if local is not None else 0)
+                                     | (Flag.PREEMPT if signals.received() else 0))
             stagings[out].before_send()  # cupy: gradient device->host (pinned) or header host->device (CUDA-aware)
             into = (cur + 1) % n  # --overlap: the reply lands in the staging not in use
             request = self.comm.Irecv(stagings[into].recv_buf, source=0, tag=MPI.ANY_TAG)
@@ -234,24 +263,44 @@ class Worker:
 
     # --- sync --------------------------------------------------------------------------------------
     def run_sync(self) -> None:
-        """Allreduce-average gradients with the other workers and step locally until the stopping rule."""
+        """Allreduce-average gradients with the other workers and step locally until the stopping rule.
+
+        The first worker (rank 0 of the workers' communicator) also sends rank 0 the SNAPSHOTs and the
+        CHECKPOINTs (weights and velocity), at intervals judged on the max-allreduced clock and at the
+        end. A signal on any worker, or a STOP from rank 0 (a signal there), enters the control
+        allreduce: every worker makes that step its last, the state is checkpointed, and the run ends
+        without the final evaluation.
+        """
         cfg, model, rank, wc = self.cfg, self.model, self.rank, self.workers_comm
         staging, nworkers = self.staging, wc.Get_size()
         request = self.comm.Irecv(staging.recv_buf, source=0, tag=MPI.ANY_TAG)
-        tag, _ = self.receive_reply(request, staging, "initial weights from the parameter server (rank 0)")
+        tag, _ = self.receive_reply(request, staging, "initial weights from the parameter server (rank 0)",
+                                    initial=True)
         if tag != Tag.WEIGHTS:
             raise ProtocolError(f"rank {rank}: expected the initial WEIGHTS from rank 0, got {tag.name}")
         model.bind(staging.params, staging.grads)
         local = LocalSGD(model, cfg)
-        leader = wc.Get_rank() == 0  # sends the snapshots
+        applied = 0
+        if int(staging.weights.header["flags"]) & Flag.RESUME:  # the velocity follows the weights
+            applied = int(staging.weights.header["version"])
+            state = Message(model.num_params)
+            status = MPI.Status()
+            wait(self.comm.Irecv(state.buf, source=0, tag=int(Tag.CHECKPOINT)),
+                 "the optimizer state of the checkpoint from rank 0", rank, cfg.worker_timeout, status)
+            protocol.check_size(Tag.CHECKPOINT, 0, rank, status.Get_count(MPI.BYTE), state.count)
+            protocol.check(state, Tag.CHECKPOINT, 0, rank)
+            local.velocity[...] = model.ops.asarray(state.payload)
+        stop = Message(0)  # rank 0's STOP: after the last REPORT, or at once on a signal
+        stop_req = self.comm.Irecv(stop.buf, source=0, tag=int(Tag.STOP))
+        leader = wc.Get_rank() == 0  # sends the snapshots and checkpoints
         reports = [Message(0), Message(0)]  # header-only REPORTs; alternate so one is always free
         report_sends: list[Any] = [None, None]
         snap, snap_send = (Message(model.num_params), None) if leader else (None, None)
-        ctrl = np.zeros(2, dtype=np.float64)  # [non-finite flag, elapsed seconds], max-allreduced
-        start = time.perf_counter()
-        last_snapshot = 0.0
+        ckpt, ckpt_send = (Message(2 * model.num_params), None) if leader else (None, None)
+        ctrl = np.zeros(3, dtype=np.float64)  # [non-finite flag, elapsed seconds, preempt], max-allreduced
+        start = time.perf_counter() - self.elapsed
+        last_snapshot = last_checkpoint = self.elapsed
         samples_per_step = cfg.batch_size * nworkers
-        applied = 0
         last = False
         while not last:
             t0 = time.perf_counter()
@@ -261,7 +310,8 @@ class Worker:
             t1 = time.perf_counter()
             grads = model.grads
             nonfinite = not finite_square(grads)[0]
-            ctrl[0], ctrl[1] = float(nonfinite), time.perf_counter() - start
+            preempt = bool(signals.received()) or bool(stop_req.Test())
+            ctrl[0], ctrl[1], ctrl[2] = float(nonfinite), time.perf_counter() - start, float(preempt)
             wait_s = wait(wc.Iallreduce(MPI.IN_PLACE, ctrl, op=MPI.MAX), "the control allreduce", rank,
                           cfg.worker_timeout)
             skipped = bool(ctrl[0])
@@ -278,23 +328,38 @@ class Worker:
                 local.step(lr)
                 applied += 1
             t2 = time.perf_counter()
-            last = self.sync_should_stop(applied, ctrl[1], samples_per_step)
-            flags = (Flag.SKIPPED if skipped else 0) | (Flag.NONFINITE if nonfinite else 0) | (Flag.LAST if last else 0)
+            self.preempted = bool(ctrl[2])
+            last = self.preempted or self.sync_should_stop(applied, ctrl[1], samples_per_step)
+            flags = ((Flag.SKIPPED if skipped else 0) | (Flag.NONFINITE if nonfinite else 0)
+                     | (Flag.LAST if last else 0) | (Flag.PREEMPT if preempt else 0))
             slot = self.step % 2
             wait(report_sends[slot], "completion of a REPORT send", rank, cfg.worker_timeout)
             digest = protocol.weights_digest(model.ops.to_numpy(model.params))  # rank 0 checks the replicas agree
             reports[slot].stamp(Tag.REPORT, rank, step=self.step, version=applied, samples=samples, epoch=epoch,
                                 correct=correct, loss=loss, compute_s=t1 - t0, comm_s=t2 - t1 - wait_s,
-                                wait_s=wait_s, lr=lr, flags=flags, digest=digest)
+                                wait_s=wait_s, lr=lr, flags=flags, digest=digest, cursor=self.cursor)
             report_sends[slot] = self.comm.Isend(reports[slot].buf, dest=0, tag=int(Tag.REPORT))
-            if leader and (last or (cfg.snapshot_interval and ctrl[1] - last_snapshot >= cfg.snapshot_interval)):
+            if not leader:
+                continue
+            if last or (cfg.snapshot_interval and ctrl[1] - last_snapshot >= cfg.snapshot_interval):
                 last_snapshot = ctrl[1]
                 wait(snap_send, "completion of a SNAPSHOT send", rank, cfg.worker_timeout)
                 snap.payload[:] = model.ops.to_numpy(model.params)
                 snap.stamp(Tag.SNAPSHOT, rank, step=self.step, version=applied, flags=Flag.FINAL if last else 0)
                 snap_send = self.comm.Isend(snap.buf, dest=0, tag=int(Tag.SNAPSHOT))
-        for req in (*report_sends, snap_send):
-            wait(req, "completion of the last REPORT/SNAPSHOT sends", rank, cfg.worker_timeout)
+            if last or (cfg.checkpoint_interval and ctrl[1] - last_checkpoint >= cfg.checkpoint_interval):
+                last_checkpoint = ctrl[1]
+                wait(ckpt_send, "completion of a CHECKPOINT send", rank, cfg.worker_timeout)
+                P = model.num_params
+                ckpt.payload[:P] = model.ops.to_numpy(model.params)
+                ckpt.payload[P:] = model.ops.to_numpy(local.velocity)
+                ckpt.stamp(Tag.CHECKPOINT, rank, step=self.step, version=applied, cursor=self.cursor,
+                           elapsed=ctrl[1], flags=(Flag.FINAL if last else 0) | (Flag.PREEMPT if self.preempted else 0))
+                ckpt_send = self.comm.Isend(ckpt.buf, dest=0, tag=int(Tag.CHECKPOINT))
+        for req in (*report_sends, snap_send, ckpt_send):
+            wait(req, "completion of the last REPORT/SNAPSHOT/CHECKPOINT sends", rank, cfg.worker_timeout)
+        wait(stop_req, "STOP from rank 0 after the last step", rank, cfg.worker_timeout)
+        protocol.check(stop, Tag.STOP, 0, rank)
 
     def sync_should_stop(self, steps: int, elapsed: float, samples_per_step: int) -> bool:
         """The stopping rule, judged identically on every worker (steps and the max-allreduced clock).

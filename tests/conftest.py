@@ -39,8 +39,30 @@ class Result:
                 f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}")
 
 
+_JOB_ROOT: list[str] = []  # one short temporary directory per test session, a folder in it per job
+
+
+def job_tmpdir() -> str:
+    """A fresh, short TMPDIR for one mpiexec job. Open MPI keeps its session directory there
+    (`ompi.<pid>`); one left by a killed launcher would break a later launcher that gets the same
+    pid, and socket paths under it must stay below 108 bytes. Removed at the end of the session."""
+    import tempfile
+
+    if not _JOB_ROOT:
+        _JOB_ROOT.append(tempfile.mkdtemp(prefix="mpiasgd-t-"))
+    return tempfile.mkdtemp(dir=_JOB_ROOT[0])
+
+
+@pytest.fixture(autouse=True, scope="session")
+def remove_job_tmpdirs():
+    yield
+    for root in _JOB_ROOT:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def mpi_env() -> dict:
     env = dict(os.environ)
+    env["TMPDIR"] = job_tmpdir()
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",  # CI runs as root
                OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
                PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))

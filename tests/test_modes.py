@@ -105,7 +105,7 @@ def test_sync_monitor_takes_snapshots_only_from_the_first_worker(tmp_path):
         serve_one(monitor)
     net.post(1, 0, Tag.PUSH, Message(6).stamp(Tag.PUSH, 1, step=1).buf)
     with pytest.raises(ProtocolError, match="unexpected PUSH message from rank 1 \\(in mode 'sync' rank 0 "
-                                            "receives REPORT, SNAPSHOT, EVAL and ERROR\\)"):
+                                            "receives REPORT, SNAPSHOT, CHECKPOINT, EVAL and ERROR\\)"):
         serve_one(monitor)
 
 

@@ -70,7 +70,8 @@ def test_trace_has_a_track_per_rank_and_the_steps_in_order(mpirun, tmp_path):
 
     from mpiasgd.runlog import open_log
 
-    res = mpirun(3, ["train", *FAST, "--epochs", "0", "--max-pushes", "60", "--name", "t"], timeout=60)
+    res = mpirun(3, ["train", *FAST, "--epochs", "0", "--max-pushes", "60", "--checkpoint-interval", "0.02",
+                     "--name", "t"], timeout=60)
     assert res.returncode == 0, res.explain()
     log, out = tmp_path / "runs" / "t.h5", tmp_path / "trace.json"
     done = subprocess.run([sys.executable, "-m", "mpiasgd", "trace", str(log), "-o", str(out)], capture_output=True,
@@ -80,7 +81,11 @@ def test_trace_has_a_track_per_rank_and_the_steps_in_order(mpirun, tmp_path):
     tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
     assert tracks == {0: "rank 0 (server)", 1: "rank 1 (worker)", 2: "rank 2 (worker)"}
     with open_log(str(log)) as f:
-        pushes = f["pushes"][()]
+        pushes, checkpoints = f["pushes"][()], f["checkpoints"][()]
+    spans = [e for e in events if e["name"] == "checkpoint"]  # one span per checkpoint written, on rank 0
+    assert len(spans) == len(checkpoints) >= 1 and spans[-1]["args"]["reason"] == "end"
+    assert all(e["ph"] == "X" and e["tid"] == 0 and e["dur"] > 0 for e in spans)
+    np.testing.assert_allclose([e["dur"] / 1e6 for e in spans], checkpoints["seconds"], rtol=1e-3)
     for rank in (1, 2):
         rows = pushes[pushes["worker"] == rank]
         compute = [e for e in events if e["ph"] == "X" and e["tid"] == rank and e["name"] == "compute"]

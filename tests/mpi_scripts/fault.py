@@ -11,6 +11,7 @@ KIND: raise      rank RANK (a worker) raises RuntimeError("injected failure") in
       nan1       worker RANK computes a NaN gradient in its 3rd step only
       perturb    worker RANK's weights are nudged after its 3rd local SGD step (sync, pipeline replicas)
       nanmodule  pipeline unit RANK's module gradients are NaN from its 3rd backward on
+      preempt    rank RANK (a worker or a pipeline module 0) sends itself SIGUSR1 in its 10th minibatch
 """
 
 import sys
@@ -24,6 +25,22 @@ from mpiasgd.protocol import Message, Tag
 
 kind, target, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 rank = MPI.COMM_WORLD.Get_rank()
+
+if kind == "preempt" and rank == target:
+    import os
+    import signal
+
+    from mpiasgd.data import Dataset
+
+    original_batch, drawn = Dataset.batch, [0]
+
+    def signalled_batch(self, split, idx, rng=None):
+        drawn[0] += split == "train"
+        if drawn[0] == 10 and split == "train":
+            os.kill(os.getpid(), signal.SIGUSR1)  # what `scancel --signal=USR1` delivers
+        return original_batch(self, split, idx, rng)
+
+    Dataset.batch = signalled_batch
 
 if kind in ("raise", "hang") and rank == target:
     from mpiasgd.data import Dataset

@@ -1,0 +1,198 @@
+"""Checkpoints: the whole training state in one HDF5 file, written atomically by rank 0.
+
+`RUN_DIR/NAME.ckpt.h5`, next to the run log, replaced at every checkpoint:
+
+    params       float32 (P,)   the weights (async/ssp: the master weights; sync: the workers' common
+                                copy; pipeline: every module's slice, assembled)
+    momentum     float32 (P,)   the optimizer's velocity (zeros when momentum is 0; async/ssp with
+                                nsync > 1: the server's, the workers' local velocities are not kept)
+    workers      WORKER_STATE (W,): each worker's rank, step (pushes or sync steps made, or pipeline
+                                iterations), cursor (minibatches it drew from its shard: its data
+                                position), rejected (non-finite pushes)
+    attrs        format, mode, model, num_workers, num_params, version (server updates / sync steps /
+                 pipeline minibatches), samples, elapsed (seconds of training the state holds: the
+                 schedule's clock), log_time (the run log's clock when it was written), reason,
+                 config (JSON), log (the run log's path), staleness_sum/_max/_count, created, and
+                 crc32_params / crc32_momentum (checked on load)
+
+Random state: the initial weights, the shards and each epoch's shuffle derive from `seed`; the
+augmentation of minibatch b of a worker's stream comes from `batch_rng(seed, stream, b)`. So the
+seed and the cursors are every random state there is, and a resumed run draws exactly the data
+and augmentation the uninterrupted run would have.
+
+Writes are atomic (`write`): a temporary file in the same directory, flushed and fsynced, renamed
+over the old checkpoint, then the directory fsynced. A process killed at any moment leaves either
+the old or the new checkpoint, never a torn one. `load` verifies the CRC-32s.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+import zlib
+from dataclasses import dataclass
+
+import h5py
+import numpy as np
+
+FORMAT = "mpiasgd-checkpoint-1"
+WORKER_STATE = np.dtype([("rank", "<i4"), ("step", "<i8"), ("cursor", "<i8"), ("rejected", "<i8")])
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, unreadable, torn or from another run (the message names the file)."""
+
+
+def checkpoint_path(log_path: str) -> str:
+    """The checkpoint file of the run log `RUN_DIR/NAME.h5`: `RUN_DIR/NAME.ckpt.h5`."""
+    return log_path[:-3] + ".ckpt.h5" if log_path.endswith(".h5") else log_path + ".ckpt.h5"
+
+
+def batch_rng(seed: int, stream: int, b: int) -> np.random.Generator:
+    """The augmentation generator of minibatch `b` (0-based) of data stream `stream` (a worker's rank;
+    in pipeline mode 1 + the replica): independent of everything drawn before, so a resumed worker
+    continues the sequence exactly from its cursor."""
+    return np.random.default_rng([seed, 1, stream, b])
+
+
+def crc32(a: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(a))
+
+
+@dataclass
+class Checkpoint:
+    """The training state of a run (see the module docstring for every field's meaning)."""
+
+    params: np.ndarray
+    momentum: np.ndarray
+    workers: np.ndarray
+    version: int
+    samples: int
+    elapsed: float
+    log_time: float
+    config: str
+    log: str
+    mode: str
+    model: str
+    reason: str = ""
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    staleness_count: int = 0
+    path: str = ""
+
+    @property
+    def num_workers(self) -> int:
+        return int(self.workers.size)
+
+    def worker(self, rank: int) -> np.void:
+        """The WORKER_STATE row of worker `rank`."""
+        return self.workers[int(np.flatnonzero(self.workers["rank"] == rank)[0])]
+
+
+def write(path: str, ckpt: Checkpoint) -> float:
+    """Write `ckpt` to `path` atomically (see the module docstring); returns the seconds it took.
+
+    Raises OSError (disk full, permissions): the previous checkpoint is left as it was, and the
+    temporary file is removed.
+    """
+    t0 = time.perf_counter()
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    remove_stale_temporaries(path)
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.create_dataset("params", data=ckpt.params.astype(np.float32, copy=False))
+            f.create_dataset("momentum", data=ckpt.momentum.astype(np.float32, copy=False))
+            f.create_dataset("workers", data=ckpt.workers.astype(WORKER_STATE, copy=False))
+            a = f.attrs
+            a["format"] = FORMAT
+            for key in ("mode", "model", "config", "log", "reason"):
+                a[key] = getattr(ckpt, key)
+            for key in ("version", "samples", "staleness_sum", "staleness_max", "staleness_count"):
+                a[key] = int(getattr(ckpt, key))
+            a["elapsed"], a["log_time"] = float(ckpt.elapsed), float(ckpt.log_time)
+            a["num_workers"], a["num_params"] = ckpt.num_workers, int(ckpt.params.size)
+            a["crc32_params"], a["crc32_momentum"] = crc32(ckpt.params), crc32(ckpt.momentum)
+            a["created"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the data is on disk before the name points at it
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # and the rename itself
+        finally:
+            os.close(fd)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return time.perf_counter() - t0
+
+
+def remove_stale_temporaries(path: str) -> list[str]:
+    """Delete the temporary files of checkpoints of `path` whose writer died mid-write (kill -9, node
+    failure); returns their paths. A live writer's file (its pid exists on this host) is kept."""
+    directory, prefix = os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp."
+    removed = []
+    for name in os.listdir(directory):
+        pid = name[len(prefix):]
+        stale = pid.isdigit() and (int(pid) == os.getpid() or not os.path.exists(f"/proc/{pid}"))
+        if name.startswith(prefix) and stale:
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def load(path: str) -> Checkpoint:
+    """Read and verify the checkpoint at `path`; CheckpointError naming the file and what is wrong."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint '{path}' not found" + (" (it is a directory)" if os.path.isdir(path)
+                                                                  else ""))
+    try:
+        with h5py.File(path, "r") as f:
+            a = f.attrs
+            if a.get("format") != FORMAT:
+                raise CheckpointError(f"'{path}' is not an mpiasgd checkpoint (format attribute "
+                                      f"{a.get('format')!r}, expected {FORMAT!r})")
+            ckpt = Checkpoint(
+                params=f["params"][()], momentum=f["momentum"][()], workers=f["workers"][()],
+                version=int(a["version"]), samples=int(a["samples"]), elapsed=float(a["elapsed"]),
+                log_time=float(a["log_time"]), config=str(a["config"]), log=str(a["log"]), mode=str(a["mode"]),
+                model=str(a["model"]), reason=str(a["reason"]), staleness_sum=int(a["staleness_sum"]),
+                staleness_max=int(a["staleness_max"]), staleness_count=int(a["staleness_count"]), path=path)
+            crcs = int(a["crc32_params"]), int(a["crc32_momentum"])
+    except CheckpointError:
+        raise
+    except (OSError, KeyError) as e:
+        raise CheckpointError(f"checkpoint '{path}' cannot be read: {e}") from None
+    if (crc32(ckpt.params), crc32(ckpt.momentum)) != crcs:
+        raise CheckpointError(f"checkpoint '{path}' is corrupt: its weights or momentum do not match the CRC-32 "
+                              f"stored with them")
+    if ckpt.params.shape != ckpt.momentum.shape or ckpt.params.dtype != np.float32:
+        raise CheckpointError(f"checkpoint '{path}' is corrupt: params {ckpt.params.dtype}{ckpt.params.shape}, "
+                              f"momentum {ckpt.momentum.dtype}{ckpt.momentum.shape}")
+    return ckpt
+
+
+def load_config(path: str) -> dict:
+    """The config (as a dict of keys) stored in the checkpoint at `path`, read without the arrays."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint '{path}' not found")
+    try:
+        with h5py.File(path, "r") as f:
+            if f.attrs.get("format") != FORMAT:
+                raise CheckpointError(f"'{path}' is not an mpiasgd checkpoint (format attribute "
+                                      f"{f.attrs.get('format')!r}, expected {FORMAT!r})")
+            return json.loads(f.attrs["config"])
+    except CheckpointError:
+        raise
+    except (OSError, KeyError, ValueError) as e:
+        raise CheckpointError(f"checkpoint '{path}' cannot be read: {e}") from None

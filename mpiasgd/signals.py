@@ -1,0 +1,46 @@
+"""Preemption signals: SIGTERM, SIGUSR1 (and SIGINT) on any rank end the run with a checkpoint.
+
+A scheduler warns a job before it ends it (SLURM: `--signal=USR1@120`, `scancel --signal`, and
+SIGTERM at the time limit, KillWait seconds before SIGKILL). `install()` makes those signals set a
+flag instead of killing the process; the roles poll `received()` between messages and steps:
+
+    rank 0     stops the run, writes a checkpoint, tells the workers (STOP with flag PREEMPT)
+    a worker   flags its next PUSH or REPORT (or, in sync mode, the control allreduce) with PREEMPT,
+               which makes rank 0 do the same
+
+Every rank then exits with EXIT_PREEMPTED (75, EX_TEMPFAIL: "try again"), which a job script can
+take as its cue to requeue the job and `--resume` from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+EXIT_PREEMPTED = 75
+
+_received: list[str] = []
+_rank: int | None = None
+
+
+def _handler(signum: int, frame: Any) -> None:
+    _received.append(signal.Signals(signum).name)
+    if len(_received) == 1 and _rank is not None:  # the job's output names the rank that got it
+        os.write(2, f"mpiasgd: rank {_rank}: {_received[0]} received: checkpointing and ending the run\n".encode())
+
+
+def install(rank: int | None = None) -> None:
+    """Route PREEMPT_SIGNALS to the flag read by `received()` (main thread only); a worker's `rank` is
+    printed to stderr when its first signal arrives."""
+    global _rank
+    _rank = rank
+    _received.clear()
+    for signum in PREEMPT_SIGNALS:
+        signal.signal(signum, _handler)
+
+
+def received() -> str:
+    """The name of the first preemption signal received since `install()`, or ""."""
+    return _received[0] if _received else ""
