@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(argv: list[str]) -> int:
+    from mpiasgd import signals
     from mpiasgd.config import ConfigError, make_parser, resolve
+
+    signals.install()  # SIGTERM, SIGUSR1, SIGINT from now on: checkpoint and end the run (exit status 75)
 
     parser = make_parser()
     if "-h" in argv or "--help" in argv:

@@ -31,14 +31,18 @@ def _handler(signum: int, frame: Any) -> None:
         os.write(2, f"mpiasgd: rank {_rank}: {_received[0]} received: checkpointing and ending the run\n".encode())
 
 
-def install(rank: int | None = None) -> None:
-    """Route PREEMPT_SIGNALS to the flag read by `received()` (main thread only); a worker's `rank` is
-    printed to stderr when its first signal arrives."""
-    global _rank
-    _rank = rank
+def install() -> None:
+    """Route PREEMPT_SIGNALS to the flag read by `received()` (main thread only). `mpiasgd train` does
+    it first thing, so a signal during start-up is not lost: the run then ends at its first step."""
     _received.clear()
     for signum in PREEMPT_SIGNALS:
         signal.signal(signum, _handler)
+
+
+def set_rank(rank: int | None) -> None:
+    """A worker's `rank`, printed to stderr when its first signal arrives (rank 0 says more itself)."""
+    global _rank
+    _rank = rank
 
 
 def received() -> str:

@@ -397,7 +397,7 @@ def train(cfg: Config, comm: Any = None) -> int:
 
     # (all ranks) sync: the workers' own communicator for the allreduce; pipeline: the grid's two
     workers_comm, data_comm = communicators(cfg, me)
-    signals.install(None if me.is_server else me.rank)  # SIGTERM, SIGUSR1, SIGINT: checkpoint, end the run
+    signals.set_rank(None if me.is_server else me.rank)  # the signals were routed by cli._train
     status = 0
     try:
         with threadpool_limits(limits=threads, user_api="blas"):

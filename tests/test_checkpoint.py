@@ -230,6 +230,7 @@ def wait_for(predicate, timeout=60.0):
     ("async", signal.SIGTERM, 0),           # SLURM's time limit, on every rank; here rank 0 alone
     ("async", signal.SIGUSR1, "mpiexec"),   # `scancel --signal=USR1` to the step; mpiexec forwards it
     ("async", signal.SIGTERM, 2),           # a worker alone
+    ("ssp", signal.SIGUSR1, 1),
     ("sync", signal.SIGUSR1, 0),
     ("sync", signal.SIGTERM, 1),
     ("pipeline", signal.SIGUSR1, 0),
@@ -238,6 +239,7 @@ def wait_for(predicate, timeout=60.0):
 def test_signal_on_any_rank_checkpoints_and_exits_within_10s(tmp_path, mode, sig, target):
     nranks = 5 if mode == "pipeline" else 3
     extra = ["--modules", "2"] if mode == "pipeline" else []
+    extra += ["--staleness-bound", "1"] if mode == "ssp" else []
     proc = start_mpi(nranks, ["train", *FAST, "--mode", mode, *extra, "--epochs", "0", "--max-time", "120",
                               "--name", "sig"], tmp_path)
     runs = tmp_path / "runs"

@@ -108,3 +108,36 @@ def test_pipeline_modules_on_the_gpu_match_numpy(tmp_path):
     with open_log(str(tmp_path / "runs" / "pipe-cp.h5")) as f, open_log(str(tmp_path / "runs" / "pipe-np.h5")) as g:
         np.testing.assert_allclose(f["snapshots/params"][-1], g["snapshots/params"][-1], rtol=1e-3, atol=1e-5)
         assert f.attrs["test_accuracy"] == pytest.approx(g.attrs["test_accuracy"], abs=0.02)
+
+
+def split_run(tmp_path, backend, name, extra):
+    """10 steps, then --resume to 20; returns the final checkpoint."""
+    from mpiasgd import checkpoint
+
+    train(tmp_path, 3, backend, name, [*extra, "--max-pushes", "10"])
+    res = run_mpi(3, ["train", "--resume", f"runs/{name}.ckpt.h5", "--max-pushes", "20", "--no-progress"], 240,
+                  tmp_path)
+    assert res.returncode == 0, res.explain()
+    return checkpoint.load(str(tmp_path / "runs" / f"{name}.ckpt.h5"))
+
+
+def test_resume_on_the_gpu(tmp_path, cifar_dir):
+    """cupy workers, cifar10 (augmentation on). Sync: 20 steps straight and 10 + --resume + 10 end with
+    the same checkpoint, bit for bit. Pipeline (K = 2): 10 + --resume + 10 on cupy matches the same on
+    numpy to float32 rounding (the momentum crosses the resume through the checkpoint)."""
+    from mpiasgd import checkpoint
+
+    share = ["--share-devices"] if cuda_device_count() < 2 else []
+    extra = ["--model", "cifar10", "--data-dir", str(cifar_dir), "--epochs", "0", "--lr-schedule", "constant"]
+    sync = [*extra, "--mode", "sync", *share]
+    train(tmp_path, 3, "cupy", "straight", [*sync, "--max-pushes", "20"])
+    a = checkpoint.load(str(tmp_path / "runs" / "straight.ckpt.h5"))
+    b = split_run(tmp_path, "cupy", "split", sync)
+    assert a.version == b.version == 20
+    np.testing.assert_array_equal(a.params, b.params)
+    np.testing.assert_array_equal(a.momentum, b.momentum)
+    pipe = [*extra, "--mode", "pipeline", "--modules", "2"]
+    c, d = split_run(tmp_path, "cupy", "pipe-cp", [*pipe, *share]), split_run(tmp_path, "numpy", "pipe-np", pipe)
+    assert c.version == d.version == 20
+    np.testing.assert_allclose(c.params, d.params, rtol=1e-3, atol=1e-5)
+    np.testing.assert_allclose(c.momentum, d.momentum, rtol=1e-3, atol=1e-5)
