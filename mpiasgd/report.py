@@ -100,6 +100,11 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
     train_time = _train_time(run)
     images = _images(run)
     lines = [f"run log          {path}  (status: {run.get('status')})"]
+    if run.get("status") == "preempted":
+        from mpiasgd.checkpoint import checkpoint_path
+
+        lines.append(f"checkpoint       {checkpoint_path(path)}  (no final evaluation; continue with "
+                     f"'--resume {checkpoint_path(path)}')")
     if final is not None:
         lines.append(f"test accuracy    {100 * final['accuracy']:.2f} %  on {final['count']:,} images "
                      f"(loss {final['loss']:.4f})")

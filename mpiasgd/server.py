@@ -622,7 +622,8 @@ class ParameterServer:
         count = sum(e[2] for e in self.evals.values())
         accuracy = correct / count if count else float("nan")
         test_loss = loss_sum / count if count else float("nan")
-        self.log.add("evals", (self.now(), self.version, self.epoch, -1, test_loss, accuracy, count))
+        if not self.preempted:  # no evaluation row for a run cut short: the resumed run will add one
+            self.log.add("evals", (self.now(), self.version, self.epoch, -1, test_loss, accuracy, count))
         self.log.add("events", (self.now(), b"end", f"preempted ({self.preempted}): no final evaluation"
                                 if self.preempted else f"test accuracy {accuracy:.4f} on {count} images"))
         train_time = self.stop_time or self.now()

@@ -256,6 +256,7 @@ def test_signal_on_any_rank_checkpoints_and_exits_within_10s(tmp_path, mode, sig
     assert proc.returncode == PREEMPTED and elapsed < 10, (proc.returncode, elapsed, err)
     attrs, t, _ = read_log(runs / "sig.h5")
     assert attrs["status"] == "preempted", err
+    assert not (t["evals"]["snapshot"] == -1).any()  # no final evaluation of a preempted run
     who = "rank 0" if target in (0, "mpiexec") else f"rank {target}"
     preempt = [e["text"].decode() for e in t["events"] if e["kind"] == b"preempt"]
     assert len(preempt) == 1 and (who in preempt[0] or mode != "async"), preempt
