@@ -60,8 +60,8 @@ def tail(text: str, lines: int) -> str:
 def run(cmd: list[str], limit: float) -> Finished:
     """Run `cmd` to its end or for `limit` seconds, whichever comes first; never hangs.
 
-    At the limit it gets SIGTERM (mpiexec passes it to every rank; mpiasgd's rank 0 then closes its
-    log as "interrupted"), and SIGKILL `GRACE_S` seconds later if still alive. Output goes to
+    At the limit it gets SIGTERM (mpiexec passes it to every rank; mpiasgd checkpoints and closes its
+    log as "preempted"), and SIGKILL `GRACE_S` seconds later if still alive. Output goes to
     temporary files rather than pipes, so a stray rank holding them open cannot block the wait.
     """
     start = time.monotonic()

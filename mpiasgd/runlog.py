@@ -22,7 +22,8 @@ One file per run, `RUN_DIR/NAME.h5`:
     /evals       EVAL_ROW: time, version, epoch, snapshot (-1: the final weights), loss, accuracy, count
     /events      EVENT_ROW: time, kind, text (start, stop reason, failures, preempt, resume)
     /checkpoints CHECKPOINT_ROW: time, seconds (to write it), version, samples, elapsed (training seconds
-                 it holds), reason (interval | end | preempt); the file is RUN_DIR/NAME.ckpt.h5
+                 it holds), reason (interval | end | preempt | failure: a worker died); the file is
+                 RUN_DIR/NAME.ckpt.h5
 
 A resumed run (`--resume`) continues the same file: status goes back to "running", an event
 "resume" marks where the new segment starts, the clock continues after the last row, and rows

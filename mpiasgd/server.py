@@ -67,13 +67,16 @@ PREEMPT_GRACE = 5.0  # seconds the workers have to answer after a preemption sig
 
 
 class Preempted(RuntimeError):
-    """The run was preempted and `waiting` workers did not answer within PREEMPT_GRACE seconds (dead or
-    hung: the checkpoint is written; the job must be aborted)."""
+    """The run was preempted and `waiting` workers did not answer within PREEMPT_GRACE seconds (hung),
+    or (`dead`) their processes had exited when the signal came: the launcher is ending the job
+    because a rank died. The checkpoint is written; the job must be aborted."""
 
-    def __init__(self, why: str, waiting: list[int]) -> None:
-        super().__init__(f"{why}; workers {waiting} did not answer within {PREEMPT_GRACE:g} s")
+    def __init__(self, why: str, waiting: list[int], dead: bool = False) -> None:
+        super().__init__(f"{why}; workers {waiting} " + ("have exited" if dead else
+                                                         f"did not answer within {PREEMPT_GRACE:g} s"))
         self.why = why
         self.waiting = waiting
+        self.dead = dead
 
 
 class TrainingDiverged(RuntimeError):
@@ -141,6 +144,7 @@ class ParameterServer:
         self.lost = 0.0                       # log clock minus training clock: time lost to a resume
         self.resumed: checkpoint.Checkpoint | None = None
         self.preempted = ""                   # why the run ends on a signal ("" otherwise)
+        self.preempt_reason = "preempt"
         self.preempt_deadline = 0.0
         self.pids: dict[int, tuple[str, int]] = {}  # worker -> (host, pid), to name dead ones (train sets it)
         self.host = socket.gethostname()
@@ -453,6 +457,7 @@ class ParameterServer:
         if gone:  # a launcher sends SIGTERM to the other ranks when one dies: say which
             why += "; " + ", ".join(f"worker rank {w} (pid {pid} on {host}) has exited" for w, host, pid in gone)
         self.preempted = why
+        self.preempt_reason = "failure" if gone else "preempt"  # the checkpoint's reason
         self.preempt_deadline = time.perf_counter() + PREEMPT_GRACE
         self.log.add("events", (self.now(), b"preempt", why))
         print(f"mpiasgd: {why}: checkpointing and ending the run", file=sys.stderr, flush=True)
@@ -462,10 +467,12 @@ class ParameterServer:
             self.log.add("events", (self.now(), b"stop", self.stop_reason))
         self.on_preempt()
         self.log.flush()
+        if gone:  # no use waiting for them: end now, before the launcher's SIGKILL, with the log closed
+            raise Preempted(why, [w for w, _, _ in gone], dead=True)
 
     def on_preempt(self) -> None:
         """What a preemption does besides stopping: here, checkpoint the master weights at once."""
-        self.write_checkpoint("preempt")
+        self.write_checkpoint(self.preempt_reason)
 
     def exited_workers(self) -> list[tuple[int, str, int]]:
         """(rank, host, pid) of the workers on this rank's host whose process has exited (or is a zombie)."""

@@ -335,7 +335,12 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
         # close the log first, so nothing already logged is lost, then end the whole job
         if isinstance(stop, WorkerFailed):
             status, code, text = "failed", ABORT_CODE, f"worker rank {stop.rank} on {hosts[stop.rank]} failed"
-        else:  # a signal, and some workers did not answer: dead (the launcher's SIGTERM) or hung
+        elif stop.dead:  # the launcher's SIGTERM after a worker died
+            names = ", ".join(f"rank {w} on {hosts[w]}" for w in stop.waiting)
+            status, code = "failed", ABORT_CODE
+            text = (f"worker {names} died (its process exited; the launcher ended the job); checkpoint "
+                    f"'{server.checkpoint_path}' written, continue with --resume")
+        else:  # a signal, and some workers did not answer: hung, or dead on another host
             names = ", ".join(f"rank {w} on {hosts[w]}" for w in stop.waiting)
             status, code = "preempted", EXIT_PREEMPTED
             text = (f"{stop.why}; checkpoint '{server.checkpoint_path}' written; worker(s) {names} did not answer "
@@ -349,6 +354,8 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
             bar.close()
         print(f"mpiasgd: {text}; run log '{state['path']}' closed with status '{status}'."
               + (f"\n{stop.text}" if isinstance(stop, WorkerFailed) else ""), file=sys.stderr, flush=True)
+        if isinstance(stop, Preempted) and stop.dead:
+            time.sleep(0.3)  # the launcher is tearing the job down: let it forward this message first
         me.comm.Abort(code)
         return code
     except BaseException:
