@@ -18,7 +18,7 @@
 #               outnumber cores).
 # 3. forwards SIGUSR1 and SIGTERM that reach the batch shell (`#SBATCH --signal=B:USR1@T`,
 #    `scancel --batch --signal=USR1`) to the launcher, which passes them on to every rank, and sets
-#    PREEMPTED=1 after a SIGUSR1. (Without B:, SLURM signals job steps only: srun's ranks would get
+#    PREEMPTED=1 after a SIGUSR1. (To mpiexec a SIGTERM goes on as SIGUSR1: see `launch`.) (Without B:, SLURM signals job steps only: srun's ranks would get
 #    it, but mpiexec's ranks live in the batch step and would not.)
 
 if [ -n "${VENV:-}" ] && [ ! -f "${VENV}/bin/activate" ]; then
@@ -53,8 +53,13 @@ launch() {
     # a trapped signal ends `wait` early (status > 128): count them, and wait again after one.
     # shellcheck disable=SC2064  # $pid expands now, on purpose
     trap "PREEMPTED=1; SIGNALS=\$((SIGNALS + 1)); kill -USR1 $pid 2>/dev/null" USR1
+    # SIGTERM goes on as SIGTERM to srun (which signals every rank) but as SIGUSR1 to mpiexec: Open
+    # MPI's mpiexec passes SIGUSR1 to the ranks and exits with their status (75 after the checkpoint),
+    # while on SIGTERM it ends the job itself with status 1 once the ranks have checkpointed
+    local term=TERM
+    [ "${LAUNCHER:-srun}" = mpiexec ] && term=USR1
     # shellcheck disable=SC2064
-    trap "SIGNALS=\$((SIGNALS + 1)); kill -TERM $pid 2>/dev/null" TERM
+    trap "SIGNALS=\$((SIGNALS + 1)); kill -$term $pid 2>/dev/null" TERM
     while :; do
         seen=$SIGNALS rc=0
         wait "$pid" || rc=$?

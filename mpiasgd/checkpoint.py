@@ -12,8 +12,9 @@
     attrs        format, mode, model, num_workers, num_params, version (server updates / sync steps /
                  pipeline minibatches), samples, elapsed (seconds of training the state holds: the
                  schedule's clock), log_time (the run log's clock when it was written), reason,
-                 config (JSON), log (the run log's path), staleness_sum/_max/_count, created, and
-                 crc32_params / crc32_momentum (checked on load)
+                 config (JSON), log (the run log's path), run_id (the log's: a resume checks the log
+                 is this run's), staleness_sum/_max/_count, created, and crc32: a CRC-32 of every
+                 array and every attribute above, checked on load with the values' ranges
 
 Random state: the initial weights, the shards and each epoch's shuffle derive from `seed`; the
 augmentation of minibatch b of a worker's stream comes from `batch_rng(seed, stream, b)`. So the
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import time
 import zlib
@@ -57,8 +59,17 @@ def batch_rng(seed: int, stream: int, b: int) -> np.random.Generator:
     return np.random.default_rng([seed, 1, stream, b])
 
 
-def crc32(a: np.ndarray) -> int:
-    return zlib.crc32(np.ascontiguousarray(a))
+SCALARS = ("mode", "model", "config", "log", "reason", "run_id", "version", "samples", "staleness_sum",
+           "staleness_max", "staleness_count", "elapsed", "log_time")
+
+
+def crc32(ckpt: Checkpoint) -> int:
+    """CRC-32 of the arrays' bytes and of the scalar fields (as JSON): what `load` checks."""
+    crc = 0
+    for a in (ckpt.params, ckpt.momentum, ckpt.workers):
+        crc = zlib.crc32(np.ascontiguousarray(a).view(np.uint8), crc)
+    scalars = json.dumps([getattr(ckpt, key) for key in SCALARS])
+    return zlib.crc32(scalars.encode(), crc)
 
 
 @dataclass
@@ -77,6 +88,7 @@ class Checkpoint:
     mode: str
     model: str
     reason: str = ""
+    run_id: str = ""
     staleness_sum: int = 0
     staleness_max: int = 0
     staleness_count: int = 0
@@ -108,13 +120,15 @@ def write(path: str, ckpt: Checkpoint) -> float:
             f.create_dataset("workers", data=ckpt.workers.astype(WORKER_STATE, copy=False))
             a = f.attrs
             a["format"] = FORMAT
-            for key in ("mode", "model", "config", "log", "reason"):
+            for key in ("mode", "model", "config", "log", "reason", "run_id"):
                 a[key] = getattr(ckpt, key)
             for key in ("version", "samples", "staleness_sum", "staleness_max", "staleness_count"):
-                a[key] = int(getattr(ckpt, key))
-            a["elapsed"], a["log_time"] = float(ckpt.elapsed), float(ckpt.log_time)
+                setattr(ckpt, key, int(getattr(ckpt, key)))
+                a[key] = getattr(ckpt, key)
+            ckpt.elapsed, ckpt.log_time = float(ckpt.elapsed), float(ckpt.log_time)
+            a["elapsed"], a["log_time"] = ckpt.elapsed, ckpt.log_time
             a["num_workers"], a["num_params"] = ckpt.num_workers, int(ckpt.params.size)
-            a["crc32_params"], a["crc32_momentum"] = crc32(ckpt.params), crc32(ckpt.momentum)
+            a["crc32"] = crc32(ckpt)
             a["created"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         fd = os.open(tmp, os.O_RDONLY)
         try:
@@ -166,26 +180,49 @@ def load(path: str) -> Checkpoint:
                 params=f["params"][()], momentum=f["momentum"][()], workers=f["workers"][()],
                 version=int(a["version"]), samples=int(a["samples"]), elapsed=float(a["elapsed"]),
                 log_time=float(a["log_time"]), config=str(a["config"]), log=str(a["log"]), mode=str(a["mode"]),
-                model=str(a["model"]), reason=str(a["reason"]), staleness_sum=int(a["staleness_sum"]),
-                staleness_max=int(a["staleness_max"]), staleness_count=int(a["staleness_count"]), path=path)
-            crcs = int(a["crc32_params"]), int(a["crc32_momentum"])
+                model=str(a["model"]), reason=str(a["reason"]), run_id=str(a["run_id"]),
+                staleness_sum=int(a["staleness_sum"]), staleness_max=int(a["staleness_max"]),
+                staleness_count=int(a["staleness_count"]), path=path)
+            stored = int(a["crc32"])
     except CheckpointError:
         raise
-    except (OSError, KeyError) as e:
+    except (OSError, KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"checkpoint '{path}' cannot be read: {e}") from None
-    if (crc32(ckpt.params), crc32(ckpt.momentum)) != crcs:
-        raise CheckpointError(f"checkpoint '{path}' is corrupt: its weights or momentum do not match the CRC-32 "
-                              f"stored with them")
-    if ckpt.params.shape != ckpt.momentum.shape or ckpt.params.dtype != np.float32:
-        raise CheckpointError(f"checkpoint '{path}' is corrupt: params {ckpt.params.dtype}{ckpt.params.shape}, "
-                              f"momentum {ckpt.momentum.dtype}{ckpt.momentum.shape}")
+    if crc32(ckpt) != stored:
+        raise CheckpointError(f"checkpoint '{path}' is corrupt: its contents do not match the CRC-32 stored with them")
+    problem = check_values(ckpt)
+    if problem:
+        raise CheckpointError(f"checkpoint '{path}' is corrupt: {problem}")
     return ckpt
+
+
+def check_values(ckpt: Checkpoint) -> str:
+    """What is out of range in `ckpt` ("" if nothing): shapes, dtypes, counts, clocks."""
+    w = ckpt.workers
+    if ckpt.params.dtype != np.float32 or ckpt.params.ndim != 1 or ckpt.momentum.shape != ckpt.params.shape:
+        return f"params {ckpt.params.dtype}{ckpt.params.shape}, momentum {ckpt.momentum.dtype}{ckpt.momentum.shape}"
+    if w.dtype != WORKER_STATE or w.ndim != 1 or w.size < 1:
+        return f"workers table {w.dtype} {w.shape}"
+    if (w["rank"] < 1).any() or np.unique(w["rank"]).size != w.size:
+        return f"worker ranks {w['rank'].tolist()} (expected distinct ranks >= 1)"
+    for field in ("step", "cursor", "rejected"):
+        if (w[field] < 0).any():
+            return f"negative worker {field}s {w[field].tolist()}"
+    for key in ("version", "samples", "staleness_sum", "staleness_max", "staleness_count"):
+        if getattr(ckpt, key) < 0:
+            return f"{key} = {getattr(ckpt, key)} (expected >= 0)"
+    for key in ("elapsed", "log_time"):
+        value = getattr(ckpt, key)
+        if not (math.isfinite(value) and value >= 0):
+            return f"{key} = {value} (expected seconds >= 0)"
+    return ""
 
 
 def load_config(path: str) -> dict:
     """The config (as a dict of keys) stored in the checkpoint at `path`, read without the arrays."""
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint '{path}' not found")
+        raise CheckpointError(f"checkpoint '{path}' not found" + (" (it is a directory)" if os.path.isdir(path)
+                                                                  else ""))
     try:
         with h5py.File(path, "r") as f:
             if f.attrs.get("format") != FORMAT:

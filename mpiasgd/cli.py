@@ -107,7 +107,10 @@ def _train(argv: list[str]) -> int:
         if comm.Get_rank() == 0:
             print(f"mpiasgd: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return train(cfg, comm)
+    try:
+        return train(cfg, comm)
+    finally:
+        signals.ignore()
 
 
 def _evaluate(args: argparse.Namespace) -> int:

@@ -121,7 +121,8 @@ class Config:
     flush_interval: float = _opt(2.0, "run log", "log flushed to disk every this many seconds")
     checkpoint_interval: float = _opt(300.0, "run log",
                                       "rank 0 writes the training state to RUN_DIR/NAME.ckpt.h5 every this many "
-                                      "seconds, and always at the end and on SIGTERM/SIGUSR1; 0 = only then; seconds")
+                                      "seconds, and always at the end and on SIGTERM/SIGUSR1/SIGINT; 0 = only then; "
+                                      "seconds")
     resume: str = _opt("", "run log",
                        "continue the run saved in this checkpoint (RUN_DIR/NAME.ckpt.h5): its config, log, "
                        "weights, optimizer state, step counts and data positions; flags given override the "
@@ -339,7 +340,8 @@ def resume_overrides(saved: Config, cfg: Config) -> dict[str, tuple]:
         if old == new or key in ("resume", "overwrite", "progress"):
             continue
         if key in FIXED_ON_RESUME:
-            raise ConfigError(f"config key '{key}' = {new!r}: a resumed run keeps {old!r} (the checkpoint "
+            shown = f"{old!r} (the default)" if old == FIELDS[key].default else repr(old)
+            raise ConfigError(f"config key '{key}' = {new!r}: a resumed run keeps {shown} (the checkpoint "
                               f"'{cfg.resume}' holds state that only fits it)")
         out[key] = (old, new)
     return out

@@ -315,8 +315,8 @@ class PipelineUnit:
                         if ending:
                             total = m_f + 1
                             self.last_checkpoint = ctrl[0]
-                            if ending & Flag.FINAL:
-                                flags |= Flag.LAST  # rank 0 logs the stop now; the drain follows
+                            if ending & Flag.FINAL:  # rank 0 logs the stop now (and why); the drain follows
+                                flags |= Flag.LAST | (ending & Flag.PREEMPT)
                     if (self.n == 0 and cfg.snapshot_interval and snapshot_at < t and total is None
                             and ctrl[0] - last_snapshot >= cfg.snapshot_interval):
                         # every module has heard of it by then (full: module k at t + k; backward: at t)
@@ -401,7 +401,7 @@ class PipelineUnit:
             drained = total is not None and m_b == total - 1
             finished = drained and bool(ending & Flag.FINAL)
             if finished:
-                flags |= Flag.END
+                flags |= Flag.END | (ending & Flag.PREEMPT)
                 self.preempted = bool(ending & Flag.PREEMPT)
             self.report(t_base + t, m_f, m_b if applied else -1, flags, loss, correct, applied,
                         time.perf_counter() - t0 - wait_s - comm_s, comm_s, wait_s, lr)
@@ -596,12 +596,13 @@ class PipelineMonitor(ParameterServer):
             self.reject(w, t)
         elif applied:
             self.rejects_in_row[w] = 0
+        if flags & Flag.PREEMPT and not self.preempted and not self.late_signal:
+            self.preempt(f"a signal received by unit rank {w} (module {k})" if k and not flags & Flag.END
+                         else "a signal reached the pipeline (module 0 ends the run)")
         if flags & Flag.LAST and not self.stop_reason:
             self.stop_reason = f"the stopping rule after {int(h['step']) + 1} minibatches per replica"
             self.stop_time = self.now()
             self.log.add("events", (self.now(), b"stop", self.stop_reason))
-        if flags & Flag.PREEMPT and not self.preempted:
-            self.preempt(f"a signal received by unit rank {w} (module {k})" if k else "a signal reached module 0")
         if flags & Flag.END:
             self.ended.add(w)
             if k == 0:

@@ -86,8 +86,9 @@ class Flag(IntEnum):
     END = 64         # REPORT (pipeline): this unit's last iteration
     RESUME = 128     # WEIGHTS (initial): a resumed run; step, cursor and elapsed continue (sync, pipeline:
                      # a CHECKPOINT with the optimizer state follows)
-    PREEMPT = 256    # PUSH/REPORT: a signal reached this worker; STOP (and sync/pipeline's end STOP): the run
-                     # ends on a signal, so skip the final evaluation and exit with EXIT_PREEMPTED
+    PREEMPT = 256    # PUSH: a signal reached this worker; REPORT: the run ends on a signal (sync: every
+                     # worker's last step; pipeline: module 0's stop and each unit's end; a unit's own signal);
+                     # STOP and CHECKPOINT: the run ends on a signal, skip the final evaluation, exit 75
 
 
 class ProtocolError(RuntimeError):

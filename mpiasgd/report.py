@@ -58,6 +58,18 @@ def load(path: str) -> dict:
     except ValueError as e:
         raise ValueError(f"run log '{path}' has a malformed 'config' attribute ({e})") from None
     run["path"] = path
+    try:  # rows a resumed run superseded (logged by a segment that died after its last checkpoint)
+        spans = json.loads(run.get("superseded") or "[]")
+    except ValueError:
+        spans = []
+    for name in ("pushes", "updates", "evals"):
+        rows = run[name]
+        if rows is not None and spans and len(rows):
+            keep = np.ones(len(rows), bool)
+            for start, end in spans:
+                keep &= ~((rows["time"] > start) & (rows["time"] <= end))
+            run[name] = rows[keep]
+    run["superseded_s"] = sum(end - start for start, end in spans)
     if run.get("status") == "running" and not writer_alive(path):
         run["status"] = "killed (its writer is gone; rows up to the last flush)"
     return run
@@ -72,11 +84,14 @@ def _final_eval(run: dict):
 
 
 def _train_time(run: dict) -> float:
+    """Seconds of training: the summary's (a run that ended), else the last push's time less the spans
+    superseded by resumes (a running or killed run; its summary attributes may be a segment's)."""
     value = run.get("train_time_s")
-    if value:
+    if value and str(run.get("status")) in ("completed", "preempted"):
         return float(value)
     pushes = run["pushes"]
-    return float(pushes["time"].max()) if pushes is not None and len(pushes) else 0.0
+    last = float(pushes["time"].max()) if pushes is not None and len(pushes) else 0.0
+    return max(0.0, last - run.get("superseded_s", 0.0))
 
 
 def _applied(run: dict) -> np.ndarray | None:

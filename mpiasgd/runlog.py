@@ -3,7 +3,7 @@
 One file per run, `RUN_DIR/NAME.h5`:
 
     attrs        config (JSON), versions (JSON), layout (JSON), model, mode, num_workers, num_params,
-                 created, status ("running" | "completed" | "failed" | "interrupted" | "killed"), and at the end
+                 created, run_id, status ("running" | "completed" | "failed" | "preempted" | "killed"), and at the end
                  wall_time_s, test_accuracy, test_loss, images_per_s
     /workers     one row per worker: rank, host, pid, threads, backend, shard_size
     /pushes      one row per push received (PUSH_ROW): time, worker, step, base version, version,
@@ -28,7 +28,9 @@ One file per run, `RUN_DIR/NAME.h5`:
 A resumed run (`--resume`) continues the same file: status goes back to "running", an event
 "resume" marks where the new segment starts, the clock continues after the last row, and rows
 continue from the checkpoint's version and steps. Rows the previous segment logged after its last
-checkpoint stay (nothing logged is lost); their versions and steps are repeated by the new segment.
+checkpoint stay (nothing logged is lost); their versions and steps are repeated by the new segment,
+and their time span is listed in the attribute `superseded` (JSON [[start, end], ...]): `report`
+leaves those pushes, updates and evaluations out of its counts.
 
 Times are seconds since the start of training. All tables are chunked and appendable. The file is
 written in SWMR mode (HDF5 single-writer/multiple-reader): rows are buffered and flushed every
@@ -46,6 +48,7 @@ import fcntl
 import json
 import os
 import time
+import uuid
 
 import h5py
 import numpy as np
@@ -88,8 +91,8 @@ class WriterLock:
         self.path = path + ".lock"
         self.fd: int | None = None
 
-    def acquire(self) -> None:
-        """Take the lock; FileExistsError naming the log if another live job holds it."""
+    def acquire(self, hint: str = "choose another --name") -> None:
+        """Take the lock; FileExistsError naming the log (and `hint`) if another live job holds it."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         for attempt in range(10):  # a reader's brief shared lock (`writer_alive`) may be in the way
             try:
@@ -99,7 +102,7 @@ class WriterLock:
                 if attempt == 9:
                     os.close(fd)
                     raise FileExistsError(f"run log '{self.path[:-5]}' is being written by a running job "
-                                          f"(lock {self.path} is held); choose another --name") from None
+                                          f"(lock {self.path} is held); {hint}") from None
                 time.sleep(0.1)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
@@ -174,6 +177,8 @@ class RunLog:
         self.pending: dict[str, list] = {name: [] for name in TABLES}
         self.pending_params: list[np.ndarray] = []
         self.last_flush = time.monotonic()
+        run_id = file.attrs.get("run_id", "")
+        self.run_id = run_id.decode() if isinstance(run_id, bytes) else str(run_id)
 
     @classmethod
     def create(cls, path: str, attrs: dict, workers: list[tuple], num_params: int,
@@ -190,6 +195,8 @@ class RunLog:
             f.attrs[key] = value if isinstance(value, (str, int, float)) else json.dumps(value)
         f.attrs["created"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         f.attrs["status"] = "running"
+        if not f.attrs.get("run_id"):  # a resumed run whose log was lost keeps its checkpoint's id
+            f.attrs["run_id"] = uuid.uuid4().hex  # its checkpoints carry it: a resume checks they belong here
         f.create_dataset("workers", data=np.array(workers, dtype=WORKER_ROW))
         for name, dtype in TABLES.items():
             f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
@@ -199,23 +206,31 @@ class RunLog:
         return cls(path, f, flush_interval, lock)
 
     @classmethod
-    def reopen(cls, path: str, workers: list[tuple], flush_interval: float, lock: WriterLock) -> RunLog:
+    def reopen(cls, path: str, workers: list[tuple], flush_interval: float, lock: WriterLock,
+               resumed_at: float | None = None) -> RunLog:
         """Continue the log at `path` for a resumed run (caller holds `lock`): a log left by a killed writer
         is recovered first; status becomes "running"; the workers table is replaced by this job's
-        (pids and hosts change); tables added since the log was written are created."""
+        (pids and hosts change); tables added since the log was written are created. Rows after
+        `resumed_at` (the log time of the checkpoint resumed from) came from a segment that died
+        after that checkpoint: their time span is appended to the attribute `superseded` (JSON list of
+        [start, end]), which readers use to leave them out of counts."""
         with open_log(path) as f:
             status = f.attrs.get("status")
         if status == "running":  # its writer was killed (we hold the lock): make it writable again
             recover(path, check_writer=False)
         f = h5py.File(path, "r+", libver="latest")
         f.attrs["status"] = "running"
+        log = cls(path, f, flush_interval, lock)
+        if resumed_at is not None and log.last_time() > resumed_at:  # a segment that died after its checkpoint
+            spans = [*json.loads(f.attrs.get("superseded", "[]")), [resumed_at, log.last_time()]]
+            f.attrs["superseded"] = json.dumps(spans)
         del f["workers"]
         f.create_dataset("workers", data=np.array(workers, dtype=WORKER_ROW))
         for name, dtype in TABLES.items():
             if name not in f:
                 f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
         f.swmr_mode = True
-        return cls(path, f, flush_interval, lock)
+        return log
 
     def last_time(self) -> float:
         """The latest time of any row in the file (0 for an empty log): where a resumed run's clock starts."""

@@ -145,6 +145,8 @@ class ParameterServer:
         self.resumed: checkpoint.Checkpoint | None = None
         self.preempted = ""                   # why the run ends on a signal ("" otherwise)
         self.preempt_reason = "preempt"
+        self.late_signal = ""                 # a signal that came while the run was already ending
+        self.checkpoint_error = ""            # why the last checkpoint could not be written
         self.preempt_deadline = 0.0
         self.pids: dict[int, tuple[str, int]] = {}  # worker -> (host, pid), to name dead ones (train sets it)
         self.host = socket.gethostname()
@@ -194,7 +196,7 @@ class ParameterServer:
     def tick(self) -> None:
         """Clock-driven duties between messages: signals, time limit, warm start, snapshots, checkpoints,
         log flush, progress bar."""
-        if signals.received() and not self.preempted:
+        if signals.received() and not self.preempted and not self.late_signal:
             self.preempt(f"{signals.received()} received by rank 0")
         self.check_stop()
         if len(self.started) < len(self.workers) and (self.now() >= self.cfg.warm_start or self.stop_reason):
@@ -262,14 +264,16 @@ class ParameterServer:
         """Handle messages until `done()`, then complete every send."""
         backoff = Backoff()
         while not self.done():
-            if self.preempted and time.perf_counter() > self.preempt_deadline:
+            if (self.preempted or self.late_signal) and time.perf_counter() > self.preempt_deadline:
+                self.end_late()
                 raise Preempted(self.preempted, self.waiting_for())
             try:
-                timeout = self.cfg.comm_timeout if not self.preempted else PREEMPT_GRACE
+                timeout = PREEMPT_GRACE if self.preempted or self.late_signal else self.cfg.comm_timeout
                 message, status = probe(self.comm, self.rank, timeout,
                                         "message from any worker", backoff, idle=self.tick)
             except CommTimeout as e:
-                if self.preempted:
+                if self.preempted or self.late_signal:
+                    self.end_late()
                     raise Preempted(self.preempted, self.waiting_for()) from None
                 self.check_stalls()  # names the silent workers, held ones (ssp) aside
                 waiting = self.waiting_for()
@@ -376,7 +380,7 @@ class ParameterServer:
                                 f"{'an accumulated update' if delta else 'a gradient'}, but nsync is "
                                 f"{self.cfg.nsync} (expected {'an update' if self.cfg.nsync > 1 else 'a gradient'})")
         self.last_step[w] = step
-        if int(h["flags"]) & Flag.PREEMPT and not self.preempted:
+        if int(h["flags"]) & Flag.PREEMPT and not self.preempted and not self.late_signal:
             self.preempt(f"a signal received by worker rank {w}")
         staleness = self.version - base
         grad = msg.payload
@@ -456,6 +460,14 @@ class ParameterServer:
         gone = self.exited_workers()
         if gone:  # a launcher sends SIGTERM to the other ranks when one dies: say which
             why += "; " + ", ".join(f"worker rank {w} (pid {pid} on {host}) has exited" for w, host, pid in gone)
+        elif self.stop_reason:  # the run is already ending (final evaluation): let it, within the grace
+            self.late_signal = why
+            self.preempt_deadline = time.perf_counter() + PREEMPT_GRACE
+            text = (f"{why} while the run was ending ({self.stop_reason}): it completes if the workers finish "
+                    f"within {PREEMPT_GRACE:g} s, else it ends as preempted")
+            self.log.add("events", (self.now(), b"signal", text))
+            print(f"mpiasgd: {text}", file=sys.stderr, flush=True)
+            return
         self.preempted = why
         self.preempt_reason = "failure" if gone else "preempt"  # the checkpoint's reason
         self.preempt_deadline = time.perf_counter() + PREEMPT_GRACE
@@ -473,6 +485,15 @@ class ParameterServer:
     def on_preempt(self) -> None:
         """What a preemption does besides stopping: here, checkpoint the master weights at once."""
         self.write_checkpoint(self.preempt_reason)
+
+    def end_late(self) -> None:
+        """A signal came while the run was ending and the grace has passed: it ends as preempted, from a
+        checkpoint of the final state (rank 0 holds it in async and ssp; sync and pipeline sent theirs)."""
+        if self.late_signal and not self.preempted:
+            self.preempted = self.late_signal
+            self.log.add("events", (self.now(), b"preempt", self.late_signal))
+            if self.checkpoints_here:
+                self.write_checkpoint("preempt")
 
     def exited_workers(self) -> list[tuple[int, str, int]]:
         """(rank, host, pid) of the workers on this rank's host whose process has exited (or is a zombie)."""
@@ -504,12 +525,14 @@ class ParameterServer:
         return checkpoint.Checkpoint(
             params=params, momentum=momentum, workers=rows, version=self.version, samples=self.samples,
             elapsed=elapsed, log_time=self.now(), config=self.cfg.to_json(), log=self.log.path,
-            mode=self.cfg.mode, model=self.cfg.model, reason=reason, staleness_sum=self.staleness_sum,
+            mode=self.cfg.mode, model=self.cfg.model, reason=reason, run_id=self.log.run_id,
+            staleness_sum=self.staleness_sum,
             staleness_max=self.staleness_max, staleness_count=self.staleness_count)
 
-    def write_checkpoint(self, reason: str, ckpt: checkpoint.Checkpoint | None = None) -> None:
+    def write_checkpoint(self, reason: str, ckpt: checkpoint.Checkpoint | None = None) -> bool:
         """Write `ckpt` (default: `state(reason)`) atomically and log it (the checkpoints table); a failed
-        write is a warning, not the end of the run: the previous checkpoint stays."""
+        write is a warning, not the end of the run: the previous checkpoint stays. Returns whether it was
+        written; `checkpoint_error` keeps the last failure's text ("" after a success)."""
         self.last_checkpoint = self.now()
         ckpt = ckpt or self.state(reason)
         t0 = self.now()
@@ -519,8 +542,12 @@ class ParameterServer:
             text = f"checkpoint '{self.checkpoint_path}' not written ({e}); the previous one stays"
             self.log.add("events", (self.now(), b"warning", text))
             print(f"mpiasgd: warning: {text}", file=sys.stderr, flush=True)
-            return
+            self.checkpoint_error = text
+            return False
+        self.checkpoint_error = ""
         self.log.add("checkpoints", (t0, seconds, ckpt.version, ckpt.samples, ckpt.elapsed, reason.encode()))
+        self.log.flush()  # every row up to the checkpoint is on disk with it: a resume supersedes only later ones
+        return True
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
         """Continue from `ckpt` (before `run`): weights, optimizer state, version, counts, each worker's step
@@ -633,7 +660,7 @@ class ParameterServer:
             self.log.add("evals", (self.now(), self.version, self.epoch, -1, test_loss, accuracy, count))
         self.log.add("events", (self.now(), b"end", f"preempted ({self.preempted}): no final evaluation"
                                 if self.preempted else f"test accuracy {accuracy:.4f} on {count} images"))
-        train_time = self.stop_time or self.now()
+        train_time = (self.stop_time or self.now()) - self.lost  # time lost to a resume is not training
         return {
             "wall_time_s": self.now(),
             "train_time_s": train_time,
@@ -730,8 +757,9 @@ class SyncMonitor(ParameterServer):
             self.reject(w, step)
         else:
             self.rejects_in_row[w] = 0
-        if flags & Flag.PREEMPT and not self.preempted:
-            self.preempt(f"a signal received by worker rank {w}")
+        if flags & Flag.PREEMPT and not self.preempted and not self.late_signal:  # every worker's last REPORT
+            self.preempt(f"a signal reached the workers (the control allreduce of step {step}; the worker it "
+                         f"reached printed it)")
         if flags & Flag.LAST:
             self.stopped.add(w)
             self.send_stop(w)

@@ -28,7 +28,7 @@ _rank: int | None = None
 def _handler(signum: int, frame: Any) -> None:
     _received.append(signal.Signals(signum).name)
     if len(_received) == 1 and _rank is not None:  # the job's output names the rank that got it
-        os.write(2, f"mpiasgd: rank {_rank}: {_received[0]} received: checkpointing and ending the run\n".encode())
+        os.write(2, f"mpiasgd: rank {_rank}: {_received[0]} received: the run ends with a checkpoint\n".encode())
 
 
 def install() -> None:
@@ -37,6 +37,14 @@ def install() -> None:
     _received.clear()
     for signum in PREEMPT_SIGNALS:
         signal.signal(signum, _handler)
+
+
+def ignore() -> None:
+    """Ignore PREEMPT_SIGNALS from now on: the run has ended. (At exit Python resets the handlers it
+    installed to the default action, and MPI_Finalize can take a moment: a second signal then would
+    kill the rank and turn its exit status 75 into 128 + the signal.)"""
+    for signum in PREEMPT_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def set_rank(rank: int | None) -> None:

@@ -177,20 +177,32 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
             if ckpt.num_workers != me.num_workers:
                 raise ConfigError(f"--resume: checkpoint '{cfg.resume}' was written by a run with {ckpt.num_workers} "
                                   f"workers; this job has {me.num_workers} (launch {1 + ckpt.num_workers} ranks)")
-            out["path"] = ckpt.log
-        if os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
-            raise ConfigError(f"config key 'run_dir' = {cfg.run_dir!r}: is a file, expected a directory")
+            # the log lives next to its checkpoint, wherever the job is started from
+            out["path"] = os.path.join(os.path.dirname(os.path.abspath(cfg.resume)), os.path.basename(ckpt.log))
+        log_dir = os.path.dirname(out["path"]) or "."
+        what = f"--resume {cfg.resume!r}: the checkpoint's directory" if cfg.resume else f"config key 'run_dir' = " \
+                                                                                          f"{cfg.run_dir!r}"
+        if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+            raise ConfigError(f"{what}: is a file, expected a directory")
         try:
-            os.makedirs(cfg.run_dir, exist_ok=True)
+            os.makedirs(log_dir, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"config key 'run_dir' = {cfg.run_dir!r}: cannot create it ({e.strerror})") from None
-        if not os.access(cfg.run_dir, os.W_OK):
-            raise ConfigError(f"config key 'run_dir' = {cfg.run_dir!r}: directory is not writable")
+            raise ConfigError(f"{what}: cannot create it ({e.strerror})") from None
+        if not os.access(log_dir, os.W_OK):
+            raise ConfigError(f"{what}: directory is not writable")
         out["lock"] = WriterLock(out["path"])
-        out["lock"].acquire()  # held until the log is closed, or the process dies
+        out["lock"].acquire("--resume: another job is writing this run's log; wait for it to end" if cfg.resume
+                            else "choose another --name")  # held until the log is closed, or the process dies
         if os.path.exists(out["path"]) and not cfg.overwrite and not cfg.resume:
             out["lock"].release()
             raise FileExistsError(f"run log '{out['path']}' exists; choose another --name or pass --overwrite")
+        if cfg.resume and os.path.exists(out["path"]):
+            owner = run_id_of(out["path"])
+            if owner and ckpt.run_id and owner != ckpt.run_id:
+                out["lock"].release()
+                raise ConfigError(f"--resume: run log '{out['path']}' belongs to another run (run id {owner}) than "
+                                  f"checkpoint '{cfg.resume}' (run id {ckpt.run_id}): it was overwritten since; "
+                                  f"move it away to resume into a new log")
     else:
         # validates: more workers than samples is a DataError naming both numbers
         out["sampler"] = ShardSampler(dataset.train_y.size, shards, shard, cfg.seed)
@@ -200,6 +212,18 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
         out["staging"] = make_staging(backend, cuda_aware, model.num_params)  # buffers reused every step
         out["make_staging"] = lambda: make_staging(backend, cuda_aware, model.num_params)  # --overlap: a second one
     return out
+
+
+def run_id_of(path: str) -> str:
+    """The `run_id` attribute of the run log at `path` ("" for logs written before run ids, or unreadable)."""
+    from mpiasgd.runlog import open_log
+
+    try:
+        with open_log(path) as f:
+            value = f.attrs.get("run_id", "")
+    except OSError:
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def pipeline_grid(cfg: Config, me: Rank) -> tuple[int, int]:
@@ -300,15 +324,20 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
         attrs["module_bounds"] = state["bounds"]  # module k: layers bounds[k]..bounds[k+1]-1
     ckpt = state.get("checkpoint")
     if ckpt is not None and os.path.exists(state["path"]):
-        log = RunLog.reopen(state["path"], workers, cfg.flush_interval, state["lock"])
+        log = RunLog.reopen(state["path"], workers, cfg.flush_interval, state["lock"], resumed_at=ckpt.log_time)
     else:
+        if ckpt is not None:  # the run continues from its checkpoint; its history is gone
+            attrs["run_id"] = ckpt.run_id
+            print(f"mpiasgd: warning: run log '{state['path']}' of checkpoint '{ckpt.path}' is missing: a new log "
+                  f"starts at the checkpoint (version {ckpt.version})", file=sys.stderr, flush=True)
         log = RunLog.create(state["path"], attrs, workers, model.num_params, cfg.flush_interval, state["lock"])
     if ckpt is not None:
         from mpiasgd.config import from_mapping, resume_overrides
 
         changed = resume_overrides(from_mapping(json.loads(ckpt.config)), cfg)
         text = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()) or "none"
-        log.add("events", (max(ckpt.log_time, log.last_time()), b"overrides", f"resumed with config changes: {text}"))
+        log.add("events", (max(ckpt.log_time, log.last_time()), b"overrides", f"resumed with config changes: {text}; "
+                                                                             f"command: {' '.join(sys.argv)}"))
         log.file.attrs["config"] = cfg.to_json()
         print(f"mpiasgd: resuming '{state['path']}' from checkpoint '{ckpt.path}' (version {ckpt.version}, "
               f"{ckpt.elapsed:.1f} s of training); config changes: {text}", flush=True)
@@ -358,7 +387,9 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
             time.sleep(0.3)  # the launcher is tearing the job down: let it forward this message first
         me.comm.Abort(code)
         return code
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, CommTimeout) and server.checkpoints_here:  # a hung worker: the state on rank 0 is sound
+            server.write_checkpoint("failure")
         log.add("events", (server.now(), b"failed", traceback.format_exc()))
         log.close("failed")
         raise
@@ -366,6 +397,13 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
         if bar is not None:
             bar.close()
     if server.preempted:
+        if server.checkpoint_error:  # nothing to requeue from: not the status that says "try again"
+            text = f"run preempted ({server.preempted}) but its {server.checkpoint_error}"
+            log.add("events", (server.now(), b"failed", text))
+            log.close("preempted", summary)
+            print(f"mpiasgd: error: {text}", file=sys.stderr, flush=True)
+            me.comm.Abort(ABORT_CODE)
+            return ABORT_CODE
         log.close("preempted", summary)
         print(f"mpiasgd: run preempted ({server.preempted}); checkpoint '{server.checkpoint_path}' written at "
               f"version {summary['version']}; continue with --resume {server.checkpoint_path}", file=sys.stderr,

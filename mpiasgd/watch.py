@@ -6,7 +6,7 @@ Each line: seconds of training (the newest row), epoch, applied pushes, mean tra
 images/s over the rows flushed since the previous line, mean staleness of those rows. Only the
 new rows are read each time, so following a long run costs little. The watch ends when the job's
 writer is gone (the log's lock is released): it prints the final status and test accuracy and
-exits 0 for a completed run, 1 otherwise (failed, interrupted, killed).
+exits 0 for a completed run, 1 otherwise (failed, preempted, killed).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def final_line(path: str) -> tuple[str, int]:
     if status == "running":
         status = "killed (its writer is gone; rows up to the last flush)"
     accuracy = attrs.get("test_accuracy")
-    acc = f", test accuracy {100 * float(accuracy):.2f} %" if accuracy is not None else ""
+    acc = (f", test accuracy {100 * float(accuracy):.2f} %" if accuracy is not None and np.isfinite(float(accuracy))
+           else "")
     return f"run ended: status {status}{acc}", 0 if status == "completed" else 1
 
 

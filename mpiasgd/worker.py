@@ -331,7 +331,7 @@ class Worker:
             self.preempted = bool(ctrl[2])
             last = self.preempted or self.sync_should_stop(applied, ctrl[1], samples_per_step)
             flags = ((Flag.SKIPPED if skipped else 0) | (Flag.NONFINITE if nonfinite else 0)
-                     | (Flag.LAST if last else 0) | (Flag.PREEMPT if preempt else 0))
+                     | (Flag.LAST if last else 0) | (Flag.PREEMPT if self.preempted else 0))
             slot = self.step % 2
             wait(report_sends[slot], "completion of a REPORT send", rank, cfg.worker_timeout)
             digest = protocol.weights_digest(model.ops.to_numpy(model.params))  # rank 0 checks the replicas agree

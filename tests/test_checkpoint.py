@@ -7,13 +7,14 @@ a timeout (a hang fails the test) and read the run log and the checkpoint.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
 
 import numpy as np
 import pytest
-from conftest import session_pids, start_mpi, stop_group
+from conftest import run_mpi, session_pids, start_mpi, stop_group
 from test_data import tiny_cifar  # noqa: F401  (a fixture: a CIFAR-10 of 100 random images)
 from test_mpi import FAST, read_log, wait_for_pushes
 
@@ -59,7 +60,19 @@ def test_corrupt_foreign_and_missing_checkpoints_are_refused(tmp_path):
     checkpoint.write(path, make_ckpt())
     with h5py.File(path, "r+") as f:  # one weight changed behind the CRC's back
         f["params"][3] += 1.0
-    with pytest.raises(CheckpointError, match="is corrupt: its weights or momentum do not match the CRC-32"):
+    with pytest.raises(CheckpointError, match="is corrupt: its contents do not match the CRC-32"):
+        checkpoint.load(path)
+    checkpoint.write(path, make_ckpt())
+    with h5py.File(path, "r+") as f:  # the data cursor of a worker, and an attribute: covered too
+        rows = f["workers"][()]
+        rows["cursor"][0] += 38
+        f["workers"][...] = rows
+    with pytest.raises(CheckpointError, match="is corrupt: its contents do not match the CRC-32"):
+        checkpoint.load(path)
+    checkpoint.write(path, make_ckpt())
+    with h5py.File(path, "r+") as f:
+        f.attrs["elapsed"] = float("nan")
+    with pytest.raises(CheckpointError, match="is corrupt"):
         checkpoint.load(path)
     with h5py.File(tmp_path / "other.h5", "w") as f:
         f["x"] = [1]
@@ -70,6 +83,22 @@ def test_corrupt_foreign_and_missing_checkpoints_are_refused(tmp_path):
         checkpoint.load(str(tmp_path / "text.h5"))
     with pytest.raises(CheckpointError, match="not found"):
         checkpoint.load(str(tmp_path / "missing.h5"))
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("elapsed", float("nan"), "elapsed = nan"), ("samples", -100, "samples = -100"),
+    ("version", -5, "version = -5"), ("cursor", -1, "negative worker cursors"), ("rank", 1, "worker ranks [1, 1]"),
+])
+def test_out_of_range_values_are_refused_even_with_a_valid_crc(tmp_path, field, value, expected):
+    path = str(tmp_path / "x.ckpt.h5")
+    ck = make_ckpt()
+    if field in ("cursor", "rank"):
+        ck.workers[field][1] = value
+    else:
+        setattr(ck, field, value)
+    checkpoint.write(path, ck)
+    with pytest.raises(CheckpointError, match=f"is corrupt: {re.escape(expected)}"):
+        checkpoint.load(path)
 
 
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -152,7 +181,9 @@ def test_sync_resume_is_bit_identical(mpirun, tmp_path, tiny_cifar):  # noqa: F8
     kinds = [e["kind"] for e in t["events"]]
     assert kinds.count(b"resume") == 1 and kinds.index(b"resume") > kinds.index(b"end")
     overrides = [e["text"].decode() for e in t["events"] if e["kind"] == b"overrides"]
-    assert overrides == ["resumed with config changes: max_pushes 10 -> 20"]
+    assert len(overrides) == 1
+    assert overrides[0].startswith("resumed with config changes: max_pushes 10 -> 20; command: ")
+    assert overrides[0].endswith("train --resume runs/split.ckpt.h5 --max-pushes 20 --no-progress")
 
     # preempted by SIGUSR1 on worker rank 2 in its 10th minibatch (cosine schedule over 20 steps)
     cosine = [*CIFAR, "--data-dir", str(root), "--max-pushes", "20"]
@@ -177,8 +208,12 @@ def test_async_resume_continues_versions_steps_and_data(mpirun, tmp_path):
     assert res.returncode == 0, res.explain()
     first = final_state(tmp_path / "runs", "a")
     assert first.version == 60 and first.samples == 60 * 16
-    res = mpirun(3, ["train", "--resume", "runs/a.ckpt.h5", "--max-pushes", "120", "--no-progress"], timeout=120)
+    elsewhere = tmp_path / "elsewhere"  # the log lives next to its checkpoint, wherever the job starts
+    elsewhere.mkdir()
+    res = run_mpi(3, ["train", "--resume", str(tmp_path / "runs" / "a.ckpt.h5"), "--max-pushes", "120",
+                      "--no-progress"], 120, elsewhere)
     assert res.returncode == 0, res.explain()
+    assert not (elsewhere / "runs").exists()
     attrs, t, _ = read_log(tmp_path / "runs" / "a.h5")
     assert attrs["status"] == "completed" and attrs["version"] == 120
     resumed_at = next(e["time"] for e in t["events"] if e["kind"] == b"resume")
@@ -196,6 +231,19 @@ def test_async_resume_continues_versions_steps_and_data(mpirun, tmp_path):
     # nsync 1: every applied push is one minibatch of its worker: cursors add up to the versions
     assert int(last.workers["cursor"].sum()) == 120 - sum(int(r) for r in last.workers["rejected"])
     assert t["snapshots/meta"]["time"].tolist() == sorted(t["snapshots/meta"]["time"].tolist())
+
+
+def test_resume_refuses_a_log_overwritten_by_another_run(mpirun, tmp_path):
+    res = mpirun(3, ["train", *FAST, "--epochs", "1", "--name", "o"], timeout=120)
+    assert res.returncode == 0, res.explain()
+    (tmp_path / "runs" / "o.ckpt.h5").rename(tmp_path / "runs" / "old.ckpt.h5")
+    res = mpirun(3, ["train", *FAST, "--epochs", "1", "--name", "o", "--overwrite"], timeout=120)
+    assert res.returncode == 0, res.explain()
+    (tmp_path / "runs" / "old.ckpt.h5").rename(tmp_path / "runs" / "o.ckpt.h5")
+    res = mpirun(3, ["train", "--resume", "runs/o.ckpt.h5", "--epochs", "2"], timeout=60)
+    assert res.returncode == 2 and "belongs to another run (run id" in res.stderr, res.explain()
+    attrs, t, _ = read_log(tmp_path / "runs" / "o.h5")
+    assert attrs["status"] == "completed" and b"resume" not in t["events"]["kind"].tolist()
 
 
 def test_resume_refuses_another_number_of_workers(mpirun, tmp_path):
@@ -272,6 +320,96 @@ def test_signal_on_any_rank_checkpoints_and_exits_within_10s(tmp_path, mode, sig
     assert res.returncode == 0, res.stderr
     attrs, t, _ = read_log(runs / "sig.h5")
     assert attrs["status"] == "completed" and attrs["version"] > ck.version
+
+
+def test_signal_during_the_final_evaluation_lets_the_run_complete(tmp_path):
+    from conftest import REPO, mpi_command
+
+    runs = tmp_path / "runs"
+    cmd = mpi_command(3, (str(REPO / "tests" / "mpi_scripts" / "fault.py"),),
+                      ["sloweval", "2", *FAST, "--epochs", "0", "--max-pushes", "50", "--name", "e"])
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        wait_for(lambda: (runs / "e.h5.lock").exists() and b"stop" in events_of(runs / "e.h5"))
+        os.kill(rank_pid(runs, "e", 0), signal.SIGUSR1)  # worker 2 is still evaluating
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop_group(proc)
+    assert proc.returncode == 0, err  # finished within the grace: completed, not a run to requeue and redo
+    attrs, t, _ = read_log(runs / "e.h5")
+    assert attrs["status"] == "completed" and attrs["test_count"] == 360
+    assert b"signal" in t["events"]["kind"].tolist() and b"preempt" not in t["events"]["kind"].tolist()
+    assert checkpoint.load(str(runs / "e.ckpt.h5")).reason == "end"
+
+
+def events_of(path):
+    try:
+        return read_log(path)[1]["events"]["kind"].tolist()
+    except (OSError, KeyError):
+        return []
+
+
+def test_preemption_whose_checkpoint_fails_is_not_status_75(tmp_path):
+    runs = tmp_path / "runs"
+    (runs / "c.ckpt.h5").mkdir(parents=True)  # the checkpoint cannot be renamed into place
+    proc = start_mpi(3, ["train", *FAST, "--epochs", "0", "--max-time", "60", "--name", "c"], tmp_path)
+    try:
+        wait_for_pushes(runs / "c.h5", proc)
+        os.kill(rank_pid(runs, "c", 0), signal.SIGUSR1)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop_group(proc)
+    assert proc.returncode not in (0, PREEMPTED), (proc.returncode, err)
+    assert "run preempted (SIGUSR1 received by rank 0) but its checkpoint" in err and "not written" in err, err
+    attrs, t, _ = read_log(runs / "c.h5")
+    assert attrs["status"] == "preempted" and b"failed" in t["events"]["kind"].tolist()
+
+
+def test_hung_worker_ends_the_run_with_a_checkpoint(tmp_path):
+    proc = start_mpi(3, ["train", *FAST, "--epochs", "0", "--max-time", "120", "--comm-timeout", "3",
+                         "--stall-warning", "1", "--checkpoint-interval", "0", "--name", "h"], tmp_path)
+    runs = tmp_path / "runs"
+    try:
+        wait_for_pushes(runs / "h.h5", proc)
+        os.kill(rank_pid(runs, "h", 2), signal.SIGSTOP)  # hung: alive, silent
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop_group(proc)
+    assert proc.returncode != 0 and "worker rank 2 has sent nothing" in err, err
+    ck = checkpoint.load(str(runs / "h.ckpt.h5"))
+    assert ck.reason == "failure" and ck.version > 0
+
+
+def test_report_after_rank0_killed_and_resumed_counts_each_image_once(tmp_path):
+    from mpiasgd.report import _images, load
+
+    runs = tmp_path / "runs"
+    proc = start_mpi(3, ["train", *FAST, "--epochs", "0", "--max-time", "120", "--checkpoint-interval", "0.5",
+                         "--name", "r"], tmp_path)
+    try:
+        wait_for(lambda: checkpoint_version(runs / "r.ckpt.h5") > 0)
+        time.sleep(0.8)  # rows flushed after the last checkpoint: the resumed run supersedes them
+        os.kill(rank_pid(runs, "r", 0), signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        stop_group(proc)
+    ck = checkpoint.load(str(runs / "r.ckpt.h5"))
+    res = subprocess.run(start_mpi_args(3, ["train", "--resume", "runs/r.ckpt.h5", "--max-time",
+                                            str(ck.elapsed + 1.0), "--no-progress"]),
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=mpi_env())
+    assert res.returncode == 0, res.stderr
+    run = load(str(runs / "r.h5"))
+    assert run["status"] == "completed" and run["superseded_s"] > 0
+    assert _images(run) == run["samples"]  # the dead segment's rows after its checkpoint are not counted
+    assert run["train_time_s"] == pytest.approx(ck.elapsed + 1.0, abs=0.5)
+
+
+def checkpoint_version(path):
+    try:
+        return checkpoint.load(str(path)).version
+    except CheckpointError:
+        return 0
 
 
 def start_mpi_args(nranks, args):

@@ -12,6 +12,7 @@ KIND: raise      rank RANK (a worker) raises RuntimeError("injected failure") in
       perturb    worker RANK's weights are nudged after its 3rd local SGD step (sync, pipeline replicas)
       nanmodule  pipeline unit RANK's module gradients are NaN from its 3rd backward on
       preempt    rank RANK (a worker or a pipeline module 0) sends itself SIGUSR1 in its 10th minibatch
+      sloweval   worker RANK takes 3 s longer over its final evaluation
 """
 
 import sys
@@ -41,6 +42,19 @@ if kind == "preempt" and rank == target:
         return original_batch(self, split, idx, rng)
 
     Dataset.batch = signalled_batch
+
+if kind == "sloweval" and rank == target:
+    import time
+
+    from mpiasgd import worker
+
+    original_evaluate = worker.evaluate
+
+    def slow_evaluate(*args, **kwargs):
+        time.sleep(3.0)
+        return original_evaluate(*args, **kwargs)
+
+    worker.evaluate = slow_evaluate
 
 if kind in ("raise", "hang") and rank == target:
     from mpiasgd.data import Dataset
