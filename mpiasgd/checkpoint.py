@@ -201,6 +201,8 @@ def check_values(ckpt: Checkpoint) -> str:
     w = ckpt.workers
     if ckpt.params.dtype != np.float32 or ckpt.params.ndim != 1 or ckpt.momentum.shape != ckpt.params.shape:
         return f"params {ckpt.params.dtype}{ckpt.params.shape}, momentum {ckpt.momentum.dtype}{ckpt.momentum.shape}"
+    if not (np.isfinite(ckpt.params).all() and np.isfinite(ckpt.momentum).all()):
+        return "non-finite weights or momentum"
     if w.dtype != WORKER_STATE or w.ndim != 1 or w.size < 1:
         return f"workers table {w.dtype} {w.shape}"
     if (w["rank"] < 1).any() or np.unique(w["rank"]).size != w.size:

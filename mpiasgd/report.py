@@ -101,7 +101,11 @@ def _applied(run: dict) -> np.ndarray | None:
 
 
 def _images(run: dict) -> int:
-    """Images in applied pushes (the numerator of images/s)."""
+    """Images trained on (the numerator of images/s): the summary's count for a run that ended (it spans
+    every segment, also one whose log was lost), else the images in applied pushes."""
+    value = run.get("samples")
+    if value and str(run.get("status")) in ("completed", "preempted"):
+        return int(value)
     applied = _applied(run)
     return int(applied["samples"].sum()) if applied is not None else 0
 

@@ -38,6 +38,7 @@ initial weights, logs their REPORTs and SNAPSHOTs, and collects the EVALs.
 from __future__ import annotations
 
 import math
+import os
 import socket
 import sys
 import time
@@ -539,7 +540,9 @@ class ParameterServer:
         try:
             seconds = checkpoint.write(self.checkpoint_path, ckpt)
         except OSError as e:
-            text = f"checkpoint '{self.checkpoint_path}' not written ({e}); the previous one stays"
+            kept = ("the previous one stays" if os.path.isfile(self.checkpoint_path) else
+                    "there is no earlier one")
+            text = f"checkpoint '{self.checkpoint_path}' not written ({e}); {kept}"
             self.log.add("events", (self.now(), b"warning", text))
             print(f"mpiasgd: warning: {text}", file=sys.stderr, flush=True)
             self.checkpoint_error = text

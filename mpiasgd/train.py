@@ -179,6 +179,7 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
                                   f"workers; this job has {me.num_workers} (launch {1 + ckpt.num_workers} ranks)")
             # the log lives next to its checkpoint, wherever the job is started from
             out["path"] = os.path.join(os.path.dirname(os.path.abspath(cfg.resume)), os.path.basename(ckpt.log))
+            check_fits(ckpt, cfg, me, model)
         log_dir = os.path.dirname(out["path"]) or "."
         what = f"--resume {cfg.resume!r}: the checkpoint's directory" if cfg.resume else f"config key 'run_dir' = " \
                                                                                           f"{cfg.run_dir!r}"
@@ -212,6 +213,21 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
         out["staging"] = make_staging(backend, cuda_aware, model.num_params)  # buffers reused every step
         out["make_staging"] = lambda: make_staging(backend, cuda_aware, model.num_params)  # --overlap: a second one
     return out
+
+
+def check_fits(ckpt: checkpoint.Checkpoint, cfg: Config, me: Rank, model: Any) -> None:
+    """ConfigError unless checkpoint `ckpt` fits this job: its mode, model, parameter count, worker ranks."""
+    where = f"--resume: checkpoint '{cfg.resume}'"
+    if (ckpt.mode, ckpt.model) != (cfg.mode, cfg.model):
+        raise ConfigError(f"{where} holds a '{ckpt.mode}' run of model '{ckpt.model}', its config says "
+                          f"'{cfg.mode}' and '{cfg.model}'")
+    if ckpt.params.size != model.num_params:
+        raise ConfigError(f"{where} holds {ckpt.params.size} parameters, model '{cfg.model}' has {model.num_params}")
+    ranks = sorted(int(r) for r in ckpt.workers["rank"])
+    if ranks != list(range(1, me.num_workers + 1)):
+        raise ConfigError(f"{where} holds workers {ranks}, this job has workers 1..{me.num_workers}")
+    if not ckpt.log.endswith(".h5"):
+        raise ConfigError(f"{where} names its run log {ckpt.log!r}, expected NAME.h5")
 
 
 def run_id_of(path: str) -> str:
@@ -339,6 +355,13 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
         log.add("events", (max(ckpt.log_time, log.last_time()), b"overrides", f"resumed with config changes: {text}; "
                                                                              f"command: {' '.join(sys.argv)}"))
         log.file.attrs["config"] = cfg.to_json()
+        done = (cfg.epochs and ckpt.samples >= cfg.epochs * dataset.train_y.size) or (
+            cfg.max_pushes and ckpt.version >= cfg.max_pushes) or (cfg.max_time and ckpt.elapsed >= cfg.max_time)
+        if done:
+            print(f"mpiasgd: warning: checkpoint '{ckpt.path}' already meets the stopping rule (version "
+                  f"{ckpt.version}, {ckpt.samples / dataset.train_y.size:.2f} epochs, {ckpt.elapsed:.1f} s): nothing "
+                  f"is trained; raise --epochs, --max-pushes or --max-time to train longer", file=sys.stderr,
+                  flush=True)
         print(f"mpiasgd: resuming '{state['path']}' from checkpoint '{ckpt.path}' (version {ckpt.version}, "
               f"{ckpt.elapsed:.1f} s of training); config changes: {text}", flush=True)
     params = model.init_params(cfg.seed)
@@ -400,7 +423,7 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
         if server.checkpoint_error:  # nothing to requeue from: not the status that says "try again"
             text = f"run preempted ({server.preempted}) but its {server.checkpoint_error}"
             log.add("events", (server.now(), b"failed", text))
-            log.close("preempted", summary)
+            log.close("failed", summary)  # not "preempted": there is no checkpoint of this state to resume from
             print(f"mpiasgd: error: {text}", file=sys.stderr, flush=True)
             me.comm.Abort(ABORT_CODE)
             return ABORT_CODE

@@ -88,6 +88,7 @@ def test_corrupt_foreign_and_missing_checkpoints_are_refused(tmp_path):
 @pytest.mark.parametrize("field,value,expected", [
     ("elapsed", float("nan"), "elapsed = nan"), ("samples", -100, "samples = -100"),
     ("version", -5, "version = -5"), ("cursor", -1, "negative worker cursors"), ("rank", 1, "worker ranks [1, 1]"),
+    ("params", np.full(10, np.nan, np.float32), "non-finite weights or momentum"),
 ])
 def test_out_of_range_values_are_refused_even_with_a_valid_crc(tmp_path, field, value, expected):
     path = str(tmp_path / "x.ckpt.h5")
@@ -362,8 +363,9 @@ def test_preemption_whose_checkpoint_fails_is_not_status_75(tmp_path):
         stop_group(proc)
     assert proc.returncode not in (0, PREEMPTED), (proc.returncode, err)
     assert "run preempted (SIGUSR1 received by rank 0) but its checkpoint" in err and "not written" in err, err
-    attrs, t, _ = read_log(runs / "c.h5")
-    assert attrs["status"] == "preempted" and b"failed" in t["events"]["kind"].tolist()
+    assert "there is no earlier one" in err, err
+    attrs, t, _ = read_log(runs / "c.h5")  # not "preempted": nothing to resume from
+    assert attrs["status"] == "failed" and b"failed" in t["events"]["kind"].tolist()
 
 
 def test_hung_worker_ends_the_run_with_a_checkpoint(tmp_path):
