@@ -28,6 +28,7 @@ the old or the new checkpoint, never a torn one. `load` verifies the CRC-32s.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -165,29 +166,37 @@ def remove_stale_temporaries(path: str) -> list[str]:
     return removed
 
 
-def load(path: str) -> Checkpoint:
-    """Read and verify the checkpoint at `path`; CheckpointError naming the file and what is wrong."""
+@contextlib.contextmanager
+def _opened(path: str):
+    """The checkpoint file at `path`, open for reading, its format checked; every failure to find, open or
+    read it (inside the `with` too) is a CheckpointError naming the file."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint '{path}' not found" + (" (it is a directory)" if os.path.isdir(path)
                                                                   else ""))
     try:
         with h5py.File(path, "r") as f:
-            a = f.attrs
-            if a.get("format") != FORMAT:
+            if f.attrs.get("format") != FORMAT:
                 raise CheckpointError(f"'{path}' is not an mpiasgd checkpoint (format attribute "
-                                      f"{a.get('format')!r}, expected {FORMAT!r})")
-            ckpt = Checkpoint(
-                params=f["params"][()], momentum=f["momentum"][()], workers=f["workers"][()],
-                version=int(a["version"]), samples=int(a["samples"]), elapsed=float(a["elapsed"]),
-                log_time=float(a["log_time"]), config=str(a["config"]), log=str(a["log"]), mode=str(a["mode"]),
-                model=str(a["model"]), reason=str(a["reason"]), run_id=str(a["run_id"]),
-                staleness_sum=int(a["staleness_sum"]), staleness_max=int(a["staleness_max"]),
-                staleness_count=int(a["staleness_count"]), path=path)
-            stored = int(a["crc32"])
+                                      f"{f.attrs.get('format')!r}, expected {FORMAT!r})")
+            yield f
     except CheckpointError:
         raise
     except (OSError, KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"checkpoint '{path}' cannot be read: {e}") from None
+
+
+def load(path: str) -> Checkpoint:
+    """Read and verify the checkpoint at `path`; CheckpointError naming the file and what is wrong."""
+    with _opened(path) as f:
+        a = f.attrs
+        ckpt = Checkpoint(
+            params=f["params"][()], momentum=f["momentum"][()], workers=f["workers"][()],
+            version=int(a["version"]), samples=int(a["samples"]), elapsed=float(a["elapsed"]),
+            log_time=float(a["log_time"]), config=str(a["config"]), log=str(a["log"]), mode=str(a["mode"]),
+            model=str(a["model"]), reason=str(a["reason"]), run_id=str(a["run_id"]),
+            staleness_sum=int(a["staleness_sum"]), staleness_max=int(a["staleness_max"]),
+            staleness_count=int(a["staleness_count"]), path=path)
+        stored = int(a["crc32"])
     if crc32(ckpt) != stored:
         raise CheckpointError(f"checkpoint '{path}' is corrupt: its contents do not match the CRC-32 stored with them")
     problem = check_values(ckpt)
@@ -222,16 +231,5 @@ def check_values(ckpt: Checkpoint) -> str:
 
 def load_config(path: str) -> dict:
     """The config (as a dict of keys) stored in the checkpoint at `path`, read without the arrays."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint '{path}' not found" + (" (it is a directory)" if os.path.isdir(path)
-                                                                  else ""))
-    try:
-        with h5py.File(path, "r") as f:
-            if f.attrs.get("format") != FORMAT:
-                raise CheckpointError(f"'{path}' is not an mpiasgd checkpoint (format attribute "
-                                      f"{f.attrs.get('format')!r}, expected {FORMAT!r})")
-            return json.loads(f.attrs["config"])
-    except CheckpointError:
-        raise
-    except (OSError, KeyError, ValueError) as e:
-        raise CheckpointError(f"checkpoint '{path}' cannot be read: {e}") from None
+    with _opened(path) as f:
+        return json.loads(f.attrs["config"])

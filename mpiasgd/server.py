@@ -554,14 +554,7 @@ class ParameterServer:
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
         """Continue from `ckpt` (before `run`): weights, optimizer state, version, counts, each worker's step
-        and data position. ValueError if it does not fit this run (worker ranks, parameter count)."""
-        ranks = sorted(int(r) for r in ckpt.workers["rank"])
-        if ranks != list(self.workers):
-            raise ValueError(f"checkpoint '{ckpt.path}' holds workers {ranks}, this job has workers "
-                             f"{list(self.workers)}: resume with {1 + len(ranks)} ranks")
-        if ckpt.params.size != self.params.size:
-            raise ValueError(f"checkpoint '{ckpt.path}' holds {ckpt.params.size} parameters, model "
-                             f"'{self.cfg.model}' has {self.params.size}")
+        and data position. The caller has checked that it fits this job (`train.check_fits`)."""
         self.params[:] = ckpt.params
         if self.optimizer.velocity is not None:
             self.optimizer.velocity[:] = ckpt.momentum

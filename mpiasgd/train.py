@@ -355,9 +355,9 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
         log.add("events", (max(ckpt.log_time, log.last_time()), b"overrides", f"resumed with config changes: {text}; "
                                                                              f"command: {' '.join(sys.argv)}"))
         log.file.attrs["config"] = cfg.to_json()
-        done = (cfg.epochs and ckpt.samples >= cfg.epochs * dataset.train_y.size) or (
-            cfg.max_pushes and ckpt.version >= cfg.max_pushes) or (cfg.max_time and ckpt.elapsed >= cfg.max_time)
-        if done:
+        from mpiasgd.optim import fraction_done
+
+        if fraction_done(cfg, ckpt.samples / dataset.train_y.size, ckpt.version, ckpt.elapsed) >= 1:
             print(f"mpiasgd: warning: checkpoint '{ckpt.path}' already meets the stopping rule (version "
                   f"{ckpt.version}, {ckpt.samples / dataset.train_y.size:.2f} epochs, {ckpt.elapsed:.1f} s): nothing "
                   f"is trained; raise --epochs, --max-pushes or --max-time to train longer", file=sys.stderr,
