@@ -485,7 +485,6 @@ class PipelineMonitor(ParameterServer):
         self.ckpt_pieces: dict[int, dict] = {}  # minibatches done at a drain -> {module: its steps}
         self.ckpt_inboxes: dict[int, Message] = {}
         self.final_checkpoint = False
-        self.state_msgs: list[Message] = []     # resuming: the velocity slices sent to the units
 
     def module_of(self, w: int) -> int:
         return (w - 1) % self.K
@@ -520,11 +519,7 @@ class PipelineMonitor(ParameterServer):
             else:
                 out.stamp(Tag.WEIGHTS, 0, version=self.version, step=self.last_step[w], cursor=self.cursor[w],
                           elapsed=ck.elapsed, flags=Flag.RESUME)
-                state = Message(stop - start)
-                state.payload[:] = ck.momentum[start:stop]
-                state.stamp(Tag.CHECKPOINT, 0, version=self.version)
-                self.state_msgs.append(state)  # alive until its send completed (at the end)
-                self.state_sends.append(self.comm.Isend(state.buf, dest=w, tag=int(Tag.CHECKPOINT)))
+                self.send_state(w, ck.momentum[start:stop])
             self.outbox[w] = out
             self.sending[w] = self.comm.Isend(out.buf, dest=w, tag=int(Tag.WEIGHTS))
         self.started = set(self.workers)

@@ -221,8 +221,9 @@ class RunLog:
         f = h5py.File(path, "r+", libver="latest")
         f.attrs["status"] = "running"
         log = cls(path, f, flush_interval, lock)
-        if resumed_at is not None and log.last_time() > resumed_at:  # a segment that died after its checkpoint
-            spans = [*json.loads(f.attrs.get("superseded", "[]")), [resumed_at, log.last_time()]]
+        last = log.last_time()
+        if resumed_at is not None and last > resumed_at:  # a segment that died after its checkpoint
+            spans = [*json.loads(f.attrs.get("superseded", "[]")), [resumed_at, last]]
             f.attrs["superseded"] = json.dumps(spans)
         del f["workers"]
         f.create_dataset("workers", data=np.array(workers, dtype=WORKER_ROW))

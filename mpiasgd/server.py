@@ -117,7 +117,8 @@ class ParameterServer:
         self.inbox = {w: Message(params.size) for w in self.workers}
         self.header_only = Message(0)         # EVAL and REPORT: received and handled one at a time
         self.checkpoint_inbox: Message | None = None
-        self.state_sends: list[Any] = []      # sync, resuming: the velocity sent to each worker
+        self.state_msgs: list[Message] = []   # sync, pipeline, resuming: the velocity sent to each worker,
+        self.state_sends: list[Any] = []      # kept until its send completed (at the end)
         self.stops: dict[int, Message] = {}   # sync, pipeline: the STOP sent to each worker
         self.outbox = {w: Message(params.size) for w in self.workers}
         self.sending: dict[int, Any] = dict.fromkeys(self.workers)
@@ -608,6 +609,15 @@ class ParameterServer:
         h = msg.header
         self.evals[w] = (float(h["loss"]), int(h["correct"]), int(h["samples"]))
 
+    def send_state(self, w: int, velocity: np.ndarray) -> None:
+        """(sync, pipeline, resuming) Post the checkpoint's `velocity` (float32, the worker's share) to
+        worker `w` as a CHECKPOINT message; it follows the initial WEIGHTS."""
+        state = Message(velocity.size)
+        state.payload[:] = velocity
+        state.stamp(Tag.CHECKPOINT, self.rank, version=self.version)
+        self.state_msgs.append(state)
+        self.state_sends.append(self.comm.Isend(state.buf, dest=w, tag=int(Tag.CHECKPOINT)))
+
     def send_stop(self, w: int) -> None:
         """(sync, pipeline) The one header-only STOP worker `w` gets: after its last REPORT, or at once
         (flag PREEMPT) on a signal; it completes the receive the worker posted at its start."""
@@ -698,11 +708,8 @@ class SyncMonitor(ParameterServer):
         """The initial weights, and on a resume the checkpoint's velocity (CHECKPOINT), to every worker."""
         super().begin()
         if self.resumed is not None:
-            self.state_out = Message(self.params.size)
-            self.state_out.payload[:] = self.resumed.momentum
-            self.state_out.stamp(Tag.CHECKPOINT, self.rank, version=self.version)
-            self.state_sends = [self.comm.Isend(self.state_out.buf, dest=w, tag=int(Tag.CHECKPOINT))
-                                for w in self.workers]
+            for w in self.workers:
+                self.send_state(w, self.resumed.momentum)
 
     def on_preempt(self) -> None:
         """Tell every worker: they end together after the step where the control allreduce hears of it, and

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import run_mpi, session_pids, start_mpi, stop_group
+from conftest import REPO, mpi_command, mpi_env, run_mpi, session_pids, start_mpi, stop_group
 from test_data import tiny_cifar  # noqa: F401  (a fixture: a CIFAR-10 of 100 random images)
 from test_mpi import FAST, read_log, wait_for_pushes
 
@@ -315,17 +315,13 @@ def test_signal_on_any_rank_checkpoints_and_exits_within_10s(tmp_path, mode, sig
     assert ck.reason == "preempt" and ck.version > 0 and ck.mode == mode
     assert t["checkpoints"]["reason"].tolist()[-1] == b"preempt"
     # and the run continues from it
-    res = subprocess.run(start_mpi_args(nranks, ["train", "--resume", "runs/sig.ckpt.h5", "--max-time",
-                                                 str(ck.elapsed + 1.0), "--no-progress"]),
-                         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=mpi_env())
+    res = resume_for_a_second(tmp_path, nranks, "sig", ck)
     assert res.returncode == 0, res.stderr
     attrs, t, _ = read_log(runs / "sig.h5")
     assert attrs["status"] == "completed" and attrs["version"] > ck.version
 
 
 def test_signal_during_the_final_evaluation_lets_the_run_complete(tmp_path):
-    from conftest import REPO, mpi_command
-
     runs = tmp_path / "runs"
     cmd = mpi_command(3, (str(REPO / "tests" / "mpi_scripts" / "fault.py"),),
                       ["sloweval", "2", *FAST, "--epochs", "0", "--max-pushes", "50", "--name", "e"])
@@ -397,9 +393,7 @@ def test_report_after_rank0_killed_and_resumed_counts_each_image_once(tmp_path):
     finally:
         stop_group(proc)
     ck = checkpoint.load(str(runs / "r.ckpt.h5"))
-    res = subprocess.run(start_mpi_args(3, ["train", "--resume", "runs/r.ckpt.h5", "--max-time",
-                                            str(ck.elapsed + 1.0), "--no-progress"]),
-                         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=mpi_env())
+    res = resume_for_a_second(tmp_path, 3, "r", ck)
     assert res.returncode == 0, res.stderr
     run = load(str(runs / "r.h5"))
     assert run["status"] == "completed" and run["superseded_s"] > 0
@@ -414,16 +408,10 @@ def checkpoint_version(path):
         return 0
 
 
-def start_mpi_args(nranks, args):
-    from conftest import mpi_command
-
-    return mpi_command(nranks, ("-m", "mpiasgd"), args)
-
-
-def mpi_env():
-    from conftest import mpi_env as env
-
-    return env()
+def resume_for_a_second(tmp_path, nranks, name, ck):
+    """`--resume runs/NAME.ckpt.h5` for one more second of training than checkpoint `ck` holds."""
+    return run_mpi(nranks, ["train", "--resume", f"runs/{name}.ckpt.h5", "--max-time", str(ck.elapsed + 1.0),
+                            "--no-progress"], 120, tmp_path)
 
 
 def test_killed_worker_ends_the_job_naming_rank_and_host(tmp_path):
@@ -451,9 +439,7 @@ def test_killed_worker_ends_the_job_naming_rank_and_host(tmp_path):
     _, t, _ = read_log(runs / "dead.h5")  # readable up to the last flush
     assert len(t["pushes"]) > 0
     ck = checkpoint.load(str(runs / "dead.ckpt.h5"))  # intact
-    res = subprocess.run(start_mpi_args(3, ["train", "--resume", "runs/dead.ckpt.h5", "--max-time",
-                                            str(ck.elapsed + 1.0), "--no-progress"]),
-                         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=mpi_env())
+    res = resume_for_a_second(tmp_path, 3, "dead", ck)
     assert res.returncode == 0, res.stderr
     assert read_log(runs / "dead.h5")[0]["status"] == "completed"
 
