@@ -1,12 +1,18 @@
-"""Every kernels/*.cu compiles with nvcc to a cubin for sm_75, sm_80 and sm_90 without register spills.
+"""Every kernels/*.cu compiles, without register spills, for sm_75, sm_80 and sm_90, with both compilers:
 
-`nvcc -cubin -Xptxas -v` prints per kernel "N bytes spill stores, M bytes spill loads"; any nonzero
-value fails (a spill turns register blocking into local-memory traffic). nvcc 13 has no sm_70.
-Skipped when nvcc is absent (looked up on PATH, then $CUDA_HOME/bin, /usr/local/cuda/bin).
+* nvcc: `nvcc -cubin -Xptxas -v` prints per kernel "N bytes spill stores, M bytes spill loads"; any
+  nonzero value fails (a spill turns register blocking into local-memory traffic). nvcc 13 has no
+  sm_70. Skipped when nvcc is absent (looked up on PATH, then $CUDA_HOME/bin, /usr/local/cuda/bin).
+* NVRTC, the runtime compiler that `cupy.RawModule` uses on the GPU (a different front end from
+  nvcc's: no host headers, its own defaults). The library comes from the `nvidia-cuda-nvrtc` wheel of
+  the test extra and is found by `cuda.pathfinder`; no GPU or driver is needed to compile. Each file
+  is compiled with the options CuPy passes (`cupy_ops.NVRTC_OPTIONS` plus CuPy's own), must log no
+  warning, spill nothing, and its cubin must define every kernel that `cupy_ops` launches from it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -73,3 +79,76 @@ def test_cubin_without_spills(source, arch, tmp_path):
     assert not spilled, f"{source.name} {arch}: register spills (registers, store B, load B): {spilled}\n{out}"
     for k, (regs, _, _) in sorted(report.items()):
         print(f"{source.name} {arch} {k}: {regs} registers, no spills")
+
+
+# ----------------------------------------------------------------------------------------------
+# NVRTC (what cupy.RawModule compiles with)
+
+
+def load_nvrtc():
+    """ctypes handle of libnvrtc (the test extra's wheel, else a CUDA toolkit's), or None."""
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+        return ctypes.CDLL(load_nvidia_dynamic_lib("nvrtc").abs_path)
+    except Exception:  # ImportError, or the library is not installed anywhere
+        return None
+
+
+NVRTC = load_nvrtc()
+# CuPy 14 (cupy/cuda/compiler.py) appends these to RawModule's options when it compiles with NVRTC
+CUPY_NVRTC_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
+
+
+def nvrtc_compile(source: str, name: str, options: list[str]) -> tuple[int, str, bytes]:
+    """(nvrtcResult, program log, cubin or b"") of compiling `source` with `options`."""
+    nv = NVRTC
+    nv.nvrtcGetErrorString.restype = ctypes.c_char_p
+    prog = ctypes.c_void_p()
+    rc = nv.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None)
+    assert rc == 0, f"nvrtcCreateProgram: {nv.nvrtcGetErrorString(rc).decode()}"
+    try:
+        opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        rc = nv.nvrtcCompileProgram(prog, len(options), opts)
+        size = ctypes.c_size_t()
+        nv.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nv.nvrtcGetProgramLog(prog, log)
+        cubin = b""
+        if rc == 0:
+            nv.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            nv.nvrtcGetCUBIN(prog, buf)
+            cubin = buf.raw
+        return rc, log.value.decode(errors="replace"), cubin
+    finally:
+        nv.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def test_nvrtc_reports_a_compile_error():
+    """The harness can fail: a kernel with an undeclared name is refused, and the log says where."""
+    if NVRTC is None:
+        pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc, the test extra)")
+    rc, log, cubin = nvrtc_compile('extern "C" __global__ void k(float* y) { y[0] = undeclared; }',
+                                   "bad.cu", ["-arch=sm_80"])
+    assert rc != 0 and "undeclared" in log and cubin == b""
+
+
+@pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc, the test extra)")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
+def test_nvrtc_compiles_what_cupy_loads(source, arch):
+    from mpiasgd.ops import cupy_ops
+
+    options = [*cupy_ops.NVRTC_OPTIONS, *CUPY_NVRTC_OPTIONS, f"-arch={arch}", "--ptxas-options=-v"]
+    rc, log, cubin = nvrtc_compile(source.read_text(), source.name, options)
+    assert rc == 0, f"NVRTC {' '.join(options)} failed on {source.name}:\n{log}"
+    assert "warning" not in log.lower(), f"NVRTC warnings for {source.name} {arch}:\n{log}"
+    report = ptxas_report(log)
+    launched = sorted(k for k, f in cupy_ops._KERNEL_FILES.items() if f == source.name)
+    assert launched, f"cupy_ops launches no kernel from {source.name}"
+    assert set(launched) <= set(report), \
+        f"{source.name} {arch}: ptxas compiled {sorted(report)}, cupy_ops needs {launched}"
+    for k in launched:  # an extern "C" kernel's name is a NUL-terminated entry of the cubin's string table
+        assert b"\0" + k.encode() + b"\0" in cubin, f"{source.name} {arch}: no symbol {k} in the cubin"
+    spilled = {k: v for k, v in report.items() if v[1] or v[2]}
+    assert not spilled, f"{source.name} {arch}: register spills (registers, store B, load B): {spilled}\n{log}"

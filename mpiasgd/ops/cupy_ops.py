@@ -84,13 +84,16 @@ def kernel_dir() -> Path:
     raise FileNotFoundError(f"CUDA kernel sources not found in any of {[str(d) for d in candidates]}")
 
 
+NVRTC_OPTIONS = ("--std=c++14",)  # CuPy adds -ftz=true, -arch=sm_XX of the device, --device-as-default-execution-space
+
+
 @functools.cache
 def _module(filename: str):
     """The cupy.RawModule of one .cu file, compiled on first use (once per process)."""
     if cupy is None:
         raise RuntimeError("the cupy backend needs cupy (pip install cupy-cuda12x)")
     source = (kernel_dir() / filename).read_text()
-    return cupy.RawModule(code=source, options=("--std=c++14",))
+    return cupy.RawModule(code=source, options=NVRTC_OPTIONS)
 
 
 def _cupy_kernel(kernel: str):
