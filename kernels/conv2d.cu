@@ -11,22 +11,27 @@
 //
 // Shapes: x (N, C, H, W), w (K, C, R, S), bias (K,) or NULL, y / dy (N, K, P, Q) with
 // P = (H + 2*pad - R)/stride + 1, Q likewise; ws (splits, K, C*R*S); dw (K, C, R, S).
-// Launch (GEMM kernels): block CONV_THREADS (256, 1-D), grid (ceil(NG/64), ceil(M/64), splits),
-// static shared memory 2 * 8 * 64 floats = 4 KiB. conv2d_fprop / conv2d_dgrad take splits = 1
-// (chunk = KR). conv2d_wgrad_partial sums kk in [z*chunk, min(KR, (z+1)*chunk)) for z = blockIdx.z
-// (chunk a multiple of CONV_BK); the batch reduction is split into a workspace and summed by
+// Launch (GEMM kernels): block CONV_THREADS = (BM/4)*(BN/4) threads (1-D), grid (ceil(NG/BN),
+// ceil(M/BM), splits), static shared memory 8*(BM+4) + 8*BN floats. The tile (BM, BN) is chosen
+// at compile time (-DCONV_BM, -DCONV_BN; 64x64 by default, 32x128 for GEMMs of <= 32 rows: see
+// cupy_ops.conv_tile). conv2d_fprop / conv2d_dgrad take splits = 1 (chunk = KR).
+// conv2d_wgrad_partial sums kk in [z*chunk, min(KR, (z+1)*chunk)) for z = blockIdx.z (chunk a
+// multiple of CONV_BK); the batch reduction is split into a workspace and summed by
 // conv2d_wgrad_reduce in a fixed order, without atomics, so dw is bit-reproducible run to run.
 // conv2d_wgrad_reduce: 1-D grid-stride over n = K*C*R*S elements, any block/grid size.
 //
-// Tile: each block computes a 64x64 tile of C, stepping KR in slabs of 8; thread (ty, tx) in a
-// 16x16 layout owns the 4x4 register block C[ty + 16*i][tx + 16*j] (strided so that shared-memory
-// reads are broadcasts (A) and consecutive words (B), and global stores are coalesced along j).
-// The next slab is fetched from global memory into registers while the current one is multiplied.
+// Tile: each block computes a BM x BN tile of C, stepping KR in slabs of 8; thread (ty, tx) owns
+// the 4x4 register block C[ty*4 + i][tx*4 + j] and reads its 4 rows of As and 4 columns of Bs as
+// one float4 each per kk (a warp reads broadcast float4s of As and consecutive float4s of Bs).
+// The next slab is fetched from global memory into registers while the current one is multiplied;
+// the loaders step the digits of kk ((c, r, s) or (n, p, q)) from slab to slab without integer
+// division. The epilogue stores a row of the block as one float4 when its 4 columns are
+// consecutive in memory and 16-byte aligned, else element by element.
 // Element offsets are 64-bit (N*C*H*W may pass 2^31); M, KR per image and the filter are int.
 
-// Tile shape: production values here; CONV_BM / CONV_BN may be overridden with -D (the CPU harness
-// tests other shapes too; BM, BN multiples of 4 with THREADS dividing BM*BK and BK*BN). Everything
-// below is derived from them.
+// Tile shape: production values here; CONV_BM / CONV_BN may be overridden with -D (cupy_ops compiles
+// one variant per tile it launches; the CPU harness tests several). BM, BN multiples of 4 with
+// THREADS dividing BM*BK and BK*BN. Everything below is derived from them.
 #ifndef CONV_BM
 #define CONV_BM 64  // rows of C (output channels) per block
 #endif
@@ -34,17 +39,50 @@
 #define CONV_BN 64  // columns of C (output pixels / filter taps) per block
 #endif
 #define CONV_BK 8   // reduction slab
-#define CONV_TM 4   // register block: rows per thread
-#define CONV_TN 4   // register block: columns per thread
+#define CONV_TM 4   // register block: rows per thread (one float4 of As per kk)
+#define CONV_TN 4   // register block: columns per thread (one float4 of Bs per kk)
 #define CONV_TX (CONV_BN / CONV_TN)
 #define CONV_TY (CONV_BM / CONV_TM)
 #define CONV_THREADS (CONV_TX * CONV_TY)              // 256
 #define CONV_A_LOADS (CONV_BM * CONV_BK / CONV_THREADS)  // A slab elements per thread (2)
 #define CONV_B_LOADS (CONV_BK * CONV_BN / CONV_THREADS)  // B slab elements per thread (2)
+// Row pitch of As: 4 floats of padding put the 8 kk rows that one warp's A stores touch in
+// different banks, and keep every row 16-byte aligned for the float4 reads.
+#define CONV_AS_PITCH (CONV_BM + 4)
 
 #define CONV_FPROP 0
 #define CONV_DGRAD 1
 #define CONV_WGRAD 2
+
+// A reduction index kk as three digits (hi, mid, lo) with radices (.., MID, LO): FPROP/DGRAD
+// kk = (c or k, r, s) with radices (R, S); WGRAD kk = (n, p, q) with radices (P, Q). Decoded with
+// divisions once; every later slab steps all digits by the decoded CONV_BK, with carries and no
+// division (integer division by a runtime value costs about twenty instructions on the GPU).
+struct Digits {
+  int hi, mid, lo;
+};
+
+__device__ __forceinline__ Digits digits_of(long long kk, int mid_radix, int lo_radix) {
+  const long long ml = (long long)mid_radix * lo_radix;
+  const long long hi = kk / ml;
+  const int rem = (int)(kk - hi * ml);
+  Digits d;
+  d.hi = (int)hi;
+  d.mid = rem / lo_radix;
+  d.lo = rem - d.mid * lo_radix;
+  return d;
+}
+
+// d += step (step.mid < mid_radix and step.lo < lo_radix, so each carry is at most 1)
+__device__ __forceinline__ void digits_step(Digits& d, const Digits& step, int mid_radix, int lo_radix) {
+  d.lo += step.lo;
+  int carry = d.lo >= lo_radix;
+  if (carry) d.lo -= lo_radix;
+  d.mid += step.mid + carry;
+  carry = d.mid >= mid_radix;
+  if (carry) d.mid -= mid_radix;
+  d.hi += step.hi + carry;
+}
 
 // Column coordinates of one B column j, decoded once per thread (j is fixed over the KR loop).
 struct ConvCol {
@@ -84,57 +122,48 @@ __device__ __forceinline__ ConvCol conv_decode_col(long long j, long long NG, in
   return col;
 }
 
-// B[kk][j] for the column decoded in `col`; zero outside the (padded) input or KR range.
+// B[kk][j] for the column decoded in `col`, kk given by its digits d; zero outside the (padded)
+// input or the KR range.
 template <int MODE>
-__device__ __forceinline__ float conv_load_b(const float* __restrict__ B, const ConvCol& col, long long kk,
-                                             long long k_end, int C, int H, int W, int K, int R, int S,
-                                             int P, int Q, int stride) {
+__device__ __forceinline__ float conv_load_b(const float* __restrict__ B, const ConvCol& col, const Digits& d,
+                                             long long kk, long long k_end, int C, int H, int W, int P, int Q,
+                                             int stride) {
   if (!col.valid || kk >= k_end) return 0.0f;
-  if (MODE == CONV_FPROP) {  // kk = (c, r, s); B = x
-    int rs = R * S;
-    int c = (int)kk / rs;
-    int rem = (int)kk - c * rs;
-    int h = col.a + rem / S;
-    int w = col.b + rem % S;
+  if (MODE == CONV_FPROP) {  // d = (c, r, s); B = x
+    const int h = col.a + d.mid, w = col.b + d.lo;
     if (h < 0 || h >= H || w < 0 || w >= W) return 0.0f;
-    return __ldg(B + col.base + ((long long)c * H + h) * W + w);
-  } else if (MODE == CONV_DGRAD) {  // kk = (k, r, s); B = dy
-    int rs = R * S;
-    int k = (int)kk / rs;
-    int rem = (int)kk - k * rs;
-    int hp = col.a - rem / S;  // = p * stride when the tap r reaches output row p
-    int wp = col.b - rem % S;
-    if (hp < 0 || wp < 0) return 0.0f;
-    int p = hp / stride, q = wp / stride;
-    if (p * stride != hp || q * stride != wp || p >= P || q >= Q) return 0.0f;
-    return __ldg(B + col.base + ((long long)k * P + p) * Q + q);
-  } else {  // WGRAD: kk = (n, p, q); B = x
-    long long pq = (long long)P * Q;
-    long long n = kk / pq;
-    int rem = (int)(kk - n * pq);
-    int h = (rem / Q) * stride + col.a;
-    int w = (rem % Q) * stride + col.b;
+    return __ldg(B + col.base + ((long long)d.hi * H + h) * W + w);
+  } else if (MODE == CONV_DGRAD) {  // d = (k, r, s); B = dy
+    int p = col.a - d.mid;  // = p * stride when the tap r reaches output row p
+    int q = col.b - d.lo;
+    if (p < 0 || q < 0) return 0.0f;
+    if (stride != 1) {  // uniform branch: unit stride (the common case) divides nothing
+      const int hp = p, wp = q;
+      p = hp / stride;
+      q = wp / stride;
+      if (p * stride != hp || q * stride != wp) return 0.0f;
+    }
+    if (p >= P || q >= Q) return 0.0f;
+    return __ldg(B + col.base + ((long long)d.hi * P + p) * Q + q);
+  } else {  // WGRAD: d = (n, p, q); B = x
+    const int h = d.mid * stride + col.a, w = d.lo * stride + col.b;
     if (h < 0 || h >= H || w < 0 || w >= W) return 0.0f;
-    return __ldg(B + n * C * H * W + col.base + (long long)h * W + w);
+    return __ldg(B + (long long)d.hi * C * H * W + col.base + (long long)h * W + w);
   }
 }
 
-// A[m][kk]; zero outside M x [.., k_end).
+// A[m][kk], kk given by its digits d (FPROP: by kk itself); zero outside M x [.., k_end).
 template <int MODE>
-__device__ __forceinline__ float conv_load_a(const float* __restrict__ A, int m, long long kk, int M,
-                                             long long KR, long long k_end, int C, int K, int R, int S,
+__device__ __forceinline__ float conv_load_a(const float* __restrict__ A, int m, const Digits& d, long long kk,
+                                             int M, long long KR, long long k_end, int C, int K, int R, int S,
                                              int P, int Q) {
   if (m >= M || kk >= k_end) return 0.0f;
   if (MODE == CONV_FPROP) {  // w (K, C*R*S)
     return __ldg(A + (long long)m * KR + kk);
-  } else if (MODE == CONV_DGRAD) {  // w (K, C, R, S), m = c, kk = (k, r, s)
-    int rs = R * S;
-    int k = (int)kk / rs;
-    return __ldg(A + ((long long)k * C + m) * rs + ((int)kk - k * rs));
-  } else {  // WGRAD: dy (N, K, P*Q), kk = (n, p, q)
-    long long pq = (long long)P * Q;
-    long long n = kk / pq;
-    return __ldg(A + (n * K + m) * pq + (kk - n * pq));
+  } else if (MODE == CONV_DGRAD) {  // w (K, C, R, S), m = c, d = (k, r, s)
+    return __ldg(A + ((long long)d.hi * C + m) * R * S + d.mid * S + d.lo);
+  } else {  // WGRAD: dy (N, K, P, Q), d = (n, p, q)
+    return __ldg(A + ((long long)d.hi * K + m) * P * Q + d.mid * Q + d.lo);
   }
 }
 
@@ -143,8 +172,8 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
                                           float* __restrict__ out, const float* __restrict__ bias, int relu,
                                           int N, int C, int H, int W, int K, int R, int S, int P, int Q,
                                           int stride, int pad, long long chunk) {
-  __shared__ float As[CONV_BK][CONV_BM];  // As[kk][m]
-  __shared__ float Bs[CONV_BK][CONV_BN];  // Bs[kk][j]
+  __shared__ __align__(16) float As[CONV_BK][CONV_AS_PITCH];  // As[kk][m]
+  __shared__ __align__(16) float Bs[CONV_BK][CONV_BN];        // Bs[kk][j]
 
   const int M = (MODE == CONV_DGRAD) ? C : K;
   const long long NG = (MODE == CONV_FPROP)   ? (long long)N * P * Q
@@ -153,6 +182,9 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   const long long KR = (MODE == CONV_FPROP)   ? (long long)C * R * S
                        : (MODE == CONV_DGRAD) ? (long long)K * R * S
                                               : (long long)N * P * Q;
+  const int mid_radix = (MODE == CONV_WGRAD) ? P : R;  // digits of kk
+  const int lo_radix = (MODE == CONV_WGRAD) ? Q : S;
+  const Digits step = digits_of(CONV_BK, mid_radix, lo_radix);
   const long long k_begin = (long long)blockIdx.z * chunk;
   const long long k_end = (k_begin + chunk < KR) ? k_begin + chunk : KR;
 
@@ -161,10 +193,16 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   const int m0 = blockIdx.y * CONV_BM;
   const long long j0 = (long long)blockIdx.x * CONV_BN;
 
-  // loader roles: A slab BM x BK (kk fastest), B slab BK x BN (j fastest)
+  // loader roles: A slab BM x BK (kk fastest), B slab BK x BN (j fastest). All A loads of a thread
+  // share one kk; B load i has its own kk, i * (THREADS / BN) further on, whose digits are stepped
+  // from load 0's (one digit state per thread, not one per load: fewer registers)
   const int a_kk = t % CONV_BK, a_m = t / CONV_BK;  // m = a_m + i * (THREADS / BK)
   const int b_j = t % CONV_BN, b_kk = t / CONV_BN;  // kk = b_kk + i * (THREADS / BN)
   const ConvCol col = conv_decode_col<MODE>(j0 + b_j, NG, C, H, W, K, R, S, P, Q, stride, pad);
+  const Digits b_step = digits_of(CONV_THREADS / CONV_BN, mid_radix, lo_radix);  // load i -> i + 1
+  long long a_k = k_begin + a_kk, b_k = k_begin + b_kk;  // kk of A loads, of B load 0
+  Digits a_d = digits_of(a_k, mid_radix, lo_radix);
+  Digits b_d = digits_of(b_k, mid_radix, lo_radix);
 
   float acc[CONV_TM][CONV_TN];
   for (int i = 0; i < CONV_TM; ++i)
@@ -173,12 +211,16 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   float a_reg[CONV_A_LOADS], b_reg[CONV_B_LOADS];
 #pragma unroll
   for (int i = 0; i < CONV_A_LOADS; ++i)
-    a_reg[i] = conv_load_a<MODE>(A, m0 + a_m + i * (CONV_THREADS / CONV_BK), k_begin + a_kk, M, KR, k_end, C, K,
-                                 R, S, P, Q);
+    a_reg[i] = conv_load_a<MODE>(A, m0 + a_m + i * (CONV_THREADS / CONV_BK), a_d, a_k, M, KR, k_end, C, K, R, S,
+                                 P, Q);
+  {
+    Digits d = b_d;
 #pragma unroll
-  for (int i = 0; i < CONV_B_LOADS; ++i)
-    b_reg[i] = conv_load_b<MODE>(B, col, k_begin + b_kk + i * (CONV_THREADS / CONV_BN), k_end, C, H, W, K, R, S,
-                                 P, Q, stride);
+    for (int i = 0; i < CONV_B_LOADS; ++i) {
+      if (i > 0) digits_step(d, b_step, mid_radix, lo_radix);
+      b_reg[i] = conv_load_b<MODE>(B, col, d, b_k + i * (CONV_THREADS / CONV_BN), k_end, C, H, W, P, Q, stride);
+    }
+  }
 
   for (long long k0 = k_begin; k0 < k_end; k0 += CONV_BK) {
     __syncthreads();  // every thread is done reading the previous slab
@@ -187,24 +229,30 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
 #pragma unroll
     for (int i = 0; i < CONV_B_LOADS; ++i) Bs[b_kk + i * (CONV_THREADS / CONV_BN)][b_j] = b_reg[i];
     __syncthreads();  // slab complete
-    const long long k1 = k0 + CONV_BK;
-    if (k1 < k_end) {  // prefetch the next slab while this one is multiplied
+    if (k0 + CONV_BK < k_end) {  // prefetch the next slab while this one is multiplied
+      a_k += CONV_BK;
+      b_k += CONV_BK;
+      digits_step(a_d, step, mid_radix, lo_radix);
 #pragma unroll
       for (int i = 0; i < CONV_A_LOADS; ++i)
-        a_reg[i] = conv_load_a<MODE>(A, m0 + a_m + i * (CONV_THREADS / CONV_BK), k1 + a_kk, M, KR, k_end, C, K, R,
+        a_reg[i] = conv_load_a<MODE>(A, m0 + a_m + i * (CONV_THREADS / CONV_BK), a_d, a_k, M, KR, k_end, C, K, R,
                                      S, P, Q);
+      digits_step(b_d, step, mid_radix, lo_radix);
+      Digits d = b_d;
 #pragma unroll
-      for (int i = 0; i < CONV_B_LOADS; ++i)
-        b_reg[i] = conv_load_b<MODE>(B, col, k1 + b_kk + i * (CONV_THREADS / CONV_BN), k_end, C, H, W, K, R, S, P,
-                                     Q, stride);
+      for (int i = 0; i < CONV_B_LOADS; ++i) {
+        if (i > 0) digits_step(d, b_step, mid_radix, lo_radix);
+        b_reg[i] = conv_load_b<MODE>(B, col, d, b_k + i * (CONV_THREADS / CONV_BN), k_end, C, H, W, P, Q, stride);
+      }
     }
 #pragma unroll
     for (int kk = 0; kk < CONV_BK; ++kk) {
-      float a[CONV_TM], b[CONV_TN];
-#pragma unroll
-      for (int i = 0; i < CONV_TM; ++i) a[i] = As[kk][ty + CONV_TY * i];
-#pragma unroll
-      for (int j = 0; j < CONV_TN; ++j) b[j] = Bs[kk][tx + CONV_TX * j];
+      // thread (ty, tx) owns rows ty*4 .. ty*4+3 and columns tx*4 .. tx*4+3: one 16-byte shared
+      // load each (a warp reads two broadcast float4 of As and 16 consecutive float4 of Bs)
+      const float4 a4 = *reinterpret_cast<const float4*>(&As[kk][ty * CONV_TM]);
+      const float4 b4 = *reinterpret_cast<const float4*>(&Bs[kk][tx * CONV_TN]);
+      const float a[CONV_TM] = {a4.x, a4.y, a4.z, a4.w};
+      const float b[CONV_TN] = {b4.x, b4.y, b4.z, b4.w};
 #pragma unroll
       for (int i = 0; i < CONV_TM; ++i)
 #pragma unroll
@@ -212,39 +260,60 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
     }
   }
 
-  // epilogue: scatter the 4x4 register block to its NCHW (or workspace) location
+  // epilogue: the 4x4 register block to its NCHW (or workspace) location. C[m][jj] lives at
+  // base[j] + m * mstride; when the thread's 4 columns are consecutive in memory (same image) and
+  // the row's address is 16-byte aligned, each row is one float4 store.
+  long long base[CONV_TN];
+  long long mstride = 0;
+  const long long jj0 = j0 + tx * CONV_TN;
+#pragma unroll
   for (int j = 0; j < CONV_TN; ++j) {
-    const long long jj = j0 + tx + CONV_TX * j;
-    if (jj >= NG) continue;
-    long long base;  // offset of C[0][jj]; C[m][jj] = base + m * mstride
-    long long mstride;
+    const long long jj = jj0 + j < NG ? jj0 + j : NG - 1;  // clamped; columns >= NG are not stored
     if (MODE == CONV_FPROP) {
       long long pq = (long long)P * Q, n = jj / pq;
       mstride = pq;
-      base = n * K * pq + (jj - n * pq);
+      base[j] = n * K * pq + (jj - n * pq);
     } else if (MODE == CONV_DGRAD) {
       long long hw = (long long)H * W, n = jj / hw;
       mstride = hw;
-      base = n * C * hw + (jj - n * hw);
+      base[j] = n * C * hw + (jj - n * hw);
     } else {
       mstride = NG;
-      base = (long long)blockIdx.z * M * NG + jj;
+      base[j] = (long long)blockIdx.z * M * NG + jj;
     }
-    for (int i = 0; i < CONV_TM; ++i) {
-      const int m = m0 + ty + CONV_TY * i;
-      if (m >= M) continue;
-      float v = acc[i][j];
+  }
+  const bool contiguous = jj0 + CONV_TN <= NG && base[CONV_TN - 1] == base[0] + (CONV_TN - 1);
+#pragma unroll
+  for (int i = 0; i < CONV_TM; ++i) {
+    const int m = m0 + ty * CONV_TM + i;
+    if (m >= M) continue;
+    float v[CONV_TN];
+#pragma unroll
+    for (int j = 0; j < CONV_TN; ++j) {
+      v[j] = acc[i][j];
       if (MODE == CONV_FPROP) {
-        if (bias != 0) v += __ldg(bias + m);
-        if (relu) v = fmaxf(v, 0.0f);
+        if (bias != 0) v[j] += __ldg(bias + m);
+        if (relu) v[j] = fmaxf(v[j], 0.0f);
       }
-      out[base + m * mstride] = v;
+    }
+    float* row = out + base[0] + m * mstride;
+    if (contiguous && ((unsigned long long)row & 15) == 0) {
+      float4 v4;
+      v4.x = v[0];
+      v4.y = v[1];
+      v4.z = v[2];
+      v4.w = v[3];
+      *reinterpret_cast<float4*>(row) = v4;
+    } else {
+#pragma unroll
+      for (int j = 0; j < CONV_TN; ++j)
+        if (jj0 + j < NG) out[base[j] + m * mstride] = v[j];
     }
   }
 }
 
 // y = conv(x, w) (+ bias[k]) (then max(., 0) when relu != 0). bias may be NULL.
-extern "C" __global__ void __launch_bounds__(CONV_THREADS)
+extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
 conv2d_fprop(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
              float* __restrict__ y, int N, int C, int H, int W, int K, int R, int S, int P, int Q, int stride,
              int pad, int relu) {
@@ -253,14 +322,14 @@ conv2d_fprop(const float* __restrict__ x, const float* __restrict__ w, const flo
 }
 
 // dx = transposed convolution of dy with w (every dx element is written; unreached ones get 0).
-extern "C" __global__ void __launch_bounds__(CONV_THREADS)
+extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
 conv2d_dgrad(const float* __restrict__ dy, const float* __restrict__ w, float* __restrict__ dx, int N, int C,
              int H, int W, int K, int R, int S, int P, int Q, int stride, int pad) {
   conv_gemm<CONV_DGRAD>(w, dy, dx, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, (long long)K * R * S);
 }
 
 // ws[z] = partial dw over the (n, p, q) range [z*chunk, (z+1)*chunk) for z = blockIdx.z.
-extern "C" __global__ void __launch_bounds__(CONV_THREADS)
+extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
 conv2d_wgrad_partial(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ ws, int N,
                      int C, int H, int W, int K, int R, int S, int P, int Q, int stride, int pad,
                      long long chunk) {

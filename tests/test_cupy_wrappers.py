@@ -33,8 +33,8 @@ def fake_gpu(monkeypatch):
     launches = []
     fake_xp = types.SimpleNamespace(ndarray=FakeArray, empty=lambda shape, dtype=np.float32: FakeArray(shape, dtype))
     monkeypatch.setattr(cupy_ops, "xp", fake_xp)
-    monkeypatch.setattr(cupy_ops, "get_kernel", lambda name: lambda grid, block, args, shared_mem=0:
-                        launches.append((name, grid, block, args, shared_mem)))
+    monkeypatch.setattr(cupy_ops, "get_kernel", lambda name, tile=None: lambda grid, block, args, shared_mem=0:
+                        launches.append((name, grid, block, args, shared_mem, tile)))
     return launches
 
 
@@ -125,7 +125,7 @@ def test_every_launched_scalar_has_its_c_type(fake_gpu):
     assert names == ["conv2d_fprop", "conv2d_dgrad", "conv2d_wgrad_partial", "conv2d_wgrad_reduce",
                      "maxpool_fprop_u8", "relu_fprop", "sgd_momentum"]
     sigs = {s.name: s for f, t in harness.kernel_sources().items() for s in harness.parse_kernels(f, t)}
-    for name, _, _, args, _ in fake_gpu:
+    for name, _, _, args, _, _ in fake_gpu:
         params = sigs[name].params
         assert len(args) == len(params), name
         for p, a in zip(params, args, strict=True):
@@ -165,9 +165,9 @@ def test_check_launch(grid, block, shared, ok):
 
 
 def test_grid_checked_before_launch(fake_gpu):
-    # 2^20 images of 1x1024x1024 with a 1x1 filter: N*P*Q / 64 column tiles > 2^31 - 1
+    # 2^20 images of 1x1024x1024 with a 1x1 filter: N*P*Q / 128 column tiles (K = 1: 32x128) > 2^31 - 1
     x, w = FakeArray((2**20, 1, 1024, 1024)), FakeArray((1, 1, 1, 1))
-    with pytest.raises(ValueError, match=r"conv2d_fprop: grid \(17179869184, 1, 1\) outside the limits"):
+    with pytest.raises(ValueError, match=r"conv2d_fprop: grid \(8589934592, 1, 1\) outside the limits"):
         cupy_ops.conv2d_fprop(x, w, None, 1, 0)
     assert fake_gpu == []
 
@@ -180,10 +180,42 @@ def test_conv_extents_beyond_int32_refused(fake_gpu):
 
 
 def test_conv_launch_cifar10_conv1():
-    grid, block = cupy_ops.conv_launch(M=32, NG=128 * 32 * 32)  # cifar10 conv1 fprop at batch 128
-    assert grid == (2048, 1, 1) and block == (256, 1, 1)
-    assert cupy_ops.CONV_THREADS == (cupy_ops.CONV_BM // 4) * (cupy_ops.CONV_BN // 4)
-    assert cupy_ops.CONV_SHARED == 4096  # what ptxas reports for conv2d.cu
+    grid, block = cupy_ops.conv_launch(M=32, NG=128 * 32 * 32)  # cifar10 conv1 fprop at batch 128: 32x128
+    assert grid == (1024, 1, 1) and block == (256, 1, 1)
+    grid, block = cupy_ops.conv_launch(M=64, NG=128 * 7 * 7)  # conv3 (64 channels): 64x64
+    assert grid == (98, 1, 1) and block == (256, 1, 1)
+
+
+@pytest.mark.parametrize("M, tile", [(1, (32, 128)), (32, (32, 128)), (33, (64, 64)), (64, (64, 64)),
+                                     (1000, (64, 64))])
+def test_conv_tile_by_rows(M, tile):
+    assert cupy_ops.conv_tile(M) == tile and tile in cupy_ops.CONV_TILES
+    assert cupy_ops.conv_threads(tile) == 256
+
+
+def test_conv_tile_override(monkeypatch):
+    monkeypatch.setattr(cupy_ops, "conv_tile_override", (16, 16))
+    assert cupy_ops.conv_tile(64) == (16, 16)
+    assert cupy_ops.conv_launch(M=64, NG=100) == ((7, 4, 1), (16, 1, 1))
+
+
+def test_each_conv_pass_launches_the_tile_of_its_rows(fake_gpu):
+    """fprop and wgrad have K rows, dgrad C rows: each launch names the tile its grid was cut for."""
+    N, C, H, W, K = 2, 64, 8, 8, 32
+    x, w = FakeArray((N, C, H, W)), FakeArray((K, C, 3, 3))
+    cupy_ops.conv2d_fprop(x, w, None, 1, 1)
+    cupy_ops.conv2d_dgrad(FakeArray((N, K, H, W)), w, (N, C, H, W), 1, 1)
+    cupy_ops.conv2d_wgrad(FakeArray((N, K, H, W)), x, (K, C, 3, 3), 1, 1)
+    tiles = {name: (grid, block, tile) for name, grid, block, _, _, tile in fake_gpu}
+    assert tiles["conv2d_fprop"] == ((1, 1, 1), (256, 1, 1), (32, 128))          # 128 columns
+    assert tiles["conv2d_dgrad"] == ((2, 1, 1), (256, 1, 1), (64, 64))           # 128 columns, 64 rows
+    assert tiles["conv2d_wgrad_partial"][2] == (32, 128)
+    assert tiles["conv2d_wgrad_reduce"][2] is None
+
+
+def test_tile_defines():
+    assert cupy_ops.tile_defines(None) == ()
+    assert cupy_ops.tile_defines((32, 128)) == ("-DCONV_BM=32", "-DCONV_BN=128")
 
 
 @pytest.mark.parametrize("K, CRS, NPQ", [(32, 75, 131072), (32, 800, 28800), (64, 800, 6272), (1, 1, 1),
@@ -233,7 +265,8 @@ def test_tile_constants_match_the_sources():
     for name in ("CONV_BM", "CONV_BN", "CONV_BK"):
         assert f"#define {name} {getattr(cupy_ops, name)} " in text, name
     assert "#define CONV_TM 4 " in text and "#define CONV_TN 4 " in text
-    assert cupy_ops.CONV_THREADS == (cupy_ops.CONV_BM // 4) * (cupy_ops.CONV_BN // 4)
+    assert cupy_ops.conv_threads((cupy_ops.CONV_BM, cupy_ops.CONV_BN)) == 256
+    assert (cupy_ops.CONV_BM, cupy_ops.CONV_BN) in cupy_ops.CONV_TILES
     for f, macro in (("bias.cu", "BIAS_THREADS_MAX"), ("softmax_xent.cu", "SOFTMAX_THREADS_MAX")):
         assert f"#define {macro} {cupy_ops.REDUCE_THREADS}" in harness.kernel_sources()[f]
 

@@ -26,6 +26,18 @@ ARCHS = ["sm_75", "sm_80", "sm_90"]
 SOURCES = sorted(KERNELS.glob("*.cu"))
 
 
+def _builds() -> list[tuple[Path, tuple[str, ...]]]:
+    """(source, -D options): conv2d.cu once per tile variant that cupy_ops launches, the rest once."""
+    from mpiasgd.ops import cupy_ops
+
+    return [(src, cupy_ops.tile_defines(tile)) for src in SOURCES
+            for tile in (cupy_ops.CONV_TILES if src.name == "conv2d.cu" else [None])]
+
+
+BUILDS = _builds()
+BUILD_IDS = [src.name + "".join("-" + d.split("=")[1] for d in defines) for src, defines in BUILDS]
+
+
 def find_nvcc() -> str | None:
     for candidate in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/nonexistent"), "bin", "nvcc"),
                       "/usr/local/cuda/bin/nvcc"):
@@ -67,9 +79,9 @@ def test_kernel_sources_present():
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
-def test_cubin_without_spills(source, arch, tmp_path):
-    cmd = [NVCC, "-cubin", f"-arch={arch}", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(source)]
+@pytest.mark.parametrize("source, defines", BUILDS, ids=BUILD_IDS)
+def test_cubin_without_spills(source, defines, arch, tmp_path):
+    cmd = [NVCC, "-cubin", f"-arch={arch}", *defines, "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(source)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{out}"
@@ -135,11 +147,11 @@ def test_nvrtc_reports_a_compile_error():
 
 @pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc, the test extra)")
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
-def test_nvrtc_compiles_what_cupy_loads(source, arch):
+@pytest.mark.parametrize("source, defines", BUILDS, ids=BUILD_IDS)
+def test_nvrtc_compiles_what_cupy_loads(source, defines, arch):
     from mpiasgd.ops import cupy_ops
 
-    options = [*cupy_ops.NVRTC_OPTIONS, *CUPY_NVRTC_OPTIONS, f"-arch={arch}", "--ptxas-options=-v"]
+    options = [*cupy_ops.NVRTC_OPTIONS, *defines, *CUPY_NVRTC_OPTIONS, f"-arch={arch}", "--ptxas-options=-v"]
     rc, log, cubin = nvrtc_compile(source.read_text(), source.name, options)
     assert rc == 0, f"NVRTC {' '.join(options)} failed on {source.name}:\n{log}"
     assert "warning" not in log.lower(), f"NVRTC warnings for {source.name} {arch}:\n{log}"

@@ -52,8 +52,12 @@ MAX_GRID_YZ = 65535
 MAX_BLOCK_THREADS = 1024
 MAX_STATIC_SHARED = 48 * 1024  # bytes
 
-CONV_BM, CONV_BN, CONV_BK, CONV_THREADS = 64, 64, 8, 256  # kernels/conv2d.cu
-CONV_SHARED = 2 * CONV_BK * CONV_BM * 4  # As + Bs, float32 (static shared memory, informational)
+CONV_BM, CONV_BN, CONV_BK = 64, 64, 8  # kernels/conv2d.cu defaults (-DCONV_BM/-DCONV_BN select a variant)
+# (BM, BN) tile variants that conv2d.cu is compiled for, 256 threads each (16x16 or 8x32 threads
+# owning 4x4 outputs): 64x64, and 32x128 for GEMMs of at most 32 rows (the cifar10 model's 32-channel
+# layers), which a 64-row tile would half idle
+CONV_TILES = ((64, 64), (32, 128))
+conv_tile_override: tuple[int, int] | None = None  # (BM, BN) forced on every conv launch (bench, tests)
 CONV_TARGET_BLOCKS = 512  # wgrad splits the batch until the grid has about this many blocks
 CONV_MIN_CHUNK = 256  # ... but each split reduces at least this many (n, p, q) terms
 REDUCE_THREADS = 256  # bias_grad, softmax_xent: power of two <= 256 (BIAS/SOFTMAX_THREADS_MAX)
@@ -87,20 +91,25 @@ def kernel_dir() -> Path:
 NVRTC_OPTIONS = ("--std=c++14",)  # CuPy adds -ftz=true, -arch=sm_XX of the device, --device-as-default-execution-space
 
 
+def tile_defines(tile: tuple[int, int] | None) -> tuple[str, ...]:
+    """The -D options that compile conv2d.cu for tile (BM, BN); () for the other files (tile None)."""
+    return () if tile is None else (f"-DCONV_BM={int(tile[0])}", f"-DCONV_BN={int(tile[1])}")
+
+
 @functools.cache
-def _module(filename: str):
-    """The cupy.RawModule of one .cu file, compiled on first use (once per process)."""
+def _module(filename: str, defines: tuple[str, ...] = ()):
+    """The cupy.RawModule of one .cu file (and tile variant), compiled on first use (once per process)."""
     if cupy is None:
         raise RuntimeError("the cupy backend needs cupy (pip install cupy-cuda12x)")
     source = (kernel_dir() / filename).read_text()
-    return cupy.RawModule(code=source, options=NVRTC_OPTIONS)
+    return cupy.RawModule(code=source, options=NVRTC_OPTIONS + defines)
 
 
-def _cupy_kernel(kernel: str):
-    return _module(_KERNEL_FILES[kernel]).get_function(kernel)
+def _cupy_kernel(kernel: str, tile: tuple[int, int] | None = None):
+    return _module(_KERNEL_FILES[kernel], tile_defines(tile)).get_function(kernel)
 
 
-get_kernel = _cupy_kernel  # kernel name -> callable (grid, block, args, shared_mem=0)
+get_kernel = _cupy_kernel  # (kernel name, conv tile or None) -> callable (grid, block, args, shared_mem=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,12 +183,12 @@ def check_launch(kernel: str, grid: tuple[int, int, int], block: tuple[int, int,
 
 
 def _launch(kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple,
-            shared_mem: int = 0) -> None:
+            shared_mem: int = 0, tile: tuple[int, int] | None = None) -> None:
     check_launch(kernel, grid, block, shared_mem)
     for a in args:  # every scalar already has its C type; a Python int/float here is a bug
         if not (a is None or isinstance(a, (np.int32, np.int64, np.float32)) or hasattr(a, "dtype")):
             raise TypeError(f"{kernel}: argument {a!r} has no C type (use np.int32/np.int64/np.float32)")
-    get_kernel(kernel)(grid, block, args, shared_mem=shared_mem)
+    get_kernel(kernel, tile)(grid, block, args, shared_mem=shared_mem)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,10 +199,26 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def conv_launch(M: int, NG: int, splits: int = 1) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """Grid and block of an implicit-GEMM conv kernel: C (M, NG) in 64x64 tiles, `splits` along z."""
-    grid = (_cdiv(NG, CONV_BN), _cdiv(M, CONV_BM), splits)  # (column tiles, row tiles, batch splits)
-    block = (CONV_THREADS, 1, 1)  # 16x16 threads, 4x4 outputs each
+def conv_tile(M: int) -> tuple[int, int]:
+    """(BM, BN) tile of a conv GEMM with M rows: 32x128 when M <= 32, else 64x64 (`CONV_TILES`);
+    `conv_tile_override` when set."""
+    if conv_tile_override is not None:
+        return conv_tile_override
+    return (32, 128) if M <= 32 else (64, 64)
+
+
+def conv_threads(tile: tuple[int, int]) -> int:
+    """Threads per block of tile (BM, BN): one per 4x4 register block."""
+    return (tile[0] // 4) * (tile[1] // 4)
+
+
+def conv_launch(M: int, NG: int, splits: int = 1,
+                tile: tuple[int, int] | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """Grid and block of an implicit-GEMM conv kernel: C (M, NG) in BM x BN tiles (`tile`, default
+    `conv_tile(M)`), `splits` along z."""
+    bm, bn = tile or conv_tile(M)
+    grid = (_cdiv(NG, bn), _cdiv(M, bm), splits)  # (column tiles, row tiles, batch splits)
+    block = (conv_threads((bm, bn)), 1, 1)
     return grid, block
 
 
@@ -204,7 +229,8 @@ def wgrad_split(K: int, CRS: int, NPQ: int) -> tuple[int, int]:
     Chosen so that the grid has about CONV_TARGET_BLOCKS blocks (the (K, C*R*S) output alone is
     often only a few dozen tiles) while each range keeps >= CONV_MIN_CHUNK terms; at most 65,535.
     """
-    tiles = _cdiv(CRS, CONV_BN) * _cdiv(K, CONV_BM)
+    bm, bn = conv_tile(K)
+    tiles = _cdiv(CRS, bn) * _cdiv(K, bm)
     want = max(1, min(_cdiv(CONV_TARGET_BLOCKS, tiles), NPQ // CONV_MIN_CHUNK, MAX_GRID_YZ))
     chunk = _cdiv(_cdiv(NPQ, want), CONV_BK) * CONV_BK
     return _cdiv(NPQ, chunk), chunk
@@ -313,11 +339,12 @@ def conv2d_fprop(x, w, b, stride: int, pad: int, ws: Workspace | None = None):
         check_array(op, "b", b, shape=(K,))
     P, Q = conv_geometry(op, x.shape, w.shape, stride, pad)
     y = xp.empty((N, K, P, Q), dtype=np.float32)
-    grid, block = conv_launch(M=K, NG=N * P * Q)  # GEMM (K) x (N*P*Q), reduction C*R*S
+    tile = conv_tile(K)
+    grid, block = conv_launch(M=K, NG=N * P * Q, tile=tile)  # GEMM (K) x (N*P*Q), reduction C*R*S
     i32 = functools.partial(c_int32, op)
     _launch(op, grid, block, (x, w, b, y, i32("N", N), i32("C", C), i32("H", H), i32("W", W), i32("K", K),
                               i32("R", R), i32("S", S), i32("P", P), i32("Q", Q), i32("stride", stride),
-                              i32("pad", pad), np.int32(0)))
+                              i32("pad", pad), np.int32(0)), tile=tile)
     return y
 
 
@@ -336,11 +363,12 @@ def conv2d_dgrad(dy, w, x_shape: tuple[int, int, int, int], stride: int, pad: in
     P, Q = conv_geometry(op, (N, C, H, W), w.shape, stride, pad)
     check_array(op, "dy", dy, shape=(N, K, P, Q))
     dx = xp.empty((N, C, H, W), dtype=np.float32)
-    grid, block = conv_launch(M=C, NG=N * H * W)
+    tile = conv_tile(C)
+    grid, block = conv_launch(M=C, NG=N * H * W, tile=tile)
     i32 = functools.partial(c_int32, op)
     _launch(op, grid, block, (dy, w, dx, i32("N", N), i32("C", C), i32("H", H), i32("W", W), i32("K", K),
                               i32("R", R), i32("S", S), i32("P", P), i32("Q", Q), i32("stride", stride),
-                              i32("pad", pad)))
+                              i32("pad", pad)), tile=tile)
     return dx
 
 
@@ -364,12 +392,13 @@ def conv2d_wgrad(dy, x, w_shape: tuple[int, int, int, int], stride: int, pad: in
     splits, chunk = wgrad_split(K, C * R * S, N * P * Q)
     part_shape = (splits, K, C * R * S)
     part = xp.empty(part_shape, dtype=np.float32) if ws is None else ws.get("wgrad.split", part_shape, np.float32)
-    grid, block = conv_launch(M=K, NG=C * R * S, splits=splits)
+    tile = conv_tile(K)
+    grid, block = conv_launch(M=K, NG=C * R * S, splits=splits, tile=tile)
     i32 = functools.partial(c_int32, op)
     _launch("conv2d_wgrad_partial", grid, block,
             (dy, x, part, i32("N", N), i32("C", C), i32("H", H), i32("W", W), i32("K", K), i32("R", R),
              i32("S", S), i32("P", P), i32("Q", Q), i32("stride", stride), i32("pad", pad),
-             c_int64(op, "chunk", chunk)))
+             c_int64(op, "chunk", chunk)), tile=tile)
     n = K * C * R * S
     grid, block = elementwise_launch(n)
     _launch("conv2d_wgrad_reduce", grid, block, (part, dw, i32("splits", splits), c_int64(op, "n", n)))

@@ -58,16 +58,21 @@ def assert_close(got, ref, what: str, atol: float = ATOL, rtol: float = RTOL) ->
 def cpu_backend(lib, **constants) -> Iterator:
     """`cupy_ops` with numpy arrays and the harness kernels (and launch constants overridden).
 
-    Tile macros the library was built with (`lib.defines`, e.g. CONV_BM=32) carry over into the
-    wrapper's launch arithmetic.
+    A conv launch for tile (BM, BN) runs `lib.variant` built with -DCONV_BM/-DCONV_BN, as cupy_ops
+    compiles one module per tile on the GPU. A library built with tile macros (`lib.defines`, e.g.
+    CONV_BM=16) forces that tile on every conv launch (`conv_tile_override`).
     """
     d = lib.defines
     if "CONV_BM" in d or "CONV_BN" in d:
-        bm, bn = d.get("CONV_BM", cupy_ops.CONV_BM), d.get("CONV_BN", cupy_ops.CONV_BN)
-        constants = {"CONV_BM": bm, "CONV_BN": bn, "CONV_THREADS": (bm // 4) * (bn // 4), **constants}
+        tile = (d.get("CONV_BM", cupy_ops.CONV_BM), d.get("CONV_BN", cupy_ops.CONV_BN))
+        constants = {"conv_tile_override": tile, **constants}
+
+    def get_kernel(name: str, tile: tuple[int, int] | None = None):
+        return (lib if tile is None else lib.variant({"CONV_BM": tile[0], "CONV_BN": tile[1]})).kernel(name)
+
     saved = {"xp": cupy_ops.xp, "get_kernel": cupy_ops.get_kernel}
     saved.update({k: getattr(cupy_ops, k) for k in constants})
-    cupy_ops.xp, cupy_ops.get_kernel = np, lib.kernel
+    cupy_ops.xp, cupy_ops.get_kernel = np, get_kernel
     for k, v in constants.items():
         setattr(cupy_ops, k, v)
     try:
@@ -119,12 +124,20 @@ def conv_fprop_relu_epilogue(lib, rng, small: bool) -> None:
     N, C, H, W, K, R, S, st, pad = CONV_SHAPES[1]
     x, w, b = f32(rng, N, C, H, W), f32(rng, K, C, R, S), f32(rng, K)
     P, Q = (H + 2 * pad - R) // st + 1, (W + 2 * pad - S) // st + 1
-    y = np.full((N, K, P, Q), np.nan, np.float32)
-    with cpu_backend(lib) as ops:
-        grid, block = ops.conv_launch(M=K, NG=N * P * Q)
-    lib.kernel("conv2d_fprop")(grid, block, (x, w, b, y, *_i32(N, C, H, W, K, R, S, P, Q, st, pad, 1)))
     ref = np.maximum(numpy_ops.conv2d_fprop(f64(x), f64(w), f64(b), st, pad), 0)
-    assert_close(y, ref, "conv2d_fprop relu epilogue")
+    with cpu_backend(lib) as ops:  # K = 70: the 64x64 tile (unless the library forces another)
+        tile = ops.conv_tile(K)
+        grid, block = ops.conv_launch(M=K, NG=N * P * Q, tile=tile)
+        fprop = ops.get_kernel("conv2d_fprop", tile)
+    # P*Q = 16: each thread's 4 columns are consecutive, so rows go out as float4 stores where the
+    # address is 16-byte aligned; an output 4 bytes off that alignment must take the scalar stores
+    buf = np.full(N * K * P * Q + 8, np.nan, np.float32)
+    first = (-buf.ctypes.data % 16) // 4  # index of the first 16-byte aligned element
+    for offset in (first, first + 1):
+        y = buf[offset:offset + N * K * P * Q].reshape(N, K, P, Q)
+        y[...] = np.nan
+        fprop(grid, block, (x, w, b, y, *_i32(N, C, H, W, K, R, S, P, Q, st, pad, 1)))
+        assert_close(y, ref, f"conv2d_fprop relu epilogue (output address {y.ctypes.data % 16} mod 16)")
 
 
 def conv_wgrad_splits(lib, rng, small: bool) -> None:
@@ -142,10 +155,11 @@ def conv_wgrad_splits(lib, rng, small: bool) -> None:
         for _ in range(2):
             part = np.full((splits, K, CRS), np.nan, np.float32)
             dw = np.full((K, C, R, S), np.nan, np.float32)
-            with cpu_backend(lib) as ops:
-                grid, block = ops.conv_launch(M=K, NG=CRS, splits=splits)
-            lib.kernel("conv2d_wgrad_partial")(grid, block, (dy, x, part, *_i32(N, C, H, W, K, R, S, P, Q, st, pad),
-                                                              np.int64(chunk)))
+            with cpu_backend(lib) as ops:  # K = 6: the 32x128 tile (unless the library forces another)
+                tile = ops.conv_tile(K)
+                grid, block = ops.conv_launch(M=K, NG=CRS, splits=splits, tile=tile)
+                partial = ops.get_kernel("conv2d_wgrad_partial", tile)
+            partial(grid, block, (dy, x, part, *_i32(N, C, H, W, K, R, S, P, Q, st, pad), np.int64(chunk)))
             lib.kernel("conv2d_wgrad_reduce")((3,), (32,), (part, dw, np.int32(splits), np.int64(dw.size)))
             results.append(dw)
         assert_close(results[0], ref, f"conv2d_wgrad chunk {chunk} ({splits} splits)")

@@ -121,11 +121,26 @@ def _trampolines(src_path: Path, sigs: list[KernelSig]) -> str:
 class KernelLib:
     """A loaded harness library; `kernel(name)` returns a launcher with cupy.RawKernel's call form."""
 
-    def __init__(self, path: Path, sigs: dict[str, KernelSig], defines: Mapping[str, int]) -> None:
+    def __init__(self, path: Path, sigs: dict[str, KernelSig], defines: Mapping[str, int], tsan: bool = False,
+                 sources: Mapping[str, str] | None = None) -> None:
         self.path = path
         self.sigs = sigs
         self.defines = dict(defines)  # -D macros the kernels were built with (tile overrides)
+        self.tsan = tsan
+        self.sources = None if sources is None else dict(sources)
         self._dll = ctypes.CDLL(str(path))
+        self._variants: dict[tuple, KernelLib] = {}
+
+    def variant(self, defines: Mapping[str, int]) -> KernelLib:
+        """This library rebuilt with `defines` added (same sources, same ThreadSanitizer setting): the
+        conv tile variants that cupy_ops launches. Built once per library and define set."""
+        merged = {**self.defines, **defines}
+        if merged == self.defines:
+            return self
+        key = tuple(sorted(merged.items()))
+        if key not in self._variants:
+            self._variants[key] = build(self.tsan, self.sources, merged)
+        return self._variants[key]
 
     def kernel(self, name: str) -> Launcher:
         if name not in self.sigs:
@@ -228,7 +243,7 @@ def build(tsan: bool = False, sources: Mapping[str, str] | None = None,
         if proc.returncode != 0:
             raise RuntimeError(f"g++ link failed:\n{' '.join(cmd)}\n{proc.stderr}")
         os.replace(tmp_lib, lib_path)  # atomic: concurrent builds of the same key agree
-    return KernelLib(lib_path, sigs, defines)
+    return KernelLib(lib_path, sigs, defines, tsan, sources)
 
 
 def _mkdir(path: Path) -> Path:
