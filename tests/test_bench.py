@@ -3,11 +3,17 @@ jobs for minutes and are not part of the test suite.
 
 bench/nsync.py: the trailing mean of the training loss over the latest pushes holding at least a
 window of images, and the time at which it first reaches a target.
+
+bench/kernels.py: the conv layers it times (from the cifar10 model), the implicit GEMM shape and
+FLOP count of each pass, the FP32 peak from (compute capability, SMs, clock), the error and ratio
+columns of its table and the goal lines; and its exit status 2 on a machine without a GPU.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +23,25 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the scripts import their siblings
 
 from nsync import time_to_loss, trailing_mean
+
+from kernels import (  # bench/kernels.py, not the kernels/ folder of .cu files
+    ConvLayer,
+    PassResult,
+    Timing,
+    bench_layers,
+    format_row,
+    fp32_lanes_per_sm,
+    fp32_peak_flops,
+    gemm_flops,
+    goal_lines,
+    implicit_gemm,
+    layer_lines,
+    relative_error,
+    tflops,
+)
+from mpiasgd.ops import cuda_device_count
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_trailing_mean_waits_for_a_full_window_then_slides():
@@ -55,3 +80,118 @@ def test_time_to_loss_is_the_first_push_at_or_below_the_target():
 def test_time_to_loss_of_no_pushes_is_never():
     empty = np.array([])
     assert time_to_loss(empty, empty, np.array([], dtype=np.int64), target=1.0, window=10) == math.inf
+
+
+# ----------------------------------------------------------------------------------------------
+# bench/kernels.py
+
+
+def test_kernel_bench_layers_are_the_cifar10_convs_and_one_larger_layer():
+    layers = {layer.name: layer for layer in bench_layers(128)}
+    assert list(layers) == ["conv1", "conv2", "conv3", "large"]
+    expected = {  # x (N, C, H, W), w (K, C, R, S), stride, pad, y (N, K, P, Q): 32 -> pool -> 15 -> pool -> 7
+        "conv1": ((128, 3, 32, 32), (32, 3, 5, 5), 1, 2, (128, 32, 32, 32)),
+        "conv2": ((128, 32, 15, 15), (32, 32, 5, 5), 1, 2, (128, 32, 15, 15)),
+        "conv3": ((128, 32, 7, 7), (64, 32, 5, 5), 1, 2, (128, 64, 7, 7)),
+        "large": ((128, 64, 32, 32), (128, 64, 3, 3), 1, 1, (128, 128, 32, 32)),
+    }
+    for name, (x, w, stride, pad, y) in expected.items():
+        layer = layers[name]
+        assert (layer.x_shape, layer.w_shape, layer.stride, layer.pad, layer.dy_shape) == (x, w, stride, pad, y)
+    assert [layer.in_model for layer in layers.values()] == [True, True, True, False]
+    assert [layer.needs_dgrad for layer in layers.values()] == [False, True, True, True]  # conv1: the input layer
+    assert bench_layers(7)[1].x_shape == (7, 32, 15, 15)
+
+
+def test_implicit_gemm_shapes_and_flops_of_each_pass():
+    conv2 = ConvLayer("conv2", (128, 32, 15, 15), (32, 32, 5, 5), 1, 2, True, True)
+    assert implicit_gemm("fprop", conv2) == (32, 128 * 15 * 15, 32 * 25)  # K x N*P*Q x C*R*S
+    assert implicit_gemm("dgrad", conv2) == (32, 128 * 15 * 15, 32 * 25)  # C x N*H*W x K*R*S
+    assert implicit_gemm("wgrad", conv2) == (32, 32 * 25, 128 * 15 * 15)  # K x C*R*S x N*P*Q
+    conv3 = ConvLayer("conv3", (128, 32, 7, 7), (64, 32, 5, 5), 1, 2, True, True)
+    assert implicit_gemm("fprop", conv3) == (64, 6272, 800)
+    assert implicit_gemm("dgrad", conv3) == (32, 6272, 1600)
+    assert implicit_gemm("wgrad", conv3) == (64, 800, 6272)
+    strided = ConvLayer("s2", (2, 3, 8, 8), (4, 3, 3, 3), 2, 1, False, True)  # P = Q = (8 + 2 - 3)//2 + 1 = 4
+    assert implicit_gemm("fprop", strided) == (4, 2 * 4 * 4, 27)
+    assert implicit_gemm("dgrad", strided) == (3, 2 * 8 * 8, 36)
+    with pytest.raises(ValueError, match="unknown pass 'bprop'"):
+        implicit_gemm("bprop", strided)
+    assert gemm_flops(32, 28800, 800) == 2 * 32 * 28800 * 800 == 1_474_560_000
+    assert tflops(1.5e9, 0.1) == pytest.approx(15.0)  # 1.5 GFLOP in 0.1 ms
+
+
+def test_fp32_peak_from_compute_capability_sms_and_clock():
+    assert fp32_peak_flops(9, 0, 132, 1_980_000) == pytest.approx(66.9e12, rel=1e-3)  # H200 / H100 SXM
+    assert fp32_peak_flops(8, 0, 108, 1_410_000) == pytest.approx(19.49e12, rel=1e-3)  # A100: 64 lanes per SM
+    assert fp32_peak_flops(7, 0, 80, 1_530_000) == pytest.approx(15.67e12, rel=1e-3)  # V100
+    assert fp32_peak_flops(8, 6, 82, 1_695_000) == pytest.approx(35.6e12, rel=1e-3)  # RTX 3090: 128 lanes
+    assert [fp32_lanes_per_sm(*cc) for cc in [(7, 5), (8, 0), (8, 9), (9, 0), (10, 0), (12, 0)]] == \
+        [64, 64, 128, 128, 128, 128]
+    assert fp32_lanes_per_sm(6, 1) is None and fp32_peak_flops(6, 1, 28, 1_582_000) is None  # not in the table
+    assert fp32_peak_flops(9, 0, 132, 0) is None  # no clock known
+
+
+def test_relative_error_is_scaled_by_the_largest_reference_value():
+    ref = np.array([[4.0, -8.0], [2.0, 0.0]], dtype=np.float32)
+    ours = ref + np.array([[0.0, 0.0], [0.004, 0.0]], dtype=np.float32)
+    assert relative_error(ours, ref) == pytest.approx(0.004 / 8.0, rel=1e-4)
+    assert relative_error(ref, ref) == 0.0
+    assert relative_error(np.zeros(3), np.zeros(3)) == 0.0
+    assert relative_error(np.ones(3), np.zeros(3)) == math.inf
+
+
+def _result(layer, pass_name, ours_ms, cudnn_ms=None, in_model=True, error=None, late=0):
+    cudnn = None if cudnn_ms is None else Timing(cudnn_ms, cudnn_ms)
+    return PassResult(layer, in_model, pass_name, (32, 28800, 800), Timing(ours_ms, ours_ms * 0.9, late), cudnn,
+                      0.01, error)
+
+
+def test_table_row_gives_throughput_ratio_tflops_and_fraction_of_peak():
+    r = _result("conv2", "fprop", 0.1, cudnn_ms=0.08, error=3e-7)
+    assert r.ratio == pytest.approx(0.8)  # cuDNN ms / ours ms: ours at 80 % of cuDNN's throughput
+    row = format_row(r, peak_flops=66.9e12)
+    cols = row.split()
+    assert cols[:7] == ["conv2", "fprop", "32", "x", "28800", "x", "800"]
+    assert "0.1000 (0.0900)" in row and "0.0800 (0.0800)" in row
+    assert cols[-5:] == ["0.80", "14.75", "22.0", "0.0100", "3.0e-07"]  # 1.47456 GFLOP / 0.1 ms; 14.75 / 66.9
+    flagged = format_row(_result("conv3", "wgrad", 0.05, cudnn_ms=0.1, error=2e-4, late=3), peak_flops=None)
+    assert flagged.endswith("2.0e-04!~")  # above 1e-4: flagged; some samples may hold launch time
+    assert flagged.split()[-5:-2] == ["2.00", "29.49", "-"]  # ours twice as fast; no peak known
+    no_ref = format_row(_result("conv1", "fprop", 0.1), peak_flops=66.9e12)
+    assert no_ref.split()[-5:] == ["-", "14.75", "22.0", "0.0100", "-"]
+
+
+def test_layer_lines_mark_the_dgrad_training_never_runs():
+    conv1 = bench_layers(128)[0]
+    rows = [_result("conv1", "fprop", 0.1), _result("conv1", "wgrad", 0.1)]
+    lines = layer_lines(conv1, rows, None)
+    assert len(lines) == 3
+    assert lines[0].startswith("conv1  fprop") and lines[2].startswith("conv1  wgrad")
+    assert lines[1].startswith("conv1  dgrad (not timed")
+
+
+def test_goal_lines_give_the_lowest_ratio_on_the_cifar10_layers():
+    results = [
+        _result("conv1", "fprop", 0.10, 0.09), _result("conv2", "fprop", 0.10, 0.12),
+        _result("conv3", "fprop", 0.10, 0.085),
+        _result("large", "fprop", 0.10, 0.02, in_model=False),  # not a cifar10 layer: does not count
+        _result("conv2", "dgrad", 0.10, 0.079), _result("conv3", "dgrad", 0.10, 0.2),
+        _result("conv1", "wgrad", 0.10, 0.09), _result("conv2", "wgrad", 0.10), _result("conv3", "wgrad", 0.10, 0.1),
+    ]
+    fprop, dgrad, wgrad = goal_lines(results)
+    assert fprop == "fprop: lowest ours/cuDNN 0.85 (conv3) over conv1, conv2, conv3: goal >= 0.80 met"
+    assert dgrad == "dgrad: lowest ours/cuDNN 0.79 (conv2) over conv2, conv3: goal >= 0.80 NOT met"
+    assert wgrad == "wgrad: goal ours/cuDNN >= 0.80 not assessed: no cuDNN time for conv2"
+    assert goal_lines([_result("large", "fprop", 0.1, 0.1, in_model=False)]) == []
+
+
+@pytest.mark.skipif(cuda_device_count() > 0, reason="a CUDA device is visible: bench/kernels.py would time it")
+def test_kernel_bench_without_a_gpu_exits_2_with_one_line():
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "bench/kernels.py", "--runs", "2"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("bench/kernels.py: no CUDA device visible (") and line.endswith("): nothing to time")

@@ -1,0 +1,631 @@
+"""Our convolution kernels (kernels/conv2d.cu) against cuDNN, pass by pass, on one GPU (issue 3).
+
+    python3 bench/kernels.py [--batch 128] [--runs 50] [--warmup 10] [--layers conv1 conv3 large] [--no-torch]
+
+Run from the repository root with it on PYTHONPATH (bash bench/gpu_check.sh does both). Layers: the
+conv layers of the cifar10 model (conv1..conv3, shapes taken from `mpiasgd.model` at --batch) and one
+larger layer, `large`: 64 -> 128 channels, 3x3, pad 1, on 32x32. NCHW float32 throughout. For each
+layer and pass (fprop with bias, dgrad, wgrad) one row:
+
+  M x N x K      the implicit GEMM of the pass, as in kernels/conv2d.cu: fprop K x N*P*Q x C*R*S,
+                 dgrad C x N*H*W x K*R*S, wgrad K x C*R*S x N*P*Q
+  ours ms        our kernel(s) through `mpiasgd.ops.cupy_ops`, milliseconds per call: median (min)
+  cuDNN ms       the same pass in cuDNN through PyTorch: F.conv2d (with bias) for fprop,
+                 aten.convolution_backward with output_mask (input) / (weight) for dgrad / wgrad;
+                 cudnn.benchmark on (its best algorithm, chosen during warm-up), TF32 off (FP32 vs FP32)
+  ours/cuDNN     THROUGHPUT ratio = cuDNN ms / ours ms: 1.00 = as fast as cuDNN, 0.50 = half its speed
+                 (goal: >= 0.80 for every pass of the cifar10 layers)
+  TFLOP/s        2*M*N*K / our median time, and the % of the device's FP32 peak
+                 (SMs x FP32 lanes per SM x 2 x peak SM clock)
+  cuBLAS ms      cupy.matmul of an (M, K) by (K, N) float32 matrix: the same GEMM without the im2col
+                 indexing, a lower bound for any GEMM-based convolution
+  err            max |ours - cuDNN| / max |cuDNN| on the same inputs ("!" above 1e-4)
+
+conv1's dgrad is not timed: training never computes the first layer's input gradient.
+
+Timing: every call (ours, cuDNN, cuBLAS) runs on one CUDA stream, shared by CuPy and PyTorch (an
+external stream for torch), between two CUDA events recorded on that stream (CuPy's events for all
+three: one stream, one clock), after --warmup untimed calls. Before each timed call a one-thread
+spin kernel keeps the GPU busy for ~1 ms, so the events and the call queue up behind it and the
+event interval holds the GPU work only, not the host time of launching it (a Python wrapper's
+launch time is comparable to a small layer's kernel time).
+A "~" marks a row where some call took longer to launch than the spin: its samples may hold host time.
+
+Exit status: 0 after a measurement, goal met or not; 2 without a CUDA device (or cupy); 1 on an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpiasgd.cli import positive  # argparse type: an integer >= 1
+from mpiasgd.model import build_model
+
+PASSES = ("fprop", "dgrad", "wgrad")
+GOAL = 0.80  # throughput ours/cuDNN, every pass of every cifar10 conv layer
+ERROR_FLAG = 1e-4  # max |ours - cuDNN| / max |cuDNN| above this is flagged
+SPIN_MS = 1.0  # GPU busy time queued before each timed call
+LARGE = "large"  # the extra layer: 64 -> 128 channels, 3x3, pad 1, 32x32
+
+
+# ----------------------------------------------------------------------------------------------
+# shapes and arithmetic (pure)
+
+
+@dataclass(frozen=True)
+class ConvLayer:
+    """One convolution to time: x (N, C, H, W), w (K, C, R, S), square stride and zero padding."""
+
+    name: str  # "conv1".."conv3" (cifar10 model) or "large"
+    x_shape: tuple[int, int, int, int]  # (N, C, H, W)
+    w_shape: tuple[int, int, int, int]  # (K, C, R, S)
+    stride: int
+    pad: int
+    in_model: bool  # a layer of the cifar10 model: counts toward the goal
+    needs_dgrad: bool  # False on the model's first layer: training never computes its dgrad
+
+    @property
+    def out_hw(self) -> tuple[int, int]:
+        """(P, Q) = ((H + 2*pad - R) // stride + 1, (W + 2*pad - S) // stride + 1)."""
+        _, _, H, W = self.x_shape
+        _, _, R, S = self.w_shape
+        return (H + 2 * self.pad - R) // self.stride + 1, (W + 2 * self.pad - S) // self.stride + 1
+
+    @property
+    def dy_shape(self) -> tuple[int, int, int, int]:
+        """(N, K, P, Q): the shape of y and dy."""
+        return (self.x_shape[0], self.w_shape[0], *self.out_hw)
+
+    def describe(self) -> str:
+        where = "cifar10 model" if self.in_model else "extra"
+        return (f"{self.name:<6} x {self.x_shape!s:<18} w {self.w_shape!s:<16} stride {self.stride} pad {self.pad}"
+                f"  -> y {self.dy_shape}  ({where})")
+
+
+def model_conv_layers(model: str, batch: int) -> list[ConvLayer]:
+    """The conv layers of registered model `model` at minibatch `batch`, with their input shapes
+    (from the model's own shape arithmetic, no arrays allocated)."""
+    m = build_model(model)  # numpy backend: layer list and shapes only
+    layers, in_shape = [], m.input_shape
+    for layer, name, out_shape in zip(m.layers, m.names, m.shapes, strict=True):
+        if layer.kind == "conv":
+            w_shape = dict(layer.param_shapes())["weight"]
+            layers.append(ConvLayer(name, (batch, *in_shape), tuple(w_shape), layer.stride, layer.pad,
+                                    in_model=True, needs_dgrad=layer.needs_dgrad))
+        in_shape = out_shape
+    return layers
+
+
+def bench_layers(batch: int) -> list[ConvLayer]:
+    """conv1..conv3 of the cifar10 model and the larger layer `large`, all at minibatch `batch`."""
+    large = ConvLayer(LARGE, (batch, 64, 32, 32), (128, 64, 3, 3), 1, 1, in_model=False, needs_dgrad=True)
+    return [*model_conv_layers("cifar10", batch), large]
+
+
+def implicit_gemm(pass_name: str, layer: ConvLayer) -> tuple[int, int, int]:
+    """(M, N, K) of the pass's implicit GEMM C (M, N) = A (M, K) B (K, N), as kernels/conv2d.cu maps it."""
+    N, C, H, W = layer.x_shape
+    K, _, R, S = layer.w_shape
+    P, Q = layer.out_hw
+    if pass_name == "fprop":
+        return K, N * P * Q, C * R * S
+    if pass_name == "dgrad":
+        return C, N * H * W, K * R * S
+    if pass_name == "wgrad":
+        return K, C * R * S, N * P * Q
+    raise ValueError(f"unknown pass {pass_name!r}; expected one of {', '.join(PASSES)}")
+
+
+def gemm_flops(m: int, n: int, k: int) -> float:
+    """2*M*N*K: one multiply and one add per term (the bias of fprop is not counted)."""
+    return 2.0 * m * n * k
+
+
+def fp32_lanes_per_sm(major: int, minor: int) -> int | None:
+    """FP32 FMA lanes per SM of compute capability major.minor; None when not in this table."""
+    if major == 7 or (major, minor) == (8, 0):  # Volta, Turing, A100
+        return 64
+    if (major == 8 and minor in (6, 7, 9)) or (major, minor) == (9, 0) or major in (10, 12):
+        return 128  # GA10x, Orin, Ada, Hopper, Blackwell
+    return None
+
+
+def fp32_peak_flops(major: int, minor: int, sms: int, clock_khz: int) -> float | None:
+    """FP32 peak, FLOP/s = SMs x FP32 lanes per SM x 2 (an FMA is 2 FLOP) x peak SM clock (kHz);
+    None when the lanes per SM of this compute capability are unknown or the clock is not known (0)."""
+    lanes = fp32_lanes_per_sm(major, minor)
+    if lanes is None or clock_khz <= 0 or sms <= 0:
+        return None
+    return sms * lanes * 2.0 * clock_khz * 1e3
+
+
+def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    """max |ours - ref| / max |ref| (0 when both are all zero, inf when only ref is)."""
+    diff = float(np.max(np.abs(ours.astype(np.float64) - ref.astype(np.float64)), initial=0.0))
+    scale = float(np.max(np.abs(ref), initial=0.0))
+    if scale == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / scale
+
+
+# ----------------------------------------------------------------------------------------------
+# results and their table (pure)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds per call over the timed runs."""
+
+    median_ms: float
+    min_ms: float
+    late: int = 0  # calls that took longer to launch than the spin: their samples may hold host time
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """One row of the table: a layer's pass, ours against cuDNN (None: not measured)."""
+
+    layer: str
+    in_model: bool
+    pass_name: str
+    gemm: tuple[int, int, int]  # (M, N, K)
+    ours: Timing
+    cudnn: Timing | None = None
+    cublas_ms: float | None = None
+    error: float | None = None  # max |ours - cuDNN| / max |cuDNN|
+
+    @property
+    def ratio(self) -> float | None:
+        """Throughput ours/cuDNN = cuDNN ms / ours ms (> 1: ours is faster)."""
+        if self.cudnn is None:
+            return None
+        return throughput_ratio(self.ours.median_ms, self.cudnn.median_ms)
+
+
+def throughput_ratio(ours_ms: float, ref_ms: float) -> float:
+    """Our throughput relative to a reference's, from the two times: ref_ms / ours_ms."""
+    return ref_ms / ours_ms
+
+
+def tflops(flops: float, ms: float) -> float:
+    """TFLOP/s of `flops` done in `ms` milliseconds."""
+    return flops / (ms * 1e-3) / 1e12
+
+
+HEADER = (f"{'layer':<6} {'pass':<5} {'M x N x K':>20} {'ours ms (min)':>19} {'cuDNN ms (min)':>19} "
+          f"{'ours/cuDNN':>10} {'TFLOP/s':>8} {'% peak':>6} {'cuBLAS ms':>9} {'err':>9}")
+
+
+def _ms(t: Timing | None) -> str:
+    return "-" if t is None else f"{t.median_ms:.4f} ({t.min_ms:.4f})"
+
+
+def format_row(r: PassResult, peak_flops: float | None) -> str:
+    """The table row of one result (HEADER's columns); peak_flops None prints '-' for % peak."""
+    m, n, k = r.gemm
+    rate = tflops(gemm_flops(m, n, k), r.ours.median_ms)
+    ratio = "-" if r.ratio is None else f"{r.ratio:.2f}"
+    peak = "-" if peak_flops is None else f"{100 * rate * 1e12 / peak_flops:.1f}"
+    cublas = "-" if r.cublas_ms is None else f"{r.cublas_ms:.4f}"
+    err = "-" if r.error is None else f"{r.error:.1e}" + ("!" if r.error > ERROR_FLAG else " ")
+    late = "~" if r.ours.late or (r.cudnn is not None and r.cudnn.late) else " "
+    return (f"{r.layer:<6} {r.pass_name:<5} {f'{m} x {n} x {k}':>20} {_ms(r.ours):>19} {_ms(r.cudnn):>19} "
+            f"{ratio:>10} {rate:>8.2f} {peak:>6} {cublas:>9} {err:>9}{late}")
+
+
+def layer_lines(layer: ConvLayer, rows: list[PassResult], peak_flops: float | None) -> list[str]:
+    """The table rows of one layer in pass order, with a line in place of a dgrad that is not timed."""
+    lines = [format_row(r, peak_flops) for r in rows]
+    if not layer.needs_dgrad:
+        at = sum(r.pass_name == "fprop" for r in rows)
+        lines.insert(at, f"{layer.name:<6} dgrad (not timed: training never computes the first layer's dgrad)")
+    return lines
+
+
+def goal_lines(results: list[PassResult], goal: float = GOAL) -> list[str]:
+    """Per pass kind, the lowest throughput ours/cuDNN over the cifar10 layers and whether it meets `goal`."""
+    lines = []
+    for pass_name in PASSES:
+        rows = [r for r in results if r.pass_name == pass_name and r.in_model]
+        if not rows:
+            continue
+        measured = [r for r in rows if r.ratio is not None]
+        if len(measured) < len(rows):
+            lines.append(f"{pass_name}: goal ours/cuDNN >= {goal:.2f} not assessed: no cuDNN time for "
+                         f"{', '.join(r.layer for r in rows if r.ratio is None)}")
+            continue
+        low = min(measured, key=lambda r: r.ratio)
+        verdict = "met" if low.ratio >= goal else "NOT met"
+        lines.append(f"{pass_name}: lowest ours/cuDNN {low.ratio:.2f} ({low.layer}) over "
+                     f"{', '.join(r.layer for r in rows)}: goal >= {goal:.2f} {verdict}")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------
+# the device (cupy) and the reference (torch)
+
+
+def no_device_reason() -> str | None:
+    """Why nothing can be timed here (no cupy, no driver, no device), or None when a device is visible."""
+    try:
+        import cupy
+    except ImportError as e:
+        return f"cupy not importable: {e}"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CUDARuntimeError (no driver, insufficient driver) and driver load errors
+        return f"cupy {cupy.__version__}: {type(e).__name__}: {e}"
+    if count == 0:
+        return f"cupy {cupy.__version__}: 0 devices"
+    return None
+
+
+def peak_clock_khz(cupy, dev: int, props: dict) -> tuple[int, str]:
+    """Peak SM clock of device `dev` in kHz and where it came from; (0, "unknown") when nothing says.
+    cudaDeviceProp.clockRate is gone in CUDA 13, so the attribute is asked first."""
+    rt = cupy.cuda.runtime
+    try:
+        khz = int(rt.deviceGetAttribute(rt.cudaDevAttrClockRate, dev))
+    except Exception:  # an attribute this runtime does not know
+        khz = 0
+    if khz > 0:
+        return khz, "cudaDevAttrClockRate"
+    khz = int(props.get("clockRate", 0) or 0)
+    if khz > 0:
+        return khz, "cudaDeviceProp.clockRate"
+    try:  # nvidia-smi numbers devices its own way: select by PCI bus id
+        bus = rt.deviceGetPCIBusId(dev)
+        out = subprocess.run(["nvidia-smi", "-i", bus, "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return int(float(out.split()[0]) * 1000), "nvidia-smi clocks.max.sm"
+    except Exception:  # no nvidia-smi, no bus id, an answer that is not a number: the peak stays unknown
+        return 0, "unknown"
+
+
+def load_torch(dev: int) -> tuple[object | None, str]:
+    """(torch, description) with cuDNN set up for the comparison on device `dev`, or (None, why not)."""
+    try:
+        import torch
+    except ImportError as e:
+        return None, f"not available (torch not importable: {e})"
+    if not torch.cuda.is_available():
+        return None, f"not available (torch {torch.__version__} sees no CUDA device)"
+    if not torch.backends.cudnn.is_available():
+        return None, f"not available (torch {torch.__version__} has no cuDNN)"
+    torch.cuda.set_device(dev)
+    torch.backends.cudnn.enabled = True
+    torch.backends.cudnn.benchmark = True  # cuDNN times its algorithms on the first call of a shape, keeps the best
+    return torch, (f"torch {torch.__version__} (CUDA {torch.version.cuda}), cuDNN {torch.backends.cudnn.version()}; "
+                   f"cudnn.benchmark {torch.backends.cudnn.benchmark}, {disable_tf32(torch)}")
+
+
+def disable_tf32(torch) -> str:
+    """Turn TF32 off in cuDNN convolutions and cuBLAS matmuls (FP32 against FP32); the settings read back."""
+    with warnings.catch_warnings():  # torch >= 2.9 prefers fp32_precision = "ieee" and warns on the legacy setters
+        warnings.simplefilter("ignore")
+        try:
+            torch.backends.cudnn.allow_tf32 = False  # no TF32 tensor-core math in cuDNN ...
+            torch.backends.cuda.matmul.allow_tf32 = False  # ... nor in cuBLAS
+        except (AttributeError, RuntimeError):  # a torch without the legacy setters: the new ones
+            torch.backends.cudnn.conv.fp32_precision = "ieee"
+            torch.backends.cuda.matmul.fp32_precision = "ieee"
+        settings = []
+        for what, get in (("cudnn.allow_tf32", lambda: torch.backends.cudnn.allow_tf32),
+                          ("cuda.matmul.allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32),
+                          ("cudnn.conv.fp32_precision", lambda: torch.backends.cudnn.conv.fp32_precision)):
+            try:
+                settings.append(f"{what} {get()}")
+            except (AttributeError, RuntimeError):  # not in this torch, or unreadable after mixed APIs
+                settings.append(f"{what} ?")
+    return ", ".join(settings)
+
+
+def same_device_note(cupy, torch, dev: int) -> str:
+    """Check that torch's cuda:dev is cupy's device dev (a cupy array handed over by DLPack lands there)."""
+    try:
+        t = torch.from_dlpack(cupy.zeros(1, dtype=np.float32))
+    except Exception as e:  # an old DLPack pairing: say so, the names below still show both
+        return f"unchecked ({type(e).__name__}: {e})"
+    if t.device.index != dev:
+        raise RuntimeError(f"cupy device {dev} is torch cuda:{t.device.index}: the comparison would span two GPUs")
+    return f"yes (a cupy array of device {dev} is torch cuda:{dev}: {torch.cuda.get_device_name(dev)})"
+
+
+def torch_conv_backend(torch, x, w, b, layer: ConvLayer) -> str:
+    """The convolution backend torch dispatches these tensors to (expect 'Cudnn'), or '?' if it won't say."""
+    try:
+        backend = torch._C._select_conv_backend(x, w, b, [layer.stride] * 2, [layer.pad] * 2, [1, 1], False,
+                                                [0, 0], 1, None)
+    except Exception:  # a private function: absent or changed in this torch version
+        return "?"
+    return str(backend).rsplit(".", 1)[-1]
+
+
+def cudnn_calls(torch, layer: ConvLayer, x, w, b, dy) -> dict[str, Callable[[], object]]:
+    """pass -> a call of the same pass in cuDNN (through torch); each returns its output tensor."""
+    stride, pad = [layer.stride] * 2, [layer.pad] * 2
+    try:  # what autograd calls: cuDNN's dgrad and wgrad, separately by output_mask
+        backward = torch.ops.aten.convolution_backward
+    except (AttributeError, RuntimeError):
+        backward = None
+    if backward is not None:
+        def dgrad():
+            return backward(dy, x, w, None, stride, pad, [1, 1], False, [0, 0], 1, [True, False, False])[0]
+
+        def wgrad():
+            return backward(dy, x, w, None, stride, pad, [1, 1], False, [0, 0], 1, [False, True, False])[1]
+    else:
+        def dgrad():
+            return torch.nn.grad.conv2d_input(x.shape, w, dy, stride, pad)
+
+        def wgrad():
+            return torch.nn.grad.conv2d_weight(x, w.shape, dy, stride, pad)
+
+    return {"fprop": lambda: torch.nn.functional.conv2d(x, w, b, stride, pad), "dgrad": dgrad, "wgrad": wgrad}
+
+
+# spins one thread until `cycles` SM clock cycles have passed: the GPU stays busy while the host queues work
+SPIN_SOURCE = r"""
+extern "C" __global__ void spin(long long cycles) {
+  long long t0 = clock64();
+  while (clock64() - t0 < cycles) {}
+}
+"""
+
+
+class Timer:
+    """CUDA-event timing of calls on one stream, each queued behind a ~SPIN_MS spin kernel."""
+
+    def __init__(self, cupy, stream, clock_khz: int) -> None:
+        self.cupy, self.stream = cupy, stream
+        self.cycles = int(SPIN_MS * (clock_khz if clock_khz > 0 else 2_000_000))
+        self.spin_ms = SPIN_MS  # measured by calibrate()
+        self._kernel = None
+
+    def spin(self) -> None:
+        if self._kernel is None:
+            self._kernel = self.cupy.RawKernel(SPIN_SOURCE, "spin")
+        self._kernel((1,), (1,), (np.int64(self.cycles),))  # on the current stream (self.stream)
+
+    def calibrate(self) -> float:
+        """The spin's length on this GPU, ms (the longest launch it can hide): the least of 5 spins."""
+        start, stop = self.cupy.cuda.Event(), self.cupy.cuda.Event()
+        lengths = []
+        for _ in range(5):
+            start.record(self.stream)
+            self.spin()
+            stop.record(self.stream)
+            stop.synchronize()
+            lengths.append(self.cupy.cuda.get_elapsed_time(start, stop))
+        self.spin_ms = min(lengths)
+        return self.spin_ms
+
+    def time(self, fn: Callable[[], object], runs: int, warmup: int) -> Timing:
+        """Median and min of `runs` event-timed calls of `fn` after `warmup` untimed ones, ms per call."""
+        cupy, stream = self.cupy, self.stream
+        for _ in range(warmup):
+            fn()
+        stream.synchronize()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        samples, late = [], 0
+        for _ in range(runs):
+            self.spin()  # the events and the call queue behind it: the interval holds GPU time only
+            t0 = time.perf_counter()
+            start.record(stream)
+            fn()
+            stop.record(stream)
+            late += (time.perf_counter() - t0) * 1e3 > self.spin_ms
+            stop.synchronize()
+            samples.append(cupy.cuda.get_elapsed_time(start, stop))
+        return Timing(statistics.median(samples), min(samples), late)
+
+
+# ----------------------------------------------------------------------------------------------
+# one layer
+
+
+def time_cublas(cupy, timer: Timer, m: int, n: int, k: int, runs: int, warmup: int) -> float:
+    """Median ms of cuBLAS's float32 GEMM (M, K) @ (K, N) -> (M, N) (cupy.matmul into a kept output)."""
+    a = cupy.random.standard_normal((m, k), dtype=np.float32)
+    b = cupy.random.standard_normal((k, n), dtype=np.float32)
+    c = cupy.empty((m, n), np.float32)
+    return timer.time(lambda: cupy.matmul(a, b, out=c), runs, warmup).median_ms
+
+
+def measure_layer(layer: ConvLayer, ops, cupy, torch, timer: Timer, runs: int, warmup: int,
+                  seed: int = 0) -> tuple[list[PassResult], str]:
+    """Check and time every pass of `layer` (ours, cuDNN when torch is given, cuBLAS); also the conv
+    backend torch dispatches the layer to ("-" without torch)."""
+    rng = np.random.default_rng(seed)
+    fan_in = layer.w_shape[1] * layer.w_shape[2] * layer.w_shape[3]
+    host = {"x": rng.standard_normal(layer.x_shape, dtype=np.float32),
+            "w": rng.standard_normal(layer.w_shape, dtype=np.float32) * np.float32(1 / math.sqrt(fan_in)),
+            "b": rng.standard_normal(layer.w_shape[0], dtype=np.float32),
+            "dy": rng.standard_normal(layer.dy_shape, dtype=np.float32)}
+    x, w, b, dy = (cupy.asarray(host[k]) for k in ("x", "w", "b", "dy"))  # (N,C,H,W) (K,C,R,S) (K,) (N,K,P,Q)
+    dw, ws = cupy.empty(layer.w_shape, np.float32), ops.Workspace()  # as Conv2d.backward: into dweight, kept scratch
+    s, p = layer.stride, layer.pad
+    ours = {"fprop": lambda: ops.conv2d_fprop(x, w, b, s, p),
+            "dgrad": lambda: ops.conv2d_dgrad(dy, w, layer.x_shape, s, p),
+            "wgrad": lambda: ops.conv2d_wgrad(dy, x, layer.w_shape, s, p, out=dw, ws=ws)}
+    ref, backend = None, "-"
+    if torch is not None:  # the same values, copied to the same device
+        t = {k: torch.from_numpy(v).to(torch.device("cuda", torch.cuda.current_device())) for k, v in host.items()}
+        ref = cudnn_calls(torch, layer, t["x"], t["w"], t["b"], t["dy"])
+        backend = torch_conv_backend(torch, t["x"], t["w"], t["b"], layer)
+    timer.stream.synchronize()
+    results = []
+    for pass_name in PASSES:
+        if pass_name == "dgrad" and not layer.needs_dgrad:
+            continue
+        error = None
+        if ref is not None:  # the first cuDNN call of a shape also runs cuDNN's algorithm search
+            error = relative_error(cupy.asnumpy(ours[pass_name]()), ref[pass_name]().cpu().numpy())
+        m, n, k = implicit_gemm(pass_name, layer)
+        mine = timer.time(ours[pass_name], runs, warmup)
+        theirs = None if ref is None else timer.time(ref[pass_name], runs, warmup)
+        cublas = time_cublas(cupy, timer, m, n, k, runs, warmup)
+        results.append(PassResult(layer.name, layer.in_model, pass_name, (m, n, k), mine, theirs, cublas, error))
+    return results, backend
+
+
+def tile_sweep(layer: ConvLayer, ops, cupy, timer: Timer, runs: int, warmup: int, seed: int = 0) -> list[str]:
+    """Lines giving the median ms of each pass of `layer` with every conv tile variant forced
+    (`cupy_ops.conv_tile_override`), the one `conv_tile` chooses marked with *: the data to tune
+    the choice on a GPU."""
+    rng = np.random.default_rng(seed)
+    x, w, b, dy = (cupy.asarray(rng.standard_normal(shape, dtype=np.float32))
+                   for shape in (layer.x_shape, layer.w_shape, (layer.w_shape[0],), layer.dy_shape))
+    dw, ws = cupy.empty(layer.w_shape, np.float32), ops.Workspace()
+    s, p = layer.stride, layer.pad
+    calls = {"fprop": lambda: ops.conv2d_fprop(x, w, b, s, p),
+             "dgrad": lambda: ops.conv2d_dgrad(dy, w, layer.x_shape, s, p),
+             "wgrad": lambda: ops.conv2d_wgrad(dy, x, layer.w_shape, s, p, out=dw, ws=ws)}
+    lines = []
+    for pass_name in PASSES:
+        if pass_name == "dgrad" and not layer.needs_dgrad:
+            continue
+        m = implicit_gemm(pass_name, layer)[0]
+        chosen, cells = ops.conv_tile(m), []
+        for tile in ops.CONV_TILES:
+            ops.conv_tile_override = tile
+            try:
+                ms = timer.time(calls[pass_name], runs, warmup).median_ms
+            finally:
+                ops.conv_tile_override = None
+            cells.append(f"{tile[0]}x{tile[1]}{'*' if tile == chosen else ' '} {ms:8.4f} ms")
+        lines.append(f"  tiles {layer.name:<8} {pass_name:<6} M={m:<5} " + "   ".join(cells))
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    names = [layer.name for layer in bench_layers(1)]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--batch", type=positive, default=128, help="minibatch N of every layer, images")
+    parser.add_argument("--runs", type=positive, default=50, help="timed calls per pass and library (median, min)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed calls before timing (cuDNN's search too)")
+    parser.add_argument("--layers", nargs="+", choices=names, default=names, metavar="LAYER",
+                        help=f"which layers, of: {' '.join(names)}")
+    parser.add_argument("--no-torch", action="store_true", help="time ours (and cuBLAS) only, no cuDNN")
+    parser.add_argument("--tiles", action="store_true",
+                        help="also time every conv tile variant of ours on every pass (* marks conv_tile's choice)")
+    args = parser.parse_args(argv)
+    if args.warmup < 0:
+        parser.error(f"argument --warmup: expected an integer >= 0, got {args.warmup}")
+    return args
+
+
+def device_lines(cupy, dev: int) -> tuple[list[str], float | None, int]:
+    """Header lines about device `dev`, its FP32 peak FLOP/s (None: unknown) and peak SM clock (kHz, 0: unknown)."""
+    props = cupy.cuda.runtime.getDeviceProperties(dev)
+    major, minor, sms = int(props["major"]), int(props["minor"]), int(props["multiProcessorCount"])
+    clock_khz, clock_from = peak_clock_khz(cupy, dev, props)
+    peak = fp32_peak_flops(major, minor, sms, clock_khz)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    if peak is None:
+        peak_text = f"unknown (FP32 lanes per SM of {major}.{minor} not in the table, or no clock)"
+    else:
+        peak_text = (f"{peak / 1e12:.1f} TFLOP/s = {sms} SMs x {fp32_lanes_per_sm(major, minor)} lanes x 2 x "
+                     f"{clock_khz / 1e6:.3f} GHz")
+    rt = cupy.cuda.runtime
+    return [f"device {dev}: {name}, compute capability {major}.{minor}, {sms} SMs, peak SM clock "
+            f"{clock_khz / 1e6:.3f} GHz ({clock_from})",
+            f"FP32 peak: {peak_text}",
+            f"cupy {cupy.__version__}, CUDA runtime {rt.runtimeGetVersion()}, driver {rt.driverGetVersion()}; "
+            f"cuBLAS column: cupy.matmul with CUPY_TF32={os.environ.get('CUPY_TF32', '0')} (0: FP32, no TF32)"], \
+        peak, clock_khz
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    why = no_device_reason()
+    if why is not None:
+        print(f"bench/kernels.py: no CUDA device visible ({why}): nothing to time", file=sys.stderr)
+        return 2
+    import cupy
+
+    from mpiasgd.ops import get_backend
+
+    ops = get_backend("cupy")
+    dev = cupy.cuda.Device().id
+    lines, peak, clock_khz = device_lines(cupy, dev)
+    print("\n".join(lines))
+    torch, torch_note = (None, "not available (--no-torch)") if args.no_torch else load_torch(dev)
+    print(f"cuDNN reference: {torch_note}")
+    stream = cupy.cuda.Stream(non_blocking=True)  # one stream for cupy and torch: one queue, one kind of event
+    on_torch_stream = contextlib.nullcontext()
+    if torch is not None:
+        print(f"same device for cupy and torch: {same_device_note(cupy, torch, dev)}")
+        on_torch_stream = torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=torch.device("cuda", dev)))
+    layers = [layer for layer in bench_layers(args.batch) if layer.name in args.layers]
+    print(f"layers (NCHW float32, batch {args.batch}):")
+    for layer in layers:
+        print("  " + layer.describe())
+
+    results, failed, backends = [], [], {}
+    with stream, on_torch_stream:  # every launch below, cupy's and torch's, goes to `stream`
+        timer = Timer(cupy, stream, clock_khz)
+        timer.calibrate()
+        print(f"timing: median (min) of {args.runs} calls after {args.warmup} warm-up call(s), CUDA events on one "
+              f"stream, each call queued behind a {timer.spin_ms:.2f} ms spin kernel; ms per call")
+        print(f"ours/cuDNN = cuDNN ms / ours ms (throughput; goal >= {GOAL:.2f}); TFLOP/s = 2*M*N*K / ours ms; "
+              f"err = max|ours - cuDNN| / max|cuDNN| (! above {ERROR_FLAG:g})\n")
+        print(HEADER, flush=True)
+        for layer in layers:
+            try:
+                rows, backends[layer.name] = measure_layer(layer, ops, cupy, torch, timer, args.runs, args.warmup)
+            except Exception:  # report and go on with the next layer: one failure must not hide the rest
+                failed.append(layer.name)
+                print(f"!! {layer.name}: failed\n{traceback.format_exc()}", flush=True)
+                continue
+            print("\n".join(layer_lines(layer, rows, peak)), flush=True)
+            results.extend(rows)
+
+        if args.tiles:
+            print("\nours with each tile variant forced (median ms; * = the tile cupy_ops.conv_tile picks):")
+            for layer in layers:
+                try:
+                    print("\n".join(tile_sweep(layer, ops, cupy, timer, args.runs, args.warmup)), flush=True)
+                except Exception:
+                    failed.append(f"{layer.name} (tiles)")
+                    print(f"!! {layer.name} tile sweep: failed\n{traceback.format_exc()}", flush=True)
+
+    print()
+    if torch is not None and backends:
+        print("torch conv backend: " + ", ".join(f"{k} {v}" for k, v in backends.items()) + " (Cudnn expected)")
+    if any(r.ours.late or (r.cudnn is not None and r.cudnn.late) for r in results):
+        print(f"~: some calls took longer than the {timer.spin_ms:.2f} ms spin to launch: their samples may "
+              "hold host time")
+    flagged = [f"{r.layer} {r.pass_name}" for r in results if r.error is not None and r.error > ERROR_FLAG]
+    if flagged:
+        print(f"!! ours differs from cuDNN by more than {ERROR_FLAG:g} of max |cuDNN|: {', '.join(flagged)}")
+    if torch is None:
+        print(f"cuDNN {torch_note}: ours only, the goal (ours/cuDNN >= {GOAL:.2f}) is not assessed")
+    else:
+        print("\n".join(goal_lines(results)))
+    if failed:
+        print(f"!! failed layers: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

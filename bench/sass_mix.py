@@ -1,0 +1,136 @@
+"""Static instruction mix of the conv kernels' main loop, from their machine code (no GPU needed).
+
+For each implicit-GEMM conv kernel (fprop, dgrad, wgrad_partial), each tile variant that cupy_ops
+launches and each architecture, compile kernels/conv2d.cu with nvcc to a cubin, disassemble it with
+nvdisasm, find the loop with the most FFMA (the K-slab loop: 8 x 4 x 4 = 128 FFMA per thread) and
+print its length in instructions and the share that is FFMA. One warp scheduler issues one
+instruction per cycle, so the FFMA share bounds the fraction of FP32 peak the loop can reach
+(memory stalls and occupancy come on top); it is a proxy to compare kernel versions on a machine
+without a GPU, not a GPU measurement.
+
+    python bench/sass_mix.py                       # this checkout
+    python bench/sass_mix.py --against HEAD~1      # side by side with another git revision
+
+Needs nvcc (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin) and nvdisasm (PATH, or the pip wheel
+`nvidia-cuda-nvdisasm`). Exit status 2, with one line saying which, when either is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mpiasgd.ops import cupy_ops  # noqa: E402  (after the path set-up)
+
+KERNELS = ("conv2d_fprop", "conv2d_dgrad", "conv2d_wgrad_partial")
+ARCHS = ("sm_80", "sm_90")
+_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_(\d+)\)|\.L_x_(\d+))")
+_LABEL = re.compile(r"^\.L_x_(\d+):")
+
+
+def find_tool(name: str) -> str | None:
+    """`name` on PATH, in a CUDA toolkit, or in an nvidia-* pip wheel's bin folder."""
+    places = [shutil.which(name), os.path.join(os.environ.get("CUDA_HOME", "/nonexistent"), "bin", name),
+              f"/usr/local/cuda/bin/{name}"]
+    places += glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "*", "bin", name))
+    return next((p for p in places if p and os.path.isfile(p) and os.access(p, os.X_OK)), None)
+
+
+def function_bodies(sass: str) -> dict[str, list[str]]:
+    """{kernel: its lines} from nvdisasm's text (a `.text.NAME:` section per kernel)."""
+    bodies: dict[str, list[str]] = {}
+    current = None
+    for line in sass.splitlines():
+        if m := re.match(r"\s*\.text\.(\w+):", line):
+            current = m.group(1)
+            bodies[current] = []
+        elif current is not None:
+            bodies[current].append(line)
+    return bodies
+
+
+def hottest_loop(lines: list[str]) -> tuple[int, int, dict[str, int]]:
+    """(instructions, FFMA, {opcode: count}) of the backward-branch loop holding the most FFMA."""
+    label_at: dict[str, int] = {}  # label -> index of the next instruction
+    insns: list[str] = []
+    for line in lines:
+        if m := _LABEL.match(line.strip()):
+            label_at[m.group(1)] = len(insns)
+        elif m := _INSN.search(line):
+            insns.append(m.group(2).strip())
+    best = (0, 0, {})
+    for i, insn in enumerate(insns):
+        m = _BRANCH.search(insn)
+        if not m:
+            continue
+        start = label_at.get(m.group(1) or m.group(2))
+        if start is None or start > i:
+            continue  # forward branch
+        body = insns[start:i + 1]
+        ops: dict[str, int] = {}
+        for b in body:
+            words = b.split()
+            op = words[1] if words[0].startswith("@") else words[0]
+            op = op.split(".")[0]
+            ops[op] = ops.get(op, 0) + 1
+        if ops.get("FFMA", 0) > best[1]:
+            best = (len(body), ops.get("FFMA", 0), ops)
+    return best
+
+
+def mix(source: str, nvcc: str, nvdisasm: str, tile: tuple[int, int], arch: str) -> dict[str, tuple[int, int]]:
+    """{kernel: (loop instructions, loop FFMA)} of conv2d.cu text `source` for one tile and arch."""
+    with tempfile.TemporaryDirectory() as d:
+        cu, cubin = Path(d) / "conv2d.cu", Path(d) / "conv2d.cubin"
+        cu.write_text(source)
+        subprocess.run([nvcc, "-cubin", f"-arch={arch}", *cupy_ops.tile_defines(tile), "-o", str(cubin), str(cu)],
+                       check=True, capture_output=True, text=True)
+        sass = subprocess.run([nvdisasm, "-c", str(cubin)], check=True, capture_output=True, text=True).stdout
+    bodies = function_bodies(sass)
+    return {k: hottest_loop(bodies[k])[:2] for k in KERNELS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--against", metavar="REV", help="also measure kernels/conv2d.cu of this git revision")
+    ap.add_argument("--archs", default=",".join(ARCHS), help="comma-separated sm_XX list (default %(default)s)")
+    args = ap.parse_args(argv)
+    nvcc, nvdisasm = find_tool("nvcc"), find_tool("nvdisasm")
+    if nvcc is None or nvdisasm is None:
+        print(f"bench/sass_mix.py: needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm); "
+              f"nvcc {nvcc or 'missing'}, nvdisasm {nvdisasm or 'missing'}", file=sys.stderr)
+        return 2
+    versions = {"this checkout": (ROOT / "kernels" / "conv2d.cu").read_text()}
+    if args.against:
+        versions[args.against] = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.against}:kernels/conv2d.cu"],
+                                                check=True, capture_output=True, text=True).stdout
+    print(f"{'kernel':<22} {'tile':>7} {'arch':>6} " + " ".join(f"{v[:22]:>24}" for v in versions)
+          + ("   FFMA share ratio" if len(versions) > 1 else ""))
+    for arch in args.archs.split(","):
+        for tile in cupy_ops.CONV_TILES:
+            results = [mix(src, nvcc, nvdisasm, tile, arch) for src in versions.values()]
+            for k in KERNELS:
+                cells, shares = [], []
+                for r in results:
+                    n, ffma = r[k]
+                    shares.append(ffma / n if n else 0.0)
+                    cells.append(f"{n:4d} insns, {shares[-1]:5.1%} FFMA")
+                ratio = f"   {shares[0] / shares[1]:.2f}" if len(shares) > 1 and shares[1] else ""
+                print(f"{k:<22} {f'{tile[0]}x{tile[1]}':>7} {arch:>6} " + " ".join(f"{c:>24}" for c in cells) + ratio)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
