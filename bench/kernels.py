@@ -484,8 +484,9 @@ def measure_layer(layer: ConvLayer, ops, cupy, torch, timer: Timer, runs: int, w
 
 def tile_sweep(layer: ConvLayer, ops, cupy, timer: Timer, runs: int, warmup: int, seed: int = 0) -> list[str]:
     """Lines giving the median ms of each pass of `layer` with every conv tile variant forced
-    (`cupy_ops.conv_tile_override`), the one `conv_tile` chooses marked with *: the data to tune
-    the choice on a GPU."""
+    (`cupy_ops.conv_tile_override`; its split-K ranges `gemm_split` in brackets), the one
+    `conv_tile` chooses marked with *, and the chosen tile without split-K where it splits: the
+    data to tune both choices on a GPU."""
     rng = np.random.default_rng(seed)
     x, w, b, dy = (cupy.asarray(rng.standard_normal(shape, dtype=np.float32))
                    for shape in (layer.x_shape, layer.w_shape, (layer.w_shape[0],), layer.dy_shape))
@@ -498,15 +499,20 @@ def tile_sweep(layer: ConvLayer, ops, cupy, timer: Timer, runs: int, warmup: int
     for pass_name in PASSES:
         if pass_name == "dgrad" and not layer.needs_dgrad:
             continue
-        m = implicit_gemm(pass_name, layer)[0]
+        m, n, k = implicit_gemm(pass_name, layer)
         chosen, cells = ops.conv_tile(m), []
-        for tile in ops.CONV_TILES:
-            ops.conv_tile_override = tile
+        variants = [(tile, None) for tile in ops.CONV_TILES]
+        if ops.gemm_split(m, n, k, chosen)[0] > 1:
+            variants.append((chosen, 1))
+        for tile, split in variants:
+            ops.conv_tile_override, ops.conv_split_override = tile, split
             try:
+                splits = ops.gemm_split(m, n, k, tile)[0]
                 ms = timer.time(calls[pass_name], runs, warmup).median_ms
             finally:
-                ops.conv_tile_override = None
-            cells.append(f"{tile[0]}x{tile[1]}{'*' if tile == chosen else ' '} {ms:8.4f} ms")
+                ops.conv_tile_override = ops.conv_split_override = None
+            mark = "*" if tile == chosen and split is None else " "
+            cells.append(f"{tile[0]}x{tile[1]}[{splits}]{mark} {ms:8.4f} ms")
         lines.append(f"  tiles {layer.name:<8} {pass_name:<6} M={m:<5} " + "   ".join(cells))
     return lines
 
@@ -600,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
             results.extend(rows)
 
         if args.tiles:
-            print("\nours with each tile variant forced (median ms; * = the tile cupy_ops.conv_tile picks):")
+            print("\nours with each tile variant forced (median ms; [split-K ranges]; * = what cupy_ops picks):")
             for layer in layers:
                 try:
                     print("\n".join(tile_sweep(layer, ops, cupy, timer, args.runs, args.warmup)), flush=True)

@@ -6,19 +6,23 @@
 //   kernel                 M   NG        KR        A[m][kk]              B[kk][j]                   C[m][j]
 //   conv2d_fprop           K   N*P*Q     C*R*S     w[m][c,r,s]           x[n][c][p*st-pad+r][..]    y[n][m][p][q] (+bias, relu)
 //   conv2d_dgrad           C   N*H*W     K*R*S     w[k][m][r][s]         dy[n][k][p][q], p*st=h+pad-r  dx[n][m][h][w]
+//   conv2d_fprop_partial   as conv2d_fprop, kk in split z's range                              ws[z][m][j]
+//   conv2d_dgrad_partial   as conv2d_dgrad, kk in split z's range                              ws[z][m][j]
 //   conv2d_wgrad_partial   K   C*R*S     N*P*Q     dy[n][m][p][q]        x[n][c][p*st-pad+r][..]    ws[z][m][j]
-//   conv2d_wgrad_reduce    dw[i] = sum over z = 0..splits-1 of ws[z][i], in that order
+//   conv2d_split_reduce    out = sum over z = 0..splits-1 of ws[z], in that order, into NCHW (+bias, relu)
 //
 // Shapes: x (N, C, H, W), w (K, C, R, S), bias (K,) or NULL, y / dy (N, K, P, Q) with
-// P = (H + 2*pad - R)/stride + 1, Q likewise; ws (splits, K, C*R*S); dw (K, C, R, S).
+// P = (H + 2*pad - R)/stride + 1, Q likewise; ws (splits, M, NG); dw (K, C, R, S).
 // Launch (GEMM kernels): block CONV_THREADS = (BM/4)*(BN/4) threads (1-D), grid (ceil(NG/BN),
 // ceil(M/BM), splits), static shared memory 8*(BM+4) + 8*BN floats. The tile (BM, BN) is chosen
 // at compile time (-DCONV_BM, -DCONV_BN; 64x64 by default, 32x128 for GEMMs of <= 32 rows: see
-// cupy_ops.conv_tile). conv2d_fprop / conv2d_dgrad take splits = 1 (chunk = KR).
-// conv2d_wgrad_partial sums kk in [z*chunk, min(KR, (z+1)*chunk)) for z = blockIdx.z (chunk a
-// multiple of CONV_BK); the batch reduction is split into a workspace and summed by
-// conv2d_wgrad_reduce in a fixed order, without atomics, so dw is bit-reproducible run to run.
-// conv2d_wgrad_reduce: 1-D grid-stride over n = K*C*R*S elements, any block/grid size.
+// cupy_ops.conv_tile). conv2d_fprop / conv2d_dgrad write C in place (splits = 1, chunk = KR).
+// Split-K: the *_partial kernels sum kk in [z*chunk, min(KR, (z+1)*chunk)) for z = blockIdx.z
+// (chunk a multiple of CONV_BK) into a workspace, and conv2d_split_reduce adds the splits in a
+// fixed order, without atomics, so every result is bit-reproducible run to run. wgrad always
+// splits its N*P*Q reduction; fprop and dgrad split when their output alone gives too few blocks
+// to fill the GPU (cupy_ops.gemm_split).
+// conv2d_split_reduce: 1-D grid-stride over the N*M*L outputs, any block/grid size.
 //
 // Tile: each block computes a BM x BN tile of C, stepping KR in slabs of 8; thread (ty, tx) owns
 // the 4x4 register block C[ty*4 + i][tx*4 + j] and reads its 4 rows of As and 4 columns of Bs as
@@ -167,7 +171,9 @@ __device__ __forceinline__ float conv_load_a(const float* __restrict__ A, int m,
   }
 }
 
-template <int MODE>
+// PARTIAL: write C[m][j] of split z = blockIdx.z to the workspace out[z][m][j] (no bias, no ReLU)
+// instead of its NCHW place; conv2d_split_reduce adds the splits. WGRAD is always PARTIAL.
+template <int MODE, bool PARTIAL>
 __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const float* __restrict__ B,
                                           float* __restrict__ out, const float* __restrict__ bias, int relu,
                                           int N, int C, int H, int W, int K, int R, int S, int P, int Q,
@@ -269,17 +275,17 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
 #pragma unroll
   for (int j = 0; j < CONV_TN; ++j) {
     const long long jj = jj0 + j < NG ? jj0 + j : NG - 1;  // clamped; columns >= NG are not stored
-    if (MODE == CONV_FPROP) {
+    if (PARTIAL) {
+      mstride = NG;
+      base[j] = (long long)blockIdx.z * M * NG + jj;
+    } else if (MODE == CONV_FPROP) {
       long long pq = (long long)P * Q, n = jj / pq;
       mstride = pq;
       base[j] = n * K * pq + (jj - n * pq);
-    } else if (MODE == CONV_DGRAD) {
+    } else {  // DGRAD
       long long hw = (long long)H * W, n = jj / hw;
       mstride = hw;
       base[j] = n * C * hw + (jj - n * hw);
-    } else {
-      mstride = NG;
-      base[j] = (long long)blockIdx.z * M * NG + jj;
     }
   }
   const bool contiguous = jj0 + CONV_TN <= NG && base[CONV_TN - 1] == base[0] + (CONV_TN - 1);
@@ -291,7 +297,7 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
 #pragma unroll
     for (int j = 0; j < CONV_TN; ++j) {
       v[j] = acc[i][j];
-      if (MODE == CONV_FPROP) {
+      if (MODE == CONV_FPROP && !PARTIAL) {
         if (bias != 0) v[j] += __ldg(bias + m);
         if (relu) v[j] = fmaxf(v[j], 0.0f);
       }
@@ -317,15 +323,33 @@ extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
 conv2d_fprop(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
              float* __restrict__ y, int N, int C, int H, int W, int K, int R, int S, int P, int Q, int stride,
              int pad, int relu) {
-  conv_gemm<CONV_FPROP>(w, x, y, bias, relu, N, C, H, W, K, R, S, P, Q, stride, pad,
-                        (long long)C * R * S);
+  conv_gemm<CONV_FPROP, false>(w, x, y, bias, relu, N, C, H, W, K, R, S, P, Q, stride, pad,
+                               (long long)C * R * S);
+}
+
+// ws[z] (K, N*P*Q) = the part of conv(x, w) summed over kk = (c, r, s) in [z*chunk, (z+1)*chunk):
+// split-K fprop for layers whose output alone gives too few blocks; conv2d_split_reduce adds the
+// splits, the bias and the ReLU.
+extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
+conv2d_fprop_partial(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ ws, int N,
+                     int C, int H, int W, int K, int R, int S, int P, int Q, int stride, int pad,
+                     long long chunk) {
+  conv_gemm<CONV_FPROP, true>(w, x, ws, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, chunk);
 }
 
 // dx = transposed convolution of dy with w (every dx element is written; unreached ones get 0).
 extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
 conv2d_dgrad(const float* __restrict__ dy, const float* __restrict__ w, float* __restrict__ dx, int N, int C,
              int H, int W, int K, int R, int S, int P, int Q, int stride, int pad) {
-  conv_gemm<CONV_DGRAD>(w, dy, dx, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, (long long)K * R * S);
+  conv_gemm<CONV_DGRAD, false>(w, dy, dx, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, (long long)K * R * S);
+}
+
+// ws[z] (C, N*H*W) = the part of dx summed over kk = (k, r, s) in [z*chunk, (z+1)*chunk): split-K dgrad.
+extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
+conv2d_dgrad_partial(const float* __restrict__ dy, const float* __restrict__ w, float* __restrict__ ws, int N,
+                     int C, int H, int W, int K, int R, int S, int P, int Q, int stride, int pad,
+                     long long chunk) {
+  conv_gemm<CONV_DGRAD, true>(w, dy, ws, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, chunk);
 }
 
 // ws[z] = partial dw over the (n, p, q) range [z*chunk, (z+1)*chunk) for z = blockIdx.z.
@@ -333,16 +357,29 @@ extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
 conv2d_wgrad_partial(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ ws, int N,
                      int C, int H, int W, int K, int R, int S, int P, int Q, int stride, int pad,
                      long long chunk) {
-  conv_gemm<CONV_WGRAD>(dy, x, ws, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, chunk);
+  conv_gemm<CONV_WGRAD, true>(dy, x, ws, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, chunk);
 }
 
-// dw[i] = ws[0][i] + ws[1][i] + ... + ws[splits-1][i] (fixed order: reproducible).
-extern "C" __global__ void conv2d_wgrad_reduce(const float* __restrict__ ws, float* __restrict__ dw, int splits,
-                                               long long n) {
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += (long long)gridDim.x * blockDim.x) {
+// out[n][m][l] = ws[0][m][n*L + l] + ws[1][m][n*L + l] + ... + ws[splits-1][m][n*L + l] (that order:
+// reproducible) (+ bias[m]) (then max(., 0) when relu != 0), for n < N, m < M, l < L; ws is
+// (splits, M, N*L). fprop: L = P*Q, out = y; dgrad: L = H*W, out = dx; wgrad: N = 1, L = C*R*S,
+// out = dw. bias may be NULL. 1-D grid-stride over the N*M*L outputs in NCHW order (coalesced
+// stores; each split's reads are consecutive in l), any block/grid size.
+extern "C" __global__ void conv2d_split_reduce(const float* __restrict__ ws, const float* __restrict__ bias,
+                                               float* __restrict__ out, int splits, int N, int M, long long L,
+                                               int relu) {
+  const long long ML = (long long)M * L, NL = (long long)N * L, total = (long long)N * ML;
+  for (long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x; o < total;
+       o += (long long)gridDim.x * blockDim.x) {
+    const long long n = o / ML;
+    const long long rem = o - n * ML;
+    const int m = (int)(rem / L);
+    const long long j = n * L + (rem - (long long)m * L);  // column of ws
+    const float* p = ws + (long long)m * NL + j;
     float s = 0.0f;
-    for (int z = 0; z < splits; ++z) s += ws[(long long)z * n + i];
-    dw[i] = s;
+    for (int z = 0; z < splits; ++z) s += __ldg(p + (long long)z * M * NL);
+    if (bias != 0) s += __ldg(bias + m);
+    if (relu) s = fmaxf(s, 0.0f);
+    out[o] = s;
   }
 }

@@ -112,24 +112,30 @@ def test_scalar_casts_refuse(cast, value, match):
         cast("op", "v", value)
 
 
-def test_every_launched_scalar_has_its_c_type(fake_gpu):
+def test_every_launched_scalar_has_its_c_type(fake_gpu, monkeypatch):
     N, C, H, W, K = 2, 3, 8, 8, 4
     x, w, b = FakeArray((N, C, H, W)), FakeArray((K, C, 3, 3)), FakeArray((K,))
-    cupy_ops.conv2d_fprop(x, w, b, 1, 1)
-    cupy_ops.conv2d_dgrad(FakeArray((N, K, H, W)), w, (N, C, H, W), 1, 1)
-    cupy_ops.conv2d_wgrad(FakeArray((N, K, H, W)), x, (K, C, 3, 3), 1, 1)
+    for splits in (1, 2):  # in place, then split-K
+        monkeypatch.setattr(cupy_ops, "conv_split_override", splits)
+        cupy_ops.conv2d_fprop(x, w, b, 1, 1)
+        cupy_ops.conv2d_dgrad(FakeArray((N, K, H, W)), w, (N, C, H, W), 1, 1)
+        cupy_ops.conv2d_wgrad(FakeArray((N, K, H, W)), x, (K, C, 3, 3), 1, 1)
     cupy_ops.maxpool_fprop(x, 3, 2)
     cupy_ops.relu_fprop(x)
     cupy_ops.sgd_momentum(*(FakeArray((10,)) for _ in range(4)), momentum=0.9, lr=0.01)
     names = [launch[0] for launch in fake_gpu]
-    assert names == ["conv2d_fprop", "conv2d_dgrad", "conv2d_wgrad_partial", "conv2d_wgrad_reduce",
+    assert names == ["conv2d_fprop", "conv2d_dgrad", "conv2d_wgrad_partial",
+                     "conv2d_fprop_partial", "conv2d_split_reduce", "conv2d_dgrad_partial", "conv2d_split_reduce",
+                     "conv2d_wgrad_partial", "conv2d_split_reduce",
                      "maxpool_fprop_u8", "relu_fprop", "sgd_momentum"]
     sigs = {s.name: s for f, t in harness.kernel_sources().items() for s in harness.parse_kernels(f, t)}
     for name, _, _, args, _, _ in fake_gpu:
         params = sigs[name].params
         assert len(args) == len(params), name
         for p, a in zip(params, args, strict=True):
-            if p.pointer:
+            if p.pointer and a is None:  # NULL: only where the kernel takes an optional bias
+                assert p.name == "bias", f"{name}: {p.decl} got None"
+            elif p.pointer:
                 assert isinstance(a, FakeArray) and a.dtype == p.dtype, f"{name}: {p.decl} got {a!r}"
             else:
                 assert type(a) is p.dtype.type, f"{name}: {p.decl} got {type(a).__name__}"
@@ -199,8 +205,9 @@ def test_conv_tile_override(monkeypatch):
     assert cupy_ops.conv_launch(M=64, NG=100) == ((7, 4, 1), (16, 1, 1))
 
 
-def test_each_conv_pass_launches_the_tile_of_its_rows(fake_gpu):
+def test_each_conv_pass_launches_the_tile_of_its_rows(fake_gpu, monkeypatch):
     """fprop and wgrad have K rows, dgrad C rows: each launch names the tile its grid was cut for."""
+    monkeypatch.setattr(cupy_ops, "conv_split_override", 1)
     N, C, H, W, K = 2, 64, 8, 8, 32
     x, w = FakeArray((N, C, H, W)), FakeArray((K, C, 3, 3))
     cupy_ops.conv2d_fprop(x, w, None, 1, 1)
@@ -210,7 +217,6 @@ def test_each_conv_pass_launches_the_tile_of_its_rows(fake_gpu):
     assert tiles["conv2d_fprop"] == ((1, 1, 1), (256, 1, 1), (32, 128))          # 128 columns
     assert tiles["conv2d_dgrad"] == ((2, 1, 1), (256, 1, 1), (64, 64))           # 128 columns, 64 rows
     assert tiles["conv2d_wgrad_partial"][2] == (32, 128)
-    assert tiles["conv2d_wgrad_reduce"][2] is None
 
 
 def test_tile_defines():
@@ -220,8 +226,8 @@ def test_tile_defines():
 
 @pytest.mark.parametrize("K, CRS, NPQ", [(32, 75, 131072), (32, 800, 28800), (64, 800, 6272), (1, 1, 1),
                                          (512, 4608, 7), (16, 27, 10**9), (3, 5, 8 * 65535 * 3 + 1)])
-def test_wgrad_split_covers_the_reduction(K, CRS, NPQ):
-    splits, chunk = cupy_ops.wgrad_split(K, CRS, NPQ)
+def test_gemm_split_covers_the_reduction(K, CRS, NPQ):
+    splits, chunk = cupy_ops.gemm_split(K, CRS, NPQ)
     assert chunk % cupy_ops.CONV_BK == 0 and chunk > 0
     assert (splits - 1) * chunk < NPQ <= splits * chunk  # no empty split, nothing left out
     assert 1 <= splits <= cupy_ops.MAX_GRID_YZ
@@ -229,9 +235,26 @@ def test_wgrad_split_covers_the_reduction(K, CRS, NPQ):
     cupy_ops.check_launch("conv2d_wgrad_partial", grid, (256, 1, 1))
 
 
-def test_wgrad_split_fills_the_device_for_small_outputs():
-    splits, chunk = cupy_ops.wgrad_split(32, 800, 128 * 15 * 15)  # cifar10 conv2: 13 output tiles
-    assert 13 * splits >= cupy_ops.CONV_TARGET_BLOCKS * 0.9 and chunk >= cupy_ops.CONV_MIN_CHUNK
+def test_gemm_split_fills_the_device_for_small_outputs():
+    splits, chunk = cupy_ops.gemm_split(32, 800, 128 * 15 * 15)  # cifar10 conv2 wgrad: 7 output tiles
+    assert 7 * splits >= cupy_ops.CONV_TARGET_BLOCKS * 0.9 and chunk >= cupy_ops.CONV_MIN_CHUNK
+
+
+@pytest.mark.parametrize("M, NG, KR, splits", [
+    (32, 128 * 32 * 32, 75, 1),     # cifar10 conv1 fprop: 1024 tiles of 32x128, nothing to split
+    (32, 128 * 15 * 15, 800, 3),    # conv2 fprop: 225 tiles -> 3 ranges of 272 (C*R*S = 800)
+    (64, 128 * 7 * 7, 800, 3),      # conv3 fprop: 98 tiles of 64x64 -> 3 ranges (>= 256 terms each)
+    (32, 128 * 7 * 7, 1600, 6),     # conv3 dgrad: 49 tiles -> 6 ranges of 272 (K*R*S = 1600)
+    (128, 128 * 32 * 32, 576, 1),   # 64->128 3x3 on 32x32: 4096 tiles
+])
+def test_gemm_split_of_fprop_and_dgrad(M, NG, KR, splits):
+    assert cupy_ops.gemm_split(M, NG, KR)[0] == splits
+
+
+def test_gemm_split_override(monkeypatch):
+    monkeypatch.setattr(cupy_ops, "conv_split_override", 5)
+    assert cupy_ops.gemm_split(32, 10**6, 800) == (5, 160)
+    assert cupy_ops.gemm_split(32, 10**6, 16) == (2, 8)  # at least one K-slab per range
 
 
 @pytest.mark.parametrize("n, blocks", [(0, 1), (1, 1), (256, 1), (257, 2), (10**12, 65535)])

@@ -18,7 +18,7 @@ cache on disk is CuPy's), on first use of one of its kernels. Every wrapper
     (grid x <= 2^31-1, y and z <= 65,535, block <= 1,024 threads) before the launch.
 
 The checks and the launch arithmetic are pure functions of shapes/attributes (`check_array`,
-`c_int32`, `check_launch`, `conv_launch`, `wgrad_split`, ...), tested without a GPU; with `xp` set to
+`c_int32`, `check_launch`, `conv_launch`, `gemm_split`, ...), tested without a GPU; with `xp` set to
 numpy and `get_kernel` to the CUDA-on-CPU harness, the whole backend runs on the CPU (tests do).
 
 Importing this module needs neither cupy nor a GPU; `mpiasgd.ops.get_backend("cupy")` does.
@@ -58,6 +58,7 @@ CONV_BM, CONV_BN, CONV_BK = 64, 64, 8  # kernels/conv2d.cu defaults (-DCONV_BM/-
 # layers), which a 64-row tile would half idle
 CONV_TILES = ((64, 64), (32, 128))
 conv_tile_override: tuple[int, int] | None = None  # (BM, BN) forced on every conv launch (bench, tests)
+conv_split_override: int | None = None  # split-K ranges forced on every conv GEMM (bench, tests)
 CONV_TARGET_BLOCKS = 512  # wgrad splits the batch until the grid has about this many blocks
 CONV_MIN_CHUNK = 256  # ... but each split reduces at least this many (n, p, q) terms
 REDUCE_THREADS = 256  # bias_grad, softmax_xent: power of two <= 256 (BIAS/SOFTMAX_THREADS_MAX)
@@ -65,8 +66,9 @@ ELEMENTWISE_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 65535  # grid-stride loops cover the rest
 
 _KERNEL_FILES = {  # kernel -> file under kernels/
-    "conv2d_fprop": "conv2d.cu", "conv2d_dgrad": "conv2d.cu", "conv2d_wgrad_partial": "conv2d.cu",
-    "conv2d_wgrad_reduce": "conv2d.cu", "bias_grad": "bias.cu", "relu_fprop": "relu.cu", "relu_bprop": "relu.cu",
+    "conv2d_fprop": "conv2d.cu", "conv2d_dgrad": "conv2d.cu", "conv2d_fprop_partial": "conv2d.cu",
+    "conv2d_dgrad_partial": "conv2d.cu", "conv2d_wgrad_partial": "conv2d.cu", "conv2d_split_reduce": "conv2d.cu",
+    "bias_grad": "bias.cu", "relu_fprop": "relu.cu", "relu_bprop": "relu.cu",
     "maxpool_fprop_u8": "pool.cu", "maxpool_fprop_i32": "pool.cu", "maxpool_bprop_u8": "pool.cu",
     "maxpool_bprop_i32": "pool.cu", "softmax_xent": "softmax_xent.cu", "sgd_momentum": "sgd.cu",
 }
@@ -222,18 +224,25 @@ def conv_launch(M: int, NG: int, splits: int = 1,
     return grid, block
 
 
-def wgrad_split(K: int, CRS: int, NPQ: int) -> tuple[int, int]:
-    """(splits, chunk) for wgrad: the N*P*Q reduction cut into `splits` ranges of `chunk` terms.
+def gemm_split(M: int, NG: int, KR: int, tile: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(splits, chunk) of a conv GEMM's reduction: KR cut into `splits` ranges of `chunk` terms (split-K).
 
-    chunk is a multiple of the K-slab CONV_BK; splits = ceil(NPQ / chunk) so no range is empty.
-    Chosen so that the grid has about CONV_TARGET_BLOCKS blocks (the (K, C*R*S) output alone is
-    often only a few dozen tiles) while each range keeps >= CONV_MIN_CHUNK terms; at most 65,535.
+    chunk is a multiple of the K-slab CONV_BK; splits = ceil(KR / chunk), so no range is empty.
+    The output (M, NG) in `tile`s (default `conv_tile(M)`) often gives too few blocks to fill the
+    GPU: wgrad's (K, C*R*S) is a few dozen tiles, fprop and dgrad of small late layers fewer than
+    one per SM. The reduction is then split until the grid has about CONV_TARGET_BLOCKS blocks,
+    each range keeping >= CONV_MIN_CHUNK terms; at most 65,535 splits. `conv_split_override`
+    forces a number of splits (benchmarks, tests), still at least one K-slab each.
     """
-    bm, bn = conv_tile(K)
-    tiles = _cdiv(CRS, bn) * _cdiv(K, bm)
-    want = max(1, min(_cdiv(CONV_TARGET_BLOCKS, tiles), NPQ // CONV_MIN_CHUNK, MAX_GRID_YZ))
-    chunk = _cdiv(_cdiv(NPQ, want), CONV_BK) * CONV_BK
-    return _cdiv(NPQ, chunk), chunk
+    bm, bn = tile or conv_tile(M)
+    tiles = _cdiv(NG, bn) * _cdiv(M, bm)
+    if conv_split_override is not None:
+        want = conv_split_override
+    else:
+        want = min(_cdiv(CONV_TARGET_BLOCKS, tiles), KR // CONV_MIN_CHUNK)
+    want = max(1, min(want, _cdiv(KR, CONV_BK), MAX_GRID_YZ))
+    chunk = _cdiv(_cdiv(KR, want), CONV_BK) * CONV_BK
+    return _cdiv(KR, chunk), chunk
 
 
 def elementwise_launch(n: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -327,7 +336,9 @@ def _out(op: str, out, shape: tuple[int, ...]):
 def conv2d_fprop(x, w, b, stride: int, pad: int, ws: Workspace | None = None):
     """Forward convolution, NCHW float32: x (N, C, H, W), w (K, C, R, S), b (K,) or None -> y (N, K, P, Q).
 
-    See `numpy_ops.conv2d_fprop`. Kernel `conv2d_fprop` (bias fused into the epilogue; relu=0).
+    See `numpy_ops.conv2d_fprop`. Kernel `conv2d_fprop` (bias fused into the epilogue; relu=0), or,
+    when the output gives too few blocks (`gemm_split`), split-K: `conv2d_fprop_partial` into a
+    workspace (kept in `ws`), then `conv2d_split_reduce` adds the splits and the bias.
     Raises ValueError on a bad dtype/contiguity/shape or geometry.
     """
     op = "conv2d_fprop"
@@ -340,18 +351,41 @@ def conv2d_fprop(x, w, b, stride: int, pad: int, ws: Workspace | None = None):
     P, Q = conv_geometry(op, x.shape, w.shape, stride, pad)
     y = xp.empty((N, K, P, Q), dtype=np.float32)
     tile = conv_tile(K)
-    grid, block = conv_launch(M=K, NG=N * P * Q, tile=tile)  # GEMM (K) x (N*P*Q), reduction C*R*S
-    i32 = functools.partial(c_int32, op)
-    _launch(op, grid, block, (x, w, b, y, i32("N", N), i32("C", C), i32("H", H), i32("W", W), i32("K", K),
-                              i32("R", R), i32("S", S), i32("P", P), i32("Q", Q), i32("stride", stride),
-                              i32("pad", pad), np.int32(0)), tile=tile)
+    splits, chunk = gemm_split(K, N * P * Q, C * R * S, tile)  # GEMM (K) x (N*P*Q), reduction C*R*S
+    grid, block = conv_launch(M=K, NG=N * P * Q, splits=splits, tile=tile)
+    geometry = _conv_ints(op, N, C, H, W, K, R, S, P, Q, stride, pad)
+    if splits == 1:
+        _launch(op, grid, block, (x, w, b, y, *geometry, np.int32(0)), tile=tile)
+    else:
+        part = _split_workspace(ws, "fprop.split", (splits, K, N * P * Q))
+        _launch("conv2d_fprop_partial", grid, block, (x, w, part, *geometry, c_int64(op, "chunk", chunk)), tile=tile)
+        _split_reduce(op, part, b, y, splits, N, K, P * Q)
     return y
+
+
+def _conv_ints(op: str, *values: int) -> tuple[np.int32, ...]:
+    """N, C, H, W, K, R, S, P, Q, stride, pad as the kernels' int arguments."""
+    names = ("N", "C", "H", "W", "K", "R", "S", "P", "Q", "stride", "pad")
+    return tuple(c_int32(op, name, v) for name, v in zip(names, values, strict=True))
+
+
+def _split_workspace(ws: Workspace | None, key: str, shape: tuple[int, int, int]):
+    """The (splits, M, NG) split-K buffer: the layer's kept one, or a fresh one without a Workspace."""
+    return xp.empty(shape, dtype=np.float32) if ws is None else ws.get(key, shape, np.float32)
+
+
+def _split_reduce(op: str, part, bias, out, splits: int, N: int, M: int, L: int, relu: int = 0) -> None:
+    """out (N, M, L...) = the splits of `part` (splits, M, N*L) added in order (+ bias) (ReLU)."""
+    grid, block = elementwise_launch(N * M * L)
+    _launch("conv2d_split_reduce", grid, block, (part, bias, out, c_int32(op, "splits", splits), c_int32(op, "N", N),
+                                                 c_int32(op, "M", M), c_int64(op, "L", L), np.int32(relu)))
 
 
 def conv2d_dgrad(dy, w, x_shape: tuple[int, int, int, int], stride: int, pad: int, ws: Workspace | None = None):
     """Input gradient: dy (N, K, P, Q), w (K, C, R, S), x_shape (N, C, H, W) -> dx (N, C, H, W) fresh.
 
-    See `numpy_ops.conv2d_dgrad`. Kernel `conv2d_dgrad` (implicit GEMM (C) x (N*H*W), reduction K*R*S).
+    See `numpy_ops.conv2d_dgrad`. Kernel `conv2d_dgrad` (implicit GEMM (C) x (N*H*W), reduction K*R*S),
+    or split-K as in `conv2d_fprop` (`conv2d_dgrad_partial`, `conv2d_split_reduce`).
     """
     op = "conv2d_dgrad"
     check_array(op, "dy", dy, ndim=4)
@@ -364,11 +398,15 @@ def conv2d_dgrad(dy, w, x_shape: tuple[int, int, int, int], stride: int, pad: in
     check_array(op, "dy", dy, shape=(N, K, P, Q))
     dx = xp.empty((N, C, H, W), dtype=np.float32)
     tile = conv_tile(C)
-    grid, block = conv_launch(M=C, NG=N * H * W, tile=tile)
-    i32 = functools.partial(c_int32, op)
-    _launch(op, grid, block, (dy, w, dx, i32("N", N), i32("C", C), i32("H", H), i32("W", W), i32("K", K),
-                              i32("R", R), i32("S", S), i32("P", P), i32("Q", Q), i32("stride", stride),
-                              i32("pad", pad)), tile=tile)
+    splits, chunk = gemm_split(C, N * H * W, K * R * S, tile)
+    grid, block = conv_launch(M=C, NG=N * H * W, splits=splits, tile=tile)
+    geometry = _conv_ints(op, N, C, H, W, K, R, S, P, Q, stride, pad)
+    if splits == 1:
+        _launch(op, grid, block, (dy, w, dx, *geometry), tile=tile)
+    else:
+        part = _split_workspace(ws, "dgrad.split", (splits, C, N * H * W))
+        _launch("conv2d_dgrad_partial", grid, block, (dy, w, part, *geometry, c_int64(op, "chunk", chunk)), tile=tile)
+        _split_reduce(op, part, None, dx, splits, N, C, H * W)
     return dx
 
 
@@ -376,8 +414,9 @@ def conv2d_wgrad(dy, x, w_shape: tuple[int, int, int, int], stride: int, pad: in
                  ws: Workspace | None = None):
     """Filter gradient: dy (N, K, P, Q), x (N, C, H, W) -> dw (K, C, R, S), into `out` when given.
 
-    Two launches, no atomics: `conv2d_wgrad_partial` sums `splits` ranges of the N*P*Q reduction
-    into a (splits, K, C*R*S) workspace, `conv2d_wgrad_reduce` adds the ranges in order.
+    No atomics: `conv2d_wgrad_partial` sums `splits` ranges of the N*P*Q reduction (`gemm_split`)
+    into a (splits, K, C*R*S) workspace, `conv2d_split_reduce` adds the ranges in order; with one
+    range the partial kernel writes dw directly.
     """
     op = "conv2d_wgrad"
     check_array(op, "x", x, ndim=4)
@@ -389,19 +428,15 @@ def conv2d_wgrad(dy, x, w_shape: tuple[int, int, int, int], stride: int, pad: in
     P, Q = conv_geometry(op, x.shape, (K, C, R, S), stride, pad)
     check_array(op, "dy", dy, shape=(N, K, P, Q))
     dw = _out(op, out, (K, C, R, S))
-    splits, chunk = wgrad_split(K, C * R * S, N * P * Q)
-    part_shape = (splits, K, C * R * S)
-    part = xp.empty(part_shape, dtype=np.float32) if ws is None else ws.get("wgrad.split", part_shape, np.float32)
     tile = conv_tile(K)
+    splits, chunk = gemm_split(K, C * R * S, N * P * Q, tile)
+    part = dw if splits == 1 else _split_workspace(ws, "wgrad.split", (splits, K, C * R * S))
     grid, block = conv_launch(M=K, NG=C * R * S, splits=splits, tile=tile)
-    i32 = functools.partial(c_int32, op)
     _launch("conv2d_wgrad_partial", grid, block,
-            (dy, x, part, i32("N", N), i32("C", C), i32("H", H), i32("W", W), i32("K", K), i32("R", R),
-             i32("S", S), i32("P", P), i32("Q", Q), i32("stride", stride), i32("pad", pad),
-             c_int64(op, "chunk", chunk)), tile=tile)
-    n = K * C * R * S
-    grid, block = elementwise_launch(n)
-    _launch("conv2d_wgrad_reduce", grid, block, (part, dw, i32("splits", splits), c_int64(op, "n", n)))
+            (dy, x, part, *_conv_ints(op, N, C, H, W, K, R, S, P, Q, stride, pad), c_int64(op, "chunk", chunk)),
+            tile=tile)
+    if splits > 1:
+        _split_reduce(op, part, None, dw, splits, 1, K, C * R * S)
     return dw
 
 

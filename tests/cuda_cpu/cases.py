@@ -99,24 +99,33 @@ def _i32(*v: int) -> tuple:
 # kernel allows (a quick run); otherwise production block sizes as well. conv always uses its tiles.
 
 
+# split-K settings of conv_wrappers: none (fprop/dgrad write in place, wgrad writes dw directly),
+# and small targets that split every pass's reduction, with a ragged last range
+CONV_SPLITS = {"one split": {"conv_split_override": 1},
+               "split-K": {"CONV_TARGET_BLOCKS": 4, "CONV_MIN_CHUNK": 8}}
+
+
 def conv_wrappers(lib, rng, small: bool) -> None:
-    """fprop (with and without bias), dgrad, wgrad through cupy_ops vs numpy_ops, every conv shape.
-    Small wgrad split targets force several batch splits, including a ragged last one."""
+    """fprop (with and without bias), dgrad, wgrad through cupy_ops vs numpy_ops, every conv shape,
+    without and with split-K (`CONV_SPLITS`)."""
     for shape in CONV_SHAPES:
         N, C, H, W, K, R, S, st, pad = shape
         x, w, b = f32(rng, N, C, H, W), f32(rng, K, C, R, S), f32(rng, K)
         P, Q = (H + 2 * pad - R) // st + 1, (W + 2 * pad - S) // st + 1
         dy = f32(rng, N, K, P, Q)
-        with cpu_backend(lib, CONV_TARGET_BLOCKS=4, CONV_MIN_CHUNK=8) as ops:
-            y = ops.conv2d_fprop(x, w, b, st, pad)
-            y0 = ops.conv2d_fprop(x, w, None, st, pad)
-            dx = ops.conv2d_dgrad(dy, w, x.shape, st, pad)
-            dw = np.full((K, C, R, S), np.nan, np.float32)
-            ops.conv2d_wgrad(dy, x, (K, C, R, S), st, pad, out=dw, ws=ops.Workspace())
-        assert_close(y, numpy_ops.conv2d_fprop(f64(x), f64(w), f64(b), st, pad), f"conv2d_fprop {shape}")
-        assert_close(y0, numpy_ops.conv2d_fprop(f64(x), f64(w), None, st, pad), f"conv2d_fprop no bias {shape}")
-        assert_close(dx, numpy_ops.conv2d_dgrad(f64(dy), f64(w), x.shape, st, pad), f"conv2d_dgrad {shape}")
-        assert_close(dw, numpy_ops.conv2d_wgrad(f64(dy), f64(x), (K, C, R, S), st, pad), f"conv2d_wgrad {shape}")
+        for how, constants in CONV_SPLITS.items():
+            with cpu_backend(lib, **constants) as ops:
+                ws = ops.Workspace()
+                y = ops.conv2d_fprop(x, w, b, st, pad, ws=ws)
+                y0 = ops.conv2d_fprop(x, w, None, st, pad)
+                dx = ops.conv2d_dgrad(dy, w, x.shape, st, pad, ws=ws)
+                dw = np.full((K, C, R, S), np.nan, np.float32)
+                ops.conv2d_wgrad(dy, x, (K, C, R, S), st, pad, out=dw, ws=ws)
+            what = f"{shape} {how}"
+            assert_close(y, numpy_ops.conv2d_fprop(f64(x), f64(w), f64(b), st, pad), f"conv2d_fprop {what}")
+            assert_close(y0, numpy_ops.conv2d_fprop(f64(x), f64(w), None, st, pad), f"conv2d_fprop no bias {what}")
+            assert_close(dx, numpy_ops.conv2d_dgrad(f64(dy), f64(w), x.shape, st, pad), f"conv2d_dgrad {what}")
+            assert_close(dw, numpy_ops.conv2d_wgrad(f64(dy), f64(x), (K, C, R, S), st, pad), f"conv2d_wgrad {what}")
 
 
 def conv_fprop_relu_epilogue(lib, rng, small: bool) -> None:
@@ -141,7 +150,7 @@ def conv_fprop_relu_epilogue(lib, rng, small: bool) -> None:
 
 
 def conv_wgrad_splits(lib, rng, small: bool) -> None:
-    """conv2d_wgrad_partial + conv2d_wgrad_reduce with chosen chunks (1 split, ragged splits, one slab
+    """conv2d_wgrad_partial + conv2d_split_reduce with chosen chunks (1 split, ragged splits, one slab
     per split): each matches the reference and each is bit-identical when run again."""
     N, C, H, W, K, R, S, st, pad = CONV_SHAPES[2]
     x = f32(rng, N, C, H, W)
@@ -160,10 +169,26 @@ def conv_wgrad_splits(lib, rng, small: bool) -> None:
                 grid, block = ops.conv_launch(M=K, NG=CRS, splits=splits, tile=tile)
                 partial = ops.get_kernel("conv2d_wgrad_partial", tile)
             partial(grid, block, (dy, x, part, *_i32(N, C, H, W, K, R, S, P, Q, st, pad), np.int64(chunk)))
-            lib.kernel("conv2d_wgrad_reduce")((3,), (32,), (part, dw, np.int32(splits), np.int64(dw.size)))
+            lib.kernel("conv2d_split_reduce")((3,), (32,), (part, None, dw, *_i32(splits, 1, K), np.int64(CRS),
+                                                            np.int32(0)))
             results.append(dw)
         assert_close(results[0], ref, f"conv2d_wgrad chunk {chunk} ({splits} splits)")
         assert np.array_equal(results[0], results[1]), f"conv2d_wgrad chunk {chunk}: not bit-reproducible"
+
+
+def conv_split_reduce(lib, rng, small: bool) -> None:
+    """conv2d_split_reduce on a crafted workspace: the splits added in order into NCHW, + bias, ReLU
+    (the split-K epilogue of fprop), with a grid-stride launch smaller than the output."""
+    splits, N, M, L = 3, 2, 5, 7
+    part = f32(rng, splits, M, N * L)
+    bias = f32(rng, M)
+    ref = part.astype(np.float64).sum(0).reshape(M, N, L).transpose(1, 0, 2) + f64(bias)[None, :, None]
+    for b, relu in ((None, 0), (bias, 0), (bias, 1)):
+        out = np.full((N, M, L), np.nan, np.float32)
+        lib.kernel("conv2d_split_reduce")((2,), (16,), (part, b, out, *_i32(splits, N, M), np.int64(L), np.int32(relu)))
+        want = ref - (0 if b is not None else f64(bias)[None, :, None])
+        assert_close(out, np.maximum(want, 0) if relu else want,
+                     f"conv2d_split_reduce bias {b is not None} relu {relu}")
 
 
 def bias_grad(lib, rng, small: bool) -> None:
@@ -257,9 +282,11 @@ class Case:
 
 CASES = [
     Case("conv_wrappers", conv_wrappers,
-         ("conv2d_fprop", "conv2d_dgrad", "conv2d_wgrad_partial", "conv2d_wgrad_reduce")),
+         ("conv2d_fprop", "conv2d_dgrad", "conv2d_fprop_partial", "conv2d_dgrad_partial", "conv2d_wgrad_partial",
+          "conv2d_split_reduce")),
     Case("conv_fprop_relu_epilogue", conv_fprop_relu_epilogue, ("conv2d_fprop",)),
-    Case("conv_wgrad_splits", conv_wgrad_splits, ("conv2d_wgrad_partial", "conv2d_wgrad_reduce")),
+    Case("conv_wgrad_splits", conv_wgrad_splits, ("conv2d_wgrad_partial", "conv2d_split_reduce")),
+    Case("conv_split_reduce", conv_split_reduce, ("conv2d_split_reduce",)),
     Case("bias_grad", bias_grad, ("bias_grad",)),
     Case("relu", relu, ("relu_fprop", "relu_bprop")),
     Case("maxpool", maxpool, ("maxpool_fprop_u8", "maxpool_fprop_i32", "maxpool_bprop_u8", "maxpool_bprop_i32")),
