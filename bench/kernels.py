@@ -186,6 +186,7 @@ class PassResult:
     cudnn: Timing | None = None
     cublas_ms: float | None = None
     error: float | None = None  # max |ours - cuDNN| / max |cuDNN|
+    cudnn_kernels: str = ""  # the GPU kernels cuDNN ran for the pass (torch profiler), "" when unknown
 
     @property
     def ratio(self) -> float | None:
@@ -445,6 +446,25 @@ def time_cublas(cupy, timer: Timer, m: int, n: int, k: int, runs: int, warmup: i
     return timer.time(lambda: cupy.matmul(a, b, out=c), runs, warmup).median_ms
 
 
+def cuda_kernel_names(torch, fn: Callable[[], object]) -> str:
+    """The GPU kernels one call of `fn` runs, by name, from torch's profiler: which algorithm cuDNN
+    picked (implicit GEMM, FFT or Winograd do different amounts of work for one convolution).
+    "unknown (...)" when the profiler cannot say."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        names = []
+        for e in prof.events():
+            if str(getattr(e, "device_type", "")).endswith("CUDA") and e.name not in names:
+                names.append(e.name)
+        return "; ".join(names) if names else "unknown (no GPU kernel recorded)"
+    except Exception as e:  # the profiler is an aid to reading the table, never a reason to stop
+        return f"unknown ({type(e).__name__}: {e})"[:200]
+
+
 def measure_layer(layer: ConvLayer, ops, cupy, torch, timer: Timer, runs: int, warmup: int,
                   seed: int = 0) -> tuple[list[PassResult], str]:
     """Check and time every pass of `layer` (ours, cuDNN when torch is given, cuBLAS); also the conv
@@ -478,7 +498,9 @@ def measure_layer(layer: ConvLayer, ops, cupy, torch, timer: Timer, runs: int, w
         mine = timer.time(ours[pass_name], runs, warmup)
         theirs = None if ref is None else timer.time(ref[pass_name], runs, warmup)
         cublas = time_cublas(cupy, timer, m, n, k, runs, warmup)
-        results.append(PassResult(layer.name, layer.in_model, pass_name, (m, n, k), mine, theirs, cublas, error))
+        kernels = "" if ref is None else cuda_kernel_names(torch, ref[pass_name])
+        results.append(PassResult(layer.name, layer.in_model, pass_name, (m, n, k), mine, theirs, cublas, error,
+                                  kernels))
     return results, backend
 
 
@@ -615,6 +637,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"!! {layer.name} tile sweep: failed\n{traceback.format_exc()}", flush=True)
 
     print()
+    if any(r.cudnn_kernels for r in results):
+        print("cuDNN's kernels (torch profiler; FFT or Winograd ones do fewer FLOPs than a direct convolution):")
+        for r in results:
+            if r.cudnn_kernels:
+                print(f"  {r.layer:<8} {r.pass_name:<6} {r.cudnn_kernels}")
     if torch is not None and backends:
         print("torch conv backend: " + ", ".join(f"{k} {v}" for k, v in backends.items()) + " (Cudnn expected)")
     if any(r.ours.late or (r.cudnn is not None and r.cudnn.late) for r in results):

@@ -54,6 +54,15 @@
 // different banks, and keep every row 16-byte aligned for the float4 reads.
 #define CONV_AS_PITCH (CONV_BM + 4)
 
+// What the loaders, the float4 reads and the bank layout rely on (a tile choice that breaks one
+// fails to compile instead of computing garbage or serialising the shared-memory stores).
+static_assert(CONV_BM % CONV_TM == 0 && CONV_BN % CONV_TN == 0, "BM, BN: multiples of the 4x4 register block");
+static_assert(CONV_THREADS % CONV_BK == 0 && CONV_THREADS % CONV_BN == 0, "THREADS: a multiple of BK and of BN");
+static_assert((CONV_BM * CONV_BK) % CONV_THREADS == 0 && (CONV_BK * CONV_BN) % CONV_THREADS == 0,
+              "every thread loads the same number of A and of B slab elements");
+static_assert(CONV_AS_PITCH % 32 != 0, "As pitch: not a multiple of 32 banks (8-way store conflicts)");
+static_assert(CONV_THREADS <= 1024, "at most 1,024 threads per block");
+
 #define CONV_FPROP 0
 #define CONV_DGRAD 1
 #define CONV_WGRAD 2

@@ -76,7 +76,7 @@ def test_check_array_on_attribute_objects(fake_gpu):
 
 
 def test_wrappers_refuse_a_transposed_input_before_launch(numpy_xp, monkeypatch):
-    monkeypatch.setattr(cupy_ops, "get_kernel", lambda name: pytest.fail(f"{name} launched"))
+    monkeypatch.setattr(cupy_ops, "get_kernel", lambda name, tile=None: pytest.fail(f"{name} launched"))
     x = np.zeros((1, 2, 5, 5), np.float32)
     w = np.zeros((3, 3, 3, 2), np.float32).transpose(0, 3, 1, 2)  # (3, 2, 3, 3), not contiguous
     with pytest.raises(ValueError, match="w must be C-contiguous"):
@@ -300,3 +300,22 @@ def test_public_names_match_numpy_backend():
     public = [n.strip(" .\n") for n in numpy_ops.__doc__.split("cupy backend provides the same):")[1].split(",")]
     missing = [n for n in public if not hasattr(cupy_ops, n)]
     assert not missing, f"cupy_ops lacks {missing}"
+
+
+def test_empty_batch_launches_nothing_and_matches_numpy(numpy_xp, monkeypatch):
+    """N = 0 (as numpy_ops): empty y and dx, a zero dw, and no launch (a grid of 0 blocks is invalid)."""
+    monkeypatch.setattr(cupy_ops, "get_kernel", lambda name, tile=None: pytest.fail(f"{name} launched"))
+    x, w, b = np.zeros((0, 3, 8, 8), np.float32), np.ones((4, 3, 3, 3), np.float32), np.ones(4, np.float32)
+    dy = np.zeros((0, 4, 8, 8), np.float32)
+    assert cupy_ops.conv2d_fprop(x, w, b, 1, 1).shape == (0, 4, 8, 8)
+    assert cupy_ops.conv2d_dgrad(dy, w, x.shape, 1, 1).shape == (0, 3, 8, 8)
+    dw = np.full((4, 3, 3, 3), np.nan, np.float32)
+    cupy_ops.conv2d_wgrad(dy, x, w.shape, 1, 1, out=dw)
+    np.testing.assert_array_equal(dw, 0)
+
+
+def test_padded_extent_beyond_int32_refused(fake_gpu):
+    x, w = FakeArray((1, 1, 8, 8)), FakeArray((1, 1, 3, 3))
+    with pytest.raises(ValueError, match=r"H \+ 2\*pad = .* does not fit a 32-bit int"):
+        cupy_ops.conv2d_fprop(x, w, None, 1, 2**30)
+    assert fake_gpu == []

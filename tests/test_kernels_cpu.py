@@ -67,6 +67,15 @@ def test_conv_with_other_tile_shapes(bm, bn):
     cases.conv_wrappers(lib, np.random.default_rng(1), True)
 
 
+@pytest.mark.parametrize("bm, bn, message", [(60, 64, "As pitch"), (4, 128, "THREADS: a multiple of BK and of BN")])
+def test_bad_tile_shapes_do_not_compile(bm, bn, message):
+    """A tile that would serialise the shared-memory stores or leave B slab rows unloaded is refused by
+    the kernel's static_asserts (here through g++; nvcc and NVRTC say the same)."""
+    with pytest.raises(RuntimeError, match=message):
+        harness.build(defines={"CONV_BM": bm, "CONV_BN": bn},
+                      sources={"conv2d.cu": harness.kernel_sources()["conv2d.cu"]})
+
+
 def test_launcher_refuses_wrong_argument_types(lib):
     k = lib.kernel("relu_fprop")
     x = np.zeros(8, np.float32)

@@ -107,7 +107,9 @@ def _module(filename: str, defines: tuple[str, ...] = ()):
     return cupy.RawModule(code=source, options=NVRTC_OPTIONS + defines)
 
 
+@functools.cache
 def _cupy_kernel(kernel: str, tile: tuple[int, int] | None = None):
+    """The cupy.RawKernel of `kernel` (and conv tile), looked up once per process."""
     return _module(_KERNEL_FILES[kernel], tile_defines(tile)).get_function(kernel)
 
 
@@ -266,8 +268,9 @@ def conv_geometry(op: str, x_shape, w_shape, stride: int, pad: int) -> tuple[int
     if H + 2 * pad < R or W + 2 * pad < S:
         raise ValueError(f"{op}: filter {R}x{S} larger than padded input {H + 2 * pad}x{W + 2 * pad}")
     P, Q = (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
-    for what, v in (("C*R*S", C * R * S), ("K*R*S", K * R * S), ("H*W", H * W), ("P*Q", P * Q), ("N", N),
-                    ("K", K)):
+    for what, v in (("H + 2*pad", H + 2 * pad), ("W + 2*pad", W + 2 * pad), ("C*R*S", C * R * S),
+                    ("K*R*S", K * R * S), ("H*W", H * W), ("P*Q", P * Q), ("N", N), ("K", K),
+                    ("(P-1)*stride", (P - 1) * stride), ("(Q-1)*stride", (Q - 1) * stride)):
         c_int32(op, what, v)
     return P, Q
 
@@ -350,6 +353,9 @@ def conv2d_fprop(x, w, b, stride: int, pad: int, ws: Workspace | None = None):
         check_array(op, "b", b, shape=(K,))
     P, Q = conv_geometry(op, x.shape, w.shape, stride, pad)
     y = xp.empty((N, K, P, Q), dtype=np.float32)
+    if y.size == 0 or C == 0:  # an empty batch (as numpy_ops): nothing to launch; no input channels: y = b
+        y[...] = 0 if b is None else b.reshape(1, K, 1, 1)
+        return y
     tile = conv_tile(K)
     splits, chunk = gemm_split(K, N * P * Q, C * R * S, tile)  # GEMM (K) x (N*P*Q), reduction C*R*S
     grid, block = conv_launch(M=K, NG=N * P * Q, splits=splits, tile=tile)
@@ -359,7 +365,7 @@ def conv2d_fprop(x, w, b, stride: int, pad: int, ws: Workspace | None = None):
     else:
         part = _split_workspace(ws, "fprop.split", (splits, K, N * P * Q))
         _launch("conv2d_fprop_partial", grid, block, (x, w, part, *geometry, c_int64(op, "chunk", chunk)), tile=tile)
-        _split_reduce(op, part, b, y, splits, N, K, P * Q)
+        _split_reduce(op, part, b, y, splits, N, K, P * Q, tile)
     return y
 
 
@@ -374,11 +380,13 @@ def _split_workspace(ws: Workspace | None, key: str, shape: tuple[int, int, int]
     return xp.empty(shape, dtype=np.float32) if ws is None else ws.get(key, shape, np.float32)
 
 
-def _split_reduce(op: str, part, bias, out, splits: int, N: int, M: int, L: int, relu: int = 0) -> None:
-    """out (N, M, L...) = the splits of `part` (splits, M, N*L) added in order (+ bias) (ReLU)."""
+def _split_reduce(op: str, part, bias, out, splits: int, N: int, M: int, L: int, tile: tuple[int, int],
+                  relu: int = 0) -> None:
+    """out (N, M, L...) = the splits of `part` (splits, M, N*L) added in order (+ bias) (ReLU); launched
+    from the module of the partial kernel's `tile` (conv2d.cu holds both: no third compilation)."""
     grid, block = elementwise_launch(N * M * L)
     _launch("conv2d_split_reduce", grid, block, (part, bias, out, c_int32(op, "splits", splits), c_int32(op, "N", N),
-                                                 c_int32(op, "M", M), c_int64(op, "L", L), np.int32(relu)))
+                                                 c_int32(op, "M", M), c_int64(op, "L", L), np.int32(relu)), tile=tile)
 
 
 def conv2d_dgrad(dy, w, x_shape: tuple[int, int, int, int], stride: int, pad: int, ws: Workspace | None = None):
@@ -397,6 +405,9 @@ def conv2d_dgrad(dy, w, x_shape: tuple[int, int, int, int], stride: int, pad: in
     P, Q = conv_geometry(op, (N, C, H, W), w.shape, stride, pad)
     check_array(op, "dy", dy, shape=(N, K, P, Q))
     dx = xp.empty((N, C, H, W), dtype=np.float32)
+    if dx.size == 0 or K == 0:  # an empty batch: nothing to launch; no output channels: no gradient
+        dx[...] = 0
+        return dx
     tile = conv_tile(C)
     splits, chunk = gemm_split(C, N * H * W, K * R * S, tile)
     grid, block = conv_launch(M=C, NG=N * H * W, splits=splits, tile=tile)
@@ -406,7 +417,7 @@ def conv2d_dgrad(dy, w, x_shape: tuple[int, int, int, int], stride: int, pad: in
     else:
         part = _split_workspace(ws, "dgrad.split", (splits, C, N * H * W))
         _launch("conv2d_dgrad_partial", grid, block, (dy, w, part, *geometry, c_int64(op, "chunk", chunk)), tile=tile)
-        _split_reduce(op, part, None, dx, splits, N, C, H * W)
+        _split_reduce(op, part, None, dx, splits, N, C, H * W, tile)
     return dx
 
 
@@ -428,6 +439,9 @@ def conv2d_wgrad(dy, x, w_shape: tuple[int, int, int, int], stride: int, pad: in
     P, Q = conv_geometry(op, x.shape, (K, C, R, S), stride, pad)
     check_array(op, "dy", dy, shape=(N, K, P, Q))
     dw = _out(op, out, (K, C, R, S))
+    if dw.size == 0 or N * P * Q == 0:  # an empty batch (as numpy_ops): a zero gradient, nothing to launch
+        dw[...] = 0
+        return dw
     tile = conv_tile(K)
     splits, chunk = gemm_split(K, C * R * S, N * P * Q, tile)
     part = dw if splits == 1 else _split_workspace(ws, "wgrad.split", (splits, K, C * R * S))
@@ -436,7 +450,7 @@ def conv2d_wgrad(dy, x, w_shape: tuple[int, int, int, int], stride: int, pad: in
             (dy, x, part, *_conv_ints(op, N, C, H, W, K, R, S, P, Q, stride, pad), c_int64(op, "chunk", chunk)),
             tile=tile)
     if splits > 1:
-        _split_reduce(op, part, None, dw, splits, 1, K, C * R * S)
+        _split_reduce(op, part, None, dw, splits, 1, K, C * R * S, tile)
     return dw
 
 

@@ -126,6 +126,27 @@ def conv_wrappers(lib, rng, small: bool) -> None:
             assert_close(y0, numpy_ops.conv2d_fprop(f64(x), f64(w), None, st, pad), f"conv2d_fprop no bias {what}")
             assert_close(dx, numpy_ops.conv2d_dgrad(f64(dy), f64(w), x.shape, st, pad), f"conv2d_dgrad {what}")
             assert_close(dw, numpy_ops.conv2d_wgrad(f64(dy), f64(x), (K, C, R, S), st, pad), f"conv2d_wgrad {what}")
+            conv_exact_on_integers(lib, rng, shape, constants, what)
+
+
+def conv_exact_on_integers(lib, rng, shape, constants, what: str) -> None:
+    """Small-integer inputs make every product and partial sum an integer below 2^24, so float32
+    arithmetic is exact in any order: the kernels must equal the float64 reference bit for bit, and a
+    tap dropped or counted twice (a split boundary, a digit carry, a padding test) cannot hide inside
+    a rounding tolerance."""
+    N, C, H, W, K, R, S, st, pad = shape
+    P, Q = (H + 2 * pad - R) // st + 1, (W + 2 * pad - S) // st + 1
+    x, w, b, dy = (rng.integers(-3, 4, size=sz).astype(np.float32)
+                   for sz in ((N, C, H, W), (K, C, R, S), (K,), (N, K, P, Q)))
+    with cpu_backend(lib, **constants) as ops:
+        y = ops.conv2d_fprop(x, w, b, st, pad)
+        dx = ops.conv2d_dgrad(dy, w, x.shape, st, pad)
+        dw = ops.conv2d_wgrad(dy, x, (K, C, R, S), st, pad)
+    for got, ref, name in ((y, numpy_ops.conv2d_fprop(f64(x), f64(w), f64(b), st, pad), "fprop"),
+                           (dx, numpy_ops.conv2d_dgrad(f64(dy), f64(w), x.shape, st, pad), "dgrad"),
+                           (dw, numpy_ops.conv2d_wgrad(f64(dy), f64(x), (K, C, R, S), st, pad), "wgrad")):
+        assert np.array_equal(got, ref), f"conv2d_{name} {what}: not exact on integers, {np.sum(got != ref)} " \
+                                         f"elements differ, worst by {np.max(np.abs(got - ref))}"
 
 
 def conv_fprop_relu_epilogue(lib, rng, small: bool) -> None:

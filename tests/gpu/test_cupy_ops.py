@@ -71,6 +71,36 @@ def test_conv_passes(cp, npo, name, xs, ws, stride, pad):
     assert np.array_equal(a, cp.to_numpy(cp.conv2d_wgrad(d(dy), d(x), ws, stride, pad)))
 
 
+@pytest.mark.parametrize("name,xs,ws,stride,pad", CONVS, ids=[c[0] for c in CONVS])
+def test_conv_passes_exact_on_integers(cp, npo, name, xs, ws, stride, pad, monkeypatch):
+    """Inputs in -3..3: every product and partial sum is an integer below 2^24, so float32 is exact in
+    any order and the GPU must equal the float64 reference bit for bit; a tap dropped or counted twice
+    (split boundary, digit carry, padding test) cannot hide in a tolerance. Across the shapes both
+    tiles run, each pass with split-K as chosen and with one range."""
+    from mpiasgd.ops import cupy_ops
+
+    rng = np.random.default_rng(2)
+    N, _, H, W = xs
+    K, _, R, S = ws
+    P, Q = (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
+    x, w, b, dy = (rng.integers(-3, 4, size=sz).astype(np.float32) for sz in (xs, ws, (K,), (N, K, P, Q)))
+    x64, w64, b64, dy64 = (a.astype(np.float64) for a in (x, w, b, dy))
+    refs = {"fprop": npo.conv2d_fprop(x64, w64, b64, stride, pad),
+            "dgrad": npo.conv2d_dgrad(dy64, w64, xs, stride, pad),
+            "wgrad": npo.conv2d_wgrad(dy64, x64, ws, stride, pad)}
+    d = cp.asarray
+    for splits in (None, 1):
+        monkeypatch.setattr(cupy_ops, "conv_split_override", splits)
+        got = {"fprop": cp.conv2d_fprop(d(x), d(w), d(b), stride, pad),
+               "dgrad": cp.conv2d_dgrad(d(dy), d(w), xs, stride, pad),
+               "wgrad": cp.conv2d_wgrad(d(dy), d(x), ws, stride, pad)}
+        for what, ref in refs.items():
+            g = cp.to_numpy(got[what])
+            assert np.array_equal(g, ref), (f"{name} {what} (split override {splits}): {int(np.sum(g != ref))} "
+                                            f"elements differ from the exact result, worst by "
+                                            f"{float(np.max(np.abs(g - ref)))}")
+
+
 @pytest.mark.parametrize("xs,k,s", POOLS)
 def test_pool_relu(cp, npo, xs, k, s):
     rng = np.random.default_rng(1)
