@@ -22,7 +22,7 @@
 // fixed order, without atomics, so every result is bit-reproducible run to run. wgrad always
 // splits its N*P*Q reduction; fprop and dgrad split when their output alone gives too few blocks
 // to fill the GPU (cupy_ops.gemm_split).
-// conv2d_split_reduce: 1-D grid-stride over the N*M*L outputs, any block/grid size.
+// conv2d_split_reduce: see its comment (two-level, fixed order).
 //
 // Tile: each block computes a BM x BN tile of C, stepping KR in slabs of 8; thread (ty, tx) owns
 // the 4x4 register block C[ty*4 + i][tx*4 + j] and reads its 4 rows of As and 4 columns of Bs as
@@ -369,26 +369,49 @@ conv2d_wgrad_partial(const float* __restrict__ dy, const float* __restrict__ x, 
   conv_gemm<CONV_WGRAD, true>(dy, x, ws, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, chunk);
 }
 
-// out[n][m][l] = ws[0][m][n*L + l] + ws[1][m][n*L + l] + ... + ws[splits-1][m][n*L + l] (that order:
-// reproducible) (+ bias[m]) (then max(., 0) when relu != 0), for n < N, m < M, l < L; ws is
-// (splits, M, N*L). fprop: L = P*Q, out = y; dgrad: L = H*W, out = dx; wgrad: N = 1, L = C*R*S,
-// out = dw. bias may be NULL. 1-D grid-stride over the N*M*L outputs in NCHW order (coalesced
-// stores; each split's reads are consecutive in l), any block/grid size.
-extern "C" __global__ void conv2d_split_reduce(const float* __restrict__ ws, const float* __restrict__ bias,
-                                               float* __restrict__ out, int splits, int N, int M, long long L,
-                                               int relu) {
+// out[n][m][l] = sum over z < splits of ws[z][m][n*L + l] (+ bias[m]) (then max(., 0) when relu != 0),
+// for n < N, m < M, l < L; ws is (splits, M, N*L). fprop: L = P*Q, out = y; dgrad: L = H*W, out = dx;
+// wgrad: N = 1, L = C*R*S, out = dw. bias may be NULL.
+// Two levels, so that a deep split (wgrad of a small layer: hundreds of ranges) is not one long
+// chain of dependent loads per output: a block takes SPLIT_REDUCE_OUTS consecutive outputs (NCHW
+// order: coalesced loads and stores) and blockDim.x / SPLIT_REDUCE_OUTS lanes per output; lane l
+// sums z = l, l + lanes, l + 2*lanes, ... in order, then the lanes' sums are added in lane order.
+// The order is fixed by (splits, blockDim), so results are bit-reproducible run to run.
+// Launch: block a multiple of SPLIT_REDUCE_OUTS up to SPLIT_REDUCE_THREADS_MAX (256: 8 lanes),
+// 1-D grid-stride over groups of SPLIT_REDUCE_OUTS outputs (any grid size); static shared memory
+// SPLIT_REDUCE_THREADS_MAX floats.
+#define SPLIT_REDUCE_OUTS 32
+#define SPLIT_REDUCE_THREADS_MAX 256
+
+extern "C" __global__ void __launch_bounds__(SPLIT_REDUCE_THREADS_MAX)
+conv2d_split_reduce(const float* __restrict__ ws, const float* __restrict__ bias, float* __restrict__ out, int splits,
+                    int N, int M, long long L, int relu) {
+  __shared__ float part[SPLIT_REDUCE_THREADS_MAX];  // part[lane * OUTS + output]
+  const int lanes = blockDim.x / SPLIT_REDUCE_OUTS;
+  const int oi = threadIdx.x % SPLIT_REDUCE_OUTS, lane = threadIdx.x / SPLIT_REDUCE_OUTS;
   const long long ML = (long long)M * L, NL = (long long)N * L, total = (long long)N * ML;
-  for (long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x; o < total;
-       o += (long long)gridDim.x * blockDim.x) {
-    const long long n = o / ML;
-    const long long rem = o - n * ML;
-    const int m = (int)(rem / L);
-    const long long j = n * L + (rem - (long long)m * L);  // column of ws
-    const float* p = ws + (long long)m * NL + j;
+  const long long zstride = (long long)M * NL;
+  for (long long o0 = (long long)blockIdx.x * SPLIT_REDUCE_OUTS; o0 < total;
+       o0 += (long long)gridDim.x * SPLIT_REDUCE_OUTS) {  // the same trip count for every thread
+    const long long o = o0 + oi;
     float s = 0.0f;
-    for (int z = 0; z < splits; ++z) s += __ldg(p + (long long)z * M * NL);
-    if (bias != 0) s += __ldg(bias + m);
-    if (relu) s = fmaxf(s, 0.0f);
-    out[o] = s;
+    int m = 0;
+    if (o < total) {
+      const long long n = o / ML;
+      const long long rem = o - n * ML;
+      m = (int)(rem / L);
+      const float* p = ws + (long long)m * NL + n * L + (rem - (long long)m * L);  // ws[0][m][n*L + l]
+      for (int z = lane; z < splits; z += lanes) s += __ldg(p + z * zstride);
+    }
+    part[threadIdx.x] = s;
+    __syncthreads();  // every lane's sum stored
+    if (lane == 0 && o < total) {
+      float t = part[oi];
+      for (int l = 1; l < lanes; ++l) t += part[l * SPLIT_REDUCE_OUTS + oi];
+      if (bias != 0) t += __ldg(bias + m);
+      if (relu) t = fmaxf(t, 0.0f);
+      out[o] = t;
+    }
+    __syncthreads();  // the lane sums are read before the next group overwrites them
   }
 }

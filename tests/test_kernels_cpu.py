@@ -112,6 +112,8 @@ def test_tsan_clean():
 @pytest.mark.parametrize("plant, case", [
     ("conv2d.cu:every thread is done reading", "conv_wrappers"),  # write-after-read on the next K-slab
     ("conv2d.cu:slab complete", "conv_wrappers"),                 # read-after-write within a slab
+    ("conv2d.cu:every lane's sum stored", "conv_split_reduce"),   # lane 0 adds sums not yet stored
+    ("conv2d.cu:before the next group overwrites", "conv_split_reduce"),  # a lane's next sum lands first
     ("bias.cu:all partial sums stored", "bias_grad"),             # the tree reads partial sums not yet stored
     ("bias.cu:this tree level done", "bias_grad"),                # tree levels overlap
     ("softmax_xent.cu:before it is reused for the sum", "softmax_xent"),  # max reread after the sum began

@@ -64,6 +64,7 @@ CONV_MIN_CHUNK = 256  # ... but each split reduces at least this many (n, p, q) 
 REDUCE_THREADS = 256  # bias_grad, softmax_xent: power of two <= 256 (BIAS/SOFTMAX_THREADS_MAX)
 ELEMENTWISE_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 65535  # grid-stride loops cover the rest
+SPLIT_REDUCE_OUTS, SPLIT_REDUCE_THREADS = 32, 256  # conv2d_split_reduce: 32 outputs x 8 lanes over the splits
 
 _KERNEL_FILES = {  # kernel -> file under kernels/
     "conv2d_fprop": "conv2d.cu", "conv2d_dgrad": "conv2d.cu", "conv2d_fprop_partial": "conv2d.cu",
@@ -384,7 +385,8 @@ def _split_reduce(op: str, part, bias, out, splits: int, N: int, M: int, L: int,
                   relu: int = 0) -> None:
     """out (N, M, L...) = the splits of `part` (splits, M, N*L) added in order (+ bias) (ReLU); launched
     from the module of the partial kernel's `tile` (conv2d.cu holds both: no third compilation)."""
-    grid, block = elementwise_launch(N * M * L)
+    groups = _cdiv(N * M * L, SPLIT_REDUCE_OUTS)
+    grid, block = (max(1, min(groups, ELEMENTWISE_MAX_BLOCKS)), 1, 1), (SPLIT_REDUCE_THREADS, 1, 1)
     _launch("conv2d_split_reduce", grid, block, (part, bias, out, c_int32(op, "splits", splits), c_int32(op, "N", N),
                                                  c_int32(op, "M", M), c_int64(op, "L", L), np.int32(relu)), tile=tile)
 

@@ -198,18 +198,26 @@ def conv_wgrad_splits(lib, rng, small: bool) -> None:
 
 
 def conv_split_reduce(lib, rng, small: bool) -> None:
-    """conv2d_split_reduce on a crafted workspace: the splits added in order into NCHW, + bias, ReLU
-    (the split-K epilogue of fprop), with a grid-stride launch smaller than the output."""
-    splits, N, M, L = 3, 2, 5, 7
+    """conv2d_split_reduce on a crafted workspace: the splits added into NCHW, + bias, ReLU (the
+    split-K epilogue of fprop), with 1, 2 and 8 lanes per output, one block striding over 3 groups
+    of outputs and several blocks; bit-identical when run again with the same launch."""
+    splits, N, M, L = 11, 2, 5, 7
     part = f32(rng, splits, M, N * L)
     bias = f32(rng, M)
-    ref = part.astype(np.float64).sum(0).reshape(M, N, L).transpose(1, 0, 2) + f64(bias)[None, :, None]
-    for b, relu in ((None, 0), (bias, 0), (bias, 1)):
-        out = np.full((N, M, L), np.nan, np.float32)
-        lib.kernel("conv2d_split_reduce")((2,), (16,), (part, b, out, *_i32(splits, N, M), np.int64(L), np.int32(relu)))
-        want = ref - (0 if b is not None else f64(bias)[None, :, None])
-        assert_close(out, np.maximum(want, 0) if relu else want,
-                     f"conv2d_split_reduce bias {b is not None} relu {relu}")
+    ref = part.astype(np.float64).sum(0).reshape(M, N, L).transpose(1, 0, 2)
+    for threads in (32, 64) if small else (32, 64, 256):
+        for blocks in (1, 2):
+            for b, relu in ((None, 0), (bias, 0), (bias, 1)):
+                want = ref + (0 if b is None else f64(b)[None, :, None])
+                runs = []
+                for _ in range(2):
+                    out = np.full((N, M, L), np.nan, np.float32)
+                    lib.kernel("conv2d_split_reduce")((blocks,), (threads,), (part, b, out, *_i32(splits, N, M),
+                                                                             np.int64(L), np.int32(relu)))
+                    runs.append(out)
+                what = f"conv2d_split_reduce {threads} threads {blocks} blocks bias {b is not None} relu {relu}"
+                assert_close(runs[0], np.maximum(want, 0) if relu else want, what)
+                assert np.array_equal(runs[0], runs[1]), f"{what}: not bit-reproducible"
 
 
 def bias_grad(lib, rng, small: bool) -> None:
