@@ -80,6 +80,7 @@ def test_conv_passes_exact_on_integers(cp, npo, name, xs, ws, stride, pad, monke
     from mpiasgd.ops import cupy_ops
 
     rng = np.random.default_rng(2)
+    xs = (min(xs[0], 128), *xs[1:])  # the float64 reference of the batch-256 layer would dominate the run
     N, _, H, W = xs
     K, _, R, S = ws
     P, Q = (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
