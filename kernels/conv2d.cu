@@ -31,7 +31,8 @@
 // the loaders step the digits of kk ((c, r, s) or (n, p, q)) from slab to slab without integer
 // division. The epilogue stores a row of the block as one float4 when its 4 columns are
 // consecutive in memory and 16-byte aligned, else element by element.
-// Element offsets are 64-bit (N*C*H*W may pass 2^31); M, KR per image and the filter are int.
+// Offsets: image bases and workspace offsets are 64-bit (N*C*H*W may pass 2^31); offsets within one
+// image and within the filter are int (cupy_ops.conv_geometry checks that C*H*W, K*P*Q, K*C*R*S fit).
 
 // Tile shape: production values here; CONV_BM / CONV_BN may be overridden with -D (cupy_ops compiles
 // one variant per tile it launches; the CPU harness tests several). BM, BN multiples of 4 with
@@ -99,14 +100,15 @@ __device__ __forceinline__ void digits_step(Digits& d, const Digits& step, int m
 
 // Column coordinates of one B column j, decoded once per thread (j is fixed over the KR loop).
 struct ConvCol {
-  long long base;  // FPROP/DGRAD: image offset n*C*H*W (x) or n*K*P*Q (dy); WGRAD: c*H*W
-  int a, b;        // FPROP: p*st-pad, q*st-pad; DGRAD: h+pad, w+pad; WGRAD: r-pad, s-pad
-  bool valid;      // j < NG
+  const float* img;  // FPROP: x + n*C*H*W (its image); DGRAD: dy + n*K*P*Q; WGRAD: x + c*H*W (plane c of image 0)
+  int a, b;          // FPROP: p*st-pad, q*st-pad; DGRAD: h+pad, w+pad; WGRAD: r-pad, s-pad
+  bool valid;        // j < NG
 };
 
 template <int MODE>
-__device__ __forceinline__ ConvCol conv_decode_col(long long j, long long NG, int C, int H, int W, int K, int R,
-                                                   int S, int P, int Q, int stride, int pad) {
+__device__ __forceinline__ ConvCol conv_decode_col(const float* __restrict__ B, long long j, long long NG, int C,
+                                                   int H, int W, int K, int R, int S, int P, int Q, int stride,
+                                                   int pad) {
   ConvCol col;
   col.valid = j < NG;
   if (!col.valid) j = 0;
@@ -114,21 +116,21 @@ __device__ __forceinline__ ConvCol conv_decode_col(long long j, long long NG, in
     long long pq = (long long)P * Q;
     long long n = j / pq;
     int rem = (int)(j - n * pq);
-    col.base = n * C * H * W;
+    col.img = B + n * C * H * W;
     col.a = (rem / Q) * stride - pad;
     col.b = (rem % Q) * stride - pad;
   } else if (MODE == CONV_DGRAD) {
     long long hw = (long long)H * W;
     long long n = j / hw;
     int rem = (int)(j - n * hw);
-    col.base = n * K * P * Q;
+    col.img = B + n * K * P * Q;
     col.a = rem / W + pad;
     col.b = rem % W + pad;
   } else {  // WGRAD: j = (c, r, s)
     int rs = R * S;
     int c = (int)j / rs;
     int rem = (int)j - c * rs;
-    col.base = (long long)c * H * W;
+    col.img = B + (long long)c * H * W;
     col.a = rem / S - pad;
     col.b = rem % S - pad;
   }
@@ -138,14 +140,13 @@ __device__ __forceinline__ ConvCol conv_decode_col(long long j, long long NG, in
 // B[kk][j] for the column decoded in `col`, kk given by its digits d; zero outside the (padded)
 // input or the KR range.
 template <int MODE>
-__device__ __forceinline__ float conv_load_b(const float* __restrict__ B, const ConvCol& col, const Digits& d,
-                                             long long kk, long long k_end, int C, int H, int W, int P, int Q,
-                                             int stride) {
+__device__ __forceinline__ float conv_load_b(const ConvCol& col, const Digits& d, long long kk, long long k_end,
+                                             int C, int H, int W, int P, int Q, int stride) {
   if (!col.valid || kk >= k_end) return 0.0f;
   if (MODE == CONV_FPROP) {  // d = (c, r, s); B = x
     const int h = col.a + d.mid, w = col.b + d.lo;
     if (h < 0 || h >= H || w < 0 || w >= W) return 0.0f;
-    return __ldg(B + col.base + ((long long)d.hi * H + h) * W + w);
+    return __ldg(col.img + (d.hi * H + h) * W + w);  // < C*H*W: an int
   } else if (MODE == CONV_DGRAD) {  // d = (k, r, s); B = dy
     int p = col.a - d.mid;  // = p * stride when the tap r reaches output row p
     int q = col.b - d.lo;
@@ -157,11 +158,11 @@ __device__ __forceinline__ float conv_load_b(const float* __restrict__ B, const 
       if (p * stride != hp || q * stride != wp) return 0.0f;
     }
     if (p >= P || q >= Q) return 0.0f;
-    return __ldg(B + col.base + ((long long)d.hi * P + p) * Q + q);
+    return __ldg(col.img + (d.hi * P + p) * Q + q);  // < K*P*Q: an int
   } else {  // WGRAD: d = (n, p, q); B = x
     const int h = d.mid * stride + col.a, w = d.lo * stride + col.b;
     if (h < 0 || h >= H || w < 0 || w >= W) return 0.0f;
-    return __ldg(B + (long long)d.hi * C * H * W + col.base + (long long)h * W + w);
+    return __ldg(col.img + (long long)d.hi * (C * H * W) + (h * W + w));
   }
 }
 
@@ -171,12 +172,12 @@ __device__ __forceinline__ float conv_load_a(const float* __restrict__ A, int m,
                                              int M, long long KR, long long k_end, int C, int K, int R, int S,
                                              int P, int Q) {
   if (m >= M || kk >= k_end) return 0.0f;
-  if (MODE == CONV_FPROP) {  // w (K, C*R*S)
-    return __ldg(A + (long long)m * KR + kk);
+  if (MODE == CONV_FPROP) {  // w (K, C*R*S); offsets < K*C*R*S: ints
+    return __ldg(A + (m * (int)KR + (int)kk));
   } else if (MODE == CONV_DGRAD) {  // w (K, C, R, S), m = c, d = (k, r, s)
-    return __ldg(A + ((long long)d.hi * C + m) * R * S + d.mid * S + d.lo);
-  } else {  // WGRAD: dy (N, K, P, Q), d = (n, p, q)
-    return __ldg(A + ((long long)d.hi * K + m) * P * Q + d.mid * Q + d.lo);
+    return __ldg(A + (((d.hi * C + m) * R + d.mid) * S + d.lo));
+  } else {  // WGRAD: dy (N, K, P, Q), d = (n, p, q); image n at a 64-bit offset, within it an int
+    return __ldg(A + (long long)d.hi * (K * P * Q) + ((m * P + d.mid) * Q + d.lo));
   }
 }
 
@@ -213,7 +214,7 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   // from load 0's (one digit state per thread, not one per load: fewer registers)
   const int a_kk = t % CONV_BK, a_m = t / CONV_BK;  // m = a_m + i * (THREADS / BK)
   const int b_j = t % CONV_BN, b_kk = t / CONV_BN;  // kk = b_kk + i * (THREADS / BN)
-  const ConvCol col = conv_decode_col<MODE>(j0 + b_j, NG, C, H, W, K, R, S, P, Q, stride, pad);
+  const ConvCol col = conv_decode_col<MODE>(B, j0 + b_j, NG, C, H, W, K, R, S, P, Q, stride, pad);
   const Digits b_step = digits_of(CONV_THREADS / CONV_BN, mid_radix, lo_radix);  // load i -> i + 1
   long long a_k = k_begin + a_kk, b_k = k_begin + b_kk;  // kk of A loads, of B load 0
   Digits a_d = digits_of(a_k, mid_radix, lo_radix);
@@ -233,7 +234,7 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
 #pragma unroll
     for (int i = 0; i < CONV_B_LOADS; ++i) {
       if (i > 0) digits_step(d, b_step, mid_radix, lo_radix);
-      b_reg[i] = conv_load_b<MODE>(B, col, d, b_k + i * (CONV_THREADS / CONV_BN), k_end, C, H, W, P, Q, stride);
+      b_reg[i] = conv_load_b<MODE>(col, d, b_k + i * (CONV_THREADS / CONV_BN), k_end, C, H, W, P, Q, stride);
     }
   }
 
@@ -257,7 +258,7 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
 #pragma unroll
       for (int i = 0; i < CONV_B_LOADS; ++i) {
         if (i > 0) digits_step(d, b_step, mid_radix, lo_radix);
-        b_reg[i] = conv_load_b<MODE>(B, col, d, b_k + i * (CONV_THREADS / CONV_BN), k_end, C, H, W, P, Q, stride);
+        b_reg[i] = conv_load_b<MODE>(col, d, b_k + i * (CONV_THREADS / CONV_BN), k_end, C, H, W, P, Q, stride);
       }
     }
 #pragma unroll

@@ -319,3 +319,11 @@ def test_padded_extent_beyond_int32_refused(fake_gpu):
     with pytest.raises(ValueError, match=r"H \+ 2\*pad = .* does not fit a 32-bit int"):
         cupy_ops.conv2d_fprop(x, w, None, 1, 2**30)
     assert fake_gpu == []
+
+
+def test_image_beyond_int32_refused(fake_gpu):
+    """Offsets within one image are 32-bit in the kernels: C*H*W >= 2^31 is refused before launch."""
+    x, w = FakeArray((1, 2**11, 2**10, 2**10)), FakeArray((1, 2**11, 1, 1))
+    with pytest.raises(ValueError, match=r"C\*H\*W = 2147483648 does not fit a 32-bit int"):
+        cupy_ops.conv2d_fprop(x, w, None, 1, 0)
+    assert fake_gpu == []

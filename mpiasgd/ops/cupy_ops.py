@@ -256,7 +256,8 @@ def elementwise_launch(n: int) -> tuple[tuple[int, int, int], tuple[int, int, in
 
 def conv_geometry(op: str, x_shape, w_shape, stride: int, pad: int) -> tuple[int, int]:
     """Output size (P, Q); ValueError on a channel mismatch, stride < 1, pad < 0, a filter larger than the
-    padded input, or an extent the kernels' 32-bit per-image indices cannot hold."""
+    padded input, or an extent the kernels' 32-bit indices within one image or filter cannot hold
+    (C*H*W, K*P*Q, K*C*R*S, ...: up to 2^31 - 1 elements per image)."""
     c_int32(op, "stride", stride)
     c_int32(op, "pad", pad)
     if stride < 1 or pad < 0:
@@ -271,7 +272,8 @@ def conv_geometry(op: str, x_shape, w_shape, stride: int, pad: int) -> tuple[int
     P, Q = (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
     for what, v in (("H + 2*pad", H + 2 * pad), ("W + 2*pad", W + 2 * pad), ("C*R*S", C * R * S),
                     ("K*R*S", K * R * S), ("H*W", H * W), ("P*Q", P * Q), ("N", N), ("K", K),
-                    ("(P-1)*stride", (P - 1) * stride), ("(Q-1)*stride", (Q - 1) * stride)):
+                    ("(P-1)*stride", (P - 1) * stride), ("(Q-1)*stride", (Q - 1) * stride),
+                    ("C*H*W", C * H * W), ("K*P*Q", K * P * Q), ("K*C*R*S", K * C * R * S)):
         c_int32(op, what, v)
     return P, Q
 
