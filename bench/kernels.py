@@ -596,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = cupy.cuda.Device().id
     lines, peak, clock_khz = device_lines(cupy, dev)
     print("\n".join(lines))
+    print(f"split-K: waves of {ops.device_wave()} blocks (SMs x {ops.CONV_BLOCKS_PER_SM}), see cupy_ops.gemm_split")
     torch, torch_note = (None, "not available (--no-torch)") if args.no_torch else load_torch(dev)
     print(f"cuDNN reference: {torch_note}")
     stream = cupy.cuda.Stream(non_blocking=True)  # one stream for cupy and torch: one queue, one kind of event

@@ -235,7 +235,8 @@ def test_gemm_split_covers_the_reduction(K, CRS, NPQ):
     cupy_ops.check_launch("conv2d_wgrad_partial", grid, (256, 1, 1))
 
 
-def test_gemm_split_fills_the_device_for_small_outputs():
+def test_gemm_split_fills_the_device_for_small_outputs(monkeypatch):
+    monkeypatch.setattr(cupy_ops, "device_wave", lambda: None)  # no GPU: aim at CONV_TARGET_BLOCKS
     splits, chunk = cupy_ops.gemm_split(32, 800, 128 * 15 * 15)  # cifar10 conv2 wgrad: 7 output tiles
     assert 7 * splits >= cupy_ops.CONV_TARGET_BLOCKS * 0.9 and chunk >= cupy_ops.CONV_MIN_CHUNK
 
@@ -247,8 +248,35 @@ def test_gemm_split_fills_the_device_for_small_outputs():
     (32, 128 * 7 * 7, 1600, 6),     # conv3 dgrad: 49 tiles -> 6 ranges of 272 (K*R*S = 1600)
     (128, 128 * 32 * 32, 576, 1),   # 64->128 3x3 on 32x32: 4096 tiles
 ])
-def test_gemm_split_of_fprop_and_dgrad(M, NG, KR, splits):
+def test_gemm_split_of_fprop_and_dgrad(M, NG, KR, splits, monkeypatch):
+    monkeypatch.setattr(cupy_ops, "device_wave", lambda: None)  # no GPU: aim at CONV_TARGET_BLOCKS
     assert cupy_ops.gemm_split(M, NG, KR)[0] == splits
+
+
+@pytest.mark.parametrize("M, NG, KR, splits, blocks", [
+    (64, 800, 128 * 7 * 7, 20, 260),        # conv3 wgrad: 13 tiles; 24 ranges would take 312 blocks = 2 waves
+    (32, 75, 128 * 32 * 32, 261, 261),      # conv1 wgrad: 1 tile -> one wave of ranges (not 512: two waves)
+    (32, 800, 128 * 15 * 15, 75, 525),      # conv2 wgrad: 7 tiles -> 2 full waves
+    (64, 128 * 7 * 7, 800, 2, 196),         # conv3 fprop: 98 tiles; 3 ranges (294 blocks) would spill a wave
+    (32, 128 * 7 * 7, 1600, 5, 245),        # conv3 dgrad: 49 tiles
+    (32, 128 * 15 * 15, 800, 1, 225),       # conv2 fprop: 225 tiles already take one wave: no split
+    (128, 128 * 32 * 32, 576, 1, 4096),     # two waves of tiles or more: never split
+])
+def test_gemm_split_fills_whole_waves(M, NG, KR, splits, blocks, monkeypatch):
+    """On a GPU of 132 SMs (H100/H200: waves of 264 blocks) split-K picks the ranges that take the
+    fewest waves per unit of work."""
+    monkeypatch.setattr(cupy_ops, "device_wave", lambda: 264)
+    s, chunk = cupy_ops.gemm_split(M, NG, KR)
+    tile = cupy_ops.conv_tile(M)
+    tiles = -(-NG // tile[1]) * -(-M // tile[0])
+    assert (s, tiles * s) == (splits, blocks)
+    assert s == 1 or chunk >= cupy_ops.CONV_MIN_CHUNK
+
+
+def test_device_wave_without_a_gpu():
+    if cuda_device_count() > 0:
+        pytest.skip("a CUDA device is visible")
+    assert cupy_ops.device_wave() is None
 
 
 def test_gemm_split_override(monkeypatch):

@@ -59,8 +59,9 @@ CONV_BM, CONV_BN, CONV_BK = 64, 64, 8  # kernels/conv2d.cu defaults (-DCONV_BM/-
 CONV_TILES = ((64, 64), (32, 128))
 conv_tile_override: tuple[int, int] | None = None  # (BM, BN) forced on every conv launch (bench, tests)
 conv_split_override: int | None = None  # split-K ranges forced on every conv GEMM (bench, tests)
-CONV_TARGET_BLOCKS = 512  # wgrad splits the batch until the grid has about this many blocks
-CONV_MIN_CHUNK = 256  # ... but each split reduces at least this many (n, p, q) terms
+CONV_TARGET_BLOCKS = 512  # split-K aims at about this many blocks when the device's wave is unknown
+CONV_MIN_CHUNK = 256  # ... and each range of the reduction keeps at least this many terms
+CONV_BLOCKS_PER_SM = 2  # conv GEMM blocks resident per SM: __launch_bounds__(CONV_THREADS, 2) in conv2d.cu
 REDUCE_THREADS = 256  # bias_grad, softmax_xent: power of two <= 256 (BIAS/SOFTMAX_THREADS_MAX)
 ELEMENTWISE_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 65535  # grid-stride loops cover the rest
@@ -227,22 +228,55 @@ def conv_launch(M: int, NG: int, splits: int = 1,
     return grid, block
 
 
+@functools.cache
+def _sm_count(device: int) -> int:
+    return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+
+
+def device_wave() -> int | None:
+    """Conv GEMM blocks the current GPU runs at once: its SMs x CONV_BLOCKS_PER_SM (264 on an H200).
+    None when the backend runs on no GPU (no cupy, no device, or the CPU harness's numpy arrays)."""
+    if cupy is None or xp is not cupy:
+        return None
+    try:
+        return _sm_count(cupy.cuda.runtime.getDevice()) * CONV_BLOCKS_PER_SM
+    except Exception:  # no driver or no device: the backend cannot launch anyway, and says so there
+        return None
+
+
+@functools.cache
+def _fewest_waves(tiles: int, most: int, wave: int) -> int:
+    """The s in 1..most minimising ceil(tiles * s / wave) / s, the smallest among equals. Past
+    s = 2 * wave the ratio only approaches tiles / wave (reached at s = wave / tiles), so the search
+    stops there."""
+    return min(range(1, min(most, 2 * wave) + 1), key=lambda s: (_cdiv(tiles * s, wave) / s, s))
+
+
 def gemm_split(M: int, NG: int, KR: int, tile: tuple[int, int] | None = None) -> tuple[int, int]:
     """(splits, chunk) of a conv GEMM's reduction: KR cut into `splits` ranges of `chunk` terms (split-K).
 
-    chunk is a multiple of the K-slab CONV_BK; splits = ceil(KR / chunk), so no range is empty.
-    The output (M, NG) in `tile`s (default `conv_tile(M)`) often gives too few blocks to fill the
-    GPU: wgrad's (K, C*R*S) is a few dozen tiles, fprop and dgrad of small late layers fewer than
-    one per SM. The reduction is then split until the grid has about CONV_TARGET_BLOCKS blocks,
-    each range keeping >= CONV_MIN_CHUNK terms; at most 65,535 splits. `conv_split_override`
-    forces a number of splits (benchmarks, tests), still at least one K-slab each.
+    chunk is a multiple of the K-slab CONV_BK; splits = ceil(KR / chunk), so no range is empty, and
+    every range keeps >= CONV_MIN_CHUNK terms; at most 65,535 ranges. The output (M, NG) in `tile`s
+    (default `conv_tile(M)`) often gives too few blocks to fill the GPU: wgrad's (K, C*R*S) is a few
+    dozen tiles, fprop and dgrad of small late layers fewer than one per SM. With s ranges the GEMM
+    takes about ceil(tiles * s / wave) waves of blocks each 1/s as long, so s minimises
+    ceil(tiles * s / wave) / s (the fewest ranges among equals: each costs workspace traffic), wave =
+    `device_wave()`; an output of two waves or more is not split. Without a known wave the grid
+    aims at about CONV_TARGET_BLOCKS blocks. `conv_split_override` forces a number of ranges
+    (benchmarks, tests), still at least one K-slab each.
     """
     bm, bn = tile or conv_tile(M)
     tiles = _cdiv(NG, bn) * _cdiv(M, bm)
+    most = max(1, min(KR // CONV_MIN_CHUNK, MAX_GRID_YZ))
+    wave = device_wave()
     if conv_split_override is not None:
         want = conv_split_override
+    elif wave is None:
+        want = min(_cdiv(CONV_TARGET_BLOCKS, tiles), most)
+    elif tiles >= 2 * wave:
+        want = 1
     else:
-        want = min(_cdiv(CONV_TARGET_BLOCKS, tiles), KR // CONV_MIN_CHUNK)
+        want = _fewest_waves(tiles, most, wave)
     want = max(1, min(want, _cdiv(KR, CONV_BK), MAX_GRID_YZ))
     chunk = _cdiv(_cdiv(KR, want), CONV_BK) * CONV_BK
     return _cdiv(KR, chunk), chunk
