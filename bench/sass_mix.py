@@ -90,16 +90,36 @@ def hottest_loop(lines: list[str]) -> tuple[int, int, dict[str, int]]:
     return best
 
 
+class ToolError(RuntimeError):
+    """A tool (nvcc, nvdisasm, git) failed; the message holds its command and output."""
+
+
+def _run(cmd: list[str]) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        out = (proc.stderr or proc.stdout).strip()
+        raise ToolError(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode}):\n{out}")
+    return proc.stdout
+
+
+def tiles_of(source: str) -> list[tuple[int, int]]:
+    """The tile variants a conv2d.cu text can be compiled for: every one of CONV_TILES when its tile
+    macros take -D overrides, else only its built-in tile (an older revision), which is shown as
+    64x64 (the default of both)."""
+    if "#ifndef CONV_BM" in source:
+        return list(cupy_ops.CONV_TILES)
+    return [(cupy_ops.CONV_BM, cupy_ops.CONV_BN)]
+
+
 def mix(source: str, nvcc: str, nvdisasm: str, tile: tuple[int, int], arch: str) -> dict[str, tuple[int, int]]:
     """{kernel: (loop instructions, loop FFMA)} of conv2d.cu text `source` for one tile and arch."""
     with tempfile.TemporaryDirectory() as d:
         cu, cubin = Path(d) / "conv2d.cu", Path(d) / "conv2d.cubin"
         cu.write_text(source)
-        subprocess.run([nvcc, "-cubin", f"-arch={arch}", *cupy_ops.tile_defines(tile), "-o", str(cubin), str(cu)],
-                       check=True, capture_output=True, text=True)
-        sass = subprocess.run([nvdisasm, "-c", str(cubin)], check=True, capture_output=True, text=True).stdout
+        _run([nvcc, "-cubin", f"-arch={arch}", *cupy_ops.tile_defines(tile), "-o", str(cubin), str(cu)])
+        sass = _run([nvdisasm, "-c", str(cubin)])
     bodies = function_bodies(sass)
-    return {k: hottest_loop(bodies[k])[:2] for k in KERNELS}
+    return {k: hottest_loop(bodies[k])[:2] for k in KERNELS if k in bodies}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,22 +132,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench/sass_mix.py: needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm); "
               f"nvcc {nvcc or 'missing'}, nvdisasm {nvdisasm or 'missing'}", file=sys.stderr)
         return 2
+    archs = [a.strip() for a in args.archs.split(",")]
+    bad = [a for a in archs if not re.fullmatch(r"sm_\d+", a)]
+    if bad:
+        print(f"bench/sass_mix.py: --archs: expected sm_XX names (e.g. sm_80,sm_90), got {bad}", file=sys.stderr)
+        return 2
     versions = {"this checkout": (ROOT / "kernels" / "conv2d.cu").read_text()}
-    if args.against:
-        versions[args.against] = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.against}:kernels/conv2d.cu"],
-                                                check=True, capture_output=True, text=True).stdout
+    try:
+        if args.against:
+            versions[args.against] = _run(["git", "-C", str(ROOT), "show", f"{args.against}:kernels/conv2d.cu"])
+        return _table(versions, archs, nvcc, nvdisasm)
+    except ToolError as e:
+        print(f"bench/sass_mix.py: {e}", file=sys.stderr)
+        return 1
+
+
+def _table(versions: dict[str, str], archs: list[str], nvcc: str, nvdisasm: str) -> int:
     print(f"{'kernel':<22} {'tile':>7} {'arch':>6} " + " ".join(f"{v[:22]:>24}" for v in versions)
           + ("   FFMA share ratio" if len(versions) > 1 else ""))
-    for arch in args.archs.split(","):
+    for arch in archs:
         for tile in cupy_ops.CONV_TILES:
-            results = [mix(src, nvcc, nvdisasm, tile, arch) for src in versions.values()]
+            results = [mix(src, nvcc, nvdisasm, tile, arch) if tile in tiles_of(src) else None
+                       for src in versions.values()]
             for k in KERNELS:
                 cells, shares = [], []
                 for r in results:
+                    if r is None or k not in r:  # a revision without this tile variant or kernel
+                        cells.append("n/a")
+                        shares.append(None)
+                        continue
                     n, ffma = r[k]
                     shares.append(ffma / n if n else 0.0)
                     cells.append(f"{n:4d} insns, {shares[-1]:5.1%} FFMA")
-                ratio = f"   {shares[0] / shares[1]:.2f}" if len(shares) > 1 and shares[1] else ""
+                ratio = f"   {shares[0] / shares[1]:.2f}" if len(shares) > 1 and shares[0] and shares[1] else ""
                 print(f"{k:<22} {f'{tile[0]}x{tile[1]}':>7} {arch:>6} " + " ".join(f"{c:>24}" for c in cells) + ratio)
     return 0
 

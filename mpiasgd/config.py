@@ -166,6 +166,8 @@ class Config:
                      f"updates; '{key}' applies to the async and ssp modes)")
         need(self.backend in BACKENDS, "backend", f"one of {BACKENDS}")
         need(self.cuda_aware in CUDA_AWARE, "cuda_aware", f"one of {CUDA_AWARE}")
+        need(not (self.backend == "numpy" and self.cuda_aware == "on"), "cuda_aware",
+             "'auto' or 'off' with --backend numpy (device buffers need GPU workers: --backend cupy or auto)")
         need(self.batch_size >= 1, "batch_size", "an integer >= 1")
         need(self.threads >= 0, "threads", "an integer >= 0")
         need(self.comm_timeout > 0, "comm_timeout", "seconds > 0")

@@ -46,7 +46,7 @@ from mpiasgd.device import (
     use_device,
     visible_hint,
 )
-from mpiasgd.ops import BackendUnavailable, cuda_device_count, get_backend
+from mpiasgd.ops import BackendUnavailable, cuda_probe, get_backend
 from mpiasgd.protocol import Message, ProtocolError, Tag
 from mpiasgd.runlog import WriterLock
 
@@ -122,15 +122,23 @@ def worker_backend(cfg: Config, me: Rank, local_rank: int) -> tuple[str, object]
     Returns (backend, DeviceInfo or None). Raises BackendUnavailable (cupy requested, but cupy or a
     device is missing) or DeviceError.
     """
-    count = 0 if cfg.backend == "numpy" else cuda_device_count()  # numpy: cupy is never imported
+    count, why = (0, "") if cfg.backend == "numpy" else cuda_probe()  # numpy: cupy is never imported
     backend = resolve_backend(cfg.backend, count)
     if backend != "cupy":
+        if cfg.backend == "auto" and why.startswith("CUDA failed"):  # a GPU node that cannot run cupy
+            print(f"mpiasgd: warning (rank {me.rank} on {me.host}): --backend auto runs on the CPU (numpy): "
+                  f"{why}{visible_hint()}", file=sys.stderr, flush=True)
         return backend, None
     try:
-        get_backend("cupy")
+        ops = get_backend("cupy")
     except BackendUnavailable as e:
         raise BackendUnavailable(f"--backend cupy: {e}{visible_hint()}") from None
-    return backend, use_device(assign_device(local_rank, count), me.rank, me.host)
+    device = use_device(assign_device(local_rank, count), me.rank, me.host)
+    try:
+        ops.compile_kernels()  # on the selected device: a kernel that does not compile stops start-up
+    except RuntimeError as e:
+        raise BackendUnavailable(f"--backend cupy: {e}") from None
+    return backend, device
 
 
 def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:

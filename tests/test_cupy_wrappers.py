@@ -7,13 +7,14 @@ allocate reach the grid checks). The kernels themselves run on the CPU in test_k
 
 from __future__ import annotations
 
+import sys
 import types
 
 import numpy as np
 import pytest
 from cuda_cpu import harness
 
-from mpiasgd.ops import BACKENDS, BackendUnavailable, cuda_device_count, cupy_ops, get_backend
+from mpiasgd.ops import BACKENDS, BackendUnavailable, cuda_device_count, cuda_probe, cupy_ops, get_backend
 
 
 class FakeArray:
@@ -31,7 +32,8 @@ class FakeArray:
 def fake_gpu(monkeypatch):
     """cupy_ops on FakeArray with a kernel lookup that records launches instead of running them."""
     launches = []
-    fake_xp = types.SimpleNamespace(ndarray=FakeArray, empty=lambda shape, dtype=np.float32: FakeArray(shape, dtype))
+    fake_xp = types.SimpleNamespace(ndarray=FakeArray, empty=lambda shape, dtype=np.float32: FakeArray(shape, dtype),
+                                    may_share_memory=lambda a, b: a is b)
     monkeypatch.setattr(cupy_ops, "xp", fake_xp)
     monkeypatch.setattr(cupy_ops, "get_kernel", lambda name, tile=None: lambda grid, block, args, shared_mem=0:
                         launches.append((name, grid, block, args, shared_mem, tile)))
@@ -300,7 +302,60 @@ def test_registry_lists_cupy_and_reports_a_missing_device():
         get_backend("tpu")
     if cuda_device_count() > 0:
         pytest.skip("a CUDA device is visible")
-    with pytest.raises(BackendUnavailable, match=r"(no CUDA device was found|needs cupy)"):
+    with pytest.raises(BackendUnavailable, match=r"(no usable CUDA device \(|needs cupy)"):
+        get_backend("cupy")
+
+
+def fake_cuda(monkeypatch, count=1, error: str | None = None, nvrtc_error: str | None = None):
+    """cupy and cupy_backends' NVRTC replaced by stand-ins: `count` devices, or getDeviceCount raising
+    `error`; NVRTC's getVersion raising `nvrtc_error`."""
+    def device_count():
+        if error:
+            raise RuntimeError(error)
+        return count
+
+    def nvrtc_version():
+        if nvrtc_error:
+            raise OSError(nvrtc_error)
+        return (12, 9)
+
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=device_count)))
+    libs = types.ModuleType("cupy_backends.cuda.libs")
+    libs.nvrtc = types.SimpleNamespace(getVersion=nvrtc_version)
+    for name, module in (("cupy", cupy), ("cupy_backends", types.ModuleType("cupy_backends")),
+                         ("cupy_backends.cuda", types.ModuleType("cupy_backends.cuda")),
+                         ("cupy_backends.cuda.libs", libs)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_probe_names_the_cuda_error(monkeypatch):
+    """A GPU node whose driver is too old for this cupy says so, rather than "no device"."""
+    fake_cuda(monkeypatch, error="cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA "
+                                 "runtime version")
+    assert cuda_probe() == (0, "CUDA failed: cudaErrorInsufficientDriver: CUDA driver version is insufficient "
+                               "for CUDA runtime version")
+    with pytest.raises(BackendUnavailable, match=r"no usable CUDA device \(CUDA failed: cudaErrorInsufficientDriver"):
+        get_backend("cupy")
+    fake_cuda(monkeypatch, error="cudaErrorNoDevice: no CUDA-capable device is detected")
+    assert cuda_probe() == (0, "the driver reports no CUDA device")
+
+
+def test_missing_nvrtc_is_named_at_backend_load(monkeypatch):
+    fake_cuda(monkeypatch, count=1, nvrtc_error='Failure finding "libnvrtc.so.13 or libnvrtc.so.12"')
+    with pytest.raises(BackendUnavailable, match=r"NVRTC, the CUDA runtime compiler that builds kernels/\*.cu, "
+                                                  r"cannot be loaded \(OSError: Failure finding .*cupy-cuda12x\[ctk\]"):
+        get_backend("cupy")
+
+
+def test_kernel_folder_from_the_environment_must_hold_every_source(monkeypatch, tmp_path):
+    fake_cuda(monkeypatch, count=1)
+    monkeypatch.setenv("MPIASGD_KERNELS", str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=r"\$MPIASGD_KERNELS = '.*nowhere' holds no conv2d.cu"):
+        cupy_ops.kernel_dir()
+    (tmp_path / "conv2d.cu").write_text(harness.kernel_sources()["conv2d.cu"])
+    monkeypatch.setenv("MPIASGD_KERNELS", str(tmp_path))
+    with pytest.raises(BackendUnavailable, match=r"kernel folder '.*' lacks bias.cu, pool.cu, relu.cu, sgd.cu, "
+                                                  r"softmax_xent.cu"):
         get_backend("cupy")
 
 
@@ -355,3 +410,43 @@ def test_image_beyond_int32_refused(fake_gpu):
     with pytest.raises(ValueError, match=r"C\*H\*W = 2147483648 does not fit a 32-bit int"):
         cupy_ops.conv2d_fprop(x, w, None, 1, 0)
     assert fake_gpu == []
+
+
+def test_pool_plane_beyond_int32_refused(fake_gpu):
+    """pool.cu indexes within one (n, c) plane with an int: a 50,000 x 50,000 plane is refused, not launched."""
+    with pytest.raises(ValueError, match=r"maxpool_fprop: H\*W = 2500000000 does not fit a 32-bit int"):
+        cupy_ops.maxpool_fprop(FakeArray((1, 1, 50000, 50000)), 2, 2)
+    assert fake_gpu == []
+
+
+@pytest.mark.parametrize("bad", [None, (2, 3, 8), (2, 3, 8.5, 8), (2, 3, True, 8), (2, -3, 8, 8), "2388"])
+def test_shape_arguments_must_be_four_integers(numpy_xp, bad):
+    dy, w = np.zeros((2, 4, 8, 8), np.float32), np.zeros((4, 3, 3, 3), np.float32)
+    with pytest.raises(ValueError, match=r"conv2d_dgrad: x_shape must be 4 integers >= 0 \(N, C, H, W\), got "):
+        cupy_ops.conv2d_dgrad(dy, w, bad, 1, 1)
+    with pytest.raises(ValueError, match=r"conv2d_wgrad: w_shape must be 4 integers >= 0 \(K, C, R, S\)"):
+        cupy_ops.conv2d_wgrad(dy, np.zeros((2, 3, 8, 8), np.float32), bad, 1, 1)
+    with pytest.raises(ValueError, match=r"maxpool_bprop: x_shape must be 4 integers"):
+        cupy_ops.maxpool_bprop(np.zeros((2, 3, 4, 4), np.float32), np.zeros((2, 3, 4, 4), np.uint8), bad, 2, 2)
+
+
+def test_empty_filter_gives_the_bias_or_zeros(numpy_xp, monkeypatch):
+    """A 0x0 or 0xS filter (as numpy_ops): y is the bias, dx is zero, nothing is launched."""
+    monkeypatch.setattr(cupy_ops, "get_kernel", lambda name, tile=None: pytest.fail(f"{name} launched"))
+    x, b = np.ones((2, 3, 5, 5), np.float32), np.arange(4, dtype=np.float32)
+    for w_shape in ((4, 3, 0, 0), (4, 3, 0, 3)):
+        w = np.zeros(w_shape, np.float32)
+        y = cupy_ops.conv2d_fprop(x, w, b, 1, 1)
+        np.testing.assert_array_equal(y, np.broadcast_to(b.reshape(1, 4, 1, 1), y.shape))
+        P, Q = y.shape[2:]
+        dx = cupy_ops.conv2d_dgrad(np.ones((2, 4, P, Q), np.float32), w, x.shape, 1, 1)
+        np.testing.assert_array_equal(dx, 0)
+
+
+def test_sgd_refuses_aliased_buffers(numpy_xp):
+    p, g, d = (np.zeros(8, np.float32) for _ in range(3))
+    with pytest.raises(ValueError, match="sgd_momentum: velocity overlaps params in memory"):
+        cupy_ops.sgd_momentum(p, p, g, d, momentum=0.9, lr=0.1)
+    v = np.zeros(8, np.float32)
+    with pytest.raises(ValueError, match="sgd_momentum: grad overlaps velocity in memory"):
+        cupy_ops.sgd_momentum(p, v, v, d, momentum=0.9, lr=0.1)

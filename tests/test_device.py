@@ -159,14 +159,25 @@ def test_sharing_without_uuid_uses_host_and_cuda_visible_devices():
 # worker backend resolution in train.setup (no GPU needed: cupy's absence is faked)
 
 
-def test_auto_without_device_is_numpy(monkeypatch):
-    monkeypatch.setattr(train, "cuda_device_count", lambda: 0)
+def test_auto_without_device_is_numpy(monkeypatch, capsys):
+    monkeypatch.setattr(train, "cuda_probe", lambda: (0, "the driver reports no CUDA device"))
     me = train.Rank(None, 1, 3, "h")
     assert train.worker_backend(Config(), me, 0) == ("numpy", None)
+    assert capsys.readouterr().err == ""  # a CPU node: nothing to warn about
+
+
+def test_auto_on_a_gpu_node_that_cannot_run_cupy_warns(monkeypatch, capsys):
+    """A driver too old for this cupy (or none): auto still runs, on the CPU, and says why on stderr."""
+    monkeypatch.setattr(train, "cuda_probe", lambda: (0, "CUDA failed: cudaErrorInsufficientDriver: CUDA driver "
+                                                         "version is insufficient for CUDA runtime version"))
+    assert train.worker_backend(Config(), train.Rank(None, 2, 3, "node7"), 1) == ("numpy", None)
+    err = capsys.readouterr().err
+    assert "warning (rank 2 on node7): --backend auto runs on the CPU (numpy): CUDA failed: " \
+           "cudaErrorInsufficientDriver" in err
 
 
 def test_numpy_backend_never_asks_for_devices(monkeypatch):
-    monkeypatch.setattr(train, "cuda_device_count", lambda: pytest.fail("counted devices"))
+    monkeypatch.setattr(train, "cuda_probe", lambda: pytest.fail("counted devices"))
     assert train.worker_backend(Config(backend="numpy"), train.Rank(None, 1, 3, "h"), 0) == ("numpy", None)
 
 
@@ -174,7 +185,7 @@ def test_cupy_without_device_is_a_startup_error(monkeypatch):
     def unavailable(name):
         raise BackendUnavailable("ops backend 'cupy': no CUDA device was found")
 
-    monkeypatch.setattr(train, "cuda_device_count", lambda: 0)
+    monkeypatch.setattr(train, "cuda_probe", lambda: (0, "the driver reports no CUDA device"))
     monkeypatch.setattr(train, "get_backend", unavailable)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(BackendUnavailable, match=r"--backend cupy: .*no CUDA device was found "
@@ -183,15 +194,39 @@ def test_cupy_without_device_is_a_startup_error(monkeypatch):
     assert isinstance(err.value, train.STARTUP_ERRORS)
 
 
+class CompiledOps:
+    """Stands in for cupy_ops after get_backend: records compile_kernels, or fails it like NVRTC would."""
+
+    def __init__(self, log: str | None = None):
+        self.log, self.compiled = log, 0
+
+    def compile_kernels(self):
+        self.compiled += 1
+        if self.log:
+            raise RuntimeError(f"kernel conv2d.cu -DCONV_BM=32 -DCONV_BN=128 does not compile: {self.log}")
+        return ["conv2d.cu"]
+
+
 def test_cupy_worker_selects_local_rank_modulo_devices(monkeypatch):
     chosen = []
-    monkeypatch.setattr(train, "cuda_device_count", lambda: 2)
-    monkeypatch.setattr(train, "get_backend", lambda name: None)
+    ops = CompiledOps()
+    monkeypatch.setattr(train, "cuda_probe", lambda: (2, ""))
+    monkeypatch.setattr(train, "get_backend", lambda name: ops)
     monkeypatch.setattr(train, "use_device", lambda index, rank, host: chosen.append(index) or info(rank, index))
     for local in range(3):
         backend, dev = train.worker_backend(Config(), train.Rank(None, local + 1, 4, "h"), local)
         assert backend == "cupy" and dev.index == local % 2
-    assert chosen == [0, 1, 0]
+    assert chosen == [0, 1, 0] and ops.compiled == 3  # each worker compiles its kernels at start-up
+
+
+def test_a_kernel_that_does_not_compile_is_a_startup_error(monkeypatch):
+    monkeypatch.setattr(train, "cuda_probe", lambda: (1, ""))
+    monkeypatch.setattr(train, "get_backend", lambda name: CompiledOps("conv2d.cu(80): error: identifier undefined"))
+    monkeypatch.setattr(train, "use_device", lambda index, rank, host: info(rank, index))
+    with pytest.raises(BackendUnavailable, match=r"--backend cupy: kernel conv2d.cu .* does not compile: "
+                                                  r"conv2d.cu\(80\): error") as err:
+        train.worker_backend(Config(backend="cupy"), train.Rank(None, 1, 2, "h"), 0)
+    assert isinstance(err.value, train.STARTUP_ERRORS)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@
   nonzero value fails (a spill turns register blocking into local-memory traffic). nvcc 13 has no
   sm_70. Skipped when nvcc is absent (looked up on PATH, then $CUDA_HOME/bin, /usr/local/cuda/bin).
 * NVRTC, the runtime compiler that `cupy.RawModule` uses on the GPU (a different front end from
-  nvcc's: no host headers, its own defaults). The library comes from the `nvidia-cuda-nvrtc` wheel of
-  the test extra and is found by `cuda.pathfinder`; no GPU or driver is needed to compile. Each file
+  nvcc's: no host headers, its own defaults). The library comes from the `nvidia-cuda-nvrtc-cu12`
+  wheel of the test extra and is found by `cuda.pathfinder`; no GPU or driver is needed. Each file
   is compiled with the options CuPy passes (`cupy_ops.NVRTC_OPTIONS` plus CuPy's own), must log no
   warning, spill nothing, and its cubin must define every kernel that `cupy_ops` launches from it.
 """
@@ -139,13 +139,13 @@ def nvrtc_compile(source: str, name: str, options: list[str]) -> tuple[int, str,
 def test_nvrtc_reports_a_compile_error():
     """The harness can fail: a kernel with an undeclared name is refused, and the log says where."""
     if NVRTC is None:
-        pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc, the test extra)")
+        pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12, the test extra)")
     rc, log, cubin = nvrtc_compile('extern "C" __global__ void k(float* y) { y[0] = undeclared; }',
                                    "bad.cu", ["-arch=sm_80"])
     assert rc != 0 and "undeclared" in log and cubin == b""
 
 
-@pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc, the test extra)")
+@pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12, the test extra)")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("source, defines", BUILDS, ids=BUILD_IDS)
 def test_nvrtc_compiles_what_cupy_loads(source, defines, arch):

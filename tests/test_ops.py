@@ -306,3 +306,11 @@ def test_get_backend():
     assert get_backend("numpy") is ops
     with pytest.raises(ValueError, match="unknown ops backend 'cuda'; valid backends: numpy"):
         get_backend("cuda")
+
+
+def test_bias_grad_of_an_empty_batch_is_zero():
+    """N = 0: every backend returns zeros (numpy_ops used to fail to reshape an empty array)."""
+    from mpiasgd.ops import numpy_ops
+
+    np.testing.assert_array_equal(numpy_ops.bias_grad(np.zeros((0, 4, 3, 3), np.float32)), np.zeros(4))
+    np.testing.assert_array_equal(numpy_ops.bias_grad(np.zeros((0, 4), np.float32)), np.zeros(4))

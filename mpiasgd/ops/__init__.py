@@ -25,23 +25,38 @@ class BackendUnavailable(RuntimeError):
     """A known backend that cannot run here (the cupy backend without cupy or without a CUDA device)."""
 
 
-def cuda_device_count() -> int:
-    """Number of visible CUDA devices; 0 when cupy, the driver or a device is missing."""
+def cuda_probe() -> tuple[int, str]:
+    """(visible CUDA devices, why there are none: "" when there are some).
+
+    The reason names what failed: cupy not installed, the driver reporting no device, or the CUDA
+    error cupy raised (an old driver for this cupy, no driver at all, ...), so that a GPU node that
+    cannot run the cupy backend says why instead of looking like a CPU node.
+    """
     try:
         import cupy
-    except ImportError:
-        return 0
+    except ImportError as e:
+        return 0, f"cupy is not installed ({e})"
     try:
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:  # cupy's CUDARuntimeError (no driver / no device) and driver load errors
-        return 0
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as e:  # cupy's CUDARuntimeError (no driver, a driver too old) and driver load errors
+        text = str(e)
+        if "NoDevice" in text or "no CUDA-capable device" in text:
+            return 0, "the driver reports no CUDA device"
+        return 0, f"CUDA failed: {text}"
+    return count, "" if count else "the driver reports no CUDA device"
+
+
+def cuda_device_count() -> int:
+    """Number of visible CUDA devices; 0 when cupy, the driver or a device is missing (`cuda_probe` says which)."""
+    return cuda_probe()[0]
 
 
 def get_backend(name: str) -> ModuleType:
     """The ops module for backend `name` (imported on first use; cupy is imported only for "cupy").
 
     Raises ValueError naming the unknown backend and the valid ones; BackendUnavailable for "cupy"
-    when cupy is not installed or no CUDA device is found.
+    when cupy is not installed, no CUDA device is usable (the CUDA error is named), NVRTC (the
+    runtime compiler that builds kernels/*.cu) cannot be loaded, or a kernel source is missing.
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown ops backend {name!r}; valid backends: {', '.join(BACKENDS)}")
@@ -49,9 +64,24 @@ def get_backend(name: str) -> ModuleType:
         try:
             import cupy  # noqa: F401
         except ImportError as e:
-            raise BackendUnavailable("ops backend 'cupy' needs cupy: pip install cupy-cuda12x (or cupy-cuda13x), "
-                                     f"or use --backend numpy ({e})") from e
-        if cuda_device_count() == 0:
-            raise BackendUnavailable("ops backend 'cupy': no CUDA device was found (cupy is installed, but the "
-                                     "driver reports no device); use --backend numpy")
-    return importlib.import_module(BACKENDS[name])
+            raise BackendUnavailable("ops backend 'cupy' needs cupy: pip install 'cupy-cuda12x[ctk]' (or "
+                                     f"cupy-cuda13x[ctk]), or use --backend numpy ({e})") from e
+        count, why = cuda_probe()
+        if count == 0:
+            raise BackendUnavailable(f"ops backend 'cupy': no usable CUDA device ({why}); use --backend numpy")
+        try:
+            from cupy_backends.cuda.libs import nvrtc
+
+            nvrtc.getVersion()
+        except Exception as e:  # the library is loaded on first use: a missing toolkit shows here
+            raise BackendUnavailable(
+                "ops backend 'cupy': NVRTC, the CUDA runtime compiler that builds kernels/*.cu, cannot be "
+                f"loaded ({type(e).__name__}: {e}); install a CUDA toolkit or pip install 'cupy-cuda12x[ctk]' "
+                "(the [gpu] extra of mpiasgd does)") from e
+    module = importlib.import_module(BACKENDS[name])
+    if name == "cupy":
+        try:
+            module.check_kernel_sources()
+        except FileNotFoundError as e:
+            raise BackendUnavailable(f"ops backend 'cupy': {e}") from e
+    return module

@@ -81,15 +81,48 @@ _KERNEL_FILES = {  # kernel -> file under kernels/
 
 
 def kernel_dir() -> Path:
-    """Folder holding the .cu files: $MPIASGD_KERNELS, else `mpiasgd/kernels` (installed package),
-    else `kernels/` of the source checkout. Raises FileNotFoundError naming the places tried."""
+    """Folder holding the .cu files: $MPIASGD_KERNELS when set (it must exist and hold conv2d.cu), else
+    `mpiasgd/kernels` (installed package), else `kernels/` of the source checkout. Raises
+    FileNotFoundError naming the folder(s) tried."""
     here = Path(__file__).resolve()
-    candidates = [Path(os.environ["MPIASGD_KERNELS"])] if os.environ.get("MPIASGD_KERNELS") else []
-    candidates += [here.parents[1] / "kernels", here.parents[2] / "kernels"]
+    if os.environ.get("MPIASGD_KERNELS"):
+        d = Path(os.environ["MPIASGD_KERNELS"])
+        if not (d / "conv2d.cu").is_file():
+            raise FileNotFoundError(f"$MPIASGD_KERNELS = {str(d)!r} holds no conv2d.cu (it must be a folder with "
+                                    f"every kernel source: {', '.join(sorted(set(_KERNEL_FILES.values())))})")
+        return d
+    candidates = [here.parents[1] / "kernels", here.parents[2] / "kernels"]
     for d in candidates:
         if (d / "conv2d.cu").is_file():
             return d
     raise FileNotFoundError(f"CUDA kernel sources not found in any of {[str(d) for d in candidates]}")
+
+
+def check_kernel_sources() -> Path:
+    """The kernel folder, after checking it holds every .cu file the backend launches from.
+    Raises FileNotFoundError naming the folder and the missing files (at start-up, not mid-run)."""
+    d = kernel_dir()
+    missing = sorted(f for f in set(_KERNEL_FILES.values()) if not (d / f).is_file())
+    if missing:
+        raise FileNotFoundError(f"kernel folder {str(d)!r} lacks {', '.join(missing)}")
+    return d
+
+
+def compile_kernels() -> list[str]:
+    """Compile every kernel module this backend launches (each .cu; conv2d.cu once per tile), on the
+    current device, so that a source that does not compile stops start-up with NVRTC's log instead of
+    a worker mid-run; later launches reuse the modules (and CuPy's on-disk cache). Returns the
+    modules compiled, as "file [defines]". Raises RuntimeError naming the file and carrying the log."""
+    done = []
+    for filename in sorted(set(_KERNEL_FILES.values())):
+        for tile in (CONV_TILES if filename == "conv2d.cu" else [None]):
+            defines = tile_defines(tile)
+            try:
+                _module(filename, defines).compile()
+            except Exception as e:  # cupy's CompileException carries NVRTC's log
+                raise RuntimeError(f"kernel {filename} {' '.join(defines)} does not compile: {e}") from e
+            done.append(f"{filename} {' '.join(defines)}".strip())
+    return done
 
 
 NVRTC_OPTIONS = ("--std=c++14",)  # CuPy adds -ftz=true, -arch=sm_XX of the device, --device-as-default-execution-space
@@ -288,6 +321,19 @@ def elementwise_launch(n: int) -> tuple[tuple[int, int, int], tuple[int, int, in
     return (blocks, 1, 1), (ELEMENTWISE_THREADS, 1, 1)
 
 
+def shape4(op: str, arg: str, shape, names: str) -> tuple[int, int, int, int]:
+    """`shape` as four ints >= 0; ValueError naming op and argument for anything else (None, 3 values,
+    8.5, True, -1), which would otherwise be misread or truncated."""
+    try:
+        values = tuple(shape)
+    except TypeError:
+        values = None
+    if (values is None or len(values) != 4 or
+            any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0 for v in values)):
+        raise ValueError(f"{op}: {arg} must be 4 integers >= 0 {names}, got {shape!r}")
+    return tuple(int(v) for v in values)
+
+
 def conv_geometry(op: str, x_shape, w_shape, stride: int, pad: int) -> tuple[int, int]:
     """Output size (P, Q); ValueError on a channel mismatch, stride < 1, pad < 0, a filter larger than the
     padded input, or an extent the kernels' 32-bit indices within one image or filter cannot hold
@@ -390,7 +436,7 @@ def conv2d_fprop(x, w, b, stride: int, pad: int, ws: Workspace | None = None):
         check_array(op, "b", b, shape=(K,))
     P, Q = conv_geometry(op, x.shape, w.shape, stride, pad)
     y = xp.empty((N, K, P, Q), dtype=np.float32)
-    if y.size == 0 or C == 0:  # an empty batch (as numpy_ops): nothing to launch; no input channels: y = b
+    if y.size == 0 or C * R * S == 0:  # an empty batch: nothing to launch; an empty filter: y = b
         y[...] = 0 if b is None else b.reshape(1, K, 1, 1)
         return y
     tile = conv_tile(K)
@@ -436,14 +482,12 @@ def conv2d_dgrad(dy, w, x_shape: tuple[int, int, int, int], stride: int, pad: in
     op = "conv2d_dgrad"
     check_array(op, "dy", dy, ndim=4)
     check_array(op, "w", w, ndim=4)
-    if len(x_shape) != 4:
-        raise ValueError(f"{op}: x_shape must be (N, C, H, W), got {x_shape}")
-    N, C, H, W = (int(v) for v in x_shape)
+    N, C, H, W = shape4(op, "x_shape", x_shape, "(N, C, H, W)")
     K, _, R, S = w.shape
     P, Q = conv_geometry(op, (N, C, H, W), w.shape, stride, pad)
     check_array(op, "dy", dy, shape=(N, K, P, Q))
     dx = xp.empty((N, C, H, W), dtype=np.float32)
-    if dx.size == 0 or K == 0:  # an empty batch: nothing to launch; no output channels: no gradient
+    if dx.size == 0 or K * R * S == 0:  # an empty batch: nothing to launch; an empty filter: no gradient
         dx[...] = 0
         return dx
     tile = conv_tile(C)
@@ -470,9 +514,7 @@ def conv2d_wgrad(dy, x, w_shape: tuple[int, int, int, int], stride: int, pad: in
     op = "conv2d_wgrad"
     check_array(op, "x", x, ndim=4)
     check_array(op, "dy", dy, ndim=4)
-    if len(w_shape) != 4:
-        raise ValueError(f"{op}: w_shape must be (K, C, R, S), got {w_shape}")
-    K, C, R, S = (int(v) for v in w_shape)
+    K, C, R, S = shape4(op, "w_shape", w_shape, "(K, C, R, S)")
     N, _, H, W = x.shape
     P, Q = conv_geometry(op, x.shape, (K, C, R, S), stride, pad)
     check_array(op, "dy", dy, shape=(N, K, P, Q))
@@ -538,7 +580,10 @@ def _pool_geometry(op: str, x_shape, kernel: int, stride: int) -> tuple[int, int
     H, W = x_shape[2:]
     if H < kernel or W < kernel:
         raise ValueError(f"{op}: kernel {kernel} larger than input {H}x{W}")
-    return (H - kernel) // stride + 1, (W - kernel) // stride + 1
+    P, Q = (H - kernel) // stride + 1, (W - kernel) // stride + 1
+    c_int32(op, "H*W", H * W)  # the kernels index within one (n, c) plane with an int
+    c_int32(op, "kernel*kernel", kernel * kernel)
+    return P, Q
 
 
 def _argmax_dtype(kernel: int):
@@ -565,9 +610,7 @@ def maxpool_fprop(x, kernel: int, stride: int):
 def maxpool_bprop(dy, argmax, x_shape: tuple[int, int, int, int], kernel: int, stride: int):
     """Gradient of `maxpool_fprop`: dx (N, C, H, W), fresh; overlapping windows sum (gather, no atomics)."""
     op = "maxpool_bprop"
-    if len(x_shape) != 4:
-        raise ValueError(f"{op}: x_shape must be (N, C, H, W), got {x_shape}")
-    N, C, H, W = (int(v) for v in x_shape)
+    N, C, H, W = shape4(op, "x_shape", x_shape, "(N, C, H, W)")
     P, Q = _pool_geometry(op, (N, C, H, W), kernel, stride)
     adt = _argmax_dtype(kernel)
     check_array(op, "dy", dy, shape=(N, C, P, Q))
@@ -665,6 +708,9 @@ def sgd_momentum(params, velocity, grad, decay, momentum: float, lr: float) -> N
     check_array(op, "params", params, ndim=1)
     for arg, a in (("velocity", velocity), ("grad", grad), ("decay", decay)):
         check_array(op, arg, a, shape=params.shape)
+        if may_share_memory(params, a) or (arg != "velocity" and may_share_memory(velocity, a)):
+            raise ValueError(f"{op}: {arg} overlaps {'params' if may_share_memory(params, a) else 'velocity'} "
+                             "in memory (both are updated in place: pass separate buffers)")
     grid, block = elementwise_launch(params.size)
     _launch(op, grid, block, (params, velocity, grad, decay, c_float32(op, "momentum", momentum),
                               c_float32(op, "lr", lr), c_int64(op, "n", params.size)))

@@ -303,7 +303,7 @@ def bias_grad(dy: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     N, K = dy.shape[:2]
     db = _check_out(op, out, (K,), dy.dtype)
     if dy.ndim == 4:
-        per_sample = dy.reshape(N, K, -1).sum(axis=2)  # (N, K), contiguous inner sums
+        per_sample = dy.reshape(N, K, dy.shape[2] * dy.shape[3]).sum(axis=2)  # (N, K), contiguous inner sums
         np.sum(per_sample, axis=0, out=db)
     else:
         np.sum(dy, axis=0, out=db)
