@@ -51,6 +51,20 @@
 #define CONV_THREADS (CONV_TX * CONV_TY)              // 256
 #define CONV_A_LOADS (CONV_BM * CONV_BK / CONV_THREADS)  // A slab elements per thread (2)
 #define CONV_B_LOADS (CONV_BK * CONV_BN / CONV_THREADS)  // B slab elements per thread (2)
+// B loader: load i of a thread is B[b_kk + i*KSTEP][b_j + i*JSTEP]. With 2 loads per thread (64x64) a
+// thread keeps one column and steps the digits of kk between its loads; with 4 or more (32x128) it
+// keeps one row kk and decodes its columns once, before the loop (fewer instructions per load there,
+// more registers: the choice that gave the shorter main loop for each tile, see bench/sass_mix.py).
+#if CONV_B_LOADS >= 4
+#define CONV_B_KSTEP 0
+#define CONV_B_JSTEP (CONV_THREADS / CONV_BK)
+#define CONV_B_ROW (CONV_THREADS / CONV_BK)  // threads sharing one row kk of the slab
+#else
+#define CONV_B_KSTEP (CONV_THREADS / CONV_BN)
+#define CONV_B_JSTEP 0
+#define CONV_B_ROW CONV_BN
+#endif
+#define CONV_B_COLS (CONV_B_JSTEP ? CONV_B_LOADS : 1)  // columns decoded per thread
 // Row pitch of As: 4 floats of padding put the 8 kk rows that one warp's A stores touch in
 // different banks, and keep every row 16-byte aligned for the float4 reads.
 #define CONV_AS_PITCH (CONV_BM + 4)
@@ -58,7 +72,8 @@
 // What the loaders, the float4 reads and the bank layout rely on (a tile choice that breaks one
 // fails to compile instead of computing garbage or serialising the shared-memory stores).
 static_assert(CONV_BM % CONV_TM == 0 && CONV_BN % CONV_TN == 0, "BM, BN: multiples of the 4x4 register block");
-static_assert(CONV_THREADS % CONV_BK == 0 && CONV_THREADS % CONV_BN == 0, "THREADS: a multiple of BK and of BN");
+static_assert(CONV_THREADS % CONV_BK == 0 && CONV_THREADS % CONV_B_ROW == 0 && CONV_BN % CONV_B_ROW == 0,
+              "THREADS: a multiple of BK, and of the B loader's row (BN or THREADS/BK)");
 static_assert((CONV_BM * CONV_BK) % CONV_THREADS == 0 && (CONV_BK * CONV_BN) % CONV_THREADS == 0,
               "every thread loads the same number of A and of B slab elements");
 static_assert(CONV_AS_PITCH % 32 != 0, "As pitch: not a multiple of 32 banks (8-way store conflicts)");
@@ -209,16 +224,28 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   const int m0 = blockIdx.y * CONV_BM;
   const long long j0 = (long long)blockIdx.x * CONV_BN;
 
-  // loader roles: A slab BM x BK (kk fastest), B slab BK x BN (j fastest). All A loads of a thread
-  // share one kk; B load i has its own kk, i * (THREADS / BN) further on, whose digits are stepped
-  // from load 0's (one digit state per thread, not one per load: fewer registers)
+  // loader roles: A slab BM x BK (kk fastest), B slab BK x BN (j fastest, see CONV_B_KSTEP). All A
+  // loads of a thread share one kk; the digits of a later B load's kk are stepped from load 0's.
   const int a_kk = t % CONV_BK, a_m = t / CONV_BK;  // m = a_m + i * (THREADS / BK)
-  const int b_j = t % CONV_BN, b_kk = t / CONV_BN;  // kk = b_kk + i * (THREADS / BN)
-  const ConvCol col = conv_decode_col<MODE>(B, j0 + b_j, NG, C, H, W, K, R, S, P, Q, stride, pad);
-  const Digits b_step = digits_of(CONV_THREADS / CONV_BN, mid_radix, lo_radix);  // load i -> i + 1
-  long long a_k = k_begin + a_kk, b_k = k_begin + b_kk;  // kk of A loads, of B load 0
+  const int b_j = t % CONV_B_ROW, b_kk = t / CONV_B_ROW;  // load i: B[b_kk + i*KSTEP][b_j + i*JSTEP]
+  ConvCol col[CONV_B_COLS];
+#pragma unroll
+  for (int c = 0; c < CONV_B_COLS; ++c)
+    col[c] = conv_decode_col<MODE>(B, j0 + b_j + c * CONV_B_JSTEP, NG, C, H, W, K, R, S, P, Q, stride, pad);
+  const Digits b_step = digits_of(CONV_B_KSTEP, mid_radix, lo_radix);  // load i -> i + 1
+  long long a_k = k_begin + a_kk, b_k = k_begin + b_kk;  // kk of the A loads, of B load 0
   Digits a_d = digits_of(a_k, mid_radix, lo_radix);
   Digits b_d = digits_of(b_k, mid_radix, lo_radix);
+  // one slab of B into b_reg, load i at kk = b_k + i*KSTEP (digits from b_d) of column i*JSTEP
+  auto load_b = [&](float* b_reg) {
+    Digits d = b_d;
+#pragma unroll
+    for (int i = 0; i < CONV_B_LOADS; ++i) {
+      if (CONV_B_KSTEP && i > 0) digits_step(d, b_step, mid_radix, lo_radix);
+      b_reg[i] = conv_load_b<MODE>(col[CONV_B_JSTEP ? i : 0], d, b_k + i * CONV_B_KSTEP, k_end, C, H, W, P, Q,
+                                   stride);
+    }
+  };
 
   float acc[CONV_TM][CONV_TN];
   for (int i = 0; i < CONV_TM; ++i)
@@ -229,21 +256,14 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   for (int i = 0; i < CONV_A_LOADS; ++i)
     a_reg[i] = conv_load_a<MODE>(A, m0 + a_m + i * (CONV_THREADS / CONV_BK), a_d, a_k, M, KR, k_end, C, K, R, S,
                                  P, Q);
-  {
-    Digits d = b_d;
-#pragma unroll
-    for (int i = 0; i < CONV_B_LOADS; ++i) {
-      if (i > 0) digits_step(d, b_step, mid_radix, lo_radix);
-      b_reg[i] = conv_load_b<MODE>(col, d, b_k + i * (CONV_THREADS / CONV_BN), k_end, C, H, W, P, Q, stride);
-    }
-  }
+  load_b(b_reg);
 
   for (long long k0 = k_begin; k0 < k_end; k0 += CONV_BK) {
     __syncthreads();  // every thread is done reading the previous slab
 #pragma unroll
     for (int i = 0; i < CONV_A_LOADS; ++i) As[a_kk][a_m + i * (CONV_THREADS / CONV_BK)] = a_reg[i];
 #pragma unroll
-    for (int i = 0; i < CONV_B_LOADS; ++i) Bs[b_kk + i * (CONV_THREADS / CONV_BN)][b_j] = b_reg[i];
+    for (int i = 0; i < CONV_B_LOADS; ++i) Bs[b_kk + i * CONV_B_KSTEP][b_j + i * CONV_B_JSTEP] = b_reg[i];
     __syncthreads();  // slab complete
     if (k0 + CONV_BK < k_end) {  // prefetch the next slab while this one is multiplied
       a_k += CONV_BK;
@@ -254,12 +274,7 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
         a_reg[i] = conv_load_a<MODE>(A, m0 + a_m + i * (CONV_THREADS / CONV_BK), a_d, a_k, M, KR, k_end, C, K, R,
                                      S, P, Q);
       digits_step(b_d, step, mid_radix, lo_radix);
-      Digits d = b_d;
-#pragma unroll
-      for (int i = 0; i < CONV_B_LOADS; ++i) {
-        if (i > 0) digits_step(d, b_step, mid_radix, lo_radix);
-        b_reg[i] = conv_load_b<MODE>(col, d, b_k + i * (CONV_THREADS / CONV_BN), k_end, C, H, W, P, Q, stride);
-      }
+      load_b(b_reg);
     }
 #pragma unroll
     for (int kk = 0; kk < CONV_BK; ++kk) {
