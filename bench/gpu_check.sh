@@ -24,8 +24,8 @@
 #    min of CUDA-event timings after warm-up), throughput ours/cuDNN (goal >= 0.80 on the cifar10
 #    layers), TFLOP/s and % of the FP32 peak, cuBLAS ms of the same GEMM, and our error vs cuDNN;
 #    then one goal line per pass kind. Exit status 2 there means no usable GPU (or no cupy).
-# Under 8 minutes on one GPU: every step has its own timeout (at most 45+15+30+30+200+120 s, plus 5 s
-# grace each); a step that fails prints its exit status and the script goes on to the next.
+# Under 8 minutes on one GPU: every step has its own timeout (at most 30+10+20+20+270+90 s, plus 5 s
+# grace each: 470 s); a step that fails prints its exit status and the script goes on to the next.
 set -u
 cd "$(dirname "$0")/.."
 if [ -n "${PYTHON:-}" ]; then
@@ -46,7 +46,7 @@ echo "== $(date -Is) gpu_check on $(hostname), python: $PY"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     echo "== carried wheels -> /tmp/mpi: $(cd .whl && echo *.whl)"
     # local files only; --ignore-installed: a wheel already in the environment would be skipped, not unpacked
-    if PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 timeout -k 5 45 "$PY" -m pip install -q \
+    if PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 timeout -k 5 30 "$PY" -m pip install -q \
             --no-index --no-deps --no-compile --no-cache-dir --ignore-installed --prefix /tmp/mpi .whl/*.whl; then
         export PATH="/tmp/mpi/bin:$PATH" LD_LIBRARY_PATH="/tmp/mpi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
         for site in /tmp/mpi/lib/python3*/site-packages; do  # in case a wheel holds Python modules
@@ -63,22 +63,23 @@ launcher=$(dirname "$(command -v "$PY")")/mpiexec
     || echo "!! no mpiexec beside $PY or on PATH: the MPI training tests of tests/gpu will skip"
 
 echo "== device and libraries"
-timeout -k 5 15 nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 \
+timeout -k 5 10 nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 \
     || echo "(no nvidia-smi)"
-timeout -k 5 30 "$PY" -c "import cupy; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount(), \
+timeout -k 5 20 "$PY" -c "import cupy; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount(), \
 'CUDA runtime', cupy.cuda.runtime.runtimeGetVersion())" 2>&1 \
     || echo "!! cupy not importable or no device: tests/gpu will skip, bench/kernels.py will exit 2"
-timeout -k 5 30 "$PY" -c "from mpi4py import MPI; print('MPI:', MPI.Get_library_version().splitlines()[0], \
+timeout -k 5 20 "$PY" -c "from mpi4py import MPI; print('MPI:', MPI.Get_library_version().splitlines()[0], \
 '| Query_cuda_support:', getattr(MPI, 'Query_cuda_support', lambda: 'n/a')())" 2>&1 | tr -d '\000' \
     || echo "!! mpi4py could not load an MPI library"
 
 echo "== tests/gpu"
-timeout -k 5 200 "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu ${OUT:+--junitxml="$OUT/gpu_junit.xml"}
+timeout -k 5 270 "$PY" -m pytest -q -rs --durations=12 -p no:cacheprovider tests/gpu \
+    ${OUT:+--junitxml="$OUT/gpu_junit.xml"}
 tests_rc=$?
 echo "tests/gpu exit status: $tests_rc"
 
 echo "== bench/kernels.py: our conv kernels against cuDNN"
-timeout -k 5 120 "$PY" bench/kernels.py --tiles
+timeout -k 5 90 "$PY" bench/kernels.py --tiles
 bench_rc=$?
 echo "bench/kernels.py exit status: $bench_rc (0: measured; 2: no GPU or no cupy; 124: timed out)"
 echo "== $(date -Is) done"
