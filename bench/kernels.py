@@ -465,22 +465,33 @@ def cuda_kernel_names(torch, fn: Callable[[], object]) -> str:
         return f"unknown ({type(e).__name__}: {e})"[:200]
 
 
+def layer_inputs(layer: ConvLayer, seed: int = 0) -> dict[str, np.ndarray]:
+    """Host float32 x (N,C,H,W), w (K,C,R,S) scaled by 1/sqrt(fan-in), b (K,), dy (N,K,P,Q) of `layer`."""
+    rng = np.random.default_rng(seed)
+    fan_in = layer.w_shape[1] * layer.w_shape[2] * layer.w_shape[3]
+    return {"x": rng.standard_normal(layer.x_shape, dtype=np.float32),
+            "w": rng.standard_normal(layer.w_shape, dtype=np.float32) * np.float32(1 / math.sqrt(fan_in)),
+            "b": rng.standard_normal(layer.w_shape[0], dtype=np.float32),
+            "dy": rng.standard_normal(layer.dy_shape, dtype=np.float32)}
+
+
+def our_calls(layer: ConvLayer, ops, cupy, host: dict[str, np.ndarray]) -> dict[str, Callable[[], object]]:
+    """{pass: call of our kernels} on device copies of `host`; wgrad writes into one kept dw with a kept
+    workspace, as Conv2d.backward does."""
+    x, w, b, dy = (cupy.asarray(host[k]) for k in ("x", "w", "b", "dy"))
+    dw, ws = cupy.empty(layer.w_shape, np.float32), ops.Workspace()
+    s, p = layer.stride, layer.pad
+    return {"fprop": lambda: ops.conv2d_fprop(x, w, b, s, p),
+            "dgrad": lambda: ops.conv2d_dgrad(dy, w, layer.x_shape, s, p),
+            "wgrad": lambda: ops.conv2d_wgrad(dy, x, layer.w_shape, s, p, out=dw, ws=ws)}
+
+
 def measure_layer(layer: ConvLayer, ops, cupy, torch, timer: Timer, runs: int, warmup: int,
                   seed: int = 0) -> tuple[list[PassResult], str]:
     """Check and time every pass of `layer` (ours, cuDNN when torch is given, cuBLAS); also the conv
     backend torch dispatches the layer to ("-" without torch)."""
-    rng = np.random.default_rng(seed)
-    fan_in = layer.w_shape[1] * layer.w_shape[2] * layer.w_shape[3]
-    host = {"x": rng.standard_normal(layer.x_shape, dtype=np.float32),
-            "w": rng.standard_normal(layer.w_shape, dtype=np.float32) * np.float32(1 / math.sqrt(fan_in)),
-            "b": rng.standard_normal(layer.w_shape[0], dtype=np.float32),
-            "dy": rng.standard_normal(layer.dy_shape, dtype=np.float32)}
-    x, w, b, dy = (cupy.asarray(host[k]) for k in ("x", "w", "b", "dy"))  # (N,C,H,W) (K,C,R,S) (K,) (N,K,P,Q)
-    dw, ws = cupy.empty(layer.w_shape, np.float32), ops.Workspace()  # as Conv2d.backward: into dweight, kept scratch
-    s, p = layer.stride, layer.pad
-    ours = {"fprop": lambda: ops.conv2d_fprop(x, w, b, s, p),
-            "dgrad": lambda: ops.conv2d_dgrad(dy, w, layer.x_shape, s, p),
-            "wgrad": lambda: ops.conv2d_wgrad(dy, x, layer.w_shape, s, p, out=dw, ws=ws)}
+    host = layer_inputs(layer, seed)
+    ours = our_calls(layer, ops, cupy, host)
     ref, backend = None, "-"
     if torch is not None:  # the same values, copied to the same device
         t = {k: torch.from_numpy(v).to(torch.device("cuda", torch.cuda.current_device())) for k, v in host.items()}
@@ -509,14 +520,7 @@ def tile_sweep(layer: ConvLayer, ops, cupy, timer: Timer, runs: int, warmup: int
     (`cupy_ops.conv_tile_override`; its split-K ranges `gemm_split` in brackets), the one
     `conv_tile` chooses marked with *, and the chosen tile without split-K where it splits: the
     data to tune both choices on a GPU."""
-    rng = np.random.default_rng(seed)
-    x, w, b, dy = (cupy.asarray(rng.standard_normal(shape, dtype=np.float32))
-                   for shape in (layer.x_shape, layer.w_shape, (layer.w_shape[0],), layer.dy_shape))
-    dw, ws = cupy.empty(layer.w_shape, np.float32), ops.Workspace()
-    s, p = layer.stride, layer.pad
-    calls = {"fprop": lambda: ops.conv2d_fprop(x, w, b, s, p),
-             "dgrad": lambda: ops.conv2d_dgrad(dy, w, layer.x_shape, s, p),
-             "wgrad": lambda: ops.conv2d_wgrad(dy, x, layer.w_shape, s, p, out=dw, ws=ws)}
+    calls = our_calls(layer, ops, cupy, layer_inputs(layer, seed))
     lines = []
     for pass_name in PASSES:
         if pass_name == "dgrad" and not layer.needs_dgrad:

@@ -350,8 +350,9 @@ def conv_geometry(op: str, x_shape, w_shape, stride: int, pad: int) -> tuple[int
     if H + 2 * pad < R or W + 2 * pad < S:
         raise ValueError(f"{op}: filter {R}x{S} larger than padded input {H + 2 * pad}x{W + 2 * pad}")
     P, Q = (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
+    # per-image extents C*H*W and K*P*Q bound H*W and P*Q too (C, K >= 1 wherever a kernel is launched)
     for what, v in (("H + 2*pad", H + 2 * pad), ("W + 2*pad", W + 2 * pad), ("C*R*S", C * R * S),
-                    ("K*R*S", K * R * S), ("H*W", H * W), ("P*Q", P * Q), ("N", N), ("K", K),
+                    ("K*R*S", K * R * S), ("N", N), ("K", K),
                     ("(P-1)*stride", (P - 1) * stride), ("(Q-1)*stride", (Q - 1) * stride),
                     ("C*H*W", C * H * W), ("K*P*Q", K * P * Q), ("K*C*R*S", K * C * R * S)):
         c_int32(op, what, v)
