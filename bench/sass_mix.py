@@ -34,6 +34,9 @@ sys.path.insert(0, str(ROOT))
 from mpiasgd.ops import cupy_ops  # noqa: E402  (after the path set-up)
 
 KERNELS = ("conv2d_fprop", "conv2d_dgrad", "conv2d_wgrad_partial")
+# rows of the table: (kernel, which of its hot loops: 0 the shortest, -1 the longest, label)
+ROWS = (("conv2d_fprop", 0, ""), ("conv2d_dgrad", 0, "stride 1"), ("conv2d_dgrad", -1, "stride > 1"),
+        ("conv2d_wgrad_partial", 0, ""))
 ARCHS = ("sm_80", "sm_90")
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_(\d+)\)|\.L_x_(\d+))")
@@ -61,8 +64,9 @@ def function_bodies(sass: str) -> dict[str, list[str]]:
     return bodies
 
 
-def hottest_loop(lines: list[str]) -> tuple[int, int, dict[str, int]]:
-    """(instructions, FFMA, {opcode: count}) of the backward-branch loop holding the most FFMA."""
+def hot_loops(lines: list[str]) -> list[tuple[int, int, dict[str, int]]]:
+    """[(instructions, FFMA, {opcode: count})] of the backward-branch loops holding the most FFMA, shortest
+    first (conv2d_dgrad has two: its unit-stride and its strided instantiation)."""
     label_at: dict[str, int] = {}  # label -> index of the next instruction
     insns: list[str] = []
     for line in lines:
@@ -70,7 +74,7 @@ def hottest_loop(lines: list[str]) -> tuple[int, int, dict[str, int]]:
             label_at[m.group(1)] = len(insns)
         elif m := _INSN.search(line):
             insns.append(m.group(2).strip())
-    best = (0, 0, {})
+    loops: dict[tuple[int, int], tuple[int, int, dict[str, int]]] = {}
     for i, insn in enumerate(insns):
         m = _BRANCH.search(insn)
         if not m:
@@ -85,9 +89,9 @@ def hottest_loop(lines: list[str]) -> tuple[int, int, dict[str, int]]:
             op = words[1] if words[0].startswith("@") else words[0]
             op = op.split(".")[0]
             ops[op] = ops.get(op, 0) + 1
-        if ops.get("FFMA", 0) > best[1]:
-            best = (len(body), ops.get("FFMA", 0), ops)
-    return best
+        loops[(start, i)] = (len(body), ops.get("FFMA", 0), ops)
+    most = max((v[1] for v in loops.values()), default=0)
+    return sorted(v for v in loops.values() if most and v[1] == most)
 
 
 class ToolError(RuntimeError):
@@ -111,15 +115,16 @@ def tiles_of(source: str) -> list[tuple[int, int]]:
     return [(cupy_ops.CONV_BM, cupy_ops.CONV_BN)]
 
 
-def mix(source: str, nvcc: str, nvdisasm: str, tile: tuple[int, int], arch: str) -> dict[str, tuple[int, int]]:
-    """{kernel: (loop instructions, loop FFMA)} of conv2d.cu text `source` for one tile and arch."""
+def mix(source: str, nvcc: str, nvdisasm: str, tile: tuple[int, int], arch: str) -> dict[str, list[tuple[int, int]]]:
+    """{kernel: [(loop instructions, loop FFMA)] of its hot loops, shortest first} of conv2d.cu text
+    `source` for one tile and arch."""
     with tempfile.TemporaryDirectory() as d:
         cu, cubin = Path(d) / "conv2d.cu", Path(d) / "conv2d.cubin"
         cu.write_text(source)
         _run([nvcc, "-cubin", f"-arch={arch}", *cupy_ops.tile_defines(tile), "-o", str(cubin), str(cu)])
         sass = _run([nvdisasm, "-c", str(cubin)])
     bodies = function_bodies(sass)
-    return {k: hottest_loop(bodies[k])[:2] for k in KERNELS if k in bodies}
+    return {k: [loop[:2] for loop in hot_loops(bodies[k])] for k in KERNELS if k in bodies}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,24 +153,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(versions: dict[str, str], archs: list[str], nvcc: str, nvdisasm: str) -> int:
-    print(f"{'kernel':<22} {'tile':>7} {'arch':>6} " + " ".join(f"{v[:22]:>24}" for v in versions)
+    print(f"{'kernel':<33} {'tile':>7} {'arch':>6} " + " ".join(f"{v[:22]:>24}" for v in versions)
           + ("   FFMA share ratio" if len(versions) > 1 else ""))
     for arch in archs:
         for tile in cupy_ops.CONV_TILES:
             results = [mix(src, nvcc, nvdisasm, tile, arch) if tile in tiles_of(src) else None
                        for src in versions.values()]
-            for k in KERNELS:
+            for k, which, label in ROWS:
                 cells, shares = [], []
                 for r in results:
-                    if r is None or k not in r:  # a revision without this tile variant or kernel
+                    if r is None or not r.get(k):  # a revision without this tile variant or kernel
                         cells.append("n/a")
                         shares.append(None)
                         continue
-                    n, ffma = r[k]
+                    n, ffma = r[k][which]  # one loop (an older dgrad): both of its rows show it
                     shares.append(ffma / n if n else 0.0)
                     cells.append(f"{n:4d} insns, {shares[-1]:5.1%} FFMA")
                 ratio = f"   {shares[0] / shares[1]:.2f}" if len(shares) > 1 and shares[0] and shares[1] else ""
-                print(f"{k:<22} {f'{tile[0]}x{tile[1]}':>7} {arch:>6} " + " ".join(f"{c:>24}" for c in cells) + ratio)
+                name = f"{k} ({label})" if label else k
+                print(f"{name:<33} {f'{tile[0]}x{tile[1]}':>7} {arch:>6} " + " ".join(f"{c:>24}" for c in cells)
+                      + ratio)
     return 0
 
 

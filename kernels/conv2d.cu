@@ -27,12 +27,18 @@
 // Tile: each block computes a BM x BN tile of C, stepping KR in slabs of 8; thread (ty, tx) owns
 // the 4x4 register block C[ty*4 + i][tx*4 + j] and reads its 4 rows of As and 4 columns of Bs as
 // one float4 each per kk (a warp reads broadcast float4s of As and consecutive float4s of Bs).
-// The next slab is fetched from global memory into registers while the current one is multiplied;
-// the loaders step the digits of kk ((c, r, s) or (n, p, q)) from slab to slab without integer
-// division. The epilogue stores a row of the block as one float4 when its 4 columns are
-// consecutive in memory and 16-byte aligned, else element by element.
+// The next slab is fetched from global memory into registers while the current one is multiplied.
+// Loads are cheap in the main loop: a thread's B loads share one slab row kk and its A loads one kk,
+// whose digits ((c, r, s), (k, r, s) or (n, p, q)) are stepped from slab to slab without integer
+// division; a B column's origin in its image is decoded once, so a B load is two adds, two unsigned
+// bounds compares (the zero padding) and one address computation (conv_load_b); columns and rows
+// beyond the output are clamped to its last one (their results are never stored). dgrad with
+// stride > 1 is a separate instantiation, so the unit-stride loop divides nothing. The epilogue
+// stores a row of the block as one float4 when its 4 columns are consecutive in memory and 16-byte
+// aligned, else element by element.
 // Offsets: image bases and workspace offsets are 64-bit (N*C*H*W may pass 2^31); offsets within one
-// image and within the filter are int (cupy_ops.conv_geometry checks that C*H*W, K*P*Q, K*C*R*S fit).
+// image and within the filter are int (cupy_ops.conv_geometry checks that C*H*W, K*P*Q, K*C*R*S and
+// (H + 2*pad)*(W + 2*pad) fit), as is a block's count of reduction terms (gemm_split: <= 2^30).
 
 // Tile shape: production values here; CONV_BM / CONV_BN may be overridden with -D (cupy_ops compiles
 // one variant per tile it launches; the CPU harness tests several). BM, BN multiples of 4 with
@@ -51,20 +57,9 @@
 #define CONV_THREADS (CONV_TX * CONV_TY)              // 256
 #define CONV_A_LOADS (CONV_BM * CONV_BK / CONV_THREADS)  // A slab elements per thread (2)
 #define CONV_B_LOADS (CONV_BK * CONV_BN / CONV_THREADS)  // B slab elements per thread (2)
-// B loader: load i of a thread is B[b_kk + i*KSTEP][b_j + i*JSTEP]. With 2 loads per thread (64x64) a
-// thread keeps one column and steps the digits of kk between its loads; with 4 or more (32x128) it
-// keeps one row kk and decodes its columns once, before the loop (fewer instructions per load there,
-// more registers: the choice that gave the shorter main loop for each tile, see bench/sass_mix.py).
-#if CONV_B_LOADS >= 4
-#define CONV_B_KSTEP 0
-#define CONV_B_JSTEP (CONV_THREADS / CONV_BK)
-#define CONV_B_ROW (CONV_THREADS / CONV_BK)  // threads sharing one row kk of the slab
-#else
-#define CONV_B_KSTEP (CONV_THREADS / CONV_BN)
-#define CONV_B_JSTEP 0
-#define CONV_B_ROW CONV_BN
-#endif
-#define CONV_B_COLS (CONV_B_JSTEP ? CONV_B_LOADS : 1)  // columns decoded per thread
+// B loader: a slab row has CONV_B_ROW = THREADS/BK loading threads; thread t loads columns
+// t % B_ROW + i*B_ROW (i < B_LOADS) of row t / B_ROW, so its loads share one reduction index kk.
+#define CONV_B_ROW (CONV_THREADS / CONV_BK)
 // Row pitch of As: 4 floats of padding put the 8 kk rows that one warp's A stores touch in
 // different banks, and keep every row 16-byte aligned for the float4 reads.
 #define CONV_AS_PITCH (CONV_BM + 4)
@@ -72,8 +67,8 @@
 // What the loaders, the float4 reads and the bank layout rely on (a tile choice that breaks one
 // fails to compile instead of computing garbage or serialising the shared-memory stores).
 static_assert(CONV_BM % CONV_TM == 0 && CONV_BN % CONV_TN == 0, "BM, BN: multiples of the 4x4 register block");
-static_assert(CONV_THREADS % CONV_BK == 0 && CONV_THREADS % CONV_B_ROW == 0 && CONV_BN % CONV_B_ROW == 0,
-              "THREADS: a multiple of BK, and of the B loader's row (BN or THREADS/BK)");
+static_assert(CONV_THREADS % CONV_BK == 0 && CONV_BN % CONV_B_ROW == 0,
+              "THREADS: a multiple of BK, and THREADS/BK (the B loader's row) dividing BN");
 static_assert((CONV_BM * CONV_BK) % CONV_THREADS == 0 && (CONV_BK * CONV_BN) % CONV_THREADS == 0,
               "every thread loads the same number of A and of B slab elements");
 static_assert(CONV_AS_PITCH % 32 != 0, "As pitch: not a multiple of 32 banks (8-way store conflicts)");
@@ -113,92 +108,140 @@ __device__ __forceinline__ void digits_step(Digits& d, const Digits& step, int m
   d.hi += step.hi + carry;
 }
 
-// Column coordinates of one B column j, decoded once per thread (j is fixed over the KR loop).
+// One B column j, decoded once per thread (j is fixed over the KR loop). The B element at reduction
+// index kk is origin[off(kk)] (FPROP, DGRAD) or tap.img[base + off(kk)] (WGRAD) when (h, w) = (a + kh(kk),
+// b + kw(kk)) is inside [0, Hb) x [0, Wb), else a zero of the padding; kh, kw and off depend on kk only,
+// so the loads of one slab row share them (see conv_tap):
+//   FPROP (x, column (n, p, q)):  (a, b) = (p*st - pad, q*st - pad), origin = x + n*C*H*W + a*W + b
+//   DGRAD (dy, column (n, h, w)): (a, b) = (h + pad, w + pad), origin = dy + n*K*P*Q + a*Q + b
+//   WGRAD (x, column (c, r, s)):  (a, b) = (r - pad, s - pad), base = c*H*W + a*W + b
+// origin may lie outside the image (in the padding); it is only dereferenced at in-bounds (h, w).
+// A column j >= NG (the last tile's overhang) is decoded as NG - 1: its loads stay in bounds and its
+// results are never stored. Ints are enough: cupy_ops.conv_geometry bounds C*H*W, K*P*Q and
+// (H + 2*pad)*(W + 2*pad) by 2^31 - 1.
 struct ConvCol {
-  const float* img;  // FPROP: x + n*C*H*W (its image); DGRAD: dy + n*K*P*Q; WGRAD: x + c*H*W (plane c of image 0)
-  int a, b;          // FPROP: p*st-pad, q*st-pad; DGRAD: h+pad, w+pad; WGRAD: r-pad, s-pad
-  bool valid;        // j < NG
+  const float* origin;  // FPROP, DGRAD
+  int a, b, base;       // base: WGRAD
 };
+
+// p (i) as an opaque register value, computed once and kept: without it the compiler re-derives a
+// column's origin from the kernel parameter and a 64-bit element offset at every load (5 instructions
+// instead of one IMAD.WIDE), and recomputes A's row offsets in every slab.
+__device__ __forceinline__ const float* conv_opaque(const float* p) {
+#ifdef __CUDA_ARCH__
+  asm("mov.b64 %0, %0;" : "+l"(p));
+#endif
+  return p;
+}
+
+__device__ __forceinline__ int conv_opaque(int i) {
+#ifdef __CUDA_ARCH__
+  asm("mov.b32 %0, %0;" : "+r"(i));
+#endif
+  return i;
+}
 
 template <int MODE>
 __device__ __forceinline__ ConvCol conv_decode_col(const float* __restrict__ B, long long j, long long NG, int C,
                                                    int H, int W, int K, int R, int S, int P, int Q, int stride,
                                                    int pad) {
   ConvCol col;
-  col.valid = j < NG;
-  if (!col.valid) j = 0;
+  if (j >= NG) j = NG - 1;
   if (MODE == CONV_FPROP) {
-    long long pq = (long long)P * Q;
-    long long n = j / pq;
-    int rem = (int)(j - n * pq);
-    col.img = B + n * C * H * W;
+    const long long pq = (long long)P * Q;
+    const long long n = j / pq;
+    const int rem = (int)(j - n * pq);
     col.a = (rem / Q) * stride - pad;
     col.b = (rem % Q) * stride - pad;
+    col.base = col.a * W + col.b;
+    col.origin = conv_opaque(B + n * C * H * W + col.base);
   } else if (MODE == CONV_DGRAD) {
-    long long hw = (long long)H * W;
-    long long n = j / hw;
-    int rem = (int)(j - n * hw);
-    col.img = B + n * K * P * Q;
+    const long long hw = (long long)H * W;
+    const long long n = j / hw;
+    const int rem = (int)(j - n * hw);
     col.a = rem / W + pad;
     col.b = rem % W + pad;
+    col.base = col.a * Q + col.b;
+    col.origin = conv_opaque(B + n * K * P * Q + col.base);
   } else {  // WGRAD: j = (c, r, s)
-    int rs = R * S;
-    int c = (int)j / rs;
-    int rem = (int)j - c * rs;
-    col.img = B + (long long)c * H * W;
+    const int rs = R * S;
+    const int c = (int)j / rs;
+    const int rem = (int)j - c * rs;
+    col.origin = B;
     col.a = rem / S - pad;
     col.b = rem % S - pad;
+    col.base = c * H * W + col.a * W + col.b;
   }
   return col;
 }
 
-// B[kk][j] for the column decoded in `col`, kk given by its digits d; zero outside the (padded)
-// input or the KR range.
+// What the B loads of one slab row share: the row's reduction index kk as (kh, kw, off) of
+// conv_decode_col; for WGRAD the row's origin in x (its image n and its offset off) instead of off.
+struct ConvTap {
+  const float* origin;  // WGRAD: x + n*C*H*W + off; FPROP, DGRAD: unused (each column has its origin)
+  int kh, kw, off;
+};
+
+// kk = digits d: FPROP (c, r, s), DGRAD (k, r, s), WGRAD (n, p, q)
 template <int MODE>
-__device__ __forceinline__ float conv_load_b(const ConvCol& col, const Digits& d, long long kk, long long k_end,
-                                             int C, int H, int W, int P, int Q, int stride) {
-  if (!col.valid || kk >= k_end) return 0.0f;
-  if (MODE == CONV_FPROP) {  // d = (c, r, s); B = x
-    const int h = col.a + d.mid, w = col.b + d.lo;
-    if (h < 0 || h >= H || w < 0 || w >= W) return 0.0f;
-    return __ldg(col.img + (d.hi * H + h) * W + w);  // < C*H*W: an int
-  } else if (MODE == CONV_DGRAD) {  // d = (k, r, s); B = dy
-    int p = col.a - d.mid;  // = p * stride when the tap r reaches output row p
-    int q = col.b - d.lo;
-    if (p < 0 || q < 0) return 0.0f;
-    if (stride != 1) {  // uniform branch: unit stride (the common case) divides nothing
-      const int hp = p, wp = q;
-      p = hp / stride;
-      q = wp / stride;
-      if (p * stride != hp || q * stride != wp) return 0.0f;
-    }
-    if (p >= P || q >= Q) return 0.0f;
-    return __ldg(col.img + (d.hi * P + p) * Q + q);  // < K*P*Q: an int
-  } else {  // WGRAD: d = (n, p, q); B = x
-    const int h = d.mid * stride + col.a, w = d.lo * stride + col.b;
-    if (h < 0 || h >= H || w < 0 || w >= W) return 0.0f;
-    return __ldg(col.img + (long long)d.hi * (C * H * W) + (h * W + w));
+__device__ __forceinline__ ConvTap conv_tap(const float* __restrict__ B, const Digits& d, int C, int H, int W,
+                                            int P, int Q, int stride) {
+  ConvTap t;
+  t.origin = B;
+  if (MODE == CONV_FPROP) {  // x[n][c][a + r][b + s]
+    t.kh = d.mid;
+    t.kw = d.lo;
+    t.off = (d.hi * H + d.mid) * W + d.lo;
+  } else if (MODE == CONV_DGRAD) {  // unit stride: dy[n][k][a - r][b - s]
+    t.kh = -d.mid;
+    t.kw = -d.lo;
+    t.off = (d.hi * P - d.mid) * Q - d.lo;
+  } else {  // WGRAD: x[n][c][p*st + a][q*st + b]
+    t.kh = d.mid * stride;
+    t.kw = d.lo * stride;
+    t.off = t.kh * W + t.kw;
+    t.origin = conv_opaque(B + (long long)d.hi * (C * H * W) + t.off);
   }
+  return t;
 }
 
-// A[m][kk], kk given by its digits d (FPROP: by kk itself); zero outside M x [.., k_end).
+// B[kk][j] for column col and slab row tap (kk in range: ok); zero in the padding. The bounds test is
+// two unsigned compares (a negative coordinate wraps to a large one). Hb x Wb: P x Q for DGRAD, else H x W.
 template <int MODE>
-__device__ __forceinline__ float conv_load_a(const float* __restrict__ A, int m, const Digits& d, long long kk,
-                                             int M, long long KR, long long k_end, int C, int K, int R, int S,
-                                             int P, int Q) {
-  if (m >= M || kk >= k_end) return 0.0f;
-  if (MODE == CONV_FPROP) {  // w (K, C*R*S); offsets < K*C*R*S: ints
-    return __ldg(A + (m * (int)KR + (int)kk));
-  } else if (MODE == CONV_DGRAD) {  // w (K, C, R, S), m = c, d = (k, r, s)
-    return __ldg(A + (((d.hi * C + m) * R + d.mid) * S + d.lo));
-  } else {  // WGRAD: dy (N, K, P, Q), d = (n, p, q); image n at a 64-bit offset, within it an int
-    return __ldg(A + (long long)d.hi * (K * P * Q) + ((m * P + d.mid) * Q + d.lo));
-  }
+__device__ __forceinline__ float conv_load_b(const ConvCol& col, const ConvTap& tap, bool ok, int Hb, int Wb) {
+  const int h = col.a + tap.kh, w = col.b + tap.kw;
+  ok = ok && (unsigned)h < (unsigned)Hb && (unsigned)w < (unsigned)Wb;
+  if (MODE == CONV_WGRAD) return ok ? __ldg(tap.origin + col.base) : 0.0f;
+  return ok ? __ldg(col.origin + tap.off) : 0.0f;
+}
+
+// DGRAD with stride > 1: dy[n][k][p][q] where p*stride = h + pad - r (and likewise q) must divide
+// exactly; the integer divisions cost about twenty instructions each, so the unit-stride kernels
+// (the common case) are a separate instantiation that never runs this.
+__device__ __forceinline__ float conv_load_b_strided(const ConvCol& col, const Digits& d, bool ok, int P, int Q,
+                                                     int stride) {
+  const int hp = col.a - d.mid, wp = col.b - d.lo;  // p * stride, q * stride when tap (r, s) reaches (p, q)
+  const int p = hp / stride, q = wp / stride;
+  ok = ok && hp >= 0 && wp >= 0 && p * stride == hp && q * stride == wp && p < P && q < Q;
+  return ok ? __ldg(col.origin - col.base + ((d.hi * P + p) * Q + q)) : 0.0f;
+}
+
+// The A loads of one thread share their reduction index kk (digits d): A[m][kk] = origin[m * mstride]
+// for the origin returned here:
+//   FPROP: w (K, C*R*S), origin = w + kk;  DGRAD: w (K, C, R, S), m = c, origin = w + k*C*R*S + r*S + s;
+//   WGRAD: dy (N, K, P, Q), origin = dy + n*K*P*Q + p*Q + q.
+template <int MODE>
+__device__ __forceinline__ const float* conv_origin_a(const float* __restrict__ A, const Digits& d, int kk,
+                                                      int C, int K, int R, int S, int P, int Q) {
+  if (MODE == CONV_FPROP) return conv_opaque(A + kk);  // kk < C*R*S
+  if (MODE == CONV_DGRAD) return conv_opaque(A + (d.hi * (C * R * S) + d.mid * S + d.lo));
+  return conv_opaque(A + (long long)d.hi * (K * P * Q) + (d.mid * Q + d.lo));
 }
 
 // PARTIAL: write C[m][j] of split z = blockIdx.z to the workspace out[z][m][j] (no bias, no ReLU)
 // instead of its NCHW place; conv2d_split_reduce adds the splits. WGRAD is always PARTIAL.
-template <int MODE, bool PARTIAL>
+// UNIT (DGRAD only): stride == 1, so B loads need no division (see conv_load_b_strided).
+template <int MODE, bool PARTIAL, bool UNIT = true>
 __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const float* __restrict__ B,
                                           float* __restrict__ out, const float* __restrict__ bias, int relu,
                                           int N, int C, int H, int W, int K, int R, int S, int P, int Q,
@@ -215,35 +258,55 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
                                               : (long long)N * P * Q;
   const int mid_radix = (MODE == CONV_WGRAD) ? P : R;  // digits of kk
   const int lo_radix = (MODE == CONV_WGRAD) ? Q : S;
-  const Digits step = digits_of(CONV_BK, mid_radix, lo_radix);
+  const int Hb = (MODE == CONV_DGRAD) ? P : H, Wb = (MODE == CONV_DGRAD) ? Q : W;  // B's bounds (conv_load_b)
+  Digits step = digits_of(CONV_BK, mid_radix, lo_radix);  // kept in registers, not recomputed per slab
+  step.hi = conv_opaque(step.hi);
+  step.mid = conv_opaque(step.mid);
+  step.lo = conv_opaque(step.lo);
   const long long k_begin = (long long)blockIdx.z * chunk;
-  const long long k_end = (k_begin + chunk < KR) ? k_begin + chunk : KR;
+  // this block's reduction terms: < 2^31 (chunk is, see cupy_ops.gemm_split), counted down by slabs
+  int k_left = (int)((k_begin + chunk < KR) ? chunk : KR - k_begin);
 
   const int t = threadIdx.x;
   const int tx = t % CONV_TX, ty = t / CONV_TX;
   const int m0 = blockIdx.y * CONV_BM;
   const long long j0 = (long long)blockIdx.x * CONV_BN;
 
-  // loader roles: A slab BM x BK (kk fastest), B slab BK x BN (j fastest, see CONV_B_KSTEP). All A
-  // loads of a thread share one kk; the digits of a later B load's kk are stepped from load 0's.
-  const int a_kk = t % CONV_BK, a_m = t / CONV_BK;  // m = a_m + i * (THREADS / BK)
-  const int b_j = t % CONV_B_ROW, b_kk = t / CONV_B_ROW;  // load i: B[b_kk + i*KSTEP][b_j + i*JSTEP]
-  ConvCol col[CONV_B_COLS];
+  // loader roles: thread t loads A[a_m + i*(THREADS/BK)][a_kk] (i < A_LOADS) and B[b_kk][b_j + i*B_ROW]
+  // (i < B_LOADS) of each slab: one kk for its A loads, one for its B loads, so the digits of kk and
+  // what follows from them are stepped once per slab for each side.
+  const int a_kk = t % CONV_BK, a_m = t / CONV_BK;
+  const int b_j = t % CONV_B_ROW, b_kk = t / CONV_B_ROW;
+  int a_row[CONV_A_LOADS];  // m * mstride of A (rows >= M read row M - 1: never stored)
+  const int a_mstride = (MODE == CONV_FPROP) ? (int)KR : (MODE == CONV_DGRAD) ? R * S : P * Q;
 #pragma unroll
-  for (int c = 0; c < CONV_B_COLS; ++c)
-    col[c] = conv_decode_col<MODE>(B, j0 + b_j + c * CONV_B_JSTEP, NG, C, H, W, K, R, S, P, Q, stride, pad);
-  const Digits b_step = digits_of(CONV_B_KSTEP, mid_radix, lo_radix);  // load i -> i + 1
-  long long a_k = k_begin + a_kk, b_k = k_begin + b_kk;  // kk of the A loads, of B load 0
-  Digits a_d = digits_of(a_k, mid_radix, lo_radix);
-  Digits b_d = digits_of(b_k, mid_radix, lo_radix);
-  // one slab of B into b_reg, load i at kk = b_k + i*KSTEP (digits from b_d) of column i*JSTEP
-  auto load_b = [&](float* b_reg) {
-    Digits d = b_d;
+  for (int i = 0; i < CONV_A_LOADS; ++i) {
+    const int m = m0 + a_m + i * (CONV_THREADS / CONV_BK);
+    a_row[i] = conv_opaque((m < M ? m : M - 1) * a_mstride);
+  }
+  ConvCol col[CONV_B_LOADS];
 #pragma unroll
-    for (int i = 0; i < CONV_B_LOADS; ++i) {
-      if (CONV_B_KSTEP && i > 0) digits_step(d, b_step, mid_radix, lo_radix);
-      b_reg[i] = conv_load_b<MODE>(col[CONV_B_JSTEP ? i : 0], d, b_k + i * CONV_B_KSTEP, k_end, C, H, W, P, Q,
-                                   stride);
+  for (int i = 0; i < CONV_B_LOADS; ++i)
+    col[i] = conv_decode_col<MODE>(B, j0 + b_j + i * CONV_B_ROW, NG, C, H, W, K, R, S, P, Q, stride, pad);
+  Digits a_d = digits_of(k_begin + a_kk, mid_radix, lo_radix);
+  int a_k = (int)(k_begin + a_kk);  // kk of the A loads: FPROP's A offset (< C*R*S), unused otherwise
+  Digits b_d = digits_of(k_begin + b_kk, mid_radix, lo_radix);
+
+  float a_reg[CONV_A_LOADS], b_reg[CONV_B_LOADS];
+  // one slab of A and B into the registers: the slab that leaves k_left terms
+  auto load = [&]() {
+    const float* a_origin = conv_origin_a<MODE>(A, a_d, a_k, C, K, R, S, P, Q);
+    const bool a_ok = a_kk < k_left;
+#pragma unroll
+    for (int i = 0; i < CONV_A_LOADS; ++i) a_reg[i] = a_ok ? __ldg(a_origin + a_row[i]) : 0.0f;
+    const bool b_ok = b_kk < k_left;
+    if (MODE == CONV_DGRAD && !UNIT) {
+#pragma unroll
+      for (int i = 0; i < CONV_B_LOADS; ++i) b_reg[i] = conv_load_b_strided(col[i], b_d, b_ok, P, Q, stride);
+    } else {
+      const ConvTap tb = conv_tap<MODE>(B, b_d, C, H, W, P, Q, stride);
+#pragma unroll
+      for (int i = 0; i < CONV_B_LOADS; ++i) b_reg[i] = conv_load_b<MODE>(col[i], tb, b_ok, Hb, Wb);
     }
   };
 
@@ -251,30 +314,21 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   for (int i = 0; i < CONV_TM; ++i)
     for (int j = 0; j < CONV_TN; ++j) acc[i][j] = 0.0f;
 
-  float a_reg[CONV_A_LOADS], b_reg[CONV_B_LOADS];
-#pragma unroll
-  for (int i = 0; i < CONV_A_LOADS; ++i)
-    a_reg[i] = conv_load_a<MODE>(A, m0 + a_m + i * (CONV_THREADS / CONV_BK), a_d, a_k, M, KR, k_end, C, K, R, S,
-                                 P, Q);
-  load_b(b_reg);
-
-  for (long long k0 = k_begin; k0 < k_end; k0 += CONV_BK) {
+  load();
+  for (; k_left > 0; k_left -= CONV_BK) {
     __syncthreads();  // every thread is done reading the previous slab
 #pragma unroll
     for (int i = 0; i < CONV_A_LOADS; ++i) As[a_kk][a_m + i * (CONV_THREADS / CONV_BK)] = a_reg[i];
 #pragma unroll
-    for (int i = 0; i < CONV_B_LOADS; ++i) Bs[b_kk + i * CONV_B_KSTEP][b_j + i * CONV_B_JSTEP] = b_reg[i];
+    for (int i = 0; i < CONV_B_LOADS; ++i) Bs[b_kk][b_j + i * CONV_B_ROW] = b_reg[i];
     __syncthreads();  // slab complete
-    if (k0 + CONV_BK < k_end) {  // prefetch the next slab while this one is multiplied
+    if (k_left > CONV_BK) {  // prefetch the next slab while this one is multiplied
       a_k += CONV_BK;
-      b_k += CONV_BK;
       digits_step(a_d, step, mid_radix, lo_radix);
-#pragma unroll
-      for (int i = 0; i < CONV_A_LOADS; ++i)
-        a_reg[i] = conv_load_a<MODE>(A, m0 + a_m + i * (CONV_THREADS / CONV_BK), a_d, a_k, M, KR, k_end, C, K, R,
-                                     S, P, Q);
       digits_step(b_d, step, mid_radix, lo_radix);
-      load_b(b_reg);
+      k_left -= CONV_BK;  // load() reads the count the next slab leaves
+      load();
+      k_left += CONV_BK;
     }
 #pragma unroll
     for (int kk = 0; kk < CONV_BK; ++kk) {
@@ -366,7 +420,10 @@ conv2d_fprop_partial(const float* __restrict__ x, const float* __restrict__ w, f
 extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
 conv2d_dgrad(const float* __restrict__ dy, const float* __restrict__ w, float* __restrict__ dx, int N, int C,
              int H, int W, int K, int R, int S, int P, int Q, int stride, int pad) {
-  conv_gemm<CONV_DGRAD, false>(w, dy, dx, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, (long long)K * R * S);
+  if (stride == 1)  // uniform: the unit-stride instantiation's loads divide nothing
+    conv_gemm<CONV_DGRAD, false, true>(w, dy, dx, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, (long long)K * R * S);
+  else
+    conv_gemm<CONV_DGRAD, false, false>(w, dy, dx, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, (long long)K * R * S);
 }
 
 // ws[z] (C, N*H*W) = the part of dx summed over kk = (k, r, s) in [z*chunk, (z+1)*chunk): split-K dgrad.
@@ -374,7 +431,10 @@ extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
 conv2d_dgrad_partial(const float* __restrict__ dy, const float* __restrict__ w, float* __restrict__ ws, int N,
                      int C, int H, int W, int K, int R, int S, int P, int Q, int stride, int pad,
                      long long chunk) {
-  conv_gemm<CONV_DGRAD, true>(w, dy, ws, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, chunk);
+  if (stride == 1)
+    conv_gemm<CONV_DGRAD, true, true>(w, dy, ws, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, chunk);
+  else
+    conv_gemm<CONV_DGRAD, true, false>(w, dy, ws, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, chunk);
 }
 
 // ws[z] = partial dw over the (n, p, q) range [z*chunk, (z+1)*chunk) for z = blockIdx.z.

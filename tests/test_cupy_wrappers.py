@@ -404,6 +404,23 @@ def test_padded_extent_beyond_int32_refused(fake_gpu):
     assert fake_gpu == []
 
 
+def test_padded_plane_beyond_int32_refused(fake_gpu):
+    """A column's origin in the kernels is an int offset into the padded plane: (H + 2*pad)*(W + 2*pad)
+    >= 2^31 is refused even where H, W, C*H*W and (stride 4) K*P*Q fit."""
+    x, w = FakeArray((1, 1, 4, 4)), FakeArray((1, 1, 3, 3))
+    with pytest.raises(ValueError, match=r"\(H \+ 2\*pad\)\*\(W \+ 2\*pad\) = .* does not fit a 32-bit int"):
+        cupy_ops.conv2d_fprop(x, w, None, 4, 2**15)
+    assert fake_gpu == []
+
+
+def test_gemm_split_keeps_a_block_range_within_int32(monkeypatch):
+    """The kernels count a block's reduction terms in an int: no range passes CONV_MAX_CHUNK (2^30),
+    even when one range is asked for."""
+    monkeypatch.setattr(cupy_ops, "conv_split_override", 1)
+    splits, chunk = cupy_ops.gemm_split(8, 8, 3 * 2**30 + 5)
+    assert chunk <= cupy_ops.CONV_MAX_CHUNK and splits * chunk >= 3 * 2**30 + 5 and splits == 3 + 1
+
+
 def test_image_beyond_int32_refused(fake_gpu):
     """Offsets within one image are 32-bit in the kernels: C*H*W >= 2^31 is refused before launch."""
     x, w = FakeArray((1, 2**11, 2**10, 2**10)), FakeArray((1, 2**11, 1, 1))

@@ -61,6 +61,7 @@ conv_tile_override: tuple[int, int] | None = None  # (BM, BN) forced on every co
 conv_split_override: int | None = None  # split-K ranges forced on every conv GEMM (bench, tests)
 CONV_TARGET_BLOCKS = 512  # split-K aims at about this many blocks when the device's wave is unknown
 CONV_MIN_CHUNK = 256  # ... and each range of the reduction keeps at least this many terms
+CONV_MAX_CHUNK = 2**30  # ... and at most this many: the kernels count a block's terms in an int
 CONV_BLOCKS_PER_SM = 2  # conv GEMM blocks resident per SM: __launch_bounds__(CONV_THREADS, 2) in conv2d.cu
 REDUCE_THREADS = 256  # bias_grad, softmax_xent: power of two <= 256 (BIAS/SOFTMAX_THREADS_MAX)
 ELEMENTWISE_THREADS = 256
@@ -289,9 +290,10 @@ def gemm_split(M: int, NG: int, KR: int, tile: tuple[int, int] | None = None) ->
     """(splits, chunk) of a conv GEMM's reduction: KR cut into `splits` ranges of `chunk` terms (split-K).
 
     chunk is a multiple of the K-slab CONV_BK; splits = ceil(KR / chunk), so no range is empty, and
-    every range keeps >= CONV_MIN_CHUNK terms; at most 65,535 ranges. The output (M, NG) in `tile`s
-    (default `conv_tile(M)`) often gives too few blocks to fill the GPU: wgrad's (K, C*R*S) is a few
-    dozen tiles, fprop and dgrad of small late layers fewer than one per SM. With s ranges the GEMM
+    every range keeps >= CONV_MIN_CHUNK terms; at most 65,535 ranges, and at most CONV_MAX_CHUNK (2^30)
+    terms each (the kernels count them in an int). The output (M, NG) in `tile`s (default
+    `conv_tile(M)`) often gives too few blocks to fill the GPU: wgrad's (K, C*R*S) is a few dozen
+    tiles, fprop and dgrad of small late layers fewer than one per SM. With s ranges the GEMM
     takes about ceil(tiles * s / wave) waves of blocks each 1/s as long, so s minimises
     ceil(tiles * s / wave) / s (the fewest ranges among equals: each costs workspace traffic), wave =
     `device_wave()`; an output of two waves or more is not split. Without a known wave the grid
@@ -310,7 +312,7 @@ def gemm_split(M: int, NG: int, KR: int, tile: tuple[int, int] | None = None) ->
         want = 1
     else:
         want = _fewest_waves(tiles, most, wave)
-    want = max(1, min(want, _cdiv(KR, CONV_BK), MAX_GRID_YZ))
+    want = max(1, min(want, _cdiv(KR, CONV_BK), MAX_GRID_YZ), _cdiv(KR, CONV_MAX_CHUNK))
     chunk = _cdiv(_cdiv(KR, want), CONV_BK) * CONV_BK
     return _cdiv(KR, chunk), chunk
 
@@ -337,7 +339,7 @@ def shape4(op: str, arg: str, shape, names: str) -> tuple[int, int, int, int]:
 def conv_geometry(op: str, x_shape, w_shape, stride: int, pad: int) -> tuple[int, int]:
     """Output size (P, Q); ValueError on a channel mismatch, stride < 1, pad < 0, a filter larger than the
     padded input, or an extent the kernels' 32-bit indices within one image or filter cannot hold
-    (C*H*W, K*P*Q, K*C*R*S, ...: up to 2^31 - 1 elements per image)."""
+    (C*H*W, K*P*Q, K*C*R*S, the padded plane (H + 2*pad)*(W + 2*pad), ...: up to 2^31 - 1 elements)."""
     c_int32(op, "stride", stride)
     c_int32(op, "pad", pad)
     if stride < 1 or pad < 0:
@@ -354,7 +356,8 @@ def conv_geometry(op: str, x_shape, w_shape, stride: int, pad: int) -> tuple[int
     for what, v in (("H + 2*pad", H + 2 * pad), ("W + 2*pad", W + 2 * pad), ("C*R*S", C * R * S),
                     ("K*R*S", K * R * S), ("N", N), ("K", K),
                     ("(P-1)*stride", (P - 1) * stride), ("(Q-1)*stride", (Q - 1) * stride),
-                    ("C*H*W", C * H * W), ("K*P*Q", K * P * Q), ("K*C*R*S", K * C * R * S)):
+                    ("C*H*W", C * H * W), ("K*P*Q", K * P * Q), ("K*C*R*S", K * C * R * S),
+                    ("(H + 2*pad)*(W + 2*pad)", (H + 2 * pad) * (W + 2 * pad))):
         c_int32(op, what, v)
     return P, Q
 
