@@ -26,7 +26,9 @@
 //
 // Tile: each block computes a BM x BN tile of C, stepping KR in slabs of 8; thread (ty, tx) owns
 // the 4x4 register block C[ty*4 + i][tx*4 + j] and reads its 4 rows of As and 4 columns of Bs as
-// one float4 each per kk (a warp reads broadcast float4s of As and consecutive float4s of Bs).
+// one float4 each per kk. The 32 threads of a warp own an 8 (tx) x 4 (ty) patch of blocks (the lane
+// layout of CUTLASS's SIMT GEMMs), so per kk a warp reads 64 bytes of As and 128 of Bs, one
+// shared-memory wavefront each, where a row of 16 or 32 threads would read 256 or 512 bytes of Bs.
 // The next slab is fetched from global memory into registers while the current one is multiplied.
 // Loads are cheap in the main loop: a thread's B loads share one slab row kk and its A loads one kk,
 // whose digits ((c, r, s), (k, r, s) or (n, p, q)) are stepped from slab to slab without integer
@@ -49,12 +51,16 @@
 #ifndef CONV_BN
 #define CONV_BN 64  // columns of C (output pixels / filter taps) per block
 #endif
+#ifndef CONV_BK
 #define CONV_BK 8   // reduction slab
+#endif
 #define CONV_TM 4   // register block: rows per thread (one float4 of As per kk)
 #define CONV_TN 4   // register block: columns per thread (one float4 of Bs per kk)
 #define CONV_TX (CONV_BN / CONV_TN)
 #define CONV_TY (CONV_BM / CONV_TM)
 #define CONV_THREADS (CONV_TX * CONV_TY)              // 256
+#define CONV_WARP_TX 8  // a warp's threads: 8 register blocks along BN x 4 along BM
+#define CONV_WARP_TY 4
 #define CONV_A_LOADS (CONV_BM * CONV_BK / CONV_THREADS)  // A slab elements per thread (2)
 #define CONV_B_LOADS (CONV_BK * CONV_BN / CONV_THREADS)  // B slab elements per thread (2)
 // B loader: a slab row has CONV_B_ROW = THREADS/BK loading threads; thread t loads columns
@@ -73,6 +79,8 @@ static_assert((CONV_BM * CONV_BK) % CONV_THREADS == 0 && (CONV_BK * CONV_BN) % C
               "every thread loads the same number of A and of B slab elements");
 static_assert(CONV_AS_PITCH % 32 != 0, "As pitch: not a multiple of 32 banks (8-way store conflicts)");
 static_assert(CONV_THREADS <= 1024, "at most 1,024 threads per block");
+static_assert(CONV_TX % CONV_WARP_TX == 0 && CONV_TY % CONV_WARP_TY == 0,
+              "BN a multiple of 32 and BM of 16: whole warps of 8 x 4 register blocks");
 
 #define CONV_FPROP 0
 #define CONV_DGRAD 1
@@ -268,7 +276,9 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   int k_left = (int)((k_begin + chunk < KR) ? chunk : KR - k_begin);
 
   const int t = threadIdx.x;
-  const int tx = t % CONV_TX, ty = t / CONV_TX;
+  const int warp = t / 32, lane = t % 32;  // warps tile the block row by row, lanes their 8 x 4 patch
+  const int tx = (warp % (CONV_TX / CONV_WARP_TX)) * CONV_WARP_TX + lane % CONV_WARP_TX;
+  const int ty = (warp / (CONV_TX / CONV_WARP_TX)) * CONV_WARP_TY + lane / CONV_WARP_TX;
   const int m0 = blockIdx.y * CONV_BM;
   const long long j0 = (long long)blockIdx.x * CONV_BN;
 
@@ -333,7 +343,7 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
 #pragma unroll
     for (int kk = 0; kk < CONV_BK; ++kk) {
       // thread (ty, tx) owns rows ty*4 .. ty*4+3 and columns tx*4 .. tx*4+3: one 16-byte shared
-      // load each (a warp reads two broadcast float4 of As and 16 consecutive float4 of Bs)
+      // load each (a warp reads 4 consecutive float4 of As and 8 of Bs, each read by 8 or 4 threads)
       const float4 a4 = *reinterpret_cast<const float4*>(&As[kk][ty * CONV_TM]);
       const float4 b4 = *reinterpret_cast<const float4*>(&Bs[kk][tx * CONV_TN]);
       const float a[CONV_TM] = {a4.x, a4.y, a4.z, a4.w};

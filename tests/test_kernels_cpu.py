@@ -60,7 +60,7 @@ def test_harness_catches_a_wrong_kernel():
         cases.conv_wrappers(lib, np.random.default_rng(0), True)
 
 
-@pytest.mark.parametrize("bm, bn", [(32, 128), (16, 16)])
+@pytest.mark.parametrize("bm, bn", [(32, 128), (16, 32), (32, 64)])
 def test_conv_with_other_tile_shapes(bm, bn):
     """The tile body derives its loader and register-block layout from CONV_BM/CONV_BN (-D overrides)."""
     lib = harness.build(defines={"CONV_BM": bm, "CONV_BN": bn})
