@@ -14,9 +14,10 @@
 // Shapes: x (N, C, H, W), w (K, C, R, S), bias (K,) or NULL, y / dy (N, K, P, Q) with
 // P = (H + 2*pad - R)/stride + 1, Q likewise; ws (splits, M, NG); dw (K, C, R, S).
 // Launch (GEMM kernels): block CONV_THREADS = (BM/4)*(BN/4) threads (1-D), grid (ceil(NG/BN),
-// ceil(M/BM), splits), static shared memory 8*(BM+4) + 8*BN floats. The tile (BM, BN) is chosen
-// at compile time (-DCONV_BM, -DCONV_BN; 64x64 by default, 32x128 for GEMMs of <= 32 rows: see
-// cupy_ops.conv_tile). conv2d_fprop / conv2d_dgrad write C in place (splits = 1, chunk = KR).
+// ceil(M/BM), splits), static shared memory BK*(AS_PITCH + BS_PITCH) floats (twice that in the dgrad
+// kernels: two instantiations). The tile (BM, BN) and its K-slab BK are chosen at compile time
+// (-DCONV_BM, -DCONV_BN, -DCONV_BK; 64x64 with BK 16 by default, 32x128 with BK 8 for GEMMs of
+// <= 32 rows, where 16 would need every register: see cupy_ops.conv_tile, CONV_TILE_BK). conv2d_fprop / conv2d_dgrad write C in place (splits = 1, chunk = KR).
 // Split-K: the *_partial kernels sum kk in [z*chunk, min(KR, (z+1)*chunk)) for z = blockIdx.z
 // (chunk a multiple of CONV_BK) into a workspace, and conv2d_split_reduce adds the splits in a
 // fixed order, without atomics, so every result is bit-reproducible run to run. wgrad always
@@ -24,7 +25,7 @@
 // to fill the GPU (cupy_ops.gemm_split).
 // conv2d_split_reduce: see its comment (two-level, fixed order).
 //
-// Tile: each block computes a BM x BN tile of C, stepping KR in slabs of 8; thread (ty, tx) owns
+// Tile: each block computes a BM x BN tile of C, stepping KR in slabs of BK; thread (ty, tx) owns
 // the 4x4 register block C[ty*4 + i][tx*4 + j] and reads its 4 rows of As and 4 columns of Bs as
 // one float4 each per kk. The 32 threads of a warp own an 8 (tx) x 4 (ty) patch of blocks (the lane
 // layout of CUTLASS's SIMT GEMMs), so per kk a warp reads 64 bytes of As and 128 of Bs, one
@@ -52,7 +53,7 @@
 #define CONV_BN 64  // columns of C (output pixels / filter taps) per block
 #endif
 #ifndef CONV_BK
-#define CONV_BK 8   // reduction slab
+#define CONV_BK 16  // reduction slab (cupy_ops.CONV_TILE_BK: 16 for 64x64, 8 for 32x128)
 #endif
 #define CONV_TM 4   // register block: rows per thread (one float4 of As per kk)
 #define CONV_TN 4   // register block: columns per thread (one float4 of Bs per kk)
@@ -61,14 +62,17 @@
 #define CONV_THREADS (CONV_TX * CONV_TY)              // 256
 #define CONV_WARP_TX 8  // a warp's threads: 8 register blocks along BN x 4 along BM
 #define CONV_WARP_TY 4
-#define CONV_A_LOADS (CONV_BM * CONV_BK / CONV_THREADS)  // A slab elements per thread (2)
-#define CONV_B_LOADS (CONV_BK * CONV_BN / CONV_THREADS)  // B slab elements per thread (2)
+#define CONV_A_LOADS (CONV_BM * CONV_BK / CONV_THREADS)  // A slab elements per thread (64x64: 4)
+#define CONV_B_LOADS (CONV_BK * CONV_BN / CONV_THREADS)  // B slab elements per thread (64x64: 4)
 // B loader: a slab row has CONV_B_ROW = THREADS/BK loading threads; thread t loads columns
 // t % B_ROW + i*B_ROW (i < B_LOADS) of row t / B_ROW, so its loads share one reduction index kk.
 #define CONV_B_ROW (CONV_THREADS / CONV_BK)
-// Row pitch of As: 4 floats of padding put the 8 kk rows that one warp's A stores touch in
-// different banks, and keep every row 16-byte aligned for the float4 reads.
+// Row pitches, multiples of 4 floats so that every row is 16-byte aligned for the float4 reads.
+// As: 4 floats of padding spread the BK kk rows that one warp's A stores touch over the banks (at
+// most 2 per bank with BK = 16). Bs: a warp's B stores cover 32 / B_ROW rows of B_ROW columns; a
+// pitch of BN + B_ROW (BN is a multiple of 32) puts them in different banks.
 #define CONV_AS_PITCH (CONV_BM + 4)
+#define CONV_BS_PITCH (CONV_BN + (CONV_B_ROW < 32 && CONV_B_ROW % 4 == 0 ? CONV_B_ROW : 0))
 
 // What the loaders, the float4 reads and the bank layout rely on (a tile choice that breaks one
 // fails to compile instead of computing garbage or serialising the shared-memory stores).
@@ -78,6 +82,7 @@ static_assert(CONV_THREADS % CONV_BK == 0 && CONV_BN % CONV_B_ROW == 0,
 static_assert((CONV_BM * CONV_BK) % CONV_THREADS == 0 && (CONV_BK * CONV_BN) % CONV_THREADS == 0,
               "every thread loads the same number of A and of B slab elements");
 static_assert(CONV_AS_PITCH % 32 != 0, "As pitch: not a multiple of 32 banks (8-way store conflicts)");
+static_assert(CONV_AS_PITCH % 4 == 0 && CONV_BS_PITCH % 4 == 0, "shared rows: 16-byte aligned for float4 reads");
 static_assert(CONV_THREADS <= 1024, "at most 1,024 threads per block");
 static_assert(CONV_TX % CONV_WARP_TX == 0 && CONV_TY % CONV_WARP_TY == 0,
               "BN a multiple of 32 and BM of 16: whole warps of 8 x 4 register blocks");
@@ -255,7 +260,7 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
                                           int N, int C, int H, int W, int K, int R, int S, int P, int Q,
                                           int stride, int pad, long long chunk) {
   __shared__ __align__(16) float As[CONV_BK][CONV_AS_PITCH];  // As[kk][m]
-  __shared__ __align__(16) float Bs[CONV_BK][CONV_BN];        // Bs[kk][j]
+  __shared__ __align__(16) float Bs[CONV_BK][CONV_BS_PITCH];  // Bs[kk][j]
 
   const int M = (MODE == CONV_DGRAD) ? C : K;
   const long long NG = (MODE == CONV_FPROP)   ? (long long)N * P * Q

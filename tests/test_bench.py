@@ -4,6 +4,8 @@ jobs for minutes and are not part of the test suite.
 bench/nsync.py: the trailing mean of the training loss over the latest pushes holding at least a
 window of images, and the time at which it first reaches a target.
 
+bench/sass_mix.py: finding the conv kernels' main loops in disassembled machine code.
+
 bench/kernels.py: the conv layers it times (from the cifar10 model), the implicit GEMM shape and
 FLOP count of each pass, the FP32 peak from (compute capability, SMs, clock), the error and ratio
 columns of its table and the goal lines; and its exit status 2 on a machine without a GPU.
@@ -23,6 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the scripts import their siblings
 
 from nsync import time_to_loss, trailing_mean
+from sass_mix import function_bodies, hot_loops
 
 from kernels import (  # bench/kernels.py, not the kernels/ folder of .cu files
     ConvLayer,
@@ -195,3 +198,36 @@ def test_kernel_bench_without_a_gpu_exits_2_with_one_line():
     assert done.stdout == ""
     (line,) = done.stderr.splitlines()
     assert line.startswith("bench/kernels.py: no CUDA device visible (") and line.endswith("): nothing to time")
+
+
+SASS = """\
+\t.text.conv2d_dgrad:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   FFMA R2, R3, R4, R2 ;
+        /*0020*/                   FFMA R5, R3, R4, R5 ;
+        /*0030*/              @!P0 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0040*/                   FFMA R2, R3, R4, R2 ;
+        /*0050*/                   IMAD R6, R7, R8, RZ ;
+        /*0060*/                   LDS.128 R8, [R9] ;
+        /*0070*/                   FFMA R5, R3, R4, R5 ;
+        /*0080*/                   BRA `(.L_x_2) ;
+        /*0090*/                   FFMA R5, R3, R4, R5 ;
+        /*00a0*/                   BRA `(.L_x_3) ;
+.L_x_3:
+        /*00b0*/                   EXIT ;
+\t.text.conv2d_fprop:
+        /*0000*/                   EXIT ;
+"""
+
+
+def test_sass_mix_finds_the_loops_with_the_most_ffma_shortest_first():
+    """bench/sass_mix.py: the hot loops are the backward branches' bodies holding the most FFMA (both
+    of dgrad's, shortest first); a forward branch is no loop, a kernel without FFMA has none."""
+    bodies = function_bodies(SASS)
+    assert set(bodies) == {"conv2d_dgrad", "conv2d_fprop"}
+    loops = hot_loops(bodies["conv2d_dgrad"])
+    assert [(n, ffma) for n, ffma, _ in loops] == [(3, 2), (5, 2)]
+    assert loops[1][2] == {"FFMA": 2, "IMAD": 1, "LDS": 1, "BRA": 1}
+    assert hot_loops(bodies["conv2d_fprop"]) == []

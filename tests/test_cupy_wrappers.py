@@ -223,14 +223,16 @@ def test_each_conv_pass_launches_the_tile_of_its_rows(fake_gpu, monkeypatch):
 
 def test_tile_defines():
     assert cupy_ops.tile_defines(None) == ()
-    assert cupy_ops.tile_defines((32, 128)) == ("-DCONV_BM=32", "-DCONV_BN=128")
+    assert cupy_ops.tile_defines((32, 128)) == ("-DCONV_BM=32", "-DCONV_BN=128", "-DCONV_BK=8")
+    assert cupy_ops.tile_defines((64, 64)) == ("-DCONV_BM=64", "-DCONV_BN=64", "-DCONV_BK=16")
+    assert cupy_ops.conv_bk((16, 32)) == cupy_ops.CONV_BK  # a tile outside the table: the kernel's default
 
 
 @pytest.mark.parametrize("K, CRS, NPQ", [(32, 75, 131072), (32, 800, 28800), (64, 800, 6272), (1, 1, 1),
                                          (512, 4608, 7), (16, 27, 10**9), (3, 5, 8 * 65535 * 3 + 1)])
 def test_gemm_split_covers_the_reduction(K, CRS, NPQ):
     splits, chunk = cupy_ops.gemm_split(K, CRS, NPQ)
-    assert chunk % cupy_ops.CONV_BK == 0 and chunk > 0
+    assert chunk % cupy_ops.conv_bk(cupy_ops.conv_tile(K)) == 0 and chunk > 0
     assert (splits - 1) * chunk < NPQ <= splits * chunk  # no empty split, nothing left out
     assert 1 <= splits <= cupy_ops.MAX_GRID_YZ
     grid, _ = cupy_ops.conv_launch(M=K, NG=CRS, splits=splits)

@@ -60,10 +60,11 @@ def test_harness_catches_a_wrong_kernel():
         cases.conv_wrappers(lib, np.random.default_rng(0), True)
 
 
-@pytest.mark.parametrize("bm, bn", [(32, 128), (16, 32), (32, 64)])
-def test_conv_with_other_tile_shapes(bm, bn):
-    """The tile body derives its loader and register-block layout from CONV_BM/CONV_BN (-D overrides)."""
-    lib = harness.build(defines={"CONV_BM": bm, "CONV_BN": bn})
+@pytest.mark.parametrize("bm, bn, bk", [(32, 128, 8), (16, 32, 16), (32, 64, 8), (64, 64, 8)])
+def test_conv_with_other_tile_shapes(bm, bn, bk):
+    """The tile body derives its loader and register-block layout from CONV_BM/CONV_BN/CONV_BK (-D
+    overrides; the default build is the 64x64 tile with BK 16)."""
+    lib = harness.build(defines={"CONV_BM": bm, "CONV_BN": bn, "CONV_BK": bk})
     cases.conv_wrappers(lib, np.random.default_rng(1), True)
 
 
