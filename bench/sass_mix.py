@@ -5,9 +5,8 @@ launches and each architecture, compile kernels/conv2d.cu with nvcc to a cubin, 
 nvdisasm, find the loop with the most FFMA (the K-slab loop: BK x 4 x 4 FFMA per thread; conv2d_dgrad
 has two, for stride 1 and stride > 1) and print its length in instructions and the share that is
 FFMA. One warp scheduler issues one instruction per cycle, so the FFMA share bounds the fraction of
-FP32 peak the loop can reach
-(memory stalls and occupancy come on top); it is a proxy to compare kernel versions on a machine
-without a GPU, not a GPU measurement.
+FP32 peak the loop can reach (memory stalls and occupancy come on top); it is a proxy to compare
+kernel versions on a machine without a GPU, not a GPU measurement.
 
     python bench/sass_mix.py                       # this checkout
     python bench/sass_mix.py --against HEAD~1      # side by side with another git revision
