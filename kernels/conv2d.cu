@@ -15,9 +15,9 @@
 // P = (H + 2*pad - R)/stride + 1, Q likewise; ws (splits, M, NG); dw (K, C, R, S).
 // Launch (GEMM kernels): block CONV_THREADS = (BM/4)*(BN/4) threads (1-D), grid (ceil(NG/BN),
 // ceil(M/BM), splits), static shared memory BK*(AS_PITCH + BS_PITCH) floats (twice that in the dgrad
-// kernels: two instantiations). The tile (BM, BN) and its K-slab BK are chosen at compile time
-// (-DCONV_BM, -DCONV_BN, -DCONV_BK; 64x64 with BK 16 by default, 32x128 with BK 8 for GEMMs of
-// <= 32 rows, where 16 would need every register: see cupy_ops.conv_tile, CONV_TILE_BK). conv2d_fprop / conv2d_dgrad write C in place (splits = 1, chunk = KR).
+// kernels: two instantiations). The tile (BM, BN) is chosen at compile time (-DCONV_BM, -DCONV_BN;
+// 64x64 by default, 32x128 for GEMMs of <= 32 rows: see cupy_ops.conv_tile); so is the K-slab BK
+// (16; -DCONV_BK for tests). conv2d_fprop / conv2d_dgrad write C in place (splits = 1, chunk = KR).
 // Split-K: the *_partial kernels sum kk in [z*chunk, min(KR, (z+1)*chunk)) for z = blockIdx.z
 // (chunk a multiple of CONV_BK) into a workspace, and conv2d_split_reduce adds the splits in a
 // fixed order, without atomics, so every result is bit-reproducible run to run. wgrad always
@@ -53,7 +53,7 @@
 #define CONV_BN 64  // columns of C (output pixels / filter taps) per block
 #endif
 #ifndef CONV_BK
-#define CONV_BK 16  // reduction slab (cupy_ops.CONV_TILE_BK: 16 for 64x64, 8 for 32x128)
+#define CONV_BK 16  // reduction slab (cupy_ops.CONV_BK: split-K ranges are multiples of it)
 #endif
 #define CONV_TM 4   // register block: rows per thread (one float4 of As per kk)
 #define CONV_TN 4   // register block: columns per thread (one float4 of Bs per kk)
@@ -64,9 +64,13 @@
 #define CONV_WARP_TY 4
 #define CONV_A_LOADS (CONV_BM * CONV_BK / CONV_THREADS)  // A slab elements per thread (64x64: 4)
 #define CONV_B_LOADS (CONV_BK * CONV_BN / CONV_THREADS)  // B slab elements per thread (64x64: 4)
-// B loader: a slab row has CONV_B_ROW = THREADS/BK loading threads; thread t loads columns
-// t % B_ROW + i*B_ROW (i < B_LOADS) of row t / B_ROW, so its loads share one reduction index kk.
-#define CONV_B_ROW (CONV_THREADS / CONV_BK)
+// B loader: thread t loads B_COLS columns t % B_ROW + c*B_ROW (c < B_COLS) of B_RROWS slab rows
+// t / B_ROW + r*B_RSTEP (r < B_RROWS): it decodes its columns once, before the loop, and steps one
+// reduction index kk per row, which the row's loads share. At most 4 columns: registers.
+#define CONV_B_COLS (CONV_B_LOADS < 4 ? CONV_B_LOADS : 4)
+#define CONV_B_ROW (CONV_BN / CONV_B_COLS)        // threads per slab row
+#define CONV_B_RSTEP (CONV_THREADS / CONV_B_ROW)  // slab rows the block's threads cover at once
+#define CONV_B_RROWS (CONV_BK / CONV_B_RSTEP)     // slab rows per thread
 // Row pitches, multiples of 4 floats so that every row is 16-byte aligned for the float4 reads.
 // As: 4 floats of padding spread the BK kk rows that one warp's A stores touch over the banks (at
 // most 2 per bank with BK = 16). Bs: a warp's B stores cover 32 / B_ROW rows of B_ROW columns; a
@@ -77,8 +81,9 @@
 // What the loaders, the float4 reads and the bank layout rely on (a tile choice that breaks one
 // fails to compile instead of computing garbage or serialising the shared-memory stores).
 static_assert(CONV_BM % CONV_TM == 0 && CONV_BN % CONV_TN == 0, "BM, BN: multiples of the 4x4 register block");
-static_assert(CONV_THREADS % CONV_BK == 0 && CONV_BN % CONV_B_ROW == 0,
-              "THREADS: a multiple of BK, and THREADS/BK (the B loader's row) dividing BN");
+static_assert(CONV_THREADS % CONV_BK == 0 && CONV_BN % CONV_B_COLS == 0 && CONV_THREADS % CONV_B_ROW == 0 &&
+                  CONV_BK % CONV_B_RSTEP == 0 && CONV_B_RROWS * CONV_B_COLS == CONV_B_LOADS,
+              "THREADS: a multiple of BK, and the B loader's rows of BN/B_COLS threads tiling the slab");
 static_assert((CONV_BM * CONV_BK) % CONV_THREADS == 0 && (CONV_BK * CONV_BN) % CONV_THREADS == 0,
               "every thread loads the same number of A and of B slab elements");
 static_assert(CONV_AS_PITCH % 32 != 0, "As pitch: not a multiple of 32 banks (8-way store conflicts)");
@@ -287,11 +292,12 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   const int m0 = blockIdx.y * CONV_BM;
   const long long j0 = (long long)blockIdx.x * CONV_BN;
 
-  // loader roles: thread t loads A[a_m + i*(THREADS/BK)][a_kk] (i < A_LOADS) and B[b_kk][b_j + i*B_ROW]
-  // (i < B_LOADS) of each slab: one kk for its A loads, one for its B loads, so the digits of kk and
-  // what follows from them are stepped once per slab for each side.
+  // loader roles: thread t loads A[a_m + i*(THREADS/BK)][a_kk] (i < A_LOADS) and
+  // B[b_kk + r*B_RSTEP][b_j + c*B_ROW] (r < B_RROWS, c < B_COLS) of each slab: one kk for its A loads
+  // and one per B row, so the digits of kk and what follows from them are stepped once per slab for
+  // each.
   const int a_kk = t % CONV_BK, a_m = t / CONV_BK;
-  const int b_j = t % CONV_B_ROW, b_kk = t / CONV_B_ROW;
+  const int b_j = t % CONV_B_ROW, b_kk = t / CONV_B_ROW;  // row r of the thread: b_kk + r*B_RSTEP
   int a_row[CONV_A_LOADS];  // m * mstride of A (rows >= M read row M - 1: never stored)
   const int a_mstride = (MODE == CONV_FPROP) ? (int)KR : (MODE == CONV_DGRAD) ? R * S : P * Q;
 #pragma unroll
@@ -299,13 +305,15 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
     const int m = m0 + a_m + i * (CONV_THREADS / CONV_BK);
     a_row[i] = conv_opaque((m < M ? m : M - 1) * a_mstride);
   }
-  ConvCol col[CONV_B_LOADS];
+  ConvCol col[CONV_B_COLS];
 #pragma unroll
-  for (int i = 0; i < CONV_B_LOADS; ++i)
-    col[i] = conv_decode_col<MODE>(B, j0 + b_j + i * CONV_B_ROW, NG, C, H, W, K, R, S, P, Q, stride, pad);
+  for (int c = 0; c < CONV_B_COLS; ++c)
+    col[c] = conv_decode_col<MODE>(B, j0 + b_j + c * CONV_B_ROW, NG, C, H, W, K, R, S, P, Q, stride, pad);
   Digits a_d = digits_of(k_begin + a_kk, mid_radix, lo_radix);
   int a_k = (int)(k_begin + a_kk);  // kk of the A loads: FPROP's A offset (< C*R*S), unused otherwise
-  Digits b_d = digits_of(k_begin + b_kk, mid_radix, lo_radix);
+  Digits b_d[CONV_B_RROWS];
+#pragma unroll
+  for (int r = 0; r < CONV_B_RROWS; ++r) b_d[r] = digits_of(k_begin + b_kk + r * CONV_B_RSTEP, mid_radix, lo_radix);
 
   float a_reg[CONV_A_LOADS], b_reg[CONV_B_LOADS];
   // one slab of A and B into the registers: the slab that leaves k_left terms
@@ -314,14 +322,18 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
     const bool a_ok = a_kk < k_left;
 #pragma unroll
     for (int i = 0; i < CONV_A_LOADS; ++i) a_reg[i] = a_ok ? __ldg(a_origin + a_row[i]) : 0.0f;
-    const bool b_ok = b_kk < k_left;
-    if (MODE == CONV_DGRAD && !UNIT) {
 #pragma unroll
-      for (int i = 0; i < CONV_B_LOADS; ++i) b_reg[i] = conv_load_b_strided(col[i], b_d, b_ok, P, Q, stride);
-    } else {
-      const ConvTap tb = conv_tap<MODE>(B, b_d, C, H, W, P, Q, stride);
+    for (int r = 0; r < CONV_B_RROWS; ++r) {
+      const bool b_ok = b_kk + r * CONV_B_RSTEP < k_left;
+      float* b_row = b_reg + r * CONV_B_COLS;
+      if (MODE == CONV_DGRAD && !UNIT) {
 #pragma unroll
-      for (int i = 0; i < CONV_B_LOADS; ++i) b_reg[i] = conv_load_b<MODE>(col[i], tb, b_ok, Hb, Wb);
+        for (int c = 0; c < CONV_B_COLS; ++c) b_row[c] = conv_load_b_strided(col[c], b_d[r], b_ok, P, Q, stride);
+      } else {
+        const ConvTap tb = conv_tap<MODE>(B, b_d[r], C, H, W, P, Q, stride);
+#pragma unroll
+        for (int c = 0; c < CONV_B_COLS; ++c) b_row[c] = conv_load_b<MODE>(col[c], tb, b_ok, Hb, Wb);
+      }
     }
   };
 
@@ -335,12 +347,15 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
 #pragma unroll
     for (int i = 0; i < CONV_A_LOADS; ++i) As[a_kk][a_m + i * (CONV_THREADS / CONV_BK)] = a_reg[i];
 #pragma unroll
-    for (int i = 0; i < CONV_B_LOADS; ++i) Bs[b_kk][b_j + i * CONV_B_ROW] = b_reg[i];
+    for (int r = 0; r < CONV_B_RROWS; ++r)
+#pragma unroll
+      for (int c = 0; c < CONV_B_COLS; ++c) Bs[b_kk + r * CONV_B_RSTEP][b_j + c * CONV_B_ROW] = b_reg[r * CONV_B_COLS + c];
     __syncthreads();  // slab complete
     if (k_left > CONV_BK) {  // prefetch the next slab while this one is multiplied
       a_k += CONV_BK;
       digits_step(a_d, step, mid_radix, lo_radix);
-      digits_step(b_d, step, mid_radix, lo_radix);
+#pragma unroll
+      for (int r = 0; r < CONV_B_RROWS; ++r) digits_step(b_d[r], step, mid_radix, lo_radix);
       k_left -= CONV_BK;  // load() reads the count the next slab leaves
       load();
       k_left += CONV_BK;

@@ -223,16 +223,14 @@ def test_each_conv_pass_launches_the_tile_of_its_rows(fake_gpu, monkeypatch):
 
 def test_tile_defines():
     assert cupy_ops.tile_defines(None) == ()
-    assert cupy_ops.tile_defines((32, 128)) == ("-DCONV_BM=32", "-DCONV_BN=128", "-DCONV_BK=8")
-    assert cupy_ops.tile_defines((64, 64)) == ("-DCONV_BM=64", "-DCONV_BN=64", "-DCONV_BK=16")
-    assert cupy_ops.conv_bk((16, 32)) == cupy_ops.CONV_BK  # a tile outside the table: the kernel's default
+    assert cupy_ops.tile_defines((32, 128)) == ("-DCONV_BM=32", "-DCONV_BN=128")
 
 
 @pytest.mark.parametrize("K, CRS, NPQ", [(32, 75, 131072), (32, 800, 28800), (64, 800, 6272), (1, 1, 1),
                                          (512, 4608, 7), (16, 27, 10**9), (3, 5, 8 * 65535 * 3 + 1)])
 def test_gemm_split_covers_the_reduction(K, CRS, NPQ):
     splits, chunk = cupy_ops.gemm_split(K, CRS, NPQ)
-    assert chunk % cupy_ops.conv_bk(cupy_ops.conv_tile(K)) == 0 and chunk > 0
+    assert chunk % cupy_ops.CONV_BK == 0 and chunk > 0
     assert (splits - 1) * chunk < NPQ <= splits * chunk  # no empty split, nothing left out
     assert 1 <= splits <= cupy_ops.MAX_GRID_YZ
     grid, _ = cupy_ops.conv_launch(M=K, NG=CRS, splits=splits)
@@ -259,7 +257,8 @@ def test_gemm_split_of_fprop_and_dgrad(M, NG, KR, splits, monkeypatch):
 
 @pytest.mark.parametrize("M, NG, KR, splits, blocks", [
     (64, 800, 128 * 7 * 7, 20, 260),        # conv3 wgrad: 13 tiles; 24 ranges would take 312 blocks = 2 waves
-    (32, 75, 128 * 32 * 32, 261, 261),      # conv1 wgrad: 1 tile -> one wave of ranges (not 512: two waves)
+    (32, 75, 128 * 32 * 32, 256, 256),      # conv1 wgrad: 1 tile -> one wave (261 ranges asked, of whole
+                                            # 16-term slabs: 256 of 512 terms; not 512 ranges: two waves)
     (32, 800, 128 * 15 * 15, 75, 525),      # conv2 wgrad: 7 tiles -> 2 full waves
     (64, 128 * 7 * 7, 800, 2, 196),         # conv3 fprop: 98 tiles; 3 ranges (294 blocks) would spill a wave
     (32, 128 * 7 * 7, 1600, 5, 245),        # conv3 dgrad: 49 tiles
@@ -286,7 +285,7 @@ def test_device_wave_without_a_gpu():
 def test_gemm_split_override(monkeypatch):
     monkeypatch.setattr(cupy_ops, "conv_split_override", 5)
     assert cupy_ops.gemm_split(32, 10**6, 800) == (5, 160)
-    assert cupy_ops.gemm_split(32, 10**6, 16) == (2, 8)  # at least one K-slab per range
+    assert cupy_ops.gemm_split(32, 10**6, 32) == (2, 16)  # at least one K-slab (16) per range
 
 
 @pytest.mark.parametrize("n, blocks", [(0, 1), (1, 1), (256, 1), (257, 2), (10**12, 65535)])

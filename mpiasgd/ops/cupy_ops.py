@@ -52,14 +52,11 @@ MAX_GRID_YZ = 65535
 MAX_BLOCK_THREADS = 1024
 MAX_STATIC_SHARED = 48 * 1024  # bytes
 
-CONV_BM, CONV_BN, CONV_BK = 64, 64, 16  # kernels/conv2d.cu defaults (-DCONV_BM/BN/BK select a variant)
+CONV_BM, CONV_BN, CONV_BK = 64, 64, 16  # kernels/conv2d.cu defaults (-DCONV_BM/-DCONV_BN select a variant)
 # (BM, BN) tile variants that conv2d.cu is compiled for, 256 threads each (16x16 or 8x32 threads
 # owning 4x4 outputs): 64x64, and 32x128 for GEMMs of at most 32 rows (the cifar10 model's 32-channel
 # layers), which a 64-row tile would half idle
 CONV_TILES = ((64, 64), (32, 128))
-# K-slab of each tile: 16 halves the per-slab costs (barriers, digit steps, loop) per FFMA; the
-# 32x128 tile keeps 8, where 16 needs all 128 registers that 2 blocks per SM leave a thread
-CONV_TILE_BK = {(64, 64): 16, (32, 128): 8}
 conv_tile_override: tuple[int, int] | None = None  # (BM, BN) forced on every conv launch (bench, tests)
 conv_split_override: int | None = None  # split-K ranges forced on every conv GEMM (bench, tests)
 CONV_TARGET_BLOCKS = 512  # split-K aims at about this many blocks when the device's wave is unknown
@@ -132,19 +129,9 @@ def compile_kernels() -> list[str]:
 NVRTC_OPTIONS = ("--std=c++14",)  # CuPy adds -ftz=true, -arch=sm_XX of the device, --device-as-default-execution-space
 
 
-def conv_bk(tile: tuple[int, int]) -> int:
-    """The K-slab of tile (BM, BN): CONV_TILE_BK, else the kernel's default CONV_BK."""
-    return CONV_TILE_BK.get((int(tile[0]), int(tile[1])), CONV_BK)
-
-
-def tile_macros(tile: tuple[int, int]) -> dict[str, int]:
-    """The macros that compile conv2d.cu for tile (BM, BN): CONV_BM, CONV_BN and its CONV_BK."""
-    return {"CONV_BM": int(tile[0]), "CONV_BN": int(tile[1]), "CONV_BK": conv_bk(tile)}
-
-
 def tile_defines(tile: tuple[int, int] | None) -> tuple[str, ...]:
     """The -D options that compile conv2d.cu for tile (BM, BN); () for the other files (tile None)."""
-    return () if tile is None else tuple(f"-D{k}={v}" for k, v in tile_macros(tile).items())
+    return () if tile is None else (f"-DCONV_BM={int(tile[0])}", f"-DCONV_BN={int(tile[1])}")
 
 
 @functools.cache
@@ -302,7 +289,7 @@ def _fewest_waves(tiles: int, most: int, wave: int) -> int:
 def gemm_split(M: int, NG: int, KR: int, tile: tuple[int, int] | None = None) -> tuple[int, int]:
     """(splits, chunk) of a conv GEMM's reduction: KR cut into `splits` ranges of `chunk` terms (split-K).
 
-    chunk is a multiple of the tile's K-slab (`conv_bk`); splits = ceil(KR / chunk), so no range is empty, and
+    chunk is a multiple of the K-slab CONV_BK; splits = ceil(KR / chunk), so no range is empty, and
     every range keeps >= CONV_MIN_CHUNK terms; at most 65,535 ranges, and at most CONV_MAX_CHUNK (2^30)
     terms each (the kernels count them in an int). The output (M, NG) in `tile`s (default
     `conv_tile(M)`) often gives too few blocks to fill the GPU: wgrad's (K, C*R*S) is a few dozen
@@ -325,9 +312,8 @@ def gemm_split(M: int, NG: int, KR: int, tile: tuple[int, int] | None = None) ->
         want = 1
     else:
         want = _fewest_waves(tiles, most, wave)
-    bk = conv_bk((bm, bn))
-    want = max(1, min(want, _cdiv(KR, bk), MAX_GRID_YZ), _cdiv(KR, CONV_MAX_CHUNK))
-    chunk = _cdiv(_cdiv(KR, want), bk) * bk
+    want = max(1, min(want, _cdiv(KR, CONV_BK), MAX_GRID_YZ), _cdiv(KR, CONV_MAX_CHUNK))
+    chunk = _cdiv(_cdiv(KR, want), CONV_BK) * CONV_BK
     return _cdiv(KR, chunk), chunk
 
 

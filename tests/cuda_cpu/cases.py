@@ -58,19 +58,17 @@ def assert_close(got, ref, what: str, atol: float = ATOL, rtol: float = RTOL) ->
 def cpu_backend(lib, **constants) -> Iterator:
     """`cupy_ops` with numpy arrays and the harness kernels (and launch constants overridden).
 
-    A conv launch for tile (BM, BN) runs `lib.variant` built with its macros (`cupy_ops.tile_macros`:
-    -DCONV_BM/-DCONV_BN/-DCONV_BK), as cupy_ops compiles one module per tile on the GPU. A library
-    built with tile macros (`lib.defines`, e.g. CONV_BM=16) forces that tile on every conv launch
-    (`conv_tile_override`), with the library's K-slab (CONV_BK) as that tile's.
+    A conv launch for tile (BM, BN) runs `lib.variant` built with -DCONV_BM/-DCONV_BN, as cupy_ops
+    compiles one module per tile on the GPU. A library built with tile macros (`lib.defines`, e.g.
+    CONV_BM=16, CONV_BK=8) forces that tile on every conv launch (`conv_tile_override`).
     """
     d = lib.defines
     if "CONV_BM" in d or "CONV_BN" in d:
         tile = (d.get("CONV_BM", cupy_ops.CONV_BM), d.get("CONV_BN", cupy_ops.CONV_BN))
-        bk = {tile: d.get("CONV_BK", cupy_ops.CONV_BK)}
-        constants = {"conv_tile_override": tile, "CONV_TILE_BK": {**cupy_ops.CONV_TILE_BK, **bk}, **constants}
+        constants = {"conv_tile_override": tile, **constants}
 
     def get_kernel(name: str, tile: tuple[int, int] | None = None):
-        return (lib if tile is None else lib.variant(cupy_ops.tile_macros(tile))).kernel(name)
+        return (lib if tile is None else lib.variant({"CONV_BM": tile[0], "CONV_BN": tile[1]})).kernel(name)
 
     saved = {"xp": cupy_ops.xp, "get_kernel": cupy_ops.get_kernel}
     saved.update({k: getattr(cupy_ops, k) for k in constants})
