@@ -5,6 +5,8 @@ Test bodies are written in terms of the number of ranks, so the same checks run 
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ import pytest
 from conftest import kill_session, session_pids, start_mpi, stop_group
 
 from mpiasgd.runlog import open_log
+from mpiasgd.signals import EXIT_PREEMPTED
 
 FAST = ["--model", "digits", "--batch-size", "16", "--snapshot-interval", "0.2", "--flush-interval", "0.2",
         "--no-progress", "--comm-timeout", "60"]
@@ -120,16 +123,20 @@ def wait_for_pushes(path, proc, timeout=60.0):
 
 
 def test_overwrite_refused_while_log_is_written(mpirun, tmp_path):
-    proc = start_mpi(3, ["train", *FAST, "--epochs", "0", "--max-time", "15", "--name", "busy"], tmp_path)
+    # the busy run lasts until it is told to stop (SIGUSR1 through mpiexec), so however slowly the
+    # second job starts on a loaded machine, it meets a log that is being written
+    proc = start_mpi(3, ["train", *FAST, "--epochs", "0", "--max-time", "120", "--name", "busy"], tmp_path)
     try:
         wait_for_pushes(tmp_path / "runs" / "busy.h5", proc)
         res = mpirun(3, ["train", *FAST, "--name", "busy", "--overwrite"], timeout=60)
+        assert proc.poll() is None, "the busy run ended before the second job was refused"
         assert res.returncode == 2 and "is being written by a running job" in res.stderr, res.explain()
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        os.kill(proc.pid, signal.SIGUSR1)
+        assert proc.wait(timeout=60) == EXIT_PREEMPTED, proc.stderr.read()
     finally:
         stop_group(proc)
     attrs, _, _ = read_log(tmp_path / "runs" / "busy.h5")
-    assert attrs["status"] == "completed"
+    assert attrs["status"] == "preempted"  # the refused job left the log alone
     assert not (tmp_path / "runs" / "busy.h5.lock").exists()
 
 
