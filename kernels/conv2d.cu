@@ -19,7 +19,7 @@
 // 64x64 by default, 32x128 for GEMMs of <= 32 rows: see cupy_ops.conv_tile); so is the K-slab BK
 // (16; -DCONV_BK for tests). conv2d_fprop / conv2d_dgrad write C in place (splits = 1, chunk = KR).
 // Split-K: the *_partial kernels sum kk in [z*chunk, min(KR, (z+1)*chunk)) for z = blockIdx.z
-// (chunk a multiple of CONV_BK) into a workspace, and conv2d_split_reduce adds the splits in a
+// (any chunk >= 1; cupy_ops.gemm_split picks multiples of CONV_BK) into a workspace, and conv2d_split_reduce adds the splits in a
 // fixed order, without atomics, so every result is bit-reproducible run to run. wgrad always
 // splits its N*P*Q reduction; fprop and dgrad split when their output alone gives too few blocks
 // to fill the GPU (cupy_ops.gemm_split).
@@ -43,9 +43,10 @@
 // image and within the filter are int (cupy_ops.conv_geometry checks that C*H*W, K*P*Q, K*C*R*S and
 // (H + 2*pad)*(W + 2*pad) fit), as is a block's count of reduction terms (gemm_split: <= 2^30).
 
-// Tile shape: production values here; CONV_BM / CONV_BN may be overridden with -D (cupy_ops compiles
-// one variant per tile it launches; the CPU harness tests several). BM, BN multiples of 4 with
-// THREADS dividing BM*BK and BK*BN. Everything below is derived from them.
+// Tile shape: production values here; CONV_BM / CONV_BN / CONV_BK may be overridden with -D (cupy_ops
+// compiles one variant per tile it launches; the CPU harness tests several). Everything below is
+// derived from them; the static_asserts say what a tile must satisfy (BN a multiple of 32, BM of 16,
+// the loaders tiling the slabs).
 #ifndef CONV_BM
 #define CONV_BM 64  // rows of C (output channels) per block
 #endif
@@ -127,16 +128,20 @@ __device__ __forceinline__ void digits_step(Digits& d, const Digits& step, int m
 }
 
 // One B column j, decoded once per thread (j is fixed over the KR loop). The B element at reduction
-// index kk is origin[off(kk)] (FPROP, DGRAD) or tap.img[base + off(kk)] (WGRAD) when (h, w) = (a + kh(kk),
-// b + kw(kk)) is inside [0, Hb) x [0, Wb), else a zero of the padding; kh, kw and off depend on kk only,
-// so the loads of one slab row share them (see conv_tap):
-//   FPROP (x, column (n, p, q)):  (a, b) = (p*st - pad, q*st - pad), origin = x + n*C*H*W + a*W + b
+// index kk is col.origin[tap.off] (FPROP, DGRAD) or tap.origin[col.base] (WGRAD) when (h, w) =
+// (a + kh(kk), b + kw(kk)) is inside [0, Hb) x [0, Wb), else a zero of the padding; kh, kw and the
+// tap's offset or origin depend on kk only, so the loads of one slab row share them (see conv_tap):
+//   FPROP (x, column (n, p, q)):  (a, b) = (p*st - pad, q*st - pad), origin = x + n*C*H*W + p*st*W + q*st
 //   DGRAD (dy, column (n, h, w)): (a, b) = (h + pad, w + pad), origin = dy + n*K*P*Q + a*Q + b
 //   WGRAD (x, column (c, r, s)):  (a, b) = (r - pad, s - pad), base = c*H*W + a*W + b
-// origin may lie outside the image (in the padding); it is only dereferenced at in-bounds (h, w).
-// A column j >= NG (the last tile's overhang) is decoded as NG - 1: its loads stay in bounds and its
-// results are never stored. Ints are enough: cupy_ops.conv_geometry bounds C*H*W, K*P*Q and
-// (H + 2*pad)*(W + 2*pad) by 2^31 - 1.
+// An origin may lie outside its image; it is only dereferenced at in-bounds (h, w). A column
+// j >= NG (the last tile's overhang) is decoded as NG - 1: its loads stay in bounds and its results
+// are never stored. Ints are enough: cupy_ops.conv_geometry bounds C*H*W, K*P*Q and (H + 2*pad)*
+// (W + 2*pad) by 2^31 - 1, and each part of an in-bounds address (base or origin offset, tap offset)
+// lies between -pad*W - pad and the image size (FPROP puts -pad in the tap, not in the column: the
+// column part p*st*W + q*st is >= 0, so the tap part stays below C*H*W). Tap offsets of slab rows
+// past the reduction (kk >= KR: loaded as zeros, never dereferenced) may leave the int range: they
+// are computed in unsigned arithmetic, which wraps instead of overflowing.
 struct ConvCol {
   const float* origin;  // FPROP, DGRAD
   int a, b, base;       // base: WGRAD
@@ -171,7 +176,7 @@ __device__ __forceinline__ ConvCol conv_decode_col(const float* __restrict__ B, 
     const int rem = (int)(j - n * pq);
     col.a = (rem / Q) * stride - pad;
     col.b = (rem % Q) * stride - pad;
-    col.base = col.a * W + col.b;
+    col.base = (col.a + pad) * W + (col.b + pad);  // p*st*W + q*st: the -pad goes to the tap (conv_tap)
     col.origin = conv_opaque(B + n * C * H * W + col.base);
   } else if (MODE == CONV_DGRAD) {
     const long long hw = (long long)H * W;
@@ -203,17 +208,17 @@ struct ConvTap {
 // kk = digits d: FPROP (c, r, s), DGRAD (k, r, s), WGRAD (n, p, q)
 template <int MODE>
 __device__ __forceinline__ ConvTap conv_tap(const float* __restrict__ B, const Digits& d, int C, int H, int W,
-                                            int P, int Q, int stride) {
+                                            int P, int Q, int stride, int pad) {
   ConvTap t;
   t.origin = B;
   if (MODE == CONV_FPROP) {  // x[n][c][a + r][b + s]
     t.kh = d.mid;
     t.kw = d.lo;
-    t.off = (d.hi * H + d.mid) * W + d.lo;
+    t.off = (int)(((unsigned)d.hi * H + d.mid - pad) * W + d.lo - pad);  // [-pad*W - pad, C*H*W) when in bounds
   } else if (MODE == CONV_DGRAD) {  // unit stride: dy[n][k][a - r][b - s]
     t.kh = -d.mid;
     t.kw = -d.lo;
-    t.off = (d.hi * P - d.mid) * Q - d.lo;
+    t.off = (int)(((unsigned)d.hi * P - d.mid) * Q - d.lo);
   } else {  // WGRAD: x[n][c][p*st + a][q*st + b]
     t.kh = d.mid * stride;
     t.kw = d.lo * stride;
@@ -251,8 +256,8 @@ __device__ __forceinline__ float conv_load_b_strided(const ConvCol& col, const D
 template <int MODE>
 __device__ __forceinline__ const float* conv_origin_a(const float* __restrict__ A, const Digits& d, int kk,
                                                       int C, int K, int R, int S, int P, int Q) {
-  if (MODE == CONV_FPROP) return conv_opaque(A + kk);  // kk < C*R*S
-  if (MODE == CONV_DGRAD) return conv_opaque(A + (d.hi * (C * R * S) + d.mid * S + d.lo));
+  if (MODE == CONV_FPROP) return conv_opaque(A + kk);
+  if (MODE == CONV_DGRAD) return conv_opaque(A + (int)((unsigned)d.hi * (C * R * S) + d.mid * S + d.lo));
   return conv_opaque(A + (long long)d.hi * (K * P * Q) + (d.mid * Q + d.lo));
 }
 
@@ -310,7 +315,8 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   for (int c = 0; c < CONV_B_COLS; ++c)
     col[c] = conv_decode_col<MODE>(B, j0 + b_j + c * CONV_B_ROW, NG, C, H, W, K, R, S, P, Q, stride, pad);
   Digits a_d = digits_of(k_begin + a_kk, mid_radix, lo_radix);
-  int a_k = (int)(k_begin + a_kk);  // kk of the A loads: FPROP's A offset (< C*R*S), unused otherwise
+  // kk of the A loads, FPROP's A offset (< C*R*S + BK: the last slab's rows past KR load nothing)
+  int a_k = (MODE == CONV_FPROP) ? (int)(k_begin + a_kk) : 0;
   Digits b_d[CONV_B_RROWS];
 #pragma unroll
   for (int r = 0; r < CONV_B_RROWS; ++r) b_d[r] = digits_of(k_begin + b_kk + r * CONV_B_RSTEP, mid_radix, lo_radix);
@@ -318,10 +324,10 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   float a_reg[CONV_A_LOADS], b_reg[CONV_B_LOADS];
   // one slab of A and B into the registers: the slab that leaves k_left terms
   auto load = [&]() {
-    const float* a_origin = conv_origin_a<MODE>(A, a_d, a_k, C, K, R, S, P, Q);
     const bool a_ok = a_kk < k_left;
+    const float* a_origin = conv_origin_a<MODE>(A, a_d, a_k, C, K, R, S, P, Q);
 #pragma unroll
-    for (int i = 0; i < CONV_A_LOADS; ++i) a_reg[i] = a_ok ? __ldg(a_origin + a_row[i]) : 0.0f;
+    for (int i = 0; i < CONV_A_LOADS; ++i) a_reg[i] = a_ok ? __ldg(a_origin + a_row[i]) : 0.0f;  // < K*C*R*S
 #pragma unroll
     for (int r = 0; r < CONV_B_RROWS; ++r) {
       const bool b_ok = b_kk + r * CONV_B_RSTEP < k_left;
@@ -330,7 +336,7 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
 #pragma unroll
         for (int c = 0; c < CONV_B_COLS; ++c) b_row[c] = conv_load_b_strided(col[c], b_d[r], b_ok, P, Q, stride);
       } else {
-        const ConvTap tb = conv_tap<MODE>(B, b_d[r], C, H, W, P, Q, stride);
+        const ConvTap tb = conv_tap<MODE>(B, b_d[r], C, H, W, P, Q, stride, pad);
 #pragma unroll
         for (int c = 0; c < CONV_B_COLS; ++c) b_row[c] = conv_load_b<MODE>(col[c], tb, b_ok, Hb, Wb);
       }
@@ -352,7 +358,7 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
       for (int c = 0; c < CONV_B_COLS; ++c) Bs[b_kk + r * CONV_B_RSTEP][b_j + c * CONV_B_ROW] = b_reg[r * CONV_B_COLS + c];
     __syncthreads();  // slab complete
     if (k_left > CONV_BK) {  // prefetch the next slab while this one is multiplied
-      a_k += CONV_BK;
+      if (MODE == CONV_FPROP) a_k += CONV_BK;
       digits_step(a_d, step, mid_radix, lo_radix);
 #pragma unroll
       for (int r = 0; r < CONV_B_RROWS; ++r) digits_step(b_d[r], step, mid_radix, lo_radix);

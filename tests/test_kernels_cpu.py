@@ -77,6 +77,36 @@ def test_bad_tile_shapes_do_not_compile(bm, bn, message):
                       sources={"conv2d.cu": harness.kernel_sources()["conv2d.cu"]})
 
 
+NEAR_INT32_LIMIT = """
+import sys
+import numpy as np
+from cuda_cpu import cases, harness
+W, C, H, pad, stride = 2**20, 2047, 1, 2, 2**20  # P = 1, Q = 2: output column 1 sees x[:, 0, W - 2]
+try:
+    x = np.zeros((1, C, H, W), np.float32)  # 8 GiB of zero pages, left untouched but a few thousand
+except MemoryError:
+    sys.exit(3)
+x[0, C - 1, 0, W - 2], x[0, C - 2, 0, W - 2] = 1.0, 2.0
+w = np.ones((1, C, 3, 1), np.float32)
+with cases.cpu_backend(harness.build(), conv_split_override=int(sys.argv[1])) as ops:
+    print(ops.conv2d_fprop(x, w, None, stride, pad).ravel().tolist())
+"""
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_conv_fprop_addresses_near_the_int32_limit(splits):
+    """An image of 2^31 - 2^20 floats (C*H*W and the padded plane fit an int) whose one window sits at
+    the far end: each int part of a B address (column origin, tap offset) must stay in range for an
+    in-bounds tap. With -pad in the column part the tap part reached 2^31 here and wrapped: a read
+    8 GiB before x (helper-17), a segfault, hence the subprocess."""
+    proc = subprocess.run([sys.executable, "-c", NEAR_INT32_LIMIT, str(splits)], capture_output=True, text=True,
+                          timeout=TSAN_TIMEOUT, cwd=TESTS, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    if proc.returncode == 3:
+        pytest.skip("no 8 GiB of address space for the image")
+    assert proc.returncode == 0 and proc.stdout.split() == ["[0.0,", "3.0]"], (proc.returncode, proc.stdout,
+                                                                               proc.stderr[-2000:])
+
+
 def test_launcher_refuses_wrong_argument_types(lib):
     k = lib.kernel("relu_fprop")
     x = np.zeros(8, np.float32)
