@@ -19,10 +19,10 @@
 // 64x64 by default, 32x128 for GEMMs of <= 32 rows: see cupy_ops.conv_tile); so is the K-slab BK
 // (16; -DCONV_BK for tests). conv2d_fprop / conv2d_dgrad write C in place (splits = 1, chunk = KR).
 // Split-K: the *_partial kernels sum kk in [z*chunk, min(KR, (z+1)*chunk)) for z = blockIdx.z
-// (any chunk >= 1; cupy_ops.gemm_split picks multiples of CONV_BK) into a workspace, and conv2d_split_reduce adds the splits in a
-// fixed order, without atomics, so every result is bit-reproducible run to run. wgrad always
-// splits its N*P*Q reduction; fprop and dgrad split when their output alone gives too few blocks
-// to fill the GPU (cupy_ops.gemm_split).
+// (any chunk >= 1; cupy_ops.gemm_split picks multiples of CONV_BK) into a workspace, and
+// conv2d_split_reduce adds the splits in a fixed order, without atomics, so every result is
+// bit-reproducible run to run. wgrad always splits its N*P*Q reduction; fprop and dgrad split when
+// their output alone gives too few blocks to fill the GPU (cupy_ops.gemm_split).
 // conv2d_split_reduce: see its comment (two-level, fixed order).
 //
 // Tile: each block computes a BM x BN tile of C, stepping KR in slabs of BK; thread (ty, tx) owns
@@ -322,15 +322,16 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   for (int r = 0; r < CONV_B_RROWS; ++r) b_d[r] = digits_of(k_begin + b_kk + r * CONV_B_RSTEP, mid_radix, lo_radix);
 
   float a_reg[CONV_A_LOADS], b_reg[CONV_B_LOADS];
-  // one slab of A and B into the registers: the slab that leaves k_left terms
-  auto load = [&]() {
-    const bool a_ok = a_kk < k_left;
+  // one slab of A and B into the registers: the slab with `left` terms of the block's range to go
+  // (its rows at or past `left` are past the range: zeros)
+  auto load = [&](int left) {
+    const bool a_ok = a_kk < left;
     const float* a_origin = conv_origin_a<MODE>(A, a_d, a_k, C, K, R, S, P, Q);
 #pragma unroll
     for (int i = 0; i < CONV_A_LOADS; ++i) a_reg[i] = a_ok ? __ldg(a_origin + a_row[i]) : 0.0f;  // < K*C*R*S
 #pragma unroll
     for (int r = 0; r < CONV_B_RROWS; ++r) {
-      const bool b_ok = b_kk + r * CONV_B_RSTEP < k_left;
+      const bool b_ok = b_kk + r * CONV_B_RSTEP < left;
       float* b_row = b_reg + r * CONV_B_COLS;
       if (MODE == CONV_DGRAD && !UNIT) {
 #pragma unroll
@@ -347,7 +348,7 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   for (int i = 0; i < CONV_TM; ++i)
     for (int j = 0; j < CONV_TN; ++j) acc[i][j] = 0.0f;
 
-  load();
+  load(k_left);
   for (; k_left > 0; k_left -= CONV_BK) {
     __syncthreads();  // every thread is done reading the previous slab
 #pragma unroll
@@ -355,16 +356,15 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
 #pragma unroll
     for (int r = 0; r < CONV_B_RROWS; ++r)
 #pragma unroll
-      for (int c = 0; c < CONV_B_COLS; ++c) Bs[b_kk + r * CONV_B_RSTEP][b_j + c * CONV_B_ROW] = b_reg[r * CONV_B_COLS + c];
+      for (int c = 0; c < CONV_B_COLS; ++c)
+        Bs[b_kk + r * CONV_B_RSTEP][b_j + c * CONV_B_ROW] = b_reg[r * CONV_B_COLS + c];
     __syncthreads();  // slab complete
     if (k_left > CONV_BK) {  // prefetch the next slab while this one is multiplied
       if (MODE == CONV_FPROP) a_k += CONV_BK;
       digits_step(a_d, step, mid_radix, lo_radix);
 #pragma unroll
       for (int r = 0; r < CONV_B_RROWS; ++r) digits_step(b_d[r], step, mid_radix, lo_radix);
-      k_left -= CONV_BK;  // load() reads the count the next slab leaves
-      load();
-      k_left += CONV_BK;
+      load(k_left - CONV_BK);
     }
 #pragma unroll
     for (int kk = 0; kk < CONV_BK; ++kk) {
