@@ -408,12 +408,13 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   for (int i = 0; i < CONV_TM; ++i) {
     const int m = m0 + ty * CONV_TM + i;
     if (m >= M) continue;
+    const float bm = (MODE == CONV_FPROP && !PARTIAL && bias != 0) ? __ldg(bias + m) : 0.0f;
     float v[CONV_TN];
 #pragma unroll
     for (int j = 0; j < CONV_TN; ++j) {
       v[j] = acc[i][j];
       if (MODE == CONV_FPROP && !PARTIAL) {
-        if (bias != 0) v[j] += __ldg(bias + m);
+        if (bias != 0) v[j] += bm;
         if (relu) v[j] = fmaxf(v[j], 0.0f);
       }
     }

@@ -8,6 +8,8 @@ Tolerance, stated once: |got - ref| <= TOL * (|ref| + max|ref|) elementwise (flo
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -75,8 +77,10 @@ def test_conv_passes(cp, npo, name, xs, ws, stride, pad):
 def test_conv_passes_exact_on_integers(cp, npo, name, xs, ws, stride, pad, monkeypatch):
     """Inputs in -3..3: every product and partial sum is an integer below 2^24, so float32 is exact in
     any order and the GPU must equal the float64 reference bit for bit; a tap dropped or counted twice
-    (split boundary, digit carry, padding test) cannot hide in a tolerance. Across the shapes both
-    tiles run, each pass with split-K as chosen and with one range."""
+    (split boundary, digit carry, padding test) cannot hide in a tolerance. Each pass runs with each
+    tile forced and split-K as chosen, with one range and with three (ranges that cut through (c, r, s)),
+    so that every kernel instantiation runs on the GPU: fprop/dgrad whole and partial, dgrad's
+    stride-1 and strided paths, in both tiles (helper-18: some ran in neither tile otherwise)."""
     from mpiasgd.ops import cupy_ops
 
     rng = np.random.default_rng(2)
@@ -89,17 +93,18 @@ def test_conv_passes_exact_on_integers(cp, npo, name, xs, ws, stride, pad, monke
     refs = {"fprop": npo.conv2d_fprop(x64, w64, b64, stride, pad),
             "dgrad": npo.conv2d_dgrad(dy64, w64, xs, stride, pad),
             "wgrad": npo.conv2d_wgrad(dy64, x64, ws, stride, pad)}
-    d = cp.asarray
-    for splits in (None, 1):
+    x, w, b, dy = (cp.asarray(a) for a in (x, w, b, dy))
+    for tile, splits in itertools.product(cupy_ops.CONV_TILES, (None, 1, 3)):
+        monkeypatch.setattr(cupy_ops, "conv_tile_override", tile)
         monkeypatch.setattr(cupy_ops, "conv_split_override", splits)
-        got = {"fprop": cp.conv2d_fprop(d(x), d(w), d(b), stride, pad),
-               "dgrad": cp.conv2d_dgrad(d(dy), d(w), xs, stride, pad),
-               "wgrad": cp.conv2d_wgrad(d(dy), d(x), ws, stride, pad)}
+        got = {"fprop": cp.conv2d_fprop(x, w, b, stride, pad),
+               "dgrad": cp.conv2d_dgrad(dy, w, xs, stride, pad),
+               "wgrad": cp.conv2d_wgrad(dy, x, ws, stride, pad)}
         for what, ref in refs.items():
             g = cp.to_numpy(got[what])
-            assert np.array_equal(g, ref), (f"{name} {what} (split override {splits}): {int(np.sum(g != ref))} "
-                                            f"elements differ from the exact result, worst by "
-                                            f"{float(np.max(np.abs(g - ref)))}")
+            assert np.array_equal(g, ref), (f"{name} {what} (tile {tile}, split override {splits}): "
+                                            f"{int(np.sum(g != ref))} elements differ from the exact result, "
+                                            f"worst by {float(np.max(np.abs(g - ref)))}")
 
 
 @pytest.mark.parametrize("xs,k,s", POOLS)
