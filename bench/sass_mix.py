@@ -33,10 +33,10 @@ sys.path.insert(0, str(ROOT))
 
 from mpiasgd.ops import cupy_ops  # noqa: E402  (after the path set-up)
 
-KERNELS = ("conv2d_fprop", "conv2d_dgrad", "conv2d_wgrad_partial")
 # rows of the table: (kernel, which of its hot loops: 0 the shortest, -1 the longest, label)
 ROWS = (("conv2d_fprop", 0, ""), ("conv2d_dgrad", 0, "stride 1"), ("conv2d_dgrad", -1, "stride > 1"),
         ("conv2d_wgrad_partial", 0, ""))
+KERNELS = tuple(dict.fromkeys(k for k, _, _ in ROWS))  # the kernels measured, in table order
 ARCHS = ("sm_80", "sm_90")
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_(\d+)\)|\.L_x_(\d+))")

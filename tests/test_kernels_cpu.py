@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(harness.find_cxx() is None,
 
 TESTS = Path(__file__).resolve().parent
 TSAN_TIMEOUT = 300  # seconds for one ThreadSanitizer subprocess
+SUBPROCESS_TIMEOUT = 300  # seconds for another harness run in a subprocess
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +100,9 @@ def test_conv_fprop_addresses_near_the_int32_limit(splits):
     the far end: each int part of a B address (column origin, tap offset) must stay in range for an
     in-bounds tap. With -pad in the column part the tap part reached 2^31 here and wrapped: a read
     8 GiB before x (helper-17), a segfault, hence the subprocess."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run([sys.executable, "-c", NEAR_INT32_LIMIT, str(splits)], capture_output=True, text=True,
-                          timeout=TSAN_TIMEOUT, cwd=TESTS, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+                          timeout=SUBPROCESS_TIMEOUT, cwd=TESTS, env=env)
     if proc.returncode == 3:
         pytest.skip("no 8 GiB of address space for the image")
     assert proc.returncode == 0 and proc.stdout.split() == ["[0.0,", "3.0]"], (proc.returncode, proc.stdout,
