@@ -2,11 +2,13 @@
 
 For each implicit-GEMM conv kernel (fprop, dgrad, wgrad_partial), each tile variant that cupy_ops
 launches and each architecture, compile kernels/conv2d.cu with nvcc to a cubin, disassemble it with
-nvdisasm, find the loop with the most FFMA (the K-slab loop: BK x 4 x 4 FFMA per thread; conv2d_dgrad
-has two, for stride 1 and stride > 1) and print its length in instructions and the share that is
-FFMA. One warp scheduler issues one instruction per cycle, so the FFMA share bounds the fraction of
-FP32 peak the loop can reach (memory stalls and occupancy come on top); it is a proxy to compare
-kernel versions on a machine without a GPU, not a GPU measurement.
+nvdisasm, find the loops with the most FFMA (the K-slab loop: BK x 4 x 4 FFMA per thread, once per
+instantiation: conv2d_fprop and conv2d_wgrad_partial have two, with the tap table and testing bounds
+for filters of more than 32 taps; conv2d_dgrad three, those two for stride 1 and one for stride > 1)
+and print each one's length in instructions and the share that is FFMA. One warp scheduler issues
+one instruction per cycle, so the FFMA share bounds the fraction of FP32 peak the loop can reach
+(memory stalls and occupancy come on top); it is a proxy to compare kernel versions on a machine
+without a GPU, not a GPU measurement.
 
     python bench/sass_mix.py                       # this checkout
     python bench/sass_mix.py --against HEAD~1      # side by side with another git revision
@@ -33,9 +35,14 @@ sys.path.insert(0, str(ROOT))
 
 from mpiasgd.ops import cupy_ops  # noqa: E402  (after the path set-up)
 
-# rows of the table: (kernel, which of its hot loops: 0 the shortest, -1 the longest, label)
-ROWS = (("conv2d_fprop", 0, ""), ("conv2d_dgrad", 0, "stride 1"), ("conv2d_dgrad", -1, "stride > 1"),
-        ("conv2d_wgrad_partial", 0, ""))
+# rows of the table: (kernel, which of its hot loops, shortest first, label). The hot loops of each
+# kernel, in this order by length: LOOPS of them in this checkout, fewer in older revisions (one
+# instantiation per kernel before the tap table; dgrad's strided one is always the longest).
+ROWS = (("conv2d_fprop", 0, "tap table"), ("conv2d_fprop", 1, "R*S > 32"),
+        ("conv2d_dgrad", 0, "stride 1, tap table"), ("conv2d_dgrad", 1, "stride 1, R*S > 32"),
+        ("conv2d_dgrad", -1, "stride > 1"), ("conv2d_wgrad_partial", 0, "tap table"),
+        ("conv2d_wgrad_partial", 1, "R*S > 32"))
+LOOPS = {"conv2d_fprop": 2, "conv2d_dgrad": 3, "conv2d_wgrad_partial": 2}
 KERNELS = tuple(dict.fromkeys(k for k, _, _ in ROWS))  # the kernels measured, in table order
 ARCHS = ("sm_80", "sm_90")
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
@@ -92,6 +99,15 @@ def hot_loops(lines: list[str]) -> list[tuple[int, int, dict[str, int]]]:
         loops[(start, i)] = (len(body), ops.get("FFMA", 0), ops)
     most = max((v[1] for v in loops.values()), default=0)
     return sorted(v for v in loops.values() if most and v[1] == most)
+
+
+def pick(kernel: str, loops: list, which: int):
+    """Row `which` of ROWS from a revision's hot loops of `kernel` (shortest first), or None. The first
+    and the last are always the production and the strided loop; a middle one exists only where the
+    revision has all of LOOPS[kernel] (an older one shows n/a there, not another loop)."""
+    if not loops or (which not in (0, -1) and len(loops) != LOOPS[kernel]):
+        return None
+    return loops[which]
 
 
 class ToolError(RuntimeError):
@@ -153,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(versions: dict[str, str], archs: list[str], nvcc: str, nvdisasm: str) -> int:
-    print(f"{'kernel':<33} {'tile':>7} {'arch':>6} " + " ".join(f"{v[:22]:>24}" for v in versions)
+    print(f"{'kernel':<36} {'tile':>7} {'arch':>6} " + " ".join(f"{v[:22]:>24}" for v in versions)
           + ("   FFMA share ratio" if len(versions) > 1 else ""))
     for arch in archs:
         for tile in cupy_ops.CONV_TILES:
@@ -162,16 +178,17 @@ def _table(versions: dict[str, str], archs: list[str], nvcc: str, nvdisasm: str)
             for k, which, label in ROWS:
                 cells, shares = [], []
                 for r in results:
-                    if r is None or not r.get(k):  # a revision without this tile variant or kernel
+                    loop = None if r is None else pick(k, r.get(k, []), which)
+                    if loop is None:  # a revision without this tile variant, kernel or instantiation
                         cells.append("n/a")
                         shares.append(None)
                         continue
-                    n, ffma = r[k][which]  # one loop (an older dgrad): both of its rows show it
+                    n, ffma = loop
                     shares.append(ffma / n if n else 0.0)
                     cells.append(f"{n:4d} insns, {shares[-1]:5.1%} FFMA")
                 ratio = f"   {shares[0] / shares[1]:.2f}" if len(shares) > 1 and shares[0] and shares[1] else ""
                 name = f"{k} ({label})" if label else k
-                print(f"{name:<33} {f'{tile[0]}x{tile[1]}':>7} {arch:>6} " + " ".join(f"{c:>24}" for c in cells)
+                print(f"{name:<36} {f'{tile[0]}x{tile[1]}':>7} {arch:>6} " + " ".join(f"{c:>24}" for c in cells)
                       + ratio)
     return 0
 

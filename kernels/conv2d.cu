@@ -13,9 +13,11 @@
 //
 // Shapes: x (N, C, H, W), w (K, C, R, S), bias (K,) or NULL, y / dy (N, K, P, Q) with
 // P = (H + 2*pad - R)/stride + 1, Q likewise; ws (splits, M, NG); dw (K, C, R, S).
+// The GEMM kernels take a last argument tab: the layer's tap table (cupy_ops.conv_tap_table), or NULL
+// for the bounds-testing path (see CONV_TABLE; the results are the same).
 // Launch (GEMM kernels): block CONV_THREADS = (BM/4)*(BN/4) threads (1-D), grid (ceil(NG/BN),
-// ceil(M/BM), splits), static shared memory BK*(AS_PITCH + BS_PITCH) floats (twice that in the dgrad
-// kernels: two instantiations). The tile (BM, BN) is chosen at compile time (-DCONV_BM, -DCONV_BN;
+// ceil(M/BM), splits), static shared memory BK*(AS_PITCH + BS_PITCH) floats (ConvSmem, shared by a
+// kernel's instantiations). The tile (BM, BN) is chosen at compile time (-DCONV_BM, -DCONV_BN;
 // 64x64 by default, 32x128 for GEMMs of <= 32 rows: see cupy_ops.conv_tile); so is the K-slab BK
 // (16; -DCONV_BK for tests). conv2d_fprop / conv2d_dgrad write C in place (splits = 1, chunk = KR).
 // Split-K: the *_partial kernels sum kk in [z*chunk, min(KR, (z+1)*chunk)) for z = blockIdx.z
@@ -31,12 +33,16 @@
 // layout of CUTLASS's SIMT GEMMs), so per kk a warp reads 64 bytes of As and 128 of Bs, one
 // shared-memory wavefront each, where a row of 16 or 32 threads would read 256 or 512 bytes of Bs.
 // The next slab is fetched from global memory into registers while the current one is multiplied.
-// Loads are cheap in the main loop: a thread's B loads share one slab row kk and its A loads one kk,
-// whose digits ((c, r, s), (k, r, s) or (n, p, q)) are stepped from slab to slab without integer
-// division; a B column's origin in its image is decoded once, so a B load is two adds, two unsigned
-// bounds compares (the zero padding) and one address computation (conv_load_b); columns and rows
-// beyond the output are clamped to its last one (their results are never stored). dgrad with
-// stride > 1 is a separate instantiation, so the unit-stride loop divides nothing. The epilogue
+// Loads are cheap in the main loop: a thread's B loads share one slab row kk and its A loads one kk.
+// With a tap table (filters of <= 32 taps, the common case; see CONV_TABLE) what a row kk shares
+// (the B offset, its filter-tap bits, the A offset) is one 8-byte and one 4-byte load, fetched one
+// slab ahead, and a B load is one AND of bit masks (the zero padding: tap bits against a column's
+// in-image taps, or the reverse for wgrad) and one address computation. Without one (larger
+// filters, dgrad with stride > 1) the digits of kk ((c, r, s), (k, r, s) or (n, p, q)) are stepped
+// from slab to slab without integer division and a B load is two adds and two unsigned bounds
+// compares (conv_load_b); dgrad with stride > 1 is its own instantiation, so the unit-stride loops
+// divide nothing. Either way a B column's origin in its image is decoded once, and columns and rows
+// beyond the output are clamped to its last one (their results are never stored). The epilogue
 // stores a row of the block as one float4 when its 4 columns are consecutive in memory and 16-byte
 // aligned, else element by element.
 // Offsets: image bases and workspace offsets are 64-bit (N*C*H*W may pass 2^31); offsets within one
@@ -90,12 +96,33 @@ static_assert((CONV_BM * CONV_BK) % CONV_THREADS == 0 && (CONV_BK * CONV_BN) % C
 static_assert(CONV_AS_PITCH % 32 != 0, "As pitch: not a multiple of 32 banks (8-way store conflicts)");
 static_assert(CONV_AS_PITCH % 4 == 0 && CONV_BS_PITCH % 4 == 0, "shared rows: 16-byte aligned for float4 reads");
 static_assert(CONV_THREADS <= 1024, "at most 1,024 threads per block");
+static_assert(2 * CONV_BK <= 128, "the tap table's 128 zero rows (cupy_ops.CONV_TAB_PAD) cover two slabs");
 static_assert(CONV_TX % CONV_WARP_TX == 0 && CONV_TY % CONV_WARP_TY == 0,
               "BN a multiple of 32 and BM of 16: whole warps of 8 x 4 register blocks");
 
 #define CONV_FPROP 0
 #define CONV_DGRAD 1
 #define CONV_WGRAD 2
+
+// How a block finds its loads (template parameter PATH of conv_gemm; the kernels pick it, uniformly):
+#define CONV_TABLE 0    // R*S <= 32 (DGRAD: stride 1), given a tap table: see below
+#define CONV_BOUNDS 1   // any pass: the digits of kk stepped per slab, two unsigned compares per B load
+#define CONV_STRIDED 2  // DGRAD with stride > 1: as BOUNDS, and the divisions of conv_load_b_strided
+
+// Tap table (PATH CONV_TABLE), built by the host once per layer geometry (cupy_ops.conv_tap_table):
+// entry kk holds four ints {off, bits, a_off, 0}, what every load of slab row kk shares, so the main
+// loop steps no digits and tests no bounds. A bit stands for a filter tap (r, s): bit r*S + s (R*S <= 32).
+//   FPROP kk = (c, r, s): off = (c*H + r - pad)*W + s - pad, bits = the tap's bit, a_off = kk
+//   DGRAD kk = (k, r, s): off = (k*P - r)*Q - s, bits = the tap's bit, a_off = k*C*R*S + r*S + s
+//   WGRAD kk = (n, p, q): off = n*C*H*W + p*st*W + q*st, bits = the taps that read inside the image
+//                         at output pixel (p, q), a_off = n*K*P*Q + p*Q + q
+// and a B column j holds the other side as ConvCol::mask: FPROP/DGRAD the taps that read inside the
+// image at its pixel, WGRAD (j = (c, r, s)) its tap's bit. So B[kk][j] = (mask_j & bits_kk) ?
+// col_j.origin[off_kk] : 0 (FPROP, DGRAD) or (x + off_kk)[col_j.base] (WGRAD), and A[m][kk] =
+// A[a_off_kk + m*mstride]. The table has KR + 128 entries, those past KR all zero: the loads of the
+// last slab, and of the entries one slab ahead, stay inside it. The host builds no table (and the
+// kernels test bounds) where an offset would not fit an int (WGRAD: N*C*H*W, N*K*P*Q < 2^31).
+#define CONV_TAB_INTS 4  // ints per entry (16 bytes: the {off, bit} pair is one 8-byte load)
 
 // A reduction index kk as three digits (hi, mid, lo) with radices (.., MID, LO): FPROP/DGRAD
 // kk = (c or k, r, s) with radices (R, S); WGRAD kk = (n, p, q) with radices (P, Q). Decoded with
@@ -145,7 +172,18 @@ __device__ __forceinline__ void digits_step(Digits& d, const Digits& step, int m
 struct ConvCol {
   const float* origin;  // FPROP, DGRAD
   int a, b, base;       // base: WGRAD
+  unsigned mask;        // PATH CONV_TABLE: bit r*S + s set when tap (r, s) lies inside the image
 };
+
+// Bit r*S + s set for each tap (r, s) that reads inside the image, (a + sg*r, b + sg*s) in
+// [0, Hb) x [0, Wb) (sg = 1 FPROP, -1 DGRAD); R*S <= 32.
+__device__ __forceinline__ unsigned conv_tap_mask(int a, int b, int sg, int R, int S, int Hb, int Wb) {
+  unsigned row = 0, mask = 0;
+  for (int s = 0; s < S; ++s) row |= (unsigned)((unsigned)(b + sg * s) < (unsigned)Wb) << s;
+  for (int r = 0; r < R; ++r)
+    if ((unsigned)(a + sg * r) < (unsigned)Hb) mask |= row << (r * S);
+  return mask;
+}
 
 // p (i) as an opaque register value, computed once and kept: without it the compiler re-derives a
 // column's origin from the kernel parameter and a 64-bit element offset at every load (5 instructions
@@ -164,7 +202,7 @@ __device__ __forceinline__ int conv_opaque(int i) {
   return i;
 }
 
-template <int MODE>
+template <int MODE, int PATH>
 __device__ __forceinline__ ConvCol conv_decode_col(const float* __restrict__ B, long long j, long long NG, int C,
                                                    int H, int W, int K, int R, int S, int P, int Q, int stride,
                                                    int pad) {
@@ -195,6 +233,11 @@ __device__ __forceinline__ ConvCol conv_decode_col(const float* __restrict__ B, 
     col.b = rem % S - pad;
     col.base = c * H * W + col.a * W + col.b;
   }
+  col.mask = 0;
+  if (PATH == CONV_TABLE)
+    col.mask = conv_opaque(MODE == CONV_FPROP   ? conv_tap_mask(col.a, col.b, 1, R, S, H, W)
+                           : MODE == CONV_DGRAD ? conv_tap_mask(col.a, col.b, -1, R, S, P, Q)
+                                                : 1u << ((col.a + pad) * S + col.b + pad));
   return col;
 }
 
@@ -203,6 +246,7 @@ __device__ __forceinline__ ConvCol conv_decode_col(const float* __restrict__ B, 
 struct ConvTap {
   const float* origin;  // WGRAD: x + n*C*H*W + off; FPROP, DGRAD: unused (each column has its origin)
   int kh, kw, off;
+  unsigned bit;         // PATH CONV_TABLE: 1 << (r*S + s) of the row's entry, 0 for a row past the range
 };
 
 // kk = digits d: FPROP (c, r, s), DGRAD (k, r, s), WGRAD (n, p, q)
@@ -211,6 +255,7 @@ __device__ __forceinline__ ConvTap conv_tap(const float* __restrict__ B, const D
                                             int P, int Q, int stride, int pad) {
   ConvTap t;
   t.origin = B;
+  t.bit = 0;
   if (MODE == CONV_FPROP) {  // x[n][c][a + r][b + s]
     t.kh = d.mid;
     t.kw = d.lo;
@@ -230,8 +275,10 @@ __device__ __forceinline__ ConvTap conv_tap(const float* __restrict__ B, const D
 
 // B[kk][j] for column col and slab row tap (kk in range: ok); zero in the padding. The bounds test is
 // two unsigned compares (a negative coordinate wraps to a large one). Hb x Wb: P x Q for DGRAD, else H x W.
-template <int MODE>
+template <int MODE, int PATH>
 __device__ __forceinline__ float conv_load_b(const ConvCol& col, const ConvTap& tap, bool ok, int Hb, int Wb) {
+  if (PATH == CONV_TABLE && MODE == CONV_WGRAD) return (col.mask & tap.bit) ? __ldg(tap.origin + col.base) : 0.0f;
+  if (PATH == CONV_TABLE) return (col.mask & tap.bit) ? __ldg(col.origin + tap.off) : 0.0f;
   const int h = col.a + tap.kh, w = col.b + tap.kw;
   ok = ok && (unsigned)h < (unsigned)Hb && (unsigned)w < (unsigned)Wb;
   if (MODE == CONV_WGRAD) return ok ? __ldg(tap.origin + col.base) : 0.0f;
@@ -261,17 +308,22 @@ __device__ __forceinline__ const float* conv_origin_a(const float* __restrict__ 
   return conv_opaque(A + (long long)d.hi * (K * P * Q) + (d.mid * Q + d.lo));
 }
 
+// Shared memory of a conv GEMM block: one K-slab of A and of B. Declared once per kernel (conv_run) and
+// passed down, so the instantiations a kernel chooses between (PATH) share it instead of each adding
+// its own.
+struct ConvSmem {
+  float As[CONV_BK][CONV_AS_PITCH];  // As[kk][m]
+  float Bs[CONV_BK][CONV_BS_PITCH];  // Bs[kk][j]
+};
+
 // PARTIAL: write C[m][j] of split z = blockIdx.z to the workspace out[z][m][j] (no bias, no ReLU)
 // instead of its NCHW place; conv2d_split_reduce adds the splits. WGRAD is always PARTIAL.
-// UNIT (DGRAD only): stride == 1, so B loads need no division (see conv_load_b_strided).
-template <int MODE, bool PARTIAL, bool UNIT = true>
-__device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const float* __restrict__ B,
+// PATH: CONV_TABLE (tab: the tap table), CONV_BOUNDS or CONV_STRIDED (tab unused), see their comments.
+template <int MODE, bool PARTIAL, int PATH>
+__device__ __forceinline__ void conv_gemm(ConvSmem& sm, const float* __restrict__ A, const float* __restrict__ B,
                                           float* __restrict__ out, const float* __restrict__ bias, int relu,
                                           int N, int C, int H, int W, int K, int R, int S, int P, int Q,
-                                          int stride, int pad, long long chunk) {
-  __shared__ __align__(16) float As[CONV_BK][CONV_AS_PITCH];  // As[kk][m]
-  __shared__ __align__(16) float Bs[CONV_BK][CONV_BS_PITCH];  // Bs[kk][j]
-
+                                          int stride, int pad, long long chunk, const int* __restrict__ tab) {
   const int M = (MODE == CONV_DGRAD) ? C : K;
   const long long NG = (MODE == CONV_FPROP)   ? (long long)N * P * Q
                        : (MODE == CONV_DGRAD) ? (long long)N * H * W
@@ -299,8 +351,8 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
 
   // loader roles: thread t loads A[a_m + i*(THREADS/BK)][a_kk] (i < A_LOADS) and
   // B[b_kk + r*B_RSTEP][b_j + c*B_ROW] (r < B_RROWS, c < B_COLS) of each slab: one kk for its A loads
-  // and one per B row, so the digits of kk and what follows from them are stepped once per slab for
-  // each.
+  // and one per B row, so what the loads of one kk share (the digits of kk and what follows from
+  // them, or its tap table entry) is found once per slab for each.
   const int a_kk = t % CONV_BK, a_m = t / CONV_BK;
   const int b_j = t % CONV_B_ROW, b_kk = t / CONV_B_ROW;  // row r of the thread: b_kk + r*B_RSTEP
   int a_row[CONV_A_LOADS];  // m * mstride of A (rows >= M read row M - 1: never stored)
@@ -313,35 +365,59 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   ConvCol col[CONV_B_COLS];
 #pragma unroll
   for (int c = 0; c < CONV_B_COLS; ++c)
-    col[c] = conv_decode_col<MODE>(B, j0 + b_j + c * CONV_B_ROW, NG, C, H, W, K, R, S, P, Q, stride, pad);
+    col[c] = conv_decode_col<MODE, PATH>(B, j0 + b_j + c * CONV_B_ROW, NG, C, H, W, K, R, S, P, Q, stride, pad);
+  // PATH CONV_BOUNDS, CONV_STRIDED: the digits of kk of the A loads and of each B row
   Digits a_d = digits_of(k_begin + a_kk, mid_radix, lo_radix);
   // kk of the A loads, FPROP's A offset (< C*R*S + BK: the last slab's rows past KR load nothing)
   int a_k = (MODE == CONV_FPROP) ? (int)(k_begin + a_kk) : 0;
   Digits b_d[CONV_B_RROWS];
 #pragma unroll
   for (int r = 0; r < CONV_B_RROWS; ++r) b_d[r] = digits_of(k_begin + b_kk + r * CONV_B_RSTEP, mid_radix, lo_radix);
+  // PATH CONV_TABLE: the entries of the next slab to load, fetched one slab ahead (the B loads need
+  // them, so they are not waited for in the slab that uses them); te points at the next slab's.
+  const int* te = (PATH == CONV_TABLE) ? tab + k_begin * CONV_TAB_INTS : tab;
+  int2 e_b[CONV_B_RROWS];  // {off, bit} of the thread's B rows
+  int e_a = 0;             // a_off of its A loads
+  auto fetch_entries = [&]() {
+#pragma unroll
+    for (int r = 0; r < CONV_B_RROWS; ++r)
+      e_b[r] = __ldg(reinterpret_cast<const int2*>(te + (b_kk + r * CONV_B_RSTEP) * CONV_TAB_INTS));
+    e_a = __ldg(te + a_kk * CONV_TAB_INTS + 2);
+    te += CONV_BK * CONV_TAB_INTS;
+  };
+  if (PATH == CONV_TABLE) fetch_entries();
 
   float a_reg[CONV_A_LOADS], b_reg[CONV_B_LOADS];
   // one slab of A and B into the registers: the slab with `left` terms of the block's range to go
   // (its rows at or past `left` are past the range: zeros)
   auto load = [&](int left) {
     const bool a_ok = a_kk < left;
-    const float* a_origin = conv_origin_a<MODE>(A, a_d, a_k, C, K, R, S, P, Q);
+    const float* a_origin = (PATH == CONV_TABLE) ? conv_opaque(A + e_a)
+                                                 : conv_origin_a<MODE>(A, a_d, a_k, C, K, R, S, P, Q);
 #pragma unroll
     for (int i = 0; i < CONV_A_LOADS; ++i) a_reg[i] = a_ok ? __ldg(a_origin + a_row[i]) : 0.0f;  // < K*C*R*S
 #pragma unroll
     for (int r = 0; r < CONV_B_RROWS; ++r) {
       const bool b_ok = b_kk + r * CONV_B_RSTEP < left;
       float* b_row = b_reg + r * CONV_B_COLS;
-      if (MODE == CONV_DGRAD && !UNIT) {
+      if (PATH == CONV_STRIDED) {
 #pragma unroll
         for (int c = 0; c < CONV_B_COLS; ++c) b_row[c] = conv_load_b_strided(col[c], b_d[r], b_ok, P, Q, stride);
       } else {
-        const ConvTap tb = conv_tap<MODE>(B, b_d[r], C, H, W, P, Q, stride, pad);
+        ConvTap tb;
+        if (PATH == CONV_TABLE) {
+          tb.origin = (MODE == CONV_WGRAD) ? conv_opaque(B + e_b[r].x) : B;
+          tb.kh = tb.kw = 0;
+          tb.off = e_b[r].x;
+          tb.bit = b_ok ? (unsigned)e_b[r].y : 0u;
+        } else {
+          tb = conv_tap<MODE>(B, b_d[r], C, H, W, P, Q, stride, pad);
+        }
 #pragma unroll
-        for (int c = 0; c < CONV_B_COLS; ++c) b_row[c] = conv_load_b<MODE>(col[c], tb, b_ok, Hb, Wb);
+        for (int c = 0; c < CONV_B_COLS; ++c) b_row[c] = conv_load_b<MODE, PATH>(col[c], tb, b_ok, Hb, Wb);
       }
     }
+    if (PATH == CONV_TABLE) fetch_entries();  // the slab after
   };
 
   float acc[CONV_TM][CONV_TN];
@@ -352,26 +428,28 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   for (; k_left > 0; k_left -= CONV_BK) {
     __syncthreads();  // every thread is done reading the previous slab
 #pragma unroll
-    for (int i = 0; i < CONV_A_LOADS; ++i) As[a_kk][a_m + i * (CONV_THREADS / CONV_BK)] = a_reg[i];
+    for (int i = 0; i < CONV_A_LOADS; ++i) sm.As[a_kk][a_m + i * (CONV_THREADS / CONV_BK)] = a_reg[i];
 #pragma unroll
     for (int r = 0; r < CONV_B_RROWS; ++r)
 #pragma unroll
       for (int c = 0; c < CONV_B_COLS; ++c)
-        Bs[b_kk + r * CONV_B_RSTEP][b_j + c * CONV_B_ROW] = b_reg[r * CONV_B_COLS + c];
+        sm.Bs[b_kk + r * CONV_B_RSTEP][b_j + c * CONV_B_ROW] = b_reg[r * CONV_B_COLS + c];
     __syncthreads();  // slab complete
     if (k_left > CONV_BK) {  // prefetch the next slab while this one is multiplied
-      if (MODE == CONV_FPROP) a_k += CONV_BK;
-      digits_step(a_d, step, mid_radix, lo_radix);
+      if (PATH != CONV_TABLE) {
+        if (MODE == CONV_FPROP) a_k += CONV_BK;
+        digits_step(a_d, step, mid_radix, lo_radix);
 #pragma unroll
-      for (int r = 0; r < CONV_B_RROWS; ++r) digits_step(b_d[r], step, mid_radix, lo_radix);
+        for (int r = 0; r < CONV_B_RROWS; ++r) digits_step(b_d[r], step, mid_radix, lo_radix);
+      }
       load(k_left - CONV_BK);
     }
 #pragma unroll
     for (int kk = 0; kk < CONV_BK; ++kk) {
       // thread (ty, tx) owns rows ty*4 .. ty*4+3 and columns tx*4 .. tx*4+3: one 16-byte shared
       // load each (a warp reads 4 consecutive float4 of As and 8 of Bs, each read by 8 or 4 threads)
-      const float4 a4 = *reinterpret_cast<const float4*>(&As[kk][ty * CONV_TM]);
-      const float4 b4 = *reinterpret_cast<const float4*>(&Bs[kk][tx * CONV_TN]);
+      const float4 a4 = *reinterpret_cast<const float4*>(&sm.As[kk][ty * CONV_TM]);
+      const float4 b4 = *reinterpret_cast<const float4*>(&sm.Bs[kk][tx * CONV_TN]);
       const float a[CONV_TM] = {a4.x, a4.y, a4.z, a4.w};
       const float b[CONV_TN] = {b4.x, b4.y, b4.z, b4.w};
 #pragma unroll
@@ -434,13 +512,32 @@ __device__ __forceinline__ void conv_gemm(const float* __restrict__ A, const flo
   }
 }
 
+// The kernels below run conv_gemm in the instantiation chosen once, uniformly for the whole grid:
+// CONV_TABLE when the host passes a tap table (cupy_ops.conv_tap_table: R*S <= 32, dgrad stride 1,
+// offsets that fit), else CONV_BOUNDS, or for dgrad with stride > 1 CONV_STRIDED. tab: the table (see
+// CONV_TABLE) or NULL; the results are the same either way.
+template <int MODE, bool PARTIAL>
+__device__ __forceinline__ void conv_run(const float* __restrict__ A, const float* __restrict__ B,
+                                         float* __restrict__ out, const float* __restrict__ bias, int relu, int N,
+                                         int C, int H, int W, int K, int R, int S, int P, int Q, int stride, int pad,
+                                         long long chunk, const int* __restrict__ tab) {
+  __shared__ __align__(16) ConvSmem sm;
+  const bool unit = MODE != CONV_DGRAD || stride == 1;
+  if (unit && tab != 0 && R * S <= 32)
+    conv_gemm<MODE, PARTIAL, CONV_TABLE>(sm, A, B, out, bias, relu, N, C, H, W, K, R, S, P, Q, stride, pad, chunk, tab);
+  else if (unit)
+    conv_gemm<MODE, PARTIAL, CONV_BOUNDS>(sm, A, B, out, bias, relu, N, C, H, W, K, R, S, P, Q, stride, pad, chunk, tab);
+  else  // (an instantiation that exists already for FPROP and WGRAD, which never come here)
+    conv_gemm<MODE, PARTIAL, MODE == CONV_DGRAD ? CONV_STRIDED : CONV_BOUNDS>(sm, A, B, out, bias, relu, N, C, H, W,
+                                                                             K, R, S, P, Q, stride, pad, chunk, tab);
+}
+
 // y = conv(x, w) (+ bias[k]) (then max(., 0) when relu != 0). bias may be NULL.
 extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
 conv2d_fprop(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
              float* __restrict__ y, int N, int C, int H, int W, int K, int R, int S, int P, int Q, int stride,
-             int pad, int relu) {
-  conv_gemm<CONV_FPROP, false>(w, x, y, bias, relu, N, C, H, W, K, R, S, P, Q, stride, pad,
-                               (long long)C * R * S);
+             int pad, int relu, const int* __restrict__ tab) {
+  conv_run<CONV_FPROP, false>(w, x, y, bias, relu, N, C, H, W, K, R, S, P, Q, stride, pad, (long long)C * R * S, tab);
 }
 
 // ws[z] (K, N*P*Q) = the part of conv(x, w) summed over kk = (c, r, s) in [z*chunk, (z+1)*chunk):
@@ -449,37 +546,31 @@ conv2d_fprop(const float* __restrict__ x, const float* __restrict__ w, const flo
 extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
 conv2d_fprop_partial(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ ws, int N,
                      int C, int H, int W, int K, int R, int S, int P, int Q, int stride, int pad,
-                     long long chunk) {
-  conv_gemm<CONV_FPROP, true>(w, x, ws, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, chunk);
+                     long long chunk, const int* __restrict__ tab) {
+  conv_run<CONV_FPROP, true>(w, x, ws, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, chunk, tab);
 }
 
 // dx = transposed convolution of dy with w (every dx element is written; unreached ones get 0).
 extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
 conv2d_dgrad(const float* __restrict__ dy, const float* __restrict__ w, float* __restrict__ dx, int N, int C,
-             int H, int W, int K, int R, int S, int P, int Q, int stride, int pad) {
-  if (stride == 1)  // uniform: the unit-stride instantiation's loads divide nothing
-    conv_gemm<CONV_DGRAD, false, true>(w, dy, dx, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, (long long)K * R * S);
-  else
-    conv_gemm<CONV_DGRAD, false, false>(w, dy, dx, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, (long long)K * R * S);
+             int H, int W, int K, int R, int S, int P, int Q, int stride, int pad, const int* __restrict__ tab) {
+  conv_run<CONV_DGRAD, false>(w, dy, dx, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, (long long)K * R * S, tab);
 }
 
 // ws[z] (C, N*H*W) = the part of dx summed over kk = (k, r, s) in [z*chunk, (z+1)*chunk): split-K dgrad.
 extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
 conv2d_dgrad_partial(const float* __restrict__ dy, const float* __restrict__ w, float* __restrict__ ws, int N,
                      int C, int H, int W, int K, int R, int S, int P, int Q, int stride, int pad,
-                     long long chunk) {
-  if (stride == 1)
-    conv_gemm<CONV_DGRAD, true, true>(w, dy, ws, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, chunk);
-  else
-    conv_gemm<CONV_DGRAD, true, false>(w, dy, ws, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, chunk);
+                     long long chunk, const int* __restrict__ tab) {
+  conv_run<CONV_DGRAD, true>(w, dy, ws, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, chunk, tab);
 }
 
 // ws[z] = partial dw over the (n, p, q) range [z*chunk, (z+1)*chunk) for z = blockIdx.z.
 extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
 conv2d_wgrad_partial(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ ws, int N,
                      int C, int H, int W, int K, int R, int S, int P, int Q, int stride, int pad,
-                     long long chunk) {
-  conv_gemm<CONV_WGRAD, true>(dy, x, ws, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, chunk);
+                     long long chunk, const int* __restrict__ tab) {
+  conv_run<CONV_WGRAD, true>(dy, x, ws, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, chunk, tab);
 }
 
 // out[n][m][l] = sum over z < splits of ws[z][m][n*L + l] (+ bias[m]) (then max(., 0) when relu != 0),

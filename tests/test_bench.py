@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the scripts import their siblings
 
 from nsync import time_to_loss, trailing_mean
-from sass_mix import function_bodies, hot_loops
+from sass_mix import LOOPS, function_bodies, hot_loops, pick
 
 from kernels import (  # bench/kernels.py, not the kernels/ folder of .cu files
     ConvLayer,
@@ -231,3 +231,15 @@ def test_sass_mix_finds_the_loops_with_the_most_ffma_shortest_first():
     assert [(n, ffma) for n, ffma, _ in loops] == [(3, 2), (5, 2)]
     assert loops[1][2] == {"FFMA": 2, "IMAD": 1, "LDS": 1, "BRA": 1}
     assert hot_loops(bodies["conv2d_fprop"]) == []
+
+
+def test_sass_mix_picks_rows_by_instantiation():
+    """A row of the table takes its loop by position among the kernel's hot loops, shortest first: the
+    first (production) and last (dgrad's strided) always, a middle one only where the revision has
+    every instantiation of this checkout (an older dgrad's [unit, strided] shows n/a for the
+    bounds-testing unit-stride row, not its strided loop)."""
+    assert LOOPS["conv2d_dgrad"] == 3
+    new, old = [(350, 256), (385, 256), (538, 256)], [(382, 256), (535, 256)]
+    assert [pick("conv2d_dgrad", new, w) for w in (0, 1, -1)] == new
+    assert [pick("conv2d_dgrad", old, w) for w in (0, 1, -1)] == [old[0], None, old[1]]
+    assert pick("conv2d_fprop", [(372, 256)], 1) is None and pick("conv2d_fprop", [], 0) is None

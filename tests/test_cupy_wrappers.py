@@ -7,6 +7,7 @@ allocate reach the grid checks). The kernels themselves run on the CPU in test_k
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 
@@ -33,6 +34,7 @@ def fake_gpu(monkeypatch):
     """cupy_ops on FakeArray with a kernel lookup that records launches instead of running them."""
     launches = []
     fake_xp = types.SimpleNamespace(ndarray=FakeArray, empty=lambda shape, dtype=np.float32: FakeArray(shape, dtype),
+                                    asarray=lambda a: FakeArray(np.shape(a), np.asarray(a).dtype),
                                     may_share_memory=lambda a, b: a is b)
     monkeypatch.setattr(cupy_ops, "xp", fake_xp)
     monkeypatch.setattr(cupy_ops, "get_kernel", lambda name, tile=None: lambda grid, block, args, shared_mem=0:
@@ -136,11 +138,26 @@ def test_every_launched_scalar_has_its_c_type(fake_gpu, monkeypatch):
         assert len(args) == len(params), name
         for p, a in zip(params, args, strict=True):
             if p.pointer and a is None:  # NULL: only where the kernel takes an optional bias
-                assert p.name == "bias", f"{name}: {p.decl} got None"
+                assert p.name == "bias", f"{name}: {p.decl} got None"  # (3x3 stride 1: every pass takes a table)
             elif p.pointer:
                 assert isinstance(a, FakeArray) and a.dtype == p.dtype, f"{name}: {p.decl} got {a!r}"
             else:
                 assert type(a) is p.dtype.type, f"{name}: {p.decl} got {type(a).__name__}"
+
+
+def test_none_reaches_cupy_as_a_null_pointer_value():
+    """CuPy turns a None kernel argument into no value at all (cupy issue 9046: the kernel reads a
+    garbage pointer), so the launcher hands it an 8-byte zero for every None: a NULL bias or tap table."""
+    calls = []
+    kernel = cupy_ops.NullSafeKernel(lambda grid, block, args, shared_mem=0: calls.append((grid, block, args,
+                                                                                           shared_mem)))
+    x = np.zeros(3, np.float32)
+    kernel((2, 1, 1), (32, 1, 1), (x, None, np.int32(7), None), shared_mem=0)
+    ((grid, block, args, shared_mem),) = calls
+    assert (grid, block, shared_mem) == ((2, 1, 1), (32, 1, 1), 0)
+    assert args[0] is x and args[2] == 7 and args[2].dtype == np.int32
+    for null in (args[1], args[3]):
+        assert type(null) is np.uint64 and null == 0 and null.itemsize == 8
 
 
 def test_launch_refuses_a_python_scalar(fake_gpu):
@@ -286,6 +303,60 @@ def test_gemm_split_override(monkeypatch):
     monkeypatch.setattr(cupy_ops, "conv_split_override", 5)
     assert cupy_ops.gemm_split(32, 10**6, 800) == (5, 160)
     assert cupy_ops.gemm_split(32, 10**6, 32) == (2, 16)  # at least one K-slab (16) per range
+
+
+def _tap_rows(op, N, C, H, W, K, R, S, P, Q, stride, pad):
+    """The tap table's rows written out tap by tap (the definition in conv_tap_table's docstring)."""
+    rows = []
+    if op == "conv2d_wgrad":
+        for n, p, q in itertools.product(range(N), range(P), range(Q)):
+            bits = sum(1 << (r * S + s) for r in range(R) for s in range(S)
+                       if 0 <= p * stride + r - pad < H and 0 <= q * stride + s - pad < W)
+            rows.append((n * C * H * W + p * stride * W + q * stride, bits, n * K * P * Q + p * Q + q))
+    else:
+        for hi, r, s in itertools.product(range(C if op == "conv2d_fprop" else K), range(R), range(S)):
+            if op == "conv2d_fprop":
+                rows.append(((hi * H + r - pad) * W + s - pad, 1 << (r * S + s), len(rows)))
+            else:
+                rows.append(((hi * P - r) * Q - s, 1 << (r * S + s), hi * C * R * S + r * S + s))
+    return [(off, bits - (1 << 32) if bits >= 1 << 31 else bits, a_off, 0) for off, bits, a_off in rows]
+
+
+@pytest.mark.parametrize("op, stride", [("conv2d_fprop", 2), ("conv2d_dgrad", 1), ("conv2d_wgrad", 2)])
+@pytest.mark.parametrize("R, S, pad", [(3, 3, 1), (4, 8, 2), (1, 1, 0)])  # 4x8: bit 31
+def test_conv_tap_table_rows(op, stride, R, S, pad, numpy_xp):
+    N, C, H, W, K = 2, 3, 9, 10, 5
+    P, Q = (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
+    table = cupy_ops.conv_tap_table(op, N, C, H, W, K, R, S, P, Q, stride, pad)
+    rows = _tap_rows(op, N, C, H, W, K, R, S, P, Q, stride, pad)
+    assert table.dtype == np.int32 and table.shape == (len(rows) + cupy_ops.CONV_TAB_PAD, 4)
+    assert table[:len(rows)].tolist() == [list(r) for r in rows]
+    assert not table[len(rows):].any()  # the rows past the reduction load nothing
+    assert cupy_ops.conv_tap_table(op, N, C, H, W, K, R, S, P, Q, stride, pad) is table  # built once
+
+
+@pytest.mark.parametrize("op, N, C, H, W, K, R, S, stride, why", [
+    ("conv2d_fprop", 1, 2, 9, 9, 3, 6, 6, 1, "36 taps > 32"),
+    ("conv2d_dgrad", 1, 2, 9, 9, 3, 3, 3, 2, "dgrad stride > 1"),
+    ("conv2d_wgrad", 2**11, 2**10, 32, 32, 1, 3, 3, 1, "N*C*H*W = 2^31"),
+    ("conv2d_wgrad", 2**11, 1, 32, 32, 2**10, 3, 3, 1, "N*K*P*Q = 2^31"),
+    ("conv2d_fprop", 1, 2**19 + 1, 3, 3, 1, 3, 3, 1, "C*R*S > 2^22 terms"),
+])
+def test_conv_tap_table_absent_where_bounds_are_tested(op, N, C, H, W, K, R, S, stride, why, numpy_xp):
+    P, Q = (H + 2 - R) // stride + 1, (W + 2 - S) // stride + 1
+    assert cupy_ops.conv_tap_table(op, N, C, H, W, K, R, S, P, Q, stride, 1) is None, why
+
+
+def test_conv_tap_tables_kept_are_bounded(numpy_xp, monkeypatch):
+    monkeypatch.setattr(cupy_ops, "_tap_tables", {})
+    monkeypatch.setattr(cupy_ops, "CONV_TAB_CACHE", 3)
+    first = cupy_ops.conv_tap_table("conv2d_fprop", 1, 1, 4, 4, 1, 3, 3, 4, 4, 1, 1)
+    for C in (2, 3):
+        cupy_ops.conv_tap_table("conv2d_fprop", 1, C, 4, 4, 1, 3, 3, 4, 4, 1, 1)
+    assert cupy_ops.conv_tap_table("conv2d_fprop", 1, 1, 4, 4, 1, 3, 3, 4, 4, 1, 1) is first  # used: kept
+    cupy_ops.conv_tap_table("conv2d_fprop", 1, 4, 4, 4, 1, 3, 3, 4, 4, 1, 1)  # evicts C = 2, the oldest
+    assert len(cupy_ops._tap_tables) == 3
+    assert sorted(key[4] for key in cupy_ops._tap_tables) == [1, 3, 4]
 
 
 @pytest.mark.parametrize("n, blocks", [(0, 1), (1, 1), (256, 1), (257, 2), (10**12, 65535)])

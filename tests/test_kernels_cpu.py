@@ -89,20 +89,22 @@ except MemoryError:
     sys.exit(3)
 x[0, C - 1, 0, W - 2], x[0, C - 2, 0, W - 2] = 1.0, 2.0
 w = np.ones((1, C, 3, 1), np.float32)
-with cases.cpu_backend(harness.build(), conv_split_override=int(sys.argv[1])) as ops:
+taps = int(sys.argv[2])  # CONV_TAB_MAX_TAPS: 0 makes every pass test bounds instead of using its tap table
+with cases.cpu_backend(harness.build(), conv_split_override=int(sys.argv[1]), CONV_TAB_MAX_TAPS=taps) as ops:
+    assert (ops.conv_tap_table("conv2d_fprop", 1, C, H, W, 1, 3, 1, 1, 2, stride, pad) is None) == (taps == 0)
     print(ops.conv2d_fprop(x, w, None, stride, pad).ravel().tolist())
 """
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_conv_fprop_addresses_near_the_int32_limit(splits):
+@pytest.mark.parametrize("splits, taps", [(1, 32), (3, 32), (1, 0), (3, 0)])
+def test_conv_fprop_addresses_near_the_int32_limit(splits, taps):
     """An image of 2^31 - 2^20 floats (C*H*W and the padded plane fit an int) whose one window sits at
     the far end: each int part of a B address (column origin, tap offset) must stay in range for an
-    in-bounds tap. With -pad in the column part the tap part reached 2^31 here and wrapped: a read
-    8 GiB before x (helper-17), a segfault, hence the subprocess."""
+    in-bounds tap, with the tap table and testing bounds. With -pad in the column part the tap part
+    reached 2^31 here and wrapped: a read 8 GiB before x (helper-17), a segfault, hence the subprocess."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run([sys.executable, "-c", NEAR_INT32_LIMIT, str(splits)], capture_output=True, text=True,
-                          timeout=SUBPROCESS_TIMEOUT, cwd=TESTS, env=env)
+    proc = subprocess.run([sys.executable, "-c", NEAR_INT32_LIMIT, str(splits), str(taps)], capture_output=True,
+                          text=True, timeout=SUBPROCESS_TIMEOUT, cwd=TESTS, env=env)
     if proc.returncode == 3:
         pytest.skip("no 8 GiB of address space for the image")
     assert proc.returncode == 0 and proc.stdout.split() == ["[0.0,", "3.0]"], (proc.returncode, proc.stdout,

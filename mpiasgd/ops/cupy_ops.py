@@ -67,6 +67,11 @@ REDUCE_THREADS = 256  # bias_grad, softmax_xent: power of two <= 256 (BIAS/SOFTM
 ELEMENTWISE_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 65535  # grid-stride loops cover the rest
 SPLIT_REDUCE_OUTS, SPLIT_REDUCE_THREADS = 32, 256  # conv2d_split_reduce: 32 outputs x 8 lanes over the splits
+CONV_TAB_INTS = 4  # ints per tap table entry: {off, bit, a_off, 0} (conv2d.cu, CONV_TABLE)
+CONV_TAB_PAD = 128  # zero entries after the last: >= 2 * CONV_BK (static_assert in conv2d.cu)
+CONV_TAB_MAX_TAPS = 32  # the table path takes filters of R*S <= 32 taps (a column's taps are one 32-bit mask)
+CONV_TAB_MAX_ROWS = 2**22  # ... and reductions of <= 4M terms (a 64 MiB table); longer ones test bounds per load
+CONV_TAB_CACHE = 64  # tables kept per process (one per layer geometry and pass)
 
 _KERNEL_FILES = {  # kernel -> file under kernels/
     "conv2d_fprop": "conv2d.cu", "conv2d_dgrad": "conv2d.cu", "conv2d_fprop_partial": "conv2d.cu",
@@ -143,10 +148,26 @@ def _module(filename: str, defines: tuple[str, ...] = ()):
     return cupy.RawModule(code=source, options=NVRTC_OPTIONS + defines)
 
 
+NULL = np.uint64(0)  # a NULL pointer argument, as CuPy passes it: an 8-byte zero value
+
+
+class NullSafeKernel:
+    """A cupy.RawKernel called as `(grid, block, args, shared_mem=0)` whose None arguments become NULL
+    pointers. CuPy itself hands the driver no argument value for None (a NULL pointer *to* the value),
+    and the kernel then sees a garbage pointer, 0xffffffff in the report (cupy issue 9046), where an
+    optional bias or tap table must read as NULL; an 8-byte zero (`NULL`) is a NULL pointer."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+        self.fn(grid, block, tuple(NULL if a is None else a for a in args), shared_mem=shared_mem)
+
+
 @functools.cache
-def _cupy_kernel(kernel: str, tile: tuple[int, int] | None = None):
+def _cupy_kernel(kernel: str, tile: tuple[int, int] | None = None) -> NullSafeKernel:
     """The cupy.RawKernel of `kernel` (and conv tile), looked up once per process."""
-    return _module(_KERNEL_FILES[kernel], tile_defines(tile)).get_function(kernel)
+    return NullSafeKernel(_module(_KERNEL_FILES[kernel], tile_defines(tile)).get_function(kernel))
 
 
 get_kernel = _cupy_kernel  # (kernel name, conv tile or None) -> callable (grid, block, args, shared_mem=0)
@@ -362,6 +383,64 @@ def conv_geometry(op: str, x_shape, w_shape, stride: int, pad: int) -> tuple[int
     return P, Q
 
 
+_tap_tables: dict[tuple, object] = {}  # (array module, device, pass, geometry) -> table, oldest first
+
+
+def conv_tap_table(op: str, N: int, C: int, H: int, W: int, K: int, R: int, S: int, P: int, Q: int, stride: int,
+                   pad: int):
+    """The tap table of a conv pass (kernels/conv2d.cu, CONV_TABLE), or None where the kernel tests
+    bounds per load instead: an int32 array on this backend's device, (KR + CONV_TAB_PAD, 4), whose row
+    for reduction index kk is {off, bits, a_off, 0}, then CONV_TAB_PAD zero rows. Bit r*S + s stands
+    for filter tap (r, s):
+
+        conv2d_fprop, kk = (c, r, s):  off = (c*H + r - pad)*W + s - pad, bits = the tap's bit, a_off = kk
+        conv2d_dgrad, kk = (k, r, s):  off = (k*P - r)*Q - s, bits = the tap's bit, a_off = k*C*R*S + r*S + s
+        conv2d_wgrad, kk = (n, p, q):  off = n*C*H*W + p*st*W + q*st, bits = the taps reading inside the
+                                       image at output pixel (p, q), a_off = n*K*P*Q + p*Q + q
+
+    (off: the B element's offset from a column's origin, or for wgrad the row's origin in x; a_off:
+    the A element's offset from row 0). None for a filter of more than CONV_TAB_MAX_TAPS taps, dgrad
+    with stride > 1, a reduction of more than CONV_TAB_MAX_ROWS terms, or (wgrad) N*C*H*W or N*K*P*Q
+    past int32; every other offset fits int32 by `conv_geometry`'s checks. Built on the host once per
+    geometry and device and kept (the last CONV_TAB_CACHE).
+    """
+    KR = {"conv2d_fprop": C * R * S, "conv2d_dgrad": K * R * S, "conv2d_wgrad": N * P * Q}[op]
+    if (R * S > CONV_TAB_MAX_TAPS or KR > CONV_TAB_MAX_ROWS or (op == "conv2d_dgrad" and stride != 1)
+            or (op == "conv2d_wgrad" and max(N * C * H * W, N * K * P * Q) > 2**31 - 1)):
+        return None
+    device = cupy.cuda.runtime.getDevice() if cupy is not None and xp is cupy else None
+    key = (id(xp), device, op, N if op == "conv2d_wgrad" else 0, C, H, W, K, R, S, P, Q, stride, pad)
+    table = _tap_tables.pop(key, None)
+    if table is None:
+        kk = np.arange(KR, dtype=np.int64)
+        rows = np.zeros((KR + CONV_TAB_PAD, CONV_TAB_INTS), dtype=np.int64)
+        if op == "conv2d_wgrad":
+            n, pq = kk // (P * Q), kk % (P * Q)
+            p, q = pq // Q, pq % Q
+            rows[:KR, 0] = n * (C * H * W) + p * stride * W + q * stride
+            rows[:KR, 2] = n * (K * P * Q) + pq
+            r_in = (p[:, None] * stride + np.arange(R) - pad >= 0) & (p[:, None] * stride + np.arange(R) - pad < H)
+            s_in = (q[:, None] * stride + np.arange(S) - pad >= 0) & (q[:, None] * stride + np.arange(S) - pad < W)
+            taps = (r_in[:, :, None] & s_in[:, None, :]).reshape(KR, R * S)  # tap r*S + s reads inside
+            rows[:KR, 1] = (taps.astype(np.int64) << np.arange(R * S)).sum(axis=1)
+        else:
+            hi, rs = kk // (R * S), kk % (R * S)
+            r, s = rs // S, rs % S
+            if op == "conv2d_fprop":
+                rows[:KR, 0] = (hi * H + r - pad) * W + s - pad
+                rows[:KR, 2] = kk
+            else:
+                rows[:KR, 0] = (hi * P - r) * Q - s
+                rows[:KR, 2] = hi * (C * R * S) + rs
+            rows[:KR, 1] = np.int64(1) << rs
+        rows[:, 1] = rows[:, 1].astype(np.uint32).view(np.int32)  # bit 31 as a negative int
+        table = xp.asarray(rows.astype(np.int32))
+        while len(_tap_tables) >= CONV_TAB_CACHE:
+            _tap_tables.pop(next(iter(_tap_tables)))
+    _tap_tables[key] = table  # most recently used last
+    return table
+
+
 # ----------------------------------------------------------------------------------------------
 # array helpers
 
@@ -447,11 +526,13 @@ def conv2d_fprop(x, w, b, stride: int, pad: int, ws: Workspace | None = None):
     splits, chunk = gemm_split(K, N * P * Q, C * R * S, tile)  # GEMM (K) x (N*P*Q), reduction C*R*S
     grid, block = conv_launch(M=K, NG=N * P * Q, splits=splits, tile=tile)
     geometry = _conv_ints(op, N, C, H, W, K, R, S, P, Q, stride, pad)
+    tab = conv_tap_table(op, N, C, H, W, K, R, S, P, Q, stride, pad)
     if splits == 1:
-        _launch(op, grid, block, (x, w, b, y, *geometry, np.int32(0)), tile=tile)
+        _launch(op, grid, block, (x, w, b, y, *geometry, np.int32(0), tab), tile=tile)
     else:
         part = _split_workspace(ws, "fprop.split", (splits, K, N * P * Q))
-        _launch("conv2d_fprop_partial", grid, block, (x, w, part, *geometry, c_int64(op, "chunk", chunk)), tile=tile)
+        _launch("conv2d_fprop_partial", grid, block,
+                (x, w, part, *geometry, c_int64(op, "chunk", chunk), tab), tile=tile)
         _split_reduce(op, part, b, y, splits, N, K, P * Q, tile)
     return y
 
@@ -498,11 +579,13 @@ def conv2d_dgrad(dy, w, x_shape: tuple[int, int, int, int], stride: int, pad: in
     splits, chunk = gemm_split(C, N * H * W, K * R * S, tile)
     grid, block = conv_launch(M=C, NG=N * H * W, splits=splits, tile=tile)
     geometry = _conv_ints(op, N, C, H, W, K, R, S, P, Q, stride, pad)
+    tab = conv_tap_table(op, N, C, H, W, K, R, S, P, Q, stride, pad)
     if splits == 1:
-        _launch(op, grid, block, (dy, w, dx, *geometry), tile=tile)
+        _launch(op, grid, block, (dy, w, dx, *geometry, tab), tile=tile)
     else:
         part = _split_workspace(ws, "dgrad.split", (splits, C, N * H * W))
-        _launch("conv2d_dgrad_partial", grid, block, (dy, w, part, *geometry, c_int64(op, "chunk", chunk)), tile=tile)
+        _launch("conv2d_dgrad_partial", grid, block,
+                (dy, w, part, *geometry, c_int64(op, "chunk", chunk), tab), tile=tile)
         _split_reduce(op, part, None, dx, splits, N, C, H * W, tile)
     return dx
 
@@ -530,8 +613,9 @@ def conv2d_wgrad(dy, x, w_shape: tuple[int, int, int, int], stride: int, pad: in
     splits, chunk = gemm_split(K, C * R * S, N * P * Q, tile)
     part = dw if splits == 1 else _split_workspace(ws, "wgrad.split", (splits, K, C * R * S))
     grid, block = conv_launch(M=K, NG=C * R * S, splits=splits, tile=tile)
+    tab = conv_tap_table(op, N, C, H, W, K, R, S, P, Q, stride, pad)
     _launch("conv2d_wgrad_partial", grid, block,
-            (dy, x, part, *_conv_ints(op, N, C, H, W, K, R, S, P, Q, stride, pad), c_int64(op, "chunk", chunk)),
+            (dy, x, part, *_conv_ints(op, N, C, H, W, K, R, S, P, Q, stride, pad), c_int64(op, "chunk", chunk), tab),
             tile=tile)
     if splits > 1:
         _split_reduce(op, part, None, dw, splits, 1, K, C * R * S, tile)

@@ -16,6 +16,7 @@ reference; sums of up to ~600 O(1) terms). A failure names the worst element.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -34,6 +35,9 @@ CONV_SHAPES = [
     (2, 2, 10, 10, 3, 2, 2, 3, 0),  # stride 3 > kernel: dx rows and columns no window reaches
     (1, 2, 6, 5, 3, 1, 1, 1, 0),    # 1x1
     (2, 3, 9, 8, 4, 3, 2, 1, 2),    # R != S, pad >= S
+    (2, 2, 9, 10, 3, 4, 8, 1, 2),   # R*S = 32: tap bit 31 of the tap table path
+    (2, 3, 8, 7, 4, 6, 6, 1, 2),    # R*S = 36 > 32: fprop and unit-stride dgrad test bounds per load
+    (1, 2, 11, 9, 3, 7, 5, 2, 3),   # R*S = 35, stride 2
 ]
 
 POOL_SHAPES = [  # (N, C, H, W, kernel, stride)
@@ -159,27 +163,34 @@ def conv_fprop_relu_epilogue(lib, rng, small: bool) -> None:
         tile = ops.conv_tile(K)
         grid, block = ops.conv_launch(M=K, NG=N * P * Q, tile=tile)
         fprop = ops.get_kernel("conv2d_fprop", tile)
+        tab = ops.conv_tap_table("conv2d_fprop", N, C, H, W, K, R, S, P, Q, st, pad)
+    assert tab is not None
     # P*Q = 16: each thread's 4 columns are consecutive, so rows go out as float4 stores where the
     # address is 16-byte aligned; an output 4 bytes off that alignment must take the scalar stores
     buf = np.full(N * K * P * Q + 8, np.nan, np.float32)
     first = (-buf.ctypes.data % 16) // 4  # index of the first 16-byte aligned element
-    for offset in (first, first + 1):
+    for offset, table in ((first, tab), (first + 1, tab), (first, None)):  # None: the bounds-testing path
         y = buf[offset:offset + N * K * P * Q].reshape(N, K, P, Q)
         y[...] = np.nan
-        fprop(grid, block, (x, w, b, y, *_i32(N, C, H, W, K, R, S, P, Q, st, pad, 1)))
-        assert_close(y, ref, f"conv2d_fprop relu epilogue (output address {y.ctypes.data % 16} mod 16)")
+        fprop(grid, block, (x, w, b, y, *_i32(N, C, H, W, K, R, S, P, Q, st, pad, 1), table))
+        assert_close(y, ref, f"conv2d_fprop relu epilogue (output address {y.ctypes.data % 16} mod 16, "
+                             f"tap table {table is not None})")
 
 
 def conv_wgrad_splits(lib, rng, small: bool) -> None:
     """conv2d_wgrad_partial + conv2d_split_reduce with chosen chunks (1 split, ragged splits, one slab
-    per split): each matches the reference and each is bit-identical when run again."""
+    per split), with the tap table and testing bounds: each matches the reference and each is
+    bit-identical when run again."""
     N, C, H, W, K, R, S, st, pad = CONV_SHAPES[2]
     x = f32(rng, N, C, H, W)
     P, Q = (H + 2 * pad - R) // st + 1, (W + 2 * pad - S) // st + 1
     dy = f32(rng, N, K, P, Q)
     ref = numpy_ops.conv2d_wgrad(f64(dy), f64(x), (K, C, R, S), st, pad)
     NPQ, CRS = N * P * Q, C * R * S
-    for chunk in [NPQ + 8 - NPQ % 8, 24, 8]:
+    with cpu_backend(lib) as ops:
+        tab = ops.conv_tap_table("conv2d_wgrad", N, C, H, W, K, R, S, P, Q, st, pad)
+    assert tab is not None
+    for chunk, table in itertools.product([NPQ + 8 - NPQ % 8, 24, 8], [tab, None]):
         splits = -(-NPQ // chunk)
         results = []
         for _ in range(2):
@@ -189,12 +200,13 @@ def conv_wgrad_splits(lib, rng, small: bool) -> None:
                 tile = ops.conv_tile(K)
                 grid, block = ops.conv_launch(M=K, NG=CRS, splits=splits, tile=tile)
                 partial = ops.get_kernel("conv2d_wgrad_partial", tile)
-            partial(grid, block, (dy, x, part, *_i32(N, C, H, W, K, R, S, P, Q, st, pad), np.int64(chunk)))
+            partial(grid, block, (dy, x, part, *_i32(N, C, H, W, K, R, S, P, Q, st, pad), np.int64(chunk), table))
             lib.kernel("conv2d_split_reduce")((3,), (32,), (part, None, dw, *_i32(splits, 1, K), np.int64(CRS),
                                                             np.int32(0)))
             results.append(dw)
-        assert_close(results[0], ref, f"conv2d_wgrad chunk {chunk} ({splits} splits)")
-        assert np.array_equal(results[0], results[1]), f"conv2d_wgrad chunk {chunk}: not bit-reproducible"
+        what = f"conv2d_wgrad chunk {chunk} ({splits} splits, tap table {table is not None})"
+        assert_close(results[0], ref, what)
+        assert np.array_equal(results[0], results[1]), f"{what}: not bit-reproducible"
 
 
 def conv_split_reduce(lib, rng, small: bool) -> None:

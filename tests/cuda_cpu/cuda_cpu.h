@@ -14,8 +14,8 @@
 //     ThreadSanitizer interceptor releases and acquires one clock for all generations, so a thread
 //     that leaves barrier k late acquires what a faster thread did after it and before barrier k+1,
 //     and planted races went unreported in about half of the processes);
-//   * intrinsics map to their libm counterparts (__expf -> expf, __ldg -> plain load, ...); float4
-//     and __align__ are their g++ equivalents (16-byte alignment).
+//   * intrinsics map to their libm counterparts (__expf -> expf, __ldg -> plain load, ...); float4, int2
+//     and __align__ are their g++ equivalents (16- and 8-byte alignment).
 // Not modelled (the kernels must not use them): warps (shuffles, votes, warp-synchronous code),
 // atomics, dynamic (extern) shared memory, streams, cooperative groups, textures.
 #pragma once
@@ -177,6 +177,9 @@ void launch(dim3 grid, dim3 block, F f) {
 
 struct alignas(16) float4 {  // CUDA's vector type: 16-byte aligned, so a float4 access is one 128-bit access
   float x, y, z, w;
+};
+struct alignas(8) int2 {  // likewise, 8 bytes
+  int x, y;
 };
 
 template <class T>

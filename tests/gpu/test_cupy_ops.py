@@ -79,8 +79,9 @@ def test_conv_passes_exact_on_integers(cp, npo, name, xs, ws, stride, pad, monke
     any order and the GPU must equal the float64 reference bit for bit; a tap dropped or counted twice
     (split boundary, digit carry, padding test) cannot hide in a tolerance. Each pass runs with each
     tile forced and split-K as chosen, with one range and with three (ranges that cut through (c, r, s)),
-    so that every kernel instantiation runs on the GPU: fprop/dgrad whole and partial, dgrad's
-    stride-1 and strided paths, in both tiles (helper-18: some ran in neither tile otherwise)."""
+    with the tap table and testing bounds, so that every kernel instantiation runs on the GPU:
+    fprop/dgrad whole and partial, dgrad's stride-1 and strided paths, in both tiles (helper-18: some
+    ran in neither tile otherwise)."""
     from mpiasgd.ops import cupy_ops
 
     rng = np.random.default_rng(2)
@@ -91,18 +92,21 @@ def test_conv_passes_exact_on_integers(cp, npo, name, xs, ws, stride, pad, monke
     x, w, b, dy = (rng.integers(-3, 4, size=sz).astype(np.float32) for sz in (xs, ws, (K,), (N, K, P, Q)))
     x64, w64, b64, dy64 = (a.astype(np.float64) for a in (x, w, b, dy))
     refs = {"fprop": npo.conv2d_fprop(x64, w64, b64, stride, pad),
+            "fprop without bias": npo.conv2d_fprop(x64, w64, None, stride, pad),  # NULL bias: cupy_ops.NULL
             "dgrad": npo.conv2d_dgrad(dy64, w64, xs, stride, pad),
             "wgrad": npo.conv2d_wgrad(dy64, x64, ws, stride, pad)}
     x, w, b, dy = (cp.asarray(a) for a in (x, w, b, dy))
-    for tile, splits in itertools.product(cupy_ops.CONV_TILES, (None, 1, 3)):
+    for tile, splits, taps in itertools.product(cupy_ops.CONV_TILES, (None, 1, 3), (32, 0)):
         monkeypatch.setattr(cupy_ops, "conv_tile_override", tile)
         monkeypatch.setattr(cupy_ops, "conv_split_override", splits)
+        monkeypatch.setattr(cupy_ops, "CONV_TAB_MAX_TAPS", taps)  # 0: no tap table, bounds tested per load
         got = {"fprop": cp.conv2d_fprop(x, w, b, stride, pad),
+               "fprop without bias": cp.conv2d_fprop(x, w, None, stride, pad),
                "dgrad": cp.conv2d_dgrad(dy, w, xs, stride, pad),
                "wgrad": cp.conv2d_wgrad(dy, x, ws, stride, pad)}
         for what, ref in refs.items():
             g = cp.to_numpy(got[what])
-            assert np.array_equal(g, ref), (f"{name} {what} (tile {tile}, split override {splits}): "
+            assert np.array_equal(g, ref), (f"{name} {what} (tile {tile}, split override {splits}, taps {taps}): "
                                             f"{int(np.sum(g != ref))} elements differ from the exact result, "
                                             f"worst by {float(np.max(np.abs(g - ref)))}")
 
