@@ -19,6 +19,7 @@ Staging (one object per worker, chosen once; the worker loop calls the same thre
               host->device after each receive, the gradient device->host before each send
     device    cupy backend with a CUDA-aware MPI: the message buffers live on the device, params and
               grads are views into them; only the 144-byte header crosses to and from the host
+              (and sync mode's gradient: Open MPI's MPI_Iallreduce takes no device buffers)
 """
 
 from __future__ import annotations
@@ -110,16 +111,38 @@ def physical_id(index: int, env: dict | None = None) -> str:
 
 
 def format_uuid(raw: Any) -> str:
-    """A device UUID as nvidia-smi prints it ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"); "" if absent.
+    """A device UUID as nvidia-smi prints it ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"); "" if absent
+    or cut short.
 
-    `raw` is the 16 bytes of cudaDeviceProp.uuid (bytes, or a str CuPy may hand back as is).
+    `raw` is the 16 bytes of cudaDeviceProp.uuid (bytes, or a str CuPy may hand back as is). CuPy
+    converts that char[16] like a C string (`getDeviceProperties()["uuid"]`): it ends at the first
+    zero byte, so fewer than 16 bytes are a truncated UUID (""), and more run past the field (the
+    first 16 are the UUID).
     """
     if isinstance(raw, str):
         return raw
-    if not raw:
+    raw = bytes(raw or b"")
+    if len(raw) < 16:
         return ""
-    h = bytes(raw)[:16].hex()
+    h = raw[:16].hex()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def driver_uuid(index: int) -> bytes:
+    """The 16 bytes of device `index`'s UUID from the CUDA driver (cuDeviceGetUuid_v2, cuDeviceGetUuid
+    before CUDA 11.4), for the UUIDs CuPy cuts at a zero byte; b"" when there is no driver or it fails.
+    Call it after the CUDA runtime has initialised the driver (`use_device` does)."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        get = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid
+    except (OSError, AttributeError):  # no driver library, or one without the call
+        return b""
+    dev, raw = ctypes.c_int(), ctypes.create_string_buffer(16)
+    if lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(index)) != 0 or get(raw, dev) != 0:
+        return b""
+    return raw.raw
 
 
 @dataclass(frozen=True)
@@ -192,7 +215,8 @@ def use_device(index: int, rank: int, host: str) -> DeviceInfo:
     props = cupy.cuda.runtime.getDeviceProperties(index)
     name = props.get("name", b"")
     name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
-    return DeviceInfo(rank, host, index, name, format_uuid(props.get("uuid", b"")), physical_id(index))
+    uuid = format_uuid(props.get("uuid", b"")) or format_uuid(driver_uuid(index))  # CuPy's may be cut short
+    return DeviceInfo(rank, host, index, name, uuid, physical_id(index))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,7 +351,9 @@ class DeviceStaging(Staging):
 
     Host `weights` / `push` keep only the headers: after_receive copies the received header
     device->host (HEADER_BYTES), before_send the stamped header host->device, then syncs the stream,
-    so MPI never reads device memory a kernel or copy is still writing.
+    so MPI never reads device memory a kernel or copy is still writing. The sync-mode gradient
+    allreduce still runs on a host copy (`push.payload`): Open MPI lists MPI_Iallreduce among the
+    calls that do not take device buffers, with or without UCX.
     """
 
     kind = "device"
@@ -348,6 +374,13 @@ class DeviceStaging(Staging):
     def before_send(self) -> None:
         self.dev.to_device(self.send_buf[:HEADER_BYTES], self.push.buf[:HEADER_BYTES])
         self.dev.synchronize()  # the header copy is complete before MPI reads send_buf
+
+    def grads_to_mpi(self) -> Any:
+        self.dev.to_host(self.push.payload, self.grads)  # a non-blocking reduction of device memory is unsupported
+        return self.push.payload
+
+    def grads_from_mpi(self) -> None:
+        self.dev.to_device(self.grads, self.push.payload)
 
 
 def make_staging(backend: str, cuda_aware: bool, count: int, dev: Transfers | None = None) -> Staging:

@@ -124,6 +124,10 @@ def test_format_uuid():
     assert format_uuid(raw) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
     assert format_uuid(b"") == "" and format_uuid(None) == ""
     assert format_uuid("GPU-abc") == "GPU-abc"
+    # CuPy's getDeviceProperties()["uuid"] is the char[16] read as a C string: cut at a zero byte, or
+    # running on past the field when the UUID has none
+    assert format_uuid(b"\x12\x34") == ""
+    assert format_uuid(bytes(range(1, 17)) + b"\xaa\xbb") == "GPU-01020304-0506-0708-090a-0b0c0d0e0f10"
 
 
 def info(rank, index, uuid="", host="n0", physical=None):
@@ -371,6 +375,56 @@ def test_use_device_reads_name_and_uuid(monkeypatch):
     assert got == DeviceInfo(2, "n7", 1, "NVIDIA H200", "GPU-00000000-0000-0000-0000-000000000000", "1")
 
 
+def test_use_device_asks_the_driver_when_cupy_cuts_the_uuid_short(monkeypatch):
+    """A UUID with a zero byte reaches Python cut there (CuPy converts the char[16] as a C string);
+    use_device then reads all 16 bytes from the driver instead of logging a malformed UUID."""
+    import sys
+
+    from mpiasgd import device
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda i: types.SimpleNamespace(use=lambda: None),
+        runtime=types.SimpleNamespace(getDeviceProperties=lambda i: {"name": b"NVIDIA H200", "uuid": b"\x8f\x3c"})))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    asked = []
+    monkeypatch.setattr(device, "driver_uuid", lambda i: asked.append(i) or b"\x8f\x3c\x00" + bytes(range(3, 16)))
+    got = device.use_device(2, rank=1, host="n0")
+    assert asked == [2] and got.uuid == "GPU-8f3c0003-0405-0607-0809-0a0b0c0d0e0f"
+    monkeypatch.setattr(device, "driver_uuid", lambda i: b"")  # the driver cannot say either: no UUID, not a wrong one
+    assert device.use_device(2, rank=1, host="n0").uuid == ""
+
+
+def test_driver_uuid_calls_the_driver_and_survives_its_absence(monkeypatch):
+    import ctypes
+
+    from mpiasgd.device import driver_uuid
+
+    calls = []
+
+    class FakeLibcuda:
+        def cuDeviceGet(self, dev, ordinal):
+            calls.append(("cuDeviceGet", ordinal.value))
+            dev._obj.value = 40 + ordinal.value
+            return 0
+
+        def cuDeviceGetUuid_v2(self, out, dev):
+            calls.append(("cuDeviceGetUuid_v2", dev.value))
+            ctypes.memmove(out, bytes(range(100, 116)), 16)
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: FakeLibcuda())
+    assert driver_uuid(1) == bytes(range(100, 116))
+    assert calls == [("cuDeviceGet", 1), ("cuDeviceGetUuid_v2", 41)]
+    FakeLibcuda.cuDeviceGet = lambda self, dev, ordinal: 101  # CUDA_ERROR_INVALID_DEVICE
+    assert driver_uuid(9) == b""
+
+    def no_driver(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    assert driver_uuid(0) == b""
+
+
 def run_scripted_worker(kind, **overrides):
     """Worker rank 1 through staging `kind`: WEIGHTS p0, reply p1 to push 1, STOP to push 2.
 
@@ -427,6 +481,20 @@ def test_overlap_and_nsync_push_the_same_through_every_staging(options):
         for a, b in zip(payloads, other[0], strict=True):
             np.testing.assert_array_equal(a, b)
         assert other[1:] == (headers, result)
+
+
+def test_device_staging_allreduces_a_host_copy_of_the_grads():
+    """Open MPI's MPI_Iallreduce takes no device buffers (docs: "Which MPI APIs do NOT work with
+    CUDA-aware"), so even the CUDA-aware staging hands sync mode's allreduce a host copy."""
+    dev = FakeDevice()
+    s = make_staging("cupy", True, 6, dev.transfers())
+    s.grads[:] = np.arange(6)
+    buf = s.grads_to_mpi()
+    assert buf is s.push.payload and not np.shares_memory(buf, s.send_buf) and buf.tolist() == list(range(6))
+    buf *= 2  # what the allreduce leaves there
+    s.grads_from_mpi()
+    assert s.grads.tolist() == [2.0 * i for i in range(6)]
+    assert dev.calls == [("to_host", 24), ("to_device", 24)]
 
 
 def test_pinned_staging_round_trips_grads_for_the_allreduce():
