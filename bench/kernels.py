@@ -517,9 +517,9 @@ def measure_layer(layer: ConvLayer, ops, cupy, torch, timer: Timer, runs: int, w
 
 def tile_sweep(layer: ConvLayer, ops, cupy, timer: Timer, runs: int, warmup: int, seed: int = 0) -> list[str]:
     """Lines giving the median ms of each pass of `layer` with every conv tile variant forced
-    (`cupy_ops.conv_tile_override`; its split-K ranges `gemm_split` in brackets), the one
-    `conv_tile` chooses marked with *, and the chosen tile without split-K where it splits: the
-    data to tune both choices on a GPU."""
+    (`cupy_ops.conv_tile_override`; its split-K ranges `gemm_split` in brackets), the trial tiles
+    (`CONV_TRIAL_TILES`: larger register blocks) included, the one `conv_tile` chooses marked with *,
+    and the chosen tile without split-K where it splits: the data to tune both choices on a GPU."""
     calls = our_calls(layer, ops, cupy, layer_inputs(layer, seed))
     lines = []
     for pass_name in PASSES:
@@ -527,7 +527,7 @@ def tile_sweep(layer: ConvLayer, ops, cupy, timer: Timer, runs: int, warmup: int
             continue
         m, n, k = implicit_gemm(pass_name, layer)
         chosen, cells = ops.conv_tile(m), []
-        variants = [(tile, None) for tile in ops.CONV_TILES]
+        variants = [(tile, None) for tile in (*ops.CONV_TILES, *ops.CONV_TRIAL_TILES)]
         if ops.gemm_split(m, n, k, chosen)[0] > 1:
             variants.append((chosen, 1))
         for tile, split in variants:
@@ -538,7 +538,7 @@ def tile_sweep(layer: ConvLayer, ops, cupy, timer: Timer, runs: int, warmup: int
             finally:
                 ops.conv_tile_override = ops.conv_split_override = None
             mark = "*" if tile == chosen and split is None else " "
-            cells.append(f"{tile[0]}x{tile[1]}[{splits}]{mark} {ms:8.4f} ms")
+            cells.append(f"{ops.tile_name(tile)}[{splits}]{mark} {ms:8.4f} ms")
         lines.append(f"  tiles {layer.name:<8} {pass_name:<6} M={m:<5} " + "   ".join(cells))
     return lines
 

@@ -122,16 +122,16 @@ def _run(cmd: list[str]) -> str:
     return proc.stdout
 
 
-def tiles_of(source: str) -> list[tuple[int, int]]:
+def tiles_of(source: str) -> list[tuple[int, ...]]:
     """The tile variants a conv2d.cu text can be compiled for: every one of CONV_TILES when its tile
-    macros take -D overrides, else only its built-in tile (an older revision), which is shown as
-    64x64 (the default of both)."""
-    if "#ifndef CONV_BM" in source:
-        return list(cupy_ops.CONV_TILES)
-    return [(cupy_ops.CONV_BM, cupy_ops.CONV_BN)]
+    macros take -D overrides, and the trial tiles when its register block does too; else only its
+    built-in tile (an older revision), which is shown as 64x64 (the default of both)."""
+    if "#ifndef CONV_BM" not in source:
+        return [(cupy_ops.CONV_BM, cupy_ops.CONV_BN)]
+    return [*cupy_ops.CONV_TILES, *(cupy_ops.CONV_TRIAL_TILES if "#ifndef CONV_TM" in source else ())]
 
 
-def mix(source: str, nvcc: str, nvdisasm: str, tile: tuple[int, int], arch: str) -> dict[str, list[tuple[int, int]]]:
+def mix(source: str, nvcc: str, nvdisasm: str, tile: tuple[int, ...], arch: str) -> dict[str, list[tuple[int, int]]]:
     """{kernel: [(loop instructions, loop FFMA)] of its hot loops, shortest first} of conv2d.cu text
     `source` for one tile and arch."""
     with tempfile.TemporaryDirectory() as d:
@@ -169,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(versions: dict[str, str], archs: list[str], nvcc: str, nvdisasm: str) -> int:
-    print(f"{'kernel':<36} {'tile':>7} {'arch':>6} " + " ".join(f"{v[:22]:>24}" for v in versions)
+    print(f"{'kernel':<36} {'tile':>13} {'arch':>6} " + " ".join(f"{v[:22]:>24}" for v in versions)
           + ("   FFMA share ratio" if len(versions) > 1 else ""))
     for arch in archs:
-        for tile in cupy_ops.CONV_TILES:
+        for tile in (*cupy_ops.CONV_TILES, *cupy_ops.CONV_TRIAL_TILES):
             results = [mix(src, nvcc, nvdisasm, tile, arch) if tile in tiles_of(src) else None
                        for src in versions.values()]
             for k, which, label in ROWS:
@@ -188,7 +188,7 @@ def _table(versions: dict[str, str], archs: list[str], nvcc: str, nvdisasm: str)
                     cells.append(f"{n:4d} insns, {shares[-1]:5.1%} FFMA")
                 ratio = f"   {shares[0] / shares[1]:.2f}" if len(shares) > 1 and shares[0] and shares[1] else ""
                 name = f"{k} ({label})" if label else k
-                print(f"{name:<36} {f'{tile[0]}x{tile[1]}':>7} {arch:>6} " + " ".join(f"{c:>24}" for c in cells)
+                print(f"{name:<36} {cupy_ops.tile_name(tile):>13} {arch:>6} " + " ".join(f"{c:>24}" for c in cells)
                       + ratio)
     return 0
 

@@ -62,8 +62,16 @@
 #ifndef CONV_BK
 #define CONV_BK 16  // reduction slab (cupy_ops.CONV_BK: split-K ranges are multiples of it)
 #endif
-#define CONV_TM 4   // register block: rows per thread (one float4 of As per kk)
-#define CONV_TN 4   // register block: columns per thread (one float4 of Bs per kk)
+#ifndef CONV_TM
+#define CONV_TM 4   // register block: rows per thread, 4 or 8 (one float4 of As per 4 rows per kk)
+#endif
+#ifndef CONV_TN
+#define CONV_TN 4   // register block: columns per thread, 4 or 8 (one float4 of Bs per 4 columns per kk)
+#endif
+// A thread's TM rows are TM/4 runs of 4, one in each of the TM/4 equal row bands of the tile (and its
+// columns likewise), so that a warp's float4 reads of a band are consecutive (see the main loop).
+#define CONV_RBAND (CONV_BM / (CONV_TM / 4))  // rows per band
+#define CONV_CBAND (CONV_BN / (CONV_TN / 4))  // columns per band
 #define CONV_TX (CONV_BN / CONV_TN)
 #define CONV_TY (CONV_BM / CONV_TM)
 #define CONV_THREADS (CONV_TX * CONV_TY)              // 256
@@ -87,7 +95,8 @@
 
 // What the loaders, the float4 reads and the bank layout rely on (a tile choice that breaks one
 // fails to compile instead of computing garbage or serialising the shared-memory stores).
-static_assert(CONV_BM % CONV_TM == 0 && CONV_BN % CONV_TN == 0, "BM, BN: multiples of the 4x4 register block");
+static_assert((CONV_TM == 4 || CONV_TM == 8) && (CONV_TN == 4 || CONV_TN == 8), "register block: 4 or 8 rows, columns");
+static_assert(CONV_BM % CONV_TM == 0 && CONV_BN % CONV_TN == 0, "BM, BN: multiples of the register block");
 static_assert(CONV_THREADS % CONV_BK == 0 && CONV_BN % CONV_B_COLS == 0 && CONV_THREADS % CONV_B_ROW == 0 &&
                   CONV_BK % CONV_B_RSTEP == 0 && CONV_B_RROWS * CONV_B_COLS == CONV_B_LOADS,
               "THREADS: a multiple of BK, and the B loader's rows of BN/B_COLS threads tiling the slab");
@@ -446,12 +455,20 @@ __device__ __forceinline__ void conv_gemm(ConvSmem& sm, const float* __restrict_
     }
 #pragma unroll
     for (int kk = 0; kk < CONV_BK; ++kk) {
-      // thread (ty, tx) owns rows ty*4 .. ty*4+3 and columns tx*4 .. tx*4+3: one 16-byte shared
-      // load each (a warp reads 4 consecutive float4 of As and 8 of Bs, each read by 8 or 4 threads)
-      const float4 a4 = *reinterpret_cast<const float4*>(&sm.As[kk][ty * CONV_TM]);
-      const float4 b4 = *reinterpret_cast<const float4*>(&sm.Bs[kk][tx * CONV_TN]);
-      const float a[CONV_TM] = {a4.x, a4.y, a4.z, a4.w};
-      const float b[CONV_TN] = {b4.x, b4.y, b4.z, b4.w};
+      // thread (ty, tx) owns rows g*RBAND + ty*4 .. +3 (g < TM/4) and columns g*CBAND + tx*4 .. +3
+      // (g < TN/4): one 16-byte shared load per run of 4 (a warp reads 4 consecutive float4 of each
+      // band of As and 8 of each band of Bs, each read by 8 or 4 threads)
+      float a[CONV_TM], b[CONV_TN];
+#pragma unroll
+      for (int g = 0; g < CONV_TM / 4; ++g) {
+        const float4 v = *reinterpret_cast<const float4*>(&sm.As[kk][g * CONV_RBAND + ty * 4]);
+        a[4 * g] = v.x, a[4 * g + 1] = v.y, a[4 * g + 2] = v.z, a[4 * g + 3] = v.w;
+      }
+#pragma unroll
+      for (int g = 0; g < CONV_TN / 4; ++g) {
+        const float4 v = *reinterpret_cast<const float4*>(&sm.Bs[kk][g * CONV_CBAND + tx * 4]);
+        b[4 * g] = v.x, b[4 * g + 1] = v.y, b[4 * g + 2] = v.z, b[4 * g + 3] = v.w;
+      }
 #pragma unroll
       for (int i = 0; i < CONV_TM; ++i)
 #pragma unroll
@@ -459,32 +476,35 @@ __device__ __forceinline__ void conv_gemm(ConvSmem& sm, const float* __restrict_
     }
   }
 
-  // epilogue: the 4x4 register block to its NCHW (or workspace) location. C[m][jj] lives at
-  // base[j] + m * mstride; when the thread's 4 columns are consecutive in memory (same image) and
-  // the row's address is 16-byte aligned, each row is one float4 store.
-  long long base[CONV_TN];
+  // epilogue: the register block to its NCHW (or workspace) location. C[m][jj] lives at
+  // base[j] + m * mstride; when a run of 4 columns is consecutive in memory (same image) and the
+  // row's address is 16-byte aligned, each row of the run is one float4 store.
+  long long base[CONV_TN], jj[CONV_TN];
   long long mstride = 0;
-  const long long jj0 = j0 + tx * CONV_TN;
 #pragma unroll
   for (int j = 0; j < CONV_TN; ++j) {
-    const long long jj = jj0 + j < NG ? jj0 + j : NG - 1;  // clamped; columns >= NG are not stored
+    jj[j] = j0 + (j / 4) * CONV_CBAND + tx * 4 + j % 4;
+    const long long jc = jj[j] < NG ? jj[j] : NG - 1;  // clamped; columns >= NG are not stored
     if (PARTIAL) {
       mstride = NG;
-      base[j] = (long long)blockIdx.z * M * NG + jj;
+      base[j] = (long long)blockIdx.z * M * NG + jc;
     } else if (MODE == CONV_FPROP) {
-      long long pq = (long long)P * Q, n = jj / pq;
+      long long pq = (long long)P * Q, n = jc / pq;
       mstride = pq;
-      base[j] = n * K * pq + (jj - n * pq);
+      base[j] = n * K * pq + (jc - n * pq);
     } else {  // DGRAD
-      long long hw = (long long)H * W, n = jj / hw;
+      long long hw = (long long)H * W, n = jc / hw;
       mstride = hw;
-      base[j] = n * C * hw + (jj - n * hw);
+      base[j] = n * C * hw + (jc - n * hw);
     }
   }
-  const bool contiguous = jj0 + CONV_TN <= NG && base[CONV_TN - 1] == base[0] + (CONV_TN - 1);
+  bool contiguous[CONV_TN / 4];
+#pragma unroll
+  for (int g = 0; g < CONV_TN / 4; ++g)
+    contiguous[g] = jj[4 * g + 3] < NG && base[4 * g + 3] == base[4 * g] + 3;
 #pragma unroll
   for (int i = 0; i < CONV_TM; ++i) {
-    const int m = m0 + ty * CONV_TM + i;
+    const int m = m0 + (i / 4) * CONV_RBAND + ty * 4 + i % 4;
     if (m >= M) continue;
     const float bm = (MODE == CONV_FPROP && !PARTIAL && bias != 0) ? __ldg(bias + m) : 0.0f;
     float v[CONV_TN];
@@ -496,18 +516,21 @@ __device__ __forceinline__ void conv_gemm(ConvSmem& sm, const float* __restrict_
         if (relu) v[j] = fmaxf(v[j], 0.0f);
       }
     }
-    float* row = out + base[0] + m * mstride;
-    if (contiguous && ((unsigned long long)row & 15) == 0) {
-      float4 v4;
-      v4.x = v[0];
-      v4.y = v[1];
-      v4.z = v[2];
-      v4.w = v[3];
-      *reinterpret_cast<float4*>(row) = v4;
-    } else {
 #pragma unroll
-      for (int j = 0; j < CONV_TN; ++j)
-        if (jj0 + j < NG) out[base[j] + m * mstride] = v[j];
+    for (int g = 0; g < CONV_TN / 4; ++g) {
+      float* row = out + base[4 * g] + m * mstride;
+      if (contiguous[g] && ((unsigned long long)row & 15) == 0) {
+        float4 v4;
+        v4.x = v[4 * g];
+        v4.y = v[4 * g + 1];
+        v4.z = v[4 * g + 2];
+        v4.w = v[4 * g + 3];
+        *reinterpret_cast<float4*>(row) = v4;
+      } else {
+#pragma unroll
+        for (int j = 4 * g; j < 4 * g + 4; ++j)
+          if (jj[j] < NG) out[base[j] + m * mstride] = v[j];
+      }
     }
   }
 }

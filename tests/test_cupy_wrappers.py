@@ -241,6 +241,27 @@ def test_each_conv_pass_launches_the_tile_of_its_rows(fake_gpu, monkeypatch):
 def test_tile_defines():
     assert cupy_ops.tile_defines(None) == ()
     assert cupy_ops.tile_defines((32, 128)) == ("-DCONV_BM=32", "-DCONV_BN=128")
+    assert cupy_ops.tile_defines((32, 128, 4, 4, 16)) == ("-DCONV_BM=32", "-DCONV_BN=128")  # the defaults
+    assert cupy_ops.tile_defines((64, 128, 8, 4, 8)) == ("-DCONV_BM=64", "-DCONV_BN=128", "-DCONV_TM=8",
+                                                         "-DCONV_TN=4", "-DCONV_BK=8")
+
+
+@pytest.mark.parametrize("tile, shape, name, threads", [
+    ((64, 64), (64, 64, 4, 4, 16), "64x64", 256), ((32, 128, 4, 4, 16), (32, 128, 4, 4, 16), "32x128", 256),
+    ((64, 128, 8, 4, 8), (64, 128, 8, 4, 8), "64x128/8x4k8", 256), ((32, 256, 4, 8, 8), None, "32x256/4x8k8", 256),
+    ((32, 64, 8, 8, 8), None, "32x64/8x8k8", 32)])
+def test_tile_shapes(tile, shape, name, threads):
+    assert cupy_ops.tile_shape(tile) == (shape or tile)
+    assert cupy_ops.tile_name(tile) == name and cupy_ops.conv_threads(tile) == threads
+
+
+def test_trial_tiles_are_forced_never_chosen(monkeypatch):
+    """The trial tiles launch 256 threads over their whole (BM, BN); conv_tile never picks one."""
+    assert {cupy_ops.conv_tile(M) for M in range(1, 300)} == set(cupy_ops.CONV_TILES)
+    for tile in cupy_ops.CONV_TRIAL_TILES:
+        monkeypatch.setattr(cupy_ops, "conv_tile_override", tile)
+        assert cupy_ops.conv_tile(32) == tile
+        assert cupy_ops.conv_launch(M=65, NG=1000) == ((-(-1000 // tile[1]), -(-65 // tile[0]), 1), (256, 1, 1))
 
 
 @pytest.mark.parametrize("K, CRS, NPQ", [(32, 75, 131072), (32, 800, 28800), (64, 800, 6272), (1, 1, 1),

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from cuda_cpu import cases, harness
 
+from mpiasgd.ops import cupy_ops
+
 pytestmark = pytest.mark.skipif(harness.find_cxx() is None,
                                 reason="no g++: the CUDA-on-CPU harness needs a C++17 compiler")
 
@@ -61,11 +63,14 @@ def test_harness_catches_a_wrong_kernel():
         cases.conv_wrappers(lib, np.random.default_rng(0), True)
 
 
-@pytest.mark.parametrize("bm, bn, bk", [(32, 128, 8), (16, 32, 16), (32, 64, 8), (64, 64, 8)])
-def test_conv_with_other_tile_shapes(bm, bn, bk):
-    """The tile body derives its loader and register-block layout from CONV_BM/CONV_BN/CONV_BK (-D
-    overrides; the default build is the 64x64 tile with BK 16)."""
-    lib = harness.build(defines={"CONV_BM": bm, "CONV_BN": bn, "CONV_BK": bk})
+@pytest.mark.parametrize("tile", [(32, 128, 4, 4, 8), (16, 32, 4, 4, 16), (32, 64, 4, 4, 8), (64, 64, 4, 4, 8),
+                                  *cupy_ops.CONV_TRIAL_TILES, (32, 64, 8, 8, 8)])
+def test_conv_with_other_tile_shapes(tile):
+    """The tile body derives its loader and register-block layout from CONV_BM/CONV_BN/CONV_TM/CONV_TN/
+    CONV_BK (-D overrides; the default build is the 64x64 tile, 4x4 per thread, BK 16): each of these,
+    the trial tiles among them, computes every conv shape."""
+    bm, bn, tm, tn, bk = tile
+    lib = harness.build(defines={"CONV_BM": bm, "CONV_BN": bn, "CONV_TM": tm, "CONV_TN": tn, "CONV_BK": bk})
     cases.conv_wrappers(lib, np.random.default_rng(1), True)
 
 

@@ -27,11 +27,13 @@ SOURCES = sorted(KERNELS.glob("*.cu"))
 
 
 def _builds() -> list[tuple[Path, tuple[str, ...]]]:
-    """(source, -D options): conv2d.cu once per tile variant that cupy_ops launches, the rest once."""
+    """(source, -D options): conv2d.cu once per tile variant that cupy_ops launches (its trial tiles too),
+    the rest once."""
     from mpiasgd.ops import cupy_ops
 
+    tiles = (*cupy_ops.CONV_TILES, *cupy_ops.CONV_TRIAL_TILES)
     return [(src, cupy_ops.tile_defines(tile)) for src in SOURCES
-            for tile in (cupy_ops.CONV_TILES if src.name == "conv2d.cu" else [None])]
+            for tile in (tiles if src.name == "conv2d.cu" else [None])]
 
 
 BUILDS = _builds()

@@ -57,7 +57,12 @@ CONV_BM, CONV_BN, CONV_BK = 64, 64, 16  # kernels/conv2d.cu defaults (-DCONV_BM/
 # owning 4x4 outputs): 64x64, and 32x128 for GEMMs of at most 32 rows (the cifar10 model's 32-channel
 # layers), which a 64-row tile would half idle
 CONV_TILES = ((64, 64), (32, 128))
-conv_tile_override: tuple[int, int] | None = None  # (BM, BN) forced on every conv launch (bench, tests)
+# Trial tiles (BM, BN, TM, TN, BK): larger register blocks (8x4, 4x8 outputs per thread, 256 threads)
+# with a K-slab of 8 (16 would spill), a higher FFMA share of the main loop (bench/sass_mix.py) but
+# fewer, wider blocks. Never chosen by conv_tile: bench/kernels.py --tiles and tests/gpu force them,
+# so that a GPU run says whether they should replace a production tile.
+CONV_TRIAL_TILES = ((64, 128, 8, 4, 8), (32, 256, 4, 8, 8))
+conv_tile_override: tuple[int, ...] | None = None  # a tile forced on every conv launch (bench, tests)
 conv_split_override: int | None = None  # split-K ranges forced on every conv GEMM (bench, tests)
 CONV_TARGET_BLOCKS = 512  # split-K aims at about this many blocks when the device's wave is unknown
 CONV_MIN_CHUNK = 256  # ... and each range of the reduction keeps at least this many terms
@@ -134,9 +139,25 @@ def compile_kernels() -> list[str]:
 NVRTC_OPTIONS = ("--std=c++14",)  # CuPy adds -ftz=true, -arch=sm_XX of the device, --device-as-default-execution-space
 
 
-def tile_defines(tile: tuple[int, int] | None) -> tuple[str, ...]:
-    """The -D options that compile conv2d.cu for tile (BM, BN); () for the other files (tile None)."""
-    return () if tile is None else (f"-DCONV_BM={int(tile[0])}", f"-DCONV_BN={int(tile[1])}")
+def tile_shape(tile: tuple[int, ...]) -> tuple[int, int, int, int, int]:
+    """(BM, BN, TM, TN, BK) of a tile given as (BM, BN) (register block 4x4, K-slab CONV_BK) or in full."""
+    return tuple(int(v) for v in tile) if len(tile) == 5 else (int(tile[0]), int(tile[1]), 4, 4, CONV_BK)
+
+
+def tile_defines(tile: tuple[int, ...] | None) -> tuple[str, ...]:
+    """The -D options that compile conv2d.cu for `tile` (see `tile_shape`; the register block and K-slab
+    only where they differ from the defaults); () for the other files (tile None)."""
+    if tile is None:
+        return ()
+    bm, bn, tm, tn, bk = tile_shape(tile)
+    extra = () if (tm, tn, bk) == (4, 4, CONV_BK) else (f"-DCONV_TM={tm}", f"-DCONV_TN={tn}", f"-DCONV_BK={bk}")
+    return (f"-DCONV_BM={bm}", f"-DCONV_BN={bn}", *extra)
+
+
+def tile_name(tile: tuple[int, ...]) -> str:
+    """'64x64', or for a non-default register block or K-slab '64x128/8x4k8'."""
+    bm, bn, tm, tn, bk = tile_shape(tile)
+    return f"{bm}x{bn}" if (tm, tn, bk) == (4, 4, CONV_BK) else f"{bm}x{bn}/{tm}x{tn}k{bk}"
 
 
 @functools.cache
@@ -165,7 +186,7 @@ class NullSafeKernel:
 
 
 @functools.cache
-def _cupy_kernel(kernel: str, tile: tuple[int, int] | None = None) -> NullSafeKernel:
+def _cupy_kernel(kernel: str, tile: tuple[int, ...] | None = None) -> NullSafeKernel:
     """The cupy.RawKernel of `kernel` (and conv tile), looked up once per process."""
     return NullSafeKernel(_module(_KERNEL_FILES[kernel], tile_defines(tile)).get_function(kernel))
 
@@ -244,7 +265,7 @@ def check_launch(kernel: str, grid: tuple[int, int, int], block: tuple[int, int,
 
 
 def _launch(kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple,
-            shared_mem: int = 0, tile: tuple[int, int] | None = None) -> None:
+            shared_mem: int = 0, tile: tuple[int, ...] | None = None) -> None:
     check_launch(kernel, grid, block, shared_mem)
     for a in args:  # every scalar already has its C type; a Python int/float here is a bug
         if not (a is None or isinstance(a, (np.int32, np.int64, np.float32)) or hasattr(a, "dtype")):
@@ -260,7 +281,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def conv_tile(M: int) -> tuple[int, int]:
+def conv_tile(M: int) -> tuple[int, ...]:
     """(BM, BN) tile of a conv GEMM with M rows: 32x128 when M <= 32, else 64x64 (`CONV_TILES`);
     `conv_tile_override` when set."""
     if conv_tile_override is not None:
@@ -268,18 +289,20 @@ def conv_tile(M: int) -> tuple[int, int]:
     return (32, 128) if M <= 32 else (64, 64)
 
 
-def conv_threads(tile: tuple[int, int]) -> int:
-    """Threads per block of tile (BM, BN): one per 4x4 register block."""
-    return (tile[0] // 4) * (tile[1] // 4)
+def conv_threads(tile: tuple[int, ...]) -> int:
+    """Threads per block of `tile`: one per TM x TN register block (`tile_shape`)."""
+    bm, bn, tm, tn, _ = tile_shape(tile)
+    return (bm // tm) * (bn // tn)
 
 
 def conv_launch(M: int, NG: int, splits: int = 1,
-                tile: tuple[int, int] | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+                tile: tuple[int, ...] | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """Grid and block of an implicit-GEMM conv kernel: C (M, NG) in BM x BN tiles (`tile`, default
     `conv_tile(M)`), `splits` along z."""
-    bm, bn = tile or conv_tile(M)
+    tile = tile or conv_tile(M)
+    bm, bn = tile[:2]
     grid = (_cdiv(NG, bn), _cdiv(M, bm), splits)  # (column tiles, row tiles, batch splits)
-    block = (conv_threads((bm, bn)), 1, 1)
+    block = (conv_threads(tile), 1, 1)
     return grid, block
 
 
@@ -307,7 +330,7 @@ def _fewest_waves(tiles: int, most: int, wave: int) -> int:
     return min(range(1, min(most, 2 * wave) + 1), key=lambda s: (_cdiv(tiles * s, wave) / s, s))
 
 
-def gemm_split(M: int, NG: int, KR: int, tile: tuple[int, int] | None = None) -> tuple[int, int]:
+def gemm_split(M: int, NG: int, KR: int, tile: tuple[int, ...] | None = None) -> tuple[int, int]:
     """(splits, chunk) of a conv GEMM's reduction: KR cut into `splits` ranges of `chunk` terms (split-K).
 
     chunk is a multiple of the K-slab CONV_BK; splits = ceil(KR / chunk), so no range is empty, and
@@ -321,7 +344,7 @@ def gemm_split(M: int, NG: int, KR: int, tile: tuple[int, int] | None = None) ->
     aims at about CONV_TARGET_BLOCKS blocks. `conv_split_override` forces a number of ranges
     (benchmarks, tests), still at least one K-slab each.
     """
-    bm, bn = tile or conv_tile(M)
+    bm, bn = (tile or conv_tile(M))[:2]
     tiles = _cdiv(NG, bn) * _cdiv(M, bm)
     most = max(1, min(KR // CONV_MIN_CHUNK, MAX_GRID_YZ))
     wave = device_wave()
@@ -548,7 +571,7 @@ def _split_workspace(ws: Workspace | None, key: str, shape: tuple[int, int, int]
     return xp.empty(shape, dtype=np.float32) if ws is None else ws.get(key, shape, np.float32)
 
 
-def _split_reduce(op: str, part, bias, out, splits: int, N: int, M: int, L: int, tile: tuple[int, int],
+def _split_reduce(op: str, part, bias, out, splits: int, N: int, M: int, L: int, tile: tuple[int, ...],
                   relu: int = 0) -> None:
     """out (N, M, L...) = the splits of `part` (splits, M, N*L) added in order (+ bias) (ReLU); launched
     from the module of the partial kernel's `tile` (conv2d.cu holds both: no third compilation)."""

@@ -62,17 +62,25 @@ def assert_close(got, ref, what: str, atol: float = ATOL, rtol: float = RTOL) ->
 def cpu_backend(lib, **constants) -> Iterator:
     """`cupy_ops` with numpy arrays and the harness kernels (and launch constants overridden).
 
-    A conv launch for tile (BM, BN) runs `lib.variant` built with -DCONV_BM/-DCONV_BN, as cupy_ops
-    compiles one module per tile on the GPU. A library built with tile macros (`lib.defines`, e.g.
-    CONV_BM=16, CONV_BK=8) forces that tile on every conv launch (`conv_tile_override`).
+    A conv launch for a tile runs `lib.variant` built with that tile's -D options (cupy_ops.tile_defines),
+    as cupy_ops compiles one module per tile on the GPU. A library built with tile macros (`lib.defines`,
+    e.g. CONV_BM=16, CONV_BK=8, or a whole trial tile with CONV_TM/CONV_TN) forces that tile on every
+    conv launch (`conv_tile_override`).
     """
     d = lib.defines
-    if "CONV_BM" in d or "CONV_BN" in d:
+    if "CONV_TM" in d or "CONV_TN" in d:  # a register block other than 4x4: the full tile shape
+        tile = (d.get("CONV_BM", cupy_ops.CONV_BM), d.get("CONV_BN", cupy_ops.CONV_BN), d.get("CONV_TM", 4),
+                d.get("CONV_TN", 4), d.get("CONV_BK", cupy_ops.CONV_BK))
+        constants = {"conv_tile_override": tile, **constants}
+    elif "CONV_BM" in d or "CONV_BN" in d:
         tile = (d.get("CONV_BM", cupy_ops.CONV_BM), d.get("CONV_BN", cupy_ops.CONV_BN))
         constants = {"conv_tile_override": tile, **constants}
 
-    def get_kernel(name: str, tile: tuple[int, int] | None = None):
-        return (lib if tile is None else lib.variant({"CONV_BM": tile[0], "CONV_BN": tile[1]})).kernel(name)
+    def get_kernel(name: str, tile: tuple[int, ...] | None = None):
+        if tile is None:
+            return lib.kernel(name)
+        defines = dict(opt[2:].split("=") for opt in cupy_ops.tile_defines(tile))  # "-DCONV_BM=64"
+        return lib.variant({k: int(v) for k, v in defines.items()}).kernel(name)
 
     saved = {"xp": cupy_ops.xp, "get_kernel": cupy_ops.get_kernel}
     saved.update({k: getattr(cupy_ops, k) for k in constants})

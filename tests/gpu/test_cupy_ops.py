@@ -79,7 +79,8 @@ def test_conv_passes_exact_on_integers(cp, npo, name, xs, ws, stride, pad, monke
     any order and the GPU must equal the float64 reference bit for bit; a tap dropped or counted twice
     (split boundary, digit carry, padding test) cannot hide in a tolerance. Each pass runs with each
     tile forced and split-K as chosen, with one range and with three (ranges that cut through (c, r, s)),
-    with the tap table and testing bounds, so that every kernel instantiation runs on the GPU:
+    with the tap table and testing bounds, so that every kernel instantiation runs on the GPU (the
+    trial tiles too, which bench/kernels.py --tiles times):
     fprop/dgrad whole and partial, dgrad's stride-1 and strided paths, in both tiles (helper-18: some
     ran in neither tile otherwise)."""
     from mpiasgd.ops import cupy_ops
@@ -96,7 +97,9 @@ def test_conv_passes_exact_on_integers(cp, npo, name, xs, ws, stride, pad, monke
             "dgrad": npo.conv2d_dgrad(dy64, w64, xs, stride, pad),
             "wgrad": npo.conv2d_wgrad(dy64, x64, ws, stride, pad)}
     x, w, b, dy = (cp.asarray(a) for a in (x, w, b, dy))
-    for tile, splits, taps in itertools.product(cupy_ops.CONV_TILES, (None, 1, 3), (32, 0)):
+    runs = [*itertools.product(cupy_ops.CONV_TILES, (None, 1, 3), (32, 0)),
+            *itertools.product(cupy_ops.CONV_TRIAL_TILES, (None, 3), (32,))]  # (trial: their tables and splits)
+    for tile, splits, taps in runs:
         monkeypatch.setattr(cupy_ops, "conv_tile_override", tile)
         monkeypatch.setattr(cupy_ops, "conv_split_override", splits)
         monkeypatch.setattr(cupy_ops, "CONV_TAB_MAX_TAPS", taps)  # 0: no tap table, bounds tested per load
