@@ -24,8 +24,8 @@
 #    min of CUDA-event timings after warm-up), throughput ours/cuDNN (goal >= 0.80 on the cifar10
 #    layers), TFLOP/s and % of the FP32 peak, cuBLAS ms of the same GEMM, and our error vs cuDNN;
 #    then one goal line per pass kind. Exit status 2 there means no usable GPU (or no cupy).
-# Under 8 minutes on one GPU: every step has its own timeout (at most 30+10+20+20+270+90 s, plus 5 s
-# grace each: 470 s); a step that fails prints its exit status and the script goes on to the next.
+# Under 8.5 minutes on one GPU: every step has its own timeout (at most 30+10+20+20+270+110 s, plus 5 s
+# grace each: 490 s); a step that fails prints its exit status and the script goes on to the next.
 set -u
 cd "$(dirname "$0")/.."
 if [ -n "${PYTHON:-}" ]; then
@@ -79,7 +79,7 @@ tests_rc=$?
 echo "tests/gpu exit status: $tests_rc"
 
 echo "== bench/kernels.py: our conv kernels against cuDNN"
-timeout -k 5 90 "$PY" bench/kernels.py --tiles
+timeout -k 5 110 "$PY" bench/kernels.py --tiles
 bench_rc=$?
 echo "bench/kernels.py exit status: $bench_rc (0: measured; 2: no GPU or no cupy; 124: timed out)"
 echo "== $(date -Is) done"
