@@ -68,8 +68,10 @@ timeout -k 5 10 nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.tot
 timeout -k 5 20 "$PY" -c "import cupy; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount(), \
 'CUDA runtime', cupy.cuda.runtime.runtimeGetVersion())" 2>&1 \
     || echo "!! cupy not importable or no device: tests/gpu will skip, bench/kernels.py will exit 2"
-timeout -k 5 20 "$PY" -c "from mpi4py import MPI; print('MPI:', MPI.Get_library_version().splitlines()[0], \
-'| Query_cuda_support:', getattr(MPI, 'Query_cuda_support', lambda: 'n/a')())" 2>&1 | tr -d '\000' \
+timeout -k 5 20 "$PY" -c "from mpi4py import MPI; from mpiasgd.device import mpix_cuda_support as q; \
+print('MPI:', MPI.Get_library_version().splitlines()[0], '| Query_cuda_support:', \
+getattr(MPI, 'Query_cuda_support', lambda: 'n/a')(), '| MPIX_Query_cuda_support:', (q() or (lambda: 'n/a'))())" \
+    2>&1 | tr -d '\000' \
     || echo "!! mpi4py could not load an MPI library"
 
 echo "== tests/gpu"
