@@ -63,7 +63,7 @@ launcher=$(dirname "$(command -v "$PY")")/mpiexec
     || echo "!! no mpiexec beside $PY or on PATH: the MPI training tests of tests/gpu will skip"
 
 echo "== device and libraries"
-timeout -k 5 10 nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 \
+timeout -k 5 10 nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total,clocks.max.sm,compute_mode --format=csv 2>&1 \
     || echo "(no nvidia-smi)"
 timeout -k 5 20 "$PY" -c "import cupy; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount(), \
 'CUDA runtime', cupy.cuda.runtime.runtimeGetVersion())" 2>&1 \
