@@ -123,14 +123,17 @@ static_assert(CONV_TX % CONV_WARP_TX == 0 && CONV_TY % CONV_WARP_TY == 0,
 // loop steps no digits and tests no bounds. A bit stands for a filter tap (r, s): bit r*S + s (R*S <= 32).
 //   FPROP kk = (c, r, s): off = (c*H + r - pad)*W + s - pad, bits = the tap's bit, a_off = kk
 //   DGRAD kk = (k, r, s): off = (k*P - r)*Q - s, bits = the tap's bit, a_off = k*C*R*S + r*S + s
-//   WGRAD kk = (n, p, q): off = n*C*H*W + p*st*W + q*st, bits = the taps that read inside the image
-//                         at output pixel (p, q), a_off = n*K*P*Q + p*Q + q
+//   WGRAD kk = (n, p, q): off = n*C*H*W + (p*st - pad)*W + q*st - pad (0 for a row without taps
+//                         inside the image), bits = the taps that read inside the image at output
+//                         pixel (p, q), a_off = n*K*P*Q + p*Q + q
 // and a B column j holds the other side as ConvCol::mask: FPROP/DGRAD the taps that read inside the
 // image at its pixel, WGRAD (j = (c, r, s)) its tap's bit. So B[kk][j] = (mask_j & bits_kk) ?
-// col_j.origin[off_kk] : 0 (FPROP, DGRAD) or (x + off_kk)[col_j.base] (WGRAD), and A[m][kk] =
+// col_j.origin[off_kk] : 0 (FPROP, DGRAD) or (x + off_kk)[c*H*W + r*W + s] (WGRAD), and A[m][kk] =
 // A[a_off_kk + m*mstride]. The table has KR + 128 entries, those past KR all zero: the loads of the
-// last slab, and of the entries one slab ahead, stay inside it. The host builds no table (and the
-// kernels test bounds) where an offset would not fit an int (WGRAD: N*C*H*W, N*K*P*Q < 2^31).
+// last slab, and of the entries one slab ahead, stay inside it. Every offset of a row with bits lies
+// between an in-bounds address minus one image and that address, so it fits an int when the tensor
+// does; the host builds no table (and the kernels test bounds) where it would not (WGRAD: N*C*H*W,
+// N*K*P*Q >= 2^31).
 #define CONV_TAB_INTS 4  // ints per entry (16 bytes: the {off, bit} pair is one 8-byte load)
 
 // A reduction index kk as three digits (hi, mid, lo) with radices (.., MID, LO): FPROP/DGRAD
@@ -240,7 +243,9 @@ __device__ __forceinline__ ConvCol conv_decode_col(const float* __restrict__ B, 
     col.origin = B;
     col.a = rem / S - pad;
     col.b = rem % S - pad;
-    col.base = c * H * W + col.a * W + col.b;
+    // PATH CONV_TABLE: c*H*W + r*W + s (>= 0; the table's row offset holds the -pad, so that it stays
+    // below the address it leads to: helper-20 found n*C*H*W + p*st*W + q*st passing 2^31)
+    col.base = (PATH == CONV_TABLE) ? c * H * W + (col.a + pad) * W + col.b + pad : c * H * W + col.a * W + col.b;
   }
   col.mask = 0;
   if (PATH == CONV_TABLE)

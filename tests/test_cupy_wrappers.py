@@ -19,11 +19,12 @@ from mpiasgd.ops import BACKENDS, BackendUnavailable, cuda_device_count, cuda_pr
 
 
 class FakeArray:
-    """Attributes of a device array, no memory: shape, dtype, ndim, size, strides, flags.c_contiguous."""
+    """Attributes of a device array, no memory: shape, dtype, ndim, size, nbytes, strides, flags.c_contiguous."""
 
     def __init__(self, shape, dtype=np.float32, contiguous=True):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.ndim, self.size = len(self.shape), int(np.prod(self.shape, dtype=object))
+        self.nbytes = self.size * self.dtype.itemsize
         self.strides = tuple(int(np.prod(self.shape[i + 1:], dtype=object)) * self.dtype.itemsize
                              for i in range(self.ndim))
         self.flags = types.SimpleNamespace(c_contiguous=contiguous)
@@ -326,14 +327,15 @@ def test_gemm_split_override(monkeypatch):
     assert cupy_ops.gemm_split(32, 10**6, 32) == (2, 16)  # at least one K-slab (16) per range
 
 
-def _tap_rows(op, N, C, H, W, K, R, S, P, Q, stride, pad):
+def _rows_by_definition(op, N, C, H, W, K, R, S, P, Q, stride, pad):
     """The tap table's rows written out tap by tap (the definition in conv_tap_table's docstring)."""
     rows = []
     if op == "conv2d_wgrad":
         for n, p, q in itertools.product(range(N), range(P), range(Q)):
             bits = sum(1 << (r * S + s) for r in range(R) for s in range(S)
                        if 0 <= p * stride + r - pad < H and 0 <= q * stride + s - pad < W)
-            rows.append((n * C * H * W + p * stride * W + q * stride, bits, n * K * P * Q + p * Q + q))
+            off = n * C * H * W + (p * stride - pad) * W + q * stride - pad if bits else 0
+            rows.append((off, bits, n * K * P * Q + p * Q + q))
     else:
         for hi, r, s in itertools.product(range(C if op == "conv2d_fprop" else K), range(R), range(S)):
             if op == "conv2d_fprop":
@@ -344,12 +346,13 @@ def _tap_rows(op, N, C, H, W, K, R, S, P, Q, stride, pad):
 
 
 @pytest.mark.parametrize("op, stride", [("conv2d_fprop", 2), ("conv2d_dgrad", 1), ("conv2d_wgrad", 2)])
-@pytest.mark.parametrize("R, S, pad", [(3, 3, 1), (4, 8, 2), (1, 1, 0)])  # 4x8: bit 31
+@pytest.mark.parametrize("R, S, pad", [(3, 3, 1), (4, 8, 2), (1, 1, 0), (2, 3, 6)])  # 4x8: bit 31; pad 6: rows
+                                                                                    # without in-image taps
 def test_conv_tap_table_rows(op, stride, R, S, pad, numpy_xp):
     N, C, H, W, K = 2, 3, 9, 10, 5
     P, Q = (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
     table = cupy_ops.conv_tap_table(op, N, C, H, W, K, R, S, P, Q, stride, pad)
-    rows = _tap_rows(op, N, C, H, W, K, R, S, P, Q, stride, pad)
+    rows = _rows_by_definition(op, N, C, H, W, K, R, S, P, Q, stride, pad)
     assert table.dtype == np.int32 and table.shape == (len(rows) + cupy_ops.CONV_TAB_PAD, 4)
     assert table[:len(rows)].tolist() == [list(r) for r in rows]
     assert not table[len(rows):].any()  # the rows past the reduction load nothing
@@ -378,6 +381,10 @@ def test_conv_tap_tables_kept_are_bounded(numpy_xp, monkeypatch):
     cupy_ops.conv_tap_table("conv2d_fprop", 1, 4, 4, 4, 1, 3, 3, 4, 4, 1, 1)  # evicts C = 2, the oldest
     assert len(cupy_ops._tap_tables) == 3
     assert sorted(key[4] for key in cupy_ops._tap_tables) == [1, 3, 4]
+    # and by bytes: (9*C + 128) rows of 16 bytes; room for C = 1 (2,192 B) and 4 (2,624 B), not a third
+    monkeypatch.setattr(cupy_ops, "CONV_TAB_CACHE_BYTES", 6000)
+    cupy_ops.conv_tap_table("conv2d_fprop", 1, 5, 4, 4, 1, 3, 3, 4, 4, 1, 1)  # 2,768 B: evicts C = 3 and 1
+    assert sorted(key[4] for key in cupy_ops._tap_tables) == [4, 5]
 
 
 @pytest.mark.parametrize("n, blocks", [(0, 1), (1, 1), (256, 1), (257, 2), (10**12, 65535)])

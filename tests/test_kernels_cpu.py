@@ -116,6 +116,49 @@ def test_conv_fprop_addresses_near_the_int32_limit(splits, taps):
                                                                                proc.stderr[-2000:])
 
 
+WGRAD_NEAR_INT32_LIMIT = """
+import sys
+import numpy as np
+from cuda_cpu import cases, harness
+N, C, H, W, K, R, S, stride, pad = 16, 1024, 2, 61901, 1, 1, 1, 12387, 12387  # N*C*H*W = 2^31 - 119,111,680
+P, Q = (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
+try:
+    x = np.zeros((N, C, H, W), np.float32)  # 8 GiB of zero pages, a few thousand touched
+except MemoryError:
+    sys.exit(3)
+rng = np.random.default_rng(0)
+dy = rng.integers(-3, 4, (N, K, P, Q)).astype(np.float32)
+ref = np.zeros(C)
+for n in range(N):  # the output pixels whose one tap reads inside the image
+    for p in range(P):
+        for q in range(Q):
+            h, w = p * stride - pad, q * stride - pad
+            if 0 <= h < H and 0 <= w < W:
+                x[n, :, h, w] = rng.integers(1, 4, C)
+                ref += dy[n, 0, p, q] * x[n, :, h, w]
+taps = int(sys.argv[1])  # CONV_TAB_MAX_TAPS: 0 makes wgrad test bounds instead of using its tap table
+with cases.cpu_backend(harness.build(), conv_split_override=1, CONV_TAB_MAX_TAPS=taps) as ops:
+    assert (ops.conv_tap_table("conv2d_wgrad", N, C, H, W, K, R, S, P, Q, stride, pad) is None) == (taps == 0)
+    dw = ops.conv2d_wgrad(dy, x, (K, C, R, S), stride, pad)
+print(int(np.sum(dw.ravel() != ref)), "of", C, "wrong")
+"""
+
+
+@pytest.mark.parametrize("taps", [32, 0])
+def test_conv_wgrad_addresses_near_the_int32_limit(taps):
+    """x of 2^31 - 1.2e8 floats with pad and stride of 12,387 on a 61,901-wide image: a wgrad table
+    row offset n*C*H*W + p*st*W + q*st passed 2^31 for taps inside the image (p*st up to H + pad),
+    wrapped, and the kernel read 8 GiB before x (helper-20); the row offset now holds the -pad, so it
+    stays below the address it leads to."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", WGRAD_NEAR_INT32_LIMIT, str(taps)], capture_output=True,
+                          text=True, timeout=SUBPROCESS_TIMEOUT, cwd=TESTS, env=env)
+    if proc.returncode == 3:
+        pytest.skip("no 8 GiB of address space for x")
+    assert proc.returncode == 0 and proc.stdout.split() == ["0", "of", "1024", "wrong"], (
+        proc.returncode, proc.stdout, proc.stderr[-2000:])
+
+
 def test_launcher_refuses_wrong_argument_types(lib):
     k = lib.kernel("relu_fprop")
     x = np.zeros(8, np.float32)

@@ -76,7 +76,8 @@ CONV_TAB_INTS = 4  # ints per tap table entry: {off, bit, a_off, 0} (conv2d.cu, 
 CONV_TAB_PAD = 128  # zero entries after the last: >= 2 * CONV_BK (static_assert in conv2d.cu)
 CONV_TAB_MAX_TAPS = 32  # the table path takes filters of R*S <= 32 taps (a column's taps are one 32-bit mask)
 CONV_TAB_MAX_ROWS = 2**22  # ... and reductions of <= 4M terms (a 64 MiB table); longer ones test bounds per load
-CONV_TAB_CACHE = 64  # tables kept per process (one per layer geometry and pass)
+CONV_TAB_CACHE = 64  # tables kept per process (one per layer geometry and pass) ...
+CONV_TAB_CACHE_BYTES = 256 * 2**20  # ... holding at most this many bytes of device memory in all
 
 _KERNEL_FILES = {  # kernel -> file under kernels/
     "conv2d_fprop": "conv2d.cu", "conv2d_dgrad": "conv2d.cu", "conv2d_fprop_partial": "conv2d.cu",
@@ -418,14 +419,16 @@ def conv_tap_table(op: str, N: int, C: int, H: int, W: int, K: int, R: int, S: i
 
         conv2d_fprop, kk = (c, r, s):  off = (c*H + r - pad)*W + s - pad, bits = the tap's bit, a_off = kk
         conv2d_dgrad, kk = (k, r, s):  off = (k*P - r)*Q - s, bits = the tap's bit, a_off = k*C*R*S + r*S + s
-        conv2d_wgrad, kk = (n, p, q):  off = n*C*H*W + p*st*W + q*st, bits = the taps reading inside the
-                                       image at output pixel (p, q), a_off = n*K*P*Q + p*Q + q
+        conv2d_wgrad, kk = (n, p, q):  off = n*C*H*W + (p*st - pad)*W + q*st - pad, bits = the taps reading
+                                       inside the image at output pixel (p, q) (off = 0 where there are
+                                       none), a_off = n*K*P*Q + p*Q + q
 
-    (off: the B element's offset from a column's origin, or for wgrad the row's origin in x; a_off:
-    the A element's offset from row 0). None for a filter of more than CONV_TAB_MAX_TAPS taps, dgrad
-    with stride > 1, a reduction of more than CONV_TAB_MAX_ROWS terms, or (wgrad) N*C*H*W or N*K*P*Q
-    past int32; every other offset fits int32 by `conv_geometry`'s checks. Built on the host once per
-    geometry and device and kept (the last CONV_TAB_CACHE).
+    (off: the B element's offset from a column's origin, or for wgrad the row's origin in x, to which
+    the column adds c*H*W + r*W + s; a_off: the A element's offset from row 0). None for a filter of
+    more than CONV_TAB_MAX_TAPS taps, dgrad with stride > 1, a reduction of more than
+    CONV_TAB_MAX_ROWS terms, or (wgrad) N*C*H*W or N*K*P*Q past int32, or any offset past int32
+    (`conv_geometry`'s checks rule that out for the rest). Built on the host once per geometry and
+    device and kept: the last CONV_TAB_CACHE tables, at most CONV_TAB_CACHE_BYTES in all.
     """
     KR = {"conv2d_fprop": C * R * S, "conv2d_dgrad": K * R * S, "conv2d_wgrad": N * P * Q}[op]
     if (R * S > CONV_TAB_MAX_TAPS or KR > CONV_TAB_MAX_ROWS or (op == "conv2d_dgrad" and stride != 1)
@@ -435,33 +438,44 @@ def conv_tap_table(op: str, N: int, C: int, H: int, W: int, K: int, R: int, S: i
     key = (id(xp), device, op, N if op == "conv2d_wgrad" else 0, C, H, W, K, R, S, P, Q, stride, pad)
     table = _tap_tables.pop(key, None)
     if table is None:
-        kk = np.arange(KR, dtype=np.int64)
-        rows = np.zeros((KR + CONV_TAB_PAD, CONV_TAB_INTS), dtype=np.int64)
-        if op == "conv2d_wgrad":
-            n, pq = kk // (P * Q), kk % (P * Q)
-            p, q = pq // Q, pq % Q
-            rows[:KR, 0] = n * (C * H * W) + p * stride * W + q * stride
-            rows[:KR, 2] = n * (K * P * Q) + pq
-            r_in = (p[:, None] * stride + np.arange(R) - pad >= 0) & (p[:, None] * stride + np.arange(R) - pad < H)
-            s_in = (q[:, None] * stride + np.arange(S) - pad >= 0) & (q[:, None] * stride + np.arange(S) - pad < W)
-            taps = (r_in[:, :, None] & s_in[:, None, :]).reshape(KR, R * S)  # tap r*S + s reads inside
-            rows[:KR, 1] = (taps.astype(np.int64) << np.arange(R * S)).sum(axis=1)
-        else:
-            hi, rs = kk // (R * S), kk % (R * S)
-            r, s = rs // S, rs % S
-            if op == "conv2d_fprop":
-                rows[:KR, 0] = (hi * H + r - pad) * W + s - pad
-                rows[:KR, 2] = kk
-            else:
-                rows[:KR, 0] = (hi * P - r) * Q - s
-                rows[:KR, 2] = hi * (C * R * S) + rs
-            rows[:KR, 1] = np.int64(1) << rs
-        rows[:, 1] = rows[:, 1].astype(np.uint32).view(np.int32)  # bit 31 as a negative int
+        rows = _tap_rows(op, KR, C, H, W, K, R, S, P, Q, stride, pad)
+        if rows[:, [0, 2]].min() < -2**31 or rows[:, [0, 2]].max() > 2**31 - 1:
+            return None  # (not reached for geometries conv_geometry accepts; kept as the kernels' guard)
         table = xp.asarray(rows.astype(np.int32))
-        while len(_tap_tables) >= CONV_TAB_CACHE:
+        while _tap_tables and (len(_tap_tables) >= CONV_TAB_CACHE or
+                               sum(t.nbytes for t in _tap_tables.values()) + table.nbytes > CONV_TAB_CACHE_BYTES):
             _tap_tables.pop(next(iter(_tap_tables)))
     _tap_tables[key] = table  # most recently used last
     return table
+
+
+def _tap_rows(op: str, KR: int, C: int, H: int, W: int, K: int, R: int, S: int, P: int, Q: int, stride: int,
+              pad: int) -> np.ndarray:
+    """The rows of `conv_tap_table` as int64 (KR + CONV_TAB_PAD, 4), bits as their int32 bit pattern."""
+    kk = np.arange(KR, dtype=np.int64)
+    rows = np.zeros((KR + CONV_TAB_PAD, CONV_TAB_INTS), dtype=np.int64)
+    if op == "conv2d_wgrad":
+        n, pq = kk // (P * Q), kk % (P * Q)
+        h0, w0 = np.arange(P, dtype=np.int64) * stride - pad, np.arange(Q, dtype=np.int64) * stride - pad
+        # the taps inside the image at each output pixel: bit r*S + s where 0 <= h0 + r < H, 0 <= w0 + s < W
+        s_bits = sum(((w0 + s >= 0) & (w0 + s < W)).astype(np.int64) << s for s in range(S))  # (Q,)
+        r_in = [(h0 + r >= 0) & (h0 + r < H) for r in range(R)]  # (P,) each
+        bits = sum(np.where(r_in[r][:, None], s_bits[None, :] << (r * S), 0) for r in range(R)).reshape(P * Q)
+        rows[:KR, 1] = bits[pq]
+        rows[:KR, 0] = np.where(rows[:KR, 1] != 0, n * (C * H * W) + h0[pq // Q] * W + w0[pq % Q], 0)
+        rows[:KR, 2] = n * (K * P * Q) + pq
+    else:
+        hi, rs = kk // (R * S), kk % (R * S)
+        r, s = rs // S, rs % S
+        if op == "conv2d_fprop":
+            rows[:KR, 0] = (hi * H + r - pad) * W + s - pad
+            rows[:KR, 2] = kk
+        else:
+            rows[:KR, 0] = (hi * P - r) * Q - s
+            rows[:KR, 2] = hi * (C * R * S) + rs
+        rows[:KR, 1] = np.int64(1) << rs
+    rows[:, 1] = rows[:, 1].astype(np.uint32).view(np.int32)  # bit 31 as a negative int
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------
