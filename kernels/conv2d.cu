@@ -15,11 +15,11 @@
 // P = (H + 2*pad - R)/stride + 1, Q likewise; ws (splits, M, NG); dw (K, C, R, S).
 // The GEMM kernels take a last argument tab: the layer's tap table (cupy_ops.conv_tap_table), or NULL
 // for the bounds-testing path (see CONV_TABLE; the results are the same).
-// Launch (GEMM kernels): block CONV_THREADS = (BM/4)*(BN/4) threads (1-D), grid (ceil(NG/BN),
+// Launch (GEMM kernels): block CONV_THREADS = (BM/TM)*(BN/TN) threads (1-D), grid (ceil(NG/BN),
 // ceil(M/BM), splits), static shared memory BK*(AS_PITCH + BS_PITCH) floats (ConvSmem, shared by a
 // kernel's instantiations). The tile (BM, BN) is chosen at compile time (-DCONV_BM, -DCONV_BN;
-// 64x64 by default, 32x128 for GEMMs of <= 32 rows: see cupy_ops.conv_tile); so is the K-slab BK
-// (16; -DCONV_BK for tests). conv2d_fprop / conv2d_dgrad write C in place (splits = 1, chunk = KR).
+// 64x64 by default, 32x128 for GEMMs of <= 32 rows: see cupy_ops.conv_tile); so are the register
+// block TM x TN (4x4; 8 rows or columns in cupy_ops.CONV_TRIAL_TILES) and the K-slab BK (16). conv2d_fprop / conv2d_dgrad write C in place (splits = 1, chunk = KR).
 // Split-K: the *_partial kernels sum kk in [z*chunk, min(KR, (z+1)*chunk)) for z = blockIdx.z
 // (any chunk >= 1; cupy_ops.gemm_split picks multiples of CONV_BK) into a workspace, and
 // conv2d_split_reduce adds the splits in a fixed order, without atomics, so every result is
@@ -28,8 +28,9 @@
 // conv2d_split_reduce: see its comment (two-level, fixed order).
 //
 // Tile: each block computes a BM x BN tile of C, stepping KR in slabs of BK; thread (ty, tx) owns
-// the 4x4 register block C[ty*4 + i][tx*4 + j] and reads its 4 rows of As and 4 columns of Bs as
-// one float4 each per kk. The 32 threads of a warp own an 8 (tx) x 4 (ty) patch of blocks (the lane
+// the TM x TN register block of rows ty*4 + i and columns tx*4 + j (i, j < 4) of each row and column
+// band (one band with 4x4 blocks) and reads each run of 4 rows of As or columns of Bs as one float4
+// per kk. The 32 threads of a warp own an 8 (tx) x 4 (ty) patch of blocks (the lane
 // layout of CUTLASS's SIMT GEMMs), so per kk a warp reads 64 bytes of As and 128 of Bs, one
 // shared-memory wavefront each, where a row of 16 or 32 threads would read 256 or 512 bytes of Bs.
 // The next slab is fetched from global memory into registers while the current one is multiplied.
@@ -184,7 +185,7 @@ __device__ __forceinline__ void digits_step(Digits& d, const Digits& step, int m
 struct ConvCol {
   const float* origin;  // FPROP, DGRAD
   int a, b, base;       // base: WGRAD
-  unsigned mask;        // PATH CONV_TABLE: bit r*S + s set when tap (r, s) lies inside the image
+  unsigned mask;        // PATH CONV_TABLE: FPROP, DGRAD the taps (bit r*S + s) inside the image; WGRAD its tap
 };
 
 // Bit r*S + s set for each tap (r, s) that reads inside the image, (a + sg*r, b + sg*s) in
@@ -260,7 +261,7 @@ __device__ __forceinline__ ConvCol conv_decode_col(const float* __restrict__ B, 
 struct ConvTap {
   const float* origin;  // WGRAD: x + n*C*H*W + off; FPROP, DGRAD: unused (each column has its origin)
   int kh, kw, off;
-  unsigned bit;         // PATH CONV_TABLE: 1 << (r*S + s) of the row's entry, 0 for a row past the range
+  unsigned bit;         // PATH CONV_TABLE: the bits of the row's table entry, 0 for a row past the range
 };
 
 // kk = digits d: FPROP (c, r, s), DGRAD (k, r, s), WGRAD (n, p, q)

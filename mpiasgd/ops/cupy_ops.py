@@ -170,7 +170,7 @@ def _module(filename: str, defines: tuple[str, ...] = ()):
     return cupy.RawModule(code=source, options=NVRTC_OPTIONS + defines)
 
 
-NULL = np.uint64(0)  # a NULL pointer argument, as CuPy passes it: an 8-byte zero value
+NULL = np.uint64(0)  # a NULL pointer kernel argument for CuPy: an 8-byte zero value
 
 
 class NullSafeKernel:
