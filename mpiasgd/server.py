@@ -149,6 +149,8 @@ class ParameterServer:
         self.preempt_reason = "preempt"
         self.late_signal = ""                 # a signal that came while the run was already ending
         self.checkpoint_error = ""            # why the last checkpoint could not be written
+        self.last_written: float | None = None  # run time of the last checkpoint this process wrote
+        self.preempt_time: float | None = None  # run time the preempting signal came
         self.preempt_deadline = 0.0
         self.pids: dict[int, tuple[str, int]] = {}  # worker -> (host, pid), to name dead ones (train sets it)
         self.host = socket.gethostname()
@@ -471,12 +473,14 @@ class ParameterServer:
             print(f"mpiasgd: {text}", file=sys.stderr, flush=True)
             return
         self.preempted = why
+        self.preempt_time = self.now()
         self.preempt_reason = "failure" if gone else "preempt"  # the checkpoint's reason
         self.preempt_deadline = time.perf_counter() + PREEMPT_GRACE
         self.log.add("events", (self.now(), b"preempt", why))
-        print(f"mpiasgd: {why}: checkpointing and ending the run", file=sys.stderr, flush=True)
+        doing = "ending the run" if gone and not self.checkpoints_here else "checkpointing and ending the run"
+        print(f"mpiasgd: {why}: {doing}", file=sys.stderr, flush=True)
         if not self.stop_reason:
-            self.stop_reason = f"preempted: {why}"
+            self.stop_reason = f"{'failed' if gone else 'preempted'}: {why}"  # gone: a worker died
             self.stop_time = self.now()
             self.log.add("events", (self.now(), b"stop", self.stop_reason))
         self.on_preempt()
@@ -549,9 +553,23 @@ class ParameterServer:
             self.checkpoint_error = text
             return False
         self.checkpoint_error = ""
+        self.last_written = t0
         self.log.add("checkpoints", (t0, seconds, ckpt.version, ckpt.samples, ckpt.elapsed, reason.encode()))
         self.log.flush()  # every row up to the checkpoint is on disk with it: a resume supersedes only later ones
         return True
+
+    def resume_note(self) -> str:
+        """What a run that stopped on a signal leaves to resume from, for its final message: the
+        checkpoint written when the signal came (async, ssp: rank 0 holds the state), or an earlier one
+        kept (sync, pipeline: the state is on the workers, which a dead rank cannot send), or none."""
+        path = self.checkpoint_path
+        if self.last_written is not None and self.preempt_time is not None and self.last_written >= self.preempt_time:
+            return f"checkpoint '{path}' written, continue with --resume"
+        if os.path.isfile(path):
+            return (f"no checkpoint written now (the state is on the workers); the last one, '{path}', is kept: "
+                    f"continue from it with --resume")
+        return ("no checkpoint to resume from: the state is on the workers and none was written before "
+                "(see --checkpoint-interval)")
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
         """Continue from `ckpt` (before `run`): weights, optimizer state, version, counts, each worker's step

@@ -402,13 +402,12 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
         elif stop.dead:  # the launcher's SIGTERM after a worker died
             names = ", ".join(f"rank {w} on {hosts[w]}" for w in stop.waiting)
             status, code = "failed", ABORT_CODE
-            text = (f"worker {names} died (its process exited; the launcher ended the job); checkpoint "
-                    f"'{server.checkpoint_path}' written, continue with --resume")
+            text = f"worker {names} died (its process exited; the launcher ended the job); {server.resume_note()}"
         else:  # a signal, and some workers did not answer: hung, or dead on another host
             names = ", ".join(f"rank {w} on {hosts[w]}" for w in stop.waiting)
             status, code = "preempted", EXIT_PREEMPTED
-            text = (f"{stop.why}; checkpoint '{server.checkpoint_path}' written; worker(s) {names} did not answer "
-                    f"within {PREEMPT_GRACE:g} s: dead (a launcher ends the job with SIGTERM when a rank dies) or hung")
+            text = (f"{stop.why}; {server.resume_note()}; worker(s) {names} did not answer within {PREEMPT_GRACE:g} s: "
+                    f"dead (a launcher ends the job with SIGTERM when a rank dies) or hung")
         log.add("events", (server.now(), status.encode(),
                            f"{text}:\n{stop.text}" if isinstance(stop, WorkerFailed) else text))
         log.close(status)

@@ -347,17 +347,24 @@ def events_of(path):
         return []
 
 
-def test_preemption_whose_checkpoint_fails_is_not_status_75(tmp_path):
+def signal_a_rank(tmp_path, args: list[str], name: str, rank: int, sig: int) -> tuple[int, str]:
+    """Start a 3-rank `train ... --name NAME`, send `sig` to `rank` once pushes are logged; (status, stderr)."""
+    proc = start_mpi(3, ["train", *args, "--name", name], tmp_path)
     runs = tmp_path / "runs"
-    (runs / "c.ckpt.h5").mkdir(parents=True)  # the checkpoint cannot be renamed into place
-    proc = start_mpi(3, ["train", *FAST, "--epochs", "0", "--max-time", "60", "--name", "c"], tmp_path)
     try:
-        wait_for_pushes(runs / "c.h5", proc)
-        os.kill(rank_pid(runs, "c", 0), signal.SIGUSR1)
+        wait_for_pushes(runs / f"{name}.h5", proc)
+        os.kill(rank_pid(runs, name, rank), sig)
         _, err = proc.communicate(timeout=60)
     finally:
         stop_group(proc)
-    assert proc.returncode not in (0, PREEMPTED), (proc.returncode, err)
+    return proc.returncode, err
+
+
+def test_preemption_whose_checkpoint_fails_is_not_status_75(tmp_path):
+    runs = tmp_path / "runs"
+    (runs / "c.ckpt.h5").mkdir(parents=True)  # the checkpoint cannot be renamed into place
+    code, err = signal_a_rank(tmp_path, [*FAST, "--epochs", "0", "--max-time", "60"], "c", 0, signal.SIGUSR1)
+    assert code not in (0, PREEMPTED), (code, err)
     assert "run preempted (SIGUSR1 received by rank 0) but its checkpoint" in err and "not written" in err, err
     assert "there is no earlier one" in err, err
     attrs, t, _ = read_log(runs / "c.h5")  # not "preempted": nothing to resume from
@@ -442,6 +449,22 @@ def test_killed_worker_ends_the_job_naming_rank_and_host(tmp_path):
     res = resume_for_a_second(tmp_path, 3, "dead", ck)
     assert res.returncode == 0, res.stderr
     assert read_log(runs / "dead.h5")[0]["status"] == "completed"
+
+
+def test_killed_worker_in_sync_mode_names_no_checkpoint_it_did_not_write(tmp_path):
+    """sync keeps its state on the workers, so when one dies rank 0 writes no checkpoint: the job's last
+    words and the log's event say there is none to resume from, instead of naming a file that does not
+    exist (helper-21 found "checkpoint 'runs/NAME.ckpt.h5' written" with no such file)."""
+    code, err = signal_a_rank(tmp_path, [*FAST, "--mode", "sync", "--epochs", "0", "--max-time", "120",
+                                         "--checkpoint-interval", "0"], "dsync", 2, signal.SIGKILL)
+    runs = tmp_path / "runs"
+    assert code != 0 and not (runs / "dsync.ckpt.h5").exists()
+    assert "written, continue with --resume" not in err, err
+    attrs, t, _ = read_log(runs / "dsync.h5")
+    if attrs["status"] == "failed":  # rank 0 closed the log before the launcher's SIGKILL (it usually does)
+        failed = [e for e in t["events"] if e["kind"] == b"failed"]
+        assert failed and b"no checkpoint to resume from" in failed[-1]["text"], t["events"]
+        assert "no checkpoint to resume from" in err, err
 
 
 def test_kill9_of_rank0_twenty_times_never_tears_log_or_checkpoint(tmp_path, tiny_cifar):  # noqa: F811
