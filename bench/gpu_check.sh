@@ -27,6 +27,10 @@
 # Under 8.5 minutes on one GPU: every step has its own timeout (at most 30+10+20+20+270+110 s, plus 5 s
 # grace each: 490 s); a step that fails prints its exit status and the script goes on to the next.
 set -u
+if [ $# -gt 0 ]; then
+    echo "gpu_check.sh: takes no arguments (got: $*); PYTHON=... selects the interpreter, OUT=... a folder" >&2
+    exit 2
+fi
 cd "$(dirname "$0")/.."
 if [ -n "${PYTHON:-}" ]; then
     PY=$PYTHON  # asked for: must exist
@@ -65,8 +69,10 @@ launcher=$(dirname "$(command -v "$PY")")/mpiexec
 echo "== device and libraries"
 timeout -k 5 10 nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total,clocks.max.sm,compute_mode --format=csv 2>&1 \
     || echo "(no nvidia-smi)"
-timeout -k 5 20 "$PY" -c "import cupy; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount(), \
-'CUDA runtime', cupy.cuda.runtime.runtimeGetVersion())" 2>&1 \
+timeout -k 5 20 "$PY" -c "import sys; from mpiasgd.ops import cuda_probe; n, why = cuda_probe()
+if not n: print('no usable GPU:', why); sys.exit(1)
+import cupy; print('cupy', cupy.__version__, '| devices', n, '| CUDA runtime', cupy.cuda.runtime.runtimeGetVersion())" \
+    2>&1 | tail -n 1; [ "${PIPESTATUS[0]}" = 0 ] \
     || echo "!! cupy not importable or no device: tests/gpu will skip, bench/kernels.py will exit 2"
 timeout -k 5 20 "$PY" -c "from mpi4py import MPI; from mpiasgd.device import mpix_cuda_support as q; \
 print('MPI:', MPI.Get_library_version().splitlines()[0], '| Query_cuda_support:', \
@@ -85,7 +91,9 @@ timeout -k 5 110 "$PY" bench/kernels.py --tiles
 bench_rc=$?
 echo "bench/kernels.py exit status: $bench_rc (0: measured; 2: no GPU or no cupy; 124: timed out)"
 echo "== $(date -Is) done"
-# 0: the GPU tests passed and the kernels were timed; 2: no usable GPU here (nothing measured); 1: a failure
+# 0: the GPU tests passed and the kernels were timed; 1: a step failed (tests/gpu failing or not
+# collecting counts even without a GPU); 2: no usable GPU here, nothing failed, nothing measured
+if [ "$tests_rc" != 0 ] && [ "$tests_rc" != 5 ]; then exit 1; fi
 if [ "$bench_rc" = 2 ]; then exit 2; fi
-if [ "$tests_rc" != 0 ] || [ "$bench_rc" != 0 ]; then exit 1; fi
+if [ "$bench_rc" != 0 ]; then exit 1; fi
 exit 0

@@ -53,6 +53,7 @@ import numpy as np
 
 from mpiasgd.cli import positive  # argparse type: an integer >= 1
 from mpiasgd.model import build_model
+from mpiasgd.ops import cuda_probe
 
 PASSES = ("fprop", "dgrad", "wgrad")
 GOAL = 0.80  # throughput ours/cuDNN, every pass of every cifar10 conv layer
@@ -260,18 +261,10 @@ def goal_lines(results: list[PassResult], goal: float = GOAL) -> list[str]:
 
 
 def no_device_reason() -> str | None:
-    """Why nothing can be timed here (no cupy, no driver, no device), or None when a device is visible."""
-    try:
-        import cupy
-    except ImportError as e:
-        return f"cupy not importable: {e}"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # CUDARuntimeError (no driver, insufficient driver) and driver load errors
-        return f"cupy {cupy.__version__}: {type(e).__name__}: {e}"
-    if count == 0:
-        return f"cupy {cupy.__version__}: 0 devices"
-    return None
+    """Why nothing can be timed here (no cupy, no driver, no device: `cuda_probe`'s words), or None
+    when a device is visible."""
+    count, why = cuda_probe()
+    return None if count else why
 
 
 def peak_clock_khz(cupy, dev: int, props: dict) -> tuple[int, str]:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from cuda_cpu import harness
 
+import mpiasgd.ops
 from mpiasgd.ops import BACKENDS, BackendUnavailable, cuda_device_count, cuda_probe, cupy_ops, get_backend
 
 
@@ -429,7 +430,9 @@ def fake_cuda(monkeypatch, count=1, error: str | None = None, nvrtc_error: str |
 
 
 def test_probe_names_the_cuda_error(monkeypatch):
-    """A GPU node whose driver is too old for this cupy says so, rather than "no device"."""
+    """A GPU node whose driver is too old for this cupy says so, rather than "no device"; a machine
+    without any driver gets the same CUDA error and is told there is no driver (helper-21)."""
+    monkeypatch.setattr(mpiasgd.ops, "cuda_driver_loadable", lambda: True)
     fake_cuda(monkeypatch, error="cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA "
                                  "runtime version")
     assert cuda_probe() == (0, "CUDA failed: cudaErrorInsufficientDriver: CUDA driver version is insufficient "
@@ -438,6 +441,11 @@ def test_probe_names_the_cuda_error(monkeypatch):
         get_backend("cupy")
     fake_cuda(monkeypatch, error="cudaErrorNoDevice: no CUDA-capable device is detected")
     assert cuda_probe() == (0, "the driver reports no CUDA device")
+    monkeypatch.setattr(mpiasgd.ops, "cuda_driver_loadable", lambda: False)
+    fake_cuda(monkeypatch, error="cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA "
+                                 "runtime version")
+    assert cuda_probe() == (0, "no CUDA driver here (libcuda.so.1 cannot be loaded): no GPU, or its driver is not "
+                               "installed")
 
 
 def test_missing_nvrtc_is_named_at_backend_load(monkeypatch):

@@ -42,8 +42,22 @@ def cuda_probe() -> tuple[int, str]:
         text = str(e)
         if "NoDevice" in text or "no CUDA-capable device" in text:
             return 0, "the driver reports no CUDA device"
+        if "InsufficientDriver" in text and not cuda_driver_loadable():  # the runtime's words for "no driver"
+            return 0, "no CUDA driver here (libcuda.so.1 cannot be loaded): no GPU, or its driver is not installed"
         return 0, f"CUDA failed: {text}"
     return count, "" if count else "the driver reports no CUDA device"
+
+
+def cuda_driver_loadable() -> bool:
+    """Whether the CUDA driver library (libcuda.so.1) loads in this process. The CUDA runtime reports
+    a missing driver as cudaErrorInsufficientDriver, the same error as a driver too old for it."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def cuda_device_count() -> int:
