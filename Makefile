@@ -28,7 +28,7 @@ $(VENV)/.installed: setup.py
 
 demo: venv
 	env $(ROOTENV) $(MPIEXEC) -n $(NP) $(MPIFLAGS) $(PY) -m mpiasgd train \
-	    --model digits --epochs 30 --batch-size 32 --lr 0.05 --name digits-demo --overwrite
+	    --model digits --epochs 30 --batch-size 32 --lr 0.03 --name digits-demo --overwrite
 
 test: venv
 	$(VENV)/bin/ruff check mpiasgd tests bench
