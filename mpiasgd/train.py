@@ -126,9 +126,11 @@ def worker_backend(cfg: Config, me: Rank, local_rank: int) -> tuple[str, object]
     count, why = (0, "") if cfg.backend == "numpy" else cuda_probe()  # numpy: cupy is never imported
     backend = resolve_backend(cfg.backend, count)
     if backend != "cupy":
-        if cfg.backend == "auto" and why.startswith("CUDA failed"):  # a GPU node that cannot run cupy
+        # a GPU node that cannot run cupy, or device buffers asked for where there is no device
+        if cfg.backend == "auto" and (why.startswith("CUDA failed") or cfg.cuda_aware == "on"):
+            dropped = "; --cuda-aware on does not apply" if cfg.cuda_aware == "on" else ""
             print(f"mpiasgd: warning (rank {me.rank} on {me.host}): --backend auto runs on the CPU (numpy): "
-                  f"{why}{visible_hint()}", file=sys.stderr, flush=True)
+                  f"{why}{dropped}{visible_hint()}", file=sys.stderr, flush=True)
         return backend, None
     try:
         ops = get_backend("cupy")

@@ -214,6 +214,15 @@ def test_auto_on_a_gpu_node_that_cannot_run_cupy_warns(monkeypatch, capsys):
            "cudaErrorInsufficientDriver" in err
 
 
+def test_auto_falling_back_says_cuda_aware_on_is_dropped(monkeypatch, capsys):
+    """--cuda-aware on asks for device buffers; a worker that --backend auto puts on the CPU says it drops it."""
+    monkeypatch.setattr(train, "cuda_probe", lambda: (0, "the driver reports no CUDA device"))
+    assert train.worker_backend(Config(cuda_aware="on"), train.Rank(None, 1, 3, "h"), 0) == ("numpy", None)
+    err = capsys.readouterr().err
+    assert "--backend auto runs on the CPU (numpy): the driver reports no CUDA device; --cuda-aware on does not " \
+           "apply" in err, err
+
+
 def test_numpy_backend_never_asks_for_devices(monkeypatch):
     monkeypatch.setattr(train, "cuda_probe", lambda: pytest.fail("counted devices"))
     assert train.worker_backend(Config(backend="numpy"), train.Rank(None, 1, 3, "h"), 0) == ("numpy", None)
