@@ -145,20 +145,26 @@ def tile_shape(tile: tuple[int, ...]) -> tuple[int, int, int, int, int]:
     return tuple(int(v) for v in tile) if len(tile) == 5 else (int(tile[0]), int(tile[1]), 4, 4, CONV_BK)
 
 
-def tile_defines(tile: tuple[int, ...] | None) -> tuple[str, ...]:
-    """The -D options that compile conv2d.cu for `tile` (see `tile_shape`; the register block and K-slab
-    only where they differ from the defaults); () for the other files (tile None)."""
+def tile_macros(tile: tuple[int, ...] | None) -> dict[str, int]:
+    """The conv2d.cu macros that select `tile` (see `tile_shape`): CONV_BM, CONV_BN, and CONV_TM,
+    CONV_TN, CONV_BK only where the register block or K-slab differ from the defaults; {} for the
+    other files (tile None)."""
     if tile is None:
-        return ()
+        return {}
     bm, bn, tm, tn, bk = tile_shape(tile)
-    extra = () if (tm, tn, bk) == (4, 4, CONV_BK) else (f"-DCONV_TM={tm}", f"-DCONV_TN={tn}", f"-DCONV_BK={bk}")
-    return (f"-DCONV_BM={bm}", f"-DCONV_BN={bn}", *extra)
+    extra = {} if (tm, tn, bk) == (4, 4, CONV_BK) else {"CONV_TM": tm, "CONV_TN": tn, "CONV_BK": bk}
+    return {"CONV_BM": bm, "CONV_BN": bn, **extra}
+
+
+def tile_defines(tile: tuple[int, ...] | None) -> tuple[str, ...]:
+    """`tile_macros` as -D options for the compiler; () for the other files (tile None)."""
+    return tuple(f"-D{name}={value}" for name, value in tile_macros(tile).items())
 
 
 def tile_name(tile: tuple[int, ...]) -> str:
     """'64x64', or for a non-default register block or K-slab '64x128/8x4k8'."""
     bm, bn, tm, tn, bk = tile_shape(tile)
-    return f"{bm}x{bn}" if (tm, tn, bk) == (4, 4, CONV_BK) else f"{bm}x{bn}/{tm}x{tn}k{bk}"
+    return f"{bm}x{bn}" if len(tile_macros(tile)) == 2 else f"{bm}x{bn}/{tm}x{tn}k{bk}"
 
 
 @functools.cache

@@ -79,8 +79,7 @@ def cpu_backend(lib, **constants) -> Iterator:
     def get_kernel(name: str, tile: tuple[int, ...] | None = None):
         if tile is None:
             return lib.kernel(name)
-        defines = dict(opt[2:].split("=") for opt in cupy_ops.tile_defines(tile))  # "-DCONV_BM=64"
-        return lib.variant({k: int(v) for k, v in defines.items()}).kernel(name)
+        return lib.variant(cupy_ops.tile_macros(tile)).kernel(name)
 
     saved = {"xp": cupy_ops.xp, "get_kernel": cupy_ops.get_kernel}
     saved.update({k: getattr(cupy_ops, k) for k in constants})
