@@ -16,10 +16,12 @@
 // The GEMM kernels take a last argument tab: the layer's tap table (cupy_ops.conv_tap_table), or NULL
 // for the bounds-testing path (see CONV_TABLE; the results are the same).
 // Launch (GEMM kernels): block CONV_THREADS = (BM/TM)*(BN/TN) threads (1-D), grid (ceil(NG/BN),
-// ceil(M/BM), splits), static shared memory BK*(AS_PITCH + BS_PITCH) floats (ConvSmem, shared by a
-// kernel's instantiations). The tile (BM, BN) is chosen at compile time (-DCONV_BM, -DCONV_BN;
-// 64x64 by default, 32x128 for GEMMs of <= 32 rows: see cupy_ops.conv_tile); so are the register
-// block TM x TN (4x4; 8 rows or columns in cupy_ops.CONV_TRIAL_TILES) and the K-slab BK (16). conv2d_fprop / conv2d_dgrad write C in place (splits = 1, chunk = KR).
+// ceil(M/BM), splits), static shared memory STAGES*BK*(AS_PITCH + BS_PITCH) floats (ConvSmem, shared
+// by a kernel's instantiations; 28.4 KB for the 64x64 tile with 3 stages). The tile (BM, BN) is
+// chosen at compile time (-DCONV_BM, -DCONV_BN; 64x64 by default, 32x128 for GEMMs of <= 32 rows:
+// see cupy_ops.conv_tile); so are the register block TM x TN (4x4; 8 rows or columns in
+// cupy_ops.CONV_TRIAL_TILES), the K-slab BK (16) and the shared-memory stages (CONV_STAGES: 3, and 1
+// below sm_80). conv2d_fprop / conv2d_dgrad write C in place (splits = 1, chunk = KR).
 // Split-K: the *_partial kernels sum kk in [z*chunk, min(KR, (z+1)*chunk)) for z = blockIdx.z
 // (any chunk >= 1; cupy_ops.gemm_split picks multiples of CONV_BK) into a workspace, and
 // conv2d_split_reduce adds the splits in a fixed order, without atomics, so every result is
@@ -33,7 +35,12 @@
 // per kk. The 32 threads of a warp own an 8 (tx) x 4 (ty) patch of blocks (the lane
 // layout of CUTLASS's SIMT GEMMs), so per kk a warp reads 64 bytes of As and 128 of Bs, one
 // shared-memory wavefront each, where a row of 16 or 32 threads would read 256 or 512 bytes of Bs.
-// The next slab is fetched from global memory into registers while the current one is multiplied.
+// Main loop (CONV_STAGES): on sm_80+ a multistage pipeline, CUTLASS's "multistage" mainloop: each
+// thread copies its elements of a slab from global straight into one of 3 shared-memory stages with
+// cp.async (4-byte copies, zero-filled in the padding by a source size of 0), so 2 slabs are in flight
+// while one is multiplied, with one barrier per slab and no staging registers. Below sm_80 (and in the
+// CONV_STAGES=1 trial tiles) the next slab is loaded into registers while the current one is
+// multiplied, then stored: two barriers per slab.
 // Loads are cheap in the main loop: a thread's B loads share one slab row kk and its A loads one kk.
 // With a tap table (filters of <= 32 taps, the common case; see CONV_TABLE) what a row kk shares
 // (the B offset, its filter-tap bits, the A offset) is one 8-byte and one 4-byte load, fetched one
@@ -68,6 +75,17 @@
 #endif
 #ifndef CONV_TN
 #define CONV_TN 4   // register block: columns per thread, 4 or 8 (one float4 of Bs per 4 columns per kk)
+#endif
+// Shared-memory stages of the main loop. 1: the next slab is fetched into registers while the current one
+// is multiplied, then stored (two barriers per slab). >= 2 (sm_80+): a multistage pipeline of
+// asynchronous copies (cp.async) straight into STAGES slab buffers, STAGES - 1 slabs in flight while one
+// is multiplied, one barrier per slab, no staging registers. Below sm_80 (no cp.async) always 1.
+#ifndef CONV_STAGES
+#define CONV_STAGES 3
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#undef CONV_STAGES
+#define CONV_STAGES 1
 #endif
 // A thread's TM rows are TM/4 runs of 4, one in each of the TM/4 equal row bands of the tile (and its
 // columns likewise), so that a warp's float4 reads of a band are consecutive (see the main loop).
@@ -106,6 +124,9 @@ static_assert((CONV_BM * CONV_BK) % CONV_THREADS == 0 && (CONV_BK * CONV_BN) % C
 static_assert(CONV_AS_PITCH % 32 != 0, "As pitch: not a multiple of 32 banks (8-way store conflicts)");
 static_assert(CONV_AS_PITCH % 4 == 0 && CONV_BS_PITCH % 4 == 0, "shared rows: 16-byte aligned for float4 reads");
 static_assert(CONV_THREADS <= 1024, "at most 1,024 threads per block");
+static_assert(CONV_STAGES >= 1 && CONV_STAGES <= 4, "1 to 4 shared-memory stages");
+static_assert(CONV_STAGES * CONV_BK * (CONV_AS_PITCH + CONV_BS_PITCH) * 4 <= 48 * 1024,
+              "static shared memory: at most 48 KB per block");
 static_assert(2 * CONV_BK <= 128, "the tap table's 128 zero rows (cupy_ops.CONV_TAB_PAD) cover two slabs");
 static_assert(CONV_TX % CONV_WARP_TX == 0 && CONV_TY % CONV_WARP_TY == 0,
               "BN a multiple of 32 and BM of 16: whole warps of 8 x 4 register blocks");
@@ -288,27 +309,70 @@ __device__ __forceinline__ ConvTap conv_tap(const float* __restrict__ B, const D
   return t;
 }
 
-// B[kk][j] for column col and slab row tap (kk in range: ok); zero in the padding. The bounds test is
-// two unsigned compares (a negative coordinate wraps to a large one). Hb x Wb: P x Q for DGRAD, else H x W.
+// B[kk][j] for column col and slab row tap (kk in range: ok) is *src when the returned predicate holds,
+// else a zero of the padding; src is only dereferenced when it holds. The bounds test is two unsigned
+// compares (a negative coordinate wraps to a large one). Hb x Wb: P x Q for DGRAD, else H x W.
 template <int MODE, int PATH>
-__device__ __forceinline__ float conv_load_b(const ConvCol& col, const ConvTap& tap, bool ok, int Hb, int Wb) {
-  if (PATH == CONV_TABLE && MODE == CONV_WGRAD) return (col.mask & tap.bit) ? __ldg(tap.origin + col.base) : 0.0f;
-  if (PATH == CONV_TABLE) return (col.mask & tap.bit) ? __ldg(col.origin + tap.off) : 0.0f;
+__device__ __forceinline__ bool conv_src_b(const ConvCol& col, const ConvTap& tap, bool ok, int Hb, int Wb,
+                                           const float*& src) {
+  if (PATH == CONV_TABLE && MODE == CONV_WGRAD) return src = tap.origin + col.base, (col.mask & tap.bit) != 0;
+  if (PATH == CONV_TABLE) return src = col.origin + tap.off, (col.mask & tap.bit) != 0;
   const int h = col.a + tap.kh, w = col.b + tap.kw;
-  ok = ok && (unsigned)h < (unsigned)Hb && (unsigned)w < (unsigned)Wb;
-  if (MODE == CONV_WGRAD) return ok ? __ldg(tap.origin + col.base) : 0.0f;
-  return ok ? __ldg(col.origin + tap.off) : 0.0f;
+  src = (MODE == CONV_WGRAD) ? tap.origin + col.base : col.origin + tap.off;
+  return ok && (unsigned)h < (unsigned)Hb && (unsigned)w < (unsigned)Wb;
 }
 
 // DGRAD with stride > 1: dy[n][k][p][q] where p*stride = h + pad - r (and likewise q) must divide
 // exactly; the integer divisions cost about twenty instructions each, so the unit-stride kernels
-// (the common case) are a separate instantiation that never runs this.
-__device__ __forceinline__ float conv_load_b_strided(const ConvCol& col, const Digits& d, bool ok, int P, int Q,
-                                                     int stride) {
+// (the common case) are a separate instantiation that never runs this. As conv_src_b.
+__device__ __forceinline__ bool conv_src_b_strided(const ConvCol& col, const Digits& d, bool ok, int P, int Q,
+                                                   int stride, const float*& src) {
   const int hp = col.a - d.mid, wp = col.b - d.lo;  // p * stride, q * stride when tap (r, s) reaches (p, q)
   const int p = hp / stride, q = wp / stride;
-  ok = ok && hp >= 0 && wp >= 0 && p * stride == hp && q * stride == wp && p < P && q < Q;
-  return ok ? __ldg(col.origin - col.base + ((d.hi * P + p) * Q + q)) : 0.0f;
+  src = col.origin - col.base + ((d.hi * P + p) * Q + q);
+  return ok && hp >= 0 && wp >= 0 && p * stride == hp && q * stride == wp && p < P && q < Q;
+}
+
+// A shared-memory address as cp.async takes it: 32 bits on the GPU, a plain pointer elsewhere (the CPU
+// harness). Plus a byte offset is an address; conv_shared converts a pointer once, outside the loops.
+#ifdef __CUDA_ARCH__
+typedef unsigned ConvShared;
+__device__ __forceinline__ ConvShared conv_shared(void* p) { return conv_opaque((int)__cvta_generic_to_shared(p)); }
+#else
+typedef char* ConvShared;
+inline ConvShared conv_shared(void* p) { return static_cast<char*>(p); }
+#endif
+
+// Asynchronous 4-byte copy from global src to shared dst, zero-filled (src not read) when !pred: PTX
+// cp.async (sm_80+) with src-size 0 for the zero fill, so a predicated-off src may point anywhere. It
+// lands once a conv_async_wait<n>() returns that covers its group (conv_async_commit closes a group).
+// Elsewhere (the CPU harness) CUDA's pipeline primitives, which it models.
+__device__ __forceinline__ void conv_async_copy(ConvShared dst, const float* src, bool pred) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(pred ? 4 : 0));
+#elif defined(__CUDA_ARCH__)
+  (void)dst, (void)src, (void)pred;  // (unused: CONV_STAGES is 1 below sm_80, which has no cp.async)
+#else
+  __pipeline_memcpy_async(dst, src, 4, pred ? 0 : 4);
+#endif
+}
+
+__device__ __forceinline__ void conv_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#elif !defined(__CUDA_ARCH__)
+  __pipeline_commit();
+#endif
+}
+
+// returns once all but the n most recently committed groups of this thread's copies have landed
+template <int n>
+__device__ __forceinline__ void conv_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
+#elif !defined(__CUDA_ARCH__)
+  __pipeline_wait_prior(n);
+#endif
 }
 
 // The A loads of one thread share their reduction index kk (digits d): A[m][kk] = origin[m * mstride]
@@ -323,13 +387,17 @@ __device__ __forceinline__ const float* conv_origin_a(const float* __restrict__ 
   return conv_opaque(A + (long long)d.hi * (K * P * Q) + (d.mid * Q + d.lo));
 }
 
-// Shared memory of a conv GEMM block: one K-slab of A and of B. Declared once per kernel (conv_run) and
-// passed down, so the instantiations a kernel chooses between (PATH) share it instead of each adding
-// its own.
-struct ConvSmem {
+// Shared memory of a conv GEMM block: CONV_STAGES K-slabs of A and of B. Declared once per kernel
+// (conv_run) and passed down, so the instantiations a kernel chooses between (PATH) share it instead of
+// each adding its own.
+struct ConvStage {
   float As[CONV_BK][CONV_AS_PITCH];  // As[kk][m]
   float Bs[CONV_BK][CONV_BS_PITCH];  // Bs[kk][j]
 };
+struct ConvSmem {
+  ConvStage stage[CONV_STAGES];
+};
+
 
 // PARTIAL: write C[m][j] of split z = blockIdx.z to the workspace out[z][m][j] (no bias, no ReLU)
 // instead of its NCHW place; conv2d_split_reduce adds the splits. WGRAD is always PARTIAL.
@@ -370,12 +438,14 @@ __device__ __forceinline__ void conv_gemm(ConvSmem& sm, const float* __restrict_
   // them, or its tap table entry) is found once per slab for each.
   const int a_kk = t % CONV_BK, a_m = t / CONV_BK;
   const int b_j = t % CONV_B_ROW, b_kk = t / CONV_B_ROW;  // row r of the thread: b_kk + r*B_RSTEP
-  int a_row[CONV_A_LOADS];  // m * mstride of A (rows >= M read row M - 1: never stored)
+  int a_row[CONV_A_LOADS];           // m * mstride of A (rows >= M read row M - 1: never stored) ...
+  const float* a_ptr[CONV_A_LOADS];  // ... and A + that (PATH CONV_TABLE: an A load is a_ptr[i] + a_off)
   const int a_mstride = (MODE == CONV_FPROP) ? (int)KR : (MODE == CONV_DGRAD) ? R * S : P * Q;
 #pragma unroll
   for (int i = 0; i < CONV_A_LOADS; ++i) {
     const int m = m0 + a_m + i * (CONV_THREADS / CONV_BK);
     a_row[i] = conv_opaque((m < M ? m : M - 1) * a_mstride);
+    a_ptr[i] = conv_opaque(A + a_row[i]);
   }
   ConvCol col[CONV_B_COLS];
 #pragma unroll
@@ -402,22 +472,38 @@ __device__ __forceinline__ void conv_gemm(ConvSmem& sm, const float* __restrict_
   };
   if (PATH == CONV_TABLE) fetch_entries();
 
-  float a_reg[CONV_A_LOADS], b_reg[CONV_B_LOADS];
-  // one slab of A and B into the registers: the slab with `left` terms of the block's range to go
-  // (its rows at or past `left` are past the range: zeros)
-  auto load = [&](int left) {
-    const bool a_ok = a_kk < left;
-    const float* a_origin = (PATH == CONV_TABLE) ? conv_opaque(A + e_a)
-                                                 : conv_origin_a<MODE>(A, a_d, a_k, C, K, R, S, P, Q);
+  // Slab loads. The next slab's reduction index (PATH CONV_BOUNDS, CONV_STRIDED: its digits) ...
+  auto advance = [&]() {
+    if (PATH != CONV_TABLE) {
+      if (MODE == CONV_FPROP) a_k += CONV_BK;
+      digits_step(a_d, step, mid_radix, lo_radix);
 #pragma unroll
-    for (int i = 0; i < CONV_A_LOADS; ++i) a_reg[i] = a_ok ? __ldg(a_origin + a_row[i]) : 0.0f;  // < K*C*R*S
+      for (int r = 0; r < CONV_B_RROWS; ++r) digits_step(b_d[r], step, mid_radix, lo_radix);
+    }
+  };
+  // ... and its elements: visit(i, src, pred) for each A element i < A_LOADS and B element
+  // A_LOADS + r*B_COLS + c of the slab with `left` terms of the block's range to go (its rows at or past
+  // `left` are past the range: zeros). Element i is *src when pred holds, else 0.
+  auto slab = [&](int left, auto&& visit) {
+    const bool a_ok = a_kk < left;
+    if (PATH == CONV_TABLE) {
+#pragma unroll
+      for (int i = 0; i < CONV_A_LOADS; ++i) visit(i, a_ptr[i] + e_a, a_ok);
+    } else {
+      const float* a_origin = conv_origin_a<MODE>(A, a_d, a_k, C, K, R, S, P, Q);
+#pragma unroll
+      for (int i = 0; i < CONV_A_LOADS; ++i) visit(i, a_origin + a_row[i], a_ok);  // < K*C*R*S
+    }
 #pragma unroll
     for (int r = 0; r < CONV_B_RROWS; ++r) {
       const bool b_ok = b_kk + r * CONV_B_RSTEP < left;
-      float* b_row = b_reg + r * CONV_B_COLS;
+      const float* src;
       if (PATH == CONV_STRIDED) {
 #pragma unroll
-        for (int c = 0; c < CONV_B_COLS; ++c) b_row[c] = conv_load_b_strided(col[c], b_d[r], b_ok, P, Q, stride);
+        for (int c = 0; c < CONV_B_COLS; ++c) {
+          const bool pred = conv_src_b_strided(col[c], b_d[r], b_ok, P, Q, stride, src);
+          visit(CONV_A_LOADS + r * CONV_B_COLS + c, src, pred);
+        }
       } else {
         ConvTap tb;
         if (PATH == CONV_TABLE) {
@@ -429,36 +515,30 @@ __device__ __forceinline__ void conv_gemm(ConvSmem& sm, const float* __restrict_
           tb = conv_tap<MODE>(B, b_d[r], C, H, W, P, Q, stride, pad);
         }
 #pragma unroll
-        for (int c = 0; c < CONV_B_COLS; ++c) b_row[c] = conv_load_b<MODE, PATH>(col[c], tb, b_ok, Hb, Wb);
+        for (int c = 0; c < CONV_B_COLS; ++c) {
+          const bool pred = conv_src_b<MODE, PATH>(col[c], tb, b_ok, Hb, Wb, src);
+          visit(CONV_A_LOADS + r * CONV_B_COLS + c, src, pred);
+        }
       }
     }
     if (PATH == CONV_TABLE) fetch_entries();  // the slab after
+  };
+  // where element e of a slab goes in a stage of shared memory, as a byte offset in ConvStage:
+  // As[a_kk][a_m + e*(THREADS/BK)] (e < A_LOADS), else Bs[b_kk + r*B_RSTEP][b_j + c*B_ROW]
+  // (e = A_LOADS + r*B_COLS + c)
+  const int a_soff = conv_opaque((a_kk * CONV_AS_PITCH + a_m) * 4);
+  const int b_soff = conv_opaque((int)sizeof(ConvStage::As) + (b_kk * CONV_BS_PITCH + b_j) * 4);
+  auto soff = [&](int e) -> int {
+    if (e < CONV_A_LOADS) return a_soff + e * (CONV_THREADS / CONV_BK) * 4;
+    e -= CONV_A_LOADS;
+    return b_soff + ((e / CONV_B_COLS) * CONV_B_RSTEP * CONV_BS_PITCH + (e % CONV_B_COLS) * CONV_B_ROW) * 4;
   };
 
   float acc[CONV_TM][CONV_TN];
   for (int i = 0; i < CONV_TM; ++i)
     for (int j = 0; j < CONV_TN; ++j) acc[i][j] = 0.0f;
-
-  load(k_left);
-  for (; k_left > 0; k_left -= CONV_BK) {
-    __syncthreads();  // every thread is done reading the previous slab
-#pragma unroll
-    for (int i = 0; i < CONV_A_LOADS; ++i) sm.As[a_kk][a_m + i * (CONV_THREADS / CONV_BK)] = a_reg[i];
-#pragma unroll
-    for (int r = 0; r < CONV_B_RROWS; ++r)
-#pragma unroll
-      for (int c = 0; c < CONV_B_COLS; ++c)
-        sm.Bs[b_kk + r * CONV_B_RSTEP][b_j + c * CONV_B_ROW] = b_reg[r * CONV_B_COLS + c];
-    __syncthreads();  // slab complete
-    if (k_left > CONV_BK) {  // prefetch the next slab while this one is multiplied
-      if (PATH != CONV_TABLE) {
-        if (MODE == CONV_FPROP) a_k += CONV_BK;
-        digits_step(a_d, step, mid_radix, lo_radix);
-#pragma unroll
-        for (int r = 0; r < CONV_B_RROWS; ++r) digits_step(b_d[r], step, mid_radix, lo_radix);
-      }
-      load(k_left - CONV_BK);
-    }
+  // C += the slab in stage st
+  auto multiply = [&](int st) {
 #pragma unroll
     for (int kk = 0; kk < CONV_BK; ++kk) {
       // thread (ty, tx) owns rows g*RBAND + ty*4 .. +3 (g < TM/4) and columns g*CBAND + tx*4 .. +3
@@ -467,12 +547,12 @@ __device__ __forceinline__ void conv_gemm(ConvSmem& sm, const float* __restrict_
       float a[CONV_TM], b[CONV_TN];
 #pragma unroll
       for (int g = 0; g < CONV_TM / 4; ++g) {
-        const float4 v = *reinterpret_cast<const float4*>(&sm.As[kk][g * CONV_RBAND + ty * 4]);
+        const float4 v = *reinterpret_cast<const float4*>(&sm.stage[st].As[kk][g * CONV_RBAND + ty * 4]);
         a[4 * g] = v.x, a[4 * g + 1] = v.y, a[4 * g + 2] = v.z, a[4 * g + 3] = v.w;
       }
 #pragma unroll
       for (int g = 0; g < CONV_TN / 4; ++g) {
-        const float4 v = *reinterpret_cast<const float4*>(&sm.Bs[kk][g * CONV_CBAND + tx * 4]);
+        const float4 v = *reinterpret_cast<const float4*>(&sm.stage[st].Bs[kk][g * CONV_CBAND + tx * 4]);
         b[4 * g] = v.x, b[4 * g + 1] = v.y, b[4 * g + 2] = v.z, b[4 * g + 3] = v.w;
       }
 #pragma unroll
@@ -480,6 +560,61 @@ __device__ __forceinline__ void conv_gemm(ConvSmem& sm, const float* __restrict_
 #pragma unroll
         for (int j = 0; j < CONV_TN; ++j) acc[i][j] += a[i] * b[j];
     }
+  };
+
+  if (CONV_STAGES == 1) {
+    // register prefetch: the next slab is loaded into registers while this one is multiplied
+    float reg[CONV_A_LOADS + CONV_B_LOADS];
+    auto load = [&](int left) {
+      slab(left, [&](int e, const float* src, bool pred) { reg[e] = pred ? __ldg(src) : 0.0f; });
+    };
+    load(k_left);
+    for (; k_left > 0; k_left -= CONV_BK) {
+      __syncthreads();  // every thread is done reading the previous slab
+#pragma unroll
+      for (int e = 0; e < CONV_A_LOADS + CONV_B_LOADS; ++e)
+        *reinterpret_cast<float*>(reinterpret_cast<char*>(&sm) + soff(e)) = reg[e];
+      __syncthreads();  // slab complete
+      if (k_left > CONV_BK) {  // prefetch the next slab while this one is multiplied
+        advance();
+        load(k_left - CONV_BK);
+      }
+      multiply(0);
+    }
+  } else {
+    // multistage pipeline: slab i goes to stage i % STAGES by asynchronous copies, one commit group per
+    // slab (empty past the range, so that the group count stays in step); STAGES - 1 slabs are in
+    // flight when slab i is multiplied
+    const ConvShared s0 = conv_shared(&sm);  // element e of stage st: s0 + st*sizeof(ConvStage) + soff(e)
+    auto issue = [&](int left, int st) {
+      const ConvShared s_st = s0 + st * (int)sizeof(ConvStage);
+      slab(left, [&](int e, const float* src, bool pred) { conv_async_copy(s_st + soff(e), src, pred); });
+    };
+    int issue_left = k_left;  // terms left from the next slab to issue
+#pragma unroll
+    for (int st = 0; st < CONV_STAGES - 1; ++st) {
+      if (issue_left > 0) {
+        if (st > 0) advance();
+        issue(issue_left, st);
+      }
+      conv_async_commit();
+      issue_left -= CONV_BK;
+    }
+    int st = 0;  // the stage multiplied next; the slab STAGES - 1 ahead goes to the one before it
+    for (; k_left > 0; k_left -= CONV_BK) {
+      conv_async_wait<CONV_STAGES - 2>();  // this thread's copies of slab st have landed
+      __syncthreads();  // everyone's have; and everyone is done reading the stage refilled below (the last slab's)
+      const int st_fill = (st == 0 ? CONV_STAGES : st) - 1;
+      if (issue_left > 0) {
+        advance();
+        issue(issue_left, st_fill);
+      }
+      conv_async_commit();
+      issue_left -= CONV_BK;
+      multiply(st);
+      st = (st + 1 == CONV_STAGES) ? 0 : st + 1;
+    }
+    conv_async_wait<0>();  // (only empty groups are left)
   }
 
   // epilogue: the register block to its NCHW (or workspace) location. C[m][jj] lives at

@@ -246,12 +246,19 @@ def test_tile_defines():
     assert cupy_ops.tile_defines((32, 128, 4, 4, 16)) == ("-DCONV_BM=32", "-DCONV_BN=128")  # the defaults
     assert cupy_ops.tile_defines((64, 128, 8, 4, 8)) == ("-DCONV_BM=64", "-DCONV_BN=128", "-DCONV_TM=8",
                                                          "-DCONV_TN=4", "-DCONV_BK=8")
+    assert cupy_ops.tile_defines((64, 64, 4, 4, 16, 3)) == ("-DCONV_BM=64", "-DCONV_BN=64")  # 3 stages: the default
+    assert cupy_ops.tile_defines((64, 64, 4, 4, 16, 1)) == ("-DCONV_BM=64", "-DCONV_BN=64", "-DCONV_STAGES=1")
+    assert cupy_ops.tile_defines((64, 128, 8, 4, 8, 2)) == ("-DCONV_BM=64", "-DCONV_BN=128", "-DCONV_TM=8",
+                                                            "-DCONV_TN=4", "-DCONV_BK=8", "-DCONV_STAGES=2")
+    with pytest.raises(ValueError, match="conv tile"):
+        cupy_ops.tile_shape((64, 64, 4))
 
 
 @pytest.mark.parametrize("tile, shape, name, threads", [
-    ((64, 64), (64, 64, 4, 4, 16), "64x64", 256), ((32, 128, 4, 4, 16), (32, 128, 4, 4, 16), "32x128", 256),
-    ((64, 128, 8, 4, 8), (64, 128, 8, 4, 8), "64x128/8x4k8", 256), ((32, 256, 4, 8, 8), None, "32x256/4x8k8", 256),
-    ((32, 64, 8, 8, 8), None, "32x64/8x8k8", 32)])
+    ((64, 64), (64, 64, 4, 4, 16, 3), "64x64", 256), ((32, 128, 4, 4, 16), (32, 128, 4, 4, 16, 3), "32x128", 256),
+    ((64, 128, 8, 4, 8), (64, 128, 8, 4, 8, 3), "64x128/8x4k8", 256),
+    ((32, 256, 4, 8, 8, 3), None, "32x256/4x8k8", 256), ((32, 64, 8, 8, 8, 3), None, "32x64/8x8k8", 32),
+    ((64, 64, 4, 4, 16, 1), None, "64x64/s1", 256), ((64, 128, 8, 4, 8, 2), None, "64x128/8x4k8/s2", 256)])
 def test_tile_shapes(tile, shape, name, threads):
     assert cupy_ops.tile_shape(tile) == (shape or tile)
     assert cupy_ops.tile_name(tile) == name and cupy_ops.conv_threads(tile) == threads

@@ -64,14 +64,37 @@ def test_harness_catches_a_wrong_kernel():
 
 
 @pytest.mark.parametrize("tile", [(32, 128, 4, 4, 8), (16, 32, 4, 4, 16), (32, 64, 4, 4, 8), (64, 64, 4, 4, 8),
-                                  *cupy_ops.CONV_TRIAL_TILES, (32, 64, 8, 8, 8)])
+                                  *cupy_ops.CONV_TRIAL_TILES, (32, 64, 8, 8, 8), (16, 32, 4, 4, 16, 1),
+                                  (32, 64, 4, 4, 8, 2), (16, 32, 4, 4, 8, 4)])
 def test_conv_with_other_tile_shapes(tile):
     """The tile body derives its loader and register-block layout from CONV_BM/CONV_BN/CONV_TM/CONV_TN/
-    CONV_BK (-D overrides; the default build is the 64x64 tile, 4x4 per thread, BK 16): each of these,
-    the trial tiles among them, computes every conv shape."""
-    bm, bn, tm, tn, bk = tile
-    lib = harness.build(defines={"CONV_BM": bm, "CONV_BN": bn, "CONV_TM": tm, "CONV_TN": tn, "CONV_BK": bk})
+    CONV_BK and its main loop from CONV_STAGES (-D overrides; the default build is the 64x64 tile, 4x4
+    per thread, BK 16, 3 stages): each of these, the trial tiles among them, computes every conv shape."""
+    bm, bn, tm, tn, bk, stages = cupy_ops.tile_shape(tile)
+    lib = harness.build(defines={"CONV_BM": bm, "CONV_BN": bn, "CONV_TM": tm, "CONV_TN": tn, "CONV_BK": bk,
+                                 "CONV_STAGES": stages})
     cases.conv_wrappers(lib, np.random.default_rng(1), True)
+
+
+def test_pipelined_and_one_stage_loops_agree_bit_for_bit():
+    """The cp.async pipeline (CONV_STAGES 2-4) changes when a slab reaches shared memory, not the order
+    of the sums: on float inputs (rounding everywhere) every pass equals the one-stage loop's bit for bit,
+    with the tap table and testing bounds, with and without split-K."""
+    rng = np.random.default_rng(5)
+    N, C, H, W, K, R, S, st, pad = 2, 5, 9, 7, 6, 3, 3, 1, 1  # KR 45 / 54 / 126: ragged slabs of 16
+    x, w, b, dy = cases.f32(rng, N, C, H, W), cases.f32(rng, K, C, R, S), cases.f32(rng, K), cases.f32(rng, N, K, H, W)
+    results = {}
+    for stages in (1, 2, 3, 4):
+        lib = harness.build(defines={"CONV_BM": 16, "CONV_BN": 32, "CONV_STAGES": stages})
+        for consts in ({"conv_split_override": 1}, {"conv_split_override": 2}, {"CONV_TAB_MAX_TAPS": 0}):
+            with cases.cpu_backend(lib, **consts) as ops:
+                got = (ops.conv2d_fprop(x, w, b, st, pad), ops.conv2d_dgrad(dy, w, x.shape, st, pad),
+                       ops.conv2d_wgrad(dy, x, w.shape, st, pad))
+            results.setdefault(str(consts), {})[stages] = got
+    for consts, by_stages in results.items():
+        for stages in (2, 3, 4):
+            for name, one, many in zip(("fprop", "dgrad", "wgrad"), by_stages[1], by_stages[stages], strict=True):
+                assert np.isfinite(one).all() and np.array_equal(one, many), f"{name} {consts}: {stages} stages != 1"
 
 
 @pytest.mark.parametrize("bm, bn, message", [(60, 64, "As pitch"), (8, 12, "THREADS: a multiple of BK")])
@@ -192,9 +215,18 @@ def test_tsan_clean():
     assert proc.stdout.count(": ok") == len(cases.CASES), out
 
 
+def test_tsan_clean_with_one_stage():
+    """The one-stage main loop of conv2d.cu (sm_75's, and the CONV_STAGES=1 trial tiles') is race-free too."""
+    proc = run_tsan("--full", "--define", "CONV_STAGES=1", "--cases", "conv_wrappers,conv_wgrad_splits")
+    out = f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr[-20000:]}"
+    assert "ThreadSanitizer" not in proc.stderr, f"ThreadSanitizer reported:\n{out}"
+    assert proc.returncode == 0 and proc.stdout.count(": ok") == 2, out
+
+
 @pytest.mark.parametrize("plant, case", [
-    ("conv2d.cu:every thread is done reading", "conv_wrappers"),  # write-after-read on the next K-slab
-    ("conv2d.cu:slab complete", "conv_wrappers"),                 # read-after-write within a slab
+    ("conv2d.cu:everyone's have", "conv_wrappers"),  # cp.async pipeline: both ways over the stages
+    ("conv2d.cu:every thread is done reading", "conv_wrappers"),  # one stage: write-after-read on the next K-slab
+    ("conv2d.cu:slab complete", "conv_wrappers"),                 # one stage: read-after-write within a slab
     ("conv2d.cu:every lane's sum stored", "conv_split_reduce"),   # lane 0 adds sums not yet stored
     ("conv2d.cu:before the next group overwrites", "conv_split_reduce"),  # a lane's next sum lands first
     ("bias.cu:all partial sums stored", "bias_grad"),             # the tree reads partial sums not yet stored
@@ -202,7 +234,8 @@ def test_tsan_clean():
     ("softmax_xent.cu:before it is reused for the sum", "softmax_xent"),  # max reread after the sum began
 ])
 def test_tsan_catches_missing_syncthreads(plant, case):
-    proc = run_tsan("--plant", plant, "--cases", case, "--repeat", "2")
+    one_stage = ("--define", "CONV_STAGES=1") if plant.startswith("conv2d.cu:") and "everyone" not in plant else ()
+    proc = run_tsan(*one_stage, "--plant", plant, "--cases", case, "--repeat", "2")
     assert "WARNING: ThreadSanitizer: data race" in proc.stderr, (
         f"no race reported with the barrier removed ({plant}):\n{proc.stdout}\n{proc.stderr[-5000:]}")
     assert proc.returncode != 0

@@ -53,15 +53,18 @@ MAX_BLOCK_THREADS = 1024
 MAX_STATIC_SHARED = 48 * 1024  # bytes
 
 CONV_BM, CONV_BN, CONV_BK = 64, 64, 16  # kernels/conv2d.cu defaults (-DCONV_BM/-DCONV_BN select a variant)
+CONV_STAGES = 3  # conv2d.cu's default shared-memory stages: a cp.async pipeline on sm_80+ (1 below sm_80)
 # (BM, BN) tile variants that conv2d.cu is compiled for, 256 threads each (16x16 or 8x32 threads
 # owning 4x4 outputs): 64x64, and 32x128 for GEMMs of at most 32 rows (the cifar10 model's 32-channel
 # layers), which a 64-row tile would half idle
 CONV_TILES = ((64, 64), (32, 128))
-# Trial tiles (BM, BN, TM, TN, BK): larger register blocks (8x4, 4x8 outputs per thread, 256 threads)
-# with a K-slab of 8 (16 would spill), a higher FFMA share of the main loop (bench/sass_mix.py) but
-# fewer, wider blocks. Never chosen by conv_tile: bench/kernels.py --tiles and tests/gpu force them,
-# so that a GPU run says whether they should replace a production tile.
-CONV_TRIAL_TILES = ((64, 128, 8, 4, 8), (32, 256, 4, 8, 8))
+# Trial tiles (BM, BN, TM, TN, BK[, STAGES]): larger register blocks (8x4, 4x8 outputs per thread, 256
+# threads) with a K-slab of 8 (16 would spill), a higher FFMA share of the main loop (bench/sass_mix.py)
+# but fewer, wider blocks; and the production tiles with one shared-memory stage (register prefetch, two
+# barriers per slab: the main loop before the cp.async pipeline, and what sm_75 runs). Never chosen by
+# conv_tile: bench/kernels.py --tiles and tests/gpu force them, so that a GPU run says whether they
+# should replace a production tile.
+CONV_TRIAL_TILES = ((64, 128, 8, 4, 8), (32, 256, 4, 8, 8), (64, 64, 4, 4, 16, 1), (32, 128, 4, 4, 16, 1))
 conv_tile_override: tuple[int, ...] | None = None  # a tile forced on every conv launch (bench, tests)
 conv_split_override: int | None = None  # split-K ranges forced on every conv GEMM (bench, tests)
 CONV_TARGET_BLOCKS = 512  # split-K aims at about this many blocks when the device's wave is unknown
@@ -140,19 +143,25 @@ def compile_kernels() -> list[str]:
 NVRTC_OPTIONS = ("--std=c++14",)  # CuPy adds -ftz=true, -arch=sm_XX of the device, --device-as-default-execution-space
 
 
-def tile_shape(tile: tuple[int, ...]) -> tuple[int, int, int, int, int]:
-    """(BM, BN, TM, TN, BK) of a tile given as (BM, BN) (register block 4x4, K-slab CONV_BK) or in full."""
-    return tuple(int(v) for v in tile) if len(tile) == 5 else (int(tile[0]), int(tile[1]), 4, 4, CONV_BK)
+def tile_shape(tile: tuple[int, ...]) -> tuple[int, int, int, int, int, int]:
+    """(BM, BN, TM, TN, BK, STAGES) of a tile given as (BM, BN) (register block 4x4, K-slab CONV_BK,
+    CONV_STAGES shared-memory stages), (BM, BN, TM, TN, BK) or in full."""
+    if len(tile) not in (2, 5, 6):
+        raise ValueError(f"conv tile {tile!r}: expected (BM, BN), (BM, BN, TM, TN, BK) or (BM, BN, TM, TN, BK, STAGES)")
+    full = (*tile, CONV_STAGES) if len(tile) == 5 else tile if len(tile) == 6 else (*tile, 4, 4, CONV_BK, CONV_STAGES)
+    return tuple(int(v) for v in full)
 
 
 def tile_macros(tile: tuple[int, ...] | None) -> dict[str, int]:
     """The conv2d.cu macros that select `tile` (see `tile_shape`): CONV_BM, CONV_BN, and CONV_TM,
-    CONV_TN, CONV_BK only where the register block or K-slab differ from the defaults; {} for the
-    other files (tile None)."""
+    CONV_TN, CONV_BK only where the register block or K-slab differ from the defaults, CONV_STAGES only
+    where the stages do; {} for the other files (tile None)."""
     if tile is None:
         return {}
-    bm, bn, tm, tn, bk = tile_shape(tile)
+    bm, bn, tm, tn, bk, stages = tile_shape(tile)
     extra = {} if (tm, tn, bk) == (4, 4, CONV_BK) else {"CONV_TM": tm, "CONV_TN": tn, "CONV_BK": bk}
+    if stages != CONV_STAGES:
+        extra["CONV_STAGES"] = stages
     return {"CONV_BM": bm, "CONV_BN": bn, **extra}
 
 
@@ -162,9 +171,12 @@ def tile_defines(tile: tuple[int, ...] | None) -> tuple[str, ...]:
 
 
 def tile_name(tile: tuple[int, ...]) -> str:
-    """'64x64', or for a non-default register block or K-slab '64x128/8x4k8'."""
-    bm, bn, tm, tn, bk = tile_shape(tile)
-    return f"{bm}x{bn}" if len(tile_macros(tile)) == 2 else f"{bm}x{bn}/{tm}x{tn}k{bk}"
+    """'64x64', for a non-default register block or K-slab '64x128/8x4k8', for non-default stages
+    '64x64/s1' or '64x128/8x4k8/s1'."""
+    bm, bn, tm, tn, bk, stages = tile_shape(tile)
+    macros = tile_macros(tile)
+    name = f"{bm}x{bn}/{tm}x{tn}k{bk}" if "CONV_TM" in macros else f"{bm}x{bn}"
+    return name + (f"/s{stages}" if "CONV_STAGES" in macros else "")
 
 
 @functools.cache
@@ -298,7 +310,7 @@ def conv_tile(M: int) -> tuple[int, ...]:
 
 def conv_threads(tile: tuple[int, ...]) -> int:
     """Threads per block of `tile`: one per TM x TN register block (`tile_shape`)."""
-    bm, bn, tm, tn, _ = tile_shape(tile)
+    bm, bn, tm, tn, _, _ = tile_shape(tile)
     return (bm // tm) * (bn // tn)
 
 

@@ -68,9 +68,9 @@ def cpu_backend(lib, **constants) -> Iterator:
     conv launch (`conv_tile_override`).
     """
     d = lib.defines
-    if "CONV_TM" in d or "CONV_TN" in d:  # a register block other than 4x4: the full tile shape
+    if {"CONV_TM", "CONV_TN", "CONV_STAGES"} & set(d):  # a register block other than 4x4 or other stages
         tile = (d.get("CONV_BM", cupy_ops.CONV_BM), d.get("CONV_BN", cupy_ops.CONV_BN), d.get("CONV_TM", 4),
-                d.get("CONV_TN", 4), d.get("CONV_BK", cupy_ops.CONV_BK))
+                d.get("CONV_TN", 4), d.get("CONV_BK", cupy_ops.CONV_BK), d.get("CONV_STAGES", cupy_ops.CONV_STAGES))
         constants = {"conv_tile_override": tile, **constants}
     elif "CONV_BM" in d or "CONV_BN" in d:
         tile = (d.get("CONV_BM", cupy_ops.CONV_BM), d.get("CONV_BN", cupy_ops.CONV_BN))

@@ -15,7 +15,9 @@
 //     that leaves barrier k late acquires what a faster thread did after it and before barrier k+1,
 //     and planted races went unreported in about half of the processes);
 //   * intrinsics map to their libm counterparts (__expf -> expf, __ldg -> plain load, ...); float4, int2
-//     and __align__ are their g++ equivalents (16- and 8-byte alignment).
+//     and __align__ are their g++ equivalents (16- and 8-byte alignment);
+//   * asynchronous copies to shared memory (CUDA's pipeline primitives, PTX cp.async) land at the latest
+//     moment their contract allows, and hold garbage until then (see __pipeline_memcpy_async below).
 // Not modelled (the kernels must not use them): warps (shuffles, votes, warp-synchronous code),
 // atomics, dynamic (extern) shared memory, streams, cooperative groups, textures.
 #pragma once
@@ -33,6 +35,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -79,6 +82,21 @@ class Barrier {
 inline Barrier g_barrier;
 
 inline void syncthreads() { g_barrier.wait(); }
+
+// A thread's asynchronous copies (see __pipeline_memcpy_async): those not yet committed, and the
+// committed groups, oldest first. The value is read from global memory at the issue (global memory a
+// kernel reads is read-only while it runs, so reading it later would give the same bytes).
+struct AsyncCopy {
+  void* dst;
+  size_t size;
+  unsigned char bytes[16];
+};
+inline thread_local std::vector<AsyncCopy> tl_copies_open;
+inline thread_local std::deque<std::vector<AsyncCopy>> tl_copy_groups;
+
+inline void land(const std::vector<AsyncCopy>& group) {
+  for (const AsyncCopy& c : group) std::memcpy(c.dst, c.bytes, c.size);
+}
 
 // Persistent pool: thread t (t < blockDim volume) runs `job` for every block of the grid in order.
 class Pool {
@@ -138,6 +156,8 @@ class Pool {
           for (unsigned x = 0; x < grid.x; ++x) {
             tl_blockIdx = dim3(x, y, z);
             (*job)();
+            tl_copies_open.clear();  // copies still pending at the block's end go to shared memory that is gone
+            tl_copy_groups.clear();
             syncthreads();  // block boundary: the next block may reuse the static __shared__ storage
           }
       std::lock_guard<std::mutex> lock(mu_);
@@ -192,5 +212,39 @@ inline float __int_as_float(int i) {
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+
+// CUDA's pipeline primitives (cuda_pipeline_primitives.h; PTX cp.async on sm_80+), the contract and
+// nothing more: __pipeline_memcpy_async(dst, src, size, zfill) copies size - zfill bytes from global
+// src to shared dst and zeroes the last zfill bytes (size 4, 8 or 16, both addresses aligned to it;
+// src is not read when zfill == size); __pipeline_commit() closes the thread's group of copies issued
+// since the last commit; __pipeline_wait_prior(n) returns once all but the n most recent committed
+// groups have landed. Modelled adversarially: dst holds garbage (0xff bytes, a NaN per float) from the
+// issue until the wait that covers the copy, and only then its value. So reading a buffer before its
+// wait gives NaNs (a result mismatch); a missing barrier before the issue is a ThreadSanitizer race of
+// the garbage write with the buffer's previous readers, and one after the wait a race of the value's
+// write with its new readers.
+inline void __pipeline_memcpy_async(void* dst, const void* src, size_t size, size_t zfill = 0) {
+  if ((size != 4 && size != 8 && size != 16) || zfill > size ||
+      (reinterpret_cast<uintptr_t>(dst) | (zfill < size ? reinterpret_cast<uintptr_t>(src) : 0)) % size) {
+    std::fprintf(stderr, "cuda_cpu: __pipeline_memcpy_async(%p, %p, %zu, %zu): size 4, 8 or 16, zfill <= size, "
+                 "addresses aligned to size\n", dst, src, size, zfill);
+    std::abort();
+  }
+  cudacpu::AsyncCopy c{dst, size, {}};
+  if (zfill < size) std::memcpy(c.bytes, src, size - zfill);
+  std::memset(dst, 0xff, size);  // garbage until the wait
+  cudacpu::tl_copies_open.push_back(c);
+}
+inline void __pipeline_commit() {
+  cudacpu::tl_copy_groups.push_back(std::move(cudacpu::tl_copies_open));
+  cudacpu::tl_copies_open.clear();
+}
+inline void __pipeline_wait_prior(size_t n) {
+  while (cudacpu::tl_copy_groups.size() > n) {
+    cudacpu::land(cudacpu::tl_copy_groups.front());
+    cudacpu::tl_copy_groups.pop_front();
+  }
+}
+
 using std::fmaxf;
 using std::fminf;

@@ -1,7 +1,8 @@
 """Run the kernel cases in this process, for the ThreadSanitizer build (which needs libtsan preloaded).
 
     cd tests && LD_PRELOAD=$(g++ -print-file-name=libtsan.so) python -m cuda_cpu.run_cases --tsan
-    python -m cuda_cpu.run_cases --tsan --plant conv2d.cu:"every thread is done reading" --cases conv_wrappers
+    python -m cuda_cpu.run_cases --tsan --plant conv2d.cu:"everyone's have" --cases conv_wrappers
+    python -m cuda_cpu.run_cases --tsan --define CONV_STAGES=1 --plant conv2d.cu:"slab complete" --cases conv_wrappers
 
 --plant FILE:TEXT removes the `__syncthreads();` on the line containing TEXT from a copy of FILE
 (the kernel sources on disk are not touched); the run must then report a data race.
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tsan", action="store_true", help="use the ThreadSanitizer build (needs libtsan preloaded)")
     ap.add_argument("--plant", metavar="FILE:TEXT", help="remove the __syncthreads() on the line containing TEXT")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="a macro for every kernel (-DNAME=VALUE: e.g. CONV_STAGES=1 for conv2d.cu's one-stage loop)")
     ap.add_argument("--cases", help="comma-separated case names (default: all)")
     ap.add_argument("--full", action="store_true", help="production block sizes too (default: <= 64 threads)")
     ap.add_argument("--repeat", type=int, default=1,
@@ -44,7 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     sources = harness.kernel_sources()
     if args.plant:
         sources = plant_missing_sync(sources, args.plant)
-    lib = harness.build(tsan=args.tsan, sources=sources)
+    defines = {}
+    for d in args.define:
+        name, _, value = d.partition("=")
+        if not name.isidentifier() or not value.lstrip("-").isdigit():
+            raise SystemExit(f"--define {d}: expected NAME=INTEGER")
+        defines[name] = int(value)
+    lib = harness.build(tsan=args.tsan, sources=sources, defines=defines)
     wanted = set(args.cases.split(",")) if args.cases else None
     failed = 0
     for case in cases.CASES:

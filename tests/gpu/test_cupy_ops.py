@@ -98,7 +98,9 @@ def test_conv_passes_exact_on_integers(cp, npo, name, xs, ws, stride, pad, monke
             "wgrad": npo.conv2d_wgrad(dy64, x64, ws, stride, pad)}
     x, w, b, dy = (cp.asarray(a) for a in (x, w, b, dy))
     runs = [*itertools.product(cupy_ops.CONV_TILES, (None, 1, 3), (32, 0)),
-            *itertools.product(cupy_ops.CONV_TRIAL_TILES, (None, 3), (32,))]  # (trial: their tables and splits)
+            *itertools.product(cupy_ops.CONV_TRIAL_TILES, (None, 3), (32,)),  # (trial: their tables and splits;
+            *itertools.product([t for t in cupy_ops.CONV_TRIAL_TILES if cupy_ops.tile_shape(t)[5] == 1],
+                               (None,), (0,))]  # the one-stage loop testing bounds too)
     for tile, splits, taps in runs:
         monkeypatch.setattr(cupy_ops, "conv_tile_override", tile)
         monkeypatch.setattr(cupy_ops, "conv_split_override", splits)
@@ -112,6 +114,32 @@ def test_conv_passes_exact_on_integers(cp, npo, name, xs, ws, stride, pad, monke
             assert np.array_equal(g, ref), (f"{name} {what} (tile {tile}, split override {splits}, taps {taps}): "
                                             f"{int(np.sum(g != ref))} elements differ from the exact result, "
                                             f"worst by {float(np.max(np.abs(g - ref)))}")
+
+
+@pytest.mark.parametrize("name,xs,ws,stride,pad", CONVS, ids=[c[0] for c in CONVS])
+def test_pipelined_and_one_stage_loops_agree_bit_for_bit(cp, name, xs, ws, stride, pad, monkeypatch):
+    """The cp.async pipeline (CONV_STAGES 3, sm_80+) changes when a K-slab reaches shared memory, not the
+    order of the sums: on float inputs each pass equals the one-stage loop's (the CONV_STAGES=1 trial
+    tiles) bit for bit, on the device as in the CPU harness. (On sm_75 both are the one-stage loop.)"""
+    from mpiasgd.ops import cupy_ops
+
+    rng = np.random.default_rng(3)
+    xs = (min(xs[0], 64), *xs[1:])
+    N, _, H, W = xs
+    K, _, R, S = ws
+    P, Q = (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
+    x, w, b, dy = (cp.asarray(rand(rng, sz)) for sz in (xs, ws, (K,), (N, K, P, Q)))
+    for tile in cupy_ops.CONV_TILES:
+        got = {}
+        for stages in (cupy_ops.CONV_STAGES, 1):
+            monkeypatch.setattr(cupy_ops, "conv_tile_override", (*cupy_ops.tile_shape(tile)[:5], stages))
+            got[stages] = [cp.to_numpy(a) for a in (cp.conv2d_fprop(x, w, b, stride, pad),
+                                                     cp.conv2d_dgrad(dy, w, xs, stride, pad),
+                                                     cp.conv2d_wgrad(dy, x, ws, stride, pad))]
+        for what, many, one in zip(("fprop", "dgrad", "wgrad"), got[cupy_ops.CONV_STAGES], got[1], strict=True):
+            assert np.isfinite(one).all() and np.array_equal(many, one), (
+                f"{name} {what} (tile {tile}): {int(np.sum(many != one))} elements differ between "
+                f"{cupy_ops.CONV_STAGES} stages and 1, worst by {float(np.nanmax(np.abs(many - one)))}")
 
 
 @pytest.mark.parametrize("xs,k,s", POOLS)
