@@ -511,8 +511,9 @@ def measure_layer(layer: ConvLayer, ops, cupy, torch, timer: Timer, runs: int, w
 def tile_sweep(layer: ConvLayer, ops, cupy, timer: Timer, runs: int, warmup: int, seed: int = 0) -> list[str]:
     """Lines giving the median ms of each pass of `layer` with every conv tile variant forced
     (`cupy_ops.conv_tile_override`; its split-K ranges `gemm_split` in brackets), the trial tiles
-    (`CONV_TRIAL_TILES`: larger register blocks) included, the one `conv_tile` chooses marked with *,
-    and the chosen tile without split-K where it splits: the data to tune both choices on a GPU."""
+    (`CONV_TRIAL_TILES`: larger register blocks, one shared-memory stage, 32x96) included, the one
+    `conv_tile` chooses marked with *, and the chosen tile without split-K where it splits: the data
+    to tune both choices on a GPU."""
     calls = our_calls(layer, ops, cupy, layer_inputs(layer, seed))
     lines = []
     for pass_name in PASSES:

@@ -329,7 +329,7 @@ __device__ __forceinline__ bool conv_src_b_strided(const ConvCol& col, const Dig
                                                    int stride, const float*& src) {
   const int hp = col.a - d.mid, wp = col.b - d.lo;  // p * stride, q * stride when tap (r, s) reaches (p, q)
   const int p = hp / stride, q = wp / stride;
-  src = col.origin - col.base + ((d.hi * P + p) * Q + q);
+  src = col.origin - col.base + (int)(((unsigned)d.hi * P + p) * Q + q);  // (rows past the range: wraps, unread)
   return ok && hp >= 0 && wp >= 0 && p * stride == hp && q * stride == wp && p < P && q < Q;
 }
 
@@ -346,12 +346,12 @@ inline ConvShared conv_shared(void* p) { return static_cast<char*>(p); }
 // Asynchronous 4-byte copy from global src to shared dst, zero-filled (src not read) when !pred: PTX
 // cp.async (sm_80+) with src-size 0 for the zero fill, so a predicated-off src may point anywhere. It
 // lands once a conv_async_wait<n>() returns that covers its group (conv_async_commit closes a group).
-// Elsewhere (the CPU harness) CUDA's pipeline primitives, which it models.
+// Without a CUDA compiler (the CPU harness, g++) CUDA's pipeline primitives, which the harness models.
 __device__ __forceinline__ void conv_async_copy(ConvShared dst, const float* src, bool pred) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(pred ? 4 : 0));
-#elif defined(__CUDA_ARCH__)
-  (void)dst, (void)src, (void)pred;  // (unused: CONV_STAGES is 1 below sm_80, which has no cp.async)
+#elif defined(__CUDACC__)
+  (void)dst, (void)src, (void)pred;  // never runs: CONV_STAGES is 1 below sm_80 (no cp.async); nvcc's host pass
 #else
   __pipeline_memcpy_async(dst, src, 4, pred ? 0 : 4);
 #endif
@@ -360,7 +360,7 @@ __device__ __forceinline__ void conv_async_copy(ConvShared dst, const float* src
 __device__ __forceinline__ void conv_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::);
-#elif !defined(__CUDA_ARCH__)
+#elif !defined(__CUDACC__)
   __pipeline_commit();
 #endif
 }
@@ -370,7 +370,7 @@ template <int n>
 __device__ __forceinline__ void conv_async_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
-#elif !defined(__CUDA_ARCH__)
+#elif !defined(__CUDACC__)
   __pipeline_wait_prior(n);
 #endif
 }

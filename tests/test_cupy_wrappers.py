@@ -258,19 +258,22 @@ def test_tile_defines():
     ((64, 64), (64, 64, 4, 4, 16, 3), "64x64", 256), ((32, 128, 4, 4, 16), (32, 128, 4, 4, 16, 3), "32x128", 256),
     ((64, 128, 8, 4, 8), (64, 128, 8, 4, 8, 3), "64x128/8x4k8", 256),
     ((32, 256, 4, 8, 8, 3), None, "32x256/4x8k8", 256), ((32, 64, 8, 8, 8, 3), None, "32x64/8x8k8", 32),
-    ((64, 64, 4, 4, 16, 1), None, "64x64/s1", 256), ((64, 128, 8, 4, 8, 2), None, "64x128/8x4k8/s2", 256)])
+    ((64, 64, 4, 4, 16, 1), None, "64x64/s1", 256), ((64, 128, 8, 4, 8, 2), None, "64x128/8x4k8/s2", 256),
+    ((32, 96, 4, 4, 24), (32, 96, 4, 4, 24, 3), "32x96/4x4k24", 192)])
 def test_tile_shapes(tile, shape, name, threads):
     assert cupy_ops.tile_shape(tile) == (shape or tile)
     assert cupy_ops.tile_name(tile) == name and cupy_ops.conv_threads(tile) == threads
 
 
 def test_trial_tiles_are_forced_never_chosen(monkeypatch):
-    """The trial tiles launch 256 threads over their whole (BM, BN); conv_tile never picks one."""
+    """The trial tiles launch one thread per register block over their whole (BM, BN) (256, or 192 for
+    32x96); conv_tile never picks one."""
     assert {cupy_ops.conv_tile(M) for M in range(1, 300)} == set(cupy_ops.CONV_TILES)
     for tile in cupy_ops.CONV_TRIAL_TILES:
         monkeypatch.setattr(cupy_ops, "conv_tile_override", tile)
         assert cupy_ops.conv_tile(32) == tile
-        assert cupy_ops.conv_launch(M=65, NG=1000) == ((-(-1000 // tile[1]), -(-65 // tile[0]), 1), (256, 1, 1))
+        threads = 192 if tile[:2] == (32, 96) else 256
+        assert cupy_ops.conv_launch(M=65, NG=1000) == ((-(-1000 // tile[1]), -(-65 // tile[0]), 1), (threads, 1, 1))
 
 
 @pytest.mark.parametrize("K, CRS, NPQ", [(32, 75, 131072), (32, 800, 28800), (64, 800, 6272), (1, 1, 1),

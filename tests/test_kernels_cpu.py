@@ -63,6 +63,51 @@ def test_harness_catches_a_wrong_kernel():
         cases.conv_wrappers(lib, np.random.default_rng(0), True)
 
 
+ASYNC_COPY_KERNEL = """
+extern "C" __global__ void copy_twice(const float* __restrict__ src, float* __restrict__ out, int wait) {
+  __shared__ float buf[2][32];
+  const int t = threadIdx.x;
+  __pipeline_memcpy_async(&buf[0][t], src + t, 4, 0);
+  __pipeline_commit();
+  __pipeline_memcpy_async(&buf[1][t], src + 32 + t, 4, t % 2 ? 4 : 0);  // odd threads: zero fill
+  __pipeline_commit();
+  out[t] = buf[0][t];  // before any wait: garbage
+  if (wait < 0) return;  // copies left pending
+  __pipeline_wait_prior(wait);
+  out[32 + t] = buf[0][t];
+  out[64 + t] = buf[1][t];
+  __pipeline_wait_prior(0);
+}
+"""
+
+
+@pytest.mark.parametrize("wait", [1, 0])
+def test_harness_async_copies_land_at_their_wait(wait):
+    """The harness's model of CUDA's pipeline primitives: a copy's destination holds garbage (NaN) from
+    the issue until a __pipeline_wait_prior covers its group, wait_prior(1) lands all groups but the
+    newest, a zero fill reads nothing."""
+    lib = harness.build(sources={"copy.cu": ASYNC_COPY_KERNEL})
+    src = np.arange(64, dtype=np.float32)
+    out = np.zeros(96, np.float32)
+    lib.kernel("copy_twice")((1, 1, 1), (32, 1, 1), (src, out, np.int32(wait)))
+    assert np.isnan(out[:32]).all()
+    assert np.array_equal(out[32:64], src[:32])
+    second = np.where(np.arange(32) % 2, 0.0, src[32:]).astype(np.float32)
+    assert np.isnan(out[64:]).all() if wait == 1 else np.array_equal(out[64:], second)
+
+
+def test_harness_refuses_copies_pending_at_block_end():
+    """A block that ends with copies it never waited for aborts the run, naming the missing wait."""
+    code = ("import numpy as np\nfrom cuda_cpu import harness\n"
+            f"lib = harness.build(sources={{'copy.cu': {ASYNC_COPY_KERNEL!r}}})\n"
+            "lib.kernel('copy_twice')((1, 1, 1), (32, 1, 1), (np.zeros(64, np.float32), np.zeros(96, np.float32), "
+            "np.int32(-1)))\nprint('finished')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=TESTS, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "finished" not in proc.stdout, proc.stdout + proc.stderr
+    assert "asynchronous copies pending at the end of block" in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("tile", [(32, 128, 4, 4, 8), (16, 32, 4, 4, 16), (32, 64, 4, 4, 8), (64, 64, 4, 4, 8),
                                   *cupy_ops.CONV_TRIAL_TILES, (32, 64, 8, 8, 8), (16, 32, 4, 4, 16, 1),
                                   (32, 64, 4, 4, 8, 2), (16, 32, 4, 4, 8, 4)])

@@ -60,11 +60,14 @@ CONV_STAGES = 3  # conv2d.cu's default shared-memory stages: a cp.async pipeline
 CONV_TILES = ((64, 64), (32, 128))
 # Trial tiles (BM, BN, TM, TN, BK[, STAGES]): larger register blocks (8x4, 4x8 outputs per thread, 256
 # threads) with a K-slab of 8 (16 would spill), a higher FFMA share of the main loop (bench/sass_mix.py)
-# but fewer, wider blocks; and the production tiles with one shared-memory stage (register prefetch, two
-# barriers per slab: the main loop before the cp.async pipeline, and what sm_75 runs). Never chosen by
+# but fewer, wider blocks; the production tiles with one shared-memory stage (register prefetch, two
+# barriers per slab: the main loop before the cp.async pipeline, and what sm_75 runs, where these two
+# are the production tiles again); and 32x96 (192 threads, K-slab 24) for narrow GEMMs such as cifar10's
+# conv1 wgrad (32 x 75 columns: 78 % of a 96-wide tile is used, 59 % of a 128-wide one). Never chosen by
 # conv_tile: bench/kernels.py --tiles and tests/gpu force them, so that a GPU run says whether they
-# should replace a production tile.
-CONV_TRIAL_TILES = ((64, 128, 8, 4, 8), (32, 256, 4, 8, 8), (64, 64, 4, 4, 16, 1), (32, 128, 4, 4, 16, 1))
+# should replace or join a production tile.
+CONV_TRIAL_TILES = ((64, 128, 8, 4, 8), (32, 256, 4, 8, 8), (64, 64, 4, 4, 16, 1), (32, 128, 4, 4, 16, 1),
+                    (32, 96, 4, 4, 24))
 conv_tile_override: tuple[int, ...] | None = None  # a tile forced on every conv launch (bench, tests)
 conv_split_override: int | None = None  # split-K ranges forced on every conv GEMM (bench, tests)
 CONV_TARGET_BLOCKS = 512  # split-K aims at about this many blocks when the device's wave is unknown

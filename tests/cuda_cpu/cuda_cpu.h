@@ -85,7 +85,8 @@ inline void syncthreads() { g_barrier.wait(); }
 
 // A thread's asynchronous copies (see __pipeline_memcpy_async): those not yet committed, and the
 // committed groups, oldest first. The value is read from global memory at the issue (global memory a
-// kernel reads is read-only while it runs, so reading it later would give the same bytes).
+// kernel reads is read-only while it runs, so reading it later would give the same bytes). Pending
+// copies at a block's end abort the run (check_no_copies_pending).
 struct AsyncCopy {
   void* dst;
   size_t size;
@@ -96,6 +97,21 @@ inline thread_local std::deque<std::vector<AsyncCopy>> tl_copy_groups;
 
 inline void land(const std::vector<AsyncCopy>& group) {
   for (const AsyncCopy& c : group) std::memcpy(c.dst, c.bytes, c.size);
+}
+
+// A copy still pending when its thread leaves the block would land in shared memory that belongs to
+// no block any more (on a GPU) or to the next one (here): a kernel must wait for every copy it issued.
+// Empty groups (commits without copies) are fine.
+inline void check_no_copies_pending() {
+  size_t pending = tl_copies_open.size();
+  for (const std::vector<AsyncCopy>& g : tl_copy_groups) pending += g.size();
+  if (pending) {
+    std::fprintf(stderr, "cuda_cpu: %zu asynchronous copies pending at the end of block (%u,%u,%u), thread %u: "
+                 "a __pipeline_wait_prior is missing\n", pending, tl_blockIdx.x, tl_blockIdx.y, tl_blockIdx.z,
+                 tl_threadIdx.x);
+    std::abort();
+  }
+  tl_copy_groups.clear();
 }
 
 // Persistent pool: thread t (t < blockDim volume) runs `job` for every block of the grid in order.
@@ -156,8 +172,7 @@ class Pool {
           for (unsigned x = 0; x < grid.x; ++x) {
             tl_blockIdx = dim3(x, y, z);
             (*job)();
-            tl_copies_open.clear();  // copies still pending at the block's end go to shared memory that is gone
-            tl_copy_groups.clear();
+            check_no_copies_pending();
             syncthreads();  // block boundary: the next block may reuse the static __shared__ storage
           }
       std::lock_guard<std::mutex> lock(mu_);
