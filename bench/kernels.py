@@ -508,6 +508,26 @@ def measure_layer(layer: ConvLayer, ops, cupy, torch, timer: Timer, runs: int, w
     return results, backend
 
 
+GEMM_KERNELS = ("conv2d_fprop", "conv2d_dgrad", "conv2d_wgrad_partial")
+
+
+def kernel_resources(ops, driver) -> list[str]:
+    """Per conv tile variant (production and trial) and GEMM kernel, as the driver reports them for
+    the compiled code: registers per thread, static shared memory per block (KB), local memory per
+    thread (bytes: spills), and the blocks of the tile's size the occupancy API lets reside per SM
+    (conv2d.cu's launch bounds ask for 2). `driver`: cupy_backends.cuda.api.driver or a stand-in."""
+    lines = []
+    for tile in (*ops.CONV_TILES, *ops.CONV_TRIAL_TILES):
+        cells = []
+        for name in GEMM_KERNELS:
+            raw = ops.get_kernel(name, tile).fn  # a cupy.RawKernel; .kernel: its CUDA function
+            blocks = driver.occupancyMaxActiveBlocksPerMultiprocessor(raw.kernel.ptr, ops.conv_threads(tile), 0)
+            cells.append(f"{name.removeprefix('conv2d_').removesuffix('_partial')} {raw.num_regs} regs "
+                         f"{raw.shared_size_bytes / 1024:.1f} KB local {raw.local_size_bytes} B {blocks} blocks/SM")
+        lines.append(f"  {ops.tile_name(tile):<14} {ops.conv_threads(tile):>4} threads: " + ",  ".join(cells))
+    return lines
+
+
 def tile_sweep(layer: ConvLayer, ops, cupy, timer: Timer, runs: int, warmup: int, seed: int = 0) -> list[str]:
     """Lines giving the median ms of each pass of `layer` with every conv tile variant forced
     (`cupy_ops.conv_tile_override`; its split-K ranges `gemm_split` in brackets), the trial tiles
@@ -627,6 +647,12 @@ def main(argv: list[str] | None = None) -> int:
             results.extend(rows)
 
         if args.tiles:
+            print("\nconv GEMM kernels as compiled for this device (driver attributes, occupancy API):")
+            try:
+                from cupy_backends.cuda.api import driver
+                print("\n".join(kernel_resources(ops, driver)), flush=True)
+            except Exception:  # a diagnostic: its failure must not stop the sweep
+                print(f"!! kernel resources: failed\n{traceback.format_exc()}", flush=True)
             print("\nours with each tile variant forced (median ms; [split-K ranges]; * = what cupy_ops picks):")
             for layer in layers:
                 try:

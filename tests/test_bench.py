@@ -38,6 +38,7 @@ from kernels import (  # bench/kernels.py, not the kernels/ folder of .cu files
     gemm_flops,
     goal_lines,
     implicit_gemm,
+    kernel_resources,
     layer_lines,
     relative_error,
     tflops,
@@ -163,6 +164,37 @@ def test_table_row_gives_throughput_ratio_tflops_and_fraction_of_peak():
     assert flagged.split()[-5:-2] == ["2.00", "29.49", "-"]  # ours twice as fast; no peak known
     no_ref = format_row(_result("conv1", "fprop", 0.1), peak_flops=66.9e12)
     assert no_ref.split()[-5:] == ["-", "14.75", "22.0", "0.0100", "-"]
+
+
+def test_kernel_resources_lists_every_tile_and_gemm_kernel(monkeypatch):
+    """One line per conv tile variant (production and trial), with each GEMM kernel's registers, shared
+    memory, local memory and resident blocks per SM as the driver reports them for that kernel."""
+    from types import SimpleNamespace
+
+    from mpiasgd.ops import cupy_ops
+
+    tiles = (*cupy_ops.CONV_TILES, *cupy_ops.CONV_TRIAL_TILES)
+    names = ("conv2d_fprop", "conv2d_dgrad", "conv2d_wgrad_partial")
+    ptr = {(name, cupy_ops.tile_name(tile)): 1000 * i + j
+           for i, tile in enumerate(tiles) for j, name in enumerate(names)}
+    monkeypatch.setattr(cupy_ops, "get_kernel", lambda name, tile: SimpleNamespace(fn=SimpleNamespace(
+        kernel=SimpleNamespace(ptr=ptr[name, cupy_ops.tile_name(tile)]), num_regs=100 + names.index(name),
+        shared_size_bytes=29 * 1024, local_size_bytes=0)))
+    asked = []
+
+    class Driver:  # cupy_backends.cuda.api.driver's occupancy call
+        @staticmethod
+        def occupancyMaxActiveBlocksPerMultiprocessor(p, threads, dynamic):
+            asked.append((p, threads, dynamic))
+            return 2
+
+    lines = kernel_resources(cupy_ops, Driver)
+    assert len(lines) == len(tiles)
+    assert lines[0].split()[:3] == ["64x64", "256", "threads:"]
+    assert "fprop 100 regs 29.0 KB local 0 B 2 blocks/SM,  dgrad 101 regs" in lines[0]
+    assert lines[-1].startswith("  32x96/4x4k24    192 threads:") and "wgrad 102 regs" in lines[-1]
+    assert {(p, t) for p, t, _ in asked} == {(ptr[n, cupy_ops.tile_name(t)], cupy_ops.conv_threads(t))
+                                             for t in tiles for n in names}
 
 
 def test_layer_lines_mark_the_dgrad_training_never_runs():
