@@ -357,13 +357,16 @@ def resolve(args: argparse.Namespace) -> Config:
     ConfigError, if it cannot be read), and keys in FIXED_ON_RESUME may not change.
     """
     base = Config()
-    if getattr(args, "resume", None):
+    resume, named_by = getattr(args, "resume", None), "--resume"
+    if not resume and getattr(args, "config", None):  # `resume = PATH` in the TOML file works as the flag does
+        resume, named_by = load_toml(args.config).resume, f"config key 'resume' in '{args.config}'"
+    if resume:
         from mpiasgd.checkpoint import CheckpointError, load_config
 
         try:
-            base = from_mapping(load_config(args.resume), source=f"checkpoint '{args.resume}'")
+            base = from_mapping(load_config(resume), source=f"checkpoint '{resume}'")
         except CheckpointError as e:
-            raise ConfigError(f"--resume: {e}") from None
+            raise ConfigError(f"{named_by}: {e}") from None
     cfg = load_toml(args.config, base) if getattr(args, "config", None) else base
     flags = {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
     for key, value in flags.items():

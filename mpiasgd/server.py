@@ -161,8 +161,10 @@ class ParameterServer:
         return time.perf_counter() - self.start
 
     def train_time(self) -> float:
-        """Seconds of training the current state holds (the schedule's and --max-time's clock)."""
-        return self.now() - self.lost
+        """Seconds of training the current state holds (the schedule's and --max-time's clock): up to the
+        stop once there is one, so the final evaluation after it counts as no training, in the summary
+        and in the `end` checkpoint (a resume for a longer --max-time trains the rest)."""
+        return (self.stop_time or self.now()) - self.lost
 
     @property
     def epoch(self) -> float:
@@ -684,7 +686,7 @@ class ParameterServer:
             self.log.add("evals", (self.now(), self.version, self.epoch, -1, test_loss, accuracy, count))
         self.log.add("events", (self.now(), b"end", f"preempted ({self.preempted}): no final evaluation"
                                 if self.preempted else f"test accuracy {accuracy:.4f} on {count} images"))
-        train_time = (self.stop_time or self.now()) - self.lost  # time lost to a resume is not training
+        train_time = self.train_time()  # time lost to a resume, or spent on the final evaluation, is not training
         return {
             "wall_time_s": self.now(),
             "train_time_s": train_time,

@@ -146,6 +146,29 @@ def test_resume_takes_the_checkpoint_config_and_refuses_fixed_keys(tmp_path):
         resolve(make_parser().parse_args(["--resume", str(tmp_path / "missing.h5")]))
 
 
+def test_resume_in_a_config_file_works_as_the_flag(tmp_path):
+    """`resume = PATH` in a --config TOML file takes the checkpoint's config as the defaults, as the flag
+    does (helper-23: it was merged over the built-in defaults, so a cifar10 checkpoint read as 'digits')."""
+    from mpiasgd.config import Config
+
+    path = str(tmp_path / "c.ckpt.h5")
+    ck = make_ckpt()
+    ck.config = Config(model="cifar10", lr=0.07, max_time=15.0, name="c").to_json()
+    checkpoint.write(path, ck)
+    toml = tmp_path / "more.toml"
+    toml.write_text(f'resume = "{path}"\nmax_time = 18.0\nmodel = "cifar10"\n')
+    cfg = resolve(make_parser().parse_args(["--config", str(toml)]))
+    assert (cfg.model, cfg.lr, cfg.max_time, cfg.name, cfg.resume) == ("cifar10", 0.07, 18.0, "c", path)
+    toml.write_text(f'resume = "{path}"\nmodel = "digits"\n')
+    with pytest.raises(ConfigError, match="config key 'model' = 'digits': a resumed run keeps 'cifar10'"):
+        resolve(make_parser().parse_args(["--config", str(toml)]))
+    toml.write_text(f'resume = "{tmp_path / "missing.h5"}"\n')
+    with pytest.raises(ConfigError, match=r"config key 'resume' in '.*more.toml': checkpoint '.*missing.h5' not found"):
+        resolve(make_parser().parse_args(["--config", str(toml), "--name", "tt"]))
+    cfg = resolve(make_parser().parse_args(["--config", str(toml), "--resume", path]))  # the flag wins
+    assert (cfg.model, cfg.resume) == ("cifar10", path)
+
+
 # --- resume ----------------------------------------------------------------------------------------
 
 def final_state(run_dir, name):
@@ -209,6 +232,12 @@ def test_async_resume_continues_versions_steps_and_data(mpirun, tmp_path):
     assert res.returncode == 0, res.explain()
     first = final_state(tmp_path / "runs", "a")
     assert first.version == 60 and first.samples == 60 * 16
+    # the end checkpoint holds the seconds trained, up to the stop: not the final evaluation after it
+    # (helper-23: a resume for a longer --max-time then found the rule met and trained nothing)
+    attrs, t, _ = read_log(tmp_path / "runs" / "a.h5")
+    stop = next(e["time"] for e in t["events"] if e["kind"] == b"stop")
+    assert first.reason == "end" and first.elapsed == pytest.approx(attrs["train_time_s"], abs=1e-9)
+    assert first.elapsed <= stop < first.log_time
     elsewhere = tmp_path / "elsewhere"  # the log lives next to its checkpoint, wherever the job starts
     elsewhere.mkdir()
     res = run_mpi(3, ["train", "--resume", str(tmp_path / "runs" / "a.ckpt.h5"), "--max-pushes", "120",
