@@ -260,6 +260,25 @@ def test_tsan_clean():
     assert proc.stdout.count(": ok") == len(cases.CASES), out
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--cases", "conv_wrapper"], "no case conv_wrapper"),
+    (["--define", "CONV_STAGE=1"], "no kernel file uses the macro CONV_STAGE"),
+    (["--repeat", "0"], "expected an integer >= 1"),
+    (["--plant", "conv2d.cu"], "expected FILE:TEXT"),
+    (["--plant", "nosuch.cu:x"], "no kernel file 'nosuch.cu'"),
+    (["--plant", "conv2d.cu:slab complete"], "one-stage main loop, which this build (CONV_STAGES=3) does not run"),
+    (["--define", "CONV_STAGES=1", "--plant", "conv2d.cu:everyone's have"], "cp.async pipeline"),
+])
+def test_run_cases_refuses_arguments_that_would_pass_vacuously(args, message, capsys):
+    """A typo in a case or macro name, or a barrier planted in a loop the build does not run, would
+    run nothing and pass (helper-23): each is an error (exit 2) naming what was expected."""
+    from cuda_cpu import run_cases
+
+    with pytest.raises(SystemExit) as e:
+        run_cases.main(args)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_tsan_clean_with_one_stage():
     """The one-stage main loop of conv2d.cu (sm_75's, and the CONV_STAGES=1 trial tiles') is race-free too."""
     proc = run_tsan("--full", "--define", "CONV_STAGES=1", "--cases", "conv_wrappers,conv_wgrad_splits")
