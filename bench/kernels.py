@@ -1,4 +1,4 @@
-"""Our convolution kernels (kernels/conv2d.cu) against cuDNN, pass by pass, on one GPU (issue 3).
+"""Our convolution kernels (kernels/conv2d.cu) against cuDNN, pass by pass, on one GPU.
 
     python3 bench/kernels.py [--batch 128] [--runs 50] [--warmup 10] [--layers conv1 conv3 large] [--no-torch]
 
@@ -523,7 +523,7 @@ def kernel_resources(ops, driver) -> list[str]:
             raw = ops.get_kernel(name, tile).fn  # a cupy.RawKernel; .kernel: its CUDA function
             blocks = driver.occupancyMaxActiveBlocksPerMultiprocessor(raw.kernel.ptr, ops.conv_threads(tile), 0)
             cells.append(f"{name.removeprefix('conv2d_').removesuffix('_partial')} {raw.num_regs} regs "
-                         f"{raw.shared_size_bytes / 1024:.1f} KB local {raw.local_size_bytes} B {blocks} blocks/SM")
+                         f"{raw.shared_size_bytes / 1024:.1f} KiB local {raw.local_size_bytes} B {blocks} blocks/SM")
         lines.append(f"  {ops.tile_name(tile):<14} {ops.conv_threads(tile):>4} threads: " + ",  ".join(cells))
     return lines
 

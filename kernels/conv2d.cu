@@ -17,7 +17,7 @@
 // for the bounds-testing path (see CONV_TABLE; the results are the same).
 // Launch (GEMM kernels): block CONV_THREADS = (BM/TM)*(BN/TN) threads (1-D), grid (ceil(NG/BN),
 // ceil(M/BM), splits), static shared memory STAGES*BK*(AS_PITCH + BS_PITCH) floats (ConvSmem, shared
-// by a kernel's instantiations; 28.4 KB for the 64x64 tile with 3 stages). The tile (BM, BN) is
+// by a kernel's instantiations; 27.8 KiB for the 64x64 tile with 3 stages). The tile (BM, BN) is
 // chosen at compile time (-DCONV_BM, -DCONV_BN; 64x64 by default, 32x128 for GEMMs of <= 32 rows:
 // see cupy_ops.conv_tile); so are the register block TM x TN (4x4; 8 rows or columns in
 // cupy_ops.CONV_TRIAL_TILES), the K-slab BK (16) and the shared-memory stages (CONV_STAGES: 3, and 1

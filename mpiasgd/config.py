@@ -170,6 +170,7 @@ class Config:
         need(not (self.backend == "numpy" and self.cuda_aware == "on"), "cuda_aware",
              "'auto' or 'off' with --backend numpy (device buffers need GPU workers: --backend cupy or auto)")
         need(self.batch_size >= 1, "batch_size", "an integer >= 1")
+        need(0 <= self.seed < 2**63, "seed", "an integer >= 0 (numpy seeds are unsigned)")
         need(self.threads >= 0, "threads", "an integer >= 0")
         need(self.comm_timeout > 0, "comm_timeout", "seconds > 0")
         need(math.isfinite(self.stall_warning) and self.stall_warning >= 0, "stall_warning", "seconds >= 0")

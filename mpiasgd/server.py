@@ -281,7 +281,10 @@ class ParameterServer:
                 if self.preempted or self.late_signal:
                     self.end_late()
                     raise Preempted(self.preempted, self.waiting_for()) from None
-                self.check_stalls()  # names the silent workers, held ones (ssp) aside
+                try:
+                    self.check_stalls()  # names the silent workers, held ones (ssp) aside
+                except CommTimeout as stall:
+                    raise stall from None  # its own traceback, not the probe's timeout above it again
                 waiting = self.waiting_for()
                 silent = ", ".join(f"rank {w} ({self.now() - self.last_seen[w]:.0f} s)" for w in waiting)
                 raise CommTimeout(f"{e}; still waiting for workers {waiting}; time since each last sent: "

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 
+import h5py
 import numpy as np
 
 from mpiasgd.runlog import open_log, writer_alive
@@ -54,7 +55,7 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
     when new rows were flushed.
     """
     deadline = time.monotonic() + wait
-    seen, applied_total = 0, 0
+    seen, applied_total, waiting = 0, 0, False
     while True:
         alive = writer_alive(path)
         try:  # opened afresh each time: a reader holding the file would be in the writer's way at its close
@@ -66,8 +67,14 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
                 rows = pushes[seen:count] if count > seen else None
                 epoch = float(updates[updates.shape[0] - 1]["epoch"]) if updates.shape[0] else 0.0
         except (FileNotFoundError, OSError):  # not there yet, or created but not yet in SWMR mode
+            if os.path.isfile(path) and os.path.getsize(path) >= 8 and not h5py.is_hdf5(path):
+                raise ValueError(f"'{path}' is not an mpiasgd run log (not an HDF5 file)") from None
             if time.monotonic() > deadline:
                 raise FileNotFoundError(f"run log '{path}' did not appear within {wait:g} s") from None
+            if not waiting:
+                waiting = True
+                print(f"mpiasgd watch: waiting up to {wait:g} s for run log '{path}' to appear", file=sys.stderr,
+                      flush=True)
             time.sleep(min(interval, 0.5))
             continue
         if rows is not None:

@@ -191,7 +191,7 @@ def test_kernel_resources_lists_every_tile_and_gemm_kernel(monkeypatch):
     lines = kernel_resources(cupy_ops, Driver)
     assert len(lines) == len(tiles)
     assert lines[0].split()[:3] == ["64x64", "256", "threads:"]
-    assert "fprop 100 regs 29.0 KB local 0 B 2 blocks/SM,  dgrad 101 regs" in lines[0]
+    assert "fprop 100 regs 29.0 KiB local 0 B 2 blocks/SM,  dgrad 101 regs" in lines[0]
     assert lines[-1].startswith("  32x96/4x4k24    192 threads:") and "wgrad 102 regs" in lines[-1]
     assert {(p, t) for p, t, _ in asked} == {(ptr[n, cupy_ops.tile_name(t)], cupy_ops.conv_threads(t))
                                              for t in tiles for n in names}

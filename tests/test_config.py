@@ -67,6 +67,7 @@ def test_missing_toml_file():
     ({"lr": -0.1}, "'lr' = -0.1: expected a finite number > 0"),
     ({"momentum": 1.0}, "'momentum'"),
     ({"batch_size": 0}, "'batch_size' = 0"),
+    ({"seed": -1}, "'seed' = -1: expected an integer >= 0"),
     ({"model": "resnet"}, "'model' = 'resnet': expected one of"),
     ({"mode": "hogwild"}, "'mode' = 'hogwild': expected one of"),
     ({"staleness_bound": -1}, "'staleness_bound' = -1: expected an integer >= 0"),

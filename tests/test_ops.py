@@ -293,6 +293,28 @@ def test_inputs_are_validated_with_op_argument_and_expected_shape():
         ops.relu_bprop(np.zeros((2, 3), np.float32), np.zeros((3, 2), np.float32))
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda x, w, dy: ops.conv2d_wgrad(dy, x, None, 1, 1),
+     r"conv2d_wgrad: w_shape must be 4 integers >= 0 \(K, C, R, S\), got None"),
+    (lambda x, w, dy: ops.conv2d_wgrad(dy, x, 4, 1, 1), "w_shape must be 4 integers >= 0"),
+    (lambda x, w, dy: ops.conv2d_wgrad(dy, x, (4, 3, -3, 3), 1, 1), r"got \(4, 3, -3, 3\)"),
+    (lambda x, w, dy: ops.conv2d_dgrad(dy, w, None, 1, 1), "conv2d_dgrad: x_shape must be 4 integers >= 0"),
+    (lambda x, w, dy: ops.conv2d_dgrad(dy, w, "abcd", 1, 1), "conv2d_dgrad: x_shape must be 4 integers >= 0"),
+    (lambda x, w, dy: ops.maxpool_bprop(dy, np.zeros((2, 4, 8, 8), np.float32), (2, 4, 16, 16), 2, 2),
+     "maxpool_bprop: argmax must hold integers"),
+    (lambda x, w, dy: ops.maxpool_bprop(dy, np.full((2, 4, 8, 8), 200, np.uint8), (2, 4, 16, 16), 2, 2),
+     r"maxpool_bprop: argmax must lie in 0..3 \(offsets in a 2x2 window\), got 200..200"),
+    (lambda x, w, dy: ops.maxpool_bprop(dy, [0] * 1000, (2, 4, 16, 16), 2, 2), r"got \(2, 4, 8, 8\) and list$"),
+    (lambda x, w, dy: ops.relu_fprop([1.0] * 1000), "relu_fprop: x must be a float32/float64 array, got list$"),
+])
+def test_malformed_shapes_and_argmax_get_one_clear_error(call, message):
+    """The numpy backend refuses what the cupy backend refuses, naming the op and what it expected, and
+    shows a bad argument's type, not its value (helper-23: raw TypeErrors and IndexErrors before)."""
+    x, w = np.zeros((2, 3, 8, 8), np.float32), np.zeros((4, 3, 3, 3), np.float32)
+    with pytest.raises(ValueError, match=message):
+        call(x, w, np.zeros((2, 4, 8, 8), np.float32))
+
+
 def test_array_helpers():
     assert ops.zeros(3).dtype == np.float32 and (ops.zeros(3) == 0).all()
     assert ops.empty((2, 3)).shape == (2, 3)

@@ -205,3 +205,12 @@ def test_mode_options_tell_variants_apart():
         "overlap warm 30s straggler 2:3"
     assert mode_options({"mode": "pipeline", "modules": 3, "shrink": 0.5, "decoupling": "backward",
                          "weight_stashing": True}) == "K=3 beta=0.5 backward stashing"
+
+
+def test_evaluate_of_a_missing_log_prints_the_error_without_a_table_header(tmp_path, capsys):
+    """`mpiasgd evaluate` names the log and the error, and prints no table header above it (helper-23)."""
+    missing = str(tmp_path / "none.h5")
+    assert main(["evaluate", missing]) == 2
+    out, err = capsys.readouterr()
+    assert out == f"== {missing}\n" and "snapshot" not in out
+    assert err.startswith("mpiasgd evaluate: error: ") and "none.h5" in err

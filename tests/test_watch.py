@@ -63,6 +63,22 @@ def test_watch_refuses_a_file_that_is_not_a_run_log(tmp_path):
     assert res.returncode == 2 and "is not an mpiasgd run log" in res.stderr, res.stderr
 
 
+def test_watch_refuses_a_file_that_is_not_hdf5_at_once_and_says_it_waits_for_a_missing_one(tmp_path):
+    """An existing file that is not HDF5 is refused at once, not after --wait seconds of silence
+    (helper-23); a missing log is waited for, and the wait is said."""
+    text = tmp_path / "notes.txt"
+    text.write_text("not a log\n" * 10)
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "mpiasgd", "watch", str(text), "--wait", "30"], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2 and "is not an mpiasgd run log (not an HDF5 file)" in res.stderr, res.stderr
+    assert time.monotonic() - t0 < 20
+    res = subprocess.run([sys.executable, "-m", "mpiasgd", "watch", str(tmp_path / "later.h5"), "--wait", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert "waiting up to 1 s for run log" in res.stderr and "did not appear within 1 s" in res.stderr
+
+
 def test_trace_has_a_track_per_rank_and_the_steps_in_order(mpirun, tmp_path):
     import json
 

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mpiasgd.ops.numpy_ops import shape4  # (shared checks of shape arguments)
+
 try:  # importable without cupy: get_backend("cupy") reports its absence
     import cupy
 except ImportError:  # pragma: no cover - depends on the installation
@@ -387,19 +389,6 @@ def elementwise_launch(n: int) -> tuple[tuple[int, int, int], tuple[int, int, in
     """Grid-stride launch over n elements: 256 threads, at most 65,535 blocks (>= 1 even for n = 0)."""
     blocks = max(1, min(_cdiv(n, ELEMENTWISE_THREADS), ELEMENTWISE_MAX_BLOCKS))
     return (blocks, 1, 1), (ELEMENTWISE_THREADS, 1, 1)
-
-
-def shape4(op: str, arg: str, shape, names: str) -> tuple[int, int, int, int]:
-    """`shape` as four ints >= 0; ValueError naming op and argument for anything else (None, 3 values,
-    8.5, True, -1), which would otherwise be misread or truncated."""
-    try:
-        values = tuple(shape)
-    except TypeError:
-        values = None
-    if (values is None or len(values) != 4 or
-            any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0 for v in values)):
-        raise ValueError(f"{op}: {arg} must be 4 integers >= 0 {names}, got {shape!r}")
-    return tuple(int(v) for v in values)
 
 
 def conv_geometry(op: str, x_shape, w_shape, stride: int, pad: int) -> tuple[int, int]:

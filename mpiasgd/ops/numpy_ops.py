@@ -119,6 +119,19 @@ def _check_int(op: str, arg: str, value, minimum: int) -> None:
         raise ValueError(f"{op}: {arg} must be an int >= {minimum}, got {value!r}")
 
 
+def shape4(op: str, arg: str, shape, names: str) -> tuple[int, int, int, int]:
+    """`shape` as four ints >= 0; ValueError naming op and argument for anything else (None, 3 values,
+    8.5, True, -1), which would otherwise be misread or truncated."""
+    try:
+        values = tuple(shape)
+    except TypeError:
+        values = None
+    if (values is None or len(values) != 4 or
+            any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0 for v in values)):
+        raise ValueError(f"{op}: {arg} must be 4 integers >= 0 {names}, got {shape!r}")
+    return tuple(int(v) for v in values)
+
+
 def _check_out(op: str, out, shape: tuple[int, ...], dtype) -> np.ndarray:
     """Validate an `out=` target (it is written through a reshaped view, so it must be contiguous)."""
     if out is None:
@@ -229,9 +242,7 @@ def conv2d_wgrad(dy: np.ndarray, x: np.ndarray, w_shape: tuple[int, int, int, in
     op = "conv2d_wgrad"
     _check_float(op, "x", x, 4, "(N, C, H, W)")
     _check_float(op, "dy", dy, 4, "(N, K, P, Q)", x.dtype)
-    if len(w_shape) != 4:
-        raise ValueError(f"{op}: w_shape must be (K, C, R, S), got {w_shape}")
-    K, C, R, S = (int(v) for v in w_shape)
+    K, C, R, S = shape4(op, "w_shape", w_shape, "(K, C, R, S)")
     P, Q = _conv_geometry(op, x.shape, (K, C, R, S), stride, pad)
     N = x.shape[0]
     if dy.shape != (N, K, P, Q):
@@ -264,9 +275,7 @@ def conv2d_dgrad(dy: np.ndarray, w: np.ndarray, x_shape: tuple[int, int, int, in
     op = "conv2d_dgrad"
     _check_float(op, "dy", dy, 4, "(N, K, P, Q)")
     _check_float(op, "w", w, 4, "(K, C, R, S)", dy.dtype)
-    if len(x_shape) != 4:
-        raise ValueError(f"{op}: x_shape must be (N, C, H, W), got {x_shape}")
-    N, C, H, W = (int(v) for v in x_shape)
+    N, C, H, W = shape4(op, "x_shape", x_shape, "(N, C, H, W)")
     K, _, R, S = w.shape
     P, Q = _conv_geometry(op, (N, C, H, W), w.shape, stride, pad)
     if dy.shape != (N, K, P, Q):
@@ -314,10 +323,15 @@ def bias_grad(dy: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 # elementwise and pooling
 
 
+def _what(a) -> str:
+    """An argument as an error message shows it: an array's shape and dtype, else its type (not its value)."""
+    return f"{a.dtype} array of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+
+
 def relu_fprop(x: np.ndarray) -> np.ndarray:
     """y = max(x, 0), fresh array of x's shape and float dtype. Raises ValueError on a non-float x."""
     if not isinstance(x, np.ndarray) or x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"relu_fprop: x must be a float32/float64 array, got {getattr(x, 'dtype', x)}")
+        raise ValueError(f"relu_fprop: x must be a float32/float64 array, got {_what(x)}")
     return np.maximum(x, 0)
 
 
@@ -326,8 +340,7 @@ def relu_bprop(dy: np.ndarray, y: np.ndarray) -> np.ndarray:
     if not isinstance(dy, np.ndarray) or not isinstance(y, np.ndarray) or dy.shape != y.shape \
             or dy.dtype != y.dtype or dy.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"relu_bprop: dy and y must be float arrays of one shape and dtype, got "
-                         f"{getattr(dy, 'shape', dy)} {getattr(dy, 'dtype', '')} and "
-                         f"{getattr(y, 'shape', y)} {getattr(y, 'dtype', '')}")
+                         f"{_what(dy)} and {_what(y)}")
     return np.multiply(dy, y > 0)
 
 
@@ -383,13 +396,17 @@ def maxpool_bprop(dy: np.ndarray, argmax: np.ndarray, x_shape: tuple[int, int, i
     """
     op = "maxpool_bprop"
     _check_float(op, "dy", dy, 4, "(N, C, P, Q)")
-    if len(x_shape) != 4:
-        raise ValueError(f"{op}: x_shape must be (N, C, H, W), got {x_shape}")
-    N, C, H, W = (int(v) for v in x_shape)
+    N, C, H, W = shape4(op, "x_shape", x_shape, "(N, C, H, W)")
     P, Q = _pool_geometry(op, (N, C, H, W), kernel, stride)
     if dy.shape != (N, C, P, Q) or not isinstance(argmax, np.ndarray) or argmax.shape != dy.shape:
+        got = argmax.shape if isinstance(argmax, np.ndarray) else type(argmax).__name__
         raise ValueError(f"{op}: dy and argmax must have shape {(N, C, P, Q)} for x_shape "
-                         f"{(N, C, H, W)}, got {dy.shape} and {getattr(argmax, 'shape', argmax)}")
+                         f"{(N, C, H, W)}, got {dy.shape} and {got}")
+    if not np.issubdtype(argmax.dtype, np.integer):
+        raise ValueError(f"{op}: argmax must hold integers (maxpool_fprop's offsets i*kernel + j), got {argmax.dtype}")
+    if argmax.size and (int(argmax.min()) < 0 or int(argmax.max()) >= kernel * kernel):
+        raise ValueError(f"{op}: argmax must lie in 0..{kernel * kernel - 1} (offsets in a {kernel}x{kernel} window), "
+                         f"got {int(argmax.min())}..{int(argmax.max())}")
     # flat index into dx of every window's maximum: window origin + in-window offset of argmax
     index_dtype = np.int32 if N * C * H * W < 2**31 else np.int64
     origin = (np.arange(N * C, dtype=index_dtype).reshape(N * C, 1, 1) * (H * W)
