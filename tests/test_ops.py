@@ -306,6 +306,7 @@ def test_inputs_are_validated_with_op_argument_and_expected_shape():
      r"maxpool_bprop: argmax must lie in 0..3 \(offsets in a 2x2 window\), got 200..200"),
     (lambda x, w, dy: ops.maxpool_bprop(dy, [0] * 1000, (2, 4, 16, 16), 2, 2), r"got \(2, 4, 8, 8\) and list$"),
     (lambda x, w, dy: ops.relu_fprop([1.0] * 1000), "relu_fprop: x must be a float32/float64 array, got list$"),
+    (lambda x, w, dy: ops.conv2d_fprop(x, w, None, True, 1), "conv2d_fprop: stride must be an int >= 1, got True"),
 ])
 def test_malformed_shapes_and_argmax_get_one_clear_error(call, message):
     """The numpy backend refuses what the cupy backend refuses, naming the op and what it expected, and

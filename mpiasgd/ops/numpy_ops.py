@@ -115,7 +115,7 @@ def _check_float(op: str, arg: str, a, ndim: int, expected: str, dtype=None) -> 
 
 
 def _check_int(op: str, arg: str, value, minimum: int) -> None:
-    if not isinstance(value, (int, np.integer)) or value < minimum:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{op}: {arg} must be an int >= {minimum}, got {value!r}")
 
 
