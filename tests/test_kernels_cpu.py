@@ -108,9 +108,11 @@ def test_harness_refuses_copies_pending_at_block_end():
     assert "asynchronous copies pending at the end of block" in proc.stderr, proc.stderr[-3000:]
 
 
+# (the one-stage trial tiles are the production tiles with CONV_STAGES=1: that loop runs here in 16x32,
+# in test_pipelined_and_one_stage_loops_agree_bit_for_bit and in the one-stage ThreadSanitizer run)
 @pytest.mark.parametrize("tile", [(32, 128, 4, 4, 8), (16, 32, 4, 4, 16), (32, 64, 4, 4, 8), (64, 64, 4, 4, 8),
-                                  *cupy_ops.CONV_TRIAL_TILES, (32, 64, 8, 8, 8), (16, 32, 4, 4, 16, 1),
-                                  (32, 64, 4, 4, 8, 2), (16, 32, 4, 4, 8, 4)])
+                                  *(t for t in cupy_ops.CONV_TRIAL_TILES if cupy_ops.tile_shape(t)[5] != 1),
+                                  (32, 64, 8, 8, 8), (16, 32, 4, 4, 16, 1), (32, 64, 4, 4, 8, 2), (16, 32, 4, 4, 8, 4)])
 def test_conv_with_other_tile_shapes(tile):
     """The tile body derives its loader and register-block layout from CONV_BM/CONV_BN/CONV_TM/CONV_TN/
     CONV_BK and its main loop from CONV_STAGES (-D overrides; the default build is the 64x64 tile, 4x4
