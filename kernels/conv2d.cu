@@ -398,7 +398,6 @@ struct ConvSmem {
   ConvStage stage[CONV_STAGES];
 };
 
-
 // PARTIAL: write C[m][j] of split z = blockIdx.z to the workspace out[z][m][j] (no bias, no ReLU)
 // instead of its NCHW place; conv2d_split_reduce adds the splits. WGRAD is always PARTIAL.
 // PATH: CONV_TABLE (tab: the tap table), CONV_BOUNDS or CONV_STRIDED (tab unused), see their comments.

@@ -281,27 +281,29 @@ def test_run_cases_refuses_arguments_that_would_pass_vacuously(args, message, ca
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+ONE_STAGE = ("--define", "CONV_STAGES=1")  # conv2d.cu's one-stage main loop (the default build runs the pipeline)
+
+
 def test_tsan_clean_with_one_stage():
     """The one-stage main loop of conv2d.cu (sm_75's, and the CONV_STAGES=1 trial tiles') is race-free too."""
-    proc = run_tsan("--full", "--define", "CONV_STAGES=1", "--cases", "conv_wrappers,conv_wgrad_splits")
+    proc = run_tsan("--full", *ONE_STAGE, "--cases", "conv_wrappers,conv_wgrad_splits")
     out = f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr[-20000:]}"
     assert "ThreadSanitizer" not in proc.stderr, f"ThreadSanitizer reported:\n{out}"
     assert proc.returncode == 0 and proc.stdout.count(": ok") == 2, out
 
 
-@pytest.mark.parametrize("plant, case", [
-    ("conv2d.cu:everyone's have", "conv_wrappers"),  # cp.async pipeline: both ways over the stages
-    ("conv2d.cu:every thread is done reading", "conv_wrappers"),  # one stage: write-after-read on the next K-slab
-    ("conv2d.cu:slab complete", "conv_wrappers"),                 # one stage: read-after-write within a slab
-    ("conv2d.cu:every lane's sum stored", "conv_split_reduce"),   # lane 0 adds sums not yet stored
-    ("conv2d.cu:before the next group overwrites", "conv_split_reduce"),  # a lane's next sum lands first
-    ("bias.cu:all partial sums stored", "bias_grad"),             # the tree reads partial sums not yet stored
-    ("bias.cu:this tree level done", "bias_grad"),                # tree levels overlap
-    ("softmax_xent.cu:before it is reused for the sum", "softmax_xent"),  # max reread after the sum began
+@pytest.mark.parametrize("plant, case, defines", [
+    ("conv2d.cu:everyone's have", "conv_wrappers", ()),  # cp.async pipeline: both ways over the stages
+    ("conv2d.cu:every thread is done reading", "conv_wrappers", ONE_STAGE),  # write-after-read on the next K-slab
+    ("conv2d.cu:slab complete", "conv_wrappers", ONE_STAGE),                 # read-after-write within a slab
+    ("conv2d.cu:every lane's sum stored", "conv_split_reduce", ()),   # lane 0 adds sums not yet stored
+    ("conv2d.cu:before the next group overwrites", "conv_split_reduce", ()),  # a lane's next sum lands first
+    ("bias.cu:all partial sums stored", "bias_grad", ()),             # the tree reads partial sums not yet stored
+    ("bias.cu:this tree level done", "bias_grad", ()),                # tree levels overlap
+    ("softmax_xent.cu:before it is reused for the sum", "softmax_xent", ()),  # max reread after the sum began
 ])
-def test_tsan_catches_missing_syncthreads(plant, case):
-    one_stage = ("--define", "CONV_STAGES=1") if plant.startswith("conv2d.cu:") and "everyone" not in plant else ()
-    proc = run_tsan(*one_stage, "--plant", plant, "--cases", case, "--repeat", "2")
+def test_tsan_catches_missing_syncthreads(plant, case, defines):
+    proc = run_tsan(*defines, "--plant", plant, "--cases", case, "--repeat", "2")
     assert "WARNING: ThreadSanitizer: data race" in proc.stderr, (
         f"no race reported with the barrier removed ({plant}):\n{proc.stdout}\n{proc.stderr[-5000:]}")
     assert proc.returncode != 0

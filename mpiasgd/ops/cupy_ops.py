@@ -153,8 +153,8 @@ def tile_shape(tile: tuple[int, ...]) -> tuple[int, int, int, int, int, int]:
     CONV_STAGES shared-memory stages), (BM, BN, TM, TN, BK) or in full."""
     if len(tile) not in (2, 5, 6):
         raise ValueError(f"conv tile {tile!r}: expected (BM, BN), (BM, BN, TM, TN, BK) or (BM, BN, TM, TN, BK, STAGES)")
-    full = (*tile, CONV_STAGES) if len(tile) == 5 else tile if len(tile) == 6 else (*tile, 4, 4, CONV_BK, CONV_STAGES)
-    return tuple(int(v) for v in full)
+    defaults = (4, 4, CONV_BK, CONV_STAGES)  # TM, TN, BK, STAGES
+    return tuple(int(v) for v in (*tile, *defaults[len(tile) - 2:]))
 
 
 def tile_macros(tile: tuple[int, ...] | None) -> dict[str, int]:

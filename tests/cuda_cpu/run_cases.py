@@ -24,10 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-if __package__ in (None, ""):  # run as a script: tests/ (cuda_cpu) and the repository (mpiasgd) on the path
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
+PATHS = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # tests/, the repository
+if __package__ in (None, ""):  # run as a script: cuda_cpu and mpiasgd importable from anywhere
+    sys.path[:0] = PATHS
 
-from cuda_cpu import cases, harness
+from cuda_cpu import cases, harness  # noqa: E402  (after the path set-up)
 
 ONE_STAGE_LOOP = "if (CONV_STAGES == 1) {"  # conv2d.cu: the one-stage loop, then `} else {` the pipeline
 
@@ -89,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             ap.error(f"--tsan: {e}")
         env["CUDA_CPU_TSAN_REEXEC"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                             str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join([*PATHS, env.get("PYTHONPATH", "")])
         os.execve(sys.executable, [sys.executable, "-m", "cuda_cpu.run_cases",
                                    *(sys.argv[1:] if argv is None else argv)], env)
     if args.repeat < 1:
