@@ -116,19 +116,20 @@ def _train(argv: list[str]) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     from mpiasgd.evaluate import evaluate_snapshots
 
-    header = [True]  # the table's header goes before the first row, not before an error
+    header = True  # the table's header goes before a log's first row, not before an error
 
     def show(r) -> None:
-        if header[0]:
+        nonlocal header
+        if header:
             print("snapshot    time s   epoch   test acc   test loss", flush=True)
-            header[0] = False
+            header = False
         print(f"{r['snapshot']:>8} {r['time']:>8.1f} {r['epoch']:>7.2f} {100 * r['accuracy']:>9.2f}% "
               f"{r['loss']:>11.4f}", flush=True)
 
     status = 0
     for path in args.logs:
         print(f"== {path}", flush=True)
-        header[0] = True
+        header = True
         try:
             rows = evaluate_snapshots(path, args.data_dir, args.batch_size, args.every, show)
         except (OSError, ValueError, KeyError, RuntimeError) as e:

@@ -134,10 +134,11 @@ def driver_uuid(index: int) -> bytes:
     Call it after the CUDA runtime has initialised the driver (`use_device` does)."""
     import ctypes
 
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        get = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid
-    except (OSError, AttributeError):  # no driver library, or one without the call
+    from mpiasgd.ops import cuda_driver
+
+    lib = cuda_driver()
+    get = None if lib is None else getattr(lib, "cuDeviceGetUuid_v2", None) or getattr(lib, "cuDeviceGetUuid", None)
+    if get is None:  # no driver library, or one without the call
         return b""
     dev, raw = ctypes.c_int(), ctypes.create_string_buffer(16)
     if lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(index)) != 0 or get(raw, dev) != 0:

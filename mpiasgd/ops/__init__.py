@@ -48,16 +48,20 @@ def cuda_probe() -> tuple[int, str]:
     return count, "" if count else "the driver reports no CUDA device"
 
 
-def cuda_driver_loadable() -> bool:
-    """Whether the CUDA driver library (libcuda.so.1) loads in this process. The CUDA runtime reports
-    a missing driver as cudaErrorInsufficientDriver, the same error as a driver too old for it."""
+def cuda_driver():
+    """The CUDA driver library (libcuda.so.1) loaded through ctypes, or None where it does not load."""
     import ctypes
 
     try:
-        ctypes.CDLL("libcuda.so.1")
+        return ctypes.CDLL("libcuda.so.1")
     except OSError:
-        return False
-    return True
+        return None
+
+
+def cuda_driver_loadable() -> bool:
+    """Whether the CUDA driver library loads in this process. The CUDA runtime reports a missing driver
+    as cudaErrorInsufficientDriver, the same error as a driver too old for it."""
+    return cuda_driver() is not None
 
 
 def cuda_device_count() -> int:
