@@ -23,7 +23,8 @@
 #    (cudnn.benchmark on, TF32 off); per pass the implicit GEMM M x N x K, ms per call (median and
 #    min of CUDA-event timings after warm-up), throughput ours/cuDNN (goal >= 0.80 on the cifar10
 #    layers), TFLOP/s and % of the FP32 peak, cuBLAS ms of the same GEMM, and our error vs cuDNN;
-#    then one goal line per pass kind. Exit status 2 there means no usable GPU (or no cupy).
+#    then the same with --conv-algo autotune (each pass's fastest tile, timed on its first call),
+#    and one goal line per pass kind for each. Exit status 2 there means no usable GPU (or no cupy).
 # Under 8.5 minutes on one GPU: every step has its own timeout (at most 30+10+20+20+270+110 s, plus 5 s
 # grace each: 490 s); a step that fails prints its exit status and the script goes on to the next.
 set -u

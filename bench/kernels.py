@@ -21,7 +21,11 @@ layer and pass (fprop with bias, dgrad, wgrad) one row:
                  indexing, a lower bound for any GEMM-based convolution
   err            max |ours - cuDNN| / max |cuDNN| on the same inputs ("!" above 1e-4)
 
-conv1's dgrad is not timed: training never computes the first layer's input gradient.
+conv1's dgrad is not timed: training never computes the first layer's input gradient. The table
+is ours with conv_algo "heuristic" (the default tiles); an autotune table follows: each pass again
+with conv_algo "autotune" (its first call times every tile variant and keeps the fastest, as
+--conv-algo autotune does in training), its tile, ms, speed-up over the heuristic tiles and
+ratio to cuDNN, and a second set of goal lines.
 
 Timing: every call (ours, cuDNN, cuBLAS) runs on one CUDA stream, shared by CuPy and PyTorch (an
 external stream for torch), between two CUDA events recorded on that stream (CuPy's events for all
@@ -188,6 +192,8 @@ class PassResult:
     cublas_ms: float | None = None
     error: float | None = None  # max |ours - cuDNN| / max |cuDNN|
     cudnn_kernels: str = ""  # the GPU kernels cuDNN ran for the pass (torch profiler), "" when unknown
+    tuned: Timing | None = None  # ours with conv_algo "autotune" (the tile it chose: tuned_tile)
+    tuned_tile: str = ""
 
     @property
     def ratio(self) -> float | None:
@@ -195,6 +201,13 @@ class PassResult:
         if self.cudnn is None:
             return None
         return throughput_ratio(self.ours.median_ms, self.cudnn.median_ms)
+
+    @property
+    def tuned_ratio(self) -> float | None:
+        """Throughput of ours autotuned / cuDNN's (None: either not measured)."""
+        if self.cudnn is None or self.tuned is None:
+            return None
+        return throughput_ratio(self.tuned.median_ms, self.cudnn.median_ms)
 
 
 def throughput_ratio(ours_ms: float, ref_ms: float) -> float:
@@ -237,22 +250,43 @@ def layer_lines(layer: ConvLayer, rows: list[PassResult], peak_flops: float | No
     return lines
 
 
-def goal_lines(results: list[PassResult], goal: float = GOAL) -> list[str]:
-    """Per pass kind, the lowest throughput ours/cuDNN over the cifar10 layers and whether it meets `goal`."""
+def goal_lines(results: list[PassResult], goal: float = GOAL, tuned: bool = False) -> list[str]:
+    """Per pass kind, the lowest throughput ours/cuDNN over the cifar10 layers and whether it meets `goal`;
+    `tuned`: ours with conv_algo "autotune" (`PassResult.tuned_ratio`), lines prefixed "autotune"."""
     lines = []
+    what, prefix = ("ours autotuned/cuDNN", "autotune ") if tuned else ("ours/cuDNN", "")
     for pass_name in PASSES:
         rows = [r for r in results if r.pass_name == pass_name and r.in_model]
         if not rows:
             continue
-        measured = [r for r in rows if r.ratio is not None]
-        if len(measured) < len(rows):
-            lines.append(f"{pass_name}: goal ours/cuDNN >= {goal:.2f} not assessed: no cuDNN time for "
-                         f"{', '.join(r.layer for r in rows if r.ratio is None)}")
+        ratio = {id(r): r.tuned_ratio if tuned else r.ratio for r in rows}
+        missing = [r.layer for r in rows if ratio[id(r)] is None]
+        if missing:
+            lines.append(f"{prefix}{pass_name}: goal {what} >= {goal:.2f} not assessed: no "
+                         f"{'cuDNN or autotuned' if tuned else 'cuDNN'} time for {', '.join(missing)}")
             continue
-        low = min(measured, key=lambda r: r.ratio)
-        verdict = "met" if low.ratio >= goal else "NOT met"
-        lines.append(f"{pass_name}: lowest ours/cuDNN {low.ratio:.2f} ({low.layer}) over "
+        low = min(rows, key=lambda r: ratio[id(r)])
+        verdict = "met" if ratio[id(low)] >= goal else "NOT met"
+        lines.append(f"{prefix}{pass_name}: lowest {what} {ratio[id(low)]:.2f} ({low.layer}) over "
                      f"{', '.join(r.layer for r in rows)}: goal >= {goal:.2f} {verdict}")
+    return lines
+
+
+TUNED_HEADER = (f"{'layer':<6} {'pass':<5} {'tile chosen':<16} {'autotuned ms (min)':>19} {'heuristic ms':>12} "
+                f"{'tuned/heur.':>11} {'tuned/cuDNN':>11}")
+
+
+def tuned_lines(results: list[PassResult]) -> list[str]:
+    """The autotune table: per pass the tile conv_algo "autotune" chose, its ms (median (min)), the
+    heuristic tiles' median ms, the speed-up over them (heuristic ms / autotuned ms) and the
+    throughput against cuDNN; rows without an autotuned time are left out."""
+    lines = []
+    for r in results:
+        if r.tuned is None:
+            continue
+        ratio = "-" if r.tuned_ratio is None else f"{r.tuned_ratio:.2f}"
+        lines.append(f"{r.layer:<6} {r.pass_name:<5} {r.tuned_tile:<16} {_ms(r.tuned):>19} "
+                     f"{r.ours.median_ms:>12.4f} {r.ours.median_ms / r.tuned.median_ms:>11.2f} {ratio:>11}")
     return lines
 
 
@@ -503,9 +537,26 @@ def measure_layer(layer: ConvLayer, ops, cupy, torch, timer: Timer, runs: int, w
         theirs = None if ref is None else timer.time(ref[pass_name], runs, warmup)
         cublas = time_cublas(cupy, timer, m, n, k, runs, warmup)
         kernels = "" if ref is None else cuda_kernel_names(torch, ref[pass_name])
+        tuned, tile = time_autotuned(ops, ours[pass_name], timer, runs, warmup)
         results.append(PassResult(layer.name, layer.in_model, pass_name, (m, n, k), mine, theirs, cublas, error,
-                                  kernels))
+                                  kernels, tuned, tile))
     return results, backend
+
+
+def time_autotuned(ops, call: Callable[[], object], timer: Timer, runs: int, warmup: int) -> tuple[Timing, str]:
+    """Time `call` (one conv pass of ours) under conv_algo "autotune": its first call times every tile
+    and keeps the fastest (`cupy_ops.conv_plans`), the timed calls run that one. Returns the timing and
+    the tile's name; conv_algo is restored."""
+    saved, made = ops.conv_algo, len(ops.conv_plans())
+    ops.set_conv_algo("autotune")
+    try:
+        call()
+        plans = ops.conv_plans()
+        if len(plans) != made + 1:
+            raise RuntimeError(f"autotune made {len(plans) - made} plans for one pass, expected 1")
+        return timer.time(call, runs, warmup), ops.tile_name(plans[-1].tile)
+    finally:
+        ops.set_conv_algo(saved)
 
 
 GEMM_KERNELS = ("conv2d_fprop", "conv2d_dgrad", "conv2d_wgrad_partial")
@@ -675,10 +726,16 @@ def main(argv: list[str] | None = None) -> int:
     flagged = [f"{r.layer} {r.pass_name}" for r in results if r.error is not None and r.error > ERROR_FLAG]
     if flagged:
         print(f"!! ours differs from cuDNN by more than {ERROR_FLAG:g} of max |cuDNN|: {', '.join(flagged)}")
+    if any(r.tuned is not None for r in results):
+        print("\nautotune (--conv-algo autotune: each pass times every tile on its first call, keeps the fastest; "
+              "heuristic: the table above):")
+        print("\n".join([TUNED_HEADER, *tuned_lines(results)]))
+        plans = {p.describe() for p in ops.conv_plans()}
+        print("autotune's timings (ms per call, as the first call measured them):\n  " + "\n  ".join(sorted(plans)))
     if torch is None:
         print(f"cuDNN {torch_note}: ours only, the goal (ours/cuDNN >= {GOAL:.2f}) is not assessed")
     else:
-        print("\n".join(goal_lines(results)))
+        print("\n".join(goal_lines(results) + goal_lines(results, tuned=True)))
     if failed:
         print(f"!! failed layers: {', '.join(failed)}")
         return 1

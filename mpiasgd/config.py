@@ -30,6 +30,7 @@ DECOUPLING = ("full", "backward")
 BALANCE = ("flops", "params")
 BACKENDS = ("auto", "numpy", "cupy")
 CUDA_AWARE = ("auto", "on", "off")
+CONV_ALGOS = ("heuristic", "autotune")  # mpiasgd.ops.cupy_ops.CONV_ALGOS (not imported: it would import the backend)
 SCHEDULES = ("constant", "step", "cosine")
 STALENESS_LR = ("none", "inverse", "sqrt")
 
@@ -87,6 +88,10 @@ class Config:
     cuda_aware: str = _opt("auto", "parallelism",
                            "MPI takes device buffers: auto (ask MPI.Query_cuda_support or MPIX_Query_cuda_support; off "
                            "without either) | on | off")
+    conv_algo: str = _opt("heuristic", "parallelism",
+                          "cupy workers' conv kernel tiles: heuristic (fixed rules; bit-reproducible) | autotune "
+                          "(each conv pass times every tile on its first call and keeps the fastest, as "
+                          "cudnn.benchmark; start-up compiles every tile)")
     threads: int = _opt(0, "parallelism", "BLAS threads per worker rank; 0 = cores of the node / workers on it")
     comm_timeout: float = _opt(300.0, "parallelism",
                                "rank 0 ends the run when a worker has sent nothing for this long (naming it); "
@@ -169,6 +174,10 @@ class Config:
         need(self.cuda_aware in CUDA_AWARE, "cuda_aware", f"one of {CUDA_AWARE}")
         need(not (self.backend == "numpy" and self.cuda_aware == "on"), "cuda_aware",
              "'auto' or 'off' with --backend numpy (device buffers need GPU workers: --backend cupy or auto)")
+        need(self.conv_algo in CONV_ALGOS, "conv_algo", f"one of {CONV_ALGOS}")
+        need(not (self.backend == "numpy" and self.conv_algo == "autotune"), "conv_algo",
+             "'heuristic' with --backend numpy (it chooses the tiles of the cupy backend's conv kernels: "
+             "--backend cupy or auto)")
         need(self.batch_size >= 1, "batch_size", "an integer >= 1")
         need(0 <= self.seed < 2**63, "seed", "an integer >= 0 (numpy seeds are unsigned)")
         need(self.threads >= 0, "threads", "an integer >= 0")

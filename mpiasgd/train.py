@@ -127,8 +127,10 @@ def worker_backend(cfg: Config, me: Rank, local_rank: int) -> tuple[str, object]
     backend = resolve_backend(cfg.backend, count)
     if backend != "cupy":
         # a GPU node that cannot run cupy, or device buffers asked for where there is no device
-        if cfg.backend == "auto" and (why.startswith("CUDA failed") or cfg.cuda_aware == "on"):
-            dropped = "; --cuda-aware on does not apply" if cfg.cuda_aware == "on" else ""
+        gpu_only = [flag for flag, on in (("--cuda-aware on", cfg.cuda_aware == "on"),
+                                          ("--conv-algo autotune", cfg.conv_algo == "autotune")) if on]
+        if cfg.backend == "auto" and (why.startswith("CUDA failed") or gpu_only):
+            dropped = "".join(f"; {flag} does not apply" for flag in gpu_only)
             print(f"mpiasgd: warning (rank {me.rank} on {me.host}): --backend auto runs on the CPU (numpy): "
                   f"{why}{dropped}{visible_hint()}", file=sys.stderr, flush=True)
         return backend, None
@@ -137,8 +139,9 @@ def worker_backend(cfg: Config, me: Rank, local_rank: int) -> tuple[str, object]
     except BackendUnavailable as e:
         raise BackendUnavailable(f"--backend cupy: {e}{visible_hint()}") from None
     device = use_device(assign_device(local_rank, count), me.rank, me.host)
-    try:
-        ops.compile_kernels()  # on the selected device: a kernel that does not compile stops start-up
+    ops.set_conv_algo(cfg.conv_algo)
+    try:  # on the selected device: a kernel that does not compile stops start-up (autotune: every tile's)
+        ops.compile_kernels(autotune=cfg.conv_algo == "autotune")
     except RuntimeError as e:
         raise BackendUnavailable(f"--backend cupy: {e}") from None
     return backend, device

@@ -13,6 +13,7 @@ columns of its table and the goal lines; and its exit status 2 on a machine with
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -42,6 +43,7 @@ from kernels import (  # bench/kernels.py, not the kernels/ folder of .cu files
     layer_lines,
     relative_error,
     tflops,
+    tuned_lines,
 )
 from mpiasgd.ops import cuda_device_count
 
@@ -219,6 +221,27 @@ def test_goal_lines_give_the_lowest_ratio_on_the_cifar10_layers():
     assert dgrad == "dgrad: lowest ours/cuDNN 0.79 (conv2) over conv2, conv3: goal >= 0.80 NOT met"
     assert wgrad == "wgrad: goal ours/cuDNN >= 0.80 not assessed: no cuDNN time for conv2"
     assert goal_lines([_result("large", "fprop", 0.1, 0.1, in_model=False)]) == []
+
+
+def _tuned(r, tuned_ms, tile):
+    return dataclasses.replace(r, tuned=Timing(tuned_ms, tuned_ms * 0.95), tuned_tile=tile)
+
+
+def test_autotune_rows_and_goal_lines_use_the_autotuned_times():
+    results = [_tuned(_result("conv1", "fprop", 0.10, 0.09), 0.08, "32x96/4x4k24"),
+               _tuned(_result("conv2", "fprop", 0.10, 0.12), 0.10, "32x128"),
+               _tuned(_result("large", "fprop", 0.10, 0.02, in_model=False), 0.05, "64x128/8x4k8"),
+               _result("conv2", "wgrad", 0.10, 0.09), _tuned(_result("conv3", "wgrad", 0.10), 0.09, "64x64")]
+    assert results[0].tuned_ratio == pytest.approx(0.09 / 0.08) and results[4].tuned_ratio is None
+    lines = tuned_lines(results)
+    assert len(lines) == 4  # conv2 wgrad was not autotuned
+    assert lines[0].split() == ["conv1", "fprop", "32x96/4x4k24", "0.0800", "(0.0760)", "0.1000", "1.25", "1.12"]
+    assert lines[3].split()[-2:] == ["1.11", "-"]  # no cuDNN time
+    fprop, wgrad = goal_lines(results, tuned=True)
+    assert fprop == "autotune fprop: lowest ours autotuned/cuDNN 1.12 (conv1) over conv1, conv2: goal >= 0.80 met"
+    assert wgrad == ("autotune wgrad: goal ours autotuned/cuDNN >= 0.80 not assessed: no cuDNN or autotuned time "
+                     "for conv2, conv3")
+    assert goal_lines(results)[0] == "fprop: lowest ours/cuDNN 0.90 (conv1) over conv1, conv2: goal >= 0.80 met"
 
 
 @pytest.mark.skipif(cuda_device_count() > 0, reason="a CUDA device is visible: bench/kernels.py would time it")

@@ -91,6 +91,9 @@ def test_missing_toml_file():
     ({"name": "run.h5"}, "'name'"),
     ({"flush_interval": 0}, "'flush_interval'"),
     ({"backend": "numpy", "cuda_aware": "on"}, r"'cuda_aware' = 'on': expected 'auto' or 'off' with --backend numpy"),
+    ({"conv_algo": "fastest"}, r"'conv_algo' = 'fastest': expected one of \('heuristic', 'autotune'\)"),
+    ({"backend": "numpy", "conv_algo": "autotune"},
+     r"'conv_algo' = 'autotune': expected 'heuristic' with --backend numpy"),
 ])
 def test_out_of_range_values(values, match):
     with pytest.raises(ConfigError, match=match):
@@ -112,3 +115,11 @@ def test_straggler_parsing():
     for bad in ("2", "0:3", "2:0.5", "2:x", "2:3,2:4", "2:nan"):
         with pytest.raises(ConfigError, match="config key 'straggler' entry"):
             Config(straggler=bad).validate()
+
+
+def test_conv_algos_are_the_backends():
+    """config.CONV_ALGOS repeats cupy_ops.CONV_ALGOS (the config must not import the backend)."""
+    from mpiasgd.config import CONV_ALGOS
+    from mpiasgd.ops import cupy_ops
+
+    assert CONV_ALGOS == cupy_ops.CONV_ALGOS

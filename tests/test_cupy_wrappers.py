@@ -585,3 +585,27 @@ def test_sgd_refuses_aliased_buffers(numpy_xp):
     v = np.zeros(8, np.float32)
     with pytest.raises(ValueError, match="sgd_momentum: grad overlaps velocity in memory"):
         cupy_ops.sgd_momentum(p, v, v, d, momentum=0.9, lr=0.1)
+
+
+def test_set_conv_algo_refuses_an_unknown_algorithm(monkeypatch):
+    monkeypatch.setattr(cupy_ops, "conv_algo", cupy_ops.conv_algo)
+    cupy_ops.set_conv_algo("autotune")
+    assert cupy_ops.conv_algo == "autotune"
+    with pytest.raises(ValueError, match=r"unknown conv algorithm 'fast'; expected one of heuristic, autotune"):
+        cupy_ops.set_conv_algo("fast")
+    assert cupy_ops.conv_algo == "autotune"
+
+
+def test_a_conv_algo_set_by_hand_to_a_bad_value_is_named_at_the_launch(monkeypatch):
+    monkeypatch.setattr(cupy_ops, "conv_algo", "Autotune")
+    with pytest.raises(ValueError, match=r"conv2d_fprop: cupy_ops.conv_algo = 'Autotune'; expected one of"):
+        cupy_ops._conv_run("conv2d_fprop", (1,) * 9, 8, lambda tile: None)
+
+
+def test_autotune_tiles_leave_out_one_stage_duplicates_below_sm80():
+    """Below sm_80 conv2d.cu forces one stage: 64x64/s1 is then 64x64, and is timed once."""
+    every = list(cupy_ops.AUTOTUNE_TILES)
+    assert cupy_ops.autotune_tiles(90) == every and cupy_ops.autotune_tiles(None) == every
+    one_stage = [t for t in every if cupy_ops.tile_shape(t)[5] == 1]
+    assert one_stage and cupy_ops.autotune_tiles(75) == [t for t in every if t not in one_stage]
+    assert set(cupy_ops.CONV_TILES) <= set(cupy_ops.autotune_tiles(75))

@@ -214,13 +214,20 @@ def test_auto_on_a_gpu_node_that_cannot_run_cupy_warns(monkeypatch, capsys):
            "cudaErrorInsufficientDriver" in err
 
 
-def test_auto_falling_back_says_cuda_aware_on_is_dropped(monkeypatch, capsys):
-    """--cuda-aware on asks for device buffers; a worker that --backend auto puts on the CPU says it drops it."""
+def test_auto_falling_back_says_cuda_aware_on_and_autotune_are_dropped(monkeypatch, capsys):
+    """--cuda-aware on asks for device buffers, --conv-algo autotune for timed GPU tiles; a worker that
+    --backend auto puts on the CPU says it drops them."""
     monkeypatch.setattr(train, "cuda_probe", lambda: (0, "the driver reports no CUDA device"))
     assert train.worker_backend(Config(cuda_aware="on"), train.Rank(None, 1, 3, "h"), 0) == ("numpy", None)
     err = capsys.readouterr().err
     assert "--backend auto runs on the CPU (numpy): the driver reports no CUDA device; --cuda-aware on does not " \
            "apply" in err, err
+    assert train.worker_backend(Config(cuda_aware="on", conv_algo="autotune"), train.Rank(None, 1, 3, "h"), 0) \
+        == ("numpy", None)
+    err = capsys.readouterr().err
+    assert "no CUDA device; --cuda-aware on does not apply; --conv-algo autotune does not apply" in err, err
+    assert train.worker_backend(Config(), train.Rank(None, 1, 3, "h"), 0) == ("numpy", None)
+    assert capsys.readouterr().err == ""  # nothing dropped: a CPU node is no news
 
 
 def test_numpy_backend_never_asks_for_devices(monkeypatch):
@@ -245,10 +252,14 @@ class CompiledOps:
     """Stands in for cupy_ops after get_backend: records compile_kernels, or fails it like NVRTC would."""
 
     def __init__(self, log: str | None = None):
-        self.log, self.compiled = log, 0
+        self.log, self.compiled, self.algo, self.autotune = log, 0, None, []
 
-    def compile_kernels(self):
+    def set_conv_algo(self, algo):
+        self.algo = algo
+
+    def compile_kernels(self, autotune=False):
         self.compiled += 1
+        self.autotune.append(autotune)
         if self.log:
             raise RuntimeError(f"kernel conv2d.cu -DCONV_BM=32 -DCONV_BN=128 does not compile: {self.log}")
         return ["conv2d.cu"]
@@ -264,6 +275,18 @@ def test_cupy_worker_selects_local_rank_modulo_devices(monkeypatch):
         backend, dev = train.worker_backend(Config(), train.Rank(None, local + 1, 4, "h"), local)
         assert backend == "cupy" and dev.index == local % 2
     assert chosen == [0, 1, 0] and ops.compiled == 3  # each worker compiles its kernels at start-up
+
+
+@pytest.mark.parametrize("algo", ["heuristic", "autotune"])
+def test_cupy_worker_sets_the_conv_algorithm_and_compiles_what_it_will_launch(monkeypatch, algo):
+    """--conv-algo reaches the backend before the first launch; autotune compiles every tile at start-up
+    (not in the first training step, where a long compile would look like a stalled worker)."""
+    ops = CompiledOps()
+    monkeypatch.setattr(train, "cuda_probe", lambda: (1, ""))
+    monkeypatch.setattr(train, "get_backend", lambda name: ops)
+    monkeypatch.setattr(train, "use_device", lambda index, rank, host: info(rank, index))
+    train.worker_backend(Config(conv_algo=algo), train.Rank(None, 1, 2, "h"), 0)
+    assert ops.algo == algo and ops.autotune == [algo == "autotune"]
 
 
 def test_a_kernel_that_does_not_compile_is_a_startup_error(monkeypatch):

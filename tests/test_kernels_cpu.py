@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from cuda_cpu import cases, harness
 
-from mpiasgd.ops import cupy_ops
+from mpiasgd.ops import cupy_ops, numpy_ops
 
 pytestmark = pytest.mark.skipif(harness.find_cxx() is None,
                                 reason="no g++: the CUDA-on-CPU harness needs a C++17 compiler")
@@ -142,6 +142,71 @@ def test_pipelined_and_one_stage_loops_agree_bit_for_bit():
         for stages in (2, 3, 4):
             for name, one, many in zip(("fprop", "dgrad", "wgrad"), by_stages[1], by_stages[stages], strict=True):
                 assert np.isfinite(one).all() and np.array_equal(one, many), f"{name} {consts}: {stages} stages != 1"
+
+
+AUTOTUNE_TEST_TILES = ((64, 64), (32, 128), (64, 64, 4, 4, 16, 1))
+
+
+def test_autotune_times_every_tile_once_then_runs_the_fastest(lib):
+    """conv_algo "autotune" on the harness backend: the first call of each pass and geometry runs every
+    candidate tile 1 + AUTOTUNE_REPEATS * AUTOTUNE_CALLS times and then the chosen one once; a second call
+    of the same geometry runs one launch with the kept tile and gives the same result; a new geometry
+    gets its own plan; the results match numpy_ops."""
+    rng = np.random.default_rng(9)
+    N, C, H, W, K, R, S, st, pad = 2, 3, 9, 8, 5, 3, 3, 1, 1
+    x, w, b, dy = cases.f32(rng, N, C, H, W), cases.f32(rng, K, C, R, S), cases.f32(rng, K), cases.f32(rng, N, K, H, W)
+    launches = []
+    with cases.cpu_backend(lib, conv_algo="autotune", AUTOTUNE_TILES=AUTOTUNE_TEST_TILES, _conv_plans={}) as ops:
+        harness_kernel = ops.get_kernel
+
+        def counting(name, tile=None):
+            launches.append((name, tile))
+            return harness_kernel(name, tile)
+
+        ops.get_kernel = counting
+        per_tile = 1 + ops.AUTOTUNE_REPEATS * ops.AUTOTUNE_CALLS
+        calls = {"conv2d_fprop": lambda: ops.conv2d_fprop(x, w, b, st, pad),
+                 "conv2d_dgrad": lambda: ops.conv2d_dgrad(dy, w, x.shape, st, pad),
+                 "conv2d_wgrad": lambda: ops.conv2d_wgrad(dy, x, w.shape, st, pad)}
+        first = {}
+        for i, (op, call) in enumerate(calls.items()):
+            launches.clear()
+            first[op] = call()
+            plan = ops.conv_plans()[i]
+            assert (plan.op, plan.geometry) == (op, (N, C, H, W, K, R, S, st, pad))
+            assert [t for t, _ in plan.times] == list(AUTOTUNE_TEST_TILES)
+            assert all(ms > 0 for _, ms in plan.times)
+            assert plan.tile == min(plan.times, key=lambda item: item[1])[0]
+            tiles_run = [tile for name, tile in launches]
+            assert tiles_run == [t for t in AUTOTUNE_TEST_TILES for _ in range(per_tile)] + [plan.tile], op
+            launches.clear()
+            assert np.array_equal(call(), first[op]) and launches == [(launches[0][0], plan.tile)], op
+            assert plan.describe().startswith(f"{op} N{N} C{C} {H}x{W} K{K} {R}x{S} stride {st} pad {pad}: ")
+        assert len(ops.conv_plans()) == 3
+        ops.conv2d_fprop(x, w, b, st, 0)  # another geometry: its own plan
+        assert len(ops.conv_plans()) == 4 and ops.conv_plans()[3].geometry[-1] == 0
+    cases.assert_close(first["conv2d_fprop"], numpy_ops.conv2d_fprop(cases.f64(x), cases.f64(w), cases.f64(b), st, pad),
+                       "autotuned fprop")
+    cases.assert_close(first["conv2d_dgrad"], numpy_ops.conv2d_dgrad(cases.f64(dy), cases.f64(w), x.shape, st, pad),
+                       "autotuned dgrad")
+    cases.assert_close(first["conv2d_wgrad"], numpy_ops.conv2d_wgrad(cases.f64(dy), cases.f64(x), w.shape, st, pad),
+                       "autotuned wgrad")
+
+
+@pytest.mark.parametrize("constants", [{}, {"conv_tile_override": (32, 128)}, {"conv_split_override": 1}],
+                         ids=["heuristic", "tile forced", "split forced"])
+def test_without_autotune_a_pass_is_one_launch_with_the_rule_tile(lib, constants):
+    """conv_algo "heuristic" (the default), and "autotune" while a tile or split is forced (bench, tests):
+    no timing, no plan; each pass is one launch with `conv_tile`'s tile."""
+    rng = np.random.default_rng(3)
+    x, w = cases.f32(rng, 2, 3, 6, 6), cases.f32(rng, 4, 3, 3, 3)
+    launches = []
+    algo = "heuristic" if not constants else "autotune"
+    with cases.cpu_backend(lib, conv_algo=algo, _conv_plans={}, **constants) as ops:
+        harness_kernel = ops.get_kernel
+        ops.get_kernel = lambda name, tile=None: launches.append(tile) or harness_kernel(name, tile)
+        ops.conv2d_fprop(x, w, None, 1, 1)
+        assert launches == [ops.conv_tile(4)] and ops.conv_plans() == []
 
 
 @pytest.mark.parametrize("bm, bn, message", [(60, 64, "As pitch"), (8, 12, "THREADS: a multiple of BK")])

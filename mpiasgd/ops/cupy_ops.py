@@ -21,6 +21,9 @@ The checks and the launch arithmetic are pure functions of shapes/attributes (`c
 `c_int32`, `check_launch`, `conv_launch`, `gemm_split`, ...), tested without a GPU; with `xp` set to
 numpy and `get_kernel` to the CUDA-on-CPU harness, the whole backend runs on the CPU (tests do).
 
+Each conv pass runs with the tile `conv_algo` picks: "heuristic" (`conv_tile`, the default) or
+"autotune" (timed once per pass and geometry, `set_conv_algo`, `conv_plans`).
+
 Importing this module needs neither cupy nor a GPU; `mpiasgd.ops.get_backend("cupy")` does.
 Float sums run in a different order than NumPy's BLAS: results agree to float32 rounding, and
 every reduction (wgrad over the batch, bias_grad, maxpool_bprop) has a fixed order without
@@ -31,6 +34,10 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -66,8 +73,9 @@ CONV_TILES = ((64, 64), (32, 128))
 # barriers per slab: the main loop before the cp.async pipeline, and what sm_75 runs, where these two
 # are the production tiles again); and 32x96 (192 threads, K-slab 24) for narrow GEMMs such as cifar10's
 # conv1 wgrad (32 x 75 columns: 78 % of a 96-wide tile is used, 59 % of a 128-wide one). Never chosen by
-# conv_tile: bench/kernels.py --tiles and tests/gpu force them, so that a GPU run says whether they
-# should replace or join a production tile.
+# conv_tile (the heuristic); conv_algo "autotune" times them with the production tiles and may keep one;
+# bench/kernels.py --tiles and tests/gpu force them, so that a GPU run says whether they should replace
+# or join a production tile.
 CONV_TRIAL_TILES = ((64, 128, 8, 4, 8), (32, 256, 4, 8, 8), (64, 64, 4, 4, 16, 1), (32, 128, 4, 4, 16, 1),
                     (32, 96, 4, 4, 24))
 conv_tile_override: tuple[int, ...] | None = None  # a tile forced on every conv launch (bench, tests)
@@ -128,14 +136,16 @@ def check_kernel_sources() -> Path:
     return d
 
 
-def compile_kernels() -> list[str]:
-    """Compile every kernel module this backend launches (each .cu; conv2d.cu once per tile), on the
-    current device, so that a source that does not compile stops start-up with NVRTC's log instead of
-    a worker mid-run; later launches reuse the modules (and CuPy's on-disk cache). Returns the
-    modules compiled, as "file [defines]". Raises RuntimeError naming the file and carrying the log."""
+def compile_kernels(autotune: bool = False) -> list[str]:
+    """Compile every kernel module this backend launches (each .cu; conv2d.cu once per tile: the
+    production tiles, and with `autotune` every tile autotune times on this device), on the current
+    device, so that a source that does not compile stops start-up with NVRTC's log instead of a
+    worker mid-run; later launches reuse the modules (and CuPy's on-disk cache). Returns the modules
+    compiled, as "file [defines]". Raises RuntimeError naming the file and carrying the log."""
     done = []
+    conv_tiles = autotune_tiles(_compute_capability()) if autotune else CONV_TILES
     for filename in sorted(set(_KERNEL_FILES.values())):
-        for tile in (CONV_TILES if filename == "conv2d.cu" else [None]):
+        for tile in (conv_tiles if filename == "conv2d.cu" else [None]):
             defines = tile_defines(tile)
             try:
                 _module(filename, defines).compile()
@@ -385,6 +395,132 @@ def gemm_split(M: int, NG: int, KR: int, tile: tuple[int, ...] | None = None) ->
     return _cdiv(KR, chunk), chunk
 
 
+# ----------------------------------------------------------------------------------------------
+# conv algorithm: the tile each conv pass runs with (heuristic rules, or timed once per geometry)
+
+CONV_ALGOS = ("heuristic", "autotune")
+conv_algo = "heuristic"  # set with set_conv_algo (the worker: from --conv-algo)
+AUTOTUNE_TILES = (*CONV_TILES, *CONV_TRIAL_TILES)  # the tiles autotune times, each with its gemm_split ranges
+AUTOTUNE_REPEATS, AUTOTUNE_CALLS = 3, 4  # a candidate's time: median of 3 timings of 4 calls each, after one
+
+
+@dataclass(frozen=True)
+class ConvPlan:
+    """How a conv pass of one geometry runs under `conv_algo` "autotune": the fastest tile, and the
+    median ms per call every candidate tile took (`AUTOTUNE_TILES` that run on this device), in
+    the order timed."""
+
+    op: str
+    geometry: tuple[int, ...]  # N, C, H, W, K, R, S, stride, pad
+    tile: tuple[int, ...]
+    times: tuple[tuple[tuple[int, ...], float], ...]
+
+    def describe(self) -> str:
+        """e.g. 'conv2d_wgrad N128 C3 32x32 K32 5x5 stride 1 pad 2: 32x96/4x4k24 (32x128 0.0213 ms, ...)'."""
+        N, C, H, W, K, R, S, stride, pad = self.geometry
+        timed = ", ".join(f"{tile_name(t)} {ms:.4g} ms" for t, ms in self.times)
+        return (f"{self.op} N{N} C{C} {H}x{W} K{K} {R}x{S} stride {stride} pad {pad}: {tile_name(self.tile)} "
+                f"({timed})")
+
+
+_conv_plans: dict[tuple, ConvPlan] = {}  # (array module, device, op, geometry) -> plan
+
+
+def set_conv_algo(algo: str) -> None:
+    """How conv passes choose their tile (`CONV_ALGOS`):
+
+      "heuristic"  `conv_tile` (fixed rules: 32x128 for GEMMs of <= 32 rows, else 64x64); results are
+                   bit-reproducible run to run.
+      "autotune"   the first call of each pass and geometry (per device) times every tile of
+                   `AUTOTUNE_TILES` on its own inputs, each with the split-K ranges `gemm_split`
+                   gives it, and keeps the fastest for the process (`conv_plans`), as cudnn.benchmark
+                   does. That call costs the timing runs (and, without `compile_kernels(autotune=True)`
+                   at start-up, compiling every tile variant); the tile chosen can differ run to run
+                   when two tiles are close, and with it the split-K ranges, so results then differ
+                   in float32 rounding.
+
+    Raises ValueError naming the valid algorithms.
+    """
+    global conv_algo
+    if algo not in CONV_ALGOS:
+        raise ValueError(f"unknown conv algorithm {algo!r}; expected one of {', '.join(CONV_ALGOS)}")
+    conv_algo = algo
+
+
+def conv_plans() -> list[ConvPlan]:
+    """The plans autotune chose in this process so far, in the order they were made."""
+    return list(_conv_plans.values())
+
+
+def autotune_tiles(compute_capability: int | None) -> list[tuple[int, ...]]:
+    """`AUTOTUNE_TILES` as distinct kernels on a device of `compute_capability` (e.g. 90; None: any):
+    below sm_80 conv2d.cu forces one shared-memory stage, so a one-stage tile that differs from
+    another only in its stages is the same kernel there and is left out."""
+    tiles, seen = [], set()
+    for tile in AUTOTUNE_TILES:
+        shape = tile_shape(tile)
+        runs_as = shape[:5] + ((1,) if compute_capability is not None and compute_capability < 80 else shape[5:])
+        if runs_as not in seen:
+            seen.add(runs_as)
+            tiles.append(tile)
+    return tiles
+
+
+def _device_key() -> tuple:
+    """(array module, device index): what a plan is valid for (the CPU harness: numpy, None)."""
+    on_gpu = cupy is not None and xp is cupy
+    return id(xp), cupy.cuda.runtime.getDevice() if on_gpu else None
+
+
+def _compute_capability() -> int | None:
+    if cupy is None or xp is not cupy:
+        return None
+    return int(cupy.cuda.Device().compute_capability)
+
+
+def _time_ms(fn: Callable[[], None]) -> float:
+    """Median ms per call of `fn` over AUTOTUNE_REPEATS timings of AUTOTUNE_CALLS back-to-back calls,
+    after one untimed call (which loads, or compiles, the tile's module): CUDA events on the current
+    stream on a GPU, the host clock on the CPU harness."""
+    fn()
+    samples = []
+    for _ in range(AUTOTUNE_REPEATS):
+        if xp is cupy:
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            for _ in range(AUTOTUNE_CALLS):
+                fn()
+            stop.record()
+            stop.synchronize()
+            samples.append(cupy.cuda.get_elapsed_time(start, stop) / AUTOTUNE_CALLS)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(AUTOTUNE_CALLS):
+                fn()
+            samples.append((time.perf_counter() - t0) * 1e3 / AUTOTUNE_CALLS)
+    return statistics.median(samples)
+
+
+def _conv_run(op: str, geometry: tuple[int, ...], M: int, run: Callable[[tuple[int, ...]], None]) -> None:
+    """Run a conv pass, `run(tile)`, with the tile `conv_algo` picks for a GEMM of M rows: `conv_tile`
+    ("heuristic", or whenever `conv_tile_override` or `conv_split_override` forces a launch), else
+    the plan of (device, op, geometry), made on first use by timing `run` with every tile. The last
+    run is always with the chosen tile, so its output is the pass's result."""
+    if conv_algo == "heuristic" or conv_tile_override is not None or conv_split_override is not None:
+        run(conv_tile(M))
+        return
+    if conv_algo != "autotune":
+        raise ValueError(f"{op}: cupy_ops.conv_algo = {conv_algo!r}; expected one of {', '.join(CONV_ALGOS)} "
+                         "(use set_conv_algo)")
+    key = (*_device_key(), op, *geometry)
+    plan = _conv_plans.get(key)
+    if plan is None:
+        times = tuple((tile, _time_ms(lambda tile=tile: run(tile))) for tile in autotune_tiles(_compute_capability()))
+        best = min(times, key=lambda item: item[1])[0]  # the first of equals: AUTOTUNE_TILES' order
+        plan = _conv_plans[key] = ConvPlan(op, tuple(int(v) for v in geometry), best, times)
+    run(plan.tile)
+
+
 def elementwise_launch(n: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """Grid-stride launch over n elements: 256 threads, at most 65,535 blocks (>= 1 even for n = 0)."""
     blocks = max(1, min(_cdiv(n, ELEMENTWISE_THREADS), ELEMENTWISE_MAX_BLOCKS))
@@ -554,7 +690,8 @@ def conv2d_fprop(x, w, b, stride: int, pad: int, ws: Workspace | None = None):
 
     See `numpy_ops.conv2d_fprop`. Kernel `conv2d_fprop` (bias fused into the epilogue; relu=0), or,
     when the output gives too few blocks (`gemm_split`), split-K: `conv2d_fprop_partial` into a
-    workspace (kept in `ws`), then `conv2d_split_reduce` adds the splits and the bias.
+    workspace (kept in `ws`), then `conv2d_split_reduce` adds the splits and the bias. The tile:
+    `conv_algo` (the first call of a geometry under "autotune" runs the pass once per timing).
     Raises ValueError on a bad dtype/contiguity/shape or geometry.
     """
     op = "conv2d_fprop"
@@ -569,18 +706,21 @@ def conv2d_fprop(x, w, b, stride: int, pad: int, ws: Workspace | None = None):
     if y.size == 0 or C * R * S == 0:  # an empty batch: nothing to launch; an empty filter: y = b
         y[...] = 0 if b is None else b.reshape(1, K, 1, 1)
         return y
-    tile = conv_tile(K)
-    splits, chunk = gemm_split(K, N * P * Q, C * R * S, tile)  # GEMM (K) x (N*P*Q), reduction C*R*S
-    grid, block = conv_launch(M=K, NG=N * P * Q, splits=splits, tile=tile)
     geometry = _conv_ints(op, N, C, H, W, K, R, S, P, Q, stride, pad)
     tab = conv_tap_table(op, N, C, H, W, K, R, S, P, Q, stride, pad)
-    if splits == 1:
-        _launch(op, grid, block, (x, w, b, y, *geometry, np.int32(0), tab), tile=tile)
-    else:
-        part = _split_workspace(ws, "fprop.split", (splits, K, N * P * Q))
-        _launch("conv2d_fprop_partial", grid, block,
-                (x, w, part, *geometry, c_int64(op, "chunk", chunk), tab), tile=tile)
-        _split_reduce(op, part, b, y, splits, N, K, P * Q, tile)
+
+    def run(tile: tuple[int, ...]) -> None:
+        splits, chunk = gemm_split(K, N * P * Q, C * R * S, tile)  # GEMM (K) x (N*P*Q), reduction C*R*S
+        grid, block = conv_launch(M=K, NG=N * P * Q, splits=splits, tile=tile)
+        if splits == 1:
+            _launch(op, grid, block, (x, w, b, y, *geometry, np.int32(0), tab), tile=tile)
+        else:
+            part = _split_workspace(ws, "fprop.split", (splits, K, N * P * Q))
+            _launch("conv2d_fprop_partial", grid, block,
+                    (x, w, part, *geometry, c_int64(op, "chunk", chunk), tab), tile=tile)
+            _split_reduce(op, part, b, y, splits, N, K, P * Q, tile)
+
+    _conv_run(op, (N, C, H, W, K, R, S, stride, pad), K, run)
     return y
 
 
@@ -622,18 +762,21 @@ def conv2d_dgrad(dy, w, x_shape: tuple[int, int, int, int], stride: int, pad: in
     if dx.size == 0 or K * R * S == 0:  # an empty batch: nothing to launch; an empty filter: no gradient
         dx[...] = 0
         return dx
-    tile = conv_tile(C)
-    splits, chunk = gemm_split(C, N * H * W, K * R * S, tile)
-    grid, block = conv_launch(M=C, NG=N * H * W, splits=splits, tile=tile)
     geometry = _conv_ints(op, N, C, H, W, K, R, S, P, Q, stride, pad)
     tab = conv_tap_table(op, N, C, H, W, K, R, S, P, Q, stride, pad)
-    if splits == 1:
-        _launch(op, grid, block, (dy, w, dx, *geometry, tab), tile=tile)
-    else:
-        part = _split_workspace(ws, "dgrad.split", (splits, C, N * H * W))
-        _launch("conv2d_dgrad_partial", grid, block,
-                (dy, w, part, *geometry, c_int64(op, "chunk", chunk), tab), tile=tile)
-        _split_reduce(op, part, None, dx, splits, N, C, H * W, tile)
+
+    def run(tile: tuple[int, ...]) -> None:
+        splits, chunk = gemm_split(C, N * H * W, K * R * S, tile)  # GEMM (C) x (N*H*W), reduction K*R*S
+        grid, block = conv_launch(M=C, NG=N * H * W, splits=splits, tile=tile)
+        if splits == 1:
+            _launch(op, grid, block, (dy, w, dx, *geometry, tab), tile=tile)
+        else:
+            part = _split_workspace(ws, "dgrad.split", (splits, C, N * H * W))
+            _launch("conv2d_dgrad_partial", grid, block,
+                    (dy, w, part, *geometry, c_int64(op, "chunk", chunk), tab), tile=tile)
+            _split_reduce(op, part, None, dx, splits, N, C, H * W, tile)
+
+    _conv_run(op, (N, C, H, W, K, R, S, stride, pad), C, run)
     return dx
 
 
@@ -656,16 +799,19 @@ def conv2d_wgrad(dy, x, w_shape: tuple[int, int, int, int], stride: int, pad: in
     if dw.size == 0 or N * P * Q == 0:  # an empty batch (as numpy_ops): a zero gradient, nothing to launch
         dw[...] = 0
         return dw
-    tile = conv_tile(K)
-    splits, chunk = gemm_split(K, C * R * S, N * P * Q, tile)
-    part = dw if splits == 1 else _split_workspace(ws, "wgrad.split", (splits, K, C * R * S))
-    grid, block = conv_launch(M=K, NG=C * R * S, splits=splits, tile=tile)
+    geometry = _conv_ints(op, N, C, H, W, K, R, S, P, Q, stride, pad)
     tab = conv_tap_table(op, N, C, H, W, K, R, S, P, Q, stride, pad)
-    _launch("conv2d_wgrad_partial", grid, block,
-            (dy, x, part, *_conv_ints(op, N, C, H, W, K, R, S, P, Q, stride, pad), c_int64(op, "chunk", chunk), tab),
-            tile=tile)
-    if splits > 1:
-        _split_reduce(op, part, None, dw, splits, 1, K, C * R * S, tile)
+
+    def run(tile: tuple[int, ...]) -> None:
+        splits, chunk = gemm_split(K, C * R * S, N * P * Q, tile)  # GEMM (K) x (C*R*S), reduction N*P*Q
+        part = dw if splits == 1 else _split_workspace(ws, "wgrad.split", (splits, K, C * R * S))
+        grid, block = conv_launch(M=K, NG=C * R * S, splits=splits, tile=tile)
+        _launch("conv2d_wgrad_partial", grid, block,
+                (dy, x, part, *geometry, c_int64(op, "chunk", chunk), tab), tile=tile)
+        if splits > 1:
+            _split_reduce(op, part, None, dw, splits, 1, K, C * R * S, tile)
+
+    _conv_run(op, (N, C, H, W, K, R, S, stride, pad), K, run)
     return dw
 
 

@@ -142,6 +142,35 @@ def test_pipelined_and_one_stage_loops_agree_bit_for_bit(cp, name, xs, ws, strid
                 f"{cupy_ops.CONV_STAGES} stages and 1, worst by {float(np.nanmax(np.abs(many - one)))}")
 
 
+def test_autotune_times_each_tile_and_keeps_the_plan(cp, npo, monkeypatch):
+    """conv_algo "autotune" on the device, cifar10's conv2 at batch 128: the first call of each pass times
+    every tile that runs on this device (each > 0 ms), keeps the fastest, and gives the numpy result;
+    a second call makes no new plan and gives the same result bit for bit."""
+    from mpiasgd.ops import cupy_ops
+
+    monkeypatch.setattr(cupy_ops, "_conv_plans", {})
+    monkeypatch.setattr(cupy_ops, "conv_algo", "autotune")
+    rng = np.random.default_rng(4)
+    _, xs, ws, stride, pad = CONVS[1]
+    N, _, H, W = xs
+    K = ws[0]
+    x, w, b, dy = (rand(rng, sz) for sz in (xs, ws, (K,), (N, K, H, W)))
+    refs = {"fprop": npo.conv2d_fprop(x, w, b, stride, pad), "dgrad": npo.conv2d_dgrad(dy, w, xs, stride, pad),
+            "wgrad": npo.conv2d_wgrad(dy, x, ws, stride, pad)}
+    xd, wd, bd, dyd = (cp.asarray(a) for a in (x, w, b, dy))
+    calls = {"fprop": lambda: cp.conv2d_fprop(xd, wd, bd, stride, pad),
+             "dgrad": lambda: cp.conv2d_dgrad(dyd, wd, xs, stride, pad),
+             "wgrad": lambda: cp.conv2d_wgrad(dyd, xd, ws, stride, pad)}
+    tiles = cupy_ops.autotune_tiles(cupy_ops._compute_capability())
+    for i, (what, call) in enumerate(calls.items()):
+        first = cp.to_numpy(call())
+        plan = cupy_ops.conv_plans()[i]
+        assert plan.op == f"conv2d_{what}" and [t for t, _ in plan.times] == tiles, plan.describe()
+        assert all(ms > 0 for _, ms in plan.times) and plan.tile == min(plan.times, key=lambda t: t[1])[0]
+        close(first, refs[what], f"autotuned {what} ({plan.describe()})")
+        assert np.array_equal(cp.to_numpy(call()), first) and len(cupy_ops.conv_plans()) == i + 1
+
+
 @pytest.mark.parametrize("xs,k,s", POOLS)
 def test_pool_relu(cp, npo, xs, k, s):
     rng = np.random.default_rng(1)

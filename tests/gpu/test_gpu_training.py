@@ -9,6 +9,8 @@ random CIFAR-10 written here (the machine needs no download).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from conftest import run_mpi
@@ -62,9 +64,11 @@ def test_first_losses_match_numpy(tmp_path, cifar_dir, model):
 
 def test_three_ranks_smoke(tmp_path, cifar_dir):
     share = ["--share-devices"] if cuda_device_count() < 2 else []
-    pushes, workers, attrs = train(tmp_path, 3, "auto", "smoke",
-                                   ["--model", "cifar10", "--epochs", "1", "--data-dir", str(cifar_dir), *share])
+    pushes, workers, attrs = train(tmp_path, 3, "auto", "smoke",  # autotune: start-up compiles every tile
+                                   ["--model", "cifar10", "--epochs", "1", "--data-dir", str(cifar_dir),
+                                    "--conv-algo", "autotune", *share])
     assert attrs["status"] == "completed" and sorted(set(pushes["worker"].tolist())) == [1, 2]
+    assert json.loads(attrs["config"])["conv_algo"] == "autotune"
     assert workers["backend"].tolist() == [b"cupy", b"cupy"]
     assert workers["device"].tolist() == [0, 0] if share else [0, 1]
     assert np.isfinite(pushes["loss"]).all() and 0.0 <= attrs["test_accuracy"] <= 1.0
