@@ -168,3 +168,16 @@ def test_nvrtc_compiles_what_cupy_loads(source, defines, arch):
         assert b"\0" + k.encode() + b"\0" in cubin, f"{source.name} {arch}: no symbol {k} in the cubin"
     spilled = {k: v for k, v in report.items() if v[1] or v[2]}
     assert not spilled, f"{source.name} {arch}: register spills (registers, store B, load B): {spilled}\n{log}"
+
+
+@pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12, the test extra)")
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90"])
+def test_nvrtc_compiles_the_autotune_spin_kernel(arch):
+    """cupy_ops.SPIN_SOURCE (autotune's timing aid, compiled by CuPy on the GPU) compiles, names its
+    kernel, and reads the global timer (a clock of fixed rate, whatever the SM clock)."""
+    from mpiasgd.ops import cupy_ops
+
+    options = [*cupy_ops.NVRTC_OPTIONS, *CUPY_NVRTC_OPTIONS, f"-arch={arch}"]
+    rc, log, cubin = nvrtc_compile(cupy_ops.SPIN_SOURCE, "spin.cu", options)
+    assert rc == 0 and "warning" not in log.lower(), log
+    assert b"\0autotune_spin\0" in cubin and "%globaltimer" in cupy_ops.SPIN_SOURCE

@@ -478,15 +478,40 @@ def _compute_capability() -> int | None:
     return int(cupy.cuda.Device().compute_capability)
 
 
+# A one-thread kernel that waits `ns` nanoseconds of the GPU's global timer: queued before the
+# timed calls, it holds the stream while the host launches them, so the events time the GPU's work
+# and not the host's launch overhead (a wrapper's launch takes about as long as a small layer's kernel).
+SPIN_SOURCE = r"""
+extern "C" __global__ void autotune_spin(unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""
+AUTOTUNE_SPIN_MS = 1.0  # at least; longer when launching the timed calls takes the host longer
+
+
+@functools.cache
+def _spin_kernel():
+    return cupy.RawKernel(SPIN_SOURCE, "autotune_spin", options=NVRTC_OPTIONS)
+
+
 def _time_ms(fn: Callable[[], None]) -> float:
     """Median ms per call of `fn` over AUTOTUNE_REPEATS timings of AUTOTUNE_CALLS back-to-back calls,
-    after one untimed call (which loads, or compiles, the tile's module): CUDA events on the current
-    stream on a GPU, the host clock on the CPU harness."""
+    after two untimed calls (the first loads, or compiles, the tile's module; the second gives the
+    host's launch time). On a GPU: CUDA events on the current stream, recorded behind a spin kernel
+    that outlasts the host's launches (`SPIN_SOURCE`), so the interval holds GPU time only; on the CPU
+    harness: the host clock."""
     fn()
+    t0 = time.perf_counter()
+    fn()
+    launch_ms = (time.perf_counter() - t0) * 1e3
     samples = []
     for _ in range(AUTOTUNE_REPEATS):
         if xp is cupy:
+            spin_ns = int(1e6 * max(AUTOTUNE_SPIN_MS, 2 * launch_ms * AUTOTUNE_CALLS))
             start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            _spin_kernel()((1,), (1,), (np.uint64(spin_ns),))
             start.record()
             for _ in range(AUTOTUNE_CALLS):
                 fn()
