@@ -147,6 +147,26 @@ def worker_backend(cfg: Config, me: Rank, local_rank: int) -> tuple[str, object]
     return backend, device
 
 
+def autotune_convs(cfg: Config, dataset: Any) -> list[str]:
+    """(cupy workers, --conv-algo autotune) One forward/backward of the model on the first `batch_size`
+    training images, on a throwaway copy of the model, so that every conv pass of training picks its
+    tile now (`cupy_ops.conv_plans`) and not in the first training step. Returns the plans'
+    descriptions (tile chosen, ms per call of each tile). Raises BackendUnavailable naming the
+    failure."""
+    from mpiasgd.model import build_model
+
+    model = build_model(cfg.model, "cupy")
+    ops = model.ops
+    try:
+        model.bind(ops.asarray(model.init_params(cfg.seed)), ops.zeros(model.num_params))
+        x, y = dataset.batch("train", np.arange(cfg.batch_size), np.random.default_rng(cfg.seed))
+        model.forward_backward(ops.asarray(x), ops.asarray(y, y.dtype))
+    except Exception as e:  # a CUDA error or a launch refused: a start-up error with its cause, not a traceback
+        raise BackendUnavailable(f"--conv-algo autotune: the tuning step at start-up failed ({type(e).__name__}: "
+                                 f"{e})") from e
+    return [plan.describe() for plan in ops.conv_plans()]
+
+
 def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
     """Per-rank start-up; returns what the role needs. Raises one of STARTUP_ERRORS on bad input.
 
@@ -229,6 +249,8 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
         cuda_aware = backend == "cupy" and resolve_cuda_aware(cfg.cuda_aware, query)
         out["staging"] = make_staging(backend, cuda_aware, model.num_params)  # buffers reused every step
         out["make_staging"] = lambda: make_staging(backend, cuda_aware, model.num_params)  # --overlap: a second one
+        if backend == "cupy" and cfg.conv_algo == "autotune":
+            out["autotune"] = autotune_convs(cfg, dataset)
     return out
 
 
@@ -322,6 +344,18 @@ def worker_failed(me: Rank, text: str, timeout: float = 5.0) -> None:
     abort(me, text)
 
 
+def split_gathered(gathered: list[tuple]) -> tuple[list[tuple], list[str]]:
+    """The workers' start-up tuples (rank order) -> (their `runlog.WORKER_ROW` fields, one "autotune"
+    event text per worker that tuned its conv tiles: rank, host and the plans it made)."""
+    workers, events = [], []
+    for *row, plans in gathered:
+        workers.append(tuple(row))
+        if plans:
+            events.append(f"worker rank {row[0]} on {row[1]}: conv tiles chosen by timing (ms per call of each "
+                          "tile):\n" + "\n".join(plans))
+    return workers, events
+
+
 def run_server(cfg: Config, me: Rank, state: dict) -> int:
     """(server only) Create (or, resuming, continue) the run log, serve, close the log, print the summary.
 
@@ -334,7 +368,7 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
     from mpiasgd.server import PREEMPT_GRACE, ParameterServer, Preempted, SyncMonitor, WorkerFailed
 
     model, dataset = state["model"], state["dataset"]
-    workers = me.comm.gather(None, root=0)[1:]
+    workers, tuned = split_gathered(me.comm.gather(None, root=0)[1:])
     kinds: dict[str, int] = {}
     for w in workers:  # e.g. "cupy (pinned) x2" or "numpy (host) x2"
         key = f"{w[4]} ({w[9]})"
@@ -364,6 +398,9 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
             print(f"mpiasgd: warning: run log '{state['path']}' of checkpoint '{ckpt.path}' is missing: a new log "
                   f"starts at the checkpoint (version {ckpt.version})", file=sys.stderr, flush=True)
         log = RunLog.create(state["path"], attrs, workers, model.num_params, cfg.flush_interval, state["lock"])
+    for text in tuned:  # --conv-algo autotune: what each GPU worker chose
+        log.add("events", (log.last_time() if ckpt is None else max(ckpt.log_time, log.last_time()), b"autotune",
+                           text))
     if ckpt is not None:
         from mpiasgd.config import from_mapping, resume_overrides
 
@@ -493,7 +530,8 @@ def train(cfg: Config, comm: Any = None) -> int:
                 module, replica = divmod(me.rank - 1, cfg.modules)[::-1] if pipeline else (-1, -1)
                 comm.gather((me.rank, me.host, os.getpid(), threads, state["backend"], len(state["sampler"]),
                              -1 if dev is None else dev.index, "" if dev is None else dev.name,
-                             "" if dev is None else dev.uuid, state["staging"].kind, module, replica), root=0)
+                             "" if dev is None else dev.uuid, state["staging"].kind, module, replica,
+                             state.get("autotune", [])), root=0)
                 if pipeline:
                     from mpiasgd.pipeline import PipelineUnit
 

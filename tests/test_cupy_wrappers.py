@@ -606,6 +606,30 @@ def test_autotune_tiles_leave_out_one_stage_duplicates_below_sm80():
     """Below sm_80 conv2d.cu forces one stage: 64x64/s1 is then 64x64, and is timed once."""
     every = list(cupy_ops.AUTOTUNE_TILES)
     assert cupy_ops.autotune_tiles(90) == every and cupy_ops.autotune_tiles(None) == every
+    assert cupy_ops.autotune_tiles(80) == every  # sm_80 has cp.async: the one-stage tiles are other kernels
     one_stage = [t for t in every if cupy_ops.tile_shape(t)[5] == 1]
     assert one_stage and cupy_ops.autotune_tiles(75) == [t for t in every if t not in one_stage]
     assert set(cupy_ops.CONV_TILES) <= set(cupy_ops.autotune_tiles(75))
+
+
+@pytest.mark.parametrize("autotune", [False, True])
+def test_compile_kernels_builds_every_tile_it_will_launch(monkeypatch, autotune):
+    """Start-up compiles each .cu once, conv2d.cu once per production tile, and with autotune once per
+    tile autotune times on the device (here sm_90: all of them)."""
+    built = []
+
+    class Module:
+        def __init__(self, filename, defines):
+            self.name = (filename, defines)
+
+        def compile(self):
+            built.append(self.name)
+
+    monkeypatch.setattr(cupy_ops, "_module", Module)
+    monkeypatch.setattr(cupy_ops, "_compute_capability", lambda: 90)
+    done = cupy_ops.compile_kernels(autotune=autotune)
+    tiles = cupy_ops.AUTOTUNE_TILES if autotune else cupy_ops.CONV_TILES
+    conv = [defines for name, defines in built if name == "conv2d.cu"]
+    assert conv == [cupy_ops.tile_defines(t) for t in tiles] and len(set(conv)) == len(tiles)
+    others = sorted(name for name, _ in built if name != "conv2d.cu")
+    assert others == sorted(set(cupy_ops._KERNEL_FILES.values()) - {"conv2d.cu"}) and len(done) == len(built)

@@ -575,3 +575,16 @@ def test_pinned_staging_round_trips_grads_for_the_allreduce():
     assert dev.calls == [("to_host", 24), ("to_device", 24)]
     host = make_staging("numpy", False, 6)
     assert host.grads_to_mpi() is host.grads
+
+
+def test_start_up_tuples_split_into_worker_rows_and_autotune_events():
+    """The server's gather: WORKER_ROW fields for the log's workers table, and one "autotune" event per
+    worker that tuned (its rank, host and plans); numpy workers and heuristic ones send no plans."""
+    from mpiasgd.runlog import WORKER_ROW
+
+    row1 = (1, "gpu1", 11, 1, "cupy", 500, 0, "H200", "GPU-1", "pinned", -1, -1)
+    row2 = (2, "cpu2", 12, 1, "numpy", 500, -1, "", "", "host", -1, -1)
+    plans = ["conv2d_fprop N128 C3 32x32 K32 5x5 stride 1 pad 2: 64x64 (64x64 0.02 ms, 32x128 0.03 ms)"]
+    workers, events = train.split_gathered([(*row1, plans), (*row2, [])])
+    assert workers == [row1, row2] and np.array(workers, dtype=WORKER_ROW)["host"].tolist() == [b"gpu1", b"cpu2"]
+    assert events == ["worker rank 1 on gpu1: conv tiles chosen by timing (ms per call of each tile):\n" + plans[0]]

@@ -145,52 +145,165 @@ def test_pipelined_and_one_stage_loops_agree_bit_for_bit():
 
 
 AUTOTUNE_TEST_TILES = ((64, 64), (32, 128), (64, 64, 4, 4, 16, 1))
+AUTOTUNE_SPLITS = {"CONV_TARGET_BLOCKS": 8, "CONV_MIN_CHUNK": 16}  # the tiles split the reductions differently
 
 
-def test_autotune_times_every_tile_once_then_runs_the_fastest(lib):
-    """conv_algo "autotune" on the harness backend: the first call of each pass and geometry runs every
-    candidate tile 2 + AUTOTUNE_REPEATS * AUTOTUNE_CALLS times and then the chosen one once; a second call
-    of the same geometry runs one launch with the kept tile and gives the same result; a new geometry
-    gets its own plan; the results match numpy_ops."""
-    rng = np.random.default_rng(9)
-    N, C, H, W, K, R, S, st, pad = 2, 3, 9, 8, 5, 3, 3, 1, 1
-    x, w, b, dy = cases.f32(rng, N, C, H, W), cases.f32(rng, K, C, R, S), cases.f32(rng, K), cases.f32(rng, N, K, H, W)
+def _autotune_backend(lib, launches: list, **constants):
+    """cases.cpu_backend under conv_algo "autotune" with AUTOTUNE_TEST_TILES and no plans yet, whose
+    kernel lookups append (kernel, tile) to `launches`."""
+    context = cases.cpu_backend(lib, conv_algo="autotune", AUTOTUNE_TILES=AUTOTUNE_TEST_TILES, _conv_plans={},
+                                ndarray=np.ndarray, **constants)  # (ndarray: what Model.bind asks for)
+    ops = context.__enter__()
+    harness_kernel = ops.get_kernel
+    ops.get_kernel = lambda name, tile=None: launches.append((name, tile)) or harness_kernel(name, tile)
+    return context, ops
+
+
+def _passes(rng, N, C, H, W, K, R, S, st, pad):
+    """Inputs of one conv geometry, the three passes on a backend, and numpy_ops' results."""
+    P, Q = (H + 2 * pad - R) // st + 1, (W + 2 * pad - S) // st + 1
+    x, w, b, dy = cases.f32(rng, N, C, H, W), cases.f32(rng, K, C, R, S), cases.f32(rng, K), cases.f32(rng, N, K, P, Q)
+    calls = {"conv2d_fprop": lambda ops: ops.conv2d_fprop(x, w, b, st, pad),
+             "conv2d_dgrad": lambda ops: ops.conv2d_dgrad(dy, w, x.shape, st, pad),
+             "conv2d_wgrad": lambda ops: ops.conv2d_wgrad(dy, x, w.shape, st, pad, out=np.full(w.shape, np.nan,
+                                                                                                 np.float32))}
+    f64 = cases.f64
+    refs = {"conv2d_fprop": numpy_ops.conv2d_fprop(f64(x), f64(w), f64(b), st, pad),
+            "conv2d_dgrad": numpy_ops.conv2d_dgrad(f64(dy), f64(w), x.shape, st, pad),
+            "conv2d_wgrad": numpy_ops.conv2d_wgrad(f64(dy), f64(x), w.shape, st, pad)}
+    return calls, refs
+
+
+def _gemms(launches: list) -> list:
+    """The tiles of the GEMM launches (a split pass adds a conv2d_split_reduce launch)."""
+    return [tile for name, tile in launches if name != "conv2d_split_reduce"]
+
+
+def test_autotune_times_every_tile_in_rounds_then_keeps_the_plan(lib):
+    """conv_algo "autotune" on the harness backend, host-clock timing: the first call of a pass runs each
+    candidate twice untimed, then AUTOTUNE_REPEATS rounds of AUTOTUNE_CALLS calls per tile, then the chosen
+    tile once; a second call of the geometry is one GEMM with the kept tile and the same result; the
+    results match numpy_ops; geometries that differ only in N, in stride or in pad get plans of their own."""
     launches = []
-    with cases.cpu_backend(lib, conv_algo="autotune", AUTOTUNE_TILES=AUTOTUNE_TEST_TILES, _conv_plans={}) as ops:
-        harness_kernel = ops.get_kernel
-
-        def counting(name, tile=None):
-            launches.append((name, tile))
-            return harness_kernel(name, tile)
-
-        ops.get_kernel = counting
-        per_tile = 2 + ops.AUTOTUNE_REPEATS * ops.AUTOTUNE_CALLS  # two untimed calls, then the timed ones
-        calls = {"conv2d_fprop": lambda: ops.conv2d_fprop(x, w, b, st, pad),
-                 "conv2d_dgrad": lambda: ops.conv2d_dgrad(dy, w, x.shape, st, pad),
-                 "conv2d_wgrad": lambda: ops.conv2d_wgrad(dy, x, w.shape, st, pad)}
-        first = {}
+    context, ops = _autotune_backend(lib, launches)
+    try:
+        calls_per_round = [t for t in AUTOTUNE_TEST_TILES for _ in range(ops.AUTOTUNE_CALLS)]
+        rounds = calls_per_round * ops.AUTOTUNE_REPEATS
+        untimed = [t for t in AUTOTUNE_TEST_TILES for _ in range(2)]
+        geometry = (2, 3, 9, 8, 5, 3, 3, 1, 1)
+        calls, refs = _passes(np.random.default_rng(9), *geometry)
         for i, (op, call) in enumerate(calls.items()):
             launches.clear()
-            first[op] = call()
+            got = call(ops)
             plan = ops.conv_plans()[i]
-            assert (plan.op, plan.geometry) == (op, (N, C, H, W, K, R, S, st, pad))
-            assert [t for t, _ in plan.times] == list(AUTOTUNE_TEST_TILES)
-            assert all(ms > 0 for _, ms in plan.times)
-            assert plan.tile == min(plan.times, key=lambda item: item[1])[0]
-            tiles_run = [tile for name, tile in launches]
-            assert tiles_run == [t for t in AUTOTUNE_TEST_TILES for _ in range(per_tile)] + [plan.tile], op
+            assert (plan.op, plan.geometry) == (op, geometry) and plan.refused == ()
+            assert [t for t, _ in plan.times] == list(AUTOTUNE_TEST_TILES) and all(ms > 0 for _, ms in plan.times)
+            fastest, ms = min(plan.times, key=lambda item: item[1])
+            rule_ms = dict(plan.times)[ops.conv_tile(5)]
+            assert plan.tile == (fastest if ms < rule_ms * (1 - ops.AUTOTUNE_MARGIN) else ops.conv_tile(5))
+            assert _gemms(launches) == untimed + rounds + [plan.tile], op
+            cases.assert_close(got, refs[op], f"autotuned {op}")
             launches.clear()
-            assert np.array_equal(call(), first[op]) and launches == [(launches[0][0], plan.tile)], op
-            assert plan.describe().startswith(f"{op} N{N} C{C} {H}x{W} K{K} {R}x{S} stride {st} pad {pad}: ")
-        assert len(ops.conv_plans()) == 3
-        ops.conv2d_fprop(x, w, b, st, 0)  # another geometry: its own plan
-        assert len(ops.conv_plans()) == 4 and ops.conv_plans()[3].geometry[-1] == 0
-    cases.assert_close(first["conv2d_fprop"], numpy_ops.conv2d_fprop(cases.f64(x), cases.f64(w), cases.f64(b), st, pad),
-                       "autotuned fprop")
-    cases.assert_close(first["conv2d_dgrad"], numpy_ops.conv2d_dgrad(cases.f64(dy), cases.f64(w), x.shape, st, pad),
-                       "autotuned dgrad")
-    cases.assert_close(first["conv2d_wgrad"], numpy_ops.conv2d_wgrad(cases.f64(dy), cases.f64(x), w.shape, st, pad),
-                       "autotuned wgrad")
+            assert np.array_equal(call(ops), got) and _gemms(launches) == [plan.tile], op
+            assert plan.describe().startswith(f"{op} N2 C3 9x8 K5 3x3 stride 1 pad 1: ")
+        for other in ((3, 3, 9, 8, 5, 3, 3, 1, 1), (2, 3, 9, 8, 5, 3, 3, 2, 1), (2, 3, 9, 8, 5, 3, 3, 1, 0)):
+            made = len(ops.conv_plans())
+            calls, _ = _passes(np.random.default_rng(1), *other)
+            calls["conv2d_fprop"](ops)
+            assert len(ops.conv_plans()) == made + 1 and ops.conv_plans()[-1].geometry == other
+    finally:
+        context.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("winner", AUTOTUNE_TEST_TILES, ids=[cupy_ops.tile_name(t) for t in AUTOTUNE_TEST_TILES])
+def test_autotune_runs_whichever_tile_wins_correctly(lib, monkeypatch, winner):
+    """With the timings made up (the winner at half the others' time), the plan keeps the winner and each
+    pass gives numpy_ops' result with it, on a geometry the tiles split into different numbers of
+    ranges (split-K workspaces resized between candidates, wgrad into a NaN-filled out)."""
+    launches = []
+    context, ops = _autotune_backend(lib, launches, AUTOTUNE_REPEATS=1, **AUTOTUNE_SPLITS)
+    try:
+        def made_up(fn, launch_ms):
+            fn()
+            return 0.5 if _gemms(launches)[-1] == winner else 1.0
+
+        monkeypatch.setattr(ops, "_time_calls", made_up)
+        geometry = (2, 10, 10, 10, 6, 3, 3, 1, 1)
+        splits = {ops.gemm_split(6, 10 * 9, 2 * 10 * 10, t)[0] for t in AUTOTUNE_TEST_TILES}  # wgrad: K x C*R*S
+        assert len(splits) > 1, f"the tiles split wgrad alike ({splits}): the case tests no resize"
+        calls, refs = _passes(np.random.default_rng(2), *geometry)
+        for op, call in calls.items():
+            got = call(ops)
+            assert ops.conv_plans()[-1].tile == winner and ops.conv_plans()[-1].op == op
+            cases.assert_close(got, refs[op], f"{op} with {cupy_ops.tile_name(winner)} chosen")
+    finally:
+        context.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("gain, kept", [(0.02, "heuristic"), (0.05, "faster")])
+def test_autotune_keeps_the_heuristic_tile_unless_another_is_clearly_faster(lib, monkeypatch, gain, kept):
+    """AUTOTUNE_MARGIN (3 %): a tile 2 % faster than conv_tile's does not replace it, one 5 % faster does."""
+    launches = []
+    context, ops = _autotune_backend(lib, launches, AUTOTUNE_REPEATS=1)
+    try:
+        faster = AUTOTUNE_TEST_TILES[2]
+
+        def made_up(fn, launch_ms):
+            fn()
+            return 1.0 - gain if _gemms(launches)[-1] == faster else 1.0
+
+        monkeypatch.setattr(ops, "_time_calls", made_up)
+        calls, _ = _passes(np.random.default_rng(2), 2, 3, 6, 6, 4, 3, 3, 1, 1)
+        calls["conv2d_fprop"](ops)
+        assert ops.conv_plans()[0].tile == (ops.conv_tile(4) if kept == "heuristic" else faster)
+    finally:
+        context.__exit__(None, None, None)
+
+
+def test_autotune_leaves_out_a_tile_whose_launch_is_refused(lib):
+    """With grid y limited to 2 (a stand-in for a layer past the device's grid limits), K = 70 rows need 3
+    row tiles of 32: the 32x128 tile is refused and listed, the others are timed, the result is right;
+    when every tile is refused, the heuristic tile's error is raised."""
+    launches = []
+    context, ops = _autotune_backend(lib, launches, MAX_GRID_YZ=2)
+    try:
+        geometry = (1, 2, 5, 5, 70, 3, 3, 1, 1)
+        calls, refs = _passes(np.random.default_rng(4), *geometry)
+        got = calls["conv2d_fprop"](ops)
+        plan = ops.conv_plans()[0]
+        assert [t for t, _ in plan.refused] == [(32, 128)] and "grid" in plan.refused[0][1]
+        assert [t for t, _ in plan.times] == [(64, 64), (64, 64, 4, 4, 16, 1)] and "32x128 refused" in plan.describe()
+        cases.assert_close(got, refs["conv2d_fprop"], "fprop with a refused tile")
+        ops.MAX_GRID_YZ = 1  # (restored by cpu_backend)
+        calls, _ = _passes(np.random.default_rng(4), 1, 2, 5, 5, 70, 3, 3, 2, 1)
+        with pytest.raises(ValueError, match=r"conv2d_fprop: grid \(\d+, 2, 1\) outside the limits"):
+            calls["conv2d_fprop"](ops)
+    finally:
+        context.__exit__(None, None, None)
+
+
+def test_start_up_tuning_plans_every_conv_pass_of_the_model(lib, monkeypatch):
+    """train.autotune_convs (a cupy worker's start-up under --conv-algo autotune): one forward/backward of
+    the digits model on its first batch_size real images makes a plan for each conv pass training runs
+    (fprop of both conv layers, wgrad of both, dgrad of the second only), which it returns described."""
+    import mpiasgd.model
+    from mpiasgd import train
+    from mpiasgd.config import Config
+    from mpiasgd.data import load_dataset
+
+    launches = []
+    context, ops = _autotune_backend(lib, launches, AUTOTUNE_REPEATS=1, AUTOTUNE_CALLS=1)
+    try:
+        monkeypatch.setattr(mpiasgd.model, "get_backend", lambda name: ops)
+        lines = train.autotune_convs(Config(model="digits", batch_size=16, conv_algo="autotune"),
+                                     load_dataset("digits"))
+        plans = ops.conv_plans()
+        assert sorted((p.op, p.geometry[1]) for p in plans) == [("conv2d_dgrad", 16), ("conv2d_fprop", 1),
+                                                                 ("conv2d_fprop", 16), ("conv2d_wgrad", 1),
+                                                                 ("conv2d_wgrad", 16)]
+        assert all(p.geometry[0] == 16 for p in plans) and lines == [p.describe() for p in plans]
+    finally:
+        context.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("constants", [{}, {"conv_tile_override": (32, 128)}, {"conv_split_override": 1}],

@@ -28,15 +28,15 @@ SOURCES = sorted(KERNELS.glob("*.cu"))
 
 def _builds() -> list[tuple[Path, tuple[str, ...], str]]:
     """(source, -D options, arch): conv2d.cu once per tile variant that cupy_ops launches, the rest
-    once, each for every arch in ARCHS; conv2d.cu's trial tiles for sm_80 and sm_90 only (the GPUs they
-    are tried on; on sm_75 the one-stage ones are the production tiles again)."""
+    once, each for every arch in ARCHS; on sm_75 the tiles autotune runs there (`autotune_tiles(75)`:
+    the one-stage trial tiles are the production tiles again)."""
     from mpiasgd.ops import cupy_ops
 
-    builds = []
+    builds, on_sm75 = [], cupy_ops.autotune_tiles(75)
     for src in SOURCES:
         for tile in ((*cupy_ops.CONV_TILES, *cupy_ops.CONV_TRIAL_TILES) if src.name == "conv2d.cu" else [None]):
-            trial = tile in cupy_ops.CONV_TRIAL_TILES
-            builds += [(src, cupy_ops.tile_defines(tile), arch) for arch in ARCHS if not (trial and arch == "sm_75")]
+            builds += [(src, cupy_ops.tile_defines(tile), arch) for arch in ARCHS
+                       if arch != "sm_75" or tile is None or tile in on_sm75]
     return builds
 
 

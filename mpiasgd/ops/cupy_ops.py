@@ -27,7 +27,8 @@ Each conv pass runs with the tile `conv_algo` picks: "heuristic" (`conv_tile`, t
 Importing this module needs neither cupy nor a GPU; `mpiasgd.ops.get_backend("cupy")` does.
 Float sums run in a different order than NumPy's BLAS: results agree to float32 rounding, and
 every reduction (wgrad over the batch, bias_grad, maxpool_bprop) has a fixed order without
-atomics, so each result is bit-reproducible run to run on one device.
+atomics, so each result is bit-reproducible run to run on one device (with conv_algo "autotune",
+for a given choice of tiles, which is itself a measurement).
 """
 
 from __future__ import annotations
@@ -401,24 +402,27 @@ def gemm_split(M: int, NG: int, KR: int, tile: tuple[int, ...] | None = None) ->
 CONV_ALGOS = ("heuristic", "autotune")
 conv_algo = "heuristic"  # set with set_conv_algo (the worker: from --conv-algo)
 AUTOTUNE_TILES = (*CONV_TILES, *CONV_TRIAL_TILES)  # the tiles autotune times, each with its gemm_split ranges
-AUTOTUNE_REPEATS, AUTOTUNE_CALLS = 3, 4  # a candidate's time: median of 3 timings of 4 calls each, after one
+AUTOTUNE_REPEATS, AUTOTUNE_CALLS = 3, 4  # a candidate's time: median of 3 rounds' timings of 4 calls each
+AUTOTUNE_MARGIN = 0.03  # another tile replaces the heuristic's only when it is faster by more than this
 
 
 @dataclass(frozen=True)
 class ConvPlan:
-    """How a conv pass of one geometry runs under `conv_algo` "autotune": the fastest tile, and the
-    median ms per call every candidate tile took (`AUTOTUNE_TILES` that run on this device), in
-    the order timed."""
+    """How a conv pass of one geometry runs under `conv_algo` "autotune" (`_autotune`): the tile chosen,
+    and the median ms per call every candidate tile took (`autotune_tiles` on this device, and the
+    heuristic's tile), in the order timed."""
 
     op: str
     geometry: tuple[int, ...]  # N, C, H, W, K, R, S, stride, pad
     tile: tuple[int, ...]
     times: tuple[tuple[tuple[int, ...], float], ...]
+    refused: tuple[tuple[tuple[int, ...], str], ...] = ()  # tiles whose launch was refused, and why
 
     def describe(self) -> str:
         """e.g. 'conv2d_wgrad N128 C3 32x32 K32 5x5 stride 1 pad 2: 32x96/4x4k24 (32x128 0.0213 ms, ...)'."""
         N, C, H, W, K, R, S, stride, pad = self.geometry
-        timed = ", ".join(f"{tile_name(t)} {ms:.4g} ms" for t, ms in self.times)
+        timed = ", ".join([*(f"{tile_name(t)} {ms:.4g} ms" for t, ms in self.times),
+                           *(f"{tile_name(t)} refused" for t, _ in self.refused)])
         return (f"{self.op} N{N} C{C} {H}x{W} K{K} {R}x{S} stride {stride} pad {pad}: {tile_name(self.tile)} "
                 f"({timed})")
 
@@ -431,13 +435,15 @@ def set_conv_algo(algo: str) -> None:
 
       "heuristic"  `conv_tile` (fixed rules: 32x128 for GEMMs of <= 32 rows, else 64x64); results are
                    bit-reproducible run to run.
-      "autotune"   the first call of each pass and geometry (per device) times every tile of
-                   `AUTOTUNE_TILES` on its own inputs, each with the split-K ranges `gemm_split`
-                   gives it, and keeps the fastest for the process (`conv_plans`), as cudnn.benchmark
-                   does. That call costs the timing runs (and, without `compile_kernels(autotune=True)`
-                   at start-up, compiling every tile variant); the tile chosen can differ run to run
-                   when two tiles are close, and with it the split-K ranges, so results then differ
-                   in float32 rounding.
+      "autotune"   the first call of each pass and geometry (the batch size N included; per
+                   device) times every tile of `autotune_tiles` on its own inputs, each with the
+                   split-K ranges `gemm_split` gives it, and keeps the fastest for the process
+                   (`conv_plans`), as cudnn.benchmark does; the heuristic's tile stays unless another
+                   is faster by more than AUTOTUNE_MARGIN (`_autotune`). That call costs the timing
+                   runs (and, without `compile_kernels(autotune=True)` at start-up, compiling every
+                   tile variant). Where another tile wins, its split-K ranges can differ from the
+                   heuristic's, and results then differ from the heuristic's in float32 rounding;
+                   the choice itself is a measurement and can differ between runs and devices.
 
     Raises ValueError naming the valid algorithms.
     """
@@ -496,41 +502,68 @@ def _spin_kernel():
     return cupy.RawKernel(SPIN_SOURCE, "autotune_spin", options=NVRTC_OPTIONS)
 
 
-def _time_ms(fn: Callable[[], None]) -> float:
-    """Median ms per call of `fn` over AUTOTUNE_REPEATS timings of AUTOTUNE_CALLS back-to-back calls,
-    after two untimed calls (the first loads, or compiles, the tile's module; the second gives the
-    host's launch time). On a GPU: CUDA events on the current stream, recorded behind a spin kernel
-    that outlasts the host's launches (`SPIN_SOURCE`), so the interval holds GPU time only; on the CPU
-    harness: the host clock."""
-    fn()
+def _time_calls(fn: Callable[[], None], launch_ms: float) -> float:
+    """Ms per call of `fn` over AUTOTUNE_CALLS back-to-back calls: on a GPU, CUDA events on the current
+    stream recorded behind a spin kernel that outlasts the host's launches (`SPIN_SOURCE`; `launch_ms`:
+    the host time one call took), so the interval holds GPU time only; on the CPU harness, the host clock."""
+    if xp is cupy:
+        spin_ns = int(1e6 * max(AUTOTUNE_SPIN_MS, 2 * launch_ms * AUTOTUNE_CALLS))
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        _spin_kernel()((1,), (1,), (np.uint64(spin_ns),))
+        start.record()
+        for _ in range(AUTOTUNE_CALLS):
+            fn()
+        stop.record()
+        stop.synchronize()
+        return cupy.cuda.get_elapsed_time(start, stop) / AUTOTUNE_CALLS
     t0 = time.perf_counter()
-    fn()
-    launch_ms = (time.perf_counter() - t0) * 1e3
-    samples = []
+    for _ in range(AUTOTUNE_CALLS):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / AUTOTUNE_CALLS
+
+
+def _autotune(op: str, geometry: tuple[int, ...], M: int, run: Callable[[tuple[int, ...]], None]) -> ConvPlan:
+    """The plan of one conv pass: `run(tile)` timed for every tile of `autotune_tiles` (and `conv_tile`'s).
+
+    Each tile runs twice untimed (the first call loads, or compiles, its module; the second gives the
+    host's launch time), then AUTOTUNE_REPEATS rounds time every tile once per round (`_time_calls`),
+    so that a drift (clocks ramping up, another process on the GPU) spreads over all of them; a
+    tile's time is its median. The fastest wins unless the heuristic's tile is within AUTOTUNE_MARGIN
+    of it: then that one is kept (the same results as without autotune, when nothing is gained). A
+    tile whose launch is refused (ValueError: a grid past the device limits, ...) is left out and
+    listed in the plan; when every tile is refused, the heuristic's error is raised.
+    """
+    rule = conv_tile(M)
+    tiles = autotune_tiles(_compute_capability())
+    tiles = tiles if rule in tiles else [rule, *tiles]
+    launch_ms, refused = {}, []
+    for tile in tiles:
+        try:
+            run(tile)
+        except ValueError as e:
+            refused.append((tile, str(e)))
+            continue
+        t0 = time.perf_counter()
+        run(tile)
+        launch_ms[tile] = (time.perf_counter() - t0) * 1e3
+    if not launch_ms:
+        run(rule)  # raises the heuristic tile's error
+    samples = {tile: [] for tile in launch_ms}
     for _ in range(AUTOTUNE_REPEATS):
-        if xp is cupy:
-            spin_ns = int(1e6 * max(AUTOTUNE_SPIN_MS, 2 * launch_ms * AUTOTUNE_CALLS))
-            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-            _spin_kernel()((1,), (1,), (np.uint64(spin_ns),))
-            start.record()
-            for _ in range(AUTOTUNE_CALLS):
-                fn()
-            stop.record()
-            stop.synchronize()
-            samples.append(cupy.cuda.get_elapsed_time(start, stop) / AUTOTUNE_CALLS)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(AUTOTUNE_CALLS):
-                fn()
-            samples.append((time.perf_counter() - t0) * 1e3 / AUTOTUNE_CALLS)
-    return statistics.median(samples)
+        for tile in samples:
+            samples[tile].append(_time_calls(lambda tile=tile: run(tile), launch_ms[tile]))
+    times = tuple((tile, statistics.median(ms)) for tile, ms in samples.items())
+    best, best_ms = min(times, key=lambda item: item[1])  # the first of equals: AUTOTUNE_TILES' order
+    if rule in samples and statistics.median(samples[rule]) * (1 - AUTOTUNE_MARGIN) <= best_ms:
+        best = rule
+    return ConvPlan(op, tuple(int(v) for v in geometry), best, times, tuple(refused))
 
 
 def _conv_run(op: str, geometry: tuple[int, ...], M: int, run: Callable[[tuple[int, ...]], None]) -> None:
     """Run a conv pass, `run(tile)`, with the tile `conv_algo` picks for a GEMM of M rows: `conv_tile`
     ("heuristic", or whenever `conv_tile_override` or `conv_split_override` forces a launch), else
-    the plan of (device, op, geometry), made on first use by timing `run` with every tile. The last
-    run is always with the chosen tile, so its output is the pass's result."""
+    the plan of (device, op, geometry), made on first use (`_autotune`). The last run is always with
+    the chosen tile, so its output is the pass's result."""
     if conv_algo == "heuristic" or conv_tile_override is not None or conv_split_override is not None:
         run(conv_tile(M))
         return
@@ -540,9 +573,7 @@ def _conv_run(op: str, geometry: tuple[int, ...], M: int, run: Callable[[tuple[i
     key = (*_device_key(), op, *geometry)
     plan = _conv_plans.get(key)
     if plan is None:
-        times = tuple((tile, _time_ms(lambda tile=tile: run(tile))) for tile in autotune_tiles(_compute_capability()))
-        best = min(times, key=lambda item: item[1])[0]  # the first of equals: AUTOTUNE_TILES' order
-        plan = _conv_plans[key] = ConvPlan(op, tuple(int(v) for v in geometry), best, times)
+        plan = _conv_plans[key] = _autotune(op, geometry, M, run)
     run(plan.tile)
 
 

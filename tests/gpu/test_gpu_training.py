@@ -69,6 +69,11 @@ def test_three_ranks_smoke(tmp_path, cifar_dir):
                                     "--conv-algo", "autotune", *share])
     assert attrs["status"] == "completed" and sorted(set(pushes["worker"].tolist())) == [1, 2]
     assert json.loads(attrs["config"])["conv_algo"] == "autotune"
+    with open_log(str(tmp_path / "runs" / "smoke.h5")) as f:
+        tuned = [row["text"].decode() if isinstance(row["text"], bytes) else row["text"]
+                 for row in f["events"][()] if row["kind"] == b"autotune"]
+    assert [t.split(":")[0] for t in tuned] == [f"worker rank {r} on {workers['host'][r - 1].decode()}" for r in (1, 2)]
+    assert all(t.count("conv2d_") == 8 for t in tuned), tuned  # 3 fprop + 3 wgrad + 2 dgrad (not conv1's)
     assert workers["backend"].tolist() == [b"cupy", b"cupy"]
     assert workers["device"].tolist() == [0, 0] if share else [0, 1]
     assert np.isfinite(pushes["loss"]).all() and 0.0 <= attrs["test_accuracy"] <= 1.0
