@@ -90,8 +90,8 @@ class Config:
                            "without either) | on | off")
     conv_algo: str = _opt("heuristic", "parallelism",
                           "cupy workers' conv kernel tiles: heuristic (fixed rules; bit-reproducible) | autotune "
-                          "(each conv pass times every tile on its first call and keeps the fastest, as "
-                          "cudnn.benchmark; start-up compiles every tile)")
+                          "(at start-up every conv pass times every tile and keeps the fastest, the heuristic's "
+                          "unless another is > 3 % faster, as cudnn.benchmark; logged as 'autotune' events)")
     threads: int = _opt(0, "parallelism", "BLAS threads per worker rank; 0 = cores of the node / workers on it")
     comm_timeout: float = _opt(300.0, "parallelism",
                                "rank 0 ends the run when a worker has sent nothing for this long (naming it); "
@@ -177,7 +177,7 @@ class Config:
         need(self.conv_algo in CONV_ALGOS, "conv_algo", f"one of {CONV_ALGOS}")
         need(not (self.backend == "numpy" and self.conv_algo == "autotune"), "conv_algo",
              "'heuristic' with --backend numpy (it chooses the tiles of the cupy backend's conv kernels: "
-             "--backend cupy or auto)")
+             "--backend cupy or auto, or pass --conv-algo heuristic, also over a --resume checkpoint's config)")
         need(self.batch_size >= 1, "batch_size", "an integer >= 1")
         need(0 <= self.seed < 2**63, "seed", "an integer >= 0 (numpy seeds are unsigned)")
         need(self.threads >= 0, "threads", "an integer >= 0")

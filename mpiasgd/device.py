@@ -173,6 +173,21 @@ def shared_devices(infos: list[DeviceInfo | None]) -> dict[tuple[str, str], list
     return {k: sorted(v, key=lambda i: i.rank) for k, v in by_key.items() if len(v) > 1}
 
 
+def tuning_turns(infos: list[DeviceInfo | None]) -> list[int]:
+    """Per rank, its turn to time kernels on its GPU (--conv-algo autotune): 0 for the first worker on a
+    device, 1 for the second (--share-devices), ...; -1 for ranks without a device. Workers sharing a
+    GPU then time one after another and not each other's kernels; every rank computes the same list."""
+    seen: dict[tuple[str, str], int] = {}
+    turns = []
+    for info in infos:
+        if info is None:
+            turns.append(-1)
+            continue
+        turns.append(seen.get(info.key, 0))
+        seen[info.key] = turns[-1] + 1
+    return turns
+
+
 def sharing_error(infos: list[DeviceInfo | None], rank: int, share: bool) -> str | None:
     """The start-up error of worker `rank` if it shares its GPU and `share` is False; else None.
 

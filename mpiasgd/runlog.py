@@ -20,7 +20,8 @@ One file per run, `RUN_DIR/NAME.h5`:
     /snapshots/params  (S, P) float32 weights every `snapshot_interval` seconds, first and last included
     /snapshots/meta    (S,) SNAPSHOT_ROW: time, version, samples, epoch
     /evals       EVAL_ROW: time, version, epoch, snapshot (-1: the final weights), loss, accuracy, count
-    /events      EVENT_ROW: time, kind, text (start, stop reason, failures, preempt, resume)
+    /events      EVENT_ROW: time, kind, text (start, stop reason, failures, preempt, resume; autotune:
+                 a GPU worker's conv tiles chosen at start-up under --conv-algo autotune)
     /checkpoints CHECKPOINT_ROW: time, seconds (to write it), version, samples, elapsed (training seconds
                  it holds), reason (interval | end | preempt | failure: a worker died); the file is
                  RUN_DIR/NAME.ckpt.h5

@@ -44,6 +44,7 @@ from mpiasgd.device import (
     resolve_backend,
     resolve_cuda_aware,
     sharing_error,
+    tuning_turns,
     use_device,
     visible_hint,
 )
@@ -147,20 +148,29 @@ def worker_backend(cfg: Config, me: Rank, local_rank: int) -> tuple[str, object]
     return backend, device
 
 
-def autotune_convs(cfg: Config, dataset: Any) -> list[str]:
-    """(cupy workers, --conv-algo autotune) One forward/backward of the model on the first `batch_size`
-    training images, on a throwaway copy of the model, so that every conv pass of training picks its
-    tile now (`cupy_ops.conv_plans`) and not in the first training step. Returns the plans'
-    descriptions (tile chosen, ms per call of each tile). Raises BackendUnavailable naming the
-    failure."""
+def autotune_convs(cfg: Config, dataset: Any, first: int = 0, last: int | None = None) -> list[str]:
+    """(cupy workers, --conv-algo autotune) One forward/backward of layers first..last-1 (default: the
+    whole model; a pipeline unit: its module's) on a throwaway copy of the model, so that every conv
+    pass this worker trains with picks its tile now (`cupy_ops.conv_plans`) and not in the first
+    training step. The input: the training set's first `batch_size` images, or for a module after
+    the first, standard-normal activations of the shape it receives. Returns the plans' descriptions
+    (tile chosen, ms per call of each tile). Raises BackendUnavailable naming the failure."""
     from mpiasgd.model import build_model
 
     model = build_model(cfg.model, "cupy")
-    ops = model.ops
+    ops, layers = model.ops, model.layers[first:last]
     try:
         model.bind(ops.asarray(model.init_params(cfg.seed)), ops.zeros(model.num_params))
-        x, y = dataset.batch("train", np.arange(cfg.batch_size), np.random.default_rng(cfg.seed))
-        model.forward_backward(ops.asarray(x), ops.asarray(y, y.dtype))
+        if first == 0:
+            x, _ = dataset.batch("train", np.arange(cfg.batch_size), np.random.default_rng(cfg.seed))
+        else:
+            x = np.random.default_rng(cfg.seed).standard_normal((cfg.batch_size, *model.shapes[first - 1]))
+        h = ops.asarray(x)
+        for layer in layers:
+            h = layer.forward(h)
+        d = ops.asarray(np.full(h.shape, 1.0 / h.size))  # the backward passes' speed does not depend on values
+        for layer in reversed(layers):
+            d = layer.backward(d)
     except Exception as e:  # a CUDA error or a launch refused: a start-up error with its cause, not a traceback
         raise BackendUnavailable(f"--conv-algo autotune: the tuning step at start-up failed ({type(e).__name__}: "
                                  f"{e})") from e
@@ -249,8 +259,6 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
         cuda_aware = backend == "cupy" and resolve_cuda_aware(cfg.cuda_aware, query)
         out["staging"] = make_staging(backend, cuda_aware, model.num_params)  # buffers reused every step
         out["make_staging"] = lambda: make_staging(backend, cuda_aware, model.num_params)  # --overlap: a second one
-        if backend == "cupy" and cfg.conv_algo == "autotune":
-            out["autotune"] = autotune_convs(cfg, dataset)
     return out
 
 
@@ -306,6 +314,27 @@ def communicators(cfg: Config, me: Rank) -> tuple[Any, Any]:
         n, k = divmod(me.rank - 1, cfg.modules)
         return (comm.Split(n if worker else MPI.UNDEFINED, k), comm.Split(k if worker else MPI.UNDEFINED, n))
     return None, None
+
+
+def tune_convs(cfg: Config, me: Rank, state: dict, turns: list[int]) -> bool:
+    """Collective (--conv-algo autotune): each GPU worker times its conv tiles (`autotune_convs`; a
+    pipeline unit, its module's layers) at its turn (`device.tuning_turns`: workers sharing a GPU one
+    after another), its plans kept in state["autotune"] for the start-up gather. True if any rank
+    failed (reported once by rank 0, as every start-up error)."""
+    for turn in range(max(turns, default=-1) + 1):
+        error = None
+        if turns[me.rank] == turn:
+            first, last = 0, None
+            if cfg.mode == "pipeline":
+                module = (me.rank - 1) % cfg.modules
+                first, last = state["bounds"][module], state["bounds"][module + 1]
+            try:
+                state["autotune"] = autotune_convs(cfg, state["dataset"], first, last)
+            except STARTUP_ERRORS as e:
+                error = str(e)
+        if report_startup_errors(me, error):
+            return True
+    return False
 
 
 def report_startup_errors(me: Rank, error: str | None) -> bool:
@@ -398,9 +427,6 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
             print(f"mpiasgd: warning: run log '{state['path']}' of checkpoint '{ckpt.path}' is missing: a new log "
                   f"starts at the checkpoint (version {ckpt.version})", file=sys.stderr, flush=True)
         log = RunLog.create(state["path"], attrs, workers, model.num_params, cfg.flush_interval, state["lock"])
-    for text in tuned:  # --conv-algo autotune: what each GPU worker chose
-        log.add("events", (log.last_time() if ckpt is None else max(ckpt.log_time, log.last_time()), b"autotune",
-                           text))
     if ckpt is not None:
         from mpiasgd.config import from_mapping, resume_overrides
 
@@ -418,6 +444,9 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
                   flush=True)
         print(f"mpiasgd: resuming '{state['path']}' from checkpoint '{ckpt.path}' (version {ckpt.version}, "
               f"{ckpt.elapsed:.1f} s of training); config changes: {text}", flush=True)
+    for text in tuned:  # --conv-algo autotune: what each GPU worker chose (after a resume's events)
+        log.add("events", (log.last_time() if ckpt is None else max(ckpt.log_time, log.last_time()), b"autotune",
+                           text))
     params = model.init_params(cfg.seed)
     bar = None
     if cfg.progress:
@@ -510,6 +539,10 @@ def train(cfg: Config, comm: Any = None) -> int:
     devices = comm.allgather(state.get("device"))
     shared = None if me.is_server else sharing_error(devices, me.rank, cfg.share_devices)
     if report_startup_errors(me, shared):
+        if state.get("lock") is not None:
+            state["lock"].release()
+        return EXIT_BAD_INPUT
+    if cfg.conv_algo == "autotune" and tune_convs(cfg, me, state, tuning_turns(devices)):
         if state.get("lock") is not None:
             state["lock"].release()
         return EXIT_BAD_INPUT

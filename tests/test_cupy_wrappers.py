@@ -633,3 +633,41 @@ def test_compile_kernels_builds_every_tile_it_will_launch(monkeypatch, autotune)
     assert conv == [cupy_ops.tile_defines(t) for t in tiles] and len(set(conv)) == len(tiles)
     others = sorted(name for name, _ in built if name != "conv2d.cu")
     assert others == sorted(set(cupy_ops._KERNEL_FILES.values()) - {"conv2d.cu"}) and len(done) == len(built)
+
+
+def test_a_timing_that_fell_behind_its_spin_is_taken_again_behind_a_longer_spin(monkeypatch):
+    """autotune's GPU timing with a stand-in CUDA: when the start event has already passed by the time the
+    last call is queued (the host was slower than the spin), the sample is retaken behind a spin twice as
+    long, at most AUTOTUNE_LATE_RETRIES times; the sample kept is the last one, per call."""
+    from types import SimpleNamespace
+
+    spins, done_answers, made = [], iter([True, True, False]), []
+
+    class Event:
+        def __init__(self):
+            self.id = len(made)  # start, stop of the first sample: 0, 1; of the third: 4, 5
+            made.append(self)
+
+        def record(self):
+            pass
+
+        @property
+        def done(self):
+            return next(done_answers)
+
+        def synchronize(self):
+            pass
+
+    fake = SimpleNamespace(cuda=SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: 10.0 * b.id + a.id))
+    monkeypatch.setattr(cupy_ops, "cupy", fake)
+    monkeypatch.setattr(cupy_ops, "xp", fake)
+    monkeypatch.setattr(cupy_ops, "_spin_kernel", lambda: lambda grid, block, args: spins.append(int(args[0])))
+    calls = []
+    ms = cupy_ops._time_calls(lambda: calls.append(1), launch_ms=0.3)
+    assert ms == 54.0 / cupy_ops.AUTOTUNE_CALLS and len(calls) == 3 * cupy_ops.AUTOTUNE_CALLS  # the third's events
+    first = int(1e6 * max(cupy_ops.AUTOTUNE_SPIN_MS, 2 * 0.3 * cupy_ops.AUTOTUNE_CALLS))  # 2.4 ms: the launches'
+    assert spins == [first, 2 * first, 4 * first]
+    done_answers = iter([True] * 9)
+    spins.clear()
+    cupy_ops._time_calls(lambda: None, launch_ms=0.0)  # late every time: gives up after the retries
+    assert len(spins) == 1 + cupy_ops.AUTOTUNE_LATE_RETRIES and spins[0] == int(1e6 * cupy_ops.AUTOTUNE_SPIN_MS)

@@ -588,3 +588,50 @@ def test_start_up_tuples_split_into_worker_rows_and_autotune_events():
     workers, events = train.split_gathered([(*row1, plans), (*row2, [])])
     assert workers == [row1, row2] and np.array(workers, dtype=WORKER_ROW)["host"].tolist() == [b"gpu1", b"cpu2"]
     assert events == ["worker rank 1 on gpu1: conv tiles chosen by timing (ms per call of each tile):\n" + plans[0]]
+
+
+def test_tuning_turns_put_workers_sharing_a_gpu_one_after_another():
+    """--conv-algo autotune: the first worker on each GPU tunes in turn 0, a second one on the same GPU
+    (--share-devices) in turn 1; ranks without a device (the server, numpy workers) never."""
+    from mpiasgd.device import tuning_turns
+
+    a0, a1, b0 = info(1, 0), info(2, 1), info(3, 0)  # ranks 1 and 3 on device 0 of host h
+    assert tuning_turns([None, a0, a1, b0, None]) == [-1, 0, 0, 1, -1]
+    assert tuning_turns([None, a0, a1]) == [-1, 0, 0] and tuning_turns([None, None]) == [-1, -1]
+
+
+class GatherComm:
+    """The allgather of report_startup_errors for one rank, playing the other ranks' (no) errors."""
+
+    def __init__(self, size, others=None):
+        self.size, self.rounds, self.others = size, [], others or {}
+
+    def allgather(self, error):
+        self.rounds.append(error)
+        return [error if r == self.me else self.others.get((len(self.rounds) - 1, r)) for r in range(self.size)]
+
+
+@pytest.mark.parametrize("rank, tunes_in", [(1, 0), (3, 1), (2, 0)])
+def test_tune_convs_runs_each_worker_in_its_turn(monkeypatch, rank, tunes_in):
+    """Every rank takes part in one error round per turn; a worker tunes in its own turn only; a pipeline
+    unit tunes its module's layers."""
+    comm = GatherComm(4)
+    comm.me = rank
+    called = []
+    monkeypatch.setattr(train, "autotune_convs", lambda cfg, ds, first, last: called.append(
+        (len(comm.rounds), first, last)) or [f"plan of rank {rank}"])
+    state = {"dataset": None, "bounds": [0, 3, 8]}
+    cfg = Config(mode="pipeline", modules=2, conv_algo="autotune") if rank == 2 else Config(conv_algo="autotune")
+    turns = [-1, 0, 0, 1]
+    assert train.tune_convs(cfg, train.Rank(comm, rank, 4, "h"), state, turns) is False
+    assert len(comm.rounds) == 2 and called[0][0] == tunes_in and state["autotune"] == [f"plan of rank {rank}"]
+    assert called[0][1:] == ((3, 8) if rank == 2 else (0, None))  # rank 2: module 1 of 2 (layers 3..7)
+
+
+def test_tune_convs_stops_every_rank_after_a_failed_turn(monkeypatch, capsys):
+    comm = GatherComm(3, others={(0, 1): "--conv-algo autotune: the tuning step at start-up failed (boom)"})
+    comm.me = 0
+    assert train.tune_convs(Config(conv_algo="autotune"), train.Rank(comm, 0, 3, "h"), {}, [-1, 0, 1]) is True
+    assert len(comm.rounds) == 1  # turn 1 never starts
+    assert "mpiasgd: error (rank 1): --conv-algo autotune: the tuning step at start-up failed (boom)" in \
+        capsys.readouterr().err

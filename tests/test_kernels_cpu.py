@@ -285,7 +285,8 @@ def test_autotune_leaves_out_a_tile_whose_launch_is_refused(lib):
 def test_start_up_tuning_plans_every_conv_pass_of_the_model(lib, monkeypatch):
     """train.autotune_convs (a cupy worker's start-up under --conv-algo autotune): one forward/backward of
     the digits model on its first batch_size real images makes a plan for each conv pass training runs
-    (fprop of both conv layers, wgrad of both, dgrad of the second only), which it returns described."""
+    (fprop of both conv layers, wgrad of both, dgrad of the second only), which it returns described;
+    for a pipeline unit's module (layers 3.. on activations of their input shape), only its conv's."""
     import mpiasgd.model
     from mpiasgd import train
     from mpiasgd.config import Config
@@ -302,6 +303,11 @@ def test_start_up_tuning_plans_every_conv_pass_of_the_model(lib, monkeypatch):
                                                                  ("conv2d_fprop", 16), ("conv2d_wgrad", 1),
                                                                  ("conv2d_wgrad", 16)]
         assert all(p.geometry[0] == 16 for p in plans) and lines == [p.describe() for p in plans]
+        ops._conv_plans.clear()  # a pipeline unit holding layers 3.. (conv2 onwards): its conv's passes only
+        lines = train.autotune_convs(Config(model="digits", batch_size=16, conv_algo="autotune"),
+                                     load_dataset("digits"), 3, None)
+        assert sorted((p.op, p.geometry[:2]) for p in ops.conv_plans()) == [
+            ("conv2d_dgrad", (16, 16)), ("conv2d_fprop", (16, 16)), ("conv2d_wgrad", (16, 16))] and len(lines) == 3
     finally:
         context.__exit__(None, None, None)
 

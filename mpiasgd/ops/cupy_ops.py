@@ -495,6 +495,7 @@ extern "C" __global__ void autotune_spin(unsigned long long ns) {
 }
 """
 AUTOTUNE_SPIN_MS = 1.0  # at least; longer when launching the timed calls takes the host longer
+AUTOTUNE_LATE_RETRIES = 3  # samples taken again when the host fell behind the spin
 
 
 @functools.cache
@@ -505,16 +506,24 @@ def _spin_kernel():
 def _time_calls(fn: Callable[[], None], launch_ms: float) -> float:
     """Ms per call of `fn` over AUTOTUNE_CALLS back-to-back calls: on a GPU, CUDA events on the current
     stream recorded behind a spin kernel that outlasts the host's launches (`SPIN_SOURCE`; `launch_ms`:
-    the host time one call took), so the interval holds GPU time only; on the CPU harness, the host clock."""
+    the host time one call took), so the interval holds GPU time only; a sample whose start event had
+    already passed when the last call was queued (the host was slower than the spin: a GC pause,
+    another process) may hold idle time, and is taken again behind a spin twice as long (at most
+    AUTOTUNE_LATE_RETRIES times). On the CPU harness: the host clock."""
     if xp is cupy:
-        spin_ns = int(1e6 * max(AUTOTUNE_SPIN_MS, 2 * launch_ms * AUTOTUNE_CALLS))
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        _spin_kernel()((1,), (1,), (np.uint64(spin_ns),))
-        start.record()
-        for _ in range(AUTOTUNE_CALLS):
-            fn()
-        stop.record()
-        stop.synchronize()
+        spin_ms = max(AUTOTUNE_SPIN_MS, 2 * launch_ms * AUTOTUNE_CALLS)
+        for _ in range(1 + AUTOTUNE_LATE_RETRIES):
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            _spin_kernel()((1,), (1,), (np.uint64(int(spin_ms * 1e6)),))
+            start.record()
+            for _ in range(AUTOTUNE_CALLS):
+                fn()
+            late = start.done  # the spin ended before the last launch: the GPU may have waited for the host
+            stop.record()
+            stop.synchronize()
+            if not late:
+                break
+            spin_ms *= 2
         return cupy.cuda.get_elapsed_time(start, stop) / AUTOTUNE_CALLS
     t0 = time.perf_counter()
     for _ in range(AUTOTUNE_CALLS):
