@@ -184,6 +184,20 @@ def snapshot_table(run: dict) -> list[str]:
     return lines
 
 
+def autotune_lines(events: np.ndarray | None) -> list[str]:
+    """The conv tiles each GPU worker chose at start-up under --conv-algo autotune (the run log's
+    "autotune" events), one line per worker and conv pass, the per-tile timings left out ([] if none)."""
+    lines = []
+    for e in events if events is not None else []:
+        if e["kind"] != b"autotune":
+            continue
+        text = e["text"].decode() if isinstance(e["text"], bytes) else str(e["text"])
+        head, *plans = text.splitlines()
+        lines.append(head.split(":")[0] + ":")  # "worker rank R on HOST:"
+        lines += [f"  {plan.rsplit(' (', 1)[0]}" for plan in plans]  # "op geometry: tile"
+    return ["conv tiles chosen by --conv-algo autotune (timings: the log's events):", *lines] if lines else []
+
+
 def run_section(run: dict) -> list[str]:
     """The full text report of one loaded run (`load`): summary, workers, staleness histogram, snapshots."""
     path, cfg = run["path"], run["config"]
@@ -194,7 +208,8 @@ def run_section(run: dict) -> list[str]:
     out += summary_lines(path, run)
     if run["pushes"] is not None and len(run["pushes"]):
         out += ["", *worker_table(run), "", *staleness_histogram(run["pushes"])]
-    return [*out, "", *snapshot_table(run), ""]
+    tuned = autotune_lines(run["events"])
+    return [*out, *(["", *tuned] if tuned else []), "", *snapshot_table(run), ""]
 
 
 # --- comparison of several runs ---

@@ -214,3 +214,24 @@ def test_evaluate_of_a_missing_log_prints_the_error_without_a_table_header(tmp_p
     out, err = capsys.readouterr()
     assert out == f"== {missing}\n" and "snapshot" not in out
     assert err.startswith("mpiasgd evaluate: error: ") and "none.h5" in err
+
+
+def test_report_shows_the_conv_tiles_each_worker_autotuned(tmp_path):
+    """A run under --conv-algo autotune logs one 'autotune' event per GPU worker; the report lists each
+    worker's chosen tile per conv pass (the per-tile timings stay in the event); without such events the
+    report has no such section."""
+    plan = ("conv2d_fprop N128 C3 32x32 K32 5x5 stride 1 pad 2: 32x96/4x4k24 "
+            "(64x64 0.0301 ms, 32x128 0.0262 ms, 32x96/4x4k24 0.0201 ms)")
+    path = write_log(tmp_path / "tuned.h5", {"mode": "async", "conv_algo": "autotune"}, [push(0.1, 0)], close=False)
+    with h5py.File(path, "a") as f:
+        ds = f["events"]
+        ds.resize((ds.shape[0] + 2,))
+        ds[-2] = (0.0, b"autotune", f"worker rank 1 on gpu7: conv tiles chosen by timing (ms per call of each "
+                                    f"tile):\n{plan}")
+        ds[-1] = (0.0, b"start", "training starts")
+    text = report([path])
+    at = text.splitlines().index("conv tiles chosen by --conv-algo autotune (timings: the log's events):")
+    assert text.splitlines()[at + 1:at + 3] == [
+        "worker rank 1 on gpu7:", "  conv2d_fprop N128 C3 32x32 K32 5x5 stride 1 pad 2: 32x96/4x4k24"]
+    plain = write_log(tmp_path / "plain.h5", {"mode": "async"}, [push(0.1, 0)])
+    assert "autotune" not in report([plain])
