@@ -349,7 +349,7 @@ def _sm_count(device: int) -> int:
 def device_wave() -> int | None:
     """Conv GEMM blocks the current GPU runs at once: its SMs x CONV_BLOCKS_PER_SM (264 on an H200).
     None when the backend runs on no GPU (no cupy, no device, or the CPU harness's numpy arrays)."""
-    if cupy is None or xp is not cupy:
+    if not _on_gpu():
         return None
     try:
         return _sm_count(cupy.cuda.runtime.getDevice()) * CONV_BLOCKS_PER_SM
@@ -472,16 +472,19 @@ def autotune_tiles(compute_capability: int | None) -> list[tuple[int, ...]]:
     return tiles
 
 
+def _on_gpu() -> bool:
+    """Whether this backend runs on a GPU (not on the CPU harness's numpy arrays)."""
+    return cupy is not None and xp is cupy
+
+
 def _device_key() -> tuple:
-    """(array module, device index): what a plan is valid for (the CPU harness: numpy, None)."""
-    on_gpu = cupy is not None and xp is cupy
-    return id(xp), cupy.cuda.runtime.getDevice() if on_gpu else None
+    """(array module, device index): what a plan or tap table is valid for (the CPU harness: numpy, None)."""
+    return id(xp), cupy.cuda.runtime.getDevice() if _on_gpu() else None
 
 
 def _compute_capability() -> int | None:
-    if cupy is None or xp is not cupy:
-        return None
-    return int(cupy.cuda.Device().compute_capability)
+    """The current device's compute capability as an int (90 for sm_90); None on the CPU harness."""
+    return int(cupy.cuda.Device().compute_capability) if _on_gpu() else None
 
 
 # A one-thread kernel that waits `ns` nanoseconds of the GPU's global timer: queued before the
@@ -510,7 +513,7 @@ def _time_calls(fn: Callable[[], None], launch_ms: float) -> float:
     already passed when the last call was queued (the host was slower than the spin: a GC pause,
     another process) may hold idle time, and is taken again behind a spin twice as long (at most
     AUTOTUNE_LATE_RETRIES times). On the CPU harness: the host clock."""
-    if xp is cupy:
+    if _on_gpu():
         spin_ms = max(AUTOTUNE_SPIN_MS, 2 * launch_ms * AUTOTUNE_CALLS)
         for _ in range(1 + AUTOTUNE_LATE_RETRIES):
             start, stop = cupy.cuda.Event(), cupy.cuda.Event()
@@ -563,7 +566,7 @@ def _autotune(op: str, geometry: tuple[int, ...], M: int, run: Callable[[tuple[i
             samples[tile].append(_time_calls(lambda tile=tile: run(tile), launch_ms[tile]))
     times = tuple((tile, statistics.median(ms)) for tile, ms in samples.items())
     best, best_ms = min(times, key=lambda item: item[1])  # the first of equals: AUTOTUNE_TILES' order
-    if rule in samples and statistics.median(samples[rule]) * (1 - AUTOTUNE_MARGIN) <= best_ms:
+    if rule in samples and dict(times)[rule] * (1 - AUTOTUNE_MARGIN) <= best_ms:
         best = rule
     return ConvPlan(op, tuple(int(v) for v in geometry), best, times, tuple(refused))
 
@@ -645,8 +648,7 @@ def conv_tap_table(op: str, N: int, C: int, H: int, W: int, K: int, R: int, S: i
     if (R * S > CONV_TAB_MAX_TAPS or KR > CONV_TAB_MAX_ROWS or (op == "conv2d_dgrad" and stride != 1)
             or (op == "conv2d_wgrad" and max(N * C * H * W, N * K * P * Q) > 2**31 - 1)):
         return None
-    device = cupy.cuda.runtime.getDevice() if cupy is not None and xp is cupy else None
-    key = (id(xp), device, op, N if op == "conv2d_wgrad" else 0, C, H, W, K, R, S, P, Q, stride, pad)
+    key = (*_device_key(), op, N if op == "conv2d_wgrad" else 0, C, H, W, K, R, S, P, Q, stride, pad)
     table = _tap_tables.pop(key, None)
     if table is None:
         rows = _tap_rows(op, KR, C, H, W, K, R, S, P, Q, stride, pad)
