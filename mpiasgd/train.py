@@ -444,9 +444,9 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
                   flush=True)
         print(f"mpiasgd: resuming '{state['path']}' from checkpoint '{ckpt.path}' (version {ckpt.version}, "
               f"{ckpt.elapsed:.1f} s of training); config changes: {text}", flush=True)
+    at = log.last_time() if ckpt is None else max(ckpt.log_time, log.last_time())  # (reads the file: once)
     for text in tuned:  # --conv-algo autotune: what each GPU worker chose (after a resume's events)
-        log.add("events", (log.last_time() if ckpt is None else max(ckpt.log_time, log.last_time()), b"autotune",
-                           text))
+        log.add("events", (at, b"autotune", text))
     params = model.init_params(cfg.seed)
     bar = None
     if cfg.progress:
@@ -538,11 +538,9 @@ def train(cfg: Config, comm: Any = None) -> int:
     # (all ranks) two workers on one GPU: every rank judges the same gathered list
     devices = comm.allgather(state.get("device"))
     shared = None if me.is_server else sharing_error(devices, me.rank, cfg.share_devices)
-    if report_startup_errors(me, shared):
-        if state.get("lock") is not None:
-            state["lock"].release()
-        return EXIT_BAD_INPUT
-    if cfg.conv_algo == "autotune" and tune_convs(cfg, me, state, tuning_turns(devices)):
+    # (every rank sees the same answers, so all skip the tuning rounds alike)
+    if report_startup_errors(me, shared) or (cfg.conv_algo == "autotune" and
+                                              tune_convs(cfg, me, state, tuning_turns(devices))):
         if state.get("lock") is not None:
             state["lock"].release()
         return EXIT_BAD_INPUT
