@@ -11,6 +11,9 @@
 //   conv2d_wgrad_partial   K   C*R*S     N*P*Q     dy[n][m][p][q]        x[n][c][p*st-pad+r][..]    ws[z][m][j]
 //   conv2d_split_reduce    out = sum over z = 0..splits-1 of ws[z], in that order, into NCHW (+bias, relu)
 //
+// relu: max(v, 0) with NaN propagated (relu(NaN) = NaN, as np.maximum and numpy_ops.relu_fprop), see
+// conv_relu. The sums propagate NaN and +-inf as IEEE arithmetic does (inf - inf = NaN), in any order.
+//
 // Shapes: x (N, C, H, W), w (K, C, R, S), bias (K,) or NULL, y / dy (N, K, P, Q) with
 // P = (H + 2*pad - R)/stride + 1, Q likewise; ws (splits, M, NG); dw (K, C, R, S).
 // The GEMM kernels take a last argument tab: the layer's tap table (cupy_ops.conv_tap_table), or NULL
@@ -398,6 +401,10 @@ struct ConvSmem {
   ConvStage stage[CONV_STAGES];
 };
 
+// The fused ReLU: max(v, 0), but NaN stays NaN (fmaxf(NaN, 0) would be 0 and hide a NaN from the
+// non-finite check of a pushed gradient that the NumPy backend trips); -0 gives +0, as np.maximum.
+__device__ __forceinline__ float conv_relu(float v) { return (v > 0.0f || v != v) ? v : 0.0f; }
+
 // PARTIAL: write C[m][j] of split z = blockIdx.z to the workspace out[z][m][j] (no bias, no ReLU)
 // instead of its NCHW place; conv2d_split_reduce adds the splits. WGRAD is always PARTIAL.
 // PATH: CONV_TABLE (tab: the tap table), CONV_BOUNDS or CONV_STRIDED (tab unused), see their comments.
@@ -653,7 +660,7 @@ __device__ __forceinline__ void conv_gemm(ConvSmem& sm, const float* __restrict_
       v[j] = acc[i][j];
       if (MODE == CONV_FPROP && !PARTIAL) {
         if (bias != 0) v[j] += bm;
-        if (relu) v[j] = fmaxf(v[j], 0.0f);
+        if (relu) v[j] = conv_relu(v[j]);
       }
     }
 #pragma unroll
@@ -695,7 +702,7 @@ __device__ __forceinline__ void conv_run(const float* __restrict__ A, const floa
                                                                              K, R, S, P, Q, stride, pad, chunk, tab);
 }
 
-// y = conv(x, w) (+ bias[k]) (then max(., 0) when relu != 0). bias may be NULL.
+// y = conv(x, w) (+ bias[k]) (then conv_relu, NaN-propagating max(., 0), when relu != 0). bias may be NULL.
 extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
 conv2d_fprop(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
              float* __restrict__ y, int N, int C, int H, int W, int K, int R, int S, int P, int Q, int stride,
@@ -736,7 +743,7 @@ conv2d_wgrad_partial(const float* __restrict__ dy, const float* __restrict__ x, 
   conv_run<CONV_WGRAD, true>(dy, x, ws, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, chunk, tab);
 }
 
-// out[n][m][l] = sum over z < splits of ws[z][m][n*L + l] (+ bias[m]) (then max(., 0) when relu != 0),
+// out[n][m][l] = sum over z < splits of ws[z][m][n*L + l] (+ bias[m]) (then conv_relu when relu != 0),
 // for n < N, m < M, l < L; ws is (splits, M, N*L). fprop: L = P*Q, out = y; dgrad: L = H*W, out = dx;
 // wgrad: N = 1, L = C*R*S, out = dw. bias may be NULL.
 // Two levels, so that a deep split (wgrad of a small layer: hundreds of ranges) is not one long
@@ -776,7 +783,7 @@ conv2d_split_reduce(const float* __restrict__ ws, const float* __restrict__ bias
       float t = part[oi];
       for (int l = 1; l < lanes; ++l) t += part[l * SPLIT_REDUCE_OUTS + oi];
       if (bias != 0) t += __ldg(bias + m);
-      if (relu) t = fmaxf(t, 0.0f);
+      if (relu) t = conv_relu(t);
       out[o] = t;
     }
     __syncthreads();  // the lane sums are read before the next group overwrites them

@@ -2,7 +2,10 @@
 //
 //   maxpool_fprop_u8, maxpool_fprop_i32
 //       x (N, C, H, W) -> y (N, C, P, Q) float, argmax (N, C, P, Q) uint8 / int32: offset i*kernel + j
-//       of the window maximum, the first one on ties (uint8 when kernel*kernel <= 256, as numpy_ops)
+//       of the window maximum, the first one on ties (uint8 when kernel*kernel <= 256, as numpy_ops).
+//       NaN propagates (as np.max): a window holding a NaN gives y = NaN and argmax = its first NaN in
+//       row-major scan order (np.argmax's rule), so the backward routes the gradient to that NaN;
+//       +inf and -inf are ordinary values (a window of -inf only: offset 0)
 //   maxpool_bprop_u8, maxpool_bprop_i32
 //       dy (N, C, P, Q), argmax -> dx (N, C, H, W): every dx element gathers the dy of the windows
 //       whose maximum it is (no atomics, fixed order), so overlapping windows (kernel > stride) sum
@@ -26,7 +29,9 @@ __device__ __forceinline__ void maxpool_fprop_body(const float* __restrict__ x, 
     for (int i = 0; i < kernel; ++i)
       for (int j = 0; j < kernel; ++j) {
         const float v = win[(long long)i * W + j];
-        if (v > best) {  // strict: the first maximum wins ties
+        // strict: the first maximum wins ties; a NaN beats any number (best == best: no NaN yet) and
+        // then nothing beats it (v > NaN is false), so the first NaN wins
+        if (v > best || (v != v && best == best)) {
           best = v;
           best_at = i * kernel + j;
         }

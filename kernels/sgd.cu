@@ -1,8 +1,9 @@
 // sgd.cu: heavy-ball SGD with momentum and weight decay on one flat float32 vector, in place.
 //
 //   sgd_momentum   w, v, g, decay (n,):  v <- momentum * v + (g + decay * w);  w <- w - lr * v
-//                  (decay = weight_decay * mask, 0 on biases; the form of mpiasgd.optim.SGD,
-//                  Sutskever et al. 2013 / torch.optim.SGD); g and decay are not modified
+//                  (decay = weight_decay * mask, 0 on biases; the form of mpiasgd.optim.SGD and
+//                  torch.optim.SGD, not cuda-convnet's/Caffe's v <- m v - lr (g + wd w), w <- w + v,
+//                  which differs when lr changes); g and decay are not modified
 // Launch: 1-D, any block size, grid-stride loop over n (64-bit); no shared memory.
 
 extern "C" __global__ void sgd_momentum(float* __restrict__ w, float* __restrict__ v, const float* __restrict__ g,

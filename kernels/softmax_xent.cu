@@ -6,10 +6,17 @@
 //                  row_correct (N,) int32 = 1 if the first argmax of the row equals the label else 0,
 //                                   and -1 when the label is outside [0, K) (that row's other
 //                                   outputs are then left unwritten; the caller raises)
+// Non-finite logits as numpy_ops (np.max / np.argmax): max and argmax rank NaN above every number, so
+// a row holding a NaN has max NaN and argmax its first NaN, and its dlogits and loss are NaN; a +inf
+// logit makes them NaN too (inf - inf); a row of -inf only has argmax 0 (and NaN outputs).
 // Launch: grid (N) (one block per row), block SOFTMAX_THREADS_MAX (256) or any power of two below
 // it; static shared memory 2 * SOFTMAX_THREADS_MAX words. Tree reductions, no atomics.
 
 #define SOFTMAX_THREADS_MAX 256
+
+// a ranks above b in the order of np.max / np.argmax: NaN above every number, equal to another NaN
+__device__ __forceinline__ bool softmax_above(float a, float b) { return a > b || (a != a && b == b); }
+__device__ __forceinline__ bool softmax_same(float a, float b) { return a == b || (a != a && b != b); }
 
 extern "C" __global__ void __launch_bounds__(SOFTMAX_THREADS_MAX)
 softmax_xent(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ dlogits,
@@ -25,12 +32,13 @@ softmax_xent(const float* __restrict__ logits, const int* __restrict__ labels, f
     return;
   }
 
-  // row max and its first index
+  // row max and its first index (best_at = K: this thread has none yet; its first element is taken
+  // even if it is -inf, so that a row of -inf has argmax 0 as np.argmax)
   float best = __int_as_float((int)0xff800000);  // -inf (NVRTC has no INFINITY macro)
   int best_at = K;
   for (int k = t; k < K; k += blockDim.x) {
     const float v = z[k];
-    if (v > best) {  // k increases, so the first maximum of this thread's subset is kept
+    if (best_at == K || softmax_above(v, best)) {  // k increases: the first maximum (or NaN) of the subset
       best = v;
       best_at = k;
     }
@@ -42,7 +50,7 @@ softmax_xent(const float* __restrict__ logits, const int* __restrict__ labels, f
     if (t < half) {
       const float v = red_v[t + half];
       const int i = red_i[t + half];
-      if (v > red_v[t] || (v == red_v[t] && i < red_i[t])) {
+      if (softmax_above(v, red_v[t]) || (softmax_same(v, red_v[t]) && i < red_i[t])) {
         red_v[t] = v;
         red_i[t] = i;
       }

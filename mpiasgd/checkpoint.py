@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
+from mpiasgd.runlog import os_error
+
 FORMAT = "mpiasgd-checkpoint-1"
 WORKER_STATE = np.dtype([("rank", "<i4"), ("step", "<i8"), ("cursor", "<i8"), ("rejected", "<i8")])
 
@@ -107,8 +109,9 @@ class Checkpoint:
 def write(path: str, ckpt: Checkpoint) -> float:
     """Write `ckpt` to `path` atomically (see the module docstring); returns the seconds it took.
 
-    Raises OSError (disk full, permissions): the previous checkpoint is left as it was, and the
-    temporary file is removed.
+    Raises OSError (disk full, permissions) with a one-line text, e.g. "[Errno 28] No space left on
+    device" (h5py's multi-line errors and RuntimeErrors are turned into it): the previous checkpoint
+    is left as it was, and the temporary file is removed.
     """
     t0 = time.perf_counter()
     directory = os.path.dirname(os.path.abspath(path))
@@ -142,9 +145,11 @@ def write(path: str, ckpt: Checkpoint) -> float:
             os.fsync(fd)  # and the rename itself
         finally:
             os.close(fd)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, (OSError, RuntimeError)):  # RuntimeError: h5py's, when HDF5 fails to write
+            raise os_error(e) from e
         raise
     return time.perf_counter() - t0
 

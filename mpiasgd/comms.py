@@ -81,7 +81,7 @@ def probe(comm: Any, rank: int, timeout: float, what: str, backoff: Backoff, idl
     """Poll for the next message from any source with any tag; returns (MPI.Message, MPI.Status).
 
     `idle()` is called between polls (the server flushes its log and checks its clocks there);
-    raises CommTimeout naming `what` after `timeout` seconds without any message.
+    raises CommTimeout naming `what` when a poll `timeout` seconds after the start finds no message.
     """
     status = MPI.Status()
     start = time.perf_counter()
@@ -90,8 +90,10 @@ def probe(comm: Any, rank: int, timeout: float, what: str, backoff: Backoff, idl
         if message is not None:
             backoff.reset()
             return message, status
-        if idle is not None:
-            idle()
+        # judged right after a poll that found nothing: a pause of this process (SIGSTOP) inside idle()
+        # does not time out a wait whose messages arrived in the meantime
         if time.perf_counter() - start > timeout:
             raise CommTimeout(f"rank {rank}: no {what} after {timeout:.0f} s")
+        if idle is not None:
+            idle()
         backoff.pause()

@@ -1,8 +1,8 @@
 """Run configuration: one frozen dataclass, filled from defaults < TOML file < command-line flags.
 
 Every field has a default and a one-line help with its unit. Unknown or ill-typed keys are errors
-(`ConfigError`), and so are values out of range. Rank 0 prints the resolved config once and stores
-it in the run log (attribute `config`, JSON).
+(`ConfigError`), and so are values out of range. Rank 0 stores the resolved config in the run log
+(attribute `config`, JSON) and prints it once with `--show-config`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ CUDA_AWARE = ("auto", "on", "off")
 CONV_ALGOS = ("heuristic", "autotune")  # mpiasgd.ops.cupy_ops.CONV_ALGOS (not imported: it would import the backend)
 SCHEDULES = ("constant", "step", "cosine")
 STALENESS_LR = ("none", "inverse", "sqrt")
+ON_DIVERGENCE = ("warn", "stop")
 
 
 def _opt(default: Any, group: str, help: str) -> Any:
@@ -111,14 +112,18 @@ class Config:
     lr_milestones: tuple = _opt((), "optimizer", "step schedule: epochs at which lr is multiplied by --lr-gamma")
     lr_gamma: float = _opt(0.1, "optimizer", "step schedule: factor per milestone")
     staleness_lr: str = _opt("none", "optimizer",
-                             "step for a push of staleness s: none = lr, inverse = lr/max(1,s), "
-                             "sqrt = lr/sqrt(max(1,s)) (Zhang et al. 2016)")
+                             "scale of a pushed gradient of staleness s as it enters the momentum: none = 1, "
+                             "inverse = 1/max(1,s), sqrt = 1/sqrt(max(1,s)) (Zhang et al. 2016)")
     max_rejects: int = _opt(10, "optimizer", "non-finite gradients in a row from one worker before the run stops")
     # --- stopping (first limit reached stops the run; 0 = no limit) ---
     epochs: float = _opt(10.0, "stopping", "passes over the training set by all workers together (0 = no limit)")
     max_pushes: int = _opt(0, "stopping", "gradient pushes applied by the server; sync: steps; pipeline: minibatches "
                                           "per replica (0 = no limit)")
     max_time: float = _opt(0.0, "stopping", "wall time of training, seconds (0 = no limit)")
+    on_divergence: str = _opt("warn", "stopping",
+                              "when the training loss spikes far above its running level, or the network is dead "
+                              "(loss at ln(classes), chance accuracy, after the first epoch): warn (stderr and a "
+                              "log event) | stop (also end the run there: status 'diverged', exit status 3)")
     # --- run log ---
     name: str = _opt("", "run log", "run name; the log is RUN_DIR/NAME.h5 (default: model-mode-Nw-timestamp)")
     run_dir: str = _opt("runs", "run log", "folder of run logs")
@@ -135,6 +140,9 @@ class Config:
                        "config (model, mode, seed, batch size, name and the pipeline's layout excepted)")
     eval_batch_size: int = _opt(256, "run log", "images per forward pass when evaluating")
     progress: bool = _opt(True, "run log", "progress bar on rank 0")
+    show_config: bool = _opt(False, "run log",
+                             "rank 0 prints the resolved config (every key) before training; it is stored in the "
+                             "run log either way (attribute 'config')")
 
     def validate(self) -> Config:
         """Check every value's range; raise ConfigError naming the key. Returns self."""
@@ -179,7 +187,7 @@ class Config:
              "'heuristic' with --backend numpy (it chooses the tiles of the cupy backend's conv kernels: "
              "--backend cupy or auto, or pass --conv-algo heuristic, also over a --resume checkpoint's config)")
         need(self.batch_size >= 1, "batch_size", "an integer >= 1")
-        need(0 <= self.seed < 2**63, "seed", "an integer >= 0 (numpy seeds are unsigned)")
+        need(0 <= self.seed < 2**63, "seed", f"an integer from 0 to 2**63 - 1 = {2**63 - 1}")
         need(self.threads >= 0, "threads", "an integer >= 0")
         need(self.comm_timeout > 0, "comm_timeout", "seconds > 0")
         need(math.isfinite(self.stall_warning) and self.stall_warning >= 0, "stall_warning", "seconds >= 0")
@@ -193,6 +201,7 @@ class Config:
         need(0 < self.lr_gamma <= 1, "lr_gamma", "0 < gamma <= 1")
         need(self.staleness_lr in STALENESS_LR, "staleness_lr", f"one of {STALENESS_LR}")
         need(self.max_rejects >= 1, "max_rejects", "an integer >= 1")
+        need(self.on_divergence in ON_DIVERGENCE, "on_divergence", f"one of {ON_DIVERGENCE}")
         self.stragglers()  # raises on a malformed entry
         need(self.epochs >= 0, "epochs", "epochs >= 0 (0 = no limit)")
         need(self.max_pushes >= 0, "max_pushes", "a count >= 0 (0 = no limit)")
@@ -269,20 +278,23 @@ def _coerce(key: str, value: Any) -> Any:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind == "float":
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
     elif kind == "str":
         ok = isinstance(value, str)
     elif kind == "tuple":
         ok = isinstance(value, (list, tuple)) and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
-        value = tuple(float(v) for v in value) if ok else value
     else:  # pragma: no cover - a new field type needs a branch here
         raise AssertionError(f"unhandled config type {kind} of {key}")
     if not ok:
         expected = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
                     "tuple": "an array of numbers"}[kind]
         raise ConfigError(f"config key '{key}' = {value!r}: expected {expected}")
-    return value
+    if kind in ("float", "tuple") and not all(map(math.isfinite, value if kind == "tuple" else [value])):
+        # one rule with the flags (resolve): TOML's inf and nan are refused, not read as "no limit"
+        raise ConfigError(f"config key '{key}' = {value!r}: expected a finite number")
+    if kind == "float":
+        return float(value)
+    return tuple(float(v) for v in value) if kind == "tuple" else value
 
 
 def from_mapping(values: dict, base: Config | None = None, source: str = "config") -> Config:
@@ -330,6 +342,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         text = f.metadata["help"]
         text = text if "default:" in text else f"{text} (default: {f.default!r})"
+        text = text.replace("%", "%%")  # argparse formats help with %: a literal one must be doubled
         common = dict(dest=f.name, default=None, help=text)
         if f.type == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
@@ -346,11 +359,11 @@ FIXED_ON_RESUME = ("model", "dataset", "mode", "seed", "batch_size", "modules", 
 
 def resume_overrides(saved: Config, cfg: Config) -> dict[str, tuple]:
     """{key: (saved value, new value)} for every key `cfg` changes from the checkpoint's config `saved`
-    (`resume`, `overwrite` and `progress` aside); ConfigError for a key in FIXED_ON_RESUME."""
+    (`resume`, `overwrite`, `progress` and `show_config` aside); ConfigError for a key in FIXED_ON_RESUME."""
     out = {}
     for key in FIELDS:
         old, new = getattr(saved, key), getattr(cfg, key)
-        if old == new or key in ("resume", "overwrite", "progress"):
+        if old == new or key in ("resume", "overwrite", "progress", "show_config"):
             continue
         if key in FIXED_ON_RESUME:
             shown = f"{old!r} (the default)" if old == FIELDS[key].default else repr(old)
@@ -380,7 +393,8 @@ def resolve(args: argparse.Namespace) -> Config:
     cfg = load_toml(args.config, base) if getattr(args, "config", None) else base
     flags = {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
     for key, value in flags.items():
-        if FIELDS[key].type == "float" and not math.isfinite(value):
+        kind = FIELDS[key].type
+        if kind in ("float", "tuple") and not all(map(math.isfinite, value if kind == "tuple" else [value])):
             raise ConfigError(f"flag --{key.replace('_', '-')} = {value!r}: expected a finite number")
     cfg = dataclasses.replace(cfg, **flags).validate()
     if cfg.resume:

@@ -63,13 +63,21 @@ def _scratch_needed(out: np.ndarray, reads: tuple[np.ndarray, ...], size: int) -
 
 
 class SGD:
-    """Heavy-ball SGD on one flat float32 parameter vector (P,):
+    """Heavy-ball SGD on one flat float32 parameter vector (P,), in PyTorch's form (`torch.optim.SGD`
+    with dampening 0, not Nesterov):
 
-        v <- momentum * v + (g + weight_decay * mask * w)
+        v <- momentum * v + (s * g + weight_decay * mask * w)
         w <- w - lr * v
 
-    (the form of Sutskever et al. 2013 / PyTorch's `torch.optim.SGD`); `mask` is 1 on conv/linear
-    weights and 0 on biases, so biases are not decayed. All arrays float32 (P,), C-contiguous.
+    `mask` is 1 on conv/linear weights and 0 on biases, so biases are not decayed; `s` is the
+    gradient's scale (`step(..., grad_scale=s)`, default 1: the staleness rule, see
+    `staleness_factor`). All arrays float32 (P,), C-contiguous.
+
+    Conventions differ when the step size changes. cuda-convnet and Caffe (and Sutskever et al.
+    2013, eq. 1-2) keep the step inside the velocity, v <- momentum * v - lr * (g + wd * w),
+    w <- w + v: a new lr scales only the new gradient's share. Here lr multiplies the whole
+    velocity at each step, so a new lr rescales every earlier gradient's remaining contribution at
+    once. The two agree while lr is constant (v_here = -v_caffe / lr).
 
     `params` is the current weight vector. `step(g, lr)` updates it in place; `step(g, lr, out=buf)`
     writes the new weights into `buf` instead, leaves the old vector unchanged, and re-points
@@ -101,9 +109,17 @@ class SGD:
         self.velocity = np.zeros_like(params) if momentum else None
         self.blocks = decay_blocks(self.decay, chunk)
         self.scratch = np.empty(min(chunk, params.size), np.float32)  # for in-place steps
+        self.chunk = chunk
+        self.decay_scratch: np.ndarray | None = None  # for grad_scale != 1, allocated on first use
 
-    def step(self, grad: np.ndarray, lr: float, out: np.ndarray | None = None) -> np.ndarray:
-        """Apply one update with step size `lr` for gradient `grad`; returns the new weights.
+    def step(self, grad: np.ndarray, lr: float, out: np.ndarray | None = None, grad_scale: float = 1.0) -> np.ndarray:
+        """Apply one update with step size `lr` for gradient `grad` scaled by `grad_scale`; returns the
+        new weights.
+
+        `grad_scale` multiplies the gradient before it enters the velocity (weight decay, computed on
+        the current weights, is not scaled): the staleness rule (Zhang et al. 2016) scales the stale
+        gradient, not the velocity that holds the earlier ones. 1 (the default) takes the exact float32
+        operations of the unscaled formula.
 
         `out` (float32 (P,)) receives them: `params` itself (the default, in place) or a separate
         buffer; either way `params` is `out` afterwards, and a separate buffer leaves the old weight
@@ -117,10 +133,19 @@ class SGD:
         if self.velocity is not None and np.may_share_memory(out, self.velocity):
             raise ValueError("out must not be the optimizer's velocity")
         lr32, m, v = np.float32(lr), self.momentum, self.velocity
+        scale = np.float32(grad_scale)
+        if scale != 1 and self.decay_scratch is None:
+            self.decay_scratch = np.empty(min(self.chunk, size), np.float32)
         for a, b, coef in self.blocks:
             wb, gb, ob = w[a:b], grad[a:b], out[a:b]
             t = self.scratch[: b - a] if in_place else ob  # ob is free until its final write
-            if coef is None:
+            if scale != 1:  # t = s * g + decay * w
+                np.multiply(gb, scale, out=t)
+                if coef is None or coef:
+                    d = self.decay_scratch[: b - a]
+                    np.multiply(wb, self.decay[a:b] if coef is None else coef, out=d)
+                    t += d
+            elif coef is None:
                 np.multiply(self.decay[a:b], wb, out=t)  # (decay * w)
                 t += gb                                  # + g
             elif coef:
@@ -182,11 +207,19 @@ def learning_rate(cfg: Config, epoch: float, progress: float) -> float:
 
 
 def staleness_factor(rule: str, staleness: int) -> float:
-    """Multiplier of the step size for a push of `staleness` (>= 0) under `rule`.
+    """Multiplier of a push of `staleness` (>= 0) under `rule`.
 
     "none": 1. "inverse": 1 / max(1, s), the staleness-dependent learning rate of Zhang, Gupta,
     Lian and Liu 2016 (arXiv 1511.05950, alpha / tau). "sqrt": 1 / sqrt(max(1, s)), a milder form.
     A fresh push (s = 0) and one of staleness 1 get the full step under every rule.
+
+    The server scales the pushed gradient by it before the gradient enters the momentum
+    (`SGD.step(grad_scale=...)`), so a stale gradient's total contribution, lr / (1 - momentum)
+    over the following steps, is scaled by the factor, and the velocity built from earlier pushes
+    is not. (Scaling the step lr of that one update instead would shrink the whole velocity's move
+    at that step: at momentum 0.9 a gradient of staleness 8 would still move the weights by about
+    9.1 lr in total against 10 lr for a fresh one.) An accumulated update (nsync > 1) is scaled as
+    a whole: the server keeps no momentum for it.
     """
     if rule == "inverse":
         return 1.0 / max(1, staleness)

@@ -283,7 +283,7 @@ class PipelineUnit:
         act_req = self.pipe.Irecv(acts_in[base % 2].buf, source=k - 1, tag=int(Tag.ACTIVATION)) if k > 0 else None
         grad_req = (self.pipe.Irecv(grads_in[base % 2].buf, source=k + 1, tag=int(Tag.GRADIENT))
                     if k < K - 1 else None)
-        ctrl = np.zeros(2, dtype=np.float64)     # [elapsed seconds, preempt], max over the module's replicas
+        ctrl = np.zeros(3, dtype=np.float64)     # [elapsed seconds, preempt, halt], max over the module's replicas
         last_snapshot, snapshot_at = ctrl[0], -1  # the iteration after which replica 0 sends a snapshot
         total = None                             # minibatches done at the segment's end, once module 0 decided
         ending = 0                               # Flag bits of the end: FINAL (the run ends), PREEMPT (on a signal)
@@ -291,8 +291,12 @@ class PipelineUnit:
         while True:
             t0 = time.perf_counter()
             wait_s = comm_s = 0.0
-            signal = bool(signals.received()) or (self.stop_req is not None and bool(self.stop_req.Test()))
-            ctrl[0], ctrl[1] = t0 - self.began, float(signal)
+            # a STOP from rank 0: a signal there (flag PREEMPT), or --on-divergence stop (halt: the run ends
+            # as at the stopping rule, with the final evaluation)
+            stopped = self.stop_req is not None and bool(self.stop_req.Test())
+            halt = stopped and not int(self.stop.header["flags"]) & Flag.PREEMPT
+            signal = bool(signals.received()) or (stopped and not halt)
+            ctrl[:] = t0 - self.began, float(signal), float(halt)
             if self.N > 1:  # one clock for the replicas: the same schedule and stopping decision
                 wait_s += wait(self.data.Iallreduce(MPI.IN_PLACE, ctrl, op=MPI.MAX), "the control allreduce",
                                rank, cfg.worker_timeout)
@@ -308,7 +312,7 @@ class PipelineUnit:
                     if total is None:  # module 0 decides where the segment ends, on the replicas' clock
                         if ctrl[1]:
                             ending = Flag.FINAL | Flag.PREEMPT
-                        elif self.stopping(m_f + 1, ctrl[0]):
+                        elif ctrl[2] or self.stopping(m_f + 1, ctrl[0]):
                             ending = Flag.FINAL
                         elif cfg.checkpoint_interval and ctrl[0] - self.last_checkpoint >= cfg.checkpoint_interval:
                             ending = Flag.LAST
@@ -526,6 +530,11 @@ class PipelineMonitor(ParameterServer):
 
     def on_preempt(self) -> None:
         """Module 0 of every replica hears of it (STOP, flag PREEMPT) and ends the segment there."""
+        self.stop_workers()
+
+    def stop_workers(self) -> None:
+        """A STOP to module 0 of every replica (flag PREEMPT on a signal; without it the run ends with the
+        final evaluation, as at the stopping rule)."""
         for w in self.workers:
             if self.module_of(w) == 0:
                 self.send_stop(w)
@@ -576,6 +585,7 @@ class PipelineMonitor(ParameterServer):
                                      self.epoch))
             loss = float(h["loss"])
             self.loss_avg = loss if self.loss_avg != self.loss_avg else 0.95 * self.loss_avg + 0.05 * loss
+            self.watch_loss(loss, int(h["correct"]), int(h["samples"]))
         nonfinite = bool(flags & Flag.NONFINITE)
         staleness = t - version if applied or nonfinite else 0
         if applied:

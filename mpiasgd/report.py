@@ -29,10 +29,17 @@ def _attr(f, key: str, default=None):
 def open_run(path: str):
     """Open the run log at `path` for reading (an h5py.File, SWMR), checking that it is one.
 
-    Raises FileNotFoundError if it does not exist, ValueError if it is not an mpiasgd run log.
+    Raises FileNotFoundError if it does not exist, IsADirectoryError for a directory (naming the run logs
+    in it), ValueError if it is empty or not an mpiasgd run log.
     """
+    if os.path.isdir(path):
+        logs = sorted(name for name in os.listdir(path) if name.endswith(".h5") and not name.endswith(".ckpt.h5"))
+        inside = f"; the run logs in it: {', '.join(logs[:5])}{' ...' if len(logs) > 5 else ''}" if logs else ""
+        raise IsADirectoryError(f"'{path}' is a directory, expected a run log file (runs/NAME.h5){inside}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"run log '{path}' not found")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"'{path}' is empty (0 bytes), expected an mpiasgd run log (HDF5)")
     try:
         f = open_log(path)
     except OSError as e:
@@ -136,9 +143,28 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
         bad = pushes[pushes["rejected"] == 1]
         per = ", ".join(f"rank {w}: {(bad['worker'] == w).sum()}" for w in sorted(set(bad["worker"].tolist())))
         lines.append(f"rejected pushes  {len(bad)} non-finite gradients ({per})")
+    health = health_line(run)
+    if health:
+        lines.append(f"health           {health}")
     if run.get("wall_time_s") is not None:
         lines.append(f"wall time        {float(run['wall_time_s']):.1f} s (server, start to end)")
     return lines
+
+
+def health_line(run: dict) -> str:
+    """How the run ended by the divergence watch (`mpiasgd.health`): "" if healthy. The summary's `health`
+    attribute; for a log without it (killed, or written before it existed), its first dead-network event
+    if no recovery followed."""
+    if run.get("health") is not None:
+        return str(run["health"])
+    state = ""
+    for e in run["events"] if run.get("events") is not None else []:
+        kind = e["kind"].decode()
+        if kind == "dead":
+            state = state or f"dead: {e['text'].decode() if isinstance(e['text'], bytes) else e['text']}"
+        elif kind == "recovered":
+            state = ""
+    return state
 
 
 def worker_table(run: dict) -> list[str]:

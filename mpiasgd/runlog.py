@@ -21,7 +21,8 @@ One file per run, `RUN_DIR/NAME.h5`:
     /snapshots/meta    (S,) SNAPSHOT_ROW: time, version, samples, epoch
     /evals       EVAL_ROW: time, version, epoch, snapshot (-1: the final weights), loss, accuracy, count
     /events      EVENT_ROW: time, kind, text (start, stop reason, failures, preempt, resume; autotune:
-                 a GPU worker's conv tiles chosen at start-up under --conv-algo autotune)
+                 a GPU worker's conv tiles chosen at start-up under --conv-algo autotune; pause: rank 0's
+                 own loop did not run for a while, not counted as the workers' silence)
     /checkpoints CHECKPOINT_ROW: time, seconds (to write it), version, samples, elapsed (training seconds
                  it holds), reason (interval | end | preempt | failure: a worker died); the file is
                  RUN_DIR/NAME.ckpt.h5
@@ -40,6 +41,13 @@ follow it while it grows; a run killed at any moment leaves a file readable up t
 While the run lives, rank 0 holds an exclusive lock on `NAME.h5.lock` (`WriterLock`): a second job
 cannot overwrite the log, and `writer_alive` tells a running log from a killed one (`recover`
 turns the latter into a clean file with status "killed").
+
+A file that cannot be written (disk full, quota, I/O error) raises RunLogError, one line naming the
+file and the cause ("[Errno 28] No space left on device"), never HDF5's chained messages. A failed
+flush cuts the tables back to their last flushed rows, so the file never points at rows that did not
+reach the disk; the log then takes no more rows, and `abandon` (which `close` calls) marks it
+"failed" where the disk still has room, closes it and releases the lock. Readable up to the last
+flush either way.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import datetime
 import fcntl
 import json
 import os
+import re
 import time
 import uuid
 
@@ -80,6 +89,33 @@ TABLES = {"pushes": PUSH_ROW, "updates": UPDATE_ROW, "snapshots/meta": SNAPSHOT_
           "evals": EVAL_ROW, "events": EVENT_ROW, "checkpoints": CHECKPOINT_ROW}
 
 
+class RunLogError(OSError):
+    """The run log at `path` cannot be `doing` ("written", "created", "reopened"): disk full, quota, I/O error.
+
+    The message is one line naming the file and the cause, e.g. "run log 'runs/x.h5' cannot be
+    written: [Errno 28] No space left on device"; `cause` is that cause as an OSError.
+    """
+
+    def __init__(self, path: str, error: BaseException, doing: str = "written") -> None:
+        self.path = path
+        self.cause = os_error(error)
+        super().__init__(f"run log '{path}' cannot be {doing}: {self.cause}")
+
+
+def os_error(error: BaseException) -> OSError:
+    """`error` (an OSError, or the RuntimeError h5py raises when HDF5 fails to write) as a plain OSError with
+    a one-line text: "[Errno 28] No space left on device" when it carries an errno (HDF5 puts it in its
+    text: "errno = 28"), else the first line of its text."""
+    number = error.errno if isinstance(error, OSError) and error.errno else None
+    if number is None:
+        found = re.search(r"errno = (\d+)", str(error))
+        number = int(found.group(1)) if found else None
+    if number:
+        return OSError(number, os.strerror(number))
+    lines = str(error).strip().splitlines()
+    return OSError(lines[0] if lines else type(error).__name__)
+
+
 class WriterLock:
     """An exclusive `flock` on `PATH.lock`, held by the run's writer (rank 0) from start-up to the end.
 
@@ -91,10 +127,25 @@ class WriterLock:
     def __init__(self, path: str) -> None:
         self.path = path + ".lock"
         self.fd: int | None = None
+        self.dead_pid = 0  # the pid a writer that died left in the lock file (0: none, or the file was new)
 
     def acquire(self, hint: str = "choose another --name") -> None:
-        """Take the lock; FileExistsError naming the log (and `hint`) if another live job holds it."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Take the lock; FileExistsError naming the log (and `hint`) if another live job holds it; OSError
+        naming the lock file if it cannot be created or written (disk full): a lock file this call
+        created is removed again."""
+        while True:
+            try:
+                fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+                break
+            except FileExistsError:  # left by a job that died, or held by a live one (flock tells)
+                try:
+                    fd, created = os.open(self.path, os.O_RDWR), False
+                    break
+                except FileNotFoundError:  # its job released it in between: create it
+                    continue
+            except OSError as e:
+                raise OSError(f"cannot create the lock file '{self.path}' of run log '{self.path[:-5]}': "
+                              f"{os_error(e)}") from None
         for attempt in range(10):  # a reader's brief shared lock (`writer_alive`) may be in the way
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -105,8 +156,18 @@ class WriterLock:
                     raise FileExistsError(f"run log '{self.path[:-5]}' is being written by a running job "
                                           f"(lock {self.path} is held); {hint}") from None
                 time.sleep(0.1)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            left = os.read(fd, 32).decode(errors="replace").strip()
+            self.dead_pid = int(left) if left.isdigit() else 0  # its flock was free: that writer is gone
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, f"{os.getpid()}\n".encode())  # readers and tests find rank 0's pid here
+        except OSError as e:  # disk full: the pid does not fit
+            if created:
+                os.unlink(self.path)
+            os.close(fd)
+            raise OSError(f"cannot write the lock file '{self.path}' of run log '{self.path[:-5]}': "
+                          f"{os_error(e)}") from None
         self.fd = fd
 
     def release(self) -> None:
@@ -143,14 +204,19 @@ def recover(path: str, check_writer: bool = True) -> None:
     if check_writer and writer_alive(path):
         raise RuntimeError(f"run log '{path}' is still being written by a running job; try when it has ended")
     tmp = path + ".recover.tmp"
-    with open_log(path) as src, h5py.File(tmp, "w", libver="latest") as dst:
-        for key, value in src.attrs.items():
-            dst.attrs[key] = value
-        for name in src:
-            src.copy(src[name], dst, name=name)
-        if dst.attrs.get("status") == "running":
-            dst.attrs["status"] = "killed"
-    os.replace(tmp, path)
+    try:
+        with open_log(path) as src, h5py.File(tmp, "w", libver="latest") as dst:
+            for key, value in src.attrs.items():
+                dst.attrs[key] = value
+            for name in src:
+                src.copy(src[name], dst, name=name)
+            if dst.attrs.get("status") == "running":
+                dst.attrs["status"] = "killed"
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):  # disk full: the log stays as it was, no half copy beside it
+            os.unlink(tmp)
+        raise
 
 
 def open_log(path: str, mode: str = "r") -> h5py.File:
@@ -178,6 +244,8 @@ class RunLog:
         self.pending: dict[str, list] = {name: [] for name in TABLES}
         self.pending_params: list[np.ndarray] = []
         self.last_flush = time.monotonic()
+        self.error: RunLogError | None = None  # the write failure that broke the log (it takes no more rows)
+        self.outcome = ""                      # what `abandon` made of a broken log, for the error message
         run_id = file.attrs.get("run_id", "")
         self.run_id = run_id.decode() if isinstance(run_id, bytes) else str(run_id)
 
@@ -188,10 +256,28 @@ class RunLog:
 
         `attrs` values that are not str/int/float are stored as JSON. An existing file at `path` is
         replaced: the caller decides (train.setup refuses one unless --overwrite, holding `lock`).
-        `lock` is released by `close`.
+        `lock` is released by `close`. RunLogError if the file cannot be created (disk full): no
+        part of it is left; the caller releases `lock`.
         """
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        f = h5py.File(path, "w", libver="latest")
+        f, existed = None, os.path.exists(path)
+        try:
+            f = h5py.File(path, "w", libver="latest")
+            cls._fill(f, attrs, workers, num_params)
+        except (OSError, RuntimeError) as e:  # RuntimeError: h5py's, when HDF5 fails to write
+            try:
+                if f is not None:
+                    f.close()
+            except (OSError, RuntimeError):
+                pass
+            if (f is not None or not existed) and os.path.exists(path):  # ours: created or truncated above
+                os.unlink(path)
+            raise RunLogError(path, e, "created") from e
+        return cls(path, f, flush_interval, lock)
+
+    @staticmethod
+    def _fill(f: h5py.File, attrs: dict, workers: list[tuple], num_params: int) -> None:
+        """`create`'s attributes and datasets in the new file `f`, then SWMR mode."""
         for key, value in attrs.items():
             f.attrs[key] = value if isinstance(value, (str, int, float)) else json.dumps(value)
         f.attrs["created"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -204,7 +290,6 @@ class RunLog:
         f.create_dataset("snapshots/params", shape=(0, num_params), maxshape=(None, num_params),
                          dtype=np.float32, chunks=(1, num_params))
         f.swmr_mode = True
-        return cls(path, f, flush_interval, lock)
 
     @classmethod
     def reopen(cls, path: str, workers: list[tuple], flush_interval: float, lock: WriterLock,
@@ -214,24 +299,34 @@ class RunLog:
         (pids and hosts change); tables added since the log was written are created. Rows after
         `resumed_at` (the log time of the checkpoint resumed from) came from a segment that died
         after that checkpoint: their time span is appended to the attribute `superseded` (JSON list of
-        [start, end]), which readers use to leave them out of counts."""
-        with open_log(path) as f:
-            status = f.attrs.get("status")
-        if status == "running":  # its writer was killed (we hold the lock): make it writable again
-            recover(path, check_writer=False)
-        f = h5py.File(path, "r+", libver="latest")
-        f.attrs["status"] = "running"
-        log = cls(path, f, flush_interval, lock)
-        last = log.last_time()
-        if resumed_at is not None and last > resumed_at:  # a segment that died after its checkpoint
-            spans = [*json.loads(f.attrs.get("superseded", "[]")), [resumed_at, last]]
-            f.attrs["superseded"] = json.dumps(spans)
-        del f["workers"]
-        f.create_dataset("workers", data=np.array(workers, dtype=WORKER_ROW))
-        for name, dtype in TABLES.items():
-            if name not in f:
-                f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
-        f.swmr_mode = True
+        [start, end]), which readers use to leave them out of counts. RunLogError if it cannot be
+        written (disk full)."""
+        f = None
+        try:
+            with open_log(path) as f:
+                status = f.attrs.get("status")
+            if status == "running":  # its writer was killed (we hold the lock): make it writable again
+                recover(path, check_writer=False)
+            f = h5py.File(path, "r+", libver="latest")
+            f.attrs["status"] = "running"
+            log = cls(path, f, flush_interval, lock)
+            last = log.last_time()
+            if resumed_at is not None and last > resumed_at:  # a segment that died after its checkpoint
+                spans = [*json.loads(f.attrs.get("superseded", "[]")), [resumed_at, last]]
+                f.attrs["superseded"] = json.dumps(spans)
+            del f["workers"]
+            f.create_dataset("workers", data=np.array(workers, dtype=WORKER_ROW))
+            for name, dtype in TABLES.items():
+                if name not in f:
+                    f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
+            f.swmr_mode = True
+        except (OSError, RuntimeError) as e:  # RuntimeError: h5py's, when HDF5 fails to write
+            try:
+                if f is not None:
+                    f.close()
+            except (OSError, RuntimeError):
+                pass
+            raise RunLogError(path, e, "reopened") from e
         return log
 
     def last_time(self) -> float:
@@ -243,46 +338,107 @@ class RunLog:
                 latest = max(latest, float(ds[ds.shape[0] - 1]["time"]))
         return latest
 
-    # --- appending (server only; rows reach the file at the next flush) ---
+    # --- appending (server only; rows reach the file at the next flush; a broken log drops them) ---
     def add(self, table: str, row: tuple) -> None:
-        self.pending[table].append(row)
+        if self.error is None:
+            self.pending[table].append(row)
 
     def add_snapshot(self, row: tuple, params: np.ndarray) -> None:
-        self.pending["snapshots/meta"].append(row)
-        self.pending_params.append(params.copy())
+        if self.error is None:
+            self.pending["snapshots/meta"].append(row)
+            self.pending_params.append(params.copy())
 
     def maybe_flush(self) -> None:
         if time.monotonic() - self.last_flush >= self.flush_interval:
             self.flush()
 
     def flush(self) -> None:
-        """Write every buffered row and make it visible to readers."""
-        if self.pending_params:
-            ds = self.file["snapshots/params"]
-            append(ds, np.stack(self.pending_params))
-            ds.flush()
-            self.pending_params.clear()
-        for name, rows in self.pending.items():
-            if rows:
-                ds = self.file[name]
-                append(ds, np.array(rows, dtype=TABLES[name]))
+        """Write every buffered row and make it visible to readers.
+
+        RunLogError if the file cannot be written (disk full): the tables this flush grew are cut back
+        to their rows before it (readers never see rows that did not reach the disk), the buffered
+        rows are dropped and the log is broken: `add` and `flush` do nothing from then on, and `close`
+        ends it as `abandon` does.
+        """
+        if self.error is not None or self.file is None:
+            return
+        before: dict[str, int] = {}  # the rows of each table this flush grows, before it
+        try:
+            if self.pending_params:
+                ds = self.file["snapshots/params"]
+                before["snapshots/params"] = ds.shape[0]
+                append(ds, np.stack(self.pending_params))
                 ds.flush()
+            for name, rows in self.pending.items():
+                if rows:
+                    ds = self.file[name]
+                    before[name] = ds.shape[0]
+                    append(ds, np.array(rows, dtype=TABLES[name]))
+                    ds.flush()
+            self.file.flush()
+        except (OSError, RuntimeError) as e:  # RuntimeError: h5py's, when HDF5 fails to write
+            self.error = RunLogError(self.path, e)
+            for name, n in before.items():  # no row that may not be on disk stays referenced
+                try:
+                    self.file[name].resize(n, axis=0)
+                except (OSError, RuntimeError):
+                    pass
+            raise self.error from e
+        finally:
+            self.pending_params.clear()
+            for rows in self.pending.values():
                 rows.clear()
-        self.file.flush()
         self.last_flush = time.monotonic()
 
     def close(self, status: str, attrs: dict | None = None) -> None:
-        """Flush, close, and record the final `status` and summary `attrs` (the file leaves SWMR mode)."""
+        """Flush, close, and record the final `status` and summary `attrs` (the file leaves SWMR mode);
+        release the lock. RunLogError if the file cannot be written: the log is then ended by `abandon`
+        (status "failed" where the disk allows), its `outcome` says how."""
         if self.file is None:
             return
         try:
             self.flush()
+            if self.error is None:
+                self.file.close()
+        except RunLogError:
+            pass
+        except (OSError, RuntimeError) as e:  # the close's own writes
+            self.error = RunLogError(self.path, e)
+        if self.error is not None:
+            self.abandon()
+            raise self.error
+        self.file = None
+        try:
+            with h5py.File(self.path, "r+", libver="latest") as f:
+                f.attrs["status"] = status
+                for key, value in (attrs or {}).items():
+                    f.attrs[key] = value
+        except (OSError, RuntimeError) as e:
+            self.error = RunLogError(self.path, e)
+            self.outcome = f"its status could not be set to '{status}'"
+            raise self.error from e
         finally:
-            self.file.close()
+            if self.lock is not None:
+                self.lock.release()
+
+    def abandon(self) -> str:
+        """End a log that cannot be written (after RunLogError), never raising: status "failed" set in place
+        (the file stays in SWMR mode: no new objects), the file closed, the lock released. Returns (and
+        keeps in `outcome`) what became of it, for the error message. Readers see every row up to the
+        last flush that succeeded, whether or not the status could be written."""
+        if self.file is not None:
+            try:
+                self.file.attrs.modify("status", "failed")
+                self.file.flush()
+                self.outcome = "the log is closed with status 'failed', readable up to its last flush"
+            except (OSError, RuntimeError):
+                self.outcome = ("its status could not be set to 'failed' (it stays 'running'); it is readable up "
+                                "to its last flush")
+            try:
+                self.file.close()
+            except (OSError, RuntimeError):
+                pass  # HDF5 keeps it open; the process ends soon
             self.file = None
-        with h5py.File(self.path, "r+", libver="latest") as f:
-            f.attrs["status"] = status
-            for key, value in (attrs or {}).items():
-                f.attrs[key] = value
         if self.lock is not None:
             self.lock.release()
+        return self.outcome

@@ -4,7 +4,8 @@ Asynchronous SGD as in GPU A-SGD (Paine et al. 2013, arXiv 1312.6186) and Downpo
 al. 2012): every PUSH is applied the moment it arrives,
 
     staleness = version (server, before the update) - base version (the push was computed from)
-    nsync = 1:  w <- SGD-momentum step of w with the pushed gradient, step lr * f(staleness)
+    nsync = 1:  w <- SGD-momentum step of w with the pushed gradient scaled by f(staleness)
+                (v <- momentum v + f g + wd w; w <- w - lr v: see optim.SGD)
     nsync = K:  w <- w + f(staleness) * u, u = the worker's accumulated update over K local steps
     version <- version + 1
 
@@ -50,6 +51,7 @@ from mpi4py import MPI
 from mpiasgd import checkpoint, protocol, signals
 from mpiasgd.comms import Backoff, CommTimeout, probe, wait, wait_all
 from mpiasgd.config import Config
+from mpiasgd.health import Finding, LossWatch
 from mpiasgd.optim import SGD, apply_delta, finite_square, fraction_done, learning_rate, staleness_factor
 from mpiasgd.protocol import Flag, Message, ProtocolError, Tag
 from mpiasgd.runlog import RunLog
@@ -65,6 +67,7 @@ class WorkerFailed(RuntimeError):
 
 
 PREEMPT_GRACE = 5.0  # seconds the workers have to answer after a preemption signal
+PAUSE_GAP = 5.0  # seconds between two ticks of rank 0 (normally milliseconds) that count as rank 0 paused
 
 
 class Preempted(RuntimeError):
@@ -126,6 +129,7 @@ class ParameterServer:
         self.last_snapshot = 0.0
         self.last_progress = 0.0
         self.last_stall_check = 0.0
+        self.last_tick: float | None = None   # when rank 0's loop last ticked (a gap: rank 0 itself was paused)
         self.warned: set[int] = set()         # workers warned about (--stall-warning) in their current silence
         self.stop_time = 0.0
         self.staleness_sum = 0
@@ -153,6 +157,8 @@ class ParameterServer:
         self.preempt_time: float | None = None  # run time the preempting signal came
         self.preempt_deadline = 0.0
         self.pids: dict[int, tuple[str, int]] = {}  # worker -> (host, pid), to name dead ones (train sets it)
+        self.health: LossWatch | None = None  # divergence and dead-network watch (train sets it: needs the classes)
+        self.diverged = ""                    # --on-divergence stop: the symptom that ended the run
         self.host = socket.gethostname()
 
     # --- clocks and rules ---
@@ -195,6 +201,30 @@ class ParameterServer:
             self.stop_time = self.now()
             self.log.add("events", (self.now(), b"stop", self.stop_reason))
 
+    def watch_loss(self, loss: float, correct: int, samples: int) -> None:
+        """Feed one training row (minibatch loss in nats, correct count, images) to the divergence watch."""
+        if self.health is not None:
+            for finding in self.health.observe(self.epoch, loss, correct, samples):
+                self.on_health(finding)
+
+    def on_health(self, finding: Finding) -> None:
+        """Log and print a symptom of divergence (or a recovery); with --on-divergence stop, the first
+        symptom ends the run as a stopping rule would, the reason saying why (status 'diverged')."""
+        self.log.add("events", (self.now(), finding.kind.encode(), finding.text))
+        print(f"mpiasgd: {'note' if finding.kind == 'recovered' else 'warning'}: {finding.text}", file=sys.stderr,
+              flush=True)
+        if finding.kind == "recovered" or self.cfg.on_divergence != "stop" or self.stop_reason:
+            return
+        self.diverged = finding.text
+        self.stop_reason = f"diverged ({finding.kind}; --on-divergence stop)"
+        self.stop_time = self.now()
+        self.log.add("events", (self.now(), b"stop", self.stop_reason))
+        self.stop_workers()
+
+    def stop_workers(self) -> None:
+        """Tell the workers the run stops (before a stopping rule they judge themselves would): here nothing,
+        each worker's next push is answered with STOP."""
+
     def snapshot(self) -> None:
         self.last_snapshot = self.now()
         self.log.add_snapshot((self.last_snapshot, self.version, self.samples, self.epoch), self.params)
@@ -202,6 +232,7 @@ class ParameterServer:
     def tick(self) -> None:
         """Clock-driven duties between messages: signals, time limit, warm start, snapshots, checkpoints,
         log flush, progress bar."""
+        self.skip_pause()
         if signals.received() and not self.preempted and not self.late_signal:
             self.preempt(f"{signals.received()} received by rank 0")
         self.check_stop()
@@ -295,12 +326,32 @@ class ParameterServer:
         wait_all(list(self.sending.values()) + self.state_sends, "completion of the final sends", self.rank,
                  self.cfg.comm_timeout)
 
+    def skip_pause(self) -> None:
+        """Rank 0's own loop did not run for more than PAUSE_GAP seconds since its last tick (its process was
+        stopped, SIGSTOP then SIGCONT, or starved, or busy writing): the workers' messages waited in the
+        queue meanwhile, so that gap is not their silence. It is taken off every worker's silence
+        (--stall-warning, --comm-timeout) and logged as one event "pause" instead of stall warnings; a
+        hung worker is still named once it has been silent that long while rank 0 ran."""
+        now = self.now()
+        gap = 0.0 if self.last_tick is None else now - self.last_tick
+        self.last_tick = now
+        if gap <= PAUSE_GAP:
+            return
+        for w in self.workers:
+            self.last_seen[w] = min(now, self.last_seen[w] + gap)
+        text = (f"rank 0 was paused for {gap:.1f} s (its loop did not run: the process was stopped, starved or "
+                f"busy); not counted as the workers' silence")
+        self.log.add("events", (now, b"pause", text))
+        print(f"mpiasgd: note: {text}", file=sys.stderr, flush=True)
+
     def check_stalls(self) -> None:
         """CommTimeout naming the workers silent for more than --comm-timeout, longest first.
 
         Only workers the loop still waits for count, and not those whose reply is held (ssp): they
-        wait for the server. So a hung worker is named even while the others keep training.
+        wait for the server. So a hung worker is named even while the others keep training. A pause of
+        rank 0 itself is not counted (`skip_pause`).
         """
+        self.skip_pause()
         limit = self.cfg.comm_timeout
         silent = sorted(((self.now() - self.last_seen[w], w) for w in self.waiting_for()
                          if w in self.started and w not in self.held), reverse=True)
@@ -406,9 +457,10 @@ class ParameterServer:
             if delta:  # already scaled by the worker's own step size: added, scaled by the staleness rule only
                 lr = float(h["lr"]) * factor
                 self.params = self.optimizer.params = apply_delta(self.params, grad, factor, out=out)
-            else:
-                lr = learning_rate(self.cfg, self.epoch, self.fraction_done()) * factor
-                self.params = self.optimizer.step(grad, lr, out=out)
+            else:  # the staleness factor scales the gradient entering the momentum, not the velocity's step
+                step_size = learning_rate(self.cfg, self.epoch, self.fraction_done())
+                self.params = self.optimizer.step(grad, step_size, out=out, grad_scale=factor)
+                lr = step_size * factor  # logged: the step this push's gradient enters with
             self.version += 1
             self.samples += int(h["samples"])
             self.cursor[w] = int(h["cursor"])
@@ -416,6 +468,7 @@ class ParameterServer:
             loss = float(h["loss"])
             self.loss_avg = loss if self.loss_avg != self.loss_avg else 0.95 * self.loss_avg + 0.05 * loss
             self.log.add("updates", (self.now(), self.version, lr, math.sqrt(square), self.samples, self.epoch))
+            self.watch_loss(loss, int(h["correct"]), int(h["samples"]))
             self.check_stop()
         self.log.add("pushes", (self.now(), w, step, base, self.version, staleness, h["loss"], h["correct"],
                                 h["samples"], h["epoch"], h["compute_s"], h["comm_s"], h["wait_s"], applied, lr,
@@ -675,6 +728,9 @@ class ParameterServer:
 
     def finish(self) -> dict:
         """Final snapshot, checkpoint and evaluation rows; returns the summary (also stored as log attributes)."""
+        if self.health is not None:
+            for finding in self.health.finish():
+                self.on_health(finding)
         self.snapshot()
         if self.checkpoints_here and not self.preempted:  # a preempted run checkpointed when the signal came
             self.write_checkpoint("end")
@@ -706,6 +762,8 @@ class ParameterServer:
             "rejected": sum(self.rejected.values()),
             "held_s": sum(self.held_total.values()),
             "preempted": self.preempted,
+            "health": self.health.final_state() if self.health is not None else "",
+            "diverged": self.diverged,
         }
 
 
@@ -737,6 +795,10 @@ class SyncMonitor(ParameterServer):
     def on_preempt(self) -> None:
         """Tell every worker: they end together after the step where the control allreduce hears of it, and
         the first worker sends the CHECKPOINT of that step."""
+        self.stop_workers()
+
+    def stop_workers(self) -> None:
+        """A STOP to every worker (flag PREEMPT on a signal; without it they end with the final evaluation)."""
         for w in self.workers:
             self.send_stop(w)
 
@@ -773,6 +835,7 @@ class SyncMonitor(ParameterServer):
             self.log.add("updates", (self.now(), version, float(h["lr"]), float("nan"), self.samples, self.epoch))
         loss = float(h["loss"])
         self.loss_avg = loss if self.loss_avg != self.loss_avg else 0.95 * self.loss_avg + 0.05 * loss
+        self.watch_loss(loss, int(h["correct"]), int(h["samples"]))
         self.log.add("pushes", (self.now(), w, step, version - applied, version, 0, loss, h["correct"], h["samples"],
                                 h["epoch"], h["compute_s"], h["comm_s"], h["wait_s"], applied, h["lr"], nonfinite, 0.0,
                                 h["digest"]))

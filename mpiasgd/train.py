@@ -9,7 +9,8 @@ Start-up (config, data, model, run log) is collective: if any rank fails there, 
 message naming the ranks and what went wrong, and every rank exits with status 2. After start-up,
 an exception on any rank prints that rank's traceback and aborts the whole job (MPI_Abort) with a
 non-zero status within seconds; a failing worker first tells the server, which records the failure
-and closes the run log, so nothing already logged is lost.
+and closes the run log, so nothing already logged is lost. A run log that cannot be written (disk
+full) is one error line, not a traceback: `log_unwritable`.
 
 SIGTERM, SIGUSR1 and SIGINT on any rank end the run with a checkpoint (`mpiasgd.signals`): every
 rank exits with EXIT_PREEMPTED (75), and `--resume RUN_DIR/NAME.ckpt.h5` continues it
@@ -50,10 +51,11 @@ from mpiasgd.device import (
 )
 from mpiasgd.ops import BackendUnavailable, cuda_probe, get_backend
 from mpiasgd.protocol import Message, ProtocolError, Tag
-from mpiasgd.runlog import WriterLock
+from mpiasgd.runlog import RunLogError, WriterLock
 
 STARTUP_ERRORS = (ConfigError, DataError, OSError, ValueError, BackendUnavailable, DeviceError)
 EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3  # --on-divergence stop ended the run (log status 'diverged')
 EXIT_PREEMPTED = signals.EXIT_PREEMPTED  # 75: checkpointed on a signal; requeue and --resume
 ABORT_CODE = 1
 
@@ -238,9 +240,11 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
         out["lock"] = WriterLock(out["path"])
         out["lock"].acquire("--resume: another job is writing this run's log; wait for it to end" if cfg.resume
                             else "choose another --name")  # held until the log is closed, or the process dies
+        left = left_behind(out["path"], out["lock"])  # by a job that died writing this run (its temporaries go)
         if os.path.exists(out["path"]) and not cfg.overwrite and not cfg.resume:
             out["lock"].release()
-            raise FileExistsError(f"run log '{out['path']}' exists; choose another --name or pass --overwrite")
+            raise FileExistsError(f"run log '{out['path']}' exists; choose another --name or pass --overwrite"
+                                  + (f" ({left})" if left else ""))
         if cfg.resume and os.path.exists(out["path"]):
             owner = run_id_of(out["path"])
             if owner and ckpt.run_id and owner != ckpt.run_id:
@@ -248,6 +252,8 @@ def setup(cfg: Config, me: Rank, local_rank: int = 0) -> dict:
                 raise ConfigError(f"--resume: run log '{out['path']}' belongs to another run (run id {owner}) than "
                                   f"checkpoint '{cfg.resume}' (run id {ckpt.run_id}): it was overwritten since; "
                                   f"move it away to resume into a new log")
+        if left:
+            print(f"mpiasgd: note: {left}", file=sys.stderr, flush=True)
     else:
         # validates: more workers than samples is a DataError naming both numbers
         out["sampler"] = ShardSampler(dataset.train_y.size, shards, shard, cfg.seed)
@@ -275,6 +281,34 @@ def check_fits(ckpt: checkpoint.Checkpoint, cfg: Config, me: Rank, model: Any) -
         raise ConfigError(f"{where} holds workers {ranks}, this job has workers 1..{me.num_workers}")
     if not ckpt.log.endswith(".h5"):
         raise ConfigError(f"{where} names its run log {ckpt.log!r}, expected NAME.h5")
+
+
+def left_behind(path: str, lock: WriterLock) -> str:
+    """(server only, holding `lock`, the writer lock of the run log at `path`) What a job that died while
+    writing this run left behind, in one line ("" if nothing): its log with status "running" (its
+    writer is gone: this job holds the lock; a resume recovers and continues it, --overwrite replaces
+    it) and the temporary checkpoint files of processes that no longer exist, which are removed here
+    (`checkpoint.remove_stale_temporaries`: a live process's file is kept)."""
+    from mpiasgd.runlog import open_log
+
+    removed = checkpoint.remove_stale_temporaries(checkpoint.checkpoint_path(path))
+    parts = []
+    try:
+        with open_log(path) as f:
+            status = f.attrs.get("status", "")
+    except OSError:  # no log (or not one): nothing to say about it
+        status = ""
+    if (status.decode() if isinstance(status, bytes) else status) == "running":
+        parts.append("it with status 'running' (readable up to its last flush)")
+    if removed:
+        names = ", ".join(f"'{name}'" for name in removed)
+        what = ("files", "processes that no longer exist") if len(removed) > 1 else ("file", "a process that no "
+                                                                                              "longer exists")
+        parts.append(f"the temporary checkpoint {what[0]} {names} (of {what[1]}: removed)")
+    if not parts:
+        return ""
+    who = f" (rank 0 was pid {lock.dead_pid})" if lock.dead_pid else ""
+    return f"a job that died writing run log '{path}'{who} left " + " and ".join(parts)
 
 
 def run_id_of(path: str) -> str:
@@ -388,10 +422,12 @@ def split_gathered(gathered: list[tuple]) -> tuple[list[tuple], list[str]]:
 def run_server(cfg: Config, me: Rank, state: dict) -> int:
     """(server only) Create (or, resuming, continue) the run log, serve, close the log, print the summary.
 
-    Returns 0, or EXIT_PREEMPTED when a signal ended the run (the checkpoint is written).
+    Returns 0, EXIT_PREEMPTED when a signal ended the run (the checkpoint is written), or EXIT_DIVERGED when
+    --on-divergence stop ended it.
     """
     from tqdm import tqdm
 
+    from mpiasgd.health import LossWatch
     from mpiasgd.report import summary_lines
     from mpiasgd.runlog import RunLog
     from mpiasgd.server import PREEMPT_GRACE, ParameterServer, Preempted, SyncMonitor, WorkerFailed
@@ -404,8 +440,10 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
         kinds[key] = kinds.get(key, 0) + 1
     print(f"mpiasgd {__version__}: {me.num_workers} workers "
           f"[{', '.join(f'{k} x{n}' for k, n in kinds.items())}], model {cfg.model} ({model.num_params:,} parameters), "
-          f"dataset {cfg.dataset_name} ({dataset.train_y.size:,} train / {dataset.test_y.size:,} test images)\n"
-          f"resolved config:\n{cfg.describe()}", flush=True)
+          f"dataset {cfg.dataset_name} ({dataset.train_y.size:,} train / {dataset.test_y.size:,} test images)",
+          flush=True)
+    if cfg.show_config:
+        print(f"resolved config:\n{cfg.describe()}", flush=True)
     if cfg.mode == "pipeline":
         from mpiasgd.pipeline import describe_partition
 
@@ -462,8 +500,10 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
         server = (SyncMonitor if cfg.mode == "sync" else ParameterServer)(*args)
     if ckpt is not None:
         server.restore(ckpt)
+    state["server"] = server  # for `log_unwritable`, should the log fail
     hosts = {int(w[0]): w[1] for w in workers}
     server.pids = {int(w[0]): (w[1], int(w[2])) for w in workers}
+    server.health = LossWatch(len(dataset.classes), me.num_workers)
     try:
         summary = server.run()
     except (Preempted, WorkerFailed) as stop:
@@ -481,22 +521,31 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
                     f"dead (a launcher ends the job with SIGTERM when a rank dies) or hung")
         log.add("events", (server.now(), status.encode(),
                            f"{text}:\n{stop.text}" if isinstance(stop, WorkerFailed) else text))
-        log.close(status)
+        closed = f"run log '{state['path']}' closed with status '{status}'"
+        try:
+            log.close(status)
+        except RunLogError as e:  # the disk is full too
+            closed = f"{e}; {log.outcome}"
         if isinstance(stop, WorkerFailed):  # the failed worker waits for this acknowledgement before it aborts
             me.comm.Isend(Message(0).stamp(Tag.ERROR_ACK, 0).buf, dest=stop.rank, tag=int(Tag.ERROR_ACK))
         if bar is not None:
             bar.close()
-        print(f"mpiasgd: {text}; run log '{state['path']}' closed with status '{status}'."
-              + (f"\n{stop.text}" if isinstance(stop, WorkerFailed) else ""), file=sys.stderr, flush=True)
+        print(f"mpiasgd: {text}; {closed}." + (f"\n{stop.text}" if isinstance(stop, WorkerFailed) else ""),
+              file=sys.stderr, flush=True)
         if isinstance(stop, Preempted) and stop.dead:
             time.sleep(0.3)  # the launcher is tearing the job down: let it forward this message first
         me.comm.Abort(code)
         return code
     except BaseException as e:
+        if isinstance(e, RunLogError):
+            raise  # the log cannot be written (disk full): `train` reports it in one line (`log_unwritable`)
         if isinstance(e, CommTimeout) and server.checkpoints_here:  # a hung worker: the state on rank 0 is sound
             server.write_checkpoint("failure")
         log.add("events", (server.now(), b"failed", traceback.format_exc()))
-        log.close("failed")
+        try:
+            log.close("failed")
+        except RunLogError as closing:  # the disk is full too: say so; the traceback of `e` follows
+            print(f"mpiasgd: error: rank 0: {closing}; {log.outcome}", file=sys.stderr, flush=True)
         raise
     finally:
         if bar is not None:
@@ -514,9 +563,41 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
               f"version {summary['version']}; continue with --resume {server.checkpoint_path}", file=sys.stderr,
               flush=True)
         return EXIT_PREEMPTED
+    if server.diverged:  # --on-divergence stop: the run ended early, evaluated, with status 'diverged'
+        log.close("diverged", summary)
+        print("\n".join(summary_lines(state["path"])), flush=True)
+        print(f"mpiasgd: error: run stopped (--on-divergence stop): {server.diverged}", file=sys.stderr, flush=True)
+        return EXIT_DIVERGED
     log.close("completed", summary)
     print("\n".join(summary_lines(state["path"])), flush=True)
     return 0
+
+
+def log_unwritable(me: Rank, state: dict, error: RunLogError) -> None:
+    """(server only) The run log cannot be written (disk full, quota, I/O error): print one error line naming
+    the file and the cause, end the log as far as the disk allows (`RunLog.abandon`: status "failed";
+    readable up to its last flush either way) and release its lock, write a checkpoint where rank 0
+    holds the state (async, ssp; one line says whether it was written), then abort the whole job: the
+    workers end with it."""
+    server = state.get("server")
+    try:
+        if server is None:  # the log could not even be created or reopened: there is nothing to close
+            state["lock"].release()
+            print(f"mpiasgd: error: rank 0: {error}", file=sys.stderr, flush=True)
+            return
+        print(f"mpiasgd: error: rank 0: {error}; {server.log.abandon()}", file=sys.stderr, flush=True)
+        path = server.checkpoint_path
+        if server.checkpoints_here:
+            if server.write_checkpoint("failure"):  # a failed write prints its own warning line
+                print(f"mpiasgd: checkpoint '{path}' written (version {server.version}); once there is space, "
+                      f"continue with --resume {path}", file=sys.stderr, flush=True)
+        else:
+            kept = (f"the last one, '{path}', is kept: continue from it with --resume" if os.path.isfile(path)
+                    else "there is none to resume from")
+            print(f"mpiasgd: no checkpoint written now (the state is on the workers); {kept}", file=sys.stderr,
+                  flush=True)
+    finally:
+        me.comm.Abort(ABORT_CODE)
 
 
 def train(cfg: Config, comm: Any = None) -> int:
@@ -575,6 +656,9 @@ def train(cfg: Config, comm: Any = None) -> int:
                                        state["test_idx"], me.rank, state["staging"], state["make_staging"],
                                        workers_comm).run()
                 status = EXIT_PREEMPTED if preempted else 0
+    except RunLogError as e:  # (server only) the disk is full: one line, not a traceback
+        log_unwritable(me, state, e)
+        status = ABORT_CODE
     except BaseException as e:
         # a timeout or a protocol violation says all in its message (naming the rank); anything else: traceback
         text = str(e) if isinstance(e, (CommTimeout, ProtocolError)) else traceback.format_exc()

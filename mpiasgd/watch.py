@@ -51,8 +51,8 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
     """Follow the run log at `path` until its writer is gone; returns 0 if it completed, 1 otherwise.
 
     Waits up to `wait` seconds for the log to appear (a job still starting); FileNotFoundError
-    after that, ValueError if the file is not a run log. Prints a line every `interval` seconds
-    when new rows were flushed.
+    after that, ValueError if the file is not a run log (or is still empty after `wait` seconds).
+    Prints a line every `interval` seconds when new rows were flushed.
     """
     deadline = time.monotonic() + wait
     seen, applied_total, waiting = 0, 0, False
@@ -69,11 +69,16 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
         except (FileNotFoundError, OSError):  # not there yet, or created but not yet in SWMR mode
             if os.path.isfile(path) and os.path.getsize(path) >= 8 and not h5py.is_hdf5(path):
                 raise ValueError(f"'{path}' is not an mpiasgd run log (not an HDF5 file)") from None
+            empty = os.path.isfile(path)  # created, not yet written (a job starting), or not a log at all
             if time.monotonic() > deadline:
+                if empty:
+                    raise ValueError(f"'{path}' stayed without an HDF5 header for {wait:g} s (size "
+                                     f"{os.path.getsize(path)} bytes): not an mpiasgd run log") from None
                 raise FileNotFoundError(f"run log '{path}' did not appear within {wait:g} s") from None
             if not waiting:
                 waiting = True
-                print(f"mpiasgd watch: waiting up to {wait:g} s for run log '{path}' to appear", file=sys.stderr,
+                what = "to be written (it is empty)" if empty else "to appear"
+                print(f"mpiasgd watch: waiting up to {wait:g} s for run log '{path}' {what}", file=sys.stderr,
                       flush=True)
             time.sleep(min(interval, 0.5))
             continue
@@ -90,6 +95,10 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
 
 
 def main(path: str, interval: float, wait: float) -> int:
+    if os.path.isdir(path):
+        print(f"mpiasgd watch: error: '{path}' is a directory, expected a run log file (runs/NAME.h5)",
+              file=sys.stderr)
+        return 2
     if not os.path.exists(path) and wait <= 0:
         print(f"mpiasgd watch: error: run log '{path}' not found", file=sys.stderr)
         return 2

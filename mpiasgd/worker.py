@@ -290,14 +290,14 @@ class Worker:
             protocol.check_size(Tag.CHECKPOINT, 0, rank, status.Get_count(MPI.BYTE), state.count)
             protocol.check(state, Tag.CHECKPOINT, 0, rank)
             local.velocity[...] = model.ops.asarray(state.payload)
-        stop = Message(0)  # rank 0's STOP: after the last REPORT, or at once on a signal
+        stop = Message(0)  # rank 0's STOP: after the last REPORT, at once on a signal (PREEMPT) or a divergence
         stop_req = self.comm.Irecv(stop.buf, source=0, tag=int(Tag.STOP))
         leader = wc.Get_rank() == 0  # sends the snapshots and checkpoints
         reports = [Message(0), Message(0)]  # header-only REPORTs; alternate so one is always free
         report_sends: list[Any] = [None, None]
         snap, snap_send = (Message(model.num_params), None) if leader else (None, None)
         ckpt, ckpt_send = (Message(2 * model.num_params), None) if leader else (None, None)
-        ctrl = np.zeros(3, dtype=np.float64)  # [non-finite flag, elapsed seconds, preempt], max-allreduced
+        ctrl = np.zeros(4, dtype=np.float64)  # [non-finite flag, elapsed seconds, preempt, halt], max-allreduced
         start = time.perf_counter() - self.elapsed
         last_snapshot = last_checkpoint = self.elapsed
         samples_per_step = cfg.batch_size * nworkers
@@ -310,8 +310,10 @@ class Worker:
             t1 = time.perf_counter()
             grads = model.grads
             nonfinite = not finite_square(grads)[0]
-            preempt = bool(signals.received()) or bool(stop_req.Test())
-            ctrl[0], ctrl[1], ctrl[2] = float(nonfinite), time.perf_counter() - start, float(preempt)
+            stopped = bool(stop_req.Test())  # early: a signal on rank 0 (PREEMPT), or --on-divergence stop
+            halt = stopped and not int(stop.header["flags"]) & Flag.PREEMPT
+            preempt = bool(signals.received()) or (stopped and not halt)
+            ctrl[:] = float(nonfinite), time.perf_counter() - start, float(preempt), float(halt)
             wait_s = wait(wc.Iallreduce(MPI.IN_PLACE, ctrl, op=MPI.MAX), "the control allreduce", rank,
                           cfg.worker_timeout)
             skipped = bool(ctrl[0])
@@ -329,7 +331,7 @@ class Worker:
                 applied += 1
             t2 = time.perf_counter()
             self.preempted = bool(ctrl[2])
-            last = self.preempted or self.sync_should_stop(applied, ctrl[1], samples_per_step)
+            last = self.preempted or bool(ctrl[3]) or self.sync_should_stop(applied, ctrl[1], samples_per_step)
             flags = ((Flag.SKIPPED if skipped else 0) | (Flag.NONFINITE if nonfinite else 0)
                      | (Flag.LAST if last else 0) | (Flag.PREEMPT if self.preempted else 0))
             slot = self.step % 2

@@ -415,6 +415,30 @@ def test_hung_worker_ends_the_run_with_a_checkpoint(tmp_path):
     assert ck.reason == "failure" and ck.version > 0
 
 
+def test_rank0_stopped_and_continued_gives_no_stale_stall_warnings(tmp_path):
+    """SIGSTOP to rank 0 for 7 s, then SIGCONT: the workers were not silent, rank 0 was; it logs one
+    "pause" event and prints a note, and warns about no worker (--stall-warning 2)."""
+    proc = start_mpi(3, ["train", *FAST, "--epochs", "0", "--max-time", "14", "--stall-warning", "2",
+                         "--checkpoint-interval", "0", "--name", "z"], tmp_path)
+    runs = tmp_path / "runs"
+    try:
+        wait_for_pushes(runs / "z.h5", proc)
+        pid = rank_pid(runs, "z", 0)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(7.0)
+        os.kill(pid, signal.SIGCONT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop_group(proc)
+    assert proc.returncode == 0, err
+    assert "has sent nothing" not in err and "rank 0 was paused for " in err, err
+    attrs, t, _ = read_log(runs / "z.h5")
+    kinds = t["events"]["kind"].tolist()
+    assert attrs["status"] == "completed" and kinds.count(b"pause") == 1 and b"warning" not in kinds, t["events"]
+    gap = float(next(e["text"] for e in t["events"] if e["kind"] == b"pause").split()[5])
+    assert 6.5 < gap < 10, t["events"]
+
+
 def test_report_after_rank0_killed_and_resumed_counts_each_image_once(tmp_path):
     from mpiasgd.report import _images, load
 
@@ -435,6 +459,89 @@ def test_report_after_rank0_killed_and_resumed_counts_each_image_once(tmp_path):
     assert run["status"] == "completed" and run["superseded_s"] > 0
     assert _images(run) == run["samples"]  # the dead segment's rows after its checkpoint are not counted
     assert run["train_time_s"] == pytest.approx(ck.elapsed + 1.0, abs=0.5)
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_what_a_dead_writer_left_is_named_and_its_temporaries_removed(tmp_path):
+    """train.left_behind, with the lock held: a log a killed writer left with status 'running', its pid in
+    the lock file, temporary checkpoint files of dead processes (removed) and of a live one (kept)."""
+    import sys
+
+    from mpiasgd.runlog import RunLog, WriterLock
+    from mpiasgd.train import left_behind
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    path = str(runs / "d.h5")
+    killed = subprocess.run([sys.executable, "-c", "import os, sys\nfrom mpiasgd.runlog import RunLog, WriterLock\n"
+                             "lock = WriterLock(sys.argv[1]); lock.acquire()\n"
+                             "RunLog.create(sys.argv[1], {}, [], 3, 60, lock).flush()\n"
+                             "print(os.getpid(), flush=True); os._exit(0)  # killed: nothing closed", path],
+                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert killed.returncode == 0, killed.stderr
+    writer = int(killed.stdout)
+    dead, other = runs / f".d.ckpt.h5.tmp.{writer}", runs / f".d.ckpt.h5.tmp.{dead_pid()}"
+    live = runs / f".d.ckpt.h5.tmp.{os.getppid()}"  # a live process (this one's own pid would count as no writer)
+    for torn in (dead, other):
+        torn.write_bytes(b"torn")
+    live.write_bytes(b"being written")
+    lock = WriterLock(path)
+    lock.acquire()  # the dead writer's flock went with it
+    text = left_behind(path, lock)
+    assert text.startswith(f"a job that died writing run log '{path}' (rank 0 was pid {writer}) left it with "
+                           "status 'running' (readable up to its last flush) and the temporary checkpoint files "), text
+    assert str(dead) in text and str(other) in text and "(of processes that no longer exist: removed)" in text, text
+    assert not dead.exists() and not other.exists() and live.exists()
+    assert left_behind(path, lock) == f"a job that died writing run log '{path}' (rank 0 was pid {writer}) left it " \
+                                      "with status 'running' (readable up to its last flush)"
+    lock.release()
+    RunLog.reopen(path, [], 60, lock).close("completed")  # recovered and closed: nothing left behind
+    lock.acquire()
+    assert lock.dead_pid == 0 and left_behind(path, lock) == ""
+    lock.release()
+
+
+def test_a_new_run_or_resume_after_rank0_killed_says_what_was_left(tmp_path):
+    """Rank 0 killed (mid-checkpoint: its temporary file planted): a new run of that name is refused
+    saying what the dead job left; a resume says it in one line, removes the dead process's temporary
+    file, keeps a live process's, and completes."""
+    runs = tmp_path / "runs"
+    proc = start_mpi(3, ["train", *FAST, "--epochs", "0", "--max-time", "120", "--checkpoint-interval", "0.5",
+                         "--name", "k"], tmp_path)
+    try:
+        wait_for(lambda: checkpoint_version(runs / "k.ckpt.h5") > 0)
+        rank0 = rank_pid(runs, "k", 0)
+        os.kill(rank0, signal.SIGKILL)
+        proc.communicate(timeout=60)
+        wait_for(lambda: not session_pids(proc.pid), 30)
+    finally:
+        stop_group(proc)
+    assert (runs / "k.h5.lock").exists() and read_log(runs / "k.h5")[0]["status"] == "running"
+    torn, live = runs / f".k.ckpt.h5.tmp.{rank0}", runs / f".k.ckpt.h5.tmp.{os.getpid()}"
+    torn.write_bytes(b"torn")  # what a kill inside checkpoint.write leaves
+    live.write_bytes(b"being written")
+    res = run_mpi(3, ["train", *FAST, "--name", "k"], 60, tmp_path)
+    assert res.returncode == 2, res.explain()
+    assert (f"run log 'runs/k.h5' exists; choose another --name or pass --overwrite (a job that died writing run "
+            f"log 'runs/k.h5' (rank 0 was pid {rank0}) left it with status 'running'") in res.stderr, res.explain()
+    assert not torn.exists() and live.exists()
+    torn.write_bytes(b"torn")
+    ck = checkpoint.load(str(runs / "k.ckpt.h5"))
+    res = resume_for_a_second(tmp_path, 3, "k", ck)
+    assert res.returncode == 0, res.stderr
+    notes = [line for line in res.stderr.splitlines() if line.startswith("mpiasgd: note: a job that died")]
+    # (the refused run took the stale lock file, and with it the dead pid it held)
+    assert notes == [f"mpiasgd: note: a job that died writing run log '{runs / 'k.h5'}' left it with status "
+                     f"'running' (readable up to its last flush) and the temporary checkpoint file '{torn}' (of a "
+                     f"process that no longer exists: removed)"], res.stderr
+    assert not torn.exists() and live.exists()
+    assert read_log(runs / "k.h5")[0]["status"] == "completed" and not (runs / "k.h5.lock").exists()
 
 
 def checkpoint_version(path):

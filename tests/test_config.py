@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mpiasgd.config import Config, ConfigError, from_mapping, load_toml, make_parser, resolve
+from mpiasgd.config import FIELDS, Config, ConfigError, from_mapping, load_toml, make_parser, resolve
 
 
 def parse(argv):
@@ -67,7 +67,7 @@ def test_missing_toml_file():
     ({"lr": -0.1}, "'lr' = -0.1: expected a finite number > 0"),
     ({"momentum": 1.0}, "'momentum'"),
     ({"batch_size": 0}, "'batch_size' = 0"),
-    ({"seed": -1}, "'seed' = -1: expected an integer >= 0"),
+    ({"seed": -1}, "'seed' = -1: expected an integer from 0 to 2\\*\\*63 - 1 = 9223372036854775807"),
     ({"model": "resnet"}, "'model' = 'resnet': expected one of"),
     ({"mode": "hogwild"}, "'mode' = 'hogwild': expected one of"),
     ({"staleness_bound": -1}, "'staleness_bound' = -1: expected an integer >= 0"),
@@ -123,3 +123,30 @@ def test_conv_algos_are_the_backends():
     from mpiasgd.ops import cupy_ops
 
     assert CONV_ALGOS == cupy_ops.CONV_ALGOS
+
+
+FLOAT_KEYS = [key for key, f in FIELDS.items() if f.type == "float"]
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+@pytest.mark.parametrize("text", ["inf", "-inf", "nan"])
+def test_a_float_key_is_finite_from_toml_and_from_flags_alike(key, text, tmp_path):
+    """One rule for both sources: TOML's inf and nan are refused as the flags refuse them."""
+    path = tmp_path / "c.toml"
+    path.write_text(f"{key} = {text}\n")
+    with pytest.raises(ConfigError, match=f"config key '{key}' = .*: expected a finite number"):
+        load_toml(str(path))
+    with pytest.raises(ConfigError, match=f"flag --{key.replace('_', '-')} = .*: expected a finite number"):
+        parse([f"--{key.replace('_', '-')}={text}"])
+    path.write_text(f"lr_milestones = [5, {text}]\n")
+    with pytest.raises(ConfigError, match=r"config key 'lr_milestones' = .*: expected a finite number"):
+        load_toml(str(path))
+    with pytest.raises(ConfigError, match=r"flag --lr-milestones = .*: expected a finite number"):
+        parse([f"--lr-milestones=5,{text}"])
+
+
+def test_a_seed_out_of_range_names_the_range():
+    with pytest.raises(ConfigError, match=r"'seed' = 99999999999999999999: expected an integer from 0 to "
+                                          r"2\*\*63 - 1 = 9223372036854775807"):
+        parse(["--seed", "99999999999999999999"])
+    assert parse(["--seed", str(2**63 - 1)]).seed == 2**63 - 1

@@ -1,6 +1,7 @@
 """kernels/*.cu run on the CPU through the CUDA-on-CPU shim (tests/cuda_cpu) and compared with numpy_ops.
 
-Plain build: every case of `cuda_cpu.cases` (every kernel, through the cupy_ops wrappers and raw).
+Plain build: every case of `cuda_cpu.cases` (every kernel, through the cupy_ops wrappers and raw; the
+*_nonfinite cases feed NaN and +-inf, which must propagate as in numpy_ops).
 ThreadSanitizer build (in a subprocess with libtsan preloaded): the small cases must run clean, and
 a copy of a kernel with one `__syncthreads()` removed must be reported as a data race (every
 barrier of the kernels that have one is planted in turn; each was reported in 5 of 5 trials).
@@ -61,6 +62,30 @@ def test_harness_catches_a_wrong_kernel():
     lib = harness.build(sources={**sources, "conv2d.cu": bad})
     with pytest.raises(AssertionError, match="worst element"):
         cases.conv_wrappers(lib, np.random.default_rng(0), True)
+
+
+# (file, the NaN-propagating code, a NaN-dropping stand-in, the case that must catch it)
+NAN_DROPS = [
+    ("relu.cu", "y[i] = (v > 0.0f || v != v) ? v : 0.0f;", "y[i] = fmaxf(v, 0.0f);", "relu_nonfinite"),
+    ("relu.cu", "dx[i] = dy[i] * (y[i] > 0.0f ? 1.0f : 0.0f);", "dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;",
+     "relu_nonfinite"),
+    ("conv2d.cu", "if (relu) t = conv_relu(t);", "if (relu) t = fmaxf(t, 0.0f);", "conv_relu_nonfinite"),
+    ("pool.cu", "if (v > best || (v != v && best == best)) {", "if (v > best) {", "maxpool_nonfinite"),
+    ("softmax_xent.cu", "if (best_at == K || softmax_above(v, best)) {", "if (v > best) {", "softmax_xent_nonfinite"),
+]
+
+
+@pytest.mark.parametrize("name, fixed, dropping, case", NAN_DROPS, ids=[f"{d[0]}:{d[2]}" for d in NAN_DROPS])
+def test_nonfinite_cases_catch_a_kernel_that_drops_nan(name, fixed, dropping, case):
+    """The comparisons accept NaN where the reference is NaN, so check they are not vacuous: each kernel
+    with its NaN handling replaced by the plain max / select (fmaxf(NaN, 0) = 0, `v > best` skips a NaN)
+    fails its non-finite case."""
+    sources = harness.kernel_sources()
+    assert sources[name].count(fixed) == 1, f"{name}: no single line {fixed!r}"
+    lib = harness.build(sources={**sources, name: sources[name].replace(fixed, dropping)})
+    run = next(c.run for c in cases.CASES if c.name == case)
+    with pytest.raises(AssertionError):
+        run(lib, np.random.default_rng(0), True)
 
 
 ASYNC_COPY_KERNEL = """

@@ -220,6 +220,43 @@ def test_maxpool_overlapping_windows_accumulate_and_ties_pick_first():
     assert (argmax == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_maxpool_propagates_nan_and_routes_its_gradient_to_the_first_nan(dtype):
+    """A NaN in a window makes the output NaN (as np.max) and its gradient goes to the NaN, the first one
+    in row-major scan order when there are several (np.argmax's rule), not to the largest number;
+    +inf and -inf are ordinary values."""
+    x = np.arange(16, dtype=dtype).reshape(1, 1, 4, 4)  # ascending: without NaN the last of a window wins
+    x[0, 0, 1, 0] = np.nan  # window (0, 0) = [0, 1, nan, 5]
+    x[0, 0, 0, 3] = x[0, 0, 1, 2] = np.nan  # window (0, 1) = [2, nan, nan, 7]
+    x[0, 0, 2, 1], x[0, 0, 3, 1] = np.inf, np.nan  # window (1, 0) = [8, inf, 12, nan]
+    x[0, 0, 3, 2], x[0, 0, 3, 3] = -np.inf, np.inf  # window (1, 1) = [10, 11, -inf, inf]
+    y, argmax = ops.maxpool_fprop(x, 2, 2)
+    assert y.dtype == dtype
+    assert np.array_equal(y[0, 0], [[np.nan, np.nan], [np.nan, np.inf]], equal_nan=True)
+    assert argmax[0, 0].tolist() == [[2, 1], [3, 3]]
+    dx = ops.maxpool_bprop(np.array([[[[1.0, 2.0], [3.0, 4.0]]]], dtype=dtype), argmax, x.shape, 2, 2)
+    expected = np.zeros((4, 4))
+    expected[1, 0], expected[0, 3], expected[3, 1], expected[3, 3] = 1.0, 2.0, 3.0, 4.0
+    assert np.array_equal(dx[0, 0], expected)
+
+
+def test_maxpool_nan_shared_by_overlapping_windows_gets_both_gradients():
+    x = np.full((1, 1, 3, 5), -1.0, dtype=np.float32)
+    x[0, 0, 0, 0] = x[0, 0, 2, 4] = 9.0  # the largest numbers, one in each 3x3 window
+    x[0, 0, 1, 2] = np.nan  # in both windows (columns 0-2 and 2-4)
+    y, argmax = ops.maxpool_fprop(x, 3, 2)
+    assert np.isnan(y).all() and argmax[0, 0].tolist() == [[5, 3]]
+    dx = ops.maxpool_bprop(np.array([[[[1.0, 2.0]]]], dtype=np.float32), argmax, x.shape, 3, 2)
+    assert dx[0, 0, 1, 2] == 3.0 and dx.sum() == 3.0
+    # a window of NaNs only: offset 0; a 17x17 window (int32 offsets) with a NaN in its last element
+    _, argmax = ops.maxpool_fprop(np.full((1, 1, 3, 5), np.nan, dtype=np.float32), 3, 2)
+    assert (argmax == 0).all()
+    x = np.arange(17 * 17, dtype=np.float32).reshape(1, 1, 17, 17)
+    x[0, 0, 16, 16], x[0, 0, 16, 15] = np.nan, np.inf
+    y, argmax = ops.maxpool_fprop(x, 17, 1)
+    assert argmax.dtype == np.int32 and np.isnan(y).all() and argmax.item() == 288
+
+
 def test_linear_matches_finite_differences():
     rng = np.random.default_rng(7)
     x, w, b = rng.standard_normal((4, 5)), rng.standard_normal((3, 5)), rng.standard_normal(3)

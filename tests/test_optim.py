@@ -173,3 +173,46 @@ def test_staleness_factor_rules():
     assert [staleness_factor("inverse", s) for s in (0, 1, 2, 4)] == [1.0, 1.0, 0.5, 0.25]
     assert staleness_factor("sqrt", 4) == pytest.approx(0.5)
     assert staleness_factor("none", 9) == 1.0
+
+
+@pytest.mark.parametrize("mask_kind", sorted(MASKS))
+@pytest.mark.parametrize("in_place", [True, False])
+def test_grad_scale_scales_the_gradient_entering_the_velocity(mask_kind, in_place):
+    """step(grad_scale=s): v <- m v + (s g + wd mask w); w <- w - lr v, over steps with varying s (float64
+    hand computation); the decay term is not scaled, and the gradient is left as it was."""
+    mask = MASKS[mask_kind]
+    P = mask.size
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal(P, dtype=np.float32)
+    opt = SGD(w.copy(), mask, momentum=0.9, weight_decay=5e-3, chunk=4096)
+    ref_w, ref_v = w.astype(np.float64), np.zeros(P)
+    spare = np.empty(P, np.float32)
+    for k, s in enumerate([1.0, 0.5, 1 / 8, 1.0, 1 / 3]):
+        g = rng.standard_normal(P, dtype=np.float32)
+        g_before = g.copy()
+        old = opt.params
+        opt.step(g, lr=0.05 * (k + 1), out=None if in_place else spare, grad_scale=s)
+        if not in_place:
+            spare = old
+        ref_v = 0.9 * ref_v + s * g.astype(np.float64) + 5e-3 * mask * ref_w
+        ref_w = ref_w - 0.05 * (k + 1) * ref_v
+        np.testing.assert_array_equal(g, g_before)
+        np.testing.assert_allclose(opt.velocity, ref_v, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(opt.params, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_stale_gradient_moves_the_weights_by_its_share_only():
+    """The staleness rule's point (Zhang et al. 2016): at momentum 0.9 a gradient scaled by 1/8 moves the
+    weights by lr/8 * 1/(1 - 0.9) = 1.25 lr in total (fresh: 10 lr); scaling that step's lr instead would
+    move them by about 9.1 lr, since the velocity carries the unscaled gradient on."""
+    lr = 0.01
+    opt = SGD(np.zeros(1, np.float32), np.zeros(1, np.float32), momentum=0.9, weight_decay=0.0)
+    opt.step(np.ones(1, np.float32), lr, grad_scale=1 / 8)
+    for _ in range(400):
+        opt.step(np.zeros(1, np.float32), lr)
+    assert -opt.params[0] == pytest.approx(1.25 * lr, rel=1e-4)
+    fresh = SGD(np.zeros(1, np.float32), np.zeros(1, np.float32), momentum=0.9, weight_decay=0.0)
+    fresh.step(np.ones(1, np.float32), lr)
+    for _ in range(400):
+        fresh.step(np.zeros(1, np.float32), lr)
+    assert -fresh.params[0] == pytest.approx(10 * lr, rel=1e-4)

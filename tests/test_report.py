@@ -235,3 +235,20 @@ def test_report_shows_the_conv_tiles_each_worker_autotuned(tmp_path):
         "worker rank 1 on gpu7:", "  conv2d_fprop N128 C3 32x32 K32 5x5 stride 1 pad 2: 32x96/4x4k24"]
     plain = write_log(tmp_path / "plain.h5", {"mode": "async"}, [push(0.1, 0)])
     assert "autotune" not in report([plain])
+
+
+@pytest.mark.parametrize("command", ["report", "evaluate", "trace"])
+def test_a_directory_or_an_empty_file_is_named_as_such(command, tmp_path, capsys):
+    """report, evaluate and trace on a directory say it is one and list the run logs in it; on a 0-byte file
+    they say it is empty; neither is "not found"."""
+    (tmp_path / "a.h5").write_bytes(b"")
+    (tmp_path / "a.ckpt.h5").write_bytes(b"")  # checkpoints are not run logs
+    argv = [command, str(tmp_path)] + (["-o", str(tmp_path / "t.json")] if command == "trace" else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"'{tmp_path}' is a directory, expected a run log file (runs/NAME.h5); the run logs in it: a.h5\n" \
+        in err and "not found" not in err, err
+    argv[1] = str(tmp_path / "a.h5")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"'{tmp_path / 'a.h5'}' is empty (0 bytes), expected an mpiasgd run log (HDF5)" in err, err

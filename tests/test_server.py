@@ -286,3 +286,64 @@ def test_huge_but_finite_gradient_is_applied(tmp_path):
     push(net, 1, step=1, version=0, grad=g)
     serve_one(server)
     assert server.version == 1 and server.rejected[1] == 0
+
+
+def test_staleness_rule_scales_the_stale_gradient_not_the_velocity(tmp_path):
+    """--staleness-lr inverse with momentum 0.9 and weight decay: each push's gradient enters the velocity
+    scaled by 1/max(1, staleness); the velocity from earlier pushes keeps its step (hand computation over
+    five pushes of staleness 0, 1, 2, 2, 3)."""
+    server, net, log = make_server(tmp_path, num_workers=3, staleness_lr="inverse", momentum=0.9,
+                                   weight_decay=0.1)
+    w, v = server.params.astype(np.float64), np.zeros(P)
+    pushes = [(1, 1, 0), (2, 1, 0), (3, 1, 0), (1, 2, 1), (2, 2, 1)]  # (worker, step, base version)
+    for k, (worker, step, base) in enumerate(pushes):
+        g = np.linspace(-1, 1, P).astype(np.float32) * (k + 1)
+        staleness = k - base
+        push(net, worker, step=step, version=base, grad=g)
+        serve_one(server)
+        v = 0.9 * v + g / max(1, staleness) + 0.1 * w  # make_server's mask decays every parameter
+        w = w - 0.5 * v
+        np.testing.assert_allclose(server.params, w, rtol=1e-5, atol=1e-5)
+    log.flush()
+    with open_log(log.path) as fh:
+        rows = fh["pushes"][()]
+    assert rows["staleness"].tolist() == [0, 1, 2, 2, 3]
+    np.testing.assert_allclose(rows["lr"], [0.5, 0.5, 0.25, 0.25, 0.5 / 3], rtol=1e-6)
+
+
+def test_a_pause_of_rank0_itself_is_not_worker_silence(tmp_path, monkeypatch, capsys):
+    """Rank 0 stopped (SIGSTOP) for 20 s, then continued: its next tick takes the gap off every worker's
+    silence and logs one "pause" event, not a stall warning; a worker silent for --stall-warning and
+    then --comm-timeout while rank 0 runs is still warned about and named."""
+    import time
+
+    from mpiasgd import server as server_module
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    server, _, log = make_server(tmp_path, stall_warning=1.0, comm_timeout=5.0, checkpoint_interval=0)
+    server.start = 0.0
+    server.start_workers()
+
+    def run_until(t):  # rank 0's loop ticking every 0.1 s
+        while clock[0] < t - 1e-9:
+            clock[0] = round(clock[0] + 0.1, 6)
+            server.tick()
+
+    run_until(0.5)
+    clock[0] = 0.5 + 20.0  # SIGSTOP ... SIGCONT
+    server.tick()
+    run_until(21.0)
+    assert "has sent nothing" not in capsys.readouterr().err
+    assert server.last_seen[1] == pytest.approx(20.0, abs=0.11)  # its silence: the 0.5 s before the pause
+    run_until(22.0)  # now both workers really are silent for more than --stall-warning
+    err = capsys.readouterr().err
+    assert "worker rank 1 has sent nothing for 1." in err and "worker rank 2 has sent nothing for 1." in err
+    with pytest.raises(server_module.CommTimeout, match=r"worker rank [12] has sent nothing for 5\.\d s"):
+        run_until(30.0)
+    log.flush()
+    with open_log(log.path) as f:
+        events = f["events"][()]
+    pauses = [e["text"].decode() for e in events if e["kind"] == b"pause"]
+    assert len(pauses) == 1 and pauses[0].startswith("rank 0 was paused for 20.0 s"), pauses
+    assert server_module.PAUSE_GAP < 20.0

@@ -10,7 +10,6 @@ mpiexec gets --oversubscribe --bind-to none through MPIEXEC_FLAGS.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -177,13 +176,6 @@ def test_sweep_array(jobs):
         assert mode != "ssp" or config["staleness_bound"] == 2
 
 
-@functools.cache
-def has_resume() -> bool:
-    res = subprocess.run([sys.executable, "-m", "mpiasgd", "train", "--help"], capture_output=True, text=True,
-                         timeout=60, cwd=REPO)
-    return "--resume" in res.stdout
-
-
 def wait_for_pushes(jobs: Jobs, jobid: str, path: Path, timeout: float = 60) -> None:
     """Wait until the running job's log at PATH has a push (the ranks are training, their signal
     handlers set)."""
@@ -205,8 +197,6 @@ def wait_for_pushes(jobs: Jobs, jobid: str, path: Path, timeout: float = 60) -> 
 def test_resumable_requeues_after_usr1_and_resumes(jobs, launcher):
     """SIGUSR1 to the batch shell (what --signal=B:USR1@T sends): every rank checkpoints and exits 75, the
     script requeues the job, the second start resumes from the checkpoint and completes the run."""
-    if not has_resume():
-        pytest.skip("train has no --resume yet")
     # 60 epochs: about 2 s of training here, flushed to the log every 0.2 s, so the signal comes mid-run
     jobid = jobs.submit("resumable.sbatch", LAUNCHER=launcher, EPOCHS="60", EXTRA_ARGS="--flush-interval 0.2")
     log, ckpt = (jobs.workdir / "runs" / f"digits-resumable-{jobid}{ext}" for ext in (".h5", ".ckpt.h5"))

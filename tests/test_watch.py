@@ -131,3 +131,20 @@ def test_report_plots_two_runs(mpirun, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "mpiasgd", "report", logs[0], "--plots", str(tmp_path / "file")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "cannot write plots into" in bad.stderr, bad.stderr
+
+
+def test_watch_says_an_empty_file_is_empty_and_refuses_a_directory(tmp_path):
+    """A 0-byte log (a job creating it, or not a log at all) is waited for as empty, then refused as not a
+    run log, not as "did not appear"; a directory is refused at once, naming what was expected."""
+    empty = tmp_path / "empty.h5"
+    empty.write_bytes(b"")
+    res = subprocess.run([sys.executable, "-m", "mpiasgd", "watch", str(empty), "--wait", "1"], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert "to be written (it is empty)" in res.stderr and "did not appear" not in res.stderr, res.stderr
+    assert f"'{empty}' stayed without an HDF5 header for 1 s (size 0 bytes): not an mpiasgd run log" in res.stderr
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "mpiasgd", "watch", str(tmp_path), "--wait", "30"], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2 and time.monotonic() - t0 < 20
+    assert f"'{tmp_path}' is a directory, expected a run log file" in res.stderr, res.stderr

@@ -902,7 +902,7 @@ def bias_grad(dy, out=None):
 
 
 def relu_fprop(x):
-    """y = max(x, 0), fresh, any shape. Kernel `relu_fprop`."""
+    """y = max(x, 0), fresh, any shape; NaN stays NaN, as numpy_ops. Kernel `relu_fprop`."""
     check_array("relu_fprop", "x", x)
     y = xp.empty(x.shape, dtype=np.float32)
     grid, block = elementwise_launch(x.size)
@@ -911,7 +911,8 @@ def relu_fprop(x):
 
 
 def relu_bprop(dy, y):
-    """dx = dy where y > 0 else 0; y the forward output. Kernel `relu_bprop`."""
+    """dx = dy * (y > 0), as numpy_ops (NaN, not 0, where y <= 0 and dy is NaN or +-inf); y the forward
+    output. Kernel `relu_bprop`."""
     check_array("relu_bprop", "dy", dy)
     check_array("relu_bprop", "y", y, shape=dy.shape)
     dx = xp.empty(dy.shape, dtype=np.float32)

@@ -329,14 +329,19 @@ def _what(a) -> str:
 
 
 def relu_fprop(x: np.ndarray) -> np.ndarray:
-    """y = max(x, 0), fresh array of x's shape and float dtype. Raises ValueError on a non-float x."""
+    """y = max(x, 0), fresh array of x's shape and float dtype; NaN stays NaN (np.maximum propagates it).
+
+    Raises ValueError on a non-float x.
+    """
     if not isinstance(x, np.ndarray) or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"relu_fprop: x must be a float32/float64 array, got {_what(x)}")
     return np.maximum(x, 0)
 
 
 def relu_bprop(dy: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """dx = dy where y > 0 else 0; y is the forward output. Raises ValueError on shape/dtype mismatch."""
+    """dx = dy * (y > 0): dy where y > 0, else 0, but NaN where dy is NaN or +-inf (0 * inf); y is the
+    forward output (where it is NaN, dx is 0 unless dy is non-finite). Raises ValueError on shape/dtype
+    mismatch."""
     if not isinstance(dy, np.ndarray) or not isinstance(y, np.ndarray) or dy.shape != y.shape \
             or dy.dtype != y.dtype or dy.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"relu_bprop: dy and y must be float arrays of one shape and dtype, got "
@@ -363,6 +368,9 @@ def maxpool_fprop(x: np.ndarray, kernel: int, stride: int) -> tuple[np.ndarray, 
     x (N, C, H, W) -> y (N, C, P, Q) with P = (H - kernel)//stride + 1 (same for Q), and
     argmax (N, C, P, Q) uint8 (int32 if kernel*kernel > 256): offset i*kernel + j of the maximum
     inside its window, the first one on ties. Only `maxpool_bprop` of this backend reads it.
+    NaN propagates as in np.max / np.argmax: a window holding a NaN gives NaN, and its argmax is the
+    first NaN in row-major order, so `maxpool_bprop` routes that window's gradient to it (PyTorch also
+    propagates the NaN and routes to a NaN, though to the last one of the window); +-inf are ordinary.
     Raises ValueError on wrong ndim/dtype or a kernel larger than the input.
     """
     op = "maxpool_fprop"
@@ -384,6 +392,17 @@ def maxpool_fprop(x: np.ndarray, kernel: int, stride: int) -> tuple[np.ndarray, 
             # np.copyto(where=) / np.where are ~10x slower here
             np.multiply(greater, code.dtype.type(i * kernel + j), out=code)
             np.maximum(argmax, code, out=argmax)
+    # np.maximum made y NaN wherever a window holds a NaN, but `greater` never saw the NaN (v > y is
+    # False for it), so point those windows' argmax at their first NaN; this costs one pass over y
+    # when there is none (the training path), the rest scales with the NaN windows only
+    nan_windows = np.flatnonzero(np.isnan(y))
+    if nan_windows.size:
+        n, c, p, q = np.unravel_index(nan_windows, y.shape)
+        first = np.zeros(nan_windows.size, dtype=argmax.dtype)
+        for o in reversed(range(kernel * kernel)):  # descending: the smallest NaN offset is written last
+            i, j = divmod(o, kernel)
+            first[np.isnan(x[n, c, p * stride + i, q * stride + j])] = o
+        argmax.reshape(-1)[nan_windows] = first
     return y, argmax
 
 
@@ -476,7 +495,9 @@ def softmax_xent(logits: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndar
     (loss: float = mean_n -log softmax(logits_n)[labels_n],
      dlogits (N, K) = (softmax - onehot) / N, logits' dtype,
      correct: int = number of n with argmax(logits_n) == labels_n).
-    Numerically stable (the row max is subtracted before exp).
+    Numerically stable (the row max is subtracted before exp). A row holding a NaN or +inf logit has a
+    NaN loss and dlogits (max, then inf - inf), so the mean loss is NaN; its argmax is the first NaN
+    (np.argmax), else the first maximum.
     Raises ValueError on wrong shapes/dtypes or a label outside [0, K) (naming it and its index).
     """
     op = "softmax_xent"

@@ -10,7 +10,8 @@ float64 so that the reference is exact to well below float32 rounding):
     wgrad splits, small and capped grids, small blocks).
 
 Tolerance, stated once: |got - ref| <= ATOL + RTOL * |ref| elementwise (float32 kernels vs float64
-reference; sums of up to ~600 O(1) terms). A failure names the worst element.
+reference; sums of up to ~600 O(1) terms); where the reference is NaN or +-inf the kernel must give
+the same (NaN propagates as in NumPy: the *_nonfinite cases). A failure names the worst element.
 """
 
 from __future__ import annotations
@@ -45,17 +46,24 @@ POOL_SHAPES = [  # (N, C, H, W, kernel, stride)
 
 
 def assert_close(got, ref, what: str, atol: float = ATOL, rtol: float = RTOL) -> None:
-    """Elementwise |got - ref| <= atol + rtol*|ref|; on failure report the worst element."""
+    """Elementwise |got - ref| <= atol + rtol*|ref| where ref is finite, and got == ref where it is not
+    (NaN where NaN, the same infinity); on failure report the worst element."""
     got, ref = np.atleast_1d(np.asarray(got, dtype=np.float64)), np.atleast_1d(np.asarray(ref, dtype=np.float64))
     assert got.shape == ref.shape, f"{what}: shape {got.shape} != expected {ref.shape}"
     if got.size == 0:
         return
-    excess = np.abs(got - ref) - (atol + rtol * np.abs(ref))
+    with np.errstate(invalid="ignore"):  # inf - inf where both are infinite: judged below
+        excess = np.abs(got - ref) - (atol + rtol * np.abs(ref))
+    nonfinite = ~np.isfinite(ref)
+    same = (got == ref) | (np.isnan(got) & np.isnan(ref))
+    excess[nonfinite] = np.where(same[nonfinite], -np.inf, np.inf)
     excess[np.isnan(excess)] = np.inf
     worst = np.unravel_index(int(np.argmax(excess)), excess.shape)
+    why = ("a non-finite value must match exactly" if nonfinite[worst] else
+           f"|diff| {abs(got[worst] - ref[worst]):.3g} > atol + rtol*|ref| = {atol + rtol * abs(ref[worst]):.3g}")
     assert excess[worst] <= 0, (
         f"{what}: worst element {tuple(int(i) for i in worst)}: got {got[worst]:.8g}, expected {ref[worst]:.8g} "
-        f"(|diff| {abs(got[worst] - ref[worst]):.3g} > atol + rtol*|ref| = {atol + rtol * abs(ref[worst]):.3g})")
+        f"({why})")
 
 
 @contextlib.contextmanager
@@ -239,6 +247,58 @@ def conv_split_reduce(lib, rng, small: bool) -> None:
                 assert np.array_equal(runs[0], runs[1]), f"{what}: not bit-reproducible"
 
 
+def conv_relu_nonfinite(lib, rng, small: bool) -> None:
+    """NaN and +-inf in x through the fused bias + ReLU of conv2d_fprop (relu=1, tap table and testing
+    bounds) and of split-K (conv2d_fprop_partial, then conv2d_split_reduce with bias and relu=1), and
+    in a crafted split-K workspace (relu 0 and 1): an output that sums a NaN (or both infinities) is NaN
+    after the ReLU, +inf stays +inf, -inf becomes 0, as numpy_ops.relu_fprop(numpy_ops.conv2d_fprop(..))."""
+    N, C, H, W, K, R, S, st, pad = CONV_SHAPES[1]  # K = 70: two row tiles; C*R*S = 36: three ranges of 16
+    x, w, b = f32(rng, N, C, H, W), f32(rng, K, C, R, S), f32(rng, K)
+    x[0, 1, 3, 4] = np.nan
+    x[1, 0, 2, 2] = x[1, 3, 2, 3] = np.inf  # in windows together: +inf, -inf or inf - inf = NaN by w's signs
+    x[1, 2, 6, 5] = -np.inf
+    P, Q = (H + 2 * pad - R) // st + 1, (W + 2 * pad - S) // st + 1
+    with np.errstate(invalid="ignore"):
+        pre = numpy_ops.conv2d_fprop(f64(x), f64(w), f64(b), st, pad)
+    assert np.isnan(pre).any() and np.isposinf(pre).any() and np.isneginf(pre).any()  # not vacuous
+    ref = numpy_ops.relu_fprop(pre)
+    chunk = 16
+    splits = -(-C * R * S // chunk)
+    with cpu_backend(lib) as ops:
+        tile = ops.conv_tile(K)
+        tab = ops.conv_tap_table("conv2d_fprop", N, C, H, W, K, R, S, P, Q, st, pad)
+        fprop, partial = ops.get_kernel("conv2d_fprop", tile), ops.get_kernel("conv2d_fprop_partial", tile)
+        grid, block = ops.conv_launch(M=K, NG=N * P * Q, tile=tile)
+        split_grid, _ = ops.conv_launch(M=K, NG=N * P * Q, splits=splits, tile=tile)
+    for table in (tab, None):
+        y = np.full((N, K, P, Q), -1.0, np.float32)
+        fprop(grid, block, (x, w, b, y, *_i32(N, C, H, W, K, R, S, P, Q, st, pad, 1), table))
+        assert_close(y, ref, f"conv2d_fprop relu epilogue, non-finite x (tap table {table is not None})")
+        part = np.full((splits, K, N * P * Q), np.nan, np.float32)
+        partial(split_grid, block, (x, w, part, *_i32(N, C, H, W, K, R, S, P, Q, st, pad), np.int64(chunk), table))
+        y = np.full((N, K, P, Q), -1.0, np.float32)
+        lib.kernel("conv2d_split_reduce")((4,), (64,), (part, b, y, *_i32(splits, N, K), np.int64(P * Q),
+                                                        np.int32(1)))
+        assert_close(y, ref, f"conv2d_fprop split-K {splits} + split_reduce relu, non-finite x "
+                             f"(tap table {table is not None})")
+    splits, N, M, L = 11, 2, 5, 7
+    part = f32(rng, splits, M, N * L)
+    part[3, 1, 2] = np.nan
+    part[0, 2, 5], part[6, 2, 5] = np.inf, -np.inf  # inf - inf: NaN
+    part[1, 3, 4] = -np.inf  # ReLU: 0
+    part[2, 4, 1] = np.inf
+    bias = f32(rng, M)
+    with np.errstate(invalid="ignore"):
+        want = part.astype(np.float64).sum(0).reshape(M, N, L).transpose(1, 0, 2) + f64(bias)[None, :, None]
+    for threads in (32, 64) if small else (32, 64, 256):
+        for relu in (0, 1):
+            out = np.zeros((N, M, L), np.float32)
+            lib.kernel("conv2d_split_reduce")((2,), (threads,), (part, bias, out, *_i32(splits, N, M), np.int64(L),
+                                                                 np.int32(relu)))
+            assert_close(out, np.maximum(want, 0) if relu else want,
+                         f"conv2d_split_reduce non-finite workspace, {threads} threads, relu {relu}")
+
+
 def bias_grad(lib, rng, small: bool) -> None:
     """bias_grad on (N, K, P, Q) and (N, K) with 256- and 32-thread blocks (L below and above the block)."""
     for threads in (32,) if small else (256, 32):
@@ -262,6 +322,33 @@ def relu(lib, rng, small: bool) -> None:
         assert np.array_equal(dx, numpy_ops.relu_bprop(dy, numpy_ops.relu_fprop(x))), "relu_bprop"
 
 
+def relu_nonfinite(lib, rng, small: bool) -> None:
+    """relu_fprop and relu_bprop on NaN, +-inf and signed zeros, in x and in dy, equal to numpy_ops and to
+    the definition: y = NaN where x is NaN, else max(x, 0); dx = dy * (y > 0), so 0 where y is NaN or
+    <= 0 and dy finite, but NaN where dy is NaN or +-inf there (0 * inf), dy where y > 0."""
+    x = f32(rng, 3, 5, 7, 11)
+    flat = x.reshape(-1)
+    flat[0::13], flat[1::13], flat[2::13], flat[3::13], flat[4::13] = np.nan, np.inf, -np.inf, 0.0, -0.0
+    dy = f32(rng, *x.shape)
+    dflat = dy.reshape(-1)
+    dflat[0::11], dflat[1::11], dflat[2::11] = np.nan, np.inf, -np.inf
+    y_def = np.where(np.isnan(x), np.nan, np.where(x > 0, x, 0)).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        dx_def = np.where(y_def > 0, dy, np.where(np.isfinite(dy), 0, np.nan)).astype(np.float32)
+        y_ref = numpy_ops.relu_fprop(x)
+        dx_ref = numpy_ops.relu_bprop(dy, y_ref)
+    assert np.array_equal(y_ref, y_def, equal_nan=True) and np.array_equal(dx_ref, dx_def, equal_nan=True)
+    for threads, max_blocks in [(64, 2)] if small else [(256, 65535), (64, 2)]:
+        with cpu_backend(lib, ELEMENTWISE_THREADS=threads, ELEMENTWISE_MAX_BLOCKS=max_blocks) as ops:
+            y = ops.relu_fprop(x)
+            dx = ops.relu_bprop(dy, y_ref)
+        for got, ref, name in ((y, y_ref, "relu_fprop"), (dx, dx_ref, "relu_bprop")):
+            bad = ~((got == ref) | (np.isnan(got) & np.isnan(ref)))
+            assert not bad.any(), (f"{name} non-finite: {int(bad.sum())} elements differ, the first at flat index "
+                                   f"{int(np.flatnonzero(bad)[0])}: got {got.reshape(-1)[bad.reshape(-1)][0]}, "
+                                   f"expected {ref.reshape(-1)[bad.reshape(-1)][0]}")
+
+
 def maxpool(lib, rng, small: bool) -> None:
     """maxpool_fprop (y and the argmax, uint8 and int32) and maxpool_bprop (overlapping windows sum),
     including ties (values rounded to a coarse grid)."""
@@ -277,6 +364,56 @@ def maxpool(lib, rng, small: bool) -> None:
         assert np.array_equal(am, am_ref), f"maxpool_fprop argmax {(N, C, H, W, k, st)}"
         dx_ref = numpy_ops.maxpool_bprop(f64(dy), am_ref, x.shape, k, st)
         assert_close(dx, dx_ref, f"maxpool_bprop {(N, C, H, W, k, st)}")
+
+
+def maxpool_window(x: np.ndarray, kernel: int, stride: int, n: int, c: int, p: int, q: int) -> np.ndarray:
+    """Window (n, c, p, q) of x, flattened in row-major (scan) order."""
+    return x[n, c, p * stride:p * stride + kernel, q * stride:q * stride + kernel].reshape(-1)
+
+
+def maxpool_scan(x: np.ndarray, kernel: int, stride: int) -> tuple[np.ndarray, np.ndarray]:
+    """Max pooling by a plain scan of each window in row-major order (the definition the kernels and
+    numpy_ops must meet): the first NaN, else the first maximum; (y, argmax offset i*kernel + j)."""
+    N, C, H, W = x.shape
+    P, Q = (H - kernel) // stride + 1, (W - kernel) // stride + 1
+    y, argmax = np.empty((N, C, P, Q), x.dtype), np.empty((N, C, P, Q), np.int64)
+    for n, c, p, q in itertools.product(range(N), range(C), range(P), range(Q)):
+        win = maxpool_window(x, kernel, stride, n, c, p, q)
+        nan = np.flatnonzero(np.isnan(win))
+        argmax[n, c, p, q] = nan[0] if nan.size else int(np.argmax(win))  # np.argmax: the first maximum
+        y[n, c, p, q] = win[argmax[n, c, p, q]]
+    return y, argmax
+
+
+def maxpool_nonfinite(lib, rng, small: bool) -> None:
+    """maxpool_fprop / maxpool_bprop (uint8 and int32 argmax) with NaN and +-inf among tied values: a
+    window holding a NaN gives NaN and its gradient goes to the first NaN of its row-major scan (an
+    overlapping NaN gets the sum); +inf and -inf are ordinary maxima (a window of -inf: offset 0). Both
+    the kernels and numpy_ops must equal `maxpool_scan`."""
+    for N, C, H, W, k, st in POOL_SHAPES:
+        x = np.round(f32(rng, N, C, H, W) * 2) / 2
+        flat = x.reshape(-1)
+        pick = rng.permutation(flat.size)
+        flat[pick[:flat.size // 10]] = np.nan
+        flat[pick[flat.size // 10:flat.size // 6]] = np.inf
+        flat[pick[flat.size // 6:flat.size // 4]] = -np.inf
+        x[0, 0] = -np.inf  # every window -inf
+        x[-1, -1] = np.round(f32(rng, H, W) * 2) / 2  # finite, then one +inf and a NaN after it
+        x[-1, -1, k - 1, k - 1], x[-1, -1, 0, k - 1] = np.nan, np.inf
+        y_def, am_def = maxpool_scan(x, k, st)
+        what = f"maxpool non-finite {(N, C, H, W, k, st)}"
+        assert np.isnan(y_def).any() and (~np.isnan(y_def)).any(), what
+        with cpu_backend(lib, ELEMENTWISE_THREADS=64) as ops:
+            y, am = ops.maxpool_fprop(x, k, st)
+            dy = f32(rng, *y.shape)
+            dx = ops.maxpool_bprop(dy, am, x.shape, k, st)
+        y_ref, am_ref = numpy_ops.maxpool_fprop(x, k, st)
+        for name, got_y, got_am in (("numpy_ops", y_ref, am_ref), ("kernel", y, am)):
+            assert np.array_equal(got_y, y_def, equal_nan=True), f"{what}: {name} y"
+            wrong = [tuple(int(i) for i in at) for at in np.argwhere(got_am != am_def)]
+            assert not wrong, (f"{what}: {name} argmax at {wrong[0]} is {got_am[wrong[0]]}, expected "
+                               f"{am_def[wrong[0]]} (window {maxpool_window(x, k, st, *wrong[0]).tolist()})")
+        assert_close(dx, numpy_ops.maxpool_bprop(f64(dy), am_def.astype(am.dtype), x.shape, k, st), f"{what}: bprop")
 
 
 def softmax_xent(lib, rng, small: bool) -> None:
@@ -301,6 +438,33 @@ def softmax_xent(lib, rng, small: bool) -> None:
             assert "label 10 at index 2" in str(e), str(e)
         else:
             raise AssertionError("softmax_xent accepted label 10 of 10 classes")
+
+
+def softmax_xent_nonfinite(lib, rng, small: bool) -> None:
+    """softmax_xent on rows holding NaN or +-inf, as numpy_ops (max, then argmax, propagating NaN): such a
+    row's dlogits are all NaN (and so is the mean loss), and its argmax for the correct count is the
+    first NaN (two NaNs in different threads' subsets: the reduction keeps the lower index), else the
+    first maximum, +inf included; a row of -inf has argmax 0."""
+    for threads in (32,) if small else (256, 32):
+        for N, K in [(6, 10), (5, 300)]:
+            logits = f32(rng, N, K) * 3
+            labels = rng.integers(0, K, N).astype(np.int64)
+            first, second = {10: (2, 6), 300: (43, 290)}[K]  # K = 300: threads 43 and 34 of 256, 11 and 2 of 32
+            logits[0, [second, first]] = np.nan
+            labels[0] = first  # a hit: the first NaN is the argmax
+            logits[1, 3], labels[1] = np.inf, 3  # a hit
+            logits[2, :], labels[2] = -np.inf, 0  # a hit: argmax 0
+            logits[3, [1, K - 1]], labels[3] = np.nan, K - 1  # a miss: argmax 1
+            with cpu_backend(lib, REDUCE_THREADS=threads) as ops:
+                loss, d, correct = ops.softmax_xent(logits, labels)
+            with np.errstate(invalid="ignore"):
+                loss_ref, d_ref, correct_ref = numpy_ops.softmax_xent(f64(logits), labels)
+            what = f"softmax_xent non-finite {(N, K)} block {threads}"
+            assert np.isnan(loss) and np.isnan(loss_ref), f"{what}: loss {loss}, numpy_ops {loss_ref}"
+            assert np.isnan(d_ref[:4]).all() and np.isfinite(d_ref[4:]).all(), what
+            assert_close(d, d_ref, f"{what} dlogits", atol=1e-6, rtol=1e-5)
+            hits = 3 + int(np.sum(np.argmax(logits[4:], axis=1) == labels[4:]))  # rows 0-2 hit, row 3 misses
+            assert correct == correct_ref == hits, f"{what}: correct {correct}, numpy_ops {correct_ref}, want {hits}"
 
 
 def sgd(lib, rng, small: bool) -> None:
@@ -335,9 +499,14 @@ CASES = [
     Case("conv_fprop_relu_epilogue", conv_fprop_relu_epilogue, ("conv2d_fprop",)),
     Case("conv_wgrad_splits", conv_wgrad_splits, ("conv2d_wgrad_partial", "conv2d_split_reduce")),
     Case("conv_split_reduce", conv_split_reduce, ("conv2d_split_reduce",)),
+    Case("conv_relu_nonfinite", conv_relu_nonfinite, ("conv2d_fprop", "conv2d_fprop_partial", "conv2d_split_reduce")),
     Case("bias_grad", bias_grad, ("bias_grad",)),
     Case("relu", relu, ("relu_fprop", "relu_bprop")),
+    Case("relu_nonfinite", relu_nonfinite, ("relu_fprop", "relu_bprop")),
     Case("maxpool", maxpool, ("maxpool_fprop_u8", "maxpool_fprop_i32", "maxpool_bprop_u8", "maxpool_bprop_i32")),
+    Case("maxpool_nonfinite", maxpool_nonfinite,
+         ("maxpool_fprop_u8", "maxpool_fprop_i32", "maxpool_bprop_u8", "maxpool_bprop_i32")),
     Case("softmax_xent", softmax_xent, ("softmax_xent",)),
+    Case("softmax_xent_nonfinite", softmax_xent_nonfinite, ("softmax_xent",)),
     Case("sgd", sgd, ("sgd_momentum",)),
 ]

@@ -51,8 +51,27 @@ def close(got, ref, what):
                                 f"expected {ref[worst]:.8g}")
 
 
+def close_nonfinite(got, ref, what):
+    """NaN where ref is NaN and the same infinity where ref is infinite (exactly), `close` elsewhere."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    finite = np.isfinite(ref)
+    wrong = [tuple(int(i) for i in at) for at in np.argwhere(~finite & (got != ref) & ~(np.isnan(got) & np.isnan(ref)))]
+    assert not wrong, f"{what}: element {wrong[0]}: got {got[wrong[0]]}, expected {ref[wrong[0]]} (non-finite)"
+    close(np.where(finite, got, 0), np.where(finite, ref, 0), what)
+
+
 def rand(rng, shape):
     return rng.standard_normal(shape).astype(np.float32)
+
+
+def sprinkle_nonfinite(rng, a, fraction=0.01):
+    """`a` with NaN, +inf and -inf each at `fraction` of its elements (random places), in place."""
+    flat = a.reshape(-1)
+    pick = rng.permutation(flat.size)
+    n = max(1, int(flat.size * fraction))
+    flat[pick[:n]], flat[pick[n:2 * n]], flat[pick[2 * n:3 * n]] = np.nan, np.inf, -np.inf
+    return a
 
 
 @pytest.mark.parametrize("name,xs,ws,stride,pad", CONVS, ids=[c[0] for c in CONVS])
@@ -184,6 +203,82 @@ def test_pool_relu(cp, npo, xs, k, s):
     r = npo.relu_fprop(x)
     close(cp.to_numpy(cp.relu_fprop(cp.asarray(x))), r, "relu_fprop")
     close(cp.to_numpy(cp.relu_bprop(cp.asarray(x), cp.asarray(r))), npo.relu_bprop(x, r), "relu_bprop")
+
+
+@pytest.mark.parametrize("xs,k,s", POOLS[:2])
+def test_pool_relu_nonfinite(cp, npo, xs, k, s):
+    """NaN and +-inf (on tied values) propagate as in numpy: a window holding a NaN pools to NaN and routes
+    its gradient to its first NaN (same argmax), relu(NaN) = NaN, relu_bprop = dy * (y > 0)."""
+    rng = np.random.default_rng(5)
+    x = sprinkle_nonfinite(rng, np.round(rand(rng, xs) * 2) / 2)
+    y, arg = npo.maxpool_fprop(x, k, s)
+    yc, argc = cp.maxpool_fprop(cp.asarray(x), k, s)
+    assert np.isnan(y).any() and np.array_equal(cp.to_numpy(yc), y, equal_nan=True), "maxpool_fprop"
+    assert np.array_equal(cp.to_numpy(argc), arg), "maxpool_fprop argmax"
+    dy = rand(rng, y.shape)
+    close(cp.to_numpy(cp.maxpool_bprop(cp.asarray(dy), argc, xs, k, s)), npo.maxpool_bprop(dy, arg, xs, k, s),
+          "maxpool_bprop")
+    r = npo.relu_fprop(x)
+    assert np.array_equal(cp.to_numpy(cp.relu_fprop(cp.asarray(x))), r, equal_nan=True), "relu_fprop"
+    g = sprinkle_nonfinite(rng, rand(rng, xs))
+    with np.errstate(invalid="ignore"):
+        ref = npo.relu_bprop(g, r)
+    assert np.array_equal(cp.to_numpy(cp.relu_bprop(cp.asarray(g), cp.asarray(r))), ref, equal_nan=True), "relu_bprop"
+
+
+def test_conv_fused_relu_nonfinite(cp, npo, monkeypatch):
+    """NaN and +-inf in x through the fused bias + ReLU epilogues (relu=1, which the wrappers do not use
+    yet): conv2d_fprop with and without the tap table, and split-K (conv2d_fprop_partial, then
+    conv2d_split_reduce), against numpy relu_fprop(conv2d_fprop): NaN stays NaN, -inf becomes 0."""
+    import cupy
+
+    from mpiasgd.ops import cupy_ops
+
+    _, xs, ws, stride, pad = CONVS[1]
+    xs = (16, *xs[1:])
+    N, C, H, W = xs
+    K, _, R, S = ws
+    P, Q = (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
+    rng = np.random.default_rng(6)
+    x, w, b = sprinkle_nonfinite(rng, rand(rng, xs), 0.001), rand(rng, ws) * 0.1, rand(rng, (K,))
+    with np.errstate(invalid="ignore"):
+        pre = npo.conv2d_fprop(x, w, b, stride, pad)
+    assert np.isnan(pre).any() and np.isneginf(pre).any()
+    ref = npo.relu_fprop(pre)
+    op = "conv2d_fprop"
+    geometry = cupy_ops._conv_ints(op, N, C, H, W, K, R, S, P, Q, stride, pad)
+    tile = cupy_ops.conv_tile(K)
+    monkeypatch.setattr(cupy_ops, "conv_split_override", 3)
+    splits, chunk = cupy_ops.gemm_split(K, N * P * Q, C * R * S, tile)
+    xd, wd, bd = cp.asarray(x), cp.asarray(w), cp.asarray(b)
+    for table in (cupy_ops.conv_tap_table(op, N, C, H, W, K, R, S, P, Q, stride, pad), None):
+        y = cupy.full((N, K, P, Q), -1.0, dtype=np.float32)
+        grid, block = cupy_ops.conv_launch(M=K, NG=N * P * Q, tile=tile)
+        cupy_ops._launch(op, grid, block, (xd, wd, bd, y, *geometry, np.int32(1), table), tile=tile)
+        close_nonfinite(cp.to_numpy(y), ref, f"fused relu (tap table {table is not None})")
+        part = cupy.full((splits, K, N * P * Q), np.nan, dtype=np.float32)
+        grid, block = cupy_ops.conv_launch(M=K, NG=N * P * Q, splits=splits, tile=tile)
+        cupy_ops._launch("conv2d_fprop_partial", grid, block, (xd, wd, part, *geometry, np.int64(chunk), table),
+                         tile=tile)
+        y = cupy.full((N, K, P, Q), -1.0, dtype=np.float32)
+        cupy_ops._split_reduce(op, part, bd, y, splits, N, K, P * Q, tile, relu=1)
+        close_nonfinite(cp.to_numpy(y), ref, f"split-K {splits} + split_reduce relu (tap table {table is not None})")
+
+
+def test_softmax_nonfinite(cp, npo):
+    """Rows with NaN, +inf or only -inf: loss NaN, dlogits NaN on those rows, and the correct count of
+    numpy's argmax (first NaN, else first maximum; two NaNs in different threads' subsets)."""
+    rng = np.random.default_rng(7)
+    logits, labels = rand(rng, (64, 300)) * 3, rng.integers(0, 300, 64)
+    logits[0, [290, 43]], labels[0] = np.nan, 43
+    logits[1, 3], labels[1] = np.inf, 3
+    logits[2, :], labels[2] = -np.inf, 0
+    with np.errstate(invalid="ignore"):
+        loss, dl, correct = npo.softmax_xent(logits, labels)
+    loss_c, dl_c, correct_c = cp.softmax_xent(cp.asarray(logits), cp.asarray(labels, labels.dtype))
+    assert np.isnan(loss) and np.isnan(loss_c) and correct_c == correct >= 3, (
+        f"loss {loss_c} (numpy {loss}), correct {correct_c} (numpy {correct})")
+    close_nonfinite(cp.to_numpy(dl_c), dl, "softmax_xent dlogits")
 
 
 @pytest.mark.parametrize("n", [128, 1024])

@@ -13,6 +13,10 @@ KIND: raise      rank RANK (a worker) raises RuntimeError("injected failure") in
       nanmodule  pipeline unit RANK's module gradients are NaN from its 3rd backward on
       preempt    rank RANK (a worker or a pipeline module 0) sends itself SIGUSR1 in its 10th minibatch
       sloweval   worker RANK takes 3 s longer over its final evaluation
+      logfull    rank 0's run log flushes fail as on a full disk (h5py's RuntimeError, errno 28) from the
+                 30th dataset flush on; checkpoints still fit
+      diskfull   as logfull, and from then on checkpoints fail too (ENOSPC)
+      nocreate   rank 0 cannot create the run log (h5py's RuntimeError, errno 28)
 """
 
 import sys
@@ -55,6 +59,45 @@ if kind == "sloweval" and rank == target:
         return original_evaluate(*args, **kwargs)
 
     worker.evaluate = slow_evaluate
+
+if kind in ("logfull", "diskfull", "nocreate") and rank == 0:
+    import h5py
+
+    ENOSPC = ("Unable to flush dataset (file write failed: time = Tue Dec  1 14:55:29 2026\n, filename = "
+              "'x.h5', file descriptor = 16, errno = 28, error message = 'No space left on device', buf = "
+              "0x5577ffc8e7e5, total write size = 268011, bytes this sub-write = 268011, offset = 3141632)")
+    full = [False]
+
+    if kind == "nocreate":
+        def no_dataset(self, *args, **kwargs):
+            raise RuntimeError(ENOSPC)
+
+        h5py.Group.create_dataset = no_dataset
+    else:
+        original_flush, flushes = h5py.Dataset.flush, [0]
+
+        def failing_flush(self):
+            flushes[0] += 1
+            if flushes[0] >= 30:
+                full[0] = True
+                raise RuntimeError(ENOSPC)
+            return original_flush(self)
+
+        h5py.Dataset.flush = failing_flush
+
+    if kind == "diskfull":
+        import os
+
+        from mpiasgd import checkpoint
+
+        original_replace = os.replace
+
+        def no_room(src, dst):
+            if full[0]:
+                raise OSError(28, "No space left on device")
+            return original_replace(src, dst)
+
+        checkpoint.os.replace = no_room  # (os itself: rank 0 renames nothing else once the disk is full)
 
 if kind in ("raise", "hang") and rank == target:
     from mpiasgd.data import Dataset

@@ -1,0 +1,130 @@
+"""Divergence and dead-network detection from the training loss (rank 0, every mode).
+
+A run whose step size is too large for its number of workers often does not crash: the loss
+spikes, the weights are thrown where every ReLU is off, and the network then predicts a constant.
+Its loss sits at ln(C), the cross-entropy of a uniform guess over C classes, and its accuracy at
+chance, 1/C, while the run goes on to "complete". `LossWatch` reads the rows rank 0 logs anyway
+(each push's or report's minibatch loss, correct count and images) and names two symptoms:
+
+    spike  a minibatch loss above SPIKE_FACTOR times its running level and more than ln(C) above
+           it; the level is an exponential moving average (weight EMA_WEIGHT
+           per row) that starts at ln(C), the loss of a freshly initialised network
+    dead   over a window of BIN_EPOCHS epochs starting at epoch >= 1 (after the first epoch): the
+           mean loss within DEAD_LOSS_TOLERANCE * ln(C) of ln(C) and the training accuracy below
+           DEAD_ACCURACY_FACTOR / C
+
+Each symptom is reported once (an event, a warning on stderr); `--on-divergence stop` ends the run
+at the first one. A dead network that later trains again (a window's accuracy at least
+ALIVE_ACCURACY_FACTOR / C) is reported as recovered. `final_state`
+says whether the run ended dead, for the summary and `mpiasgd report`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SPIKE_FACTOR = 3.0          # a loss this many times its running level (and > level + ln C) is a spike
+EMA_WEIGHT = 0.05           # weight of each row in the running level
+BIN_EPOCHS = 0.5            # the dead-network window, epochs
+DEAD_FROM_EPOCH = 1.0       # windows starting before this epoch are not judged (warm-up, first epoch)
+DEAD_LOSS_TOLERANCE = 0.05  # |mean loss - ln C| <= this * ln C
+DEAD_ACCURACY_FACTOR = 1.25  # training accuracy < this / C
+ALIVE_ACCURACY_FACTOR = 2.0  # a dead network trains again once a window's accuracy is >= this / C (hysteresis)
+
+CAUSE = ("the step size is likely too large for {workers} worker(s): lower --lr (or lengthen --warmup-epochs, "
+         "or use --staleness-lr inverse in the asynchronous modes)")
+
+
+@dataclass
+class Finding:
+    """One symptom: `kind` is the run-log event kind ("diverged", "dead" or "recovered"), `text` names
+    the symptom, where it was seen and the likely cause."""
+    kind: str
+    text: str
+
+
+class LossWatch:
+    """(server only) Watches the training loss rows of a run with `num_classes` classes and `num_workers`
+    workers; see the module docstring for the rules.
+
+    `observe(epoch, loss, correct, samples)` takes one row (epoch: float, the run's epochs done;
+    loss: the minibatch's mean cross-entropy in nats; correct, samples: counts) and returns the
+    findings that row completes (usually none). Rows with a non-finite loss are left out: the server
+    rejects their gradients and counts them (--max-rejects).
+    """
+
+    def __init__(self, num_classes: int, num_workers: int) -> None:
+        self.chance_loss = math.log(num_classes)  # ln C, nats
+        self.chance_accuracy = 1.0 / num_classes
+        self.workers = num_workers
+        self.level = self.chance_loss            # running level of the loss, nats
+        self.spiked = False                      # a spike was reported (once per run)
+        self.dead_since: float | None = None     # start epoch of the first dead window of the current spell
+        self.dead_reported = False
+        self.bin_start: float | None = None      # the window being summed: start epoch, loss*samples, correct, samples
+        self.bin = [0.0, 0, 0]
+        self.last_epoch = 0.0                    # epoch of the newest row
+
+    def observe(self, epoch: float, loss: float, correct: int, samples: int) -> list[Finding]:
+        found = []
+        if not math.isfinite(loss):  # a non-finite gradient is rejected and counted by the server (--max-rejects)
+            return found
+        if not self.spiked and loss > max(SPIKE_FACTOR * self.level, self.level + self.chance_loss):
+            self.spiked = True
+            found.append(Finding("diverged", (
+                f"training loss spiked to {loss:.4g} at epoch {epoch:.2f}, {loss / self.level:.1f}x its running "
+                f"level {self.level:.4g}: {CAUSE.format(workers=self.workers)}")))
+        self.level = (1 - EMA_WEIGHT) * self.level + EMA_WEIGHT * loss
+        if samples <= 0:
+            return found
+        self.last_epoch = epoch
+        if self.bin_start is None:
+            self.bin_start = BIN_EPOCHS * math.floor(epoch / BIN_EPOCHS)
+        elif epoch >= self.bin_start + BIN_EPOCHS:  # the window is complete: judge it, start the next
+            found += self.judge()
+            self.bin_start, self.bin = BIN_EPOCHS * math.floor(epoch / BIN_EPOCHS), [0.0, 0, 0]
+        self.bin[0] += loss * samples
+        self.bin[1] += int(correct)
+        self.bin[2] += int(samples)
+        return found
+
+    def judge(self) -> list[Finding]:
+        """Judge the window summed so far (it is complete); the findings it gives."""
+        start, (loss_sum, correct, samples) = self.bin_start, self.bin
+        if start is None or start < DEAD_FROM_EPOCH or not samples:
+            return []
+        mean, accuracy = loss_sum / samples, correct / samples
+        dead = (abs(mean - self.chance_loss) <= DEAD_LOSS_TOLERANCE * self.chance_loss
+                and accuracy < DEAD_ACCURACY_FACTOR * self.chance_accuracy)
+        alive = accuracy >= ALIVE_ACCURACY_FACTOR * self.chance_accuracy
+        if dead and self.dead_since is None:
+            self.dead_since = start
+            if not self.dead_reported:
+                self.dead_reported = True
+                return [Finding("dead", (
+                    f"the network looks dead from epoch {start:.1f}: over epochs {start:.1f}-{start + BIN_EPOCHS:.1f} "
+                    f"the training loss is {mean:.4f}, at ln {round(1 / self.chance_accuracy)} = "
+                    f"{self.chance_loss:.4f} (a constant prediction), and the training accuracy "
+                    f"{100 * accuracy:.1f} %, at chance ({100 * self.chance_accuracy:.0f} %): "
+                    f"{CAUSE.format(workers=self.workers)}"))]
+        if alive and self.dead_since is not None:
+            since, self.dead_since = self.dead_since, None
+            return [Finding("recovered", f"the network trains again from epoch {start:.1f} (dead since epoch "
+                                         f"{since:.1f}): training loss {mean:.4f}, accuracy {100 * accuracy:.1f} %")]
+        return []
+
+    def finish(self) -> list[Finding]:
+        """At the run's end: judge the last window too if it covers half a window or more; the findings."""
+        start = self.bin_start
+        found = self.judge() if start is not None and self.last_epoch - start >= BIN_EPOCHS / 2 else []
+        self.bin_start, self.bin = None, [0.0, 0, 0]
+        return found
+
+    def final_state(self) -> str:
+        """What the run ended as (after `finish`): "" if healthy, else a line naming the state, for the
+        summary (log attribute `health`) and `mpiasgd report`."""
+        if self.dead_since is None:
+            return ""
+        return (f"dead from epoch {self.dead_since:.1f} to the end (training loss at ln "
+                f"{round(1 / self.chance_accuracy)} = {self.chance_loss:.3f}, chance accuracy): lower --lr")

@@ -1,0 +1,37 @@
+"""The command line as a new user meets it first: every subcommand's --help renders (through
+`python -m mpiasgd` and the `mpiasgd` script), and train's lists every config key."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpiasgd.config import FIELDS
+
+SUBCOMMANDS = ("train", "evaluate", "report", "watch", "trace")
+SCRIPT = shutil.which("mpiasgd", path=str(Path(sys.executable).parent))
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_subcommand_help_renders(command, flag):
+    res = subprocess.run([sys.executable, "-m", "mpiasgd", command, flag], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert res.stdout.startswith(f"usage: mpiasgd {command}"), res.stdout[:200]
+    if command == "train":  # one flag per config key, and the autotune help's '%' shown as itself
+        missing = [key for key in FIELDS if f"--{key.replace('_', '-')}" not in res.stdout]
+        assert missing == [], missing
+        assert "> 3 % faster" in res.stdout
+
+
+def test_the_installed_script_and_the_top_level_help_render():
+    assert SCRIPT is not None, f"no 'mpiasgd' script beside {sys.executable}: pip install -e ."
+    for argv in ([SCRIPT, "train", "--help"], [SCRIPT, "--help"], [sys.executable, "-m", "mpiasgd", "--help"]):
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0 and res.stderr == "", (argv, res.stderr)
+    assert all(command in res.stdout for command in SUBCOMMANDS), res.stdout

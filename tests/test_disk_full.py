@@ -1,0 +1,293 @@
+"""A disk that fills up: while the run log is flushed, at start-up (lock file, log), under a checkpoint.
+
+In-process checks fail HDF5's writes by monkeypatching (h5py raises RuntimeError with the errno in its
+text, as it does on a full disk) and always run. The multi-rank checks inject the same failure on
+rank 0 (tests/mpi_scripts/fault.py); the end-to-end ones run on a real 3 MB tmpfs, mounted for the
+test when this process may mount one (root), else skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import h5py
+import numpy as np
+import pytest
+from test_data import tiny_cifar  # noqa: F401  (a fixture: a CIFAR-10 of 100 random images)
+from test_mpi import FAST, read_log
+
+from mpiasgd import checkpoint
+from mpiasgd.runlog import RunLog, RunLogError, WriterLock, open_log
+
+# what h5py raises when HDF5's write(2) fails on a full disk (text abridged from a real one)
+HDF5_ENOSPC = ("Unable to flush dataset (file write failed: time = Tue Dec  1 14:55:29 2026\n, filename = "
+               "'x.h5', file descriptor = 16, errno = 28, error message = 'No space left on device', buf = "
+               "0x5577ffc8e7e5, total write size = 268011, bytes this sub-write = 268011, offset = 3141632)")
+
+
+def disk_fills(monkeypatch, after: int = 0) -> None:
+    """Every `h5py.Dataset.flush` after the first `after` ones fails as on a full disk."""
+    original, calls = h5py.Dataset.flush, [0]
+
+    def flush(self):
+        calls[0] += 1
+        if calls[0] > after:
+            raise RuntimeError(HDF5_ENOSPC)
+        return original(self)
+
+    monkeypatch.setattr(h5py.Dataset, "flush", flush)
+
+
+def one_push(log, t):
+    log.add("pushes", (t, 1, int(t), 0, int(t), 0, 1.0, 0, 16, 0, 0.1, 0.0, 0.0, 1, 0.1, 0, 0.0, 0))
+    log.add_snapshot((t, int(t), 16, 0.0), np.full(log.file["snapshots/params"].shape[1], t, np.float32))
+
+
+# --- in-process --------------------------------------------------------------------------------------
+
+def test_failed_flush_is_one_line_and_the_log_ends_failed_at_its_last_flush(tmp_path, monkeypatch):
+    path = str(tmp_path / "x.h5")
+    lock = WriterLock(path)
+    lock.acquire()
+    log = RunLog.create(path, {"config": "{}"}, [], 5, flush_interval=60, lock=lock)
+    for t in (1.0, 2.0):
+        one_push(log, t)
+        log.flush()
+    disk_fills(monkeypatch)
+    one_push(log, 3.0)
+    with pytest.raises(RunLogError) as info:
+        log.flush()
+    assert str(info.value) == f"run log '{path}' cannot be written: [Errno 28] No space left on device"
+    assert info.value.cause.errno == 28 and isinstance(info.value, OSError)
+    one_push(log, 4.0)  # a broken log takes no more rows, and a flush is no new error
+    log.flush()
+    monkeypatch.undo()
+    with pytest.raises(RunLogError, match=r"cannot be written: \[Errno 28\] No space left on device$"):
+        log.close("completed", {"test_accuracy": 0.5})
+    assert "closed with status 'failed'" in log.outcome
+    assert not os.path.exists(path + ".lock")  # released
+    with open_log(path) as f:  # every row up to the last flush that succeeded, and none after it
+        assert f.attrs["status"] == "failed" and "test_accuracy" not in f.attrs
+        assert f["pushes"]["time"].tolist() == [1.0, 2.0]
+        assert f["snapshots/meta"]["time"].tolist() == [1.0, 2.0]
+        np.testing.assert_array_equal(f["snapshots/params"][()], np.repeat([[1.0], [2.0]], 5, axis=1))
+
+
+def test_failed_flush_inside_close_also_ends_the_log_failed(tmp_path, monkeypatch):
+    path = str(tmp_path / "x.h5")
+    lock = WriterLock(path)
+    lock.acquire()
+    log = RunLog.create(path, {"config": "{}"}, [], 5, flush_interval=60, lock=lock)
+    one_push(log, 1.0)
+    log.flush()
+    one_push(log, 2.0)
+    disk_fills(monkeypatch)
+    with pytest.raises(RunLogError, match=r"\[Errno 28\] No space left on device"):
+        log.close("completed")
+    monkeypatch.undo()
+    assert not os.path.exists(path + ".lock")
+    with open_log(path) as f:
+        assert f.attrs["status"] == "failed" and f["pushes"].shape == (1,)
+
+
+def test_checkpoint_that_does_not_fit_is_a_one_line_os_error(tmp_path, monkeypatch):
+    path = str(tmp_path / "x.ckpt.h5")
+
+    def full(self, *args, **kwargs):
+        raise RuntimeError(HDF5_ENOSPC.replace("flush dataset", "create dataset"))
+
+    monkeypatch.setattr(h5py.Group, "create_dataset", full)
+    from test_checkpoint import make_ckpt
+
+    with pytest.raises(OSError) as info:
+        checkpoint.write(path, make_ckpt())
+    assert str(info.value) == "[Errno 28] No space left on device" and info.value.errno == 28
+    assert os.listdir(tmp_path) == []  # the temporary file is gone
+
+
+def test_lock_file_that_cannot_be_written_names_it_and_is_not_left(tmp_path, monkeypatch):
+    path = str(tmp_path / "x.h5")
+
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("mpiasgd.runlog.os.write", full)
+    with pytest.raises(OSError) as info:
+        WriterLock(path).acquire()
+    assert str(info.value) == (f"cannot write the lock file '{path}.lock' of run log '{path}': "
+                               "[Errno 28] No space left on device")
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "x.h5.lock").write_text("12345\n")  # left by a job that died: not this run's to remove
+    with pytest.raises(OSError, match="cannot write the lock file"):
+        WriterLock(path).acquire()
+    assert (tmp_path / "x.h5.lock").exists()
+
+
+def test_log_that_cannot_be_created_names_it_and_leaves_nothing(tmp_path, monkeypatch):
+    path = str(tmp_path / "x.h5")
+
+    def full(self, *args, **kwargs):
+        raise RuntimeError(HDF5_ENOSPC.replace("flush dataset", "create dataset"))
+
+    monkeypatch.setattr(h5py.Group, "create_dataset", full)
+    with pytest.raises(RunLogError) as info:
+        RunLog.create(path, {"config": "{}"}, [], 5, flush_interval=60)
+    assert str(info.value) == f"run log '{path}' cannot be created: [Errno 28] No space left on device"
+    assert os.listdir(tmp_path) == []
+
+
+class FakeRank:
+    """A `train.Rank` whose communicator records `Abort` instead of ending the process."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.size, self.host = comm, 0, 3, "here"
+        self.aborted = []
+        comm.Abort = self.aborted.append
+
+
+def test_rank0_reports_a_full_disk_in_one_line_with_a_checkpoint(tmp_path, monkeypatch, capsys):
+    """train.log_unwritable, what rank 0 does when RunLogError reaches `train`: one error line naming the
+    file and the cause, the log closed as failed and unlocked, a checkpoint (one line), the job aborted."""
+    from test_server import make_server
+
+    from mpiasgd.train import ABORT_CODE, log_unwritable
+
+    server, _, log = make_server(tmp_path)
+    log.lock = lock = WriterLock(log.path)
+    lock.acquire()
+    server.start = 0.0
+    one_push(log, 1.0)
+    log.flush()
+    disk_fills(monkeypatch)
+    one_push(log, 2.0)
+    with pytest.raises(RunLogError) as info:
+        log.flush()
+    monkeypatch.undo()
+    me = FakeRank(server.comm)
+    log_unwritable(me, {"server": server, "lock": lock}, info.value)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"mpiasgd: error: rank 0: run log '{log.path}' cannot be written: [Errno 28] No space left "
+                      "on device; the log is closed with status 'failed', readable up to its last flush")
+    ckpt = server.checkpoint_path
+    assert err[1:] == [f"mpiasgd: checkpoint '{ckpt}' written (version 0); once there is space, continue with "
+                       f"--resume {ckpt}"]
+    assert me.aborted == [ABORT_CODE] and not os.path.exists(log.path + ".lock")
+    assert checkpoint.load(ckpt).reason == "failure"
+    with open_log(log.path) as f:
+        assert f.attrs["status"] == "failed" and f["pushes"].shape == (1,)
+
+
+
+def test_rank0_says_in_one_line_that_the_checkpoint_did_not_fit_either(tmp_path, monkeypatch, capsys):
+    from test_server import make_server
+
+    from mpiasgd.train import log_unwritable
+
+    server, _, log = make_server(tmp_path)
+    server.start = 0.0
+    disk_fills(monkeypatch)
+    one_push(log, 1.0)
+    with pytest.raises(RunLogError) as info:
+        log.flush()
+
+    def no_room(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("mpiasgd.checkpoint.os.replace", no_room)
+    me = FakeRank(server.comm)
+    log_unwritable(me, {"server": server, "lock": None}, info.value)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith(f"mpiasgd: error: rank 0: run log '{log.path}' cannot be written")
+    assert err[1] == (f"mpiasgd: warning: checkpoint '{server.checkpoint_path}' not written ([Errno 28] No space "
+                      "left on device); there is no earlier one")
+    assert me.aborted == [1] and not os.path.exists(server.checkpoint_path)
+
+
+# --- multi-rank, failure injected on rank 0 -----------------------------------------------------------
+
+def errors(stderr: str) -> list[str]:
+    """The product's error lines (Open MPI's abort banner may come first: its forwarding can add a space)."""
+    return [line.strip() for line in stderr.splitlines() if line.strip().startswith("mpiasgd: error")]
+
+
+@pytest.mark.parametrize("kind", ["logfull", "diskfull"])
+def test_full_disk_while_flushing_ends_the_job_in_one_line(mpirun, tmp_path, kind):
+    """logfull: rank 0's log flushes fail from the 30th dataset flush on, its checkpoint still fits;
+    diskfull: the checkpoint fails too."""
+    res = mpirun(3, [kind, "0", *FAST, "--epochs", "0", "--max-time", "60", "--name", "full"], timeout=60,
+                 script="fault.py")
+    assert res.returncode != 0 and res.seconds < 30, res.explain()
+    assert errors(res.stderr) == ["mpiasgd: error: rank 0: run log 'runs/full.h5' cannot be written: [Errno 28] "
+                                  "No space left on device; the log is closed with status 'failed', readable up "
+                                  "to its last flush"], res.explain()
+    assert "Traceback" not in res.stderr and "h5py" not in res.stderr, res.explain()
+    if kind == "logfull":
+        assert ("mpiasgd: checkpoint 'runs/full.ckpt.h5' written (version " in res.stderr
+                and "continue with --resume runs/full.ckpt.h5" in res.stderr), res.explain()
+        assert checkpoint.load(str(tmp_path / "runs" / "full.ckpt.h5")).reason == "failure"
+    else:
+        assert ("mpiasgd: warning: checkpoint 'runs/full.ckpt.h5' not written ([Errno 28] No space left on "
+                "device)") in res.stderr, res.explain()
+    attrs, t, _ = read_log(tmp_path / "runs" / "full.h5")
+    assert attrs["status"] == "failed" and len(t["pushes"]) > 0
+    assert not (tmp_path / "runs" / "full.h5.lock").exists()
+
+
+def test_log_that_cannot_be_created_ends_the_job_in_one_line(mpirun, tmp_path):
+    res = mpirun(3, ["nocreate", "0", *FAST, "--name", "nc"], timeout=60, script="fault.py")
+    assert res.returncode != 0 and res.seconds < 30, res.explain()
+    assert errors(res.stderr) == ["mpiasgd: error: rank 0: run log 'runs/nc.h5' cannot be created: [Errno 28] No "
+                                  "space left on device"], res.explain()
+    assert "Traceback" not in res.stderr, res.explain()
+    assert os.listdir(tmp_path / "runs") == []  # neither the log nor its lock file
+
+
+# --- multi-rank, on a real full file system ------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MB tmpfs at tmp_path/small (root and `mount` needed, else the test is skipped)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a 3 MB tmpfs needs root")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(where)], capture_output=True,
+                         text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip() or res.returncode}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_log_fills_a_real_tmpfs(mpirun, small_disk, tiny_cifar):  # noqa: F811
+    """cifar10 weights (0.34 MB) snapshotted every 0.2 s fill 3 MB within seconds."""
+    root, _ = tiny_cifar
+    res = mpirun(3, ["train", "--model", "cifar10", "--data-dir", str(root), "--batch-size", "8", "--epochs", "0",
+                     "--max-time", "60", "--snapshot-interval", "0.2", "--flush-interval", "0.2", "--no-progress",
+                     "--run-dir", str(small_disk), "--name", "x"], timeout=90)
+    assert res.returncode != 0 and res.seconds < 60, res.explain()
+    path = small_disk / "x.h5"
+    assert len(errors(res.stderr)) == 1, res.explain()
+    assert errors(res.stderr)[0].startswith(f"mpiasgd: error: rank 0: run log '{path}' cannot be written: [Errno 28] "
+                                            "No space left on device; "), res.explain()
+    assert f"checkpoint '{small_disk / 'x.ckpt.h5'}'" in res.stderr, res.explain()  # written, or says why not
+    assert "Traceback" not in res.stderr, res.explain()
+    assert not (small_disk / "x.h5.lock").exists()
+    attrs, t, params = read_log(path)  # readable up to its last flush, whatever its status
+    assert attrs["status"] in ("failed", "running") and len(t["pushes"]) > 0
+    assert len(params) == len(t["snapshots/meta"]) >= 1 and np.isfinite(params).all()
+    if "closed with status 'failed'" in errors(res.stderr)[0]:
+        assert attrs["status"] == "failed"
+
+
+def test_start_on_a_full_tmpfs_names_the_lock_file_and_leaves_none(mpirun, small_disk):
+    subprocess.run(["dd", "if=/dev/zero", f"of={small_disk / 'filler'}", "bs=64k"], capture_output=True)
+    res = mpirun(3, ["train", *FAST, "--run-dir", str(small_disk), "--name", "y"], timeout=60)
+    assert res.returncode == 2, res.explain()
+    lock = small_disk / "y.h5.lock"
+    assert errors(res.stderr) == [f"mpiasgd: error (rank 0): cannot write the lock file '{lock}' of run log "
+                                  f"'{small_disk / 'y.h5'}': [Errno 28] No space left on device"], res.explain()
+    assert sorted(os.listdir(small_disk)) == ["filler"]

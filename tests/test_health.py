@@ -1,0 +1,153 @@
+"""Divergence and dead-network detection (mpiasgd.health): the rules on crafted loss rows, the parameter
+server's warning and --on-divergence stop through the fake communicator, and real runs whose step size
+is far too large in every mode."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from test_mpi import FAST, read_log
+from test_server import make_server, push, reply, serve_one
+
+from mpiasgd.cli import main
+from mpiasgd.health import LossWatch
+from mpiasgd.protocol import Tag
+
+LN10 = math.log(10)
+
+
+def feed(watch, rows):
+    """rows: (epoch, loss, correct, samples); every finding, in order."""
+    return [f for row in rows for f in watch.observe(*row)]
+
+
+def training(epochs=10.0, per_epoch=100, start=LN10, end=0.3, seed=0):
+    """A healthy run's rows: the loss falls from ln 10 to `end` with noise, the accuracy rises to 90 %."""
+    rng = np.random.default_rng(seed)
+    n = int(epochs * per_epoch)
+    for i in range(n):
+        frac = i / n
+        loss = start + (end - start) * frac ** 0.5
+        yield i / per_epoch, loss * rng.uniform(0.7, 1.3), int(32 * (0.1 + 0.8 * frac ** 0.5)), 32
+
+
+def test_a_healthy_run_gives_no_finding():
+    watch = LossWatch(10, 2)
+    assert feed(watch, training()) == [] and watch.finish() == [] and watch.final_state() == ""
+
+
+def test_a_spike_is_reported_once_with_its_size_and_cause():
+    watch = LossWatch(10, 8)
+    rows = [(i / 100, LN10, 3, 32) for i in range(50)]
+    assert feed(watch, rows) == []
+    found = feed(watch, [(0.5, 12.5, 3, 32), (0.51, 20.0, 3, 32)])
+    assert [f.kind for f in found] == ["diverged"]
+    assert found[0].text.startswith("training loss spiked to 12.5 at epoch 0.50, 5.4x its running level 2.303: "
+                                    "the step size is likely too large for 8 worker(s): lower --lr")
+
+
+def test_a_spike_from_the_first_row_is_judged_against_ln_c():
+    """A fresh network's loss is ln C: a first row far above it is a spike (the level needs no history)."""
+    assert [f.kind for f in LossWatch(10, 2).observe(0.0, 3.1 * LN10, 1, 32)] == ["diverged"]
+    assert LossWatch(10, 2).observe(0.0, 2.9 * LN10, 1, 32) == []  # below SPIKE_FACTOR = 3
+    late = LossWatch(10, 2)  # late in training the bound is the level + ln C, not 3x a small level
+    feed(late, [(i / 100, 0.05, 32, 32) for i in range(200)])
+    assert late.observe(2.0, 0.5, 20, 32) == [] and [f.kind for f in late.observe(2.01, 2.5, 5, 32)] == ["diverged"]
+
+
+def test_non_finite_losses_are_left_to_the_reject_rule():
+    watch = LossWatch(10, 2)
+    assert watch.observe(0.1, float("nan"), 0, 32) == [] and watch.observe(0.2, float("inf"), 0, 32) == []
+    assert watch.level == pytest.approx(LN10)
+
+
+def test_a_dead_network_is_named_after_the_first_epoch_then_its_recovery():
+    watch = LossWatch(10, 2)
+    dead = [(i / 100, LN10 + 0.01, 3 + i % 2, 32) for i in range(300)]  # 10.9 % accuracy, loss ln 10
+    found = feed(watch, dead)
+    # windows of half an epoch; the ones starting before epoch 1 are not judged
+    assert [f.kind for f in found] == ["dead"]
+    assert found[0].text.startswith("the network looks dead from epoch 1.0: over epochs 1.0-1.5 the training loss "
+                                    "is 2.3126, at ln 10 = 2.3026 (a constant prediction), and the training accuracy "
+                                    "10.9 %, at chance (10 %): the step size is likely too large for 2 worker(s)")
+    assert watch.finish() == []  # dead still: reported once
+    assert watch.final_state().startswith("dead from epoch 1.0 to the end (training loss at ln 10 = 2.303, chance")
+    # still 12 % accuracy: not alive yet (hysteresis); 40 %: trains again
+    assert feed(watch, [(3 + i / 100, 2.2, 4, 32) for i in range(60)]) == []
+    found = feed(watch, [(3.6 + i / 100, 1.5, 13, 32) for i in range(120)])
+    assert [f.kind for f in found] == ["recovered"] and watch.final_state() == ""
+    assert found[0].text.startswith("the network trains again from epoch 3.5 (dead since epoch 1.0)")
+
+
+def test_the_last_window_is_judged_at_the_end_if_it_covers_half_a_window():
+    short = LossWatch(10, 2)
+    feed(short, [(1.0 + i / 100, LN10, 3, 32) for i in range(20)])  # 0.2 epochs: too short to judge
+    assert short.finish() == [] and short.final_state() == ""
+    longer = LossWatch(10, 2)
+    feed(longer, [(1.0 + i / 100, LN10, 3, 32) for i in range(30)])
+    assert [f.kind for f in longer.finish()] == ["dead"] and longer.final_state().startswith("dead from epoch 1.0")
+
+
+def spiking_server(tmp_path, on_divergence):
+    server, net, log = make_server(tmp_path, on_divergence=on_divergence)
+    server.health = LossWatch(10, 2)
+    push(net, 1, step=1, version=0, grad=np.zeros(6, np.float32), loss=LN10)
+    serve_one(server)
+    push(net, 2, step=1, version=1, grad=np.zeros(6, np.float32), loss=40.0)
+    serve_one(server)
+    log.flush()
+    return server, net, log
+
+
+def test_the_server_warns_and_trains_on(tmp_path, capsys):
+    server, net, log = spiking_server(tmp_path, "warn")
+    assert "mpiasgd: warning: training loss spiked to 40" in capsys.readouterr().err
+    assert reply(net, 2)[0] == Tag.WEIGHTS and server.stop_reason == "" and server.diverged == ""
+    kinds = [e["kind"] for e in log.file["events"][()]]
+    assert kinds == [b"diverged"]
+
+
+def test_on_divergence_stop_ends_the_run_at_the_first_symptom(tmp_path):
+    server, net, log = spiking_server(tmp_path, "stop")
+    assert reply(net, 2)[0] == Tag.STOP  # the push that spiked is answered with STOP
+    assert server.stop_reason == "diverged (diverged; --on-divergence stop)"
+    assert server.diverged.startswith("training loss spiked to 40 at epoch")
+    events = log.file["events"][()]
+    assert [e["kind"] for e in events] == [b"diverged", b"stop"]
+    push(net, 1, step=2, version=2, grad=np.zeros(6, np.float32), loss=LN10)  # drained, not applied
+    serve_one(server)
+    assert reply(net, 1)[0] == Tag.STOP and server.version == 2
+
+
+@pytest.mark.parametrize("mode", ["async", "sync", "pipeline"])
+def test_a_run_with_a_far_too_large_step_stops_with_status_diverged(mpirun, tmp_path, mode, capsys):
+    """--lr 3 on digits: the loss spikes within the first epoch; --on-divergence stop ends the run there in
+    every mode (the workers evaluate the final weights), exit status 3, status 'diverged', and report says why."""
+    name = f"div-{mode}"
+    res = mpirun(3, ["train", *FAST, "--mode", mode, "--lr", "3", "--epochs", "8", "--on-divergence", "stop",
+                     "--name", name], timeout=120)
+    assert res.returncode == 3, res.explain()
+    assert "mpiasgd: error: run stopped (--on-divergence stop): training loss spiked to" in res.stderr, res.explain()
+    attrs, t, _ = read_log(tmp_path / "runs" / f"{name}.h5")
+    kinds = [e["kind"].decode() for e in t["events"]]
+    assert attrs["status"] == "diverged" and attrs["diverged"].startswith("training loss spiked to"), attrs
+    assert kinds.index("diverged") < kinds.index("stop") and kinds[-1] == "end", kinds
+    assert float(attrs["epochs_done"]) < 2 and int(attrs["test_count"]) == 360  # stopped early, evaluated
+    assert main(["report", str(tmp_path / "runs" / f"{name}.h5")]) == 0
+    assert "(status: diverged)" in capsys.readouterr().out
+
+
+def test_a_dead_async_run_is_warned_about_and_reported(mpirun, tmp_path, capsys):
+    """The defect as found: 8 async workers at --lr 0.1 kill the digits network; the run completes at
+    chance accuracy, and now the log, stderr and report say it is dead (default --on-divergence warn)."""
+    res = mpirun(9, ["train", "--model", "digits", "--epochs", "6", "--lr", "0.1", "--no-progress", "--name", "dead"],
+                 timeout=180)
+    assert res.returncode == 0, res.explain()
+    assert "mpiasgd: warning: the network looks dead from epoch" in res.stderr, res.explain()
+    attrs, t, _ = read_log(tmp_path / "runs" / "dead.h5")
+    assert attrs["status"] == "completed" and attrs["test_accuracy"] < 0.2
+    assert attrs["health"].startswith("dead from epoch") and b"dead" in t["events"]["kind"].tolist()
+    assert main(["report", str(tmp_path / "runs" / "dead.h5")]) == 0
+    assert "health           dead from epoch" in capsys.readouterr().out
