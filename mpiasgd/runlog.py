@@ -3,8 +3,10 @@
 One file per run, `RUN_DIR/NAME.h5`:
 
     attrs        config (JSON), versions (JSON), layout (JSON), model, mode, num_workers, num_params,
-                 created, run_id, status ("running" | "completed" | "failed" | "preempted" | "killed"), and at the end
-                 wall_time_s, test_accuracy, test_loss, images_per_s
+                 created, run_id, status ("running" | "completed" | "failed" | "preempted" | "killed" |
+                 "diverged": --on-divergence stop ended it), and at the end wall_time_s, test_accuracy,
+                 test_loss, images_per_s, health ("" or how a dead network ended the run: mpiasgd.health),
+                 diverged (the symptom that stopped it, or "")
     /workers     one row per worker: rank, host, pid, threads, backend, shard_size
     /pushes      one row per push received (PUSH_ROW): time, worker, step, base version, version,
                  staleness, loss, correct, samples, epoch, compute/comm/wait seconds, applied, lr (the
@@ -22,7 +24,9 @@ One file per run, `RUN_DIR/NAME.h5`:
     /evals       EVAL_ROW: time, version, epoch, snapshot (-1: the final weights), loss, accuracy, count
     /events      EVENT_ROW: time, kind, text (start, stop reason, failures, preempt, resume; autotune:
                  a GPU worker's conv tiles chosen at start-up under --conv-algo autotune; pause: rank 0's
-                 own loop did not run for a while, not counted as the workers' silence)
+                 own loop did not run for a while, not counted as the workers' silence; diverged, dead,
+                 recovered: the training loss spiked, the network is dead (loss at ln(classes), chance
+                 accuracy) or trains again, mpiasgd.health)
     /checkpoints CHECKPOINT_ROW: time, seconds (to write it), version, samples, elapsed (training seconds
                  it holds), reason (interval | end | preempt | failure: a worker died); the file is
                  RUN_DIR/NAME.ckpt.h5
@@ -226,6 +230,15 @@ def open_log(path: str, mode: str = "r") -> h5py.File:
     return h5py.File(path, mode, libver="latest")
 
 
+def _close_quietly(f: h5py.File | None) -> None:
+    """Close `f` (if any) after a failed write; a second failure while closing adds nothing to the first."""
+    try:
+        if f is not None:
+            f.close()
+    except (OSError, RuntimeError):
+        pass
+
+
 def append(ds: h5py.Dataset, rows: np.ndarray) -> None:
     """Append `rows` along axis 0 of a resizable dataset."""
     n = ds.shape[0]
@@ -265,11 +278,7 @@ class RunLog:
             f = h5py.File(path, "w", libver="latest")
             cls._fill(f, attrs, workers, num_params)
         except (OSError, RuntimeError) as e:  # RuntimeError: h5py's, when HDF5 fails to write
-            try:
-                if f is not None:
-                    f.close()
-            except (OSError, RuntimeError):
-                pass
+            _close_quietly(f)
             if (f is not None or not existed) and os.path.exists(path):  # ours: created or truncated above
                 os.unlink(path)
             raise RunLogError(path, e, "created") from e
@@ -321,11 +330,7 @@ class RunLog:
                     f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
             f.swmr_mode = True
         except (OSError, RuntimeError) as e:  # RuntimeError: h5py's, when HDF5 fails to write
-            try:
-                if f is not None:
-                    f.close()
-            except (OSError, RuntimeError):
-                pass
+            _close_quietly(f)
             raise RunLogError(path, e, "reopened") from e
         return log
 
