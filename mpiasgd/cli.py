@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -24,12 +25,25 @@ def positive(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
+    return value
+
+
 def fraction(text: str) -> float:
     """A test accuracy given as a fraction in (0, 1]; a percentage such as 60 is refused, not guessed."""
     value = float(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], e.g. 0.6 for 60 %; got {text}")
     return value
+
+
+def command(sub: argparse._SubParsersAction, name: str, text: str) -> argparse.ArgumentParser:
+    """A subcommand whose one-line `text` is both its entry in `mpiasgd --help` and its own description."""
+    return sub.add_parser(name, help=text, description=text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,13 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     sub.add_parser("train", help="train (run under mpiexec/srun: rank 0 server, ranks 1..N workers)",
                    add_help=False)
-    ev = sub.add_parser("evaluate", help="evaluate every weight snapshot of a run log on the test set")
-    ev.add_argument("logs", nargs="+", metavar="RUN.h5")
+    ev = command(sub, "evaluate", "evaluate every weight snapshot of a run log on the test set")
+    ev.add_argument("logs", nargs="+", metavar="RUN.h5", help="run logs written by mpiasgd train (runs/NAME.h5)")
     ev.add_argument("--data-dir", default=None, help="where the dataset is (default: the run's own)")
     ev.add_argument("--every", type=positive, default=1, help="evaluate every N-th snapshot and the last (default 1)")
     ev.add_argument("--batch-size", type=positive, default=256, help="images per forward pass (default 256)")
-    rp = sub.add_parser("report", help="print summary tables of run logs, and a table comparing them")
-    rp.add_argument("logs", nargs="+", metavar="RUN.h5")
+    rp = command(sub, "report", "print summary tables of run logs, and a table comparing them")
+    rp.add_argument("logs", nargs="+", metavar="RUN.h5", help="run logs written by mpiasgd train (runs/NAME.h5)")
     rp.add_argument("--target-accuracy", type=fraction, default=DEFAULT_TARGET, metavar="FRACTION",
                     help="test accuracy of the comparison's 'time to' column, a fraction: 0.6 = 60 %% "
                          f"(default {DEFAULT_TARGET}; values above 1 are refused)")
@@ -55,13 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--format", choices=FORMATS, default="text",
                     help="text (default): each run's report, then the comparison table for 2+ runs; "
                          "markdown | csv: the comparison table alone")
-    wt = sub.add_parser("watch", help="follow a running job's log and print a line per interval until it ends")
-    wt.add_argument("log", metavar="RUN.h5")
-    wt.add_argument("--interval", type=float, default=2.0, help="seconds between lines (default 2)")
+    wt = command(sub, "watch", "follow a running job's log and print a line per interval until it ends")
+    wt.add_argument("log", metavar="RUN.h5", help="the run log of a running (or ended) job (runs/NAME.h5)")
+    wt.add_argument("--interval", type=seconds, default=2.0, help="seconds between lines (default 2)")
     wt.add_argument("--wait", type=float, default=60.0,
                     help="seconds to wait for the log to appear, for a job still starting (default 60)")
-    tr = sub.add_parser("trace", help="write a Chrome trace of a run (Perfetto, chrome://tracing): a track per rank")
-    tr.add_argument("log", metavar="RUN.h5")
+    tr = command(sub, "trace", "write a Chrome trace of a run (Perfetto, chrome://tracing): a track per rank")
+    tr.add_argument("log", metavar="RUN.h5", help="a run log written by mpiasgd train (runs/NAME.h5)")
     tr.add_argument("-o", "--output", default="trace.json", help="the JSON file to write (default trace.json)")
     args, rest = parser.parse_known_args(argv)
 

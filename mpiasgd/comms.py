@@ -20,6 +20,35 @@ class CommTimeout(TimeoutError):
     """A wait outlived its timeout; the message names the rank and what it waited for."""
 
 
+PAUSE_GAP = 5.0  # seconds between two polls of one wait (normally at most milliseconds) that mean this process
+                 # was paused (SIGSTOP/SIGCONT, a suspended job) or starved: not time the peer was silent
+
+
+class Deadline:
+    """The timeout of one wait, on a clock that stops while this process is paused.
+
+    `expired()` is called after each poll that found nothing. A gap of more than PAUSE_GAP seconds
+    since the previous call is taken off the time waited: the peer's message may have arrived
+    meanwhile and needs a few more polls to be seen, so a pause of this rank is not the peer's
+    silence (a job suspended for longer than --comm-timeout resumes instead of timing out).
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.start = self.last = time.perf_counter()
+
+    def waited(self) -> float:
+        """Seconds waited so far, pauses of this process excepted."""
+        now = time.perf_counter()
+        if now - self.last > PAUSE_GAP:
+            self.start += now - self.last
+        self.last = now
+        return now - self.start
+
+    def expired(self) -> bool:
+        return self.waited() > self.timeout
+
+
 class Backoff:
     """Pause between polls: yield at first, then sleep for doubling intervals up to a ceiling.
 
@@ -59,8 +88,9 @@ def wait(request: Any, what: str, rank: int, timeout: float, status: Any = None)
     if request is None or request.Test(status):
         return 0.0
     backoff = Backoff()
+    deadline = Deadline(timeout)
     while not request.Test(status):
-        waited = time.perf_counter() - start
+        waited = deadline.waited()
         if waited > timeout:
             raise CommTimeout(f"rank {rank}: no {what} after {timeout:.0f} s")
         # the longer the wait so far, the longer the nap: answers within ~5 % of the wait, at most 2 ms late
@@ -81,10 +111,11 @@ def probe(comm: Any, rank: int, timeout: float, what: str, backoff: Backoff, idl
     """Poll for the next message from any source with any tag; returns (MPI.Message, MPI.Status).
 
     `idle()` is called between polls (the server flushes its log and checks its clocks there);
-    raises CommTimeout naming `what` when a poll `timeout` seconds after the start finds no message.
+    raises CommTimeout naming `what` when a poll `timeout` seconds after the start finds no message
+    (a pause of this process, SIGSTOP or a suspended job, does not count: `Deadline`).
     """
     status = MPI.Status()
-    start = time.perf_counter()
+    deadline = Deadline(timeout)
     while True:
         message = comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
         if message is not None:
@@ -92,7 +123,7 @@ def probe(comm: Any, rank: int, timeout: float, what: str, backoff: Backoff, idl
             return message, status
         # judged right after a poll that found nothing: a pause of this process (SIGSTOP) inside idle()
         # does not time out a wait whose messages arrived in the meantime
-        if time.perf_counter() - start > timeout:
+        if deadline.expired():
             raise CommTimeout(f"rank {rank}: no {what} after {timeout:.0f} s")
         if idle is not None:
             idle()

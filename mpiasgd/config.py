@@ -327,8 +327,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parse_milestones(text: str) -> tuple:
-    try:
-        return tuple(float(v) for v in text.split(",") if v.strip())
+    try:  # "" is no milestones; an empty entry ("5,,8") is a typo, not a value
+        return tuple(float(v) for v in text.split(",")) if text.strip() else ()
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated epochs, got {text!r}") from None
 

@@ -6,17 +6,20 @@ Its loss sits at ln(C), the cross-entropy of a uniform guess over C classes, and
 chance, 1/C, while the run goes on to "complete". `LossWatch` reads the rows rank 0 logs anyway
 (each push's or report's minibatch loss, correct count and images) and names two symptoms:
 
-    spike  a minibatch loss above SPIKE_FACTOR times its running level and more than ln(C) above
-           it; the level is an exponential moving average (weight EMA_WEIGHT
-           per row) that starts at ln(C), the loss of a freshly initialised network
+    spike  the mean loss of the latest SPIKE_SAMPLES images or more (one row at batch size >= 32;
+           consecutive rows summed for smaller batches, whose single-image losses are too noisy)
+           above SPIKE_FACTOR times its running level and more than ln(C) above it; the level is
+           an exponential moving average (weight EMA_WEIGHT per such group) that starts at ln(C),
+           the loss of a freshly initialised network
     dead   over a window of BIN_EPOCHS epochs starting at epoch >= 1 (after the first epoch): the
            mean loss within DEAD_LOSS_TOLERANCE * ln(C) of ln(C) and the training accuracy below
            DEAD_ACCURACY_FACTOR / C
 
-Each symptom is reported once (an event, a warning on stderr); `--on-divergence stop` ends the run
-at the first one. A dead network that later trains again (a window's accuracy at least
-ALIVE_ACCURACY_FACTOR / C) is reported as recovered. `final_state`
-says whether the run ended dead, for the summary and `mpiasgd report`.
+Each symptom is reported once (an event, a warning on stderr). A dead network that later trains
+again (a window's accuracy at least ALIVE_ACCURACY_FACTOR / C) is reported as recovered.
+`--on-divergence stop` ends the run once the network is dead (also when that is first seen in the
+last, partial window at the end); a spike alone is only a warning, since runs often recover from
+one. `final_state` says whether the run ended dead, for the summary and `mpiasgd report`.
 """
 
 from __future__ import annotations
@@ -25,15 +28,21 @@ import math
 from dataclasses import dataclass
 
 SPIKE_FACTOR = 3.0          # a loss this many times its running level (and > level + ln C) is a spike
-EMA_WEIGHT = 0.05           # weight of each row in the running level
+SPIKE_SAMPLES = 32          # images whose mean loss is judged at once (rows summed until there are this many)
+EMA_WEIGHT = 0.05           # weight of each judged group in the running level
 BIN_EPOCHS = 0.5            # the dead-network window, epochs
 DEAD_FROM_EPOCH = 1.0       # windows starting before this epoch are not judged (warm-up, first epoch)
 DEAD_LOSS_TOLERANCE = 0.05  # |mean loss - ln C| <= this * ln C
 DEAD_ACCURACY_FACTOR = 1.25  # training accuracy < this / C
 ALIVE_ACCURACY_FACTOR = 2.0  # a dead network trains again once a window's accuracy is >= this / C (hysteresis)
 
-CAUSE = ("the step size is likely too large for {workers} worker(s): lower --lr (or lengthen --warmup-epochs, "
-         "or use --staleness-lr inverse in the asynchronous modes)")
+
+def likely_cause(workers: int, asynchronous: bool) -> str:
+    """The advice a finding ends with."""
+    if asynchronous:
+        return (f"the step size is likely too large for {workers} asynchronous worker{'s' * (workers != 1)} "
+                f"(staleness adds momentum): lower --lr, lengthen --warmup-epochs, or try --staleness-lr inverse")
+    return "the step size (or the weight decay) is likely too large: lower --lr or --weight-decay"
 
 
 @dataclass
@@ -46,7 +55,7 @@ class Finding:
 
 class LossWatch:
     """(server only) Watches the training loss rows of a run with `num_classes` classes and `num_workers`
-    workers; see the module docstring for the rules.
+    workers (`asynchronous`: through the parameter server, async/ssp); see the module docstring.
 
     `observe(epoch, loss, correct, samples)` takes one row (epoch: float, the run's epochs done;
     loss: the minibatch's mean cross-entropy in nats; correct, samples: counts) and returns the
@@ -54,10 +63,11 @@ class LossWatch:
     rejects their gradients and counts them (--max-rejects).
     """
 
-    def __init__(self, num_classes: int, num_workers: int) -> None:
+    def __init__(self, num_classes: int, num_workers: int, asynchronous: bool = True) -> None:
         self.chance_loss = math.log(num_classes)  # ln C, nats
         self.chance_accuracy = 1.0 / num_classes
-        self.workers = num_workers
+        self.cause = likely_cause(num_workers, asynchronous)
+        self.group = [0.0, 0]                    # rows not judged for a spike yet: loss * samples, samples
         self.level = self.chance_loss            # running level of the loss, nats
         self.spiked = False                      # a spike was reported (once per run)
         self.dead_since: float | None = None     # start epoch of the first dead window of the current spell
@@ -70,14 +80,20 @@ class LossWatch:
         found = []
         if not math.isfinite(loss):  # a non-finite gradient is rejected and counted by the server (--max-rejects)
             return found
-        if not self.spiked and loss > max(SPIKE_FACTOR * self.level, self.level + self.chance_loss):
-            self.spiked = True
-            found.append(Finding("diverged", (
-                f"training loss spiked to {loss:.4g} at epoch {epoch:.2f}, {loss / self.level:.1f}x its running "
-                f"level {self.level:.4g}: {CAUSE.format(workers=self.workers)}")))
-        self.level = (1 - EMA_WEIGHT) * self.level + EMA_WEIGHT * loss
         if samples <= 0:
             return found
+        self.group[0] += loss * samples
+        self.group[1] += int(samples)
+        if self.group[1] >= SPIKE_SAMPLES:
+            mean = self.group[0] / self.group[1]
+            self.group = [0.0, 0]
+            if not self.spiked and mean > max(SPIKE_FACTOR * self.level, self.level + self.chance_loss):
+                self.spiked = True
+                ratio = f"{mean / self.level:.1f}x" if mean < 1000 * self.level else "over 1000x"
+                found.append(Finding("diverged", (
+                    f"training loss spiked to {mean:.4g} at epoch {epoch:.2f}, {ratio} its running level "
+                    f"{self.level:.4g}: {self.cause}")))
+            self.level = (1 - EMA_WEIGHT) * self.level + EMA_WEIGHT * mean
         self.last_epoch = epoch
         if self.bin_start is None:
             self.bin_start = BIN_EPOCHS * math.floor(epoch / BIN_EPOCHS)
@@ -106,8 +122,7 @@ class LossWatch:
                     f"the network looks dead from epoch {start:.1f}: over epochs {start:.1f}-{start + BIN_EPOCHS:.1f} "
                     f"the training loss is {mean:.4f}, at ln {round(1 / self.chance_accuracy)} = "
                     f"{self.chance_loss:.4f} (a constant prediction), and the training accuracy "
-                    f"{100 * accuracy:.1f} %, at chance ({100 * self.chance_accuracy:.0f} %): "
-                    f"{CAUSE.format(workers=self.workers)}"))]
+                    f"{100 * accuracy:.1f} %, at chance ({100 * self.chance_accuracy:.0f} %): {self.cause}"))]
         if alive and self.dead_since is not None:
             since, self.dead_since = self.dead_since, None
             return [Finding("recovered", f"the network trains again from epoch {start:.1f} (dead since epoch "

@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from mpiasgd.runlog import open_log, writer_alive
+from mpiasgd.runlog import TruncatedLogError, open_log, writer_alive
 
 
 def _attr(f, key: str, default=None):
@@ -29,12 +29,12 @@ def _attr(f, key: str, default=None):
 def open_run(path: str):
     """Open the run log at `path` for reading (an h5py.File, SWMR), checking that it is one.
 
-    Raises FileNotFoundError if it does not exist, IsADirectoryError for a directory (naming the run logs
-    in it), ValueError if it is empty or not an mpiasgd run log.
+    Raises FileNotFoundError if it does not exist, IsADirectoryError for a directory (naming the .h5
+    files in it), ValueError if it is empty or not an mpiasgd run log.
     """
     if os.path.isdir(path):
         logs = sorted(name for name in os.listdir(path) if name.endswith(".h5") and not name.endswith(".ckpt.h5"))
-        inside = f"; the run logs in it: {', '.join(logs[:5])}{' ...' if len(logs) > 5 else ''}" if logs else ""
+        inside = f"; the .h5 files in it: {', '.join(logs[:5])}{' ...' if len(logs) > 5 else ''}" if logs else ""
         raise IsADirectoryError(f"'{path}' is a directory, expected a run log file (runs/NAME.h5){inside}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"run log '{path}' not found")
@@ -42,6 +42,8 @@ def open_run(path: str):
         raise ValueError(f"'{path}' is empty (0 bytes), expected an mpiasgd run log (HDF5)")
     try:
         f = open_log(path)
+    except TruncatedLogError as e:  # names the file and both sizes already
+        raise ValueError(str(e)) from None
     except OSError as e:
         raise ValueError(f"'{path}' is not a readable HDF5 file ({e})") from None
     if "config" not in f.attrs or "pushes" not in f:
@@ -146,6 +148,8 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
     health = health_line(run)
     if health:
         lines.append(f"health           {health}")
+    if run.get("diverged"):
+        lines.append(f"stopped by       --on-divergence stop: {run['diverged']}")
     if run.get("wall_time_s") is not None:
         lines.append(f"wall time        {float(run['wall_time_s']):.1f} s (server, start to end)")
     return lines

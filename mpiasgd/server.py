@@ -49,7 +49,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpiasgd import checkpoint, protocol, signals
-from mpiasgd.comms import Backoff, CommTimeout, probe, wait, wait_all
+from mpiasgd.comms import PAUSE_GAP, Backoff, CommTimeout, probe, wait, wait_all
 from mpiasgd.config import Config
 from mpiasgd.health import Finding, LossWatch
 from mpiasgd.optim import SGD, apply_delta, finite_square, fraction_done, learning_rate, staleness_factor
@@ -67,9 +67,6 @@ class WorkerFailed(RuntimeError):
 
 
 PREEMPT_GRACE = 5.0  # seconds the workers have to answer after a preemption signal
-PAUSE_GAP = 5.0  # seconds between two ticks of rank 0 (normally milliseconds) that count as rank 0 paused
-
-
 class Preempted(RuntimeError):
     """The run was preempted and `waiting` workers did not answer within PREEMPT_GRACE seconds (hung),
     or (`dead`) their processes had exited when the signal came: the launcher is ending the job
@@ -208,12 +205,15 @@ class ParameterServer:
                 self.on_health(finding)
 
     def on_health(self, finding: Finding) -> None:
-        """Log and print a symptom of divergence (or a recovery); with --on-divergence stop, the first
-        symptom ends the run as a stopping rule would, the reason saying why (status 'diverged')."""
+        """Log and print a symptom of divergence (or a recovery); with --on-divergence stop, a dead network
+        ends the run as a stopping rule would, the reason saying why (status 'diverged'). A spike alone
+        only warns: runs often recover from one."""
         self.log.add("events", (self.now(), finding.kind.encode(), finding.text))
         print(f"mpiasgd: {'note' if finding.kind == 'recovered' else 'warning'}: {finding.text}", file=sys.stderr,
               flush=True)
-        if finding.kind == "recovered" or self.cfg.on_divergence != "stop" or self.stop_reason:
+        if finding.kind != "dead" or self.cfg.on_divergence != "stop" or self.stop_reason:
+            if finding.kind == "dead" and self.cfg.on_divergence == "stop":  # seen at the end: stopped anyway
+                self.diverged = self.diverged or finding.text
             return
         self.diverged = finding.text
         self.stop_reason = f"diverged ({finding.kind}; --on-divergence stop)"

@@ -79,8 +79,12 @@ def main(path: str, output: str) -> int:
     except (OSError, ValueError, KeyError) as e:
         print(f"mpiasgd trace: error: {e}", file=sys.stderr)
         return 2
-    with open(output, "w") as f:
-        json.dump(data, f, default=lambda v: v.item() if isinstance(v, np.generic) else str(v))
+    try:
+        with open(output, "w") as f:
+            json.dump(data, f, default=lambda v: v.item() if isinstance(v, np.generic) else str(v))
+    except OSError as e:
+        print(f"mpiasgd trace: error: cannot write the trace to '{output}': {e.strerror or e}", file=sys.stderr)
+        return 2
     spans = sum(e["ph"] == "X" for e in data["traceEvents"])
     print(f"{output}: {spans:,} spans on {sum(e['ph'] == 'M' for e in data['traceEvents'])} tracks "
           f"(open it in https://ui.perfetto.dev or chrome://tracing)")

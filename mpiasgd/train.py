@@ -289,11 +289,12 @@ def left_behind(path: str, lock: WriterLock) -> str:
     writer is gone: this job holds the lock; a resume recovers and continues it, --overwrite replaces
     it) and the temporary checkpoint files of processes that no longer exist, which are removed here
     (`checkpoint.remove_stale_temporaries`: a live process's file is kept)."""
-    from mpiasgd.runlog import open_log
+    from mpiasgd.runlog import clear_stale_flags, open_log
 
     removed = checkpoint.remove_stale_temporaries(checkpoint.checkpoint_path(path))
     parts = []
     try:
+        clear_stale_flags(path, check_writer=False)  # its writer was killed with the file open (we hold the lock)
         with open_log(path) as f:
             status = f.attrs.get("status", "")
     except OSError:  # no log (or not one): nothing to say about it
@@ -438,7 +439,7 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
     for w in workers:  # e.g. "cupy (pinned) x2" or "numpy (host) x2"
         key = f"{w[4]} ({w[9]})"
         kinds[key] = kinds.get(key, 0) + 1
-    print(f"mpiasgd {__version__}: {me.num_workers} workers "
+    print(f"mpiasgd {__version__}: {me.num_workers} worker{'s' * (me.num_workers != 1)} "
           f"[{', '.join(f'{k} x{n}' for k, n in kinds.items())}], model {cfg.model} ({model.num_params:,} parameters), "
           f"dataset {cfg.dataset_name} ({dataset.train_y.size:,} train / {dataset.test_y.size:,} test images)",
           flush=True)
@@ -448,7 +449,8 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
         from mpiasgd.pipeline import describe_partition
 
         cuts = describe_partition(model, state["bounds"], cfg.balance, cfg.decoupling)
-        print(f"pipeline: {me.num_workers // cfg.modules} replicas x {cfg.modules} modules, decoupling "
+        replicas = me.num_workers // cfg.modules
+        print(f"pipeline: {replicas} replica{'s' * (replicas != 1)} x {cfg.modules} modules, decoupling "
               f"{cfg.decoupling}:\n{cuts}", flush=True)
     attrs = {"config": cfg.to_json(), "versions": versions(), "layout": model.layout(), "model": cfg.model,
              "mode": cfg.mode, "num_workers": me.num_workers, "num_params": model.num_params,
@@ -488,7 +490,8 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
     params = model.init_params(cfg.seed)
     bar = None
     if cfg.progress:
-        total = int(cfg.epochs * dataset.train_y.size) if cfg.epochs else None
+        total = cfg.epochs * dataset.train_y.size if cfg.epochs else None
+        total = int(total) if total and total < 2**53 else None  # a huge --epochs: a bar without a total
         bar = tqdm(total=total, unit="img", unit_scale=True, dynamic_ncols=True, mininterval=0.5,
                    desc="training", file=sys.stderr)
     args = (me.comm, cfg, params, model.decay_mask(), me.num_workers, dataset.train_y.size, log, bar)
@@ -503,7 +506,7 @@ def run_server(cfg: Config, me: Rank, state: dict) -> int:
     state["server"] = server  # for `log_unwritable`, should the log fail
     hosts = {int(w[0]): w[1] for w in workers}
     server.pids = {int(w[0]): (w[1], int(w[2])) for w in workers}
-    server.health = LossWatch(len(dataset.classes), me.num_workers)
+    server.health = LossWatch(len(dataset.classes), me.num_workers, asynchronous=cfg.mode in ("async", "ssp"))
     try:
         summary = server.run()
     except (Preempted, WorkerFailed) as stop:

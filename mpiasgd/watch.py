@@ -41,10 +41,11 @@ def final_line(path: str) -> tuple[str, int]:
     status = str(attrs.get("status", "unknown"))
     if status == "running":
         status = "killed (its writer is gone; rows up to the last flush)"
+    health = attrs.get("diverged") or attrs.get("health")  # mpiasgd.health: how a dead network ended it
     accuracy = attrs.get("test_accuracy")
     acc = (f", test accuracy {100 * float(accuracy):.2f} %" if accuracy is not None and np.isfinite(float(accuracy))
            else "")
-    return f"run ended: status {status}{acc}", 0 if status == "completed" else 1
+    return f"run ended: status {status}{acc}" + (f"; {health}" if health else ""), 0 if status == "completed" else 1
 
 
 def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[str], None] = print) -> int:
@@ -77,7 +78,7 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
                 raise FileNotFoundError(f"run log '{path}' did not appear within {wait:g} s") from None
             if not waiting:
                 waiting = True
-                what = "to be written (it is empty)" if empty else "to appear"
+                what = ("to be written (it has no HDF5 header yet)" if empty else "to appear")
                 print(f"mpiasgd watch: waiting up to {wait:g} s for run log '{path}' {what}", file=sys.stderr,
                       flush=True)
             time.sleep(min(interval, 0.5))

@@ -150,3 +150,10 @@ def test_a_seed_out_of_range_names_the_range():
                                           r"2\*\*63 - 1 = 9223372036854775807"):
         parse(["--seed", "99999999999999999999"])
     assert parse(["--seed", str(2**63 - 1)]).seed == 2**63 - 1
+
+
+def test_an_empty_milestone_is_refused():
+    with pytest.raises(ConfigError, match="argument --lr-milestones: expected comma-separated epochs, got '5,,8'"):
+        parse(["--lr-milestones", "5,,8"])
+    assert parse(["--lr-milestones", "5, 8"]).lr_milestones == (5.0, 8.0)
+    assert parse(["--lr-milestones", ""]).lr_milestones == ()

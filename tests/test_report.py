@@ -246,7 +246,7 @@ def test_a_directory_or_an_empty_file_is_named_as_such(command, tmp_path, capsys
     argv = [command, str(tmp_path)] + (["-o", str(tmp_path / "t.json")] if command == "trace" else [])
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert f"'{tmp_path}' is a directory, expected a run log file (runs/NAME.h5); the run logs in it: a.h5\n" \
+    assert f"'{tmp_path}' is a directory, expected a run log file (runs/NAME.h5); the .h5 files in it: a.h5\n" \
         in err and "not found" not in err, err
     argv[1] = str(tmp_path / "a.h5")
     assert main(argv) == 2

@@ -347,3 +347,51 @@ def test_a_pause_of_rank0_itself_is_not_worker_silence(tmp_path, monkeypatch, ca
     pauses = [e["text"].decode() for e in events if e["kind"] == b"pause"]
     assert len(pauses) == 1 and pauses[0].startswith("rank 0 was paused for 20.0 s"), pauses
     assert server_module.PAUSE_GAP < 20.0
+
+
+class SilentComm:
+    """A communicator whose Improbe finds a message only from poll `arrives_at` on (a fake MPI.Message)."""
+
+    def __init__(self, arrives_at: int) -> None:
+        self.polls, self.arrives_at = 0, arrives_at
+
+    def Improbe(self, source, tag, status):
+        self.polls += 1
+        return object() if self.polls >= self.arrives_at else None
+
+
+def test_a_pause_of_this_process_does_not_time_out_a_wait(monkeypatch):
+    """The defect: rank 0 stopped for 11 s with --comm-timeout 8, continued; the first poll after the pause
+    found nothing yet and the probe timed out ("no message after 8 s") though every worker had just sent.
+    A gap of more than PAUSE_GAP between two polls is not counted; real silence still times out."""
+    import time
+
+    from mpiasgd import comms
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(time, "sleep", lambda s: clock.__setitem__(0, clock[0] + max(s, 1e-3)))
+
+    def paused_once():  # the process is stopped for 11 s inside its first idle call
+        if clock[0] < 1:
+            clock[0] += 11.0
+
+    comm = SilentComm(arrives_at=3)
+    message, _ = probe(comm, 0, 8.0, "message from any worker", Backoff(), idle=paused_once)
+    assert message is not None and comm.polls == 3 and clock[0] > 11
+    clock[0] = 0.0
+    with pytest.raises(CommTimeout, match="rank 0: no message from any worker after 8 s"):
+        probe(SilentComm(arrives_at=10**9), 0, 8.0, "message from any worker", Backoff())
+    assert 8.0 < clock[0] < 8.1
+
+    class Request:  # completes on its 3rd Test; the process is stopped for 11 s after the 1st
+        tests = 0
+
+        def Test(self, status=None):
+            self.tests += 1
+            if self.tests == 2:
+                clock[0] += 11.0
+            return self.tests >= 3
+
+    clock[0] = 0.0
+    assert comms.wait(Request(), "WEIGHTS from rank 0", 1, 8.0) > 11

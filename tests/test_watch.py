@@ -141,7 +141,7 @@ def test_watch_says_an_empty_file_is_empty_and_refuses_a_directory(tmp_path):
     res = subprocess.run([sys.executable, "-m", "mpiasgd", "watch", str(empty), "--wait", "1"], capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 2, res.stderr
-    assert "to be written (it is empty)" in res.stderr and "did not appear" not in res.stderr, res.stderr
+    assert "to be written (it has no HDF5 header yet)" in res.stderr and "did not appear" not in res.stderr, res.stderr
     assert f"'{empty}' stayed without an HDF5 header for 1 s (size 0 bytes): not an mpiasgd run log" in res.stderr
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "mpiasgd", "watch", str(tmp_path), "--wait", "30"], capture_output=True,
