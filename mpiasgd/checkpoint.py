@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import json
 import math
 import os
+import sys
 import time
 import zlib
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-from mpiasgd.runlog import os_error
+from mpiasgd.runlog import ensure_free_space, os_error
 
 FORMAT = "mpiasgd-checkpoint-1"
 WORKER_STATE = np.dtype([("rank", "<i4"), ("step", "<i8"), ("cursor", "<i8"), ("rejected", "<i8")])
@@ -111,14 +113,19 @@ def write(path: str, ckpt: Checkpoint) -> float:
 
     Raises OSError (disk full, permissions) with a one-line text, e.g. "[Errno 28] No space left on
     device" (h5py's multi-line errors and RuntimeErrors are turned into it): the previous checkpoint
-    is left as it was, and the temporary file is removed.
+    is left as it was, and the temporary file is removed. The free space is checked first
+    (`runlog.ensure_free_space`: params and momentum, 2 x P x 4 bytes, plus 5 % and 1 MiB); a write
+    that fails anyway prints nothing (h5py's "Exception ignored" reports of its objects' failing
+    closes are kept back and become the OSError).
     """
     t0 = time.perf_counter()
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
     remove_stale_temporaries(path)
+    size = 2 * int(ckpt.params.size) * 4 + ckpt.workers.size * WORKER_STATE.itemsize  # params, momentum (float32)
+    ensure_free_space(tmp, size)  # ENOSPC before HDF5 is called: on a full disk it fails noisily, even crashes
     try:
-        with h5py.File(tmp, "w") as f:
+        with _quiet_hdf5_cleanup(tmp), h5py.File(tmp, "w") as f:
             f.create_dataset("params", data=ckpt.params.astype(np.float32, copy=False))
             f.create_dataset("momentum", data=ckpt.momentum.astype(np.float32, copy=False))
             f.create_dataset("workers", data=ckpt.workers.astype(WORKER_STATE, copy=False))
@@ -152,6 +159,33 @@ def write(path: str, ckpt: Checkpoint) -> float:
             raise os_error(e) from e
         raise
     return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _quiet_hdf5_cleanup(tmp: str):
+    """Keep back what h5py prints when an object of the file `tmp` fails to close (its data cannot be written:
+    disk full): a traceback written straight to sys.stderr, then "Exception ignored in: ObjectID.__dealloc__"
+    through sys.unraisablehook. The first such error is raised on leaving (a write that lost data must not
+    look done); stderr text and reports about anything else are passed on."""
+    kept: list[BaseException] = []
+    previous_hook, previous_stderr, captured = sys.unraisablehook, sys.stderr, io.StringIO()
+
+    def hook(report) -> None:
+        if os.path.basename(tmp) in str(report.exc_value):
+            kept.append(report.exc_value)
+        else:
+            previous_hook(report)
+
+    sys.unraisablehook, sys.stderr = hook, captured
+    try:
+        yield
+    finally:
+        sys.unraisablehook, sys.stderr = previous_hook, previous_stderr
+        text = captured.getvalue()
+        if text and os.path.basename(tmp) not in text:
+            previous_stderr.write(text)
+    if kept:
+        raise kept[0]
 
 
 def remove_stale_temporaries(path: str) -> list[str]:

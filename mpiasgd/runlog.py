@@ -42,6 +42,11 @@ Times are seconds since the start of training. All tables are chunked and append
 written in SWMR mode (HDF5 single-writer/multiple-reader): rows are buffered and flushed every
 `flush_interval` seconds, and a reader (`mpiasgd report`, `h5py.File(path, "r", swmr=True)`) can
 follow it while it grows; a run killed at any moment leaves a file readable up to its last flush.
+A writer killed while it had the file open outside SWMR mode (in `close`) leaves the superblock
+marked "open for write": with no live writer, `open_log` (readers, "r+") and `reopen` (--resume)
+clear that mark as `h5clear -s` does (`clear_stale_flags`). `open_log` reads a file without a live
+writer without SWMR first, so a truncated file fails at once (TruncatedLogError) instead of in
+HDF5's SWMR-read retry loop.
 While the run lives, rank 0 holds an exclusive lock on `NAME.h5.lock` (`WriterLock`): a second job
 cannot overwrite the log, and `writer_alive` tells a running log from a killed one (`recover`
 turns the latter into a clean file with status "killed").
@@ -51,12 +56,14 @@ file and the cause ("[Errno 28] No space left on device"), never HDF5's chained 
 flush cuts the tables back to their last flushed rows, so the file never points at rows that did not
 reach the disk; the log then takes no more rows, and `abandon` (which `close` calls) marks it
 "failed" where the disk still has room, closes it and releases the lock. Readable up to the last
-flush either way.
+flush either way. Every flush first checks the free space (`ensure_free_space`: the buffered rows
+and snapshots + 5 % + 1 MiB), so a full disk is this error before HDF5 is called.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -224,10 +231,160 @@ def recover(path: str, check_writer: bool = True) -> None:
 
 
 def open_log(path: str, mode: str = "r") -> h5py.File:
-    """Open a run log for reading, also while it is being written or after its writer was killed."""
-    if mode == "r":
+    """Open a run log for reading (`mode` "r"), also while it is being written or after its writer was killed;
+    other modes ("r+") open it for writing, flags a killed writer left cleared first (`clear_stale_flags`).
+
+    Reading: while a live job holds the writer lock, in SWMR mode. Otherwise without SWMR first, so that a
+    damaged file fails at once (HDF5's SWMR reader retries a truncated file for many minutes): a truncated
+    file is a TruncatedLogError ("'x.h5' is truncated (5000 bytes, the file says 378542): ..."); a file
+    a killed SWMR writer left open for writing is read in SWMR mode (every row up to its last flush);
+    one a writer killed outside SWMR mode left open (in `RunLog.close`) has its flags cleared first.
+    OSError (h5py's) for anything else that is not a readable HDF5 file.
+    """
+    if mode != "r":
+        flags = superblock_flags(path)
+        if flags and not flags & SWMR_WRITE:
+            clear_stale_flags(path)
+        return h5py.File(path, mode, libver="latest")
+    if writer_alive(path):
         return h5py.File(path, "r", libver="latest", swmr=True)
-    return h5py.File(path, mode, libver="latest")
+    try:
+        return h5py.File(path, "r", libver="latest")
+    except OSError as e:
+        text = str(e)
+        truncated = re.search(r"truncated file: eof = (\d+),.*stored_eof = (\d+)", text)
+        if truncated:
+            raise TruncatedLogError(f"'{path}' is truncated ({truncated.group(1)} bytes, the file says "
+                                    f"{truncated.group(2)}): it was cut short (a copy or a disk that filled up); "
+                                    f"it cannot be read") from None
+        if "already open for write" not in text:
+            raise
+    flags = superblock_flags(path) or 0
+    if flags & SWMR_WRITE:  # a killed SWMR writer: readable in SWMR mode up to its last flush
+        return h5py.File(path, "r", libver="latest", swmr=True)
+    if not clear_stale_flags(path):
+        raise OSError(f"run log '{path}' was left marked open for writing by a writer that was killed, and its "
+                      f"flags could not be cleared (run `h5clear -s {path}`)")
+    return h5py.File(path, "r", libver="latest")
+
+
+class TruncatedLogError(OSError):
+    """The run log is shorter than its superblock says (cut short): the message names the file and both sizes."""
+
+
+# --- the superblock's file consistency flags (HDF5 superblock versions 2 and 3, at offset 0) ---
+SIGNATURE = b"\x89HDF\r\n\x1a\n"
+SWMR_WRITE = 0x04  # flag bits: 0x01 open for writing, 0x04 open for SWMR writing
+
+
+def lookup3(data: bytes, initval: int = 0) -> int:
+    """Bob Jenkins' lookup3 `hashlittle(data, len(data), initval)` (2006, public domain): the 32-bit checksum
+    HDF5 stores after its metadata (H5_checksum_metadata = H5_checksum_lookup3 with initval 0).
+    lookup3(b"") = 0xdeadbeef; lookup3(b"Four score and seven years ago") = 0x17770551."""
+    m = 0xFFFFFFFF
+
+    def rot(x: int, k: int) -> int:
+        return ((x << k) | (x >> (32 - k))) & m
+
+    n = len(data)
+    a = b = c = (0xDEADBEEF + n + initval) & m
+    i = 0
+    while n - i > 12:  # every 12-byte block but the last: mix
+        a = (a + int.from_bytes(data[i:i + 4], "little")) & m
+        b = (b + int.from_bytes(data[i + 4:i + 8], "little")) & m
+        c = (c + int.from_bytes(data[i + 8:i + 12], "little")) & m
+        a = (a - c) & m ^ rot(c, 4)
+        c = (c + b) & m
+        b = (b - a) & m ^ rot(a, 6)
+        a = (a + c) & m
+        c = (c - b) & m ^ rot(b, 8)
+        b = (b + a) & m
+        a = (a - c) & m ^ rot(c, 16)
+        c = (c + b) & m
+        b = (b - a) & m ^ rot(a, 19)
+        a = (a + c) & m
+        c = (c - b) & m ^ rot(b, 4)
+        b = (b + a) & m
+        i += 12
+    if n == i:  # nothing left (only for empty data)
+        return c
+    tail = data[i:] + bytes(12 - (n - i))  # the last 1..12 bytes, zero-padded
+    a = (a + int.from_bytes(tail[0:4], "little")) & m
+    b = (b + int.from_bytes(tail[4:8], "little")) & m
+    c = (c + int.from_bytes(tail[8:12], "little")) & m
+    c = (c ^ b) - rot(b, 14) & m
+    a = (a ^ c) - rot(c, 11) & m
+    b = (b ^ a) - rot(a, 25) & m
+    c = (c ^ b) - rot(b, 16) & m
+    a = (a ^ c) - rot(c, 4) & m
+    b = (b ^ a) - rot(a, 14) & m
+    c = (c ^ b) - rot(b, 24) & m
+    return c
+
+
+def _superblock(path: str) -> tuple[bytes, int] | None:
+    """(the superblock's bytes before its checksum, the stored checksum) of a version 2/3 superblock at
+    offset 0 whose checksum `lookup3` reproduces; None for anything else (or an unreadable file)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(64)
+    except OSError:
+        return None
+    if head[:8] != SIGNATURE or len(head) < 12 or head[8] not in (2, 3):
+        return None
+    n = 12 + 4 * head[9]  # signature, version, sizes of offsets and lengths, flags; 4 addresses
+    if len(head) < n + 4:
+        return None
+    stored = int.from_bytes(head[n:n + 4], "little")
+    return (head[:n], stored) if lookup3(head[:n]) == stored else None
+
+
+def superblock_flags(path: str) -> int | None:
+    """The file consistency flags of the HDF5 file at `path` (0: closed cleanly; 0x01: open for writing; 0x05:
+    open for SWMR writing), None if its superblock is not one `clear_stale_flags` understands."""
+    sb = _superblock(path)
+    return None if sb is None else sb[0][11]
+
+
+def clear_stale_flags(path: str, check_writer: bool = True) -> bool:
+    """Clear the file consistency flags a killed writer left in the superblock, as `h5clear -s` does: the
+    flags byte set to 0 and the superblock checksum (`lookup3`) recomputed. True if they were cleared.
+
+    A writer killed while it had the file open (rank 0 killed inside `RunLog.close`'s non-SWMR reopen)
+    leaves them set: HDF5 then refuses every later open ("file is already open for write", "not already
+    open for SWMR writing"). Nothing is changed (False) if the writer is alive (`check_writer` False: the
+    caller holds the lock, so it is not), the flags are 0, or the superblock is not version 2/3 with a
+    checksum `lookup3` reproduces. OSError if the file cannot be written (read-only).
+    """
+    if check_writer and writer_alive(path):
+        return False
+    sb = _superblock(path)
+    if sb is None or sb[0][11] == 0:
+        return False
+    head = bytearray(sb[0])
+    head[11] = 0
+    with open(path, "r+b") as fh:
+        fh.seek(len(head))
+        fh.write(lookup3(bytes(head)).to_bytes(4, "little"))
+        fh.seek(11)
+        fh.write(b"\0")
+        fh.flush()
+        os.fsync(fh.fileno())
+    return True
+
+
+# --- free space, checked before a write (HDF5 fails badly on a full disk: chained errors, a crash) ---
+FREE_MARGIN = 1 << 20  # bytes kept free beyond a write's data and 5 % of it: HDF5's metadata (object headers,
+                       # chunk indexes, free-space records) and whatever else shares the file system
+
+
+def ensure_free_space(path: str, nbytes: int) -> None:
+    """OSError(ENOSPC) ("[Errno 28] No space left on device") unless the file system holding `path` has room
+    for a write of `nbytes` bytes of data: nbytes + 5 % + FREE_MARGIN (1 MiB) free for this user (f_bavail).
+    Checked before HDF5 is called, so a full disk is one clean error instead of HDF5's failure paths."""
+    st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    if st.f_bavail * st.f_frsize < nbytes + nbytes // 20 + FREE_MARGIN:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def _close_quietly(f: h5py.File | None) -> None:
@@ -312,6 +469,7 @@ class RunLog:
         written (disk full)."""
         f = None
         try:
+            clear_stale_flags(path, check_writer=False)  # killed inside close's non-SWMR reopen
             with open_log(path) as f:
                 status = f.attrs.get("status")
             if status == "running":  # its writer was killed (we hold the lock): make it writable again
@@ -360,6 +518,8 @@ class RunLog:
     def flush(self) -> None:
         """Write every buffered row and make it visible to readers.
 
+        Checked first (`ensure_free_space`): the buffered rows and snapshots plus 5 % and 1 MiB must fit on
+        the disk, else RunLogError before HDF5 is called.
         RunLogError if the file cannot be written (disk full): the tables this flush grew are cut back
         to their rows before it (readers never see rows that did not reach the disk), the buffered
         rows are dropped and the log is broken: `add` and `flush` do nothing from then on, and `close`
@@ -367,6 +527,17 @@ class RunLog:
         """
         if self.error is not None or self.file is None:
             return
+        need = sum(p.nbytes for p in self.pending_params)
+        need += sum(len(rows) * TABLES[name].itemsize for name, rows in self.pending.items())
+        try:
+            if need:
+                ensure_free_space(self.path, need)  # before HDF5: its own ENOSPC paths stay the rare fallback
+        except OSError as e:
+            self.error = RunLogError(self.path, e)
+            self.pending_params.clear()
+            for rows in self.pending.values():
+                rows.clear()
+            raise self.error from None
         before: dict[str, int] = {}  # the rows of each table this flush grows, before it
         try:
             if self.pending_params:
@@ -396,8 +567,8 @@ class RunLog:
         self.last_flush = time.monotonic()
 
     def close(self, status: str, attrs: dict | None = None) -> None:
-        """Flush, close, and record the final `status` and summary `attrs` (the file leaves SWMR mode);
-        release the lock. RunLogError if the file cannot be written: the log is then ended by `abandon`
+        """Flush, close, and record the final `status` and summary `attrs` (reopened, in SWMR mode; closed
+        cleanly after); release the lock. RunLogError if the file cannot be written: the log is then ended by `abandon`
         (status "failed" where the disk allows), its `outcome` says how."""
         if self.file is None:
             return
@@ -415,6 +586,9 @@ class RunLog:
         self.file = None
         try:
             with h5py.File(self.path, "r+", libver="latest") as f:
+                # SWMR mode again at once: rank 0 killed from here on leaves a file SWMR readers read (killed
+                # before it, `clear_stale_flags` repairs it), and live readers are not refused meanwhile
+                f.swmr_mode = True
                 f.attrs["status"] = status
                 for key, value in (attrs or {}).items():
                     f.attrs[key] = value

@@ -600,6 +600,7 @@ def log_unwritable(me: Rank, state: dict, error: RunLogError) -> None:
             print(f"mpiasgd: no checkpoint written now (the state is on the workers); {kept}", file=sys.stderr,
                   flush=True)
     finally:
+        time.sleep(0.3)  # let the launcher forward these lines before the abort tears the job down
         me.comm.Abort(ABORT_CODE)
 
 
