@@ -2,6 +2,7 @@
 #   make demo   create .venv, install mpiasgd with Open MPI from wheels, train the digits network
 #               with 1 parameter server + 2 workers (mpiexec -n 3), write runs/digits-demo.h5
 #   make test   the whole test suite (ruff + pytest); .ci/run calls exactly this
+#   make test-fast  unit and kernel-harness tests only (markers: not mpi, slurm or gpu)
 #
 # Clusters with their own MPI: `make venv EXTRAS=test` skips the Open MPI wheel; see README.md.
 
@@ -16,7 +17,7 @@ MPIEXEC ?= $(shell test -x $(VENV)/bin/mpiexec && echo $(VENV)/bin/mpiexec || ec
 MPIFLAGS ?= $(shell $(MPIEXEC) --version 2>/dev/null | grep -q "Open MPI" && echo --oversubscribe --bind-to none)
 ROOTENV := $(shell test "$$(id -u)" = 0 && echo OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test test-fast clean
 
 venv: $(VENV)/.installed
 
@@ -33,6 +34,11 @@ demo: venv
 test: venv
 	$(VENV)/bin/ruff check mpiasgd tests bench
 	$(PY) -m pytest -q tests
+
+# the inner loop: unit and kernel-harness tests, no mpiexec ranks, SLURM or GPU (about 4 minutes on 2 cores)
+test-fast: venv
+	$(VENV)/bin/ruff check mpiasgd tests bench
+	$(PY) -m pytest -q tests -m "not mpi and not slurm and not gpu"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -166,3 +166,26 @@ def mpirun(tmp_path):
         program = (str(REPO / "tests" / "mpi_scripts" / script),) if script else ("-m", "mpiasgd")
         return run_mpi(nranks, args, timeout, tmp_path, env, program)
     return run
+
+
+# --- tiers: `make test` runs every test; `make test-fast` only those marked neither mpi, slurm nor gpu ---
+# a test that uses any of these launches ranks (the harness's launchers, and tests' own helpers around them)
+MPI_NAMES = {"mpirun", "start_mpi", "run_mpi", "mpi_command", "signal_a_rank", "resume_for_a_second"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "mpi: launches mpiexec ranks (tier 2; seconds each)")
+    config.addinivalue_line("markers", "slurm: submits jobs to the SLURM test cluster")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its tier: `mpi` if it takes the `mpirun` fixture or calls the launcher helpers,
+    `slurm` for tests/test_slurm.py; `gpu` tests mark themselves."""
+    for item in items:
+        code = getattr(getattr(item, "function", None), "__code__", None)
+        names = set(getattr(item, "fixturenames", ())) | set(code.co_names if code else ())
+        if item.path.name == "test_slurm.py":
+            item.add_marker(pytest.mark.slurm)
+        elif names & MPI_NAMES:
+            item.add_marker(pytest.mark.mpi)
