@@ -92,13 +92,18 @@ def test_failed_flush_inside_close_also_ends_the_log_failed(tmp_path, monkeypatc
         assert f.attrs["status"] == "failed" and f["pushes"].shape == (1,)
 
 
-def test_checkpoint_that_does_not_fit_is_a_one_line_os_error(tmp_path, monkeypatch):
-    path = str(tmp_path / "x.ckpt.h5")
-
+def no_space_to_create_datasets(monkeypatch):
+    """Every h5py create_dataset fails as HDF5 does on a full disk."""
     def full(self, *args, **kwargs):
         raise RuntimeError(HDF5_ENOSPC.replace("flush dataset", "create dataset"))
 
     monkeypatch.setattr(h5py.Group, "create_dataset", full)
+
+
+def test_checkpoint_that_does_not_fit_is_a_one_line_os_error(tmp_path, monkeypatch):
+    path = str(tmp_path / "x.ckpt.h5")
+
+    no_space_to_create_datasets(monkeypatch)
     from test_checkpoint import make_ckpt
 
     with pytest.raises(OSError) as info:
@@ -128,10 +133,7 @@ def test_lock_file_that_cannot_be_written_names_it_and_is_not_left(tmp_path, mon
 def test_log_that_cannot_be_created_names_it_and_leaves_nothing(tmp_path, monkeypatch):
     path = str(tmp_path / "x.h5")
 
-    def full(self, *args, **kwargs):
-        raise RuntimeError(HDF5_ENOSPC.replace("flush dataset", "create dataset"))
-
-    monkeypatch.setattr(h5py.Group, "create_dataset", full)
+    no_space_to_create_datasets(monkeypatch)
     with pytest.raises(RunLogError) as info:
         RunLog.create(path, {"config": "{}"}, [], 5, flush_interval=60)
     assert str(info.value) == f"run log '{path}' cannot be created: [Errno 28] No space left on device"
