@@ -32,12 +32,12 @@ demo: venv
 	    --model digits --epochs 30 --batch-size 32 --lr 0.03 --name digits-demo --overwrite
 
 test: venv
-	$(VENV)/bin/ruff check mpiasgd tests bench
+	$(VENV)/bin/ruff check mpiasgd tests bench dev
 	$(PY) -m pytest -q tests
 
 # the inner loop: unit and kernel-harness tests, no mpiexec ranks, SLURM or GPU (about 4 minutes on 2 cores)
 test-fast: venv
-	$(VENV)/bin/ruff check mpiasgd tests bench
+	$(VENV)/bin/ruff check mpiasgd tests bench dev
 	$(PY) -m pytest -q tests -m "not mpi and not slurm and not gpu"
 
 clean:

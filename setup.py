@@ -10,10 +10,10 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    # kernels/*.cu (top level, beside the package) ship inside it as mpiasgd.kernels
+    # kernels/*.cu and the header they include (top level, beside the package) ship inside it as mpiasgd.kernels
     packages=[*find_packages(include=["mpiasgd", "mpiasgd.*"]), "mpiasgd.kernels"],
     package_dir={"mpiasgd.kernels": "kernels"},
-    package_data={"mpiasgd.kernels": ["*.cu"]},
+    package_data={"mpiasgd.kernels": ["*.cu", "*.cuh"]},
     install_requires=[
         "numpy>=1.25",  # 1.25: fast np.add.at (max-pool backward)
         "mpi4py>=3.1",

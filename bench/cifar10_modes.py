@@ -12,6 +12,8 @@ Modes (`--modes`, comma-separated; run in the order given):
     async            --mode async
     async-inverse    --mode async --staleness-lr inverse
     ssp              --mode ssp --staleness-bound 2
+    NAME             any other training mode by its name (`mpiasgd.modes.registry`), with its defaults:
+                     e.g. easgd (--mode easgd: tau 4, alpha 0.9 / workers)
 
 Each mode is one run log, RUN_DIR/MODE.h5 (default RUN_DIR: runs/modes-MODEL-TIMESTAMP), made by
 `mpiexec -n 3 python -m mpiasgd train ...` with the shared options (model, epochs, batch size, lr,
@@ -40,7 +42,8 @@ import time
 from launch import add_run_arguments, launcher, run, run_dir
 
 from mpiasgd.cli import fraction, positive
-from mpiasgd.report import summary_lines
+from mpiasgd.modes.registry import MODES as REGISTRY
+from mpiasgd.runlog import summary_lines
 
 WORKERS = 2
 MODES = {  # name -> the train options that make the mode
@@ -53,10 +56,11 @@ MODES = {  # name -> the train options that make the mode
 
 def mode_list(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in MODES]
+    unknown = [name for name in names if name not in MODES and name not in REGISTRY]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(unknown) or '(none)'}: "
-                                         f"expected a comma-separated list of {', '.join(MODES)}")
+                                         f"expected a comma-separated list of {', '.join(MODES)} or a mode "
+                                         f"name ({', '.join(REGISTRY)})")
     if len(set(names)) < len(names):
         raise argparse.ArgumentTypeError(f"a mode is listed twice in {text!r}")
     return names
@@ -74,7 +78,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     work.add_argument("--data-dir", default=None, help="CIFAR-10 folder (default: $MPIASGD_DATA or ~/.cache/mpiasgd)")
     bench = parser.add_argument_group("benchmark")
     bench.add_argument("--modes", type=mode_list, default=list(MODES), metavar="M1,M2,...",
-                       help=f"which modes, in order: {', '.join(MODES)}")
+                       help=f"which modes, in order: {', '.join(MODES)}, or any mode by its name")
     bench.add_argument("--target-accuracy", type=fraction, default=0.60, metavar="FRACTION",
                        help="test accuracy of the 'time to' column, a fraction (0.6 = 60 %%)")
     add_run_arguments(bench, "modes")
@@ -94,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     commands, logs = [], []
     for i, mode in enumerate(args.modes, 1):
         log = os.path.join(args.run_dir, mode + ".h5")
-        steps = [("training", [*mpiexec, "-n", str(1 + WORKERS), *python, "train", *shared, *MODES[mode],
+        options = MODES.get(mode, ["--mode", mode])  # a variant above, or a mode by its name
+        steps = [("training", [*mpiexec, "-n", str(1 + WORKERS), *python, "train", *shared, *options,
                                "--name", mode]),
                  ("evaluating every snapshot", [*python, "evaluate", log, *data])]
         for what, cmd in steps:

@@ -32,7 +32,7 @@ import time
 from launch import add_run_arguments, launcher, run, run_dir
 
 from mpiasgd.cli import positive
-from mpiasgd.report import load
+from mpiasgd.runlog import load
 
 CONFIGS = {  # name -> (modules K, shrink beta)
     "K1": (1, 1.0), "K2": (2, 1.0), "K2-s0.5": (2, 0.5), "K3": (3, 1.0), "K3-s0.5": (3, 0.5),

@@ -9,7 +9,8 @@ layer and pass (fprop with bias, dgrad, wgrad) one row:
 
   M x N x K      the implicit GEMM of the pass, as in kernels/conv2d.cu: fprop K x N*P*Q x C*R*S,
                  dgrad C x N*H*W x K*R*S, wgrad K x C*R*S x N*P*Q
-  ours ms        our kernel(s) through `mpiasgd.ops.cupy_ops`, milliseconds per call: median (min)
+  ours ms        our kernel(s) through the CUDA backend (`mpiasgd.ops.get_backend("cupy")`), milliseconds per
+                 call: median (min)
   cuDNN ms       the same pass in cuDNN through PyTorch: F.conv2d (with bias) for fprop,
                  aten.convolution_backward with output_mask (input) / (weight) for dgrad / wgrad;
                  cudnn.benchmark on (its best algorithm, chosen during warm-up), TF32 off (FP32 vs FP32)
@@ -58,6 +59,8 @@ import numpy as np
 from mpiasgd.cli import positive  # argparse type: an integer >= 1
 from mpiasgd.model import build_model
 from mpiasgd.ops import cuda_probe
+from mpiasgd.ops.cuda.constants import CONV_BLOCKS_PER_SM
+from mpiasgd.ops.cuda.tiles import CONV_TILES, CONV_TRIAL_TILES, conv_threads, tile_name
 
 PASSES = ("fprop", "dgrad", "wgrad")
 GOAL = 0.80  # throughput ours/cuDNN, every pass of every cifar10 conv layer
@@ -503,8 +506,8 @@ def layer_inputs(layer: ConvLayer, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def our_calls(layer: ConvLayer, ops, cupy, host: dict[str, np.ndarray]) -> dict[str, Callable[[], object]]:
-    """{pass: call of our kernels} on device copies of `host`; wgrad writes into one kept dw with a kept
-    workspace, as Conv2d.backward does."""
+    """{pass: call of our kernels} on device copies of `host` (device arrays are taken as they are); wgrad
+    writes into one kept dw with a kept workspace, as Conv2d.backward does."""
     x, w, b, dy = (cupy.asarray(host[k]) for k in ("x", "w", "b", "dy"))
     dw, ws = cupy.empty(layer.w_shape, np.float32), ops.Workspace()
     s, p = layer.stride, layer.pad
@@ -549,7 +552,7 @@ def measure_layer(layer: ConvLayer, ops, cupy, torch, timer: Timer, runs: int, w
 
 def time_autotuned(ops, call: Callable[[], object], timer: Timer, runs: int, warmup: int) -> tuple[Timing, str]:
     """Time `call` (one conv pass of ours) under conv_algo "autotune": its first call times every tile
-    and keeps the fastest (`cupy_ops.conv_plans`), the timed calls run that one. Returns the timing and
+    and keeps the fastest (`CupyBackend.conv_plans`), the timed calls run that one. Returns the timing and
     the tile's name; conv_algo is restored."""
     saved, made = ops.conv_algo, len(ops.conv_plans())
     ops.set_conv_algo("autotune")
@@ -558,7 +561,7 @@ def time_autotuned(ops, call: Callable[[], object], timer: Timer, runs: int, war
         plans = ops.conv_plans()
         if len(plans) != made + 1:
             raise RuntimeError(f"autotune made {len(plans) - made} plans for one pass, expected 1")
-        return timer.time(call, runs, warmup), ops.tile_name(plans[-1].tile)
+        return timer.time(call, runs, warmup), tile_name(plans[-1].tile)
     finally:
         ops.set_conv_algo(saved)
 
@@ -568,48 +571,47 @@ AUTOTUNE_FAILED = "failed"  # PassResult.tuned_tile of a pass whose autotuned ti
 GEMM_KERNELS = ("conv2d_fprop", "conv2d_dgrad", "conv2d_wgrad_partial")
 
 
-def kernel_resources(ops, driver) -> list[str]:
+def kernel_resources(kernels, driver) -> list[str]:
     """Per conv tile variant (production and trial) and GEMM kernel, as the driver reports them for
     the compiled code: registers per thread, static shared memory per block (KB), local memory per
     thread (bytes: spills), and the blocks of the tile's size the occupancy API lets reside per SM
-    (conv2d.cu's launch bounds ask for 2). `driver`: cupy_backends.cuda.api.driver or a stand-in."""
+    (conv2d.cu's launch bounds ask for CONV_BLOCKS_PER_SM). `kernels`: the backend's (`ops.kernels`,
+    runtime.CudaKernels) or a stand-in; `driver`: cupy_backends.cuda.api.driver or a stand-in."""
     lines = []
-    for tile in (*ops.CONV_TILES, *ops.CONV_TRIAL_TILES):
+    for tile in (*CONV_TILES, *CONV_TRIAL_TILES):
         cells = []
         for name in GEMM_KERNELS:
-            raw = ops.get_kernel(name, tile).fn  # a cupy.RawKernel; .kernel: its CUDA function
-            blocks = driver.occupancyMaxActiveBlocksPerMultiprocessor(raw.kernel.ptr, ops.conv_threads(tile), 0)
+            raw = kernels.get(name, tile).fn  # a cupy.RawKernel; .kernel: its CUDA function
+            blocks = driver.occupancyMaxActiveBlocksPerMultiprocessor(raw.kernel.ptr, conv_threads(tile), 0)
             cells.append(f"{name.removeprefix('conv2d_').removesuffix('_partial')} {raw.num_regs} regs "
                          f"{raw.shared_size_bytes / 1024:.1f} KiB local {raw.local_size_bytes} B {blocks} blocks/SM")
-        lines.append(f"  {ops.tile_name(tile):<14} {ops.conv_threads(tile):>4} threads: " + ",  ".join(cells))
+        lines.append(f"  {tile_name(tile):<14} {conv_threads(tile):>4} threads: " + ",  ".join(cells))
     return lines
 
 
 def tile_sweep(layer: ConvLayer, ops, cupy, timer: Timer, runs: int, warmup: int, seed: int = 0) -> list[str]:
-    """Lines giving the median ms of each pass of `layer` with every conv tile variant forced
-    (`cupy_ops.conv_tile_override`; its split-K ranges `gemm_split` in brackets), the trial tiles
+    """Lines giving the median ms of each pass of `layer` with every conv tile variant forced (a backend
+    `ops.configured(tile_override=...)`; its split-K ranges `gemm_split` in brackets), the trial tiles
     (`CONV_TRIAL_TILES`: larger register blocks, one shared-memory stage, 32x96) included, the one
     `conv_tile` chooses marked with *, and the chosen tile without split-K where it splits: the data
     to tune both choices on a GPU."""
-    calls = our_calls(layer, ops, cupy, layer_inputs(layer, seed))
+    # copied to the device once: our_calls takes device arrays as they are
+    inputs = {k: cupy.asarray(v) for k, v in layer_inputs(layer, seed).items()}
     lines = []
     for pass_name in PASSES:
         if pass_name == "dgrad" and not layer.needs_dgrad:
             continue
         m, n, k = implicit_gemm(pass_name, layer)
-        chosen, cells = ops.conv_tile(m), []
-        variants = [(tile, None) for tile in (*ops.CONV_TILES, *ops.CONV_TRIAL_TILES)]
-        if ops.gemm_split(m, n, k, chosen)[0] > 1:
+        chosen, cells = ops.planner.conv_tile(m), []
+        variants = [(tile, None) for tile in (*CONV_TILES, *CONV_TRIAL_TILES)]
+        if ops.planner.gemm_split(m, n, k, chosen)[0] > 1:
             variants.append((chosen, 1))
         for tile, split in variants:
-            ops.conv_tile_override, ops.conv_split_override = tile, split
-            try:
-                splits = ops.gemm_split(m, n, k, tile)[0]
-                ms = timer.time(calls[pass_name], runs, warmup).median_ms
-            finally:
-                ops.conv_tile_override = ops.conv_split_override = None
+            forced = ops.configured(tile_override=tile, split_override=split)  # same kernels, its own planner
+            splits = forced.planner.gemm_split(m, n, k, tile)[0]
+            ms = timer.time(our_calls(layer, forced, cupy, inputs)[pass_name], runs, warmup).median_ms
             mark = "*" if tile == chosen and split is None else " "
-            cells.append(f"{ops.tile_name(tile)}[{splits}]{mark} {ms:8.4f} ms")
+            cells.append(f"{tile_name(tile)}[{splits}]{mark} {ms:8.4f} ms")
         lines.append(f"  tiles {layer.name:<8} {pass_name:<6} M={m:<5} " + "   ".join(cells))
     return lines
 
@@ -671,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = cupy.cuda.Device().id
     lines, peak, clock_khz = device_lines(cupy, dev)
     print("\n".join(lines))
-    print(f"split-K: waves of {ops.device_wave()} blocks (SMs x {ops.CONV_BLOCKS_PER_SM}), see cupy_ops.gemm_split")
+    print(f"split-K: waves of {ops.device.wave()} blocks (SMs x {CONV_BLOCKS_PER_SM}), see Planner.gemm_split")
     torch, torch_note = (None, "not available (--no-torch)") if args.no_torch else load_torch(dev)
     print(f"cuDNN reference: {torch_note}")
     stream = cupy.cuda.Stream(non_blocking=True)  # one stream for cupy and torch: one queue, one kind of event
@@ -707,10 +709,10 @@ def main(argv: list[str] | None = None) -> int:
             print("\nconv GEMM kernels as compiled for this device (driver attributes, occupancy API):")
             try:
                 from cupy_backends.cuda.api import driver
-                print("\n".join(kernel_resources(ops, driver)), flush=True)
+                print("\n".join(kernel_resources(ops.kernels, driver)), flush=True)
             except Exception:  # a diagnostic: its failure must not stop the sweep
                 print(f"!! kernel resources: failed\n{traceback.format_exc()}", flush=True)
-            print("\nours with each tile variant forced (median ms; [split-K ranges]; * = what cupy_ops picks):")
+            print("\nours with each tile variant forced (median ms; [split-K ranges]; * = what the heuristic picks):")
             for layer in layers:
                 try:
                     print("\n".join(tile_sweep(layer, ops, cupy, timer, args.runs, args.warmup)), flush=True)

@@ -10,8 +10,9 @@ One mpiexec job (this script starts it) measures, alternating, in rounds:
   raw     rank 1 sends a gradient message to rank 0 and rank 0 answers with a weights message,
           Isend/Irecv of protocol.message_bytes(P) bytes each (16 MB), busy-waiting in MPI Wait:
           the most two ranks can move. Rate = bytes in + bytes out at rank 0 per second.
-  server  the real mpiasgd.server.ParameterServer on rank 0, with SGD momentum 0.9 and weight decay
-          5e-4 as in the default config, serving K fake workers that compute nothing: each pushes
+  server  the real parameter server (rank 0's loop, mpiasgd.rank0.loop.Rank0, with the async role,
+          mpiasgd.modes.asgd.AsgdServer), with SGD momentum 0.9 and weight decay 5e-4 as in the default
+          config, serving K fake workers that compute nothing: each pushes
           a gradient the moment the reply to its last push has arrived, under the full protocol
           (stamped headers, STOP, EVAL). Rate = (gradient bytes in + weights bytes out) per second,
           over the applied pushes after a warm-up of 10 per worker.
@@ -125,7 +126,7 @@ def raw_exchange(comm: Any, P: int, exchanges: int) -> float:
     """(ranks 0 and 1) `exchanges` round trips gradient 1 -> 0, weights 0 -> 1; bytes/s at rank 0."""
     from mpi4py import MPI
 
-    from mpiasgd.protocol import Message, Tag
+    from mpiasgd.comms.protocol import Message, Tag
 
     rank = comm.Get_rank()
     inbox, outbox = Message(P), Message(P)
@@ -147,9 +148,8 @@ def fake_worker(comm: Any, cfg: Config, P: int) -> None:
     """(workers) Push a fixed finite gradient the moment each reply arrives, until STOP; then EVAL."""
     from mpi4py import MPI
 
-    from mpiasgd import protocol
-    from mpiasgd.comms import wait
-    from mpiasgd.protocol import HEADER, Message, ProtocolError, Tag
+    from mpiasgd.comms import protocol, wait
+    from mpiasgd.comms.protocol import HEADER, Message, ProtocolError, Tag
 
     rank = comm.Get_rank()
     weights, push = Message(P), Message(P)
@@ -184,29 +184,28 @@ def fake_worker(comm: Any, cfg: Config, P: int) -> None:
 class Timers:
     """Wraps the server's methods with timers (the server is not changed): records (kind, end, seconds)."""
 
-    def __init__(self, server: Any) -> None:
-        import mpiasgd.server
+    def __init__(self, r0: Any) -> None:
+        import mpiasgd.modes.asgd
 
-        self.server = server
+        role, rec = r0.role, r0.rec
         self.calls: list[tuple[str, float, float]] = []
         self.applied: list[float] = []  # end time of each on_push that applied the push
-        server.handle = self.wrap("handle", server.handle)
-        server.send = self.wrap("send", server.send)
-        server.optimizer.step = self.wrap("update", server.optimizer.step)
-        on_push = self.wrap("on_push", server.on_push)
+        r0.handle = self.wrap("handle", r0.handle)
+        role.send = self.wrap("send", role.send)
+        role.optimizer.step = self.wrap("update", role.optimizer.step)
+        on_push = self.wrap("on_push", role.on_push)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            version = server.version
+            version = rec.version
             result = on_push(*args, **kwargs)
-            if server.version > version:
+            if rec.version > version:
                 self.applied.append(self.calls[-1][1])
             return result
 
-        server.on_push = counted
-        self.module = mpiasgd.server
-        self.module_delta = getattr(mpiasgd.server, "apply_delta", None)
-        if self.module_delta is not None:  # the nsync > 1 update, once the server calls it
-            mpiasgd.server.apply_delta = self.wrap("update", self.module_delta)
+        role.on_push = counted  # the role's handlers() looks it up at every message
+        self.module = mpiasgd.modes.asgd
+        self.module_delta = self.module.apply_delta  # the nsync > 1 update
+        self.module.apply_delta = self.wrap("update", self.module_delta)
 
     def wrap(self, kind: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -219,8 +218,7 @@ class Timers:
         return timed
 
     def restore(self) -> None:
-        if self.module_delta is not None:
-            self.module.apply_delta = self.module_delta
+        self.module.apply_delta = self.module_delta
 
     def result(self, skip: int, message_bytes: int) -> dict:
         """Rate and per-push split over the applied pushes after the first `skip`."""
@@ -239,16 +237,20 @@ class Timers:
 
 
 def serve(comm: Any, cfg: Config, P: int, workers: int, path: str) -> dict:
-    """(server only) One run of the real ParameterServer; its rate and per-push split."""
-    from mpiasgd import protocol
+    """(server only) One run of the real parameter server (rank 0's loop with the async role); its rate and
+    per-push split."""
+    from mpiasgd.comms import protocol
+    from mpiasgd.modes.asgd import AsgdServer
+    from mpiasgd.rank0.loop import Rank0
+    from mpiasgd.rank0.recorder import Recorder
     from mpiasgd.runlog import RunLog
-    from mpiasgd.server import ParameterServer
 
     log = RunLog.create(path, {"config": cfg.to_json()}, [], P, cfg.flush_interval)
-    server = ParameterServer(comm, cfg, np.zeros(P, np.float32), layer_mask(P), workers, NUM_TRAIN, log)
-    timers = Timers(server)
+    rec = Recorder(cfg, log, range(1, workers + 1), NUM_TRAIN)
+    r0 = Rank0(comm, cfg, rec, lambda r0: AsgdServer(r0, np.zeros(P, np.float32), layer_mask(P)))
+    timers = Timers(r0)
     try:
-        summary = server.run()
+        summary = r0.run()
     finally:
         timers.restore()
         log.close("done")
@@ -302,7 +304,7 @@ def ratios(results: list[dict], raw: list[float]) -> list[float]:
 
 
 def table(args: argparse.Namespace, raw: list[float], plan: list, rates: dict[str, list[dict]]) -> None:
-    from mpiasgd import protocol
+    from mpiasgd.comms import protocol
 
     ref = statistics.median(raw)
     size = protocol.message_bytes(args.params)

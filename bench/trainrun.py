@@ -20,7 +20,8 @@ import numpy as np
 from launch import launcher, run
 
 from mpiasgd.cli import positive
-from mpiasgd.report import DEFAULT_TARGET, comparison_row, load
+from mpiasgd.runlog import load
+from mpiasgd.tools.report import DEFAULT_TARGET, comparison_row
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Trainer:
 
     def train(self, workers: int, options: list[str], name: str) -> dict:
         """Train with 1 server + `workers` workers and `options` (train flags); returns the loaded log
-        (`mpiasgd.report.load`: attributes, config, pushes, ...) with `images_per_s` added (images in
+        (`mpiasgd.runlog.load`: attributes, config, pushes, ...) with `images_per_s` added (images in
         applied pushes / training time, as in `mpiasgd report`)."""
         cmd = [*launcher(), "-n", str(1 + workers), sys.executable, "-m", "mpiasgd", "train", *options,
                "--no-progress", "--name", name, "--run-dir", self.run_dir]

@@ -6,7 +6,7 @@
 // BIAS_THREADS_MAX floats. Each thread sums a fixed strided subset, then a shared-memory tree
 // reduction: no atomics, the result depends only on the block size (reproducible).
 
-#define BIAS_THREADS_MAX 256
+#include "constants.cuh"  // BIAS_THREADS_MAX
 
 extern "C" __global__ void __launch_bounds__(BIAS_THREADS_MAX)
 bias_grad(const float* __restrict__ dy, float* __restrict__ db, int N, int K, long long L) {

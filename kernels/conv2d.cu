@@ -16,20 +16,20 @@
 //
 // Shapes: x (N, C, H, W), w (K, C, R, S), bias (K,) or NULL, y / dy (N, K, P, Q) with
 // P = (H + 2*pad - R)/stride + 1, Q likewise; ws (splits, M, NG); dw (K, C, R, S).
-// The GEMM kernels take a last argument tab: the layer's tap table (cupy_ops.conv_tap_table), or NULL
+// The GEMM kernels take a last argument tab: the layer's tap table (Planner.conv_tap_table), or NULL
 // for the bounds-testing path (see CONV_TABLE; the results are the same).
 // Launch (GEMM kernels): block CONV_THREADS = (BM/TM)*(BN/TN) threads (1-D), grid (ceil(NG/BN),
 // ceil(M/BM), splits), static shared memory STAGES*BK*(AS_PITCH + BS_PITCH) floats (ConvSmem, shared
 // by a kernel's instantiations; 27.8 KiB for the 64x64 tile with 3 stages). The tile (BM, BN) is
 // chosen at compile time (-DCONV_BM, -DCONV_BN; 64x64 by default, 32x128 for GEMMs of <= 32 rows:
-// see cupy_ops.conv_tile); so are the register block TM x TN (4x4; 8 rows or columns in
-// cupy_ops.CONV_TRIAL_TILES), the K-slab BK (16) and the shared-memory stages (CONV_STAGES: 3, and 1
+// see Planner.conv_tile); so are the register block TM x TN (4x4; 8 rows or columns in
+// tiles.CONV_TRIAL_TILES), the K-slab BK (16) and the shared-memory stages (CONV_STAGES: 3, and 1
 // below sm_80). conv2d_fprop / conv2d_dgrad write C in place (splits = 1, chunk = KR).
 // Split-K: the *_partial kernels sum kk in [z*chunk, min(KR, (z+1)*chunk)) for z = blockIdx.z
-// (any chunk >= 1; cupy_ops.gemm_split picks multiples of CONV_BK) into a workspace, and
+// (any chunk >= 1; Planner.gemm_split picks multiples of CONV_BK) into a workspace, and
 // conv2d_split_reduce adds the splits in a fixed order, without atomics, so every result is
 // bit-reproducible run to run. wgrad always splits its N*P*Q reduction; fprop and dgrad split when
-// their output alone gives too few blocks to fill the GPU (cupy_ops.gemm_split).
+// their output alone gives too few blocks to fill the GPU (Planner.gemm_split).
 // conv2d_split_reduce: see its comment (two-level, fixed order).
 //
 // Tile: each block computes a BM x BN tile of C, stepping KR in slabs of BK; thread (ty, tx) owns
@@ -57,35 +57,23 @@
 // stores a row of the block as one float4 when its 4 columns are consecutive in memory and 16-byte
 // aligned, else element by element.
 // Offsets: image bases and workspace offsets are 64-bit (N*C*H*W may pass 2^31); offsets within one
-// image and within the filter are int (cupy_ops.conv_geometry checks that C*H*W, K*P*Q, K*C*R*S and
+// image and within the filter are int (contract.conv_geometry checks that C*H*W, K*P*Q, K*C*R*S and
 // (H + 2*pad)*(W + 2*pad) fit), as is a block's count of reduction terms (gemm_split: <= 2^30).
 
-// Tile shape: production values here; CONV_BM / CONV_BN / CONV_BK may be overridden with -D (cupy_ops
-// compiles one variant per tile it launches; the CPU harness tests several). Everything below is
-// derived from them; the static_asserts say what a tile must satisfy (BN a multiple of 32, BM of 16,
-// the loaders tiling the slabs).
-#ifndef CONV_BM
-#define CONV_BM 64  // rows of C (output channels) per block
-#endif
-#ifndef CONV_BN
-#define CONV_BN 64  // columns of C (output pixels / filter taps) per block
-#endif
-#ifndef CONV_BK
-#define CONV_BK 16  // reduction slab (cupy_ops.CONV_BK: split-K ranges are multiples of it)
-#endif
-#ifndef CONV_TM
-#define CONV_TM 4   // register block: rows per thread, 4 or 8 (one float4 of As per 4 rows per kk)
-#endif
-#ifndef CONV_TN
-#define CONV_TN 4   // register block: columns per thread, 4 or 8 (one float4 of Bs per 4 columns per kk)
-#endif
+// The constants shared with the Python side (mpiasgd/ops/cuda/constants.py), this file's tile among them.
+#include "constants.cuh"
+
+// Tile shape: the production values are constants.cuh's CONV_BM x CONV_BN (64x64), CONV_TM x CONV_TN
+// (4x4: one float4 of As per 4 rows and of Bs per 4 columns per kk; 4 or 8 each), CONV_BK (16: the
+// reduction slab; split-K ranges are multiples of it) and CONV_STAGES (3); each may be overridden
+// with -D (the Python side compiles one variant per tile it launches, tiles.tile_defines; the CPU
+// harness tests several). Everything below is derived from them; the static_asserts say what a tile
+// must satisfy (BN a multiple of 32, BM of 16, the loaders tiling the slabs).
+
 // Shared-memory stages of the main loop. 1: the next slab is fetched into registers while the current one
 // is multiplied, then stored (two barriers per slab). >= 2 (sm_80+): a multistage pipeline of
 // asynchronous copies (cp.async) straight into STAGES slab buffers, STAGES - 1 slabs in flight while one
 // is multiplied, one barrier per slab, no staging registers. Below sm_80 (no cp.async) always 1.
-#ifndef CONV_STAGES
-#define CONV_STAGES 3
-#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #undef CONV_STAGES
 #define CONV_STAGES 1
@@ -126,11 +114,12 @@ static_assert((CONV_BM * CONV_BK) % CONV_THREADS == 0 && (CONV_BK * CONV_BN) % C
               "every thread loads the same number of A and of B slab elements");
 static_assert(CONV_AS_PITCH % 32 != 0, "As pitch: not a multiple of 32 banks (8-way store conflicts)");
 static_assert(CONV_AS_PITCH % 4 == 0 && CONV_BS_PITCH % 4 == 0, "shared rows: 16-byte aligned for float4 reads");
-static_assert(CONV_THREADS <= 1024, "at most 1,024 threads per block");
+static_assert(CONV_THREADS <= MAX_BLOCK_THREADS, "at most 1,024 threads per block");
 static_assert(CONV_STAGES >= 1 && CONV_STAGES <= 4, "1 to 4 shared-memory stages");
-static_assert(CONV_STAGES * CONV_BK * (CONV_AS_PITCH + CONV_BS_PITCH) * 4 <= 48 * 1024,
+static_assert(CONV_STAGES * CONV_BK * (CONV_AS_PITCH + CONV_BS_PITCH) * 4 <= MAX_STATIC_SHARED,
               "static shared memory: at most 48 KB per block");
-static_assert(2 * CONV_BK <= 128, "the tap table's 128 zero rows (cupy_ops.CONV_TAB_PAD) cover two slabs");
+static_assert(2 * CONV_BK <= CONV_TAB_PAD, "the tap table's CONV_TAB_PAD zero rows cover two slabs");
+static_assert(CONV_TAB_MAX_TAPS <= 32, "a column's taps in the tap table path are one 32-bit mask");
 static_assert(CONV_TX % CONV_WARP_TX == 0 && CONV_TY % CONV_WARP_TY == 0,
               "BN a multiple of 32 and BM of 16: whole warps of 8 x 4 register blocks");
 
@@ -143,7 +132,7 @@ static_assert(CONV_TX % CONV_WARP_TX == 0 && CONV_TY % CONV_WARP_TY == 0,
 #define CONV_BOUNDS 1   // any pass: the digits of kk stepped per slab, two unsigned compares per B load
 #define CONV_STRIDED 2  // DGRAD with stride > 1: as BOUNDS, and the divisions of conv_load_b_strided
 
-// Tap table (PATH CONV_TABLE), built by the host once per layer geometry (cupy_ops.conv_tap_table):
+// Tap table (PATH CONV_TABLE), built by the host once per layer geometry (Planner.conv_tap_table):
 // entry kk holds four ints {off, bits, a_off, 0}, what every load of slab row kk shares, so the main
 // loop steps no digits and tests no bounds. A bit stands for a filter tap (r, s): bit r*S + s (R*S <= 32).
 //   FPROP kk = (c, r, s): off = (c*H + r - pad)*W + s - pad, bits = the tap's bit, a_off = kk
@@ -159,7 +148,7 @@ static_assert(CONV_TX % CONV_WARP_TX == 0 && CONV_TY % CONV_WARP_TY == 0,
 // between an in-bounds address minus one image and that address, so it fits an int when the tensor
 // does; the host builds no table (and the kernels test bounds) where it would not (WGRAD: N*C*H*W,
 // N*K*P*Q >= 2^31).
-#define CONV_TAB_INTS 4  // ints per entry (16 bytes: the {off, bit} pair is one 8-byte load)
+// CONV_TAB_INTS (constants.cuh): 4 ints per entry (16 bytes: the {off, bit} pair is one 8-byte load)
 
 // A reduction index kk as three digits (hi, mid, lo) with radices (.., MID, LO): FPROP/DGRAD
 // kk = (c or k, r, s) with radices (R, S); WGRAD kk = (n, p, q) with radices (P, Q). Decoded with
@@ -200,7 +189,7 @@ __device__ __forceinline__ void digits_step(Digits& d, const Digits& step, int m
 //   WGRAD (x, column (c, r, s)):  (a, b) = (r - pad, s - pad), base = c*H*W + a*W + b
 // An origin may lie outside its image; it is only dereferenced at in-bounds (h, w). A column
 // j >= NG (the last tile's overhang) is decoded as NG - 1: its loads stay in bounds and its results
-// are never stored. Ints are enough: cupy_ops.conv_geometry bounds C*H*W, K*P*Q and (H + 2*pad)*
+// are never stored. Ints are enough: contract.conv_geometry bounds C*H*W, K*P*Q and (H + 2*pad)*
 // (W + 2*pad) by 2^31 - 1, and each part of an in-bounds address (base or origin offset, tap offset)
 // lies between -pad*W - pad and the image size (FPROP puts -pad in the tap, not in the column: the
 // column part p*st*W + q*st is >= 0, so the tap part stays below C*H*W). Tap offsets of slab rows
@@ -428,7 +417,7 @@ __device__ __forceinline__ void conv_gemm(ConvSmem& sm, const float* __restrict_
   step.mid = conv_opaque(step.mid);
   step.lo = conv_opaque(step.lo);
   const long long k_begin = (long long)blockIdx.z * chunk;
-  // this block's reduction terms: < 2^31 (chunk is, see cupy_ops.gemm_split), counted down by slabs
+  // this block's reduction terms: < 2^31 (chunk is, see Planner.gemm_split), counted down by slabs
   int k_left = (int)((k_begin + chunk < KR) ? chunk : KR - k_begin);
 
   const int t = threadIdx.x;
@@ -683,7 +672,7 @@ __device__ __forceinline__ void conv_gemm(ConvSmem& sm, const float* __restrict_
 }
 
 // The kernels below run conv_gemm in the instantiation chosen once, uniformly for the whole grid:
-// CONV_TABLE when the host passes a tap table (cupy_ops.conv_tap_table: R*S <= 32, dgrad stride 1,
+// CONV_TABLE when the host passes a tap table (Planner.conv_tap_table: R*S <= 32, dgrad stride 1,
 // offsets that fit), else CONV_BOUNDS, or for dgrad with stride > 1 CONV_STRIDED. tab: the table (see
 // CONV_TABLE) or NULL; the results are the same either way.
 template <int MODE, bool PARTIAL>
@@ -693,7 +682,7 @@ __device__ __forceinline__ void conv_run(const float* __restrict__ A, const floa
                                          long long chunk, const int* __restrict__ tab) {
   __shared__ __align__(16) ConvSmem sm;
   const bool unit = MODE != CONV_DGRAD || stride == 1;
-  if (unit && tab != 0 && R * S <= 32)
+  if (unit && tab != 0 && R * S <= CONV_TAB_MAX_TAPS)
     conv_gemm<MODE, PARTIAL, CONV_TABLE>(sm, A, B, out, bias, relu, N, C, H, W, K, R, S, P, Q, stride, pad, chunk, tab);
   else if (unit)
     conv_gemm<MODE, PARTIAL, CONV_BOUNDS>(sm, A, B, out, bias, relu, N, C, H, W, K, R, S, P, Q, stride, pad, chunk, tab);
@@ -703,7 +692,7 @@ __device__ __forceinline__ void conv_run(const float* __restrict__ A, const floa
 }
 
 // y = conv(x, w) (+ bias[k]) (then conv_relu, NaN-propagating max(., 0), when relu != 0). bias may be NULL.
-extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(CONV_THREADS, CONV_BLOCKS_PER_SM)
 conv2d_fprop(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
              float* __restrict__ y, int N, int C, int H, int W, int K, int R, int S, int P, int Q, int stride,
              int pad, int relu, const int* __restrict__ tab) {
@@ -713,7 +702,7 @@ conv2d_fprop(const float* __restrict__ x, const float* __restrict__ w, const flo
 // ws[z] (K, N*P*Q) = the part of conv(x, w) summed over kk = (c, r, s) in [z*chunk, (z+1)*chunk):
 // split-K fprop for layers whose output alone gives too few blocks; conv2d_split_reduce adds the
 // splits, the bias and the ReLU.
-extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(CONV_THREADS, CONV_BLOCKS_PER_SM)
 conv2d_fprop_partial(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ ws, int N,
                      int C, int H, int W, int K, int R, int S, int P, int Q, int stride, int pad,
                      long long chunk, const int* __restrict__ tab) {
@@ -721,14 +710,14 @@ conv2d_fprop_partial(const float* __restrict__ x, const float* __restrict__ w, f
 }
 
 // dx = transposed convolution of dy with w (every dx element is written; unreached ones get 0).
-extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(CONV_THREADS, CONV_BLOCKS_PER_SM)
 conv2d_dgrad(const float* __restrict__ dy, const float* __restrict__ w, float* __restrict__ dx, int N, int C,
              int H, int W, int K, int R, int S, int P, int Q, int stride, int pad, const int* __restrict__ tab) {
   conv_run<CONV_DGRAD, false>(w, dy, dx, 0, 0, N, C, H, W, K, R, S, P, Q, stride, pad, (long long)K * R * S, tab);
 }
 
 // ws[z] (C, N*H*W) = the part of dx summed over kk = (k, r, s) in [z*chunk, (z+1)*chunk): split-K dgrad.
-extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(CONV_THREADS, CONV_BLOCKS_PER_SM)
 conv2d_dgrad_partial(const float* __restrict__ dy, const float* __restrict__ w, float* __restrict__ ws, int N,
                      int C, int H, int W, int K, int R, int S, int P, int Q, int stride, int pad,
                      long long chunk, const int* __restrict__ tab) {
@@ -736,7 +725,7 @@ conv2d_dgrad_partial(const float* __restrict__ dy, const float* __restrict__ w, 
 }
 
 // ws[z] = partial dw over the (n, p, q) range [z*chunk, (z+1)*chunk) for z = blockIdx.z.
-extern "C" __global__ void __launch_bounds__(CONV_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(CONV_THREADS, CONV_BLOCKS_PER_SM)
 conv2d_wgrad_partial(const float* __restrict__ dy, const float* __restrict__ x, float* __restrict__ ws, int N,
                      int C, int H, int W, int K, int R, int S, int P, int Q, int stride, int pad,
                      long long chunk, const int* __restrict__ tab) {
@@ -753,9 +742,7 @@ conv2d_wgrad_partial(const float* __restrict__ dy, const float* __restrict__ x, 
 // The order is fixed by (splits, blockDim), so results are bit-reproducible run to run.
 // Launch: block a multiple of SPLIT_REDUCE_OUTS up to SPLIT_REDUCE_THREADS_MAX (256: 8 lanes),
 // 1-D grid-stride over groups of SPLIT_REDUCE_OUTS outputs (any grid size); static shared memory
-// SPLIT_REDUCE_THREADS_MAX floats.
-#define SPLIT_REDUCE_OUTS 32
-#define SPLIT_REDUCE_THREADS_MAX 256
+// SPLIT_REDUCE_THREADS_MAX floats. (Both in constants.cuh.)
 
 extern "C" __global__ void __launch_bounds__(SPLIT_REDUCE_THREADS_MAX)
 conv2d_split_reduce(const float* __restrict__ ws, const float* __restrict__ bias, float* __restrict__ out, int splits,

@@ -12,7 +12,7 @@
 // Launch: grid (N) (one block per row), block SOFTMAX_THREADS_MAX (256) or any power of two below
 // it; static shared memory 2 * SOFTMAX_THREADS_MAX words. Tree reductions, no atomics.
 
-#define SOFTMAX_THREADS_MAX 256
+#include "constants.cuh"  // SOFTMAX_THREADS_MAX
 
 // a ranks above b in the order of np.max / np.argmax: NaN above every number, equal to another NaN
 __device__ __forceinline__ bool softmax_above(float a, float b) { return a > b || (a != a && b == b); }

@@ -57,13 +57,6 @@ def checkpoint_path(log_path: str) -> str:
     return log_path[:-3] + ".ckpt.h5" if log_path.endswith(".h5") else log_path + ".ckpt.h5"
 
 
-def batch_rng(seed: int, stream: int, b: int) -> np.random.Generator:
-    """The augmentation generator of minibatch `b` (0-based) of data stream `stream` (a worker's rank;
-    in pipeline mode 1 + the replica): independent of everything drawn before, so a resumed worker
-    continues the sequence exactly from its cursor."""
-    return np.random.default_rng([seed, 1, stream, b])
-
-
 SCALARS = ("mode", "model", "config", "log", "reason", "run_id", "version", "samples", "staleness_sum",
            "staleness_max", "staleness_count", "elapsed", "log_time")
 

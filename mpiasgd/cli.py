@@ -15,7 +15,10 @@ import os
 import sys
 
 from mpiasgd import __version__
-from mpiasgd.report import DEFAULT_TARGET, FORMATS
+
+# `mpiasgd report`'s defaults (here, so that `mpiasgd train` loads none of the offline tools)
+DEFAULT_TARGET = 0.9  # test accuracy (fraction) of the "time to" column unless --target-accuracy says otherwise
+FORMATS = ("text", "markdown", "csv")
 
 
 def positive(text: str) -> int:
@@ -86,11 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "evaluate":
         return _evaluate(args)
     if args.command == "trace":
-        from mpiasgd.trace import main as trace
+        from mpiasgd.tools.trace import main as trace
 
         return trace(args.log, args.output)
     if args.command == "watch":
-        from mpiasgd.watch import main as watch
+        from mpiasgd.tools.watch import main as watch
 
         return watch(args.log, args.interval, args.wait)
     return _report(args)
@@ -114,7 +117,7 @@ def _train(argv: list[str]) -> int:
         error = None
     from mpi4py import MPI  # MPI starts only for training
 
-    from mpiasgd.train import EXIT_BAD_INPUT, train
+    from mpiasgd.launch import EXIT_BAD_INPUT, train
 
     comm = MPI.COMM_WORLD
     if any(comm.allgather(error)):  # every rank parsed the same argv: one message, from rank 0
@@ -128,7 +131,7 @@ def _train(argv: list[str]) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from mpiasgd.evaluate import evaluate_snapshots
+    from mpiasgd.tools.evaluate import evaluate_snapshots
 
     header = True  # the table's header goes before a log's first row, not before an error
 
@@ -155,7 +158,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from mpiasgd.report import report
+    from mpiasgd.tools.report import report
 
     try:  # every log is read before anything is printed: a bad one stops the whole report
         text = report(args.logs, args.target_accuracy, args.format)
@@ -167,8 +170,8 @@ def _report(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # `mpiasgd report ... | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if args.plots:
-        from mpiasgd.plots import plot_runs
-        from mpiasgd.report import load
+        from mpiasgd.runlog import load
+        from mpiasgd.tools.plots import plot_runs
 
         try:
             paths = plot_runs([load(path) for path in args.logs], args.plots)

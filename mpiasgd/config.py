@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from mpiasgd.modes.registry import MODES, OPTIONS
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
@@ -25,14 +27,10 @@ class ConfigError(ValueError):
     """A configuration key is unknown, ill-typed or out of range (the message names the key)."""
 
 
-MODES = ("async", "sync", "ssp", "pipeline")
-DECOUPLING = ("full", "backward")
-BALANCE = ("flops", "params")
 BACKENDS = ("auto", "numpy", "cupy")
 CUDA_AWARE = ("auto", "on", "off")
-CONV_ALGOS = ("heuristic", "autotune")  # mpiasgd.ops.cupy_ops.CONV_ALGOS (not imported: it would import the backend)
+CONV_ALGOS = ("heuristic", "autotune")  # ops.cuda.planner.CONV_ALGOS (not imported: it would import the backend)
 SCHEDULES = ("constant", "step", "cosine")
-STALENESS_LR = ("none", "inverse", "sqrt")
 ON_DIVERGENCE = ("warn", "stop")
 
 
@@ -41,7 +39,9 @@ def _opt(default: Any, group: str, help: str) -> Any:
 
 
 @dataclass(frozen=True)
-class Config:
+class BaseConfig:
+    """The keys every mode has; `Config` adds the keys the modes own (`mpiasgd.modes.registry.OPTIONS`)."""
+
     # --- model and data ---
     model: str = _opt("digits", "model and data", "network: digits | cifar10 | cifar10_deep (six conv layers)")
     dataset: str = _opt("", "model and data", "dataset: digits | cifar10 (default: the model's own)")
@@ -50,38 +50,8 @@ class Config:
     seed: int = _opt(0, "model and data", "seed of initial weights, shards and augmentation")
     batch_size: int = _opt(32, "model and data", "minibatch per worker, images")
     # --- parallelism ---
-    mode: str = _opt("async", "parallelism",
-                     "training mode: async (A-SGD through the parameter server) | sync (workers allreduce their "
-                     "gradients every step; rank 0 only logs) | ssp (async, but no worker more than "
-                     "--staleness-bound steps ahead of the slowest) | pipeline (decoupled backpropagation: "
-                     "--modules K x --replicas N units, Pham and Ahn 2025)")
-    staleness_bound: int = _opt(3, "parallelism",
-                                "ssp: steps a worker may run ahead of the slowest worker (0 = lockstep); steps")
-    nsync: int = _opt(1, "parallelism",
-                      "async/ssp: local optimizer steps between exchanges; a worker pushes the accumulated "
-                      "update (its weights minus the weights it pulled) every NSYNC minibatches (n_push = "
-                      "n_fetch = NSYNC, GPU A-SGD / Downpour); 1 = push every gradient")
-    warm_start: float = _opt(0.0, "parallelism",
-                             "async/ssp: worker rank 1 trains alone for this many seconds before the others "
-                             "get their first weights (GPU A-SGD's warm start); seconds")
-    modules: int = _opt(2, "pipeline", "pipeline: K, the modules the layer list is cut into (1 = plain backprop)")
-    replicas: int = _opt(0, "pipeline",
-                         "pipeline: N, data-parallel replicas of the whole pipeline; 0 = (ranks - 1) / K")
-    cuts: str = _opt("", "pipeline",
-                     "pipeline: K-1 layer indices where modules start, e.g. '3,6' (default: balanced by --balance)")
-    balance: str = _opt("flops", "pipeline", "pipeline: automatic cuts balance forward FLOPs | params")
-    decoupling: str = _opt("full", "pipeline",
-                           "pipeline: full (forward and backward decoupled: module k's gradient is 2(K-1-k) "
-                           "iterations old, FDG) | backward (forward locked: K-1-k, DDG)")
-    shrink: float = _opt(1.0, "pipeline",
-                         "pipeline: beta, each module scales the input gradient it sends back (module k's "
-                         "gradient is scaled by beta^(K-1-k); FDG's gradient shrinking)")
-    weight_stashing: bool = _opt(False, "pipeline",
-                                 "pipeline: backward uses the weights the minibatch's forward used (PipeDream); "
-                                 "default: the current weights")
-    overlap: bool = _opt(False, "parallelism",
-                         "async/ssp: compute the next minibatch on the weights at hand while the pull is in "
-                         "flight (hides communication, one more step of staleness)")
+    mode: str = _opt("async", "parallelism", "training mode: " + " | ".join(f"{m.name} ({m.help})"
+                                                                           for m in MODES.values()))
     backend: str = _opt("auto", "parallelism",
                         "compute backend of the workers: auto (cupy where the worker's node has a GPU, else numpy) "
                         "| numpy | cupy (default: auto)")
@@ -111,9 +81,6 @@ class Config:
     warmup_epochs: float = _opt(0.5, "optimizer", "linear learning-rate warm-up from 0, epochs")
     lr_milestones: tuple = _opt((), "optimizer", "step schedule: epochs at which lr is multiplied by --lr-gamma")
     lr_gamma: float = _opt(0.1, "optimizer", "step schedule: factor per milestone")
-    staleness_lr: str = _opt("none", "optimizer",
-                             "scale of a pushed gradient of staleness s as it enters the momentum: none = 1, "
-                             "inverse = 1/max(1,s), sqrt = 1/sqrt(max(1,s)) (Zhang et al. 2016)")
     max_rejects: int = _opt(10, "optimizer", "non-finite gradients in a row from one worker before the run stops")
     # --- stopping (first limit reached stops the run; 0 = no limit) ---
     epochs: float = _opt(10.0, "stopping", "passes over the training set by all workers together (0 = no limit)")
@@ -154,30 +121,22 @@ class Config:
 
         need(self.model in MODELS, "model", f"one of {sorted(MODELS)}")
         need(self.dataset in ("", "digits", "cifar10"), "dataset", "digits or cifar10")
-        need(self.mode in MODES, "mode", f"one of {MODES}")
-        need(self.staleness_bound >= 0, "staleness_bound", "an integer >= 0")
-        need(self.nsync >= 1, "nsync", "an integer >= 1")
-        need(math.isfinite(self.warm_start) and self.warm_start >= 0, "warm_start", "seconds >= 0")
-        need(self.modules >= 1, "modules", "an integer >= 1")
-        need(self.replicas >= 0, "replicas", "an integer >= 0 (0: derived from the number of ranks)")
-        need(self.balance in BALANCE, "balance", f"one of {BALANCE}")
-        need(self.decoupling in DECOUPLING, "decoupling", f"one of {DECOUPLING}")
-        need(math.isfinite(self.shrink) and 0 < self.shrink <= 1, "shrink", "0 < beta <= 1")
-        cuts = self.cut_points()  # raises on a malformed list
-        need(not cuts or len(cuts) == self.modules - 1, "cuts", f"{self.modules - 1} layer indices (--modules "
-             f"{self.modules})")
-        if self.mode != "ssp":
-            need(self.staleness_bound == FIELDS["staleness_bound"].default, "staleness_bound",
-                 f"{FIELDS['staleness_bound'].default} unless --mode ssp (mode is {self.mode!r})")
-        if self.mode != "pipeline":  # options of the pipeline mode only
-            for key in ("modules", "replicas", "cuts", "balance", "decoupling", "shrink", "weight_stashing"):
-                default = FIELDS[key].default
-                need(getattr(self, key) == default, key, f"{default!r} unless --mode pipeline (it applies to the "
-                     f"pipeline mode only; mode is {self.mode!r})")
-        if self.mode in ("sync", "pipeline"):  # options of the parameter-server modes only
-            for key, off in (("nsync", 1), ("warm_start", 0.0), ("overlap", False), ("staleness_lr", "none")):
-                need(getattr(self, key) == off, key, f"{off!r} in mode '{self.mode}' (no parameter server "
-                     f"updates; '{key}' applies to the async and ssp modes)")
+        need(self.mode in MODES, "mode", f"one of {tuple(MODES)}")
+        from mpiasgd.modes.registry import load
+
+        for name in MODES:  # the ranges of every mode's keys (a key of another mode is at its default: valid)
+            load(name).check_config(self)
+        for option in OPTIONS:  # a key of other modes keeps its default: a flag never silently does nothing
+            if self.mode in option.modes:
+                continue
+            if len(option.modes) == 1:
+                need(getattr(self, option.name) == option.default, option.name, f"{option.default!r} unless --mode "
+                     f"{option.modes[0]} (it applies to the {option.modes[0]} mode only; mode is {self.mode!r})")
+            else:
+                note = MODES[self.mode].note
+                need(getattr(self, option.name) == option.default, option.name, f"{option.default!r} in mode "
+                     f"'{self.mode}' ({note + '; ' if note else ''}'{option.name}' applies to the "
+                     f"{' and '.join(option.modes)} modes)")
         need(self.backend in BACKENDS, "backend", f"one of {BACKENDS}")
         need(self.cuda_aware in CUDA_AWARE, "cuda_aware", f"one of {CUDA_AWARE}")
         need(not (self.backend == "numpy" and self.cuda_aware == "on"), "cuda_aware",
@@ -199,7 +158,6 @@ class Config:
         need(all(m > 0 for m in self.lr_milestones), "lr_milestones", "a list of epochs > 0")
         need(list(self.lr_milestones) == sorted(self.lr_milestones), "lr_milestones", "increasing epochs")
         need(0 < self.lr_gamma <= 1, "lr_gamma", "0 < gamma <= 1")
-        need(self.staleness_lr in STALENESS_LR, "staleness_lr", f"one of {STALENESS_LR}")
         need(self.max_rejects >= 1, "max_rejects", "an integer >= 1")
         need(self.on_divergence in ON_DIVERGENCE, "on_divergence", f"one of {ON_DIVERGENCE}")
         self.stragglers()  # raises on a malformed entry
@@ -233,17 +191,6 @@ class Config:
             out[rank] = factor
         return out
 
-    def cut_points(self) -> tuple[int, ...]:
-        """`cuts` parsed: increasing layer indices > 0 where modules 1..K-1 start; ConfigError if malformed."""
-        try:
-            cuts = tuple(int(c) for c in self.cuts.split(",") if c.strip())
-        except ValueError:
-            raise ConfigError(f"config key 'cuts' = {self.cuts!r}: expected comma-separated layer indices, "
-                              f"e.g. '3,6'") from None
-        if any(c <= 0 for c in cuts) or list(cuts) != sorted(set(cuts)):
-            raise ConfigError(f"config key 'cuts' = {self.cuts!r}: expected increasing layer indices > 0")
-        return cuts
-
     @property
     def worker_timeout(self) -> float:
         """Seconds a worker waits for any one message: twice `comm_timeout`, so that rank 0, which watches
@@ -265,6 +212,15 @@ class Config:
         width = max(len(f.name) for f in dataclasses.fields(self))
         return "\n".join(f"  {f.name:<{width}} = {getattr(self, f.name)!r}" for f in dataclasses.fields(self))
 
+
+Config = dataclasses.make_dataclass(
+    "Config", [(o.name, o.type, _opt(o.default, o.group, o.help)) for o in OPTIONS], bases=(BaseConfig,),
+    frozen=True)
+Config.__module__ = __name__
+Config.__doc__ = """The run configuration: `BaseConfig`'s keys and those the modes own (`mpiasgd.modes.registry`).
+
+Frozen; `validate()` checks every value (ConfigError naming the key), `to_json()` is what the run
+log and checkpoints store."""
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
@@ -353,8 +309,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # what a resumed run may not change: the state it continues would not fit
-FIXED_ON_RESUME = ("model", "dataset", "mode", "seed", "batch_size", "modules", "replicas", "cuts", "balance",
-                   "decoupling", "name", "run_dir")
+FIXED_ON_RESUME = ("model", "dataset", "mode", "seed", "batch_size", "name", "run_dir",
+                   *(o.name for o in OPTIONS if o.fixed_on_resume))
 
 
 def resume_overrides(saved: Config, cfg: Config) -> dict[str, tuple]:

@@ -4,7 +4,7 @@ jobs for minutes and are not part of the test suite.
 bench/nsync.py: the trailing mean of the training loss over the latest pushes holding at least a
 window of images, and the time at which it first reaches a target.
 
-bench/sass_mix.py: finding the conv kernels' main loops in disassembled machine code.
+dev/sass_mix.py (the kernel lab): finding the conv kernels' main loops in disassembled machine code.
 
 bench/kernels.py: the conv layers it times (from the cifar10 model), the implicit GEMM shape and
 FLOP count of each pass, the FP32 peak from (compute capability, SMs, clock), the error and ratio
@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the scripts import their siblings
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "dev"))  # the kernel lab's scripts
 
 from nsync import time_to_loss, trailing_mean
 from sass_mix import LOOPS, function_bodies, hot_loops, pick
@@ -168,19 +169,19 @@ def test_table_row_gives_throughput_ratio_tflops_and_fraction_of_peak():
     assert no_ref.split()[-5:] == ["-", "14.75", "22.0", "0.0100", "-"]
 
 
-def test_kernel_resources_lists_every_tile_and_gemm_kernel(monkeypatch):
+def test_kernel_resources_lists_every_tile_and_gemm_kernel():
     """One line per conv tile variant (production and trial), with each GEMM kernel's registers, shared
     memory, local memory and resident blocks per SM as the driver reports them for that kernel."""
     from types import SimpleNamespace
 
-    from mpiasgd.ops import cupy_ops
+    from mpiasgd.ops.cuda.tiles import CONV_TILES, CONV_TRIAL_TILES, conv_threads, tile_name
 
-    tiles = (*cupy_ops.CONV_TILES, *cupy_ops.CONV_TRIAL_TILES)
+    tiles = (*CONV_TILES, *CONV_TRIAL_TILES)
     names = ("conv2d_fprop", "conv2d_dgrad", "conv2d_wgrad_partial")
-    ptr = {(name, cupy_ops.tile_name(tile)): 1000 * i + j
+    ptr = {(name, tile_name(tile)): 1000 * i + j
            for i, tile in enumerate(tiles) for j, name in enumerate(names)}
-    monkeypatch.setattr(cupy_ops, "get_kernel", lambda name, tile: SimpleNamespace(fn=SimpleNamespace(
-        kernel=SimpleNamespace(ptr=ptr[name, cupy_ops.tile_name(tile)]), num_regs=100 + names.index(name),
+    kernels = SimpleNamespace(get=lambda name, tile: SimpleNamespace(fn=SimpleNamespace(  # as runtime.CudaKernels
+        kernel=SimpleNamespace(ptr=ptr[name, tile_name(tile)]), num_regs=100 + names.index(name),
         shared_size_bytes=29 * 1024, local_size_bytes=0)))
     asked = []
 
@@ -190,12 +191,12 @@ def test_kernel_resources_lists_every_tile_and_gemm_kernel(monkeypatch):
             asked.append((p, threads, dynamic))
             return 2
 
-    lines = kernel_resources(cupy_ops, Driver)
+    lines = kernel_resources(kernels, Driver)
     assert len(lines) == len(tiles)
     assert lines[0].split()[:3] == ["64x64", "256", "threads:"]
     assert "fprop 100 regs 29.0 KiB local 0 B 2 blocks/SM,  dgrad 101 regs" in lines[0]
     assert lines[-1].startswith("  32x96/4x4k24    192 threads:") and "wgrad 102 regs" in lines[-1]
-    assert {(p, t) for p, t, _ in asked} == {(ptr[n, cupy_ops.tile_name(t)], cupy_ops.conv_threads(t))
+    assert {(p, t) for p, t, _ in asked} == {(ptr[n, tile_name(t)], conv_threads(t))
                                              for t in tiles for n in names}
 
 
@@ -278,7 +279,7 @@ SASS = """\
 
 
 def test_sass_mix_finds_the_loops_with_the_most_ffma_shortest_first():
-    """bench/sass_mix.py: the hot loops are the backward branches' bodies holding the most FFMA (both
+    """dev/sass_mix.py: the hot loops are the backward branches' bodies holding the most FFMA (both
     of dgrad's, shortest first); a forward branch is no loop, a kernel without FFMA has none."""
     bodies = function_bodies(SASS)
     assert set(bodies) == {"conv2d_dgrad", "conv2d_fprop"}

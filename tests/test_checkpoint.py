@@ -21,8 +21,7 @@ from test_mpi import FAST, read_log, wait_for_pushes
 from mpiasgd import checkpoint
 from mpiasgd.checkpoint import Checkpoint, CheckpointError
 from mpiasgd.config import ConfigError, make_parser, resolve
-from mpiasgd.data import ShardSampler
-from mpiasgd.worker import minibatches
+from mpiasgd.data import ShardSampler, minibatches
 
 PREEMPTED = 75
 
@@ -440,7 +439,8 @@ def test_rank0_stopped_and_continued_gives_no_stale_stall_warnings(tmp_path):
 
 
 def test_report_after_rank0_killed_and_resumed_counts_each_image_once(tmp_path):
-    from mpiasgd.report import _images, load
+    from mpiasgd.runlog import load
+    from mpiasgd.runlog.summary import trained_images as _images
 
     runs = tmp_path / "runs"
     proc = start_mpi(3, ["train", *FAST, "--epochs", "0", "--max-time", "120", "--checkpoint-interval", "0.5",
@@ -473,8 +473,8 @@ def test_what_a_dead_writer_left_is_named_and_its_temporaries_removed(tmp_path):
     the lock file, temporary checkpoint files of dead processes (removed) and of a live one (kept)."""
     import sys
 
+    from mpiasgd.launch.startup import left_behind
     from mpiasgd.runlog import RunLog, WriterLock
-    from mpiasgd.train import left_behind
 
     runs = tmp_path / "runs"
     runs.mkdir()

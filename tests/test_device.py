@@ -19,21 +19,16 @@ import pytest
 from fakempi import Network
 from test_worker import receive, reference_grad, send
 
-from mpiasgd import train
+from mpiasgd.comms.protocol import HEADER_BYTES, Message, Tag, message_bytes
+from mpiasgd.comms.staging import DeviceStaging, PinnedStaging, Staging, Transfers, make_staging, message_in
 from mpiasgd.config import Config, ConfigError, from_mapping
 from mpiasgd.data import ShardSampler, load_dataset
 from mpiasgd.device import (
     DeviceError,
     DeviceInfo,
-    DeviceStaging,
-    PinnedStaging,
-    Staging,
-    Transfers,
     assign_device,
     format_uuid,
     local_worker_rank,
-    make_staging,
-    message_in,
     mpix_cuda_support,
     parse_visible,
     physical_id,
@@ -42,9 +37,11 @@ from mpiasgd.device import (
     shared_devices,
     sharing_error,
 )
+from mpiasgd.launch import startup as train
 from mpiasgd.model import build_model
+from mpiasgd.modes.asgd import AsgdWorker
+from mpiasgd.modes.base import Layout, WorkerJob
 from mpiasgd.ops import BackendUnavailable
-from mpiasgd.protocol import HEADER_BYTES, Message, Tag, message_bytes
 
 # ----------------------------------------------------------------------------------------------
 # backend resolution and config
@@ -249,7 +246,7 @@ def test_cupy_without_device_is_a_startup_error(monkeypatch):
 
 
 class CompiledOps:
-    """Stands in for cupy_ops after get_backend: records compile_kernels, or fails it like NVRTC would."""
+    """Stands in for the CUDA backend after get_backend: records compile_kernels, or fails it like NVRTC would."""
 
     def __init__(self, log: str | None = None):
         self.log, self.compiled, self.algo, self.autotune = log, 0, None, []
@@ -393,11 +390,9 @@ def test_worker_through_each_staging_pushes_exact_gradients(kind):
     dev = FakeDevice()
     staging = make_staging("numpy", False, model.num_params) if kind == "host" else \
         make_staging("cupy", kind == "device", model.num_params, dev.transfers())
-    from mpiasgd.worker import Worker
-
     net = Network(3)
     sampler = ShardSampler(digits.train_y.size, 2, 0, cfg.seed)
-    worker = Worker(net.comm(1), cfg, model, digits, sampler, np.arange(20, dtype=np.int64), 1, staging)
+    worker = AsgdWorker(WorkerJob(net.comm(1), cfg, model, digits, sampler, 1, np.arange(20, dtype=np.int64), staging))
     outcome = {}
 
     def run():
@@ -506,12 +501,10 @@ def run_scripted_worker(kind, **overrides):
             return make_staging("numpy", False, model.num_params)
         return make_staging("cupy", kind == "device", model.num_params, dev.transfers())
 
-    from mpiasgd.worker import Worker
-
     net = Network(3)
     sampler = ShardSampler(digits.train_y.size, 2, 0, cfg.seed)
-    worker = Worker(net.comm(1), cfg, model, digits, sampler, np.arange(20, dtype=np.int64), 1, new_staging(),
-                    new_staging)
+    worker = AsgdWorker(WorkerJob(net.comm(1), cfg, model, digits, sampler, 1, np.arange(20, dtype=np.int64),
+                                  new_staging(), new_staging))
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     p0 = model.init_params(0)
@@ -577,16 +570,20 @@ def test_pinned_staging_round_trips_grads_for_the_allreduce():
     assert host.grads_to_mpi() is host.grads
 
 
-def test_start_up_tuples_split_into_worker_rows_and_autotune_events():
+def test_start_up_records_give_worker_rows_and_autotune_events():
     """The server's gather: WORKER_ROW fields for the log's workers table, and one "autotune" event per
     worker that tuned (its rank, host and plans); numpy workers and heuristic ones send no plans."""
+    from mpiasgd.launch.records import WorkerInfo
     from mpiasgd.runlog import WORKER_ROW
 
     row1 = (1, "gpu1", 11, 1, "cupy", 500, 0, "H200", "GPU-1", "pinned", -1, -1)
     row2 = (2, "cpu2", 12, 1, "numpy", 500, -1, "", "", "host", -1, -1)
     plans = ["conv2d_fprop N128 C3 32x32 K32 5x5 stride 1 pad 2: 64x64 (64x64 0.02 ms, 32x128 0.03 ms)"]
-    workers, events = train.split_gathered([(*row1, plans), (*row2, [])])
-    assert workers == [row1, row2] and np.array(workers, dtype=WORKER_ROW)["host"].tolist() == [b"gpu1", b"cpu2"]
+    infos = [WorkerInfo(*row1, autotune=tuple(plans)), WorkerInfo(*row2)]
+    workers = [w.row().row() for w in infos]
+    events = [w.autotune_event() for w in infos if w.autotune_event()]
+    assert workers == [tuple(v.encode() if isinstance(v, str) else v for v in row) for row in (row1, row2)]
+    assert np.array(workers, dtype=WORKER_ROW)["host"].tolist() == [b"gpu1", b"cpu2"]
     assert events == ["worker rank 1 on gpu1: conv tiles chosen by timing (ms per call of each tile):\n" + plans[0]]
 
 
@@ -620,18 +617,20 @@ def test_tune_convs_runs_each_worker_in_its_turn(monkeypatch, rank, tunes_in):
     called = []
     monkeypatch.setattr(train, "autotune_convs", lambda cfg, ds, first, last: called.append(
         (len(comm.rounds), first, last)) or [f"plan of rank {rank}"])
-    state = {"dataset": None, "bounds": [0, 3, 8]}
     cfg = Config(mode="pipeline", modules=2, conv_algo="autotune") if rank == 2 else Config(conv_algo="autotune")
+    layers = {1: (0, 3), 2: (3, 8), 3: (0, 3)} if cfg.mode == "pipeline" else dict.fromkeys((1, 2, 3), (0, None))
+    state = train.Startup(None, None, None, "cupy", None, Layout(3, {1: 0, 2: 0, 3: 1}, layers))
     turns = [-1, 0, 0, 1]
     assert train.tune_convs(cfg, train.Rank(comm, rank, 4, "h"), state, turns) is False
-    assert len(comm.rounds) == 2 and called[0][0] == tunes_in and state["autotune"] == [f"plan of rank {rank}"]
+    assert len(comm.rounds) == 2 and called[0][0] == tunes_in and state.autotune == [f"plan of rank {rank}"]
     assert called[0][1:] == ((3, 8) if rank == 2 else (0, None))  # rank 2: module 1 of 2 (layers 3..7)
 
 
 def test_tune_convs_stops_every_rank_after_a_failed_turn(monkeypatch, capsys):
     comm = GatherComm(3, others={(0, 1): "--conv-algo autotune: the tuning step at start-up failed (boom)"})
     comm.me = 0
-    assert train.tune_convs(Config(conv_algo="autotune"), train.Rank(comm, 0, 3, "h"), {}, [-1, 0, 1]) is True
+    state = train.Startup(None, None, None, "numpy", None, Layout.data_parallel(2))
+    assert train.tune_convs(Config(conv_algo="autotune"), train.Rank(comm, 0, 3, "h"), state, [-1, 0, 1]) is True
     assert len(comm.rounds) == 1  # turn 1 never starts
     assert "mpiasgd: error (rank 1): --conv-algo autotune: the tuning step at start-up failed (boom)" in \
         capsys.readouterr().err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import h5py
 import numpy as np
@@ -19,7 +20,7 @@ from test_data import tiny_cifar  # noqa: F401  (a fixture: a CIFAR-10 of 100 ra
 from test_mpi import FAST, read_log
 
 from mpiasgd import checkpoint
-from mpiasgd.runlog import RunLog, RunLogError, WriterLock, open_log
+from mpiasgd.runlog import PushRow, RunLog, RunLogError, SnapshotRow, WriterLock, open_log
 
 # what h5py raises when HDF5's write(2) fails on a full disk (text abridged from a real one)
 HDF5_ENOSPC = ("Unable to flush dataset (file write failed: time = Tue Dec  1 14:55:29 2026\n, filename = "
@@ -41,8 +42,11 @@ def disk_fills(monkeypatch, after: int = 0) -> None:
 
 
 def one_push(log, t):
-    log.add("pushes", (t, 1, int(t), 0, int(t), 0, 1.0, 0, 16, 0, 0.1, 0.0, 0.0, 1, 0.1, 0, 0.0, 0))
-    log.add_snapshot((t, int(t), 16, 0.0), np.full(log.file["snapshots/params"].shape[1], t, np.float32))
+    log.add(PushRow(time=t, worker=1, step=int(t), base_version=0, version=int(t), staleness=0, loss=1.0, correct=0,
+                    samples=16, epoch=0, compute_s=0.1, comm_s=0.0, wait_s=0.0, applied=1, lr=0.1, rejected=0,
+                    held_s=0.0, digest=0))
+    log.add_snapshot(SnapshotRow(time=t, version=int(t), samples=16, epoch=0.0),
+                     np.full(log.file["snapshots/params"].shape[1], t, np.float32))
 
 
 # --- in-process --------------------------------------------------------------------------------------
@@ -118,7 +122,7 @@ def test_lock_file_that_cannot_be_written_names_it_and_is_not_left(tmp_path, mon
     def full(fd, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("mpiasgd.runlog.os.write", full)
+    monkeypatch.setattr("mpiasgd.runlog.lock.os.write", full)
     with pytest.raises(OSError) as info:
         WriterLock(path).acquire()
     assert str(info.value) == (f"cannot write the lock file '{path}.lock' of run log '{path}': "
@@ -141,7 +145,7 @@ def test_log_that_cannot_be_created_names_it_and_leaves_nothing(tmp_path, monkey
 
 
 class FakeRank:
-    """A `train.Rank` whose communicator records `Abort` instead of ending the process."""
+    """A `launch.Rank` whose communicator records `Abort` instead of ending the process."""
 
     def __init__(self, comm):
         self.comm, self.rank, self.size, self.host = comm, 0, 3, "here"
@@ -150,11 +154,11 @@ class FakeRank:
 
 
 def test_rank0_reports_a_full_disk_in_one_line_with_a_checkpoint(tmp_path, monkeypatch, capsys):
-    """train.log_unwritable, what rank 0 does when RunLogError reaches `train`: one error line naming the
+    """rank0.serve.log_unwritable, what rank 0 does when RunLogError reaches `train`: one error line naming the
     file and the cause, the log closed as failed and unlocked, a checkpoint (one line), the job aborted."""
     from test_server import make_server
 
-    from mpiasgd.train import ABORT_CODE, log_unwritable
+    from mpiasgd.rank0.serve import ABORT_CODE, log_unwritable
 
     server, _, log = make_server(tmp_path)
     log.lock = lock = WriterLock(log.path)
@@ -168,7 +172,7 @@ def test_rank0_reports_a_full_disk_in_one_line_with_a_checkpoint(tmp_path, monke
         log.flush()
     monkeypatch.undo()
     me = FakeRank(server.comm)
-    log_unwritable(me, {"server": server, "lock": lock}, info.value)
+    log_unwritable(me, SimpleNamespace(rank0=server.r0, release=lock.release), info.value)
     err = capsys.readouterr().err.splitlines()
     assert err[0] == (f"mpiasgd: error: rank 0: run log '{log.path}' cannot be written: [Errno 28] No space left "
                       "on device; the log is closed with status 'failed', readable up to its last flush")
@@ -185,7 +189,7 @@ def test_rank0_reports_a_full_disk_in_one_line_with_a_checkpoint(tmp_path, monke
 def test_rank0_says_in_one_line_that_the_checkpoint_did_not_fit_either(tmp_path, monkeypatch, capsys):
     from test_server import make_server
 
-    from mpiasgd.train import log_unwritable
+    from mpiasgd.rank0.serve import log_unwritable
 
     server, _, log = make_server(tmp_path)
     server.start = 0.0
@@ -199,7 +203,7 @@ def test_rank0_says_in_one_line_that_the_checkpoint_did_not_fit_either(tmp_path,
 
     monkeypatch.setattr("mpiasgd.checkpoint.os.replace", no_room)
     me = FakeRank(server.comm)
-    log_unwritable(me, {"server": server, "lock": None}, info.value)
+    log_unwritable(me, SimpleNamespace(rank0=server.r0, release=lambda: None), info.value)
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and err[0].startswith(f"mpiasgd: error: rank 0: run log '{log.path}' cannot be written")
     assert err[1] == (f"mpiasgd: warning: checkpoint '{server.checkpoint_path}' not written ([Errno 28] No space "

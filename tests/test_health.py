@@ -12,8 +12,8 @@ from test_mpi import FAST, read_log
 from test_server import make_server, push, reply, serve_one
 
 from mpiasgd.cli import main
+from mpiasgd.comms.protocol import Tag
 from mpiasgd.health import LossWatch
-from mpiasgd.protocol import Tag
 
 LN10 = math.log(10)
 

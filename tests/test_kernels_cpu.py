@@ -1,6 +1,6 @@
 """kernels/*.cu run on the CPU through the CUDA-on-CPU shim (tests/cuda_cpu) and compared with numpy_ops.
 
-Plain build: every case of `cuda_cpu.cases` (every kernel, through the cupy_ops wrappers and raw; the
+Plain build: every case of `cuda_cpu.cases` (every kernel, through the CUDA backend's wrappers and raw; the
 *_nonfinite cases feed NaN and +-inf, which must propagate as in numpy_ops).
 ThreadSanitizer build (in a subprocess with libtsan preloaded): the small cases must run clean, and
 a copy of a kernel with one `__syncthreads()` removed must be reported as a data race (every
@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 from cuda_cpu import cases, harness
 
-from mpiasgd.ops import cupy_ops, numpy_ops
+from mpiasgd.ops import numpy_ops
+from mpiasgd.ops.cuda.device import HostDevice, LaunchLimits
+from mpiasgd.ops.cuda.tiles import CONV_TRIAL_TILES, tile_name, tile_shape
 
 pytestmark = pytest.mark.skipif(harness.find_cxx() is None,
                                 reason="no g++: the CUDA-on-CPU harness needs a C++17 compiler")
@@ -136,13 +138,13 @@ def test_harness_refuses_copies_pending_at_block_end():
 # (the one-stage trial tiles are the production tiles with CONV_STAGES=1: that loop runs here in 16x32,
 # in test_pipelined_and_one_stage_loops_agree_bit_for_bit and in the one-stage ThreadSanitizer run)
 @pytest.mark.parametrize("tile", [(32, 128, 4, 4, 8), (16, 32, 4, 4, 16), (32, 64, 4, 4, 8), (64, 64, 4, 4, 8),
-                                  *(t for t in cupy_ops.CONV_TRIAL_TILES if cupy_ops.tile_shape(t)[5] != 1),
+                                  *(t for t in CONV_TRIAL_TILES if tile_shape(t)[5] != 1),
                                   (32, 64, 8, 8, 8), (16, 32, 4, 4, 16, 1), (32, 64, 4, 4, 8, 2), (16, 32, 4, 4, 8, 4)])
 def test_conv_with_other_tile_shapes(tile):
     """The tile body derives its loader and register-block layout from CONV_BM/CONV_BN/CONV_TM/CONV_TN/
     CONV_BK and its main loop from CONV_STAGES (-D overrides; the default build is the 64x64 tile, 4x4
     per thread, BK 16, 3 stages): each of these, the trial tiles among them, computes every conv shape."""
-    bm, bn, tm, tn, bk, stages = cupy_ops.tile_shape(tile)
+    bm, bn, tm, tn, bk, stages = tile_shape(tile)
     lib = harness.build(defines={"CONV_BM": bm, "CONV_BN": bn, "CONV_TM": tm, "CONV_TN": tn, "CONV_BK": bk,
                                  "CONV_STAGES": stages})
     cases.conv_wrappers(lib, np.random.default_rng(1), True)
@@ -158,10 +160,10 @@ def test_pipelined_and_one_stage_loops_agree_bit_for_bit():
     results = {}
     for stages in (1, 2, 3, 4):
         lib = harness.build(defines={"CONV_BM": 16, "CONV_BN": 32, "CONV_STAGES": stages})
-        for consts in ({"conv_split_override": 1}, {"conv_split_override": 2}, {"CONV_TAB_MAX_TAPS": 0}):
-            with cases.cpu_backend(lib, **consts) as ops:
-                got = (ops.conv2d_fprop(x, w, b, st, pad), ops.conv2d_dgrad(dy, w, x.shape, st, pad),
-                       ops.conv2d_wgrad(dy, x, w.shape, st, pad))
+        for consts in ({"split_override": 1}, {"split_override": 2}, {"tab_max_taps": 0}):
+            ops = cases.cpu_backend(lib, **consts)
+            got = (ops.conv2d_fprop(x, w, b, st, pad), ops.conv2d_dgrad(dy, w, x.shape, st, pad),
+                   ops.conv2d_wgrad(dy, x, w.shape, st, pad))
             results.setdefault(str(consts), {})[stages] = got
     for consts, by_stages in results.items():
         for stages in (2, 3, 4):
@@ -170,18 +172,14 @@ def test_pipelined_and_one_stage_loops_agree_bit_for_bit():
 
 
 AUTOTUNE_TEST_TILES = ((64, 64), (32, 128), (64, 64, 4, 4, 16, 1))
-AUTOTUNE_SPLITS = {"CONV_TARGET_BLOCKS": 8, "CONV_MIN_CHUNK": 16}  # the tiles split the reductions differently
+AUTOTUNE_SPLITS = {"target_blocks": 8, "min_chunk": 16}  # the tiles split the reductions differently
 
 
-def _autotune_backend(lib, launches: list, **constants):
-    """cases.cpu_backend under conv_algo "autotune" with AUTOTUNE_TEST_TILES and no plans yet, whose
-    kernel lookups append (kernel, tile) to `launches`."""
-    context = cases.cpu_backend(lib, conv_algo="autotune", AUTOTUNE_TILES=AUTOTUNE_TEST_TILES, _conv_plans={},
-                                ndarray=np.ndarray, **constants)  # (ndarray: what Model.bind asks for)
-    ops = context.__enter__()
-    harness_kernel = ops.get_kernel
-    ops.get_kernel = lambda name, tile=None: launches.append((name, tile)) or harness_kernel(name, tile)
-    return context, ops
+def _autotune_backend(lib, launches: list, device: HostDevice | None = None, **knobs):
+    """cases.cpu_backend (on `device`) under conv_algo "autotune" with AUTOTUNE_TEST_TILES and no plans yet,
+    whose kernel lookups append (kernel, tile) to `launches`."""
+    return cases.cpu_backend(lib, device, lambda name, tile: launches.append((name, tile)), conv_algo="autotune",
+                             candidates=AUTOTUNE_TEST_TILES, **knobs)
 
 
 def _passes(rng, N, C, H, W, K, R, S, st, pad):
@@ -210,79 +208,69 @@ def test_autotune_times_every_tile_in_rounds_then_keeps_the_plan(lib):
     tile once; a second call of the geometry is one GEMM with the kept tile and the same result; the
     results match numpy_ops; geometries that differ only in N, in stride or in pad get plans of their own."""
     launches = []
-    context, ops = _autotune_backend(lib, launches)
-    try:
-        calls_per_round = [t for t in AUTOTUNE_TEST_TILES for _ in range(ops.AUTOTUNE_CALLS)]
-        rounds = calls_per_round * ops.AUTOTUNE_REPEATS
-        untimed = [t for t in AUTOTUNE_TEST_TILES for _ in range(2)]
-        geometry = (2, 3, 9, 8, 5, 3, 3, 1, 1)
-        calls, refs = _passes(np.random.default_rng(9), *geometry)
-        for i, (op, call) in enumerate(calls.items()):
-            launches.clear()
-            got = call(ops)
-            plan = ops.conv_plans()[i]
-            assert (plan.op, plan.geometry) == (op, geometry) and plan.refused == ()
-            assert [t for t, _ in plan.times] == list(AUTOTUNE_TEST_TILES) and all(ms > 0 for _, ms in plan.times)
-            fastest, ms = min(plan.times, key=lambda item: item[1])
-            rule_ms = dict(plan.times)[ops.conv_tile(5)]
-            assert plan.tile == (fastest if ms < rule_ms * (1 - ops.AUTOTUNE_MARGIN) else ops.conv_tile(5))
-            assert _gemms(launches) == untimed + rounds + [plan.tile], op
-            cases.assert_close(got, refs[op], f"autotuned {op}")
-            launches.clear()
-            assert np.array_equal(call(ops), got) and _gemms(launches) == [plan.tile], op
-            assert plan.describe().startswith(f"{op} N2 C3 9x8 K5 3x3 stride 1 pad 1: ")
-        for other in ((3, 3, 9, 8, 5, 3, 3, 1, 1), (2, 3, 9, 8, 5, 3, 3, 2, 1), (2, 3, 9, 8, 5, 3, 3, 1, 0)):
-            made = len(ops.conv_plans())
-            calls, _ = _passes(np.random.default_rng(1), *other)
-            calls["conv2d_fprop"](ops)
-            assert len(ops.conv_plans()) == made + 1 and ops.conv_plans()[-1].geometry == other
-    finally:
-        context.__exit__(None, None, None)
+    ops = _autotune_backend(lib, launches)
+    calls_per_round = [t for t in AUTOTUNE_TEST_TILES for _ in range(ops.planner.calls)]
+    rounds = calls_per_round * ops.planner.repeats
+    untimed = [t for t in AUTOTUNE_TEST_TILES for _ in range(2)]
+    geometry = (2, 3, 9, 8, 5, 3, 3, 1, 1)
+    calls, refs = _passes(np.random.default_rng(9), *geometry)
+    for i, (op, call) in enumerate(calls.items()):
+        launches.clear()
+        got = call(ops)
+        plan = ops.conv_plans()[i]
+        assert (plan.op, plan.geometry) == (op, geometry) and plan.refused == ()
+        assert [t for t, _ in plan.times] == list(AUTOTUNE_TEST_TILES) and all(ms > 0 for _, ms in plan.times)
+        fastest, ms = min(plan.times, key=lambda item: item[1])
+        rule_ms = dict(plan.times)[ops.planner.conv_tile(5)]
+        assert plan.tile == (fastest if ms < rule_ms * (1 - ops.planner.margin) else ops.planner.conv_tile(5))
+        assert _gemms(launches) == untimed + rounds + [plan.tile], op
+        cases.assert_close(got, refs[op], f"autotuned {op}")
+        launches.clear()
+        assert np.array_equal(call(ops), got) and _gemms(launches) == [plan.tile], op
+        assert plan.describe().startswith(f"{op} N2 C3 9x8 K5 3x3 stride 1 pad 1: ")
+    for other in ((3, 3, 9, 8, 5, 3, 3, 1, 1), (2, 3, 9, 8, 5, 3, 3, 2, 1), (2, 3, 9, 8, 5, 3, 3, 1, 0)):
+        made = len(ops.conv_plans())
+        calls, _ = _passes(np.random.default_rng(1), *other)
+        calls["conv2d_fprop"](ops)
+        assert len(ops.conv_plans()) == made + 1 and ops.conv_plans()[-1].geometry == other
 
 
-@pytest.mark.parametrize("winner", AUTOTUNE_TEST_TILES, ids=[cupy_ops.tile_name(t) for t in AUTOTUNE_TEST_TILES])
-def test_autotune_runs_whichever_tile_wins_correctly(lib, monkeypatch, winner):
+@pytest.mark.parametrize("winner", AUTOTUNE_TEST_TILES, ids=[tile_name(t) for t in AUTOTUNE_TEST_TILES])
+def test_autotune_runs_whichever_tile_wins_correctly(lib, winner):
     """With the timings made up (the winner at half the others' time), the plan keeps the winner and each
     pass gives numpy_ops' result with it, on a geometry the tiles split into different numbers of
     ranges (split-K workspaces resized between candidates, wgrad into a NaN-filled out)."""
     launches = []
-    context, ops = _autotune_backend(lib, launches, AUTOTUNE_REPEATS=1, **AUTOTUNE_SPLITS)
-    try:
-        def made_up(fn, launch_ms):
-            fn()
-            return 0.5 if _gemms(launches)[-1] == winner else 1.0
 
-        monkeypatch.setattr(ops, "_time_calls", made_up)
-        geometry = (2, 10, 10, 10, 6, 3, 3, 1, 1)
-        splits = {ops.gemm_split(6, 10 * 9, 2 * 10 * 10, t)[0] for t in AUTOTUNE_TEST_TILES}  # wgrad: K x C*R*S
-        assert len(splits) > 1, f"the tiles split wgrad alike ({splits}): the case tests no resize"
-        calls, refs = _passes(np.random.default_rng(2), *geometry)
-        for op, call in calls.items():
-            got = call(ops)
-            assert ops.conv_plans()[-1].tile == winner and ops.conv_plans()[-1].op == op
-            cases.assert_close(got, refs[op], f"{op} with {cupy_ops.tile_name(winner)} chosen")
-    finally:
-        context.__exit__(None, None, None)
+    def made_up(fn, calls, launch_ms):
+        fn()
+        return 0.5 if _gemms(launches)[-1] == winner else 1.0
+
+    ops = _autotune_backend(lib, launches, HostDevice(clock=made_up), repeats=1, **AUTOTUNE_SPLITS)
+    geometry = (2, 10, 10, 10, 6, 3, 3, 1, 1)
+    splits = {ops.planner.gemm_split(6, 10 * 9, 2 * 10 * 10, t)[0] for t in AUTOTUNE_TEST_TILES}  # wgrad: K x C*R*S
+    assert len(splits) > 1, f"the tiles split wgrad alike ({splits}): the case tests no resize"
+    calls, refs = _passes(np.random.default_rng(2), *geometry)
+    for op, call in calls.items():
+        got = call(ops)
+        assert ops.conv_plans()[-1].tile == winner and ops.conv_plans()[-1].op == op
+        cases.assert_close(got, refs[op], f"{op} with {tile_name(winner)} chosen")
 
 
 @pytest.mark.parametrize("gain, kept", [(0.02, "heuristic"), (0.05, "faster")])
-def test_autotune_keeps_the_heuristic_tile_unless_another_is_clearly_faster(lib, monkeypatch, gain, kept):
+def test_autotune_keeps_the_heuristic_tile_unless_another_is_clearly_faster(lib, gain, kept):
     """AUTOTUNE_MARGIN (3 %): a tile 2 % faster than conv_tile's does not replace it, one 5 % faster does."""
     launches = []
-    context, ops = _autotune_backend(lib, launches, AUTOTUNE_REPEATS=1)
-    try:
-        faster = AUTOTUNE_TEST_TILES[2]
+    faster = AUTOTUNE_TEST_TILES[2]
 
-        def made_up(fn, launch_ms):
-            fn()
-            return 1.0 - gain if _gemms(launches)[-1] == faster else 1.0
+    def made_up(fn, calls, launch_ms):
+        fn()
+        return 1.0 - gain if _gemms(launches)[-1] == faster else 1.0
 
-        monkeypatch.setattr(ops, "_time_calls", made_up)
-        calls, _ = _passes(np.random.default_rng(2), 2, 3, 6, 6, 4, 3, 3, 1, 1)
-        calls["conv2d_fprop"](ops)
-        assert ops.conv_plans()[0].tile == (ops.conv_tile(4) if kept == "heuristic" else faster)
-    finally:
-        context.__exit__(None, None, None)
+    ops = _autotune_backend(lib, launches, HostDevice(clock=made_up), repeats=1)
+    calls, _ = _passes(np.random.default_rng(2), 2, 3, 6, 6, 4, 3, 3, 1, 1)
+    calls["conv2d_fprop"](ops)
+    assert ops.conv_plans()[0].tile == (ops.planner.conv_tile(4) if kept == "heuristic" else faster)
 
 
 def test_autotune_leaves_out_a_tile_whose_launch_is_refused(lib):
@@ -290,21 +278,18 @@ def test_autotune_leaves_out_a_tile_whose_launch_is_refused(lib):
     row tiles of 32: the 32x128 tile is refused and listed, the others are timed, the result is right;
     when every tile is refused, the heuristic tile's error is raised."""
     launches = []
-    context, ops = _autotune_backend(lib, launches, MAX_GRID_YZ=2)
-    try:
-        geometry = (1, 2, 5, 5, 70, 3, 3, 1, 1)
-        calls, refs = _passes(np.random.default_rng(4), *geometry)
-        got = calls["conv2d_fprop"](ops)
-        plan = ops.conv_plans()[0]
-        assert [t for t, _ in plan.refused] == [(32, 128)] and "grid" in plan.refused[0][1]
-        assert [t for t, _ in plan.times] == [(64, 64), (64, 64, 4, 4, 16, 1)] and "32x128 refused" in plan.describe()
-        cases.assert_close(got, refs["conv2d_fprop"], "fprop with a refused tile")
-        ops.MAX_GRID_YZ = 1  # (restored by cpu_backend)
-        calls, _ = _passes(np.random.default_rng(4), 1, 2, 5, 5, 70, 3, 3, 2, 1)
-        with pytest.raises(ValueError, match=r"conv2d_fprop: grid \(\d+, 2, 1\) outside the limits"):
-            calls["conv2d_fprop"](ops)
-    finally:
-        context.__exit__(None, None, None)
+    ops = _autotune_backend(lib, launches, HostDevice(LaunchLimits(max_grid_yz=2)))
+    geometry = (1, 2, 5, 5, 70, 3, 3, 1, 1)
+    calls, refs = _passes(np.random.default_rng(4), *geometry)
+    got = calls["conv2d_fprop"](ops)
+    plan = ops.conv_plans()[0]
+    assert [t for t, _ in plan.refused] == [(32, 128)] and "grid" in plan.refused[0][1]
+    assert [t for t, _ in plan.times] == [(64, 64), (64, 64, 4, 4, 16, 1)] and "32x128 refused" in plan.describe()
+    cases.assert_close(got, refs["conv2d_fprop"], "fprop with a refused tile")
+    ops = _autotune_backend(lib, launches, HostDevice(LaunchLimits(max_grid_yz=1)))
+    calls, _ = _passes(np.random.default_rng(4), 1, 2, 5, 5, 70, 3, 3, 2, 1)
+    with pytest.raises(ValueError, match=r"conv2d_fprop: grid \(\d+, 2, 1\) outside the limits"):
+        calls["conv2d_fprop"](ops)
 
 
 def test_start_up_tuning_plans_every_conv_pass_of_the_model(lib, monkeypatch):
@@ -312,45 +297,40 @@ def test_start_up_tuning_plans_every_conv_pass_of_the_model(lib, monkeypatch):
     the digits model on its first batch_size real images makes a plan for each conv pass training runs
     (fprop of both conv layers, wgrad of both, dgrad of the second only), which it returns described;
     for a pipeline unit's module (layers 3.. on activations of their input shape), only its conv's."""
-    import mpiasgd.model
-    from mpiasgd import train
+    import mpiasgd.model.registry
     from mpiasgd.config import Config
     from mpiasgd.data import load_dataset
+    from mpiasgd.launch import startup as train
 
     launches = []
-    context, ops = _autotune_backend(lib, launches, AUTOTUNE_REPEATS=1, AUTOTUNE_CALLS=1)
-    try:
-        monkeypatch.setattr(mpiasgd.model, "get_backend", lambda name: ops)
-        lines = train.autotune_convs(Config(model="digits", batch_size=16, conv_algo="autotune"),
-                                     load_dataset("digits"))
-        plans = ops.conv_plans()
-        assert sorted((p.op, p.geometry[1]) for p in plans) == [("conv2d_dgrad", 16), ("conv2d_fprop", 1),
-                                                                 ("conv2d_fprop", 16), ("conv2d_wgrad", 1),
-                                                                 ("conv2d_wgrad", 16)]
-        assert all(p.geometry[0] == 16 for p in plans) and lines == [p.describe() for p in plans]
-        ops._conv_plans.clear()  # a pipeline unit holding layers 3.. (conv2 onwards): its conv's passes only
-        lines = train.autotune_convs(Config(model="digits", batch_size=16, conv_algo="autotune"),
-                                     load_dataset("digits"), 3, None)
-        assert sorted((p.op, p.geometry[:2]) for p in ops.conv_plans()) == [
-            ("conv2d_dgrad", (16, 16)), ("conv2d_fprop", (16, 16)), ("conv2d_wgrad", (16, 16))] and len(lines) == 3
-    finally:
-        context.__exit__(None, None, None)
+    ops = _autotune_backend(lib, launches, repeats=1, calls=1)
+    monkeypatch.setattr(mpiasgd.model.registry, "get_backend", lambda name: ops)
+    lines = train.autotune_convs(Config(model="digits", batch_size=16, conv_algo="autotune"),
+                                 load_dataset("digits"))
+    plans = ops.conv_plans()
+    assert sorted((p.op, p.geometry[1]) for p in plans) == [("conv2d_dgrad", 16), ("conv2d_fprop", 1),
+                                                             ("conv2d_fprop", 16), ("conv2d_wgrad", 1),
+                                                             ("conv2d_wgrad", 16)]
+    assert all(p.geometry[0] == 16 for p in plans) and lines == [p.describe() for p in plans]
+    ops.planner.plans.clear()  # a pipeline unit holding layers 3.. (conv2 onwards): its conv's passes only
+    lines = train.autotune_convs(Config(model="digits", batch_size=16, conv_algo="autotune"),
+                                 load_dataset("digits"), 3, None)
+    assert sorted((p.op, p.geometry[:2]) for p in ops.conv_plans()) == [
+        ("conv2d_dgrad", (16, 16)), ("conv2d_fprop", (16, 16)), ("conv2d_wgrad", (16, 16))] and len(lines) == 3
 
 
-@pytest.mark.parametrize("constants", [{}, {"conv_tile_override": (32, 128)}, {"conv_split_override": 1}],
+@pytest.mark.parametrize("knobs", [{}, {"tile_override": (32, 128)}, {"split_override": 1}],
                          ids=["heuristic", "tile forced", "split forced"])
-def test_without_autotune_a_pass_is_one_launch_with_the_rule_tile(lib, constants):
+def test_without_autotune_a_pass_is_one_launch_with_the_rule_tile(lib, knobs):
     """conv_algo "heuristic" (the default), and "autotune" while a tile or split is forced (bench, tests):
     no timing, no plan; each pass is one launch with `conv_tile`'s tile."""
     rng = np.random.default_rng(3)
     x, w = cases.f32(rng, 2, 3, 6, 6), cases.f32(rng, 4, 3, 3, 3)
     launches = []
-    algo = "heuristic" if not constants else "autotune"
-    with cases.cpu_backend(lib, conv_algo=algo, _conv_plans={}, **constants) as ops:
-        harness_kernel = ops.get_kernel
-        ops.get_kernel = lambda name, tile=None: launches.append(tile) or harness_kernel(name, tile)
-        ops.conv2d_fprop(x, w, None, 1, 1)
-        assert launches == [ops.conv_tile(4)] and ops.conv_plans() == []
+    algo = "heuristic" if not knobs else "autotune"
+    ops = cases.cpu_backend(lib, record=lambda name, tile: launches.append(tile), conv_algo=algo, **knobs)
+    ops.conv2d_fprop(x, w, None, 1, 1)
+    assert launches == [ops.planner.conv_tile(4)] and ops.conv_plans() == []
 
 
 @pytest.mark.parametrize("bm, bn, message", [(60, 64, "As pitch"), (8, 12, "THREADS: a multiple of BK")])
@@ -374,9 +354,9 @@ except MemoryError:
 x[0, C - 1, 0, W - 2], x[0, C - 2, 0, W - 2] = 1.0, 2.0
 w = np.ones((1, C, 3, 1), np.float32)
 taps = int(sys.argv[2])  # CONV_TAB_MAX_TAPS: 0 makes every pass test bounds instead of using its tap table
-with cases.cpu_backend(harness.build(), conv_split_override=int(sys.argv[1]), CONV_TAB_MAX_TAPS=taps) as ops:
-    assert (ops.conv_tap_table("conv2d_fprop", 1, C, H, W, 1, 3, 1, 1, 2, stride, pad) is None) == (taps == 0)
-    print(ops.conv2d_fprop(x, w, None, stride, pad).ravel().tolist())
+ops = cases.cpu_backend(harness.build(), split_override=int(sys.argv[1]), tab_max_taps=taps)
+assert (ops.planner.conv_tap_table("conv2d_fprop", 1, C, H, W, 1, 3, 1, 1, 2, stride, pad) is None) == (taps == 0)
+print(ops.conv2d_fprop(x, w, None, stride, pad).ravel().tolist())
 """
 
 
@@ -416,9 +396,9 @@ for n in range(N):  # the output pixels whose one tap reads inside the image
                 x[n, :, h, w] = rng.integers(1, 4, C)
                 ref += dy[n, 0, p, q] * x[n, :, h, w]
 taps = int(sys.argv[1])  # CONV_TAB_MAX_TAPS: 0 makes wgrad test bounds instead of using its tap table
-with cases.cpu_backend(harness.build(), conv_split_override=1, CONV_TAB_MAX_TAPS=taps) as ops:
-    assert (ops.conv_tap_table("conv2d_wgrad", N, C, H, W, K, R, S, P, Q, stride, pad) is None) == (taps == 0)
-    dw = ops.conv2d_wgrad(dy, x, (K, C, R, S), stride, pad)
+ops = cases.cpu_backend(harness.build(), split_override=1, tab_max_taps=taps)
+assert (ops.planner.conv_tap_table("conv2d_wgrad", N, C, H, W, K, R, S, P, Q, stride, pad) is None) == (taps == 0)
+dw = ops.conv2d_wgrad(dy, x, (K, C, R, S), stride, pad)
 print(int(np.sum(dw.ravel() != ref)), "of", C, "wrong")
 """
 

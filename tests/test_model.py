@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
-from mpiasgd.layers import Conv2d, Linear
 from mpiasgd.model import MODELS, Model, build_model
+from mpiasgd.model.layers import Conv2d, Linear
 from mpiasgd.ops import get_backend
 
 ops = get_backend("numpy")

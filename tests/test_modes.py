@@ -12,13 +12,14 @@ from test_mpi import FAST, read_log
 from test_server import make_server, push, reply, serve_one
 from test_worker import receive, reference_grad, start_worker
 
+from mpiasgd.comms.protocol import Flag, Message, ProtocolError, Tag
 from mpiasgd.config import Config
 from mpiasgd.data import ShardSampler, load_dataset
 from mpiasgd.model import build_model
+from mpiasgd.modes.asgd import AsgdWorker
+from mpiasgd.modes.base import WorkerJob
 from mpiasgd.ops import numpy_ops
 from mpiasgd.optim import learning_rate
-from mpiasgd.protocol import Flag, Message, ProtocolError, Tag
-from mpiasgd.worker import Worker
 
 B = 16
 
@@ -35,7 +36,7 @@ def worker_pair(cfg, digits, params, nworkers=2):
         model = build_model("digits")
         model.bind(params, np.zeros(model.num_params, np.float32))
         sampler = ShardSampler(digits.train_y.size, nworkers, rank - 1, cfg.seed)
-        workers.append(Worker(None, cfg, model, digits, sampler, np.arange(0), rank))
+        workers.append(AsgdWorker(WorkerJob(None, cfg, model, digits, sampler, rank)))
     return workers
 
 
@@ -96,9 +97,9 @@ def test_sync_skips_a_non_finite_step_together(mpirun, tmp_path):
 
 def test_sync_monitor_takes_snapshots_only_from_the_first_worker(tmp_path):
     server, net, _ = make_server(tmp_path, mode="sync")
-    from mpiasgd.server import SyncMonitor
+    from fakempi import rank0
 
-    monitor = SyncMonitor(server.comm, server.cfg, server.params, np.ones(6, np.float32), 2, 100, server.log)
+    monitor = rank0(server.comm, server.cfg, server.params, np.ones(6, np.float32), 2, 100, server.log)
     msg = Message(6).stamp(Tag.SNAPSHOT, 2, step=1, version=1)
     net.post(2, 0, Tag.SNAPSHOT, msg.buf)
     with pytest.raises(ProtocolError, match="rank 0: SNAPSHOT from worker rank 2; only rank 1 sends them"):

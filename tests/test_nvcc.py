@@ -6,8 +6,9 @@
 * NVRTC, the runtime compiler that `cupy.RawModule` uses on the GPU (a different front end from
   nvcc's: no host headers, its own defaults). The library comes from the `nvidia-cuda-nvrtc-cu12`
   wheel of the test extra and is found by `cuda.pathfinder`; no GPU or driver is needed. Each file
-  is compiled with the options CuPy passes (`cupy_ops.NVRTC_OPTIONS` plus CuPy's own), must log no
-  warning, spill nothing, and its cubin must define every kernel that `cupy_ops` launches from it.
+  is compiled as the CUDA backend hands it to CuPy (`runtime.kernel_source`: its headers inlined) with
+  the options CuPy passes (`runtime.NVRTC_OPTIONS` plus CuPy's own), must log no warning, spill nothing,
+  and its cubin must define every kernel that the backend launches from it (`runtime.KERNEL_FILES`).
 """
 
 from __future__ import annotations
@@ -27,15 +28,16 @@ SOURCES = sorted(KERNELS.glob("*.cu"))
 
 
 def _builds() -> list[tuple[Path, tuple[str, ...], str]]:
-    """(source, -D options, arch): conv2d.cu once per tile variant that cupy_ops launches, the rest
-    once, each for every arch in ARCHS; on sm_75 the tiles autotune runs there (`autotune_tiles(75)`:
+    """(source, -D options, arch): conv2d.cu once per tile variant that the CUDA backend launches, the
+    rest once, each for every arch in ARCHS; on sm_75 the tiles autotune runs there (`autotune_tiles(75)`:
     the one-stage trial tiles are the production tiles again)."""
-    from mpiasgd.ops import cupy_ops
+    from mpiasgd.ops.cuda.planner import autotune_tiles
+    from mpiasgd.ops.cuda.tiles import CONV_TILES, CONV_TRIAL_TILES, tile_defines
 
-    builds, on_sm75 = [], cupy_ops.autotune_tiles(75)
+    builds, on_sm75 = [], autotune_tiles(75)
     for src in SOURCES:
-        for tile in ((*cupy_ops.CONV_TILES, *cupy_ops.CONV_TRIAL_TILES) if src.name == "conv2d.cu" else [None]):
-            builds += [(src, cupy_ops.tile_defines(tile), arch) for arch in ARCHS
+        for tile in ((*CONV_TILES, *CONV_TRIAL_TILES) if src.name == "conv2d.cu" else [None]):
+            builds += [(src, tile_defines(tile), arch) for arch in ARCHS
                        if arch != "sm_75" or tile is None or tile in on_sm75]
     return builds
 
@@ -153,17 +155,17 @@ def test_nvrtc_reports_a_compile_error():
 @pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12, the test extra)")
 @pytest.mark.parametrize("source, defines, arch", BUILDS, ids=BUILD_IDS)
 def test_nvrtc_compiles_what_cupy_loads(source, defines, arch):
-    from mpiasgd.ops import cupy_ops
+    from mpiasgd.ops.cuda import runtime
 
-    options = [*cupy_ops.NVRTC_OPTIONS, *defines, *CUPY_NVRTC_OPTIONS, f"-arch={arch}", "--ptxas-options=-v"]
-    rc, log, cubin = nvrtc_compile(source.read_text(), source.name, options)
+    options = [*runtime.NVRTC_OPTIONS, *defines, *CUPY_NVRTC_OPTIONS, f"-arch={arch}", "--ptxas-options=-v"]
+    rc, log, cubin = nvrtc_compile(runtime.kernel_source(source.name, KERNELS), source.name, options)
     assert rc == 0, f"NVRTC {' '.join(options)} failed on {source.name}:\n{log}"
     assert "warning" not in log.lower(), f"NVRTC warnings for {source.name} {arch}:\n{log}"
     report = ptxas_report(log)
-    launched = sorted(k for k, f in cupy_ops._KERNEL_FILES.items() if f == source.name)
-    assert launched, f"cupy_ops launches no kernel from {source.name}"
+    launched = sorted(k for k, f in runtime.KERNEL_FILES.items() if f == source.name)
+    assert launched, f"the CUDA backend launches no kernel from {source.name}"
     assert set(launched) <= set(report), \
-        f"{source.name} {arch}: ptxas compiled {sorted(report)}, cupy_ops needs {launched}"
+        f"{source.name} {arch}: ptxas compiled {sorted(report)}, the CUDA backend needs {launched}"
     for k in launched:  # an extern "C" kernel's name is a NUL-terminated entry of the cubin's string table
         assert b"\0" + k.encode() + b"\0" in cubin, f"{source.name} {arch}: no symbol {k} in the cubin"
     spilled = {k: v for k, v in report.items() if v[1] or v[2]}
@@ -173,11 +175,11 @@ def test_nvrtc_compiles_what_cupy_loads(source, defines, arch):
 @pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12, the test extra)")
 @pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90"])
 def test_nvrtc_compiles_the_autotune_spin_kernel(arch):
-    """cupy_ops.SPIN_SOURCE (autotune's timing aid, compiled by CuPy on the GPU) compiles, names its
+    """device.SPIN_SOURCE (autotune's timing aid, compiled by CuPy on the GPU) compiles, names its
     kernel, and reads the global timer (a clock of fixed rate, whatever the SM clock)."""
-    from mpiasgd.ops import cupy_ops
+    from mpiasgd.ops.cuda import device, runtime
 
-    options = [*cupy_ops.NVRTC_OPTIONS, *CUPY_NVRTC_OPTIONS, f"-arch={arch}"]
-    rc, log, cubin = nvrtc_compile(cupy_ops.SPIN_SOURCE, "spin.cu", options)
+    options = [*runtime.NVRTC_OPTIONS, *CUPY_NVRTC_OPTIONS, f"-arch={arch}"]
+    rc, log, cubin = nvrtc_compile(device.SPIN_SOURCE, "spin.cu", options)
     assert rc == 0 and "warning" not in log.lower(), log
-    assert b"\0autotune_spin\0" in cubin and "%globaltimer" in cupy_ops.SPIN_SOURCE
+    assert b"\0autotune_spin\0" in cubin and "%globaltimer" in device.SPIN_SOURCE

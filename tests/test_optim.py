@@ -103,7 +103,7 @@ def test_in_place_and_out_of_place_agree_over_many_steps():
 def test_decay_blocks_follow_the_mask_runs():
     decay = (5e-4 * layer_mask([10, 3, 25])).astype(np.float32)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("mpiasgd.optim.MIN_RUN", 1)
+        mp.setattr("mpiasgd.optim.sgd.MIN_RUN", 1)
         blocks = decay_blocks(decay, chunk=8)
     assert [(a, b) for a, b, _ in blocks] == [(0, 8), (8, 10), (10, 13), (13, 21), (21, 29), (29, 37), (37, 38)]
     assert [float(c) for _, _, c in blocks] == [float(np.float32(5e-4))] * 2 + [0.0] + [float(np.float32(5e-4))] * 4

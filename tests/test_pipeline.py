@@ -13,12 +13,11 @@ import pytest
 from test_mpi import FAST, read_log
 
 from mpiasgd.config import Config, ConfigError
-from mpiasgd.data import ShardSampler, load_dataset
+from mpiasgd.data import ShardSampler, load_dataset, minibatches
 from mpiasgd.model import build_model
+from mpiasgd.modes.pipeline import Module, layer_costs, partition
 from mpiasgd.ops import numpy_ops
 from mpiasgd.optim import fraction_done, learning_rate
-from mpiasgd.pipeline import Module, layer_costs, partition
-from mpiasgd.worker import minibatches
 
 B = 16
 

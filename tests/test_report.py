@@ -9,6 +9,7 @@ a percentage where a fraction is expected). One short MPI run checks the table a
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import subprocess
@@ -19,22 +20,21 @@ import numpy as np
 import pytest
 
 from mpiasgd.cli import main
-from mpiasgd.report import comparison_row, load, report, time_to_accuracy
-from mpiasgd.runlog import PUSH_ROW, RunLog, open_log
+from mpiasgd.runlog import PUSH_ROW, EvalRow, EventRow, PushRow, RunLog, SnapshotRow, WorkerRow, load, open_log
+from mpiasgd.tools.report import comparison_row, report, time_to_accuracy
 
-WORKER = (1, b"host", 1, 1, b"numpy", 100, -1, b"", b"", b"host", -1, -1)
-
-
-def push(time: float, staleness: int, samples: int = 32, applied: int = 1) -> tuple:
-    """A PUSH_ROW of worker 1 with these fields, zero elsewhere (by name: the table may grow columns)."""
-    row = np.zeros((), PUSH_ROW)
-    for key, value in dict(time=time, worker=1, staleness=staleness, samples=samples, applied=applied,
-                           rejected=1 - applied).items():
-        row[key] = value
-    return row.item()
+WORKER = WorkerRow(rank=1, host=b"host", pid=1, threads=1, backend=b"numpy", shard_size=100, device=-1,
+                   device_name=b"", device_uuid=b"", transfer=b"host", module=-1, replica=-1)
+ZERO_PUSH = PushRow(**dict.fromkeys(PushRow.dtype.names, 0))
 
 
-def write_log(path, config: dict, pushes: list[tuple], snapshot_times: list[float] = (),
+def push(time: float, staleness: int, samples: int = 32, applied: int = 1) -> PushRow:
+    """A push of worker 1 with these fields, zero elsewhere (by name: the table may grow columns)."""
+    return dataclasses.replace(ZERO_PUSH, time=time, worker=1, staleness=staleness, samples=samples, applied=applied,
+                               rejected=1 - applied)
+
+
+def write_log(path, config: dict, pushes: list[PushRow], snapshot_times: list[float] = (),
               snapshot_evals: list[tuple[int, float]] = (), final_accuracy: float | None = None,
               train_time: float = 4.0, workers: int = 2, close: bool = True) -> str:
     """A run log with these rows. `snapshot_evals`: (snapshot index, accuracy), written in that order;
@@ -43,13 +43,15 @@ def write_log(path, config: dict, pushes: list[tuple], snapshot_times: list[floa
              "num_params": 3, "num_train": 1000}
     log = RunLog.create(str(path), attrs, [WORKER] * workers, 3, flush_interval=60.0)
     for row in pushes:
-        log.add("pushes", row)
+        log.add(row)
     for t in snapshot_times:
-        log.add_snapshot((t, 0, 0, 0.0), np.zeros(3, np.float32))
+        log.add_snapshot(SnapshotRow(time=t, version=0, samples=0, epoch=0.0), np.zeros(3, np.float32))
     for snapshot, accuracy in snapshot_evals:  # evals rows carry their snapshot's time, as `evaluate` writes them
-        log.add("evals", (snapshot_times[snapshot], 0, 0.0, snapshot, 1.0, accuracy, 100))
+        log.add(EvalRow(time=snapshot_times[snapshot], version=0, epoch=0.0, snapshot=snapshot, loss=1.0,
+                        accuracy=accuracy, count=100))
     if final_accuracy is not None:
-        log.add("evals", (train_time, 0, 0.0, -1, 1.0, final_accuracy, 100))
+        log.add(EvalRow(time=train_time, version=0, epoch=0.0, snapshot=-1, loss=1.0, accuracy=final_accuracy,
+                        count=100))
     if close:
         log.close("completed", {"train_time_s": train_time})
     else:
@@ -174,7 +176,7 @@ def test_target_accuracy_must_be_a_fraction(logs, value, capsys):
 
 def test_real_run_compared(mpirun, tmp_path):
     """A short digits run, its snapshots evaluated: the table agrees with what the server recorded."""
-    from mpiasgd.evaluate import evaluate_snapshots
+    from mpiasgd.tools.evaluate import evaluate_snapshots
 
     res = mpirun(3, ["train", "--model", "digits", "--epochs", "3", "--batch-size", "32", "--lr", "0.05",
                      "--snapshot-interval", "0.05", "--no-progress", "--name", "real"], timeout=120)
@@ -197,7 +199,7 @@ def test_real_run_compared(mpirun, tmp_path):
 
 
 def test_mode_options_tell_variants_apart():
-    from mpiasgd.report import mode_options
+    from mpiasgd.tools.report import mode_options
 
     assert mode_options({"mode": "async"}) == ""
     assert mode_options({"mode": "ssp", "staleness_bound": 2}) == "s=2"
@@ -226,9 +228,9 @@ def test_report_shows_the_conv_tiles_each_worker_autotuned(tmp_path):
     with h5py.File(path, "a") as f:
         ds = f["events"]
         ds.resize((ds.shape[0] + 2,))
-        ds[-2] = (0.0, b"autotune", f"worker rank 1 on gpu7: conv tiles chosen by timing (ms per call of each "
-                                    f"tile):\n{plan}")
-        ds[-1] = (0.0, b"start", "training starts")
+        ds[-2] = EventRow(time=0.0, kind=b"autotune", text=f"worker rank 1 on gpu7: conv tiles chosen by timing "
+                                                            f"(ms per call of each tile):\n{plan}").row()
+        ds[-1] = EventRow(time=0.0, kind=b"start", text="training starts").row()
     text = report([path])
     at = text.splitlines().index("conv tiles chosen by --conv-algo autotune (timings: the log's events):")
     assert text.splitlines()[at + 1:at + 3] == [

@@ -17,8 +17,18 @@ import h5py
 import numpy as np
 import pytest
 
-from mpiasgd import report
-from mpiasgd.runlog import RunLog, TruncatedLogError, WriterLock, clear_stale_flags, lookup3, open_log, superblock_flags
+from mpiasgd.runlog import (
+    PushRow,
+    RunLog,
+    SnapshotRow,
+    TruncatedLogError,
+    WriterLock,
+    clear_stale_flags,
+    load,
+    lookup3,
+    open_log,
+    superblock_flags,
+)
 
 
 def finished_log(path: str) -> None:
@@ -26,8 +36,10 @@ def finished_log(path: str) -> None:
     lock.acquire()
     log = RunLog.create(path, {"config": '{"model": "digits"}', "model": "digits", "mode": "async"}, [], 4,
                         flush_interval=60, lock=lock)
-    log.add("pushes", (1.0, 1, 1, 0, 1, 0, 1.0, 0, 16, 0, 0.1, 0.0, 0.0, 1, 0.1, 0, 0.0, 0))
-    log.add_snapshot((1.0, 1, 16, 0.0), np.ones(4, np.float32))
+    log.add(PushRow(time=1.0, worker=1, step=1, base_version=0, version=1, staleness=0, loss=1.0, correct=0,
+                    samples=16, epoch=0, compute_s=0.1, comm_s=0.0, wait_s=0.0, applied=1, lr=0.1, rejected=0,
+                    held_s=0.0, digest=0))
+    log.add_snapshot(SnapshotRow(time=1.0, version=1, samples=16, epoch=0.0), np.ones(4, np.float32))
     log.close("completed", {"test_accuracy": 0.5})
 
 
@@ -62,7 +74,7 @@ def test_log_of_a_writer_killed_with_the_file_open_is_read_and_resumed(tmp_path)
     saved = str(tmp_path / "saved.h5")
     shutil.copy(path, saved)
 
-    run = report.load(path)  # report, trace, watch: open_log's read path clears the flags
+    run = load(path)  # report, trace, watch: open_log's read path clears the flags
     assert run["status"] == "completed" and superblock_flags(path) == 0
     with h5py.File(path, "r", libver="latest", swmr=True) as f:
         assert f["pushes"].shape == (1,)

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fakempi import Network
+from fakempi import Network, rank0
 
-from mpiasgd import protocol
-from mpiasgd.comms import Backoff, CommTimeout, probe
+from mpiasgd.comms import Backoff, CommTimeout, probe, protocol
+from mpiasgd.comms.protocol import HEADER_BYTES, Message, ProtocolError, Tag
 from mpiasgd.config import Config
-from mpiasgd.protocol import HEADER_BYTES, Message, ProtocolError, Tag
+from mpiasgd.rank0.loop import WorkerFailed
+from mpiasgd.rank0.recorder import TrainingDiverged
 from mpiasgd.runlog import RunLog, open_log
-from mpiasgd.server import ParameterServer, TrainingDiverged, WorkerFailed
 
 P = 6
 
@@ -24,7 +24,7 @@ def make_server(tmp_path, num_workers=2, **overrides):
     net = Network(num_workers + 1)
     log = RunLog.create(str(tmp_path / "run.h5"), {"config": cfg.to_json()}, [], P, flush_interval=60)
     params = np.arange(P, dtype=np.float32)
-    server = ParameterServer(net.comm(0), cfg, params, np.ones(P, np.float32), num_workers, 100, log)
+    server = rank0(net.comm(0), cfg, params, np.ones(P, np.float32), num_workers, 100, log)
     return server, net, log
 
 
@@ -317,7 +317,7 @@ def test_a_pause_of_rank0_itself_is_not_worker_silence(tmp_path, monkeypatch, ca
     then --comm-timeout while rank 0 runs is still warned about and named."""
     import time
 
-    from mpiasgd import server as server_module
+    from mpiasgd.rank0 import loop as server_module
 
     clock = [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])

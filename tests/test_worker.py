@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from fakempi import Network
 
+from mpiasgd.comms.protocol import HEADER_BYTES, Message, ProtocolError, Tag
 from mpiasgd.config import Config
 from mpiasgd.data import ShardSampler, load_dataset
-from mpiasgd.evaluate import evaluate
-from mpiasgd.model import build_model
-from mpiasgd.protocol import HEADER_BYTES, Message, ProtocolError, Tag
+from mpiasgd.model import build_model, evaluate
 
 B = 16
 
@@ -27,10 +26,12 @@ def start_worker(digits, timeout=5.0, **overrides):
     """Worker rank 1 of 2 running in a thread on a fake network; returns (net, sampler, thread, outcome)."""
     cfg = Config(batch_size=B, comm_timeout=timeout, seed=3, **overrides)
     net = Network(3)
-    from mpiasgd.worker import Worker
+    from mpiasgd.modes.base import WorkerJob
+    from mpiasgd.modes.registry import load
 
     sampler = ShardSampler(digits.train_y.size, 2, 0, cfg.seed)
-    worker = Worker(net.comm(1), cfg, build_model("digits"), digits, sampler, np.arange(20, dtype=np.int64), rank=1)
+    job = WorkerJob(net.comm(1), cfg, build_model("digits"), digits, sampler, 1, np.arange(20, dtype=np.int64))
+    worker = load(cfg.mode).worker(job)
     outcome = {}
 
     def run():

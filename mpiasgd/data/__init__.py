@@ -8,10 +8,13 @@
         x, y = ds.batch("train", idx, rng)          # float32 (B, C, H, W) normalised, int64 (B,)
 
 Files: dataset.py (Dataset, DataError, load_dataset), digits.py and cifar10.py (one loader each),
-sampler.py (ShardSampler), augment.py (random crop + flip).
+sampler.py (ShardSampler), augment.py (random crop + flip), stream.py (MinibatchStream: a worker's
+minibatches and their augmentation, reproducible from its cursor).
 """
 
 from mpiasgd.data.dataset import DataError, Dataset, default_data_dir, load_dataset
 from mpiasgd.data.sampler import ShardSampler
+from mpiasgd.data.stream import MinibatchStream, batch_rng, minibatches
 
-__all__ = ["DataError", "Dataset", "ShardSampler", "default_data_dir", "load_dataset"]
+__all__ = ["DataError", "Dataset", "MinibatchStream", "ShardSampler", "batch_rng", "default_data_dir", "load_dataset",
+           "minibatches"]

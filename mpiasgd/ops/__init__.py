@@ -1,24 +1,29 @@
-"""Compute backends: the CNN ops (fprop/dgrad/wgrad) behind one set of names, layout NCHW float32.
+"""Compute backends: the CNN ops (fprop/dgrad/wgrad) behind one protocol, layout NCHW float32.
 
-Layers call only these names, never numpy or cupy directly, so one layer code runs on both:
+Layers call only the backend object's ops, never numpy or cupy directly, so one layer code runs on both:
 
-    ops = get_backend("numpy")          # mpiasgd.ops.numpy_ops: im2col + BLAS, the reference
-    ops = get_backend("cupy")           # mpiasgd.ops.cupy_ops: our CUDA C kernels (kernels/*.cu) on a GPU
+    ops = get_backend("numpy")          # numpy_ops.NumpyBackend: im2col + BLAS, the reference
+    ops = get_backend("cupy")           # cuda.backend.CupyBackend: our CUDA C kernels (kernels/*.cu) on a GPU
     y = ops.conv2d_fprop(x, w, b, stride, pad)
 
-Every backend module provides: ndarray, Workspace, zeros, empty, asarray, to_numpy,
-may_share_memory, conv2d_fprop, conv2d_dgrad, conv2d_wgrad, bias_grad, relu_fprop, relu_bprop,
-maxpool_fprop, maxpool_bprop, linear_fprop, linear_dgrad, linear_wgrad, softmax_xent,
-sgd_momentum (signatures and shapes: the docstrings in `numpy_ops`).
+The ops, their shapes, dtypes and errors: `mpiasgd.ops.protocol.Backend`; their argument checks, one
+set for both backends: `mpiasgd.ops.contract`. The CUDA backend's parts: `mpiasgd.ops.cuda`.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-from types import ModuleType
+from typing import TYPE_CHECKING, Literal, overload
 
-# backend name -> module (numpy first: the reference, and the default without a GPU)
-BACKENDS: dict[str, str] = {"numpy": "mpiasgd.ops.numpy_ops", "cupy": "mpiasgd.ops.cupy_ops"}
+if TYPE_CHECKING:  # (the cupy backend's module is imported only when it is asked for)
+    from mpiasgd.ops.cuda.backend import CupyBackend
+    from mpiasgd.ops.numpy_ops import NumpyBackend
+    from mpiasgd.ops.protocol import Backend
+
+# backend name -> module whose make_backend() builds it (numpy first: the reference, and the default
+# without a GPU)
+BACKENDS: dict[str, str] = {"numpy": "mpiasgd.ops.numpy_ops", "cupy": "mpiasgd.ops.cuda.backend"}
 
 
 class BackendUnavailable(RuntimeError):
@@ -69,8 +74,18 @@ def cuda_device_count() -> int:
     return cuda_probe()[0]
 
 
-def get_backend(name: str) -> ModuleType:
-    """The ops module for backend `name` (imported on first use; cupy is imported only for "cupy").
+@overload
+def get_backend(name: Literal["numpy"]) -> NumpyBackend: ...
+@overload
+def get_backend(name: Literal["cupy"]) -> CupyBackend: ...
+@overload
+def get_backend(name: str) -> Backend: ...
+
+
+def get_backend(name: str) -> Backend:
+    """The backend object for `name`, one per process (built on first use; cupy is imported only for
+    "cupy"). It satisfies `mpiasgd.ops.protocol.Backend`; the cupy one also has set_conv_algo,
+    compile_kernels and conv_plans (`mpiasgd.ops.cuda.backend.CupyBackend`).
 
     Raises ValueError naming the unknown backend and the valid ones; BackendUnavailable for "cupy"
     when cupy is not installed, no CUDA device is usable (the CUDA error is named), NVRTC (the
@@ -96,10 +111,14 @@ def get_backend(name: str) -> ModuleType:
                 "ops backend 'cupy': NVRTC, the CUDA runtime compiler that builds kernels/*.cu, cannot be "
                 f"loaded ({type(e).__name__}: {e}); install a CUDA toolkit or pip install 'cupy-cuda12x[ctk]' "
                 "(the [gpu] extra of mpiasgd does)") from e
-    module = importlib.import_module(BACKENDS[name])
-    if name == "cupy":
         try:
-            module.check_kernel_sources()
-        except FileNotFoundError as e:
+            return _made(name)
+        except FileNotFoundError as e:  # a kernel source missing: at start-up, not mid-run
             raise BackendUnavailable(f"ops backend 'cupy': {e}") from e
-    return module
+    return _made(name)
+
+
+@functools.cache
+def _made(name: str) -> Backend:
+    """The backend of `name`, built once (a failed build raises and is tried again next time)."""
+    return importlib.import_module(BACKENDS[name]).make_backend()

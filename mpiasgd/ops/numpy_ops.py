@@ -21,9 +21,9 @@ Every array here is fresh unless written into `out=`; a `Workspace` (one per lay
 temporaries between minibatches: fresh arrays over glibc's 32 MB mmap threshold are page-faulted
 in on every call, which cost ~25% of a cifar10 step.
 
-Public names (the cupy backend provides the same): ndarray, Workspace, zeros, empty, asarray,
-to_numpy, may_share_memory, conv2d_fprop, conv2d_dgrad, conv2d_wgrad, bias_grad, relu_fprop,
-relu_bprop, maxpool_fprop, maxpool_bprop, linear_fprop, linear_dgrad, linear_wgrad, softmax_xent, sgd_momentum.
+The ops' contract (shapes, dtypes, errors) is `mpiasgd.ops.protocol.Backend`, their checks
+`mpiasgd.ops.contract` (the host policy: float32 or float64 numpy arrays); `NumpyBackend` is this
+module as a backend object (`get_backend("numpy")`). The docstrings here add how each op computes.
 """
 
 from __future__ import annotations
@@ -31,10 +31,20 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-name = "numpy"
-ndarray = np.ndarray
-_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
+from mpiasgd.ops.contract import (
+    FLOAT_DTYPES,
+    argmax_dtype,
+    check_float,
+    check_labels,
+    check_linear_dgrad,
+    check_linear_wgrad,
+    check_out,
+    describe,
+    host_conv_geometry,
+    host_pool_geometry,
+    label_outside,
+    shape4,
+)
 
 # ----------------------------------------------------------------------------------------------
 # array helpers (layers and the model allocate through these, never through numpy directly)
@@ -98,67 +108,6 @@ def _scratch(ws: Workspace | None, key: str, shape: tuple[int, ...], dtype) -> n
 
 
 # ----------------------------------------------------------------------------------------------
-# validation (cheap: attribute checks only)
-
-
-def _check_float(op: str, arg: str, a, ndim: int, expected: str, dtype=None) -> None:
-    """Raise ValueError unless `a` is an ndarray of `ndim` dims and a float dtype (== `dtype`)."""
-    if not isinstance(a, np.ndarray):
-        raise ValueError(f"{op}: {arg} must be a numpy.ndarray {expected}, got {type(a).__name__}")
-    if a.ndim != ndim:
-        raise ValueError(f"{op}: {arg} must have shape {expected}, got shape {a.shape}")
-    if dtype is None:
-        if a.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{op}: {arg} must be float32 (or float64), got {a.dtype}")
-    elif a.dtype != dtype:
-        raise ValueError(f"{op}: {arg} must have dtype {dtype} like the other inputs, got {a.dtype}")
-
-
-def _check_int(op: str, arg: str, value, minimum: int) -> None:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{op}: {arg} must be an int >= {minimum}, got {value!r}")
-
-
-def shape4(op: str, arg: str, shape, names: str) -> tuple[int, int, int, int]:
-    """`shape` as four ints >= 0; ValueError naming op and argument for anything else (None, 3 values,
-    8.5, True, -1), which would otherwise be misread or truncated."""
-    try:
-        values = tuple(shape)
-    except TypeError:
-        values = None
-    if (values is None or len(values) != 4 or
-            any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0 for v in values)):
-        raise ValueError(f"{op}: {arg} must be 4 integers >= 0 {names}, got {shape!r}")
-    return tuple(int(v) for v in values)
-
-
-def _check_out(op: str, out, shape: tuple[int, ...], dtype) -> np.ndarray:
-    """Validate an `out=` target (it is written through a reshaped view, so it must be contiguous)."""
-    if out is None:
-        return np.empty(shape, dtype=dtype)
-    if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype:
-        got = (getattr(out, "shape", None), getattr(out, "dtype", type(out).__name__))
-        raise ValueError(f"{op}: out must be a {dtype} array of shape {shape}, got {got}")
-    if not out.flags.c_contiguous:
-        raise ValueError(f"{op}: out must be C-contiguous (it is written through a reshaped view)")
-    return out
-
-
-def _conv_geometry(op: str, x_shape, w_shape, stride: int, pad: int) -> tuple[int, int]:
-    """Output size (P, Q) of a convolution; ValueError if the filter does not fit."""
-    _check_int(op, "stride", stride, 1)
-    _check_int(op, "pad", pad, 0)
-    _, C, H, W = x_shape
-    _, Cw, R, S = w_shape
-    if Cw != C:
-        raise ValueError(f"{op}: w must have shape (K, C={C}, R, S) to match x channels, "
-                         f"got w {tuple(w_shape)} for x {tuple(x_shape)}")
-    if H + 2 * pad < R or W + 2 * pad < S:
-        raise ValueError(f"{op}: filter {R}x{S} larger than padded input {H + 2 * pad}x{W + 2 * pad}")
-    return (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
-
-
-# ----------------------------------------------------------------------------------------------
 # convolution
 
 
@@ -207,23 +156,18 @@ def _conv_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, stride: in
 
 def conv2d_fprop(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, stride: int, pad: int,
                  ws: Workspace | None = None) -> np.ndarray:
-    """Forward convolution (cross-correlation, as in every CNN library), NCHW.
-
-    x (N, C, H, W), w (K, C, R, S), b (K,) or None -> y (N, K, P, Q) fresh, same float dtype,
-    P = (H + 2*pad - R)//stride + 1, Q = (W + 2*pad - S)//stride + 1; zero padding.
-    With `ws`, scratch is reused and the column matrix is kept for `conv2d_wgrad` of this `x`.
-    Raises ValueError on wrong ndim/dtype, channel mismatch, b not (K,), stride < 1, pad < 0,
-    or a filter larger than the padded input.
-    """
+    """Forward convolution: x (N, C, H, W), w (K, C, R, S), b (K,) or None -> y (N, K, P, Q), fresh
+    (`protocol.Backend.conv2d_fprop`: shapes, dtypes, errors). im2col + one GEMM; with `ws`, scratch is
+    reused and the column matrix is kept for `conv2d_wgrad` of this `x`."""
     op = "conv2d_fprop"
-    _check_float(op, "x", x, 4, "(N, C, H, W)")
-    _check_float(op, "w", w, 4, "(K, C, R, S)", x.dtype)
+    check_float(op, "x", x, 4, "(N, C, H, W)")
+    check_float(op, "w", w, 4, "(K, C, R, S)", x.dtype)
     K, _, R, S = w.shape
     if b is not None:
-        _check_float(op, "b", b, 1, f"({K},)", x.dtype)
+        check_float(op, "b", b, 1, f"({K},)", x.dtype)
         if b.shape != (K,):
             raise ValueError(f"{op}: b must have shape ({K},), got {b.shape}")
-    _conv_geometry(op, x.shape, w.shape, stride, pad)
+    host_conv_geometry(op, x.shape, w.shape, stride, pad)
     y = _conv_forward(x, w, b, stride, pad, pad, ws, "cols")
     if ws is not None:
         ws.cols_src = (x, R, S, stride, pad)
@@ -232,22 +176,18 @@ def conv2d_fprop(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, stride: int
 
 def conv2d_wgrad(dy: np.ndarray, x: np.ndarray, w_shape: tuple[int, int, int, int], stride: int,
                  pad: int, out: np.ndarray | None = None, ws: Workspace | None = None) -> np.ndarray:
-    """Filter gradient of `conv2d_fprop`: dw (K, C, R, S) = sum over n, p, q of dy * x-window.
-
-    dy (N, K, P, Q), x (N, C, H, W) the forward input, w_shape (K, C, R, S). Written into `out`
-    (overwritten, not accumulated; must be C-contiguous (K, C, R, S) of dy's dtype) when given,
-    and returned. With `ws` that saw `conv2d_fprop` of this same `x`, its columns are reused.
-    Raises ValueError on wrong ndim/dtype/shapes or a bad `out`.
-    """
+    """Filter gradient: dy (N, K, P, Q), x (N, C, H, W), w_shape -> dw (K, C, R, S), into `out` when given
+    (`protocol.Backend.conv2d_wgrad`). One GEMM with the columns of x; with `ws` that saw `conv2d_fprop`
+    of this same `x`, its columns are reused."""
     op = "conv2d_wgrad"
-    _check_float(op, "x", x, 4, "(N, C, H, W)")
-    _check_float(op, "dy", dy, 4, "(N, K, P, Q)", x.dtype)
+    check_float(op, "x", x, 4, "(N, C, H, W)")
+    check_float(op, "dy", dy, 4, "(N, K, P, Q)", x.dtype)
     K, C, R, S = shape4(op, "w_shape", w_shape, "(K, C, R, S)")
-    P, Q = _conv_geometry(op, x.shape, (K, C, R, S), stride, pad)
+    P, Q = host_conv_geometry(op, x.shape, (K, C, R, S), stride, pad)
     N = x.shape[0]
     if dy.shape != (N, K, P, Q):
         raise ValueError(f"{op}: dy must have shape {(N, K, P, Q)}, got {dy.shape}")
-    dw = _check_out(op, out, (K, C, R, S), x.dtype)
+    dw = check_out(op, out, (K, C, R, S), x.dtype)
     src = None if ws is None else ws.cols_src
     if src is not None and src[0] is x and src[1:] == (R, S, stride, pad):
         cols = ws.get("cols", (C, R, S, N, P, Q), x.dtype).reshape(C * R * S, N * P * Q)
@@ -264,20 +204,15 @@ def conv2d_wgrad(dy: np.ndarray, x: np.ndarray, w_shape: tuple[int, int, int, in
 
 def conv2d_dgrad(dy: np.ndarray, w: np.ndarray, x_shape: tuple[int, int, int, int], stride: int,
                  pad: int, ws: Workspace | None = None) -> np.ndarray:
-    """Input gradient of `conv2d_fprop`: dx (N, C, H, W), fresh, dtype of dy.
-
-    dy (N, K, P, Q), w (K, C, R, S), x_shape (N, C, H, W) of the forward input (needed because
-    several H give the same P when stride > 1; rows/columns no window reached get zero).
-    Stride 1 with pad < R and pad < S runs as a convolution of dy with the flipped, transposed
-    filters (pad R-1-pad); otherwise GEMM + col2im looping over the R*S kernel offsets.
-    Raises ValueError on wrong ndim/dtype or shapes inconsistent with x_shape.
-    """
+    """Input gradient: dy (N, K, P, Q), w (K, C, R, S), x_shape (N, C, H, W) -> dx (N, C, H, W), fresh
+    (`protocol.Backend.conv2d_dgrad`). Stride 1 with pad < R and pad < S runs as a convolution of dy with
+    the flipped, transposed filters (pad R-1-pad); otherwise GEMM + col2im looping over the R*S offsets."""
     op = "conv2d_dgrad"
-    _check_float(op, "dy", dy, 4, "(N, K, P, Q)")
-    _check_float(op, "w", w, 4, "(K, C, R, S)", dy.dtype)
+    check_float(op, "dy", dy, 4, "(N, K, P, Q)")
+    check_float(op, "w", w, 4, "(K, C, R, S)", dy.dtype)
     N, C, H, W = shape4(op, "x_shape", x_shape, "(N, C, H, W)")
     K, _, R, S = w.shape
-    P, Q = _conv_geometry(op, (N, C, H, W), w.shape, stride, pad)
+    P, Q = host_conv_geometry(op, (N, C, H, W), w.shape, stride, pad)
     if dy.shape != (N, K, P, Q):
         raise ValueError(f"{op}: dy must have shape {(N, K, P, Q)} for x_shape {(N, C, H, W)}, "
                          f"got {dy.shape}")
@@ -308,9 +243,9 @@ def bias_grad(dy: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     if not isinstance(dy, np.ndarray) or dy.ndim not in (2, 4):
         raise ValueError(f"{op}: dy must be an array of shape (N, K, P, Q) or (N, K), "
                          f"got {getattr(dy, 'shape', type(dy).__name__)}")
-    _check_float(op, "dy", dy, dy.ndim, "(N, K, P, Q) or (N, K)")
+    check_float(op, "dy", dy, dy.ndim, "(N, K, P, Q) or (N, K)")
     N, K = dy.shape[:2]
-    db = _check_out(op, out, (K,), dy.dtype)
+    db = check_out(op, out, (K,), dy.dtype)
     if dy.ndim == 4:
         per_sample = dy.reshape(N, K, dy.shape[2] * dy.shape[3]).sum(axis=2)  # (N, K), contiguous inner sums
         np.sum(per_sample, axis=0, out=db)
@@ -323,18 +258,13 @@ def bias_grad(dy: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 # elementwise and pooling
 
 
-def _what(a) -> str:
-    """An argument as an error message shows it: an array's shape and dtype, else its type (not its value)."""
-    return f"{a.dtype} array of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
-
-
 def relu_fprop(x: np.ndarray) -> np.ndarray:
     """y = max(x, 0), fresh array of x's shape and float dtype; NaN stays NaN (np.maximum propagates it).
 
     Raises ValueError on a non-float x.
     """
-    if not isinstance(x, np.ndarray) or x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"relu_fprop: x must be a float32/float64 array, got {_what(x)}")
+    if not isinstance(x, np.ndarray) or x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"relu_fprop: x must be a float32/float64 array, got {describe(x)}")
     return np.maximum(x, 0)
 
 
@@ -343,23 +273,10 @@ def relu_bprop(dy: np.ndarray, y: np.ndarray) -> np.ndarray:
     forward output (where it is NaN, dx is 0 unless dy is non-finite). Raises ValueError on shape/dtype
     mismatch."""
     if not isinstance(dy, np.ndarray) or not isinstance(y, np.ndarray) or dy.shape != y.shape \
-            or dy.dtype != y.dtype or dy.dtype not in _FLOAT_DTYPES:
+            or dy.dtype != y.dtype or dy.dtype not in FLOAT_DTYPES:
         raise ValueError(f"relu_bprop: dy and y must be float arrays of one shape and dtype, got "
-                         f"{_what(dy)} and {_what(y)}")
+                         f"{describe(dy)} and {describe(y)}")
     return np.multiply(dy, y > 0)
-
-
-def _pool_geometry(op: str, x_shape, kernel: int, stride: int) -> tuple[int, int]:
-    _check_int(op, "kernel", kernel, 1)
-    _check_int(op, "stride", stride, 1)
-    H, W = x_shape[2:]
-    if H < kernel or W < kernel:
-        raise ValueError(f"{op}: kernel {kernel} larger than input {H}x{W}")
-    return (H - kernel) // stride + 1, (W - kernel) // stride + 1
-
-
-def _argmax_dtype(kernel: int):
-    return np.uint8 if kernel * kernel <= 256 else np.int32
 
 
 def maxpool_fprop(x: np.ndarray, kernel: int, stride: int) -> tuple[np.ndarray, np.ndarray]:
@@ -374,11 +291,11 @@ def maxpool_fprop(x: np.ndarray, kernel: int, stride: int) -> tuple[np.ndarray, 
     Raises ValueError on wrong ndim/dtype or a kernel larger than the input.
     """
     op = "maxpool_fprop"
-    _check_float(op, "x", x, 4, "(N, C, H, W)")
-    P, Q = _pool_geometry(op, x.shape, kernel, stride)
+    check_float(op, "x", x, 4, "(N, C, H, W)")
+    P, Q = host_pool_geometry(op, x.shape, kernel, stride)
     hs, ws_ = stride * (P - 1) + 1, stride * (Q - 1) + 1  # extent of the window origins
     y = np.array(x[:, :, 0:hs:stride, 0:ws_:stride])  # offset (0, 0): (N, C, P, Q)
-    argmax = np.zeros(y.shape, dtype=_argmax_dtype(kernel))
+    argmax = np.zeros(y.shape, dtype=argmax_dtype(kernel))
     greater = np.empty(y.shape, dtype=bool)
     code = np.empty(y.shape, dtype=argmax.dtype)
     for i in range(kernel):
@@ -414,9 +331,9 @@ def maxpool_bprop(dy: np.ndarray, argmax: np.ndarray, x_shape: tuple[int, int, i
     Raises ValueError on shapes inconsistent with x_shape/kernel/stride.
     """
     op = "maxpool_bprop"
-    _check_float(op, "dy", dy, 4, "(N, C, P, Q)")
+    check_float(op, "dy", dy, 4, "(N, C, P, Q)")
     N, C, H, W = shape4(op, "x_shape", x_shape, "(N, C, H, W)")
-    P, Q = _pool_geometry(op, (N, C, H, W), kernel, stride)
+    P, Q = host_pool_geometry(op, (N, C, H, W), kernel, stride)
     if dy.shape != (N, C, P, Q) or not isinstance(argmax, np.ndarray) or argmax.shape != dy.shape:
         got = argmax.shape if isinstance(argmax, np.ndarray) else type(argmax).__name__
         raise ValueError(f"{op}: dy and argmax must have shape {(N, C, P, Q)} for x_shape "
@@ -448,9 +365,9 @@ def maxpool_bprop(dy: np.ndarray, argmax: np.ndarray, x_shape: tuple[int, int, i
 def linear_fprop(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
     """y (N, O) = x (N, I) @ w.T + b; w (O, I), b (O,). Raises ValueError on shape/dtype mismatch."""
     op = "linear_fprop"
-    _check_float(op, "x", x, 2, "(N, I)")
-    _check_float(op, "w", w, 2, f"(O, I={x.shape[1]})", x.dtype)
-    _check_float(op, "b", b, 1, f"({w.shape[0]},)", x.dtype)
+    check_float(op, "x", x, 2, "(N, I)")
+    check_float(op, "w", w, 2, f"(O, I={x.shape[1]})", x.dtype)
+    check_float(op, "b", b, 1, f"({w.shape[0]},)", x.dtype)
     if w.shape[1] != x.shape[1] or b.shape != (w.shape[0],):
         raise ValueError(f"{op}: expected w (O, {x.shape[1]}) and b (O,) for x {x.shape}, "
                          f"got w {w.shape}, b {b.shape}")
@@ -462,10 +379,9 @@ def linear_fprop(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
 def linear_dgrad(dy: np.ndarray, w: np.ndarray) -> np.ndarray:
     """dx (N, I) = dy (N, O) @ w (O, I). Raises ValueError on shape/dtype mismatch."""
     op = "linear_dgrad"
-    _check_float(op, "dy", dy, 2, "(N, O)")
-    _check_float(op, "w", w, 2, f"(O={dy.shape[1]}, I)", dy.dtype)
-    if w.shape[0] != dy.shape[1]:
-        raise ValueError(f"{op}: w must have shape ({dy.shape[1]}, I), got {w.shape}")
+    check_float(op, "dy", dy, 2, "(N, O)")
+    check_float(op, "w", w, 2, f"(O={dy.shape[1]}, I)", dy.dtype)
+    check_linear_dgrad(op, dy.shape, w.shape)
     return np.matmul(dy, w)
 
 
@@ -475,11 +391,10 @@ def linear_wgrad(dy: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -
     Raises ValueError on shape/dtype mismatch or a bad `out`.
     """
     op = "linear_wgrad"
-    _check_float(op, "x", x, 2, "(N, I)")
-    _check_float(op, "dy", dy, 2, f"(N={x.shape[0]}, O)", x.dtype)
-    if dy.shape[0] != x.shape[0]:
-        raise ValueError(f"{op}: dy must have shape ({x.shape[0]}, O), got {dy.shape}")
-    dw = _check_out(op, out, (dy.shape[1], x.shape[1]), x.dtype)
+    check_float(op, "x", x, 2, "(N, I)")
+    check_float(op, "dy", dy, 2, f"(N={x.shape[0]}, O)", x.dtype)
+    check_linear_wgrad(op, dy.shape, x.shape)
+    dw = check_out(op, out, (dy.shape[1], x.shape[1]), x.dtype)
     np.matmul(dy.T, x, out=dw)
     return dw
 
@@ -501,15 +416,12 @@ def softmax_xent(logits: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndar
     Raises ValueError on wrong shapes/dtypes or a label outside [0, K) (naming it and its index).
     """
     op = "softmax_xent"
-    _check_float(op, "logits", logits, 2, "(N, K)")
+    check_float(op, "logits", logits, 2, "(N, K)")
     N, K = logits.shape
-    if not isinstance(labels, np.ndarray) or labels.shape != (N,) or labels.dtype.kind not in "iu":
-        raise ValueError(f"{op}: labels must be an integer array of shape ({N},), got "
-                         f"{getattr(labels, 'shape', type(labels).__name__)} "
-                         f"{getattr(labels, 'dtype', '')}")
+    check_labels(op, labels, N, np.ndarray)
     if N and (labels.min() < 0 or labels.max() >= K):
         bad = int(np.flatnonzero((labels < 0) | (labels >= K))[0])
-        raise ValueError(f"{op}: label {int(labels[bad])} at index {bad} is outside [0, {K})")
+        raise label_outside(op, int(labels[bad]), bad, K)
     rows = np.arange(N)
     shifted = logits - logits.max(axis=1, keepdims=True)  # (N, K), <= 0
     exp = np.exp(shifted)
@@ -537,12 +449,53 @@ def sgd_momentum(params: np.ndarray, velocity: np.ndarray, grad: np.ndarray, dec
     Raises ValueError naming the argument whose shape or dtype differs from params'.
     """
     op = "sgd_momentum"
-    _check_float(op, "params", params, 1, "(P,)")
+    check_float(op, "params", params, 1, "(P,)")
     for arg, a in (("velocity", velocity), ("grad", grad), ("decay", decay)):
-        _check_float(op, arg, a, 1, f"({params.shape[0]},)", params.dtype)
+        check_float(op, arg, a, 1, f"({params.shape[0]},)", params.dtype)
         if a.shape != params.shape or not a.flags.c_contiguous:
             raise ValueError(f"{op}: {arg} must be C-contiguous of shape {params.shape}, got {a.shape}")
     m, step = params.dtype.type(momentum), params.dtype.type(lr)
     velocity *= m
     velocity += grad + decay * params
     params -= step * velocity
+
+
+# ----------------------------------------------------------------------------------------------
+# the backend object
+
+
+class NumpyBackend:
+    """This module's ops as an object satisfying `mpiasgd.ops.protocol.Backend` (`get_backend("numpy")`).
+
+    Holds no state: every attribute is the module function (or class) of the same name.
+    """
+
+    name = "numpy"
+    ndarray = np.ndarray
+    Workspace = Workspace
+    zeros = staticmethod(zeros)
+    empty = staticmethod(empty)
+    asarray = staticmethod(asarray)
+    to_numpy = staticmethod(to_numpy)
+    may_share_memory = staticmethod(may_share_memory)
+    conv2d_fprop = staticmethod(conv2d_fprop)
+    conv2d_dgrad = staticmethod(conv2d_dgrad)
+    conv2d_wgrad = staticmethod(conv2d_wgrad)
+    bias_grad = staticmethod(bias_grad)
+    relu_fprop = staticmethod(relu_fprop)
+    relu_bprop = staticmethod(relu_bprop)
+    maxpool_fprop = staticmethod(maxpool_fprop)
+    maxpool_bprop = staticmethod(maxpool_bprop)
+    linear_fprop = staticmethod(linear_fprop)
+    linear_dgrad = staticmethod(linear_dgrad)
+    linear_wgrad = staticmethod(linear_wgrad)
+    softmax_xent = staticmethod(softmax_xent)
+    sgd_momentum = staticmethod(sgd_momentum)
+
+    def __repr__(self) -> str:
+        return "NumpyBackend()"
+
+
+def make_backend() -> NumpyBackend:
+    """The numpy backend object (`mpiasgd.ops.get_backend("numpy")` keeps one)."""
+    return NumpyBackend()

@@ -3,9 +3,9 @@
 Each case runs one op family two ways and compares with the NumPy backend (`numpy_ops`, evaluated in
 float64 so that the reference is exact to well below float32 rounding):
 
-  * through `mpiasgd.ops.cupy_ops` itself, with its array module swapped for numpy and its kernel
-    lookup for the harness (`cpu_backend`): the wrappers' checks, casts and launch arithmetic run
-    exactly as on a GPU;
+  * through the CUDA backend itself (`mpiasgd.ops.cuda.backend.CupyBackend`), built with numpy as its
+    array module and the harness as its kernels (`cpu_backend`): the wrappers' checks, casts and launch
+    arithmetic run exactly as on a GPU;
   * straight to the raw kernel where the wrapper does not reach a path (fused ReLU epilogue, chosen
     wgrad splits, small and capped grids, small blocks).
 
@@ -16,14 +16,17 @@ the same (NaN propagates as in NumPy: the *_nonfinite cases). A failure names th
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from mpiasgd.ops import cupy_ops, numpy_ops
+from mpiasgd.ops import numpy_ops
+from mpiasgd.ops.cuda.backend import CupyBackend
+from mpiasgd.ops.cuda.constants import CONV_BK, CONV_BM, CONV_BN, CONV_STAGES
+from mpiasgd.ops.cuda.device import HostDevice
+from mpiasgd.ops.cuda.tiles import tile_macros
 
 ATOL, RTOL = 1e-4, 1e-4
 
@@ -66,39 +69,41 @@ def assert_close(got, ref, what: str, atol: float = ATOL, rtol: float = RTOL) ->
         f"({why})")
 
 
-@contextlib.contextmanager
-def cpu_backend(lib, **constants) -> Iterator:
-    """`cupy_ops` with numpy arrays and the harness kernels (and launch constants overridden).
+class HarnessKernels:
+    """The CUDA backend's kernel source on the harness: a launch for a conv tile runs `lib.variant` built
+    with that tile's -D options (tiles.tile_macros), as the GPU backend compiles one module per tile.
+    `record(kernel, tile)`, when given, is called at every launch (tests that count launches)."""
 
-    A conv launch for a tile runs `lib.variant` built with that tile's -D options (cupy_ops.tile_defines),
-    as cupy_ops compiles one module per tile on the GPU. A library built with tile macros (`lib.defines`,
-    e.g. CONV_BM=16, CONV_BK=8, or a whole trial tile with CONV_TM/CONV_TN) forces that tile on every
-    conv launch (`conv_tile_override`).
+    def __init__(self, lib, record: Callable[[str, tuple | None], object] | None = None) -> None:
+        self.lib, self.record = lib, record
+
+    def get(self, name: str, tile: tuple[int, ...] | None = None):
+        if self.record is not None:
+            self.record(name, tile)
+        if tile is None:
+            return self.lib.kernel(name)
+        return self.lib.variant(tile_macros(tile)).kernel(name)
+
+    def compile(self, filename: str, defines: tuple[str, ...] = ()) -> None:
+        """Nothing to do: the harness library is built already (g++, `harness.build`)."""
+
+
+def cpu_backend(lib, device: HostDevice | None = None, record: Callable | None = None, **knobs) -> CupyBackend:
+    """The CUDA backend with numpy arrays and the harness kernels (`HarnessKernels`), on `device`
+    (default `HostDevice()`), with planner and block-size `knobs` (`CupyBackend.configured`).
+
+    A library built with tile macros (`lib.defines`, e.g. CONV_BM=16, CONV_BK=8, or a whole trial tile
+    with CONV_TM/CONV_TN) forces that tile on every conv launch (`tile_override`).
     """
     d = lib.defines
     if {"CONV_TM", "CONV_TN", "CONV_STAGES"} & set(d):  # a register block other than 4x4 or other stages
-        tile = (d.get("CONV_BM", cupy_ops.CONV_BM), d.get("CONV_BN", cupy_ops.CONV_BN), d.get("CONV_TM", 4),
-                d.get("CONV_TN", 4), d.get("CONV_BK", cupy_ops.CONV_BK), d.get("CONV_STAGES", cupy_ops.CONV_STAGES))
-        constants = {"conv_tile_override": tile, **constants}
+        tile = (d.get("CONV_BM", CONV_BM), d.get("CONV_BN", CONV_BN), d.get("CONV_TM", 4),
+                d.get("CONV_TN", 4), d.get("CONV_BK", CONV_BK), d.get("CONV_STAGES", CONV_STAGES))
+        knobs = {"tile_override": tile, **knobs}
     elif "CONV_BM" in d or "CONV_BN" in d:
-        tile = (d.get("CONV_BM", cupy_ops.CONV_BM), d.get("CONV_BN", cupy_ops.CONV_BN))
-        constants = {"conv_tile_override": tile, **constants}
-
-    def get_kernel(name: str, tile: tuple[int, ...] | None = None):
-        if tile is None:
-            return lib.kernel(name)
-        return lib.variant(cupy_ops.tile_macros(tile)).kernel(name)
-
-    saved = {"xp": cupy_ops.xp, "get_kernel": cupy_ops.get_kernel}
-    saved.update({k: getattr(cupy_ops, k) for k in constants})
-    cupy_ops.xp, cupy_ops.get_kernel = np, get_kernel
-    for k, v in constants.items():
-        setattr(cupy_ops, k, v)
-    try:
-        yield cupy_ops
-    finally:
-        for k, v in saved.items():
-            setattr(cupy_ops, k, v)
+        tile = (d.get("CONV_BM", CONV_BM), d.get("CONV_BN", CONV_BN))
+        knobs = {"tile_override": tile, **knobs}
+    return CupyBackend.on_host(np, HarnessKernels(lib, record), device, **knobs)
 
 
 def f32(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -120,35 +125,35 @@ def _i32(*v: int) -> tuple:
 
 # split-K settings of conv_wrappers: none (fprop/dgrad write in place, wgrad writes dw directly),
 # and small targets that split every pass's reduction, with a ragged last range
-CONV_SPLITS = {"one split": {"conv_split_override": 1},
-               "split-K": {"CONV_TARGET_BLOCKS": 4, "CONV_MIN_CHUNK": 8}}
+CONV_SPLITS = {"one split": {"split_override": 1},
+               "split-K": {"target_blocks": 4, "min_chunk": 8}}
 
 
 def conv_wrappers(lib, rng, small: bool) -> None:
-    """fprop (with and without bias), dgrad, wgrad through cupy_ops vs numpy_ops, every conv shape,
+    """fprop (with and without bias), dgrad, wgrad through the CUDA backend vs numpy_ops, every conv shape,
     without and with split-K (`CONV_SPLITS`)."""
     for shape in CONV_SHAPES:
         N, C, H, W, K, R, S, st, pad = shape
         x, w, b = f32(rng, N, C, H, W), f32(rng, K, C, R, S), f32(rng, K)
         P, Q = (H + 2 * pad - R) // st + 1, (W + 2 * pad - S) // st + 1
         dy = f32(rng, N, K, P, Q)
-        for how, constants in CONV_SPLITS.items():
-            with cpu_backend(lib, **constants) as ops:
-                ws = ops.Workspace()
-                y = ops.conv2d_fprop(x, w, b, st, pad, ws=ws)
-                y0 = ops.conv2d_fprop(x, w, None, st, pad)
-                dx = ops.conv2d_dgrad(dy, w, x.shape, st, pad, ws=ws)
-                dw = np.full((K, C, R, S), np.nan, np.float32)
-                ops.conv2d_wgrad(dy, x, (K, C, R, S), st, pad, out=dw, ws=ws)
+        for how, knobs in CONV_SPLITS.items():
+            ops = cpu_backend(lib, **knobs)
+            ws = ops.Workspace()
+            y = ops.conv2d_fprop(x, w, b, st, pad, ws=ws)
+            y0 = ops.conv2d_fprop(x, w, None, st, pad)
+            dx = ops.conv2d_dgrad(dy, w, x.shape, st, pad, ws=ws)
+            dw = np.full((K, C, R, S), np.nan, np.float32)
+            ops.conv2d_wgrad(dy, x, (K, C, R, S), st, pad, out=dw, ws=ws)
             what = f"{shape} {how}"
             assert_close(y, numpy_ops.conv2d_fprop(f64(x), f64(w), f64(b), st, pad), f"conv2d_fprop {what}")
             assert_close(y0, numpy_ops.conv2d_fprop(f64(x), f64(w), None, st, pad), f"conv2d_fprop no bias {what}")
             assert_close(dx, numpy_ops.conv2d_dgrad(f64(dy), f64(w), x.shape, st, pad), f"conv2d_dgrad {what}")
             assert_close(dw, numpy_ops.conv2d_wgrad(f64(dy), f64(x), (K, C, R, S), st, pad), f"conv2d_wgrad {what}")
-            conv_exact_on_integers(lib, rng, shape, constants, what)
+            conv_exact_on_integers(lib, rng, shape, knobs, what)
 
 
-def conv_exact_on_integers(lib, rng, shape, constants, what: str) -> None:
+def conv_exact_on_integers(lib, rng, shape, knobs, what: str) -> None:
     """Small-integer inputs make every product and partial sum an integer below 2^24, so float32
     arithmetic is exact in any order: the kernels must equal the float64 reference bit for bit, and a
     tap dropped or counted twice (a split boundary, a digit carry, a padding test) cannot hide inside
@@ -157,10 +162,10 @@ def conv_exact_on_integers(lib, rng, shape, constants, what: str) -> None:
     P, Q = (H + 2 * pad - R) // st + 1, (W + 2 * pad - S) // st + 1
     x, w, b, dy = (rng.integers(-3, 4, size=sz).astype(np.float32)
                    for sz in ((N, C, H, W), (K, C, R, S), (K,), (N, K, P, Q)))
-    with cpu_backend(lib, **constants) as ops:
-        y = ops.conv2d_fprop(x, w, b, st, pad)
-        dx = ops.conv2d_dgrad(dy, w, x.shape, st, pad)
-        dw = ops.conv2d_wgrad(dy, x, (K, C, R, S), st, pad)
+    ops = cpu_backend(lib, **knobs)
+    y = ops.conv2d_fprop(x, w, b, st, pad)
+    dx = ops.conv2d_dgrad(dy, w, x.shape, st, pad)
+    dw = ops.conv2d_wgrad(dy, x, (K, C, R, S), st, pad)
     for got, ref, name in ((y, numpy_ops.conv2d_fprop(f64(x), f64(w), f64(b), st, pad), "fprop"),
                            (dx, numpy_ops.conv2d_dgrad(f64(dy), f64(w), x.shape, st, pad), "dgrad"),
                            (dw, numpy_ops.conv2d_wgrad(f64(dy), f64(x), (K, C, R, S), st, pad), "wgrad")):
@@ -174,11 +179,11 @@ def conv_fprop_relu_epilogue(lib, rng, small: bool) -> None:
     x, w, b = f32(rng, N, C, H, W), f32(rng, K, C, R, S), f32(rng, K)
     P, Q = (H + 2 * pad - R) // st + 1, (W + 2 * pad - S) // st + 1
     ref = np.maximum(numpy_ops.conv2d_fprop(f64(x), f64(w), f64(b), st, pad), 0)
-    with cpu_backend(lib) as ops:  # K = 70: the 64x64 tile (unless the library forces another)
-        tile = ops.conv_tile(K)
-        grid, block = ops.conv_launch(M=K, NG=N * P * Q, tile=tile)
-        fprop = ops.get_kernel("conv2d_fprop", tile)
-        tab = ops.conv_tap_table("conv2d_fprop", N, C, H, W, K, R, S, P, Q, st, pad)
+    ops = cpu_backend(lib)  # K = 70: the 64x64 tile (unless the library forces another)
+    tile = ops.planner.conv_tile(K)
+    grid, block = ops.planner.conv_launch(M=K, NG=N * P * Q, tile=tile)
+    fprop = ops.kernels.get("conv2d_fprop", tile)
+    tab = ops.planner.conv_tap_table("conv2d_fprop", N, C, H, W, K, R, S, P, Q, st, pad)
     assert tab is not None
     # P*Q = 16: each thread's 4 columns are consecutive, so rows go out as float4 stores where the
     # address is 16-byte aligned; an output 4 bytes off that alignment must take the scalar stores
@@ -202,8 +207,8 @@ def conv_wgrad_splits(lib, rng, small: bool) -> None:
     dy = f32(rng, N, K, P, Q)
     ref = numpy_ops.conv2d_wgrad(f64(dy), f64(x), (K, C, R, S), st, pad)
     NPQ, CRS = N * P * Q, C * R * S
-    with cpu_backend(lib) as ops:
-        tab = ops.conv_tap_table("conv2d_wgrad", N, C, H, W, K, R, S, P, Q, st, pad)
+    ops = cpu_backend(lib)
+    tab = ops.planner.conv_tap_table("conv2d_wgrad", N, C, H, W, K, R, S, P, Q, st, pad)
     assert tab is not None
     for chunk, table in itertools.product([NPQ + 8 - NPQ % 8, 24, 8], [tab, None]):
         splits = -(-NPQ // chunk)
@@ -211,10 +216,10 @@ def conv_wgrad_splits(lib, rng, small: bool) -> None:
         for _ in range(2):
             part = np.full((splits, K, CRS), np.nan, np.float32)
             dw = np.full((K, C, R, S), np.nan, np.float32)
-            with cpu_backend(lib) as ops:  # K = 6: the 32x128 tile (unless the library forces another)
-                tile = ops.conv_tile(K)
-                grid, block = ops.conv_launch(M=K, NG=CRS, splits=splits, tile=tile)
-                partial = ops.get_kernel("conv2d_wgrad_partial", tile)
+            ops = cpu_backend(lib)  # K = 6: the 32x128 tile (unless the library forces another)
+            tile = ops.planner.conv_tile(K)
+            grid, block = ops.planner.conv_launch(M=K, NG=CRS, splits=splits, tile=tile)
+            partial = ops.kernels.get("conv2d_wgrad_partial", tile)
             partial(grid, block, (dy, x, part, *_i32(N, C, H, W, K, R, S, P, Q, st, pad), np.int64(chunk), table))
             lib.kernel("conv2d_split_reduce")((3,), (32,), (part, None, dw, *_i32(splits, 1, K), np.int64(CRS),
                                                             np.int32(0)))
@@ -264,12 +269,12 @@ def conv_relu_nonfinite(lib, rng, small: bool) -> None:
     ref = numpy_ops.relu_fprop(pre)
     chunk = 16
     splits = -(-C * R * S // chunk)
-    with cpu_backend(lib) as ops:
-        tile = ops.conv_tile(K)
-        tab = ops.conv_tap_table("conv2d_fprop", N, C, H, W, K, R, S, P, Q, st, pad)
-        fprop, partial = ops.get_kernel("conv2d_fprop", tile), ops.get_kernel("conv2d_fprop_partial", tile)
-        grid, block = ops.conv_launch(M=K, NG=N * P * Q, tile=tile)
-        split_grid, _ = ops.conv_launch(M=K, NG=N * P * Q, splits=splits, tile=tile)
+    ops = cpu_backend(lib)
+    tile = ops.planner.conv_tile(K)
+    tab = ops.planner.conv_tap_table("conv2d_fprop", N, C, H, W, K, R, S, P, Q, st, pad)
+    fprop, partial = ops.kernels.get("conv2d_fprop", tile), ops.kernels.get("conv2d_fprop_partial", tile)
+    grid, block = ops.planner.conv_launch(M=K, NG=N * P * Q, tile=tile)
+    split_grid, _ = ops.planner.conv_launch(M=K, NG=N * P * Q, splits=splits, tile=tile)
     for table in (tab, None):
         y = np.full((N, K, P, Q), -1.0, np.float32)
         fprop(grid, block, (x, w, b, y, *_i32(N, C, H, W, K, R, S, P, Q, st, pad, 1), table))
@@ -304,8 +309,8 @@ def bias_grad(lib, rng, small: bool) -> None:
     for threads in (32,) if small else (256, 32):
         for shape in [(3, 5, 7, 9), (4, 3), (2, 65, 1, 1)]:
             dy = f32(rng, *shape)
-            with cpu_backend(lib, REDUCE_THREADS=threads) as ops:
-                db = ops.bias_grad(dy, out=np.full(shape[1], np.nan, np.float32))
+            ops = cpu_backend(lib, reduce_threads=threads)
+            db = ops.bias_grad(dy, out=np.full(shape[1], np.nan, np.float32))
             assert_close(db, numpy_ops.bias_grad(f64(dy)), f"bias_grad {shape} block {threads}")
 
 
@@ -315,9 +320,9 @@ def relu(lib, rng, small: bool) -> None:
         x = f32(rng, 3, 5, 7, 11)
         x.reshape(-1)[::7] = 0.0
         dy = f32(rng, *x.shape)
-        with cpu_backend(lib, ELEMENTWISE_THREADS=threads, ELEMENTWISE_MAX_BLOCKS=max_blocks) as ops:
-            y = ops.relu_fprop(x)
-            dx = ops.relu_bprop(dy, y)
+        ops = cpu_backend(lib, elementwise_threads=threads, elementwise_max_blocks=max_blocks)
+        y = ops.relu_fprop(x)
+        dx = ops.relu_bprop(dy, y)
         assert np.array_equal(y, numpy_ops.relu_fprop(x)), "relu_fprop"
         assert np.array_equal(dx, numpy_ops.relu_bprop(dy, numpy_ops.relu_fprop(x))), "relu_bprop"
 
@@ -339,9 +344,9 @@ def relu_nonfinite(lib, rng, small: bool) -> None:
         dx_ref = numpy_ops.relu_bprop(dy, y_ref)
     assert np.array_equal(y_ref, y_def, equal_nan=True) and np.array_equal(dx_ref, dx_def, equal_nan=True)
     for threads, max_blocks in [(64, 2)] if small else [(256, 65535), (64, 2)]:
-        with cpu_backend(lib, ELEMENTWISE_THREADS=threads, ELEMENTWISE_MAX_BLOCKS=max_blocks) as ops:
-            y = ops.relu_fprop(x)
-            dx = ops.relu_bprop(dy, y_ref)
+        ops = cpu_backend(lib, elementwise_threads=threads, elementwise_max_blocks=max_blocks)
+        y = ops.relu_fprop(x)
+        dx = ops.relu_bprop(dy, y_ref)
         for got, ref, name in ((y, y_ref, "relu_fprop"), (dx, dx_ref, "relu_bprop")):
             bad = ~((got == ref) | (np.isnan(got) & np.isnan(ref)))
             assert not bad.any(), (f"{name} non-finite: {int(bad.sum())} elements differ, the first at flat index "
@@ -354,10 +359,10 @@ def maxpool(lib, rng, small: bool) -> None:
     including ties (values rounded to a coarse grid)."""
     for N, C, H, W, k, st in POOL_SHAPES:
         x = np.round(f32(rng, N, C, H, W) * 2) / 2  # many ties: the first maximum must win
-        with cpu_backend(lib, ELEMENTWISE_THREADS=64) as ops:
-            y, am = ops.maxpool_fprop(x, k, st)
-            dy = f32(rng, *y.shape)
-            dx = ops.maxpool_bprop(dy, am, x.shape, k, st)
+        ops = cpu_backend(lib, elementwise_threads=64)
+        y, am = ops.maxpool_fprop(x, k, st)
+        dy = f32(rng, *y.shape)
+        dx = ops.maxpool_bprop(dy, am, x.shape, k, st)
         y_ref, am_ref = numpy_ops.maxpool_fprop(x, k, st)
         assert am.dtype == am_ref.dtype, f"maxpool argmax dtype {am.dtype} != {am_ref.dtype}"
         assert np.array_equal(y, y_ref), f"maxpool_fprop {(N, C, H, W, k, st)}"
@@ -403,10 +408,10 @@ def maxpool_nonfinite(lib, rng, small: bool) -> None:
         y_def, am_def = maxpool_scan(x, k, st)
         what = f"maxpool non-finite {(N, C, H, W, k, st)}"
         assert np.isnan(y_def).any() and (~np.isnan(y_def)).any(), what
-        with cpu_backend(lib, ELEMENTWISE_THREADS=64) as ops:
-            y, am = ops.maxpool_fprop(x, k, st)
-            dy = f32(rng, *y.shape)
-            dx = ops.maxpool_bprop(dy, am, x.shape, k, st)
+        ops = cpu_backend(lib, elementwise_threads=64)
+        y, am = ops.maxpool_fprop(x, k, st)
+        dy = f32(rng, *y.shape)
+        dx = ops.maxpool_bprop(dy, am, x.shape, k, st)
         y_ref, am_ref = numpy_ops.maxpool_fprop(x, k, st)
         for name, got_y, got_am in (("numpy_ops", y_ref, am_ref), ("kernel", y, am)):
             assert np.array_equal(got_y, y_def, equal_nan=True), f"{what}: {name} y"
@@ -424,20 +429,20 @@ def softmax_xent(lib, rng, small: bool) -> None:
             logits = f32(rng, N, K) * 3
             logits[0, :] = 1.0  # all tied: argmax is 0
             labels = rng.integers(0, K, N).astype(np.int64)
-            with cpu_backend(lib, REDUCE_THREADS=threads) as ops:
-                loss, d, correct = ops.softmax_xent(logits, labels)
+            ops = cpu_backend(lib, reduce_threads=threads)
+            loss, d, correct = ops.softmax_xent(logits, labels)
             loss_ref, d_ref, correct_ref = numpy_ops.softmax_xent(f64(logits), labels)
             assert_close(loss, loss_ref, f"softmax_xent loss {(N, K)} block {threads}", atol=1e-5, rtol=1e-5)
             assert_close(d, d_ref, f"softmax_xent dlogits {(N, K)} block {threads}", atol=1e-6, rtol=1e-5)
             assert correct == correct_ref, f"softmax_xent correct {correct} != {correct_ref}"
     bad = np.array([1, 2, 10, -1], dtype=np.int64)
-    with cpu_backend(lib, REDUCE_THREADS=32) as ops:
-        try:
-            ops.softmax_xent(f32(rng, 4, 10), bad)
-        except ValueError as e:
-            assert "label 10 at index 2" in str(e), str(e)
-        else:
-            raise AssertionError("softmax_xent accepted label 10 of 10 classes")
+    ops = cpu_backend(lib, reduce_threads=32)
+    try:
+        ops.softmax_xent(f32(rng, 4, 10), bad)
+    except ValueError as e:
+        assert "label 10 at index 2" in str(e), str(e)
+    else:
+        raise AssertionError("softmax_xent accepted label 10 of 10 classes")
 
 
 def softmax_xent_nonfinite(lib, rng, small: bool) -> None:
@@ -455,8 +460,8 @@ def softmax_xent_nonfinite(lib, rng, small: bool) -> None:
             logits[1, 3], labels[1] = np.inf, 3  # a hit
             logits[2, :], labels[2] = -np.inf, 0  # a hit: argmax 0
             logits[3, [1, K - 1]], labels[3] = np.nan, K - 1  # a miss: argmax 1
-            with cpu_backend(lib, REDUCE_THREADS=threads) as ops:
-                loss, d, correct = ops.softmax_xent(logits, labels)
+            ops = cpu_backend(lib, reduce_threads=threads)
+            loss, d, correct = ops.softmax_xent(logits, labels)
             with np.errstate(invalid="ignore"):
                 loss_ref, d_ref, correct_ref = numpy_ops.softmax_xent(f64(logits), labels)
             what = f"softmax_xent non-finite {(N, K)} block {threads}"
@@ -476,13 +481,13 @@ def sgd(lib, rng, small: bool) -> None:
     mask = (rng.random(n) < 0.8).astype(np.float32)
     ref = SGD(w0.copy(), mask, momentum=0.9, weight_decay=5e-4)
     w, v = w0.copy(), np.zeros(n, np.float32)
-    with cpu_backend(lib, ELEMENTWISE_THREADS=64, ELEMENTWISE_MAX_BLOCKS=3) as ops:
-        for step in range(3):
-            g = f32(rng, n)
-            ref.step(g, 0.05)
-            ops.sgd_momentum(w, v, g, ref.decay, 0.9, 0.05)
-            assert_close(w, ref.params, f"sgd_momentum params, step {step}", atol=1e-6, rtol=1e-6)
-            assert_close(v, ref.velocity, f"sgd_momentum velocity, step {step}", atol=1e-6, rtol=1e-6)
+    ops = cpu_backend(lib, elementwise_threads=64, elementwise_max_blocks=3)
+    for step in range(3):
+        g = f32(rng, n)
+        ref.step(g, 0.05)
+        ops.sgd_momentum(w, v, g, ref.decay, 0.9, 0.05)
+        assert_close(w, ref.params, f"sgd_momentum params, step {step}", atol=1e-6, rtol=1e-6)
+        assert_close(v, ref.velocity, f"sgd_momentum velocity, step {step}", atol=1e-6, rtol=1e-6)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ the call: a pointer parameter needs a C-contiguous numpy array of the matching d
 parameter a numpy scalar of exactly the C type (np.int32 for int, np.int64 for long long,
 np.float32 for float), the same rule the CuPy wrappers follow.
 
-Builds are cached under $TMPDIR/mpiasgd-cuda-cpu/ (objects per source text, shim and flags; libraries).
+The .cu files include kernels/*.cuh (constants.cuh: generated from mpiasgd/ops/cuda/constants.py), found
+through -I kernels/ also for a planted copy of a source. Builds are cached under $TMPDIR/mpiasgd-cuda-cpu/
+(objects per source text, headers, shim and flags; libraries).
 A ThreadSanitizer build (`tsan=True`) can only be loaded into a process started with libtsan
 preloaded (`tsan_env()`); tests run it in a subprocess (`python -m cuda_cpu.run_cases`).
 """
@@ -105,6 +107,11 @@ def kernel_sources() -> dict[str, str]:
     return {p.name: p.read_text() for p in sorted(KERNELS.glob("*.cu"))}
 
 
+def kernel_headers() -> dict[str, str]:
+    """{file name: text} of every kernels/*.cuh (what the sources include; part of every build's key)."""
+    return {p.name: p.read_text() for p in sorted(KERNELS.glob("*.cuh"))}
+
+
 def _trampolines(src_path: Path, sigs: list[KernelSig]) -> str:
     lines = [f'#include "{SHIM}"', f'#include "{src_path}"', ""]
     for sig in sigs:
@@ -133,7 +140,7 @@ class KernelLib:
 
     def variant(self, defines: Mapping[str, int]) -> KernelLib:
         """This library rebuilt with `defines` added (same sources, same ThreadSanitizer setting): the
-        conv tile variants that cupy_ops launches. Built once per library and define set."""
+        conv tile variants that the CUDA backend launches. Built once per library and define set."""
         merged = {**self.defines, **defines}
         if merged == self.defines:
             return self
@@ -194,8 +201,9 @@ def _digest(*parts: str) -> str:
 
 
 def _object(cxx: str, flags: list[str], name: str, text: str) -> Path:
-    """The object file of one .cu under the shim, compiled once per (shim, compiler, flags, text)."""
-    d = _mkdir(CACHE / "obj" / _digest(SHIM.read_text(), cxx, *CXXFLAGS, *flags, name, text))
+    """The object file of one .cu under the shim, compiled once per (shim, headers, compiler, flags, text)."""
+    headers = [part for item in kernel_headers().items() for part in item]
+    d = _mkdir(CACHE / "obj" / _digest(SHIM.read_text(), *headers, cxx, *CXXFLAGS, *flags, name, text))
     obj = d / (name + ".o")
     if obj.exists():
         return obj
@@ -203,7 +211,7 @@ def _object(cxx: str, flags: list[str], name: str, text: str) -> Path:
     cu.write_text(text)  # same content whoever writes it; the path shows in ThreadSanitizer reports
     tramp.write_text(_trampolines(cu, parse_kernels(name, text)))
     tmp = d / f"{name}.{os.getpid()}.{threading.get_ident()}.o"
-    cmd = [cxx, *CXXFLAGS, *flags, "-c", str(tramp), "-o", str(tmp)]
+    cmd = [cxx, *CXXFLAGS, *flags, f"-I{KERNELS}", "-c", str(tramp), "-o", str(tmp)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"g++ failed on {name}:\n{' '.join(cmd)}\n{proc.stderr}")

@@ -109,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--define {d}: no kernel file uses the macro {name}")
         defines[name] = int(value)
     if args.plant:
-        from mpiasgd.ops import cupy_ops
+        from mpiasgd.ops.cuda.constants import CONV_STAGES
 
         try:
-            sources = plant_missing_sync(sources, args.plant, defines.get("CONV_STAGES", cupy_ops.CONV_STAGES))
+            sources = plant_missing_sync(sources, args.plant, defines.get("CONV_STAGES", CONV_STAGES))
         except ValueError as e:
             ap.error(str(e))
     lib = harness.build(tsan=args.tsan, sources=sources, defines=defines)

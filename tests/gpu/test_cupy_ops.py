@@ -13,9 +13,13 @@ import itertools
 import numpy as np
 import pytest
 
+from mpiasgd.comms.protocol import HEADER_BYTES
 from mpiasgd.model import build_model
 from mpiasgd.ops import get_backend
-from mpiasgd.protocol import HEADER_BYTES
+from mpiasgd.ops.contract import conv_ints
+from mpiasgd.ops.cuda.constants import CONV_STAGES
+from mpiasgd.ops.cuda.planner import autotune_tiles
+from mpiasgd.ops.cuda.tiles import CONV_TILES, CONV_TRIAL_TILES, tile_shape
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-3
@@ -93,7 +97,7 @@ def test_conv_passes(cp, npo, name, xs, ws, stride, pad):
 
 
 @pytest.mark.parametrize("name,xs,ws,stride,pad", CONVS, ids=[c[0] for c in CONVS])
-def test_conv_passes_exact_on_integers(cp, npo, name, xs, ws, stride, pad, monkeypatch):
+def test_conv_passes_exact_on_integers(cp, npo, name, xs, ws, stride, pad):
     """Inputs in -3..3: every product and partial sum is an integer below 2^24, so float32 is exact in
     any order and the GPU must equal the float64 reference bit for bit; a tap dropped or counted twice
     (split boundary, digit carry, padding test) cannot hide in a tolerance. Each pass runs with each
@@ -101,9 +105,7 @@ def test_conv_passes_exact_on_integers(cp, npo, name, xs, ws, stride, pad, monke
     with the tap table and testing bounds, so that every kernel instantiation runs on the GPU (the
     trial tiles too, which bench/kernels.py --tiles times):
     fprop/dgrad whole and partial, dgrad's stride-1 and strided paths, in both tiles (helper-18: some
-    ran in neither tile otherwise)."""
-    from mpiasgd.ops import cupy_ops
-
+    ran in neither tile otherwise). Each run is a backend of its own (`cp.configured`: the same kernels)."""
     rng = np.random.default_rng(2)
     xs = (min(xs[0], 128), *xs[1:])  # the float64 reference of the batch-256 layer would dominate the run
     N, _, H, W = xs
@@ -112,22 +114,21 @@ def test_conv_passes_exact_on_integers(cp, npo, name, xs, ws, stride, pad, monke
     x, w, b, dy = (rng.integers(-3, 4, size=sz).astype(np.float32) for sz in (xs, ws, (K,), (N, K, P, Q)))
     x64, w64, b64, dy64 = (a.astype(np.float64) for a in (x, w, b, dy))
     refs = {"fprop": npo.conv2d_fprop(x64, w64, b64, stride, pad),
-            "fprop without bias": npo.conv2d_fprop(x64, w64, None, stride, pad),  # NULL bias: cupy_ops.NULL
+            "fprop without bias": npo.conv2d_fprop(x64, w64, None, stride, pad),  # NULL bias: runtime.NULL
             "dgrad": npo.conv2d_dgrad(dy64, w64, xs, stride, pad),
             "wgrad": npo.conv2d_wgrad(dy64, x64, ws, stride, pad)}
     x, w, b, dy = (cp.asarray(a) for a in (x, w, b, dy))
-    runs = [*itertools.product(cupy_ops.CONV_TILES, (None, 1, 3), (32, 0)),
-            *itertools.product(cupy_ops.CONV_TRIAL_TILES, (None, 3), (32,)),  # (trial: their tables and splits;
-            *itertools.product([t for t in cupy_ops.CONV_TRIAL_TILES if cupy_ops.tile_shape(t)[5] == 1],
+    runs = [*itertools.product(CONV_TILES, (None, 1, 3), (32, 0)),
+            *itertools.product(CONV_TRIAL_TILES, (None, 3), (32,)),  # (trial: their tables and splits;
+            *itertools.product([t for t in CONV_TRIAL_TILES if tile_shape(t)[5] == 1],
                                (None,), (0,))]  # the one-stage loop testing bounds too)
     for tile, splits, taps in runs:
-        monkeypatch.setattr(cupy_ops, "conv_tile_override", tile)
-        monkeypatch.setattr(cupy_ops, "conv_split_override", splits)
-        monkeypatch.setattr(cupy_ops, "CONV_TAB_MAX_TAPS", taps)  # 0: no tap table, bounds tested per load
-        got = {"fprop": cp.conv2d_fprop(x, w, b, stride, pad),
-               "fprop without bias": cp.conv2d_fprop(x, w, None, stride, pad),
-               "dgrad": cp.conv2d_dgrad(dy, w, xs, stride, pad),
-               "wgrad": cp.conv2d_wgrad(dy, x, ws, stride, pad)}
+        # tab_max_taps 0: no tap table, bounds tested per load
+        forced = cp.configured(tile_override=tile, split_override=splits, tab_max_taps=taps)
+        got = {"fprop": forced.conv2d_fprop(x, w, b, stride, pad),
+               "fprop without bias": forced.conv2d_fprop(x, w, None, stride, pad),
+               "dgrad": forced.conv2d_dgrad(dy, w, xs, stride, pad),
+               "wgrad": forced.conv2d_wgrad(dy, x, ws, stride, pad)}
         for what, ref in refs.items():
             g = cp.to_numpy(got[what])
             assert np.array_equal(g, ref), (f"{name} {what} (tile {tile}, split override {splits}, taps {taps}): "
@@ -136,39 +137,34 @@ def test_conv_passes_exact_on_integers(cp, npo, name, xs, ws, stride, pad, monke
 
 
 @pytest.mark.parametrize("name,xs,ws,stride,pad", CONVS, ids=[c[0] for c in CONVS])
-def test_pipelined_and_one_stage_loops_agree_bit_for_bit(cp, name, xs, ws, stride, pad, monkeypatch):
+def test_pipelined_and_one_stage_loops_agree_bit_for_bit(cp, name, xs, ws, stride, pad):
     """The cp.async pipeline (CONV_STAGES 3, sm_80+) changes when a K-slab reaches shared memory, not the
     order of the sums: on float inputs each pass equals the one-stage loop's (the CONV_STAGES=1 trial
     tiles) bit for bit, on the device as in the CPU harness. (On sm_75 both are the one-stage loop.)"""
-    from mpiasgd.ops import cupy_ops
-
     rng = np.random.default_rng(3)
     xs = (min(xs[0], 64), *xs[1:])
     N, _, H, W = xs
     K, _, R, S = ws
     P, Q = (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
     x, w, b, dy = (cp.asarray(rand(rng, sz)) for sz in (xs, ws, (K,), (N, K, P, Q)))
-    for tile in cupy_ops.CONV_TILES:
+    for tile in CONV_TILES:
         got = {}
-        for stages in (cupy_ops.CONV_STAGES, 1):
-            monkeypatch.setattr(cupy_ops, "conv_tile_override", (*cupy_ops.tile_shape(tile)[:5], stages))
-            got[stages] = [cp.to_numpy(a) for a in (cp.conv2d_fprop(x, w, b, stride, pad),
-                                                     cp.conv2d_dgrad(dy, w, xs, stride, pad),
-                                                     cp.conv2d_wgrad(dy, x, ws, stride, pad))]
-        for what, many, one in zip(("fprop", "dgrad", "wgrad"), got[cupy_ops.CONV_STAGES], got[1], strict=True):
+        for stages in (CONV_STAGES, 1):
+            forced = cp.configured(tile_override=(*tile_shape(tile)[:5], stages))
+            got[stages] = [cp.to_numpy(a) for a in (forced.conv2d_fprop(x, w, b, stride, pad),
+                                                     forced.conv2d_dgrad(dy, w, xs, stride, pad),
+                                                     forced.conv2d_wgrad(dy, x, ws, stride, pad))]
+        for what, many, one in zip(("fprop", "dgrad", "wgrad"), got[CONV_STAGES], got[1], strict=True):
             assert np.isfinite(one).all() and np.array_equal(many, one), (
                 f"{name} {what} (tile {tile}): {int(np.sum(many != one))} elements differ between "
-                f"{cupy_ops.CONV_STAGES} stages and 1, worst by {float(np.nanmax(np.abs(many - one)))}")
+                f"{CONV_STAGES} stages and 1, worst by {float(np.nanmax(np.abs(many - one)))}")
 
 
-def test_autotune_times_each_tile_and_keeps_the_plan(cp, npo, monkeypatch):
+def test_autotune_times_each_tile_and_keeps_the_plan(cp, npo):
     """conv_algo "autotune" on the device, cifar10's conv2 at batch 128: the first call of each pass times
     every tile that runs on this device (each > 0 ms), keeps the fastest, and gives the numpy result;
     a second call makes no new plan and gives the same result bit for bit."""
-    from mpiasgd.ops import cupy_ops
-
-    monkeypatch.setattr(cupy_ops, "_conv_plans", {})
-    monkeypatch.setattr(cupy_ops, "conv_algo", "autotune")
+    tuned = cp.configured(conv_algo="autotune")  # the same kernels, a planner with no plans yet
     rng = np.random.default_rng(4)
     _, xs, ws, stride, pad = CONVS[1]
     N, _, H, W = xs
@@ -177,17 +173,17 @@ def test_autotune_times_each_tile_and_keeps_the_plan(cp, npo, monkeypatch):
     refs = {"fprop": npo.conv2d_fprop(x, w, b, stride, pad), "dgrad": npo.conv2d_dgrad(dy, w, xs, stride, pad),
             "wgrad": npo.conv2d_wgrad(dy, x, ws, stride, pad)}
     xd, wd, bd, dyd = (cp.asarray(a) for a in (x, w, b, dy))
-    calls = {"fprop": lambda: cp.conv2d_fprop(xd, wd, bd, stride, pad),
-             "dgrad": lambda: cp.conv2d_dgrad(dyd, wd, xs, stride, pad),
-             "wgrad": lambda: cp.conv2d_wgrad(dyd, xd, ws, stride, pad)}
-    tiles = cupy_ops.autotune_tiles(cupy_ops._compute_capability())
+    calls = {"fprop": lambda: tuned.conv2d_fprop(xd, wd, bd, stride, pad),
+             "dgrad": lambda: tuned.conv2d_dgrad(dyd, wd, xs, stride, pad),
+             "wgrad": lambda: tuned.conv2d_wgrad(dyd, xd, ws, stride, pad)}
+    tiles = autotune_tiles(tuned.device.compute_capability())
     for i, (what, call) in enumerate(calls.items()):
         first = cp.to_numpy(call())
-        plan = cupy_ops.conv_plans()[i]
+        plan = tuned.conv_plans()[i]
         assert plan.op == f"conv2d_{what}" and [t for t, _ in plan.times] == tiles, plan.describe()
         assert all(ms > 0 for _, ms in plan.times) and plan.tile == min(plan.times, key=lambda t: t[1])[0]
         close(first, refs[what], f"autotuned {what} ({plan.describe()})")
-        assert np.array_equal(cp.to_numpy(call()), first) and len(cupy_ops.conv_plans()) == i + 1
+        assert np.array_equal(cp.to_numpy(call()), first) and len(tuned.conv_plans()) == i + 1
 
 
 @pytest.mark.parametrize("xs,k,s", POOLS)
@@ -226,13 +222,11 @@ def test_pool_relu_nonfinite(cp, npo, xs, k, s):
     assert np.array_equal(cp.to_numpy(cp.relu_bprop(cp.asarray(g), cp.asarray(r))), ref, equal_nan=True), "relu_bprop"
 
 
-def test_conv_fused_relu_nonfinite(cp, npo, monkeypatch):
+def test_conv_fused_relu_nonfinite(cp, npo):
     """NaN and +-inf in x through the fused bias + ReLU epilogues (relu=1, which the wrappers do not use
     yet): conv2d_fprop with and without the tap table, and split-K (conv2d_fprop_partial, then
     conv2d_split_reduce), against numpy relu_fprop(conv2d_fprop): NaN stays NaN, -inf becomes 0."""
     import cupy
-
-    from mpiasgd.ops import cupy_ops
 
     _, xs, ws, stride, pad = CONVS[1]
     xs = (16, *xs[1:])
@@ -246,22 +240,22 @@ def test_conv_fused_relu_nonfinite(cp, npo, monkeypatch):
     assert np.isnan(pre).any() and np.isneginf(pre).any()
     ref = npo.relu_fprop(pre)
     op = "conv2d_fprop"
-    geometry = cupy_ops._conv_ints(op, N, C, H, W, K, R, S, P, Q, stride, pad)
-    tile = cupy_ops.conv_tile(K)
-    monkeypatch.setattr(cupy_ops, "conv_split_override", 3)
-    splits, chunk = cupy_ops.gemm_split(K, N * P * Q, C * R * S, tile)
+    geometry = conv_ints(op, N, C, H, W, K, R, S, P, Q, stride, pad)
+    tile = cp.planner.conv_tile(K)
+    forced = cp.configured(split_override=3)
+    splits, chunk = forced.planner.gemm_split(K, N * P * Q, C * R * S, tile)
     xd, wd, bd = cp.asarray(x), cp.asarray(w), cp.asarray(b)
-    for table in (cupy_ops.conv_tap_table(op, N, C, H, W, K, R, S, P, Q, stride, pad), None):
+    for table in (forced.planner.conv_tap_table(op, N, C, H, W, K, R, S, P, Q, stride, pad), None):
         y = cupy.full((N, K, P, Q), -1.0, dtype=np.float32)
-        grid, block = cupy_ops.conv_launch(M=K, NG=N * P * Q, tile=tile)
-        cupy_ops._launch(op, grid, block, (xd, wd, bd, y, *geometry, np.int32(1), table), tile=tile)
+        grid, block = forced.planner.conv_launch(M=K, NG=N * P * Q, tile=tile)
+        forced.launch(op, grid, block, (xd, wd, bd, y, *geometry, np.int32(1), table), tile=tile)
         close_nonfinite(cp.to_numpy(y), ref, f"fused relu (tap table {table is not None})")
         part = cupy.full((splits, K, N * P * Q), np.nan, dtype=np.float32)
-        grid, block = cupy_ops.conv_launch(M=K, NG=N * P * Q, splits=splits, tile=tile)
-        cupy_ops._launch("conv2d_fprop_partial", grid, block, (xd, wd, part, *geometry, np.int64(chunk), table),
-                         tile=tile)
+        grid, block = forced.planner.conv_launch(M=K, NG=N * P * Q, splits=splits, tile=tile)
+        forced.launch("conv2d_fprop_partial", grid, block, (xd, wd, part, *geometry, np.int64(chunk), table),
+                      tile=tile)
         y = cupy.full((N, K, P, Q), -1.0, dtype=np.float32)
-        cupy_ops._split_reduce(op, part, bd, y, splits, N, K, P * Q, tile, relu=1)
+        forced.split_reduce(op, part, bd, y, splits, N, K, P * Q, tile, relu=1)
         close_nonfinite(cp.to_numpy(y), ref, f"split-K {splits} + split_reduce relu (tap table {table is not None})")
 
 
@@ -333,8 +327,8 @@ def test_staging_on_the_device():
     """Pinned and CUDA-aware staging with real CuPy transfers (the latter without MPI: views and copies)."""
     import cupy
 
-    from mpiasgd.device import make_staging
-    from mpiasgd.protocol import Tag
+    from mpiasgd.comms.protocol import Tag
+    from mpiasgd.comms.staging import make_staging
 
     for cuda_aware in (False, True):
         s = make_staging("cupy", cuda_aware, 1000)

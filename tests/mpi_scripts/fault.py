@@ -24,9 +24,9 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from mpiasgd import protocol
 from mpiasgd.cli import main
-from mpiasgd.protocol import Message, Tag
+from mpiasgd.comms import protocol
+from mpiasgd.comms.protocol import Message, Tag
 
 kind, target, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 rank = MPI.COMM_WORLD.Get_rank()
@@ -50,7 +50,7 @@ if kind == "preempt" and rank == target:
 if kind == "sloweval" and rank == target:
     import time
 
-    from mpiasgd import worker
+    from mpiasgd.modes import base as worker
 
     original_evaluate = worker.evaluate
 
@@ -116,16 +116,16 @@ if kind in ("raise", "hang") and rank == target:
     Dataset.batch = failing_batch
 
 if kind == "server" and rank == 0:
-    from mpiasgd.server import ParameterServer
+    from mpiasgd.modes.asgd import AsgdServer
 
-    original_push = ParameterServer.on_push
+    original_push = AsgdServer.on_push
 
     def failing_push(self, w, msg):
-        if self.version == 4:
+        if self.rec.version == 4:
             raise RuntimeError("injected server failure")
         return original_push(self, w, msg)
 
-    ParameterServer.on_push = failing_push
+    AsgdServer.on_push = failing_push
 
 if kind in ("nan", "nan1") and rank == target:
     from mpiasgd.model import Model
@@ -142,7 +142,7 @@ if kind in ("nan", "nan1") and rank == target:
     Model.forward_backward = nan_forward_backward
 
 if kind == "perturb" and rank == target:
-    from mpiasgd.worker import LocalSGD
+    from mpiasgd.optim import LocalSGD
 
     original_step, calls = LocalSGD.step, [0]
 
@@ -155,7 +155,7 @@ if kind == "perturb" and rank == target:
     LocalSGD.step = nudged_step
 
 if kind == "nanmodule" and rank == target:
-    from mpiasgd.pipeline import Module
+    from mpiasgd.modes.pipeline import Module
 
     original_backward, backwards = Module.backward, [0]
 
@@ -169,7 +169,7 @@ if kind == "nanmodule" and rank == target:
     Module.backward = nan_backward
 
 if kind in ("badtag", "badsize") and rank == target:
-    from mpiasgd.worker import Worker
+    from mpiasgd.modes.base import WorkerLoop as Worker
 
     def rogue_run(self):
         comm = self.comm

@@ -1,0 +1,205 @@
+"""Wire format of the A-SGD protocol between the parameter server (rank 0) and the workers.
+
+Every message is ONE contiguous byte buffer sent with buffer-based MPI (never pickle):
+
+    [ header: HEADER, HEADER_BYTES = 144 bytes ][ payload: `count` float32 values ]
+
+The header makes each message self-describing: kind, sender, step, the weight version, loss,
+sample count and timings travel in the same message as the gradient or weights they describe, so a
+push can never be matched with another sender's figures. `check()` verifies every arrival: magic,
+tag, sender, size.
+
+Message flow, async and ssp modes (GPU A-SGD of Paine et al. 2013, n_fetch = n_push = nsync):
+
+    server -> worker  WEIGHTS  (version v, lr, params)      initial pull, and the reply to every push
+                                                             (a resumed run's initial pull: flag RESUME,
+                                                             the worker's step, cursor and elapsed)
+    worker -> server  PUSH     (base version v, gradient    one outstanding push per worker; the
+                               or accumulated update)        payload is an update when nsync > 1
+    server -> worker  STOP     (final version, params)       reply to a push once the run must end
+                                                             (flag PREEMPT: a signal, skip the EVAL)
+    worker -> server  EVAL     (loss sum, correct, count)    its slice of the test set, final weights
+    worker -> server  ERROR    (UTF-8 traceback)             a worker failed; the server logs, acks
+    server -> worker  ERROR_ACK                              log closed, the job may now abort
+
+Sync mode (workers allreduce among themselves; rank 0 only logs): after the initial WEIGHTS,
+
+    worker -> server  REPORT   (step, loss, timings, flags)  header only, one per worker per step
+    worker -> server  SNAPSHOT (version, params)             the first worker, every snapshot interval
+                                                             and once more (flag FINAL) at the end
+    worker -> server  CHECKPOINT (step, weights and         the first worker, every checkpoint interval
+                                 velocity, 2P values)       and at the end (rank 0 writes the file)
+    server -> worker  STOP     (header only)                 the run ends: after the worker's last REPORT,
+                                                             or at once (flag PREEMPT) on a signal
+    worker -> server  EVAL, ERROR as above
+
+Pipeline mode (module k of replica n on rank 1 + n*K + k; see `mpiasgd.modes.pipeline`): after the
+initial WEIGHTS (the unit's module slice), every iteration
+
+    unit k -> unit k+1  ACTIVATION (minibatch m, flags LAST,    on the replica's pipeline communicator
+                                    snapshot iteration, output)
+    unit k -> unit k-1  GRADIENT   (minibatch m, d loss / d input)
+    unit   -> server    REPORT     (iteration, delay, timings)   header only
+    unit   -> server    SNAPSHOT   (module slice)                replica 0, at announced iterations and
+                                                                 at the end (flag FINAL)
+    unit   -> server    CHECKPOINT (module weights, velocity)    replica 0, after every drain (interval,
+                                                                 end, flag PREEMPT on a signal)
+    server -> module 0  STOP       (header only)                 after its last iteration, or at once
+                                                                 (flag PREEMPT) on a signal
+"""
+
+from __future__ import annotations
+
+import zlib
+from enum import IntEnum
+
+import numpy as np
+
+MAGIC = 0x41534744  # "ASGD"
+
+
+class Tag(IntEnum):
+    """MPI tags; one per message kind, unique values. An unknown tag is a ProtocolError."""
+
+    WEIGHTS = 11
+    PUSH = 12
+    STOP = 13
+    EVAL = 14
+    ERROR = 15
+    ERROR_ACK = 16
+    REPORT = 17
+    SNAPSHOT = 18
+    ACTIVATION = 19
+    GRADIENT = 20
+    CHECKPOINT = 21
+
+
+class Flag(IntEnum):
+    """Bits of the header's `flags` field."""
+
+    SKIPPED = 1      # REPORT: the step was skipped by every worker (a non-finite gradient somewhere)
+    NONFINITE = 2    # REPORT: this worker's own gradient was not finite
+    LAST = 4         # REPORT: the workers' last step (the stopping rule fired)
+    FINAL = 8        # SNAPSHOT: the final weights (stored, not logged as an interval snapshot)
+    DELTA = 16       # PUSH: the payload is an accumulated update (nsync > 1), not a gradient
+    WARMUP = 32      # REPORT (pipeline): no delayed gradient has reached this module yet, no update
+    END = 64         # REPORT (pipeline): this unit's last iteration
+    RESUME = 128     # WEIGHTS (initial): a resumed run; step, cursor and elapsed continue (sync, pipeline:
+                     # a CHECKPOINT with the optimizer state follows)
+    PREEMPT = 256    # PUSH: a signal reached this worker; REPORT: the run ends on a signal (sync: every
+                     # worker's last step; pipeline: module 0's stop and each unit's end; a unit's own signal);
+                     # STOP and CHECKPOINT: the run ends on a signal, skip the final evaluation, exit 75
+
+
+class ProtocolError(RuntimeError):
+    """A message broke the protocol: unknown tag, wrong size, wrong sender, or out of order."""
+
+
+HEADER = np.dtype([
+    ("magic", "<u4"),
+    ("tag", "<u4"),
+    ("sender", "<i8"),      # rank of the sender
+    ("step", "<i8"),        # PUSH: worker's step (1, 2, ...); WEIGHTS/STOP: step of the push answered
+    ("version", "<i8"),     # PUSH: version the gradient was computed from; WEIGHTS/STOP: version sent
+    ("samples", "<i8"),     # PUSH: minibatch size; EVAL: images evaluated
+    ("epoch", "<i8"),       # PUSH: the worker's epoch over its shard
+    ("correct", "<i8"),     # PUSH: correct predictions in the minibatch; EVAL: over the slice
+    ("count", "<i8"),       # float32 values in the payload
+    ("loss", "<f8"),        # PUSH: minibatch mean loss; EVAL: summed loss
+    ("compute_s", "<f8"),   # PUSH: seconds of data + forward + backward for this gradient
+    ("comm_s", "<f8"),      # PUSH: seconds spent posting and completing MPI calls for the previous pull
+    ("wait_s", "<f8"),      # PUSH: seconds idle waiting for the weights this gradient used
+    ("lr", "<f8"),          # WEIGHTS: step size for a worker's local steps (nsync > 1); REPORT: step size used
+    ("flags", "<i8"),       # Flag bits
+    ("digest", "<u8"),      # REPORT (sync, pipeline): CRC-32 of the worker's weights after the step
+    ("cursor", "<i8"),      # PUSH/REPORT/CHECKPOINT: minibatches the worker has drawn from its shard (its data
+                            # position); initial WEIGHTS of a resumed run: where to continue
+    ("elapsed", "<f8"),     # CHECKPOINT: training seconds at the step; initial WEIGHTS: seconds already trained
+])
+HEADER_BYTES = -(-HEADER.itemsize // 16) * 16  # 144: rounded up to 16 bytes so the payload stays aligned
+
+
+class Message:
+    """A send or receive buffer: `buf` (uint8, what MPI sees), `header` (HEADER view), `payload` (float32 view).
+
+    The buffer belongs to MPI while a request on it is pending: fill it before posting the send,
+    read it only after the receive completed.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.buf = np.zeros(HEADER_BYTES + 4 * count, dtype=np.uint8)
+        self.header = self.buf[: HEADER.itemsize].view(HEADER)[0]
+        self.payload = self.buf[HEADER_BYTES:].view(np.float32)
+        self.header["magic"] = MAGIC
+        self.header["count"] = count
+
+    @property
+    def count(self) -> int:
+        return self.payload.size
+
+    def stamp(self, tag: Tag, sender: int, **fields: float) -> Message:
+        """Set the tag, the sender and the given header fields; returns self."""
+        self.header["tag"] = int(tag)
+        self.header["sender"] = sender
+        for key, value in fields.items():
+            self.header[key] = value
+        return self
+
+
+def message_bytes(count: int) -> int:
+    """Size in bytes of a message carrying `count` float32 values."""
+    return HEADER_BYTES + 4 * count
+
+
+def parse_tag(tag: int, source: int, rank: int) -> Tag:
+    """The Tag for an MPI tag number; ProtocolError naming the receiving rank and the source if unknown."""
+    try:
+        return Tag(tag)
+    except ValueError:
+        raise ProtocolError(
+            f"rank {rank}: message from rank {source} has unknown tag {tag}; "
+            f"known tags: {', '.join(f'{t.name}={t.value}' for t in Tag)}") from None
+
+
+def check_size(tag: Tag, source: int, rank: int, nbytes: int, count: int) -> None:
+    """Raise ProtocolError unless a message of `nbytes` carries exactly `count` float32 values."""
+    expected = message_bytes(count)
+    if nbytes != expected:
+        raise ProtocolError(
+            f"rank {rank}: {tag.name} message from rank {source} is {nbytes} bytes, expected {expected} "
+            f"({HEADER_BYTES}-byte header + {count} float32 values)")
+
+
+def check(msg: Message, tag: Tag, source: int, rank: int) -> None:
+    """Validate a received message's header against the MPI envelope; raise ProtocolError naming what differs."""
+    h = msg.header
+    if int(h["magic"]) != MAGIC:
+        raise ProtocolError(f"rank {rank}: {tag.name} message from rank {source} has a bad magic number "
+                            f"{int(h['magic']):#x} (not an mpiasgd message)")
+    if int(h["tag"]) != tag:
+        raise ProtocolError(f"rank {rank}: message from rank {source} arrived on tag {tag.name} "
+                            f"but its header says tag {int(h['tag'])}")
+    if int(h["sender"]) != source:
+        raise ProtocolError(f"rank {rank}: {tag.name} message from rank {source} claims sender {int(h['sender'])}")
+    if int(h["count"]) != msg.count:
+        raise ProtocolError(f"rank {rank}: {tag.name} message from rank {source} declares {int(h['count'])} "
+                            f"values, expected {msg.count}")
+
+
+def error_message(sender: int, text: str) -> Message:
+    """An ERROR message: UTF-8 `text` padded into the payload; header `samples` holds its byte length."""
+    data = text.encode("utf-8", "replace")
+    msg = Message(-(-len(data) // 4)).stamp(Tag.ERROR, sender, samples=len(data))
+    msg.buf[HEADER_BYTES : HEADER_BYTES + len(data)] = np.frombuffer(data, np.uint8)
+    return msg
+
+
+def error_text(msg: Message) -> str:
+    """The text of an ERROR message built by `error_message`."""
+    n = min(int(msg.header["samples"]), msg.buf.size - HEADER_BYTES)
+    return msg.buf[HEADER_BYTES : HEADER_BYTES + n].tobytes().decode("utf-8", "replace")
+
+
+def weights_digest(weights: np.ndarray) -> int:
+    """CRC-32 of a host float32 weight vector: the REPORT `digest` by which rank 0 checks replicas agree."""
+    return zlib.crc32(np.ascontiguousarray(weights))

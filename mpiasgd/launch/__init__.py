@@ -1,0 +1,120 @@
+"""`mpiasgd train`: assign roles by rank, start every rank up, run, and fail fast.
+
+Run it with one parameter server and N workers, e.g. 1 + 2 on one machine:
+
+    mpiexec -n 3 python -m mpiasgd train --model digits --epochs 30 --name demo
+    mpiexec -n 3 python -m mpiasgd train --model cifar10 --epochs 10 --data-dir ~/data
+
+Start-up (config, data, model, run log) is collective (`mpiasgd.launch.startup`): if any rank fails
+there, rank 0 prints one message naming the ranks and what went wrong, and every rank exits with
+status 2. After start-up, an exception on any rank prints that rank's traceback and aborts the whole
+job (MPI_Abort) with a non-zero status within seconds; a failing worker first tells rank 0, which
+records the failure and closes the run log, so nothing already logged is lost. A run log that cannot
+be written (disk full) is one error line, not a traceback (`mpiasgd.rank0.serve.log_unwritable`).
+
+SIGTERM, SIGUSR1 and SIGINT on any rank end the run with a checkpoint (`mpiasgd.signals`): every
+rank exits with EXIT_PREEMPTED (75), and `--resume RUN_DIR/NAME.ckpt.h5` continues it
+(`mpiasgd.checkpoint`).
+
+Files: ranks.py (who each process is), startup.py (the collective start-up), records.py (the
+typed start-up record each worker sends rank 0).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import traceback
+from typing import Any
+
+from mpi4py import MPI
+
+from mpiasgd import signals
+from mpiasgd.comms import CommTimeout, Message, ProtocolError, Tag, error_message, wait
+from mpiasgd.config import Config
+from mpiasgd.device import sharing_error, tuning_turns
+from mpiasgd.launch.ranks import Rank, blas_threads, node_workers
+from mpiasgd.launch.startup import STARTUP_ERRORS, report_startup_errors, setup, tune_convs, worker_info
+from mpiasgd.modes.base import WorkerJob
+from mpiasgd.modes.registry import load
+from mpiasgd.rank0.serve import ABORT_CODE, EXIT_DIVERGED, EXIT_PREEMPTED, log_unwritable, serve
+from mpiasgd.runlog import RunLogError
+
+EXIT_BAD_INPUT = 2
+
+__all__ = ["ABORT_CODE", "EXIT_BAD_INPUT", "EXIT_DIVERGED", "EXIT_PREEMPTED", "Rank", "abort", "train",
+           "worker_failed"]
+
+
+def abort(me: Rank, text: str) -> None:
+    """Print `text` (a traceback) prefixed with the rank and host, then abort the whole job."""
+    sys.stdout.flush()
+    print(f"mpiasgd: rank {me.rank} on {me.host} failed:\n{text}", file=sys.stderr, flush=True)
+    me.comm.Abort(ABORT_CODE)
+
+
+def worker_failed(me: Rank, text: str, timeout: float = 5.0) -> None:
+    """(all workers) Tell rank 0 about this rank's exception, wait briefly for it to close the log, abort."""
+    try:
+        sending = me.comm.Isend(error_message(me.rank, text).buf, dest=0, tag=int(Tag.ERROR))
+        ack = Message(0)
+        acked = me.comm.Irecv(ack.buf, source=0, tag=int(Tag.ERROR_ACK))
+        wait(acked, "acknowledgement of the error report", me.rank, timeout)
+        wait(sending, "the error report send", me.rank, timeout)
+    except CommTimeout:
+        pass  # rank 0 is gone or stuck: abort regardless
+    abort(me, text)
+
+
+def train(cfg: Config, comm: Any = None) -> int:
+    """Run `mpiasgd train` on every rank of `comm` (default MPI.COMM_WORLD); returns the exit status."""
+    comm = comm or MPI.COMM_WORLD
+    me = Rank(comm, comm.Get_rank(), comm.Get_size(), socket.gethostname())
+    mode = load(cfg.mode)
+    # start-up (all ranks): collective, so bad input gives one message and a clean exit
+    error, start, threads = None, None, 1
+    try:
+        workers_here, local_rank = node_workers(me)
+        threads = blas_threads(me, cfg.threads, workers_here)
+        start = setup(cfg, me, mode, local_rank)
+    except STARTUP_ERRORS as e:
+        error = str(e)
+    if report_startup_errors(me, error):
+        if start is not None:  # rank 0 took the log's lock; no log was written
+            start.release()
+        return EXIT_BAD_INPUT
+    # (all ranks) two workers on one GPU: every rank judges the same gathered list
+    devices = comm.allgather(start.device)
+    shared = None if me.is_server else sharing_error(devices, me.rank, cfg.share_devices)
+    # (every rank sees the same answers, so all skip the tuning rounds alike)
+    if report_startup_errors(me, shared) or (cfg.conv_algo == "autotune" and
+                                              tune_convs(cfg, me, start, tuning_turns(devices))):
+        start.release()
+        return EXIT_BAD_INPUT
+
+    from threadpoolctl import threadpool_limits
+
+    comms = mode.communicators(cfg, comm, me.rank, start.layout)  # collective: the mode's own
+    signals.set_rank(None if me.is_server else me.rank)  # the signals were routed by cli._train
+    status = 0
+    try:
+        with threadpool_limits(limits=threads, user_api="blas"):
+            if me.is_server:
+                status = serve(cfg, me, start)
+            else:
+                comm.gather(worker_info(me, start, threads), root=0)
+                job = WorkerJob(comm, cfg, start.model, start.dataset, start.sampler, me.rank, start.test_idx,
+                                start.staging, start.make_staging, comms, start.layout)
+                preempted = mode.worker(job).run()
+                status = EXIT_PREEMPTED if preempted else 0
+    except RunLogError as e:  # (rank 0) the disk is full: one line, not a traceback
+        log_unwritable(me, start, e)
+        status = ABORT_CODE
+    except BaseException as e:
+        # a timeout or a protocol violation says all in its message (naming the rank); anything else: traceback
+        text = str(e) if isinstance(e, (CommTimeout, ProtocolError)) else traceback.format_exc()
+        if me.is_server:
+            abort(me, text)
+        else:
+            worker_failed(me, text)
+    return status

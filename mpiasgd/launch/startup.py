@@ -1,0 +1,325 @@
+"""Start-up, collective on every rank: config, data, model, backend, layout, run log, communicators.
+
+If any rank fails here, rank 0 prints one message naming the ranks and what went wrong, and every
+rank exits with status 2 (`report_startup_errors`). What start-up leaves each rank is a `Startup`.
+The mode is consulted only through its `Mode` object (`mpiasgd.modes.base`): its layout of the
+workers, its communicators, the lines it prints.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpiasgd import __version__, checkpoint
+from mpiasgd.comms import Staging, make_staging
+from mpiasgd.config import Config, ConfigError
+from mpiasgd.data import DataError, ShardSampler, default_data_dir, load_dataset
+from mpiasgd.device import (
+    DeviceError,
+    assign_device,
+    mpix_cuda_support,
+    resolve_backend,
+    resolve_cuda_aware,
+    use_device,
+    visible_hint,
+)
+from mpiasgd.launch.ranks import Rank
+from mpiasgd.launch.records import WorkerInfo
+from mpiasgd.modes.base import Layout, Mode
+from mpiasgd.ops import BackendUnavailable, cuda_probe, get_backend
+from mpiasgd.runlog import WriterLock
+
+STARTUP_ERRORS = (ConfigError, DataError, OSError, ValueError, BackendUnavailable, DeviceError)
+
+
+@dataclass
+class Startup:
+    """What start-up leaves a rank. Every rank: `mode`, `dataset`, `model` (the server's: numpy),
+    `backend`, `device` (a DeviceInfo, or None), `layout`. Rank 0: `path` of the run log, `lock` (held
+    until the log is closed), `checkpoint` (resuming). A worker: `sampler`, `test_idx` (int64), its
+    `staging` and `make_staging()` for another like it, `autotune` (plans chosen at start-up)."""
+
+    mode: Mode
+    dataset: Any
+    model: Any
+    backend: str
+    device: Any
+    layout: Layout
+    path: str = ""
+    lock: WriterLock | None = None
+    checkpoint: checkpoint.Checkpoint | None = None
+    sampler: ShardSampler | None = None
+    test_idx: np.ndarray | None = None
+    staging: Staging | None = None
+    make_staging: Any = None
+    autotune: list[str] = field(default_factory=list)
+    rank0: Any = None  # rank 0's loop once it runs (`mpiasgd.rank0.serve.log_unwritable` needs it)
+
+    def release(self) -> None:
+        """Release the run log's lock, if this rank holds it (a start-up that failed wrote no log)."""
+        if self.lock is not None:
+            self.lock.release()
+
+
+def run_name(cfg: Config, num_workers: int) -> str:
+    return cfg.name or f"{cfg.model}-{cfg.mode}-{num_workers}w-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def versions() -> dict:
+    import h5py
+    import mpi4py
+
+    return {"mpiasgd": __version__, "python": platform.python_version(), "numpy": np.__version__,
+            "mpi4py": mpi4py.__version__, "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "h5py": h5py.version.version, "hdf5": h5py.version.hdf5_version}
+
+
+def worker_backend(cfg: Config, me: Rank, local_rank: int) -> tuple[str, object]:
+    """(all workers) Resolve the backend and, for cupy, select this worker's GPU before anything is allocated.
+
+    Returns (backend, DeviceInfo or None). Raises BackendUnavailable (cupy requested, but cupy or a
+    device is missing) or DeviceError.
+    """
+    count, why = (0, "") if cfg.backend == "numpy" else cuda_probe()  # numpy: cupy is never imported
+    backend = resolve_backend(cfg.backend, count)
+    if backend != "cupy":
+        # a GPU node that cannot run cupy, or device buffers asked for where there is no device
+        gpu_only = [flag for flag, on in (("--cuda-aware on", cfg.cuda_aware == "on"),
+                                          ("--conv-algo autotune", cfg.conv_algo == "autotune")) if on]
+        if cfg.backend == "auto" and (why.startswith("CUDA failed") or gpu_only):
+            dropped = "".join(f"; {flag} does not apply" for flag in gpu_only)
+            print(f"mpiasgd: warning (rank {me.rank} on {me.host}): --backend auto runs on the CPU (numpy): "
+                  f"{why}{dropped}{visible_hint()}", file=sys.stderr, flush=True)
+        return backend, None
+    try:
+        ops = get_backend("cupy")
+    except BackendUnavailable as e:
+        raise BackendUnavailable(f"--backend cupy: {e}{visible_hint()}") from None
+    device = use_device(assign_device(local_rank, count), me.rank, me.host)
+    ops.set_conv_algo(cfg.conv_algo)
+    try:  # on the selected device: a kernel that does not compile stops start-up (autotune: every tile's)
+        ops.compile_kernels(autotune=cfg.conv_algo == "autotune")
+    except RuntimeError as e:
+        raise BackendUnavailable(f"--backend cupy: {e}") from None
+    return backend, device
+
+
+def autotune_convs(cfg: Config, dataset: Any, first: int = 0, last: int | None = None) -> list[str]:
+    """(cupy workers, --conv-algo autotune) One forward/backward of layers first..last-1 (default: the
+    whole model; a pipeline unit: its module's) on a throwaway copy of the model, so that every conv
+    pass this worker trains with picks its tile now (the backend's conv plans) and not in the first
+    training step. The input: the training set's first `batch_size` images, or for a module after
+    the first, standard-normal activations of the shape it receives. Returns the plans' descriptions
+    (tile chosen, ms per call of each tile). Raises BackendUnavailable naming the failure."""
+    from mpiasgd.model import build_model
+
+    model = build_model(cfg.model, "cupy")
+    ops, layers = model.ops, model.layers[first:last]
+    try:
+        model.bind(ops.asarray(model.init_params(cfg.seed)), ops.zeros(model.num_params))
+        if first == 0:
+            x, _ = dataset.batch("train", np.arange(cfg.batch_size), np.random.default_rng(cfg.seed))
+        else:
+            x = np.random.default_rng(cfg.seed).standard_normal((cfg.batch_size, *model.shapes[first - 1]))
+        h = ops.asarray(x)
+        for layer in layers:
+            h = layer.forward(h)
+        d = ops.asarray(np.full(h.shape, 1.0 / h.size))  # the backward passes' speed does not depend on values
+        for layer in reversed(layers):
+            d = layer.backward(d)
+    except Exception as e:  # a CUDA error or a launch refused: a start-up error with its cause, not a traceback
+        raise BackendUnavailable(f"--conv-algo autotune: the tuning step at start-up failed ({type(e).__name__}: "
+                                 f"{e})") from e
+    return [plan.describe() for plan in ops.conv_plans()]
+
+
+def setup(cfg: Config, me: Rank, mode: Mode, local_rank: int = 0) -> Startup:
+    """Per-rank start-up; returns what the role needs. Raises one of STARTUP_ERRORS on bad input.
+
+    `local_rank` is a worker's index among the workers of its node (its GPU, modulo visible devices).
+    """
+    from mpiasgd.model import build_model
+
+    if me.size < 2:
+        raise ConfigError(f"mpiasgd train needs at least 2 MPI ranks (1 parameter server + workers), got {me.size}; "
+                          "launch it with e.g. 'mpiexec -n 3 python -m mpiasgd train'")
+    data_dir = cfg.data_dir or default_data_dir()
+    dataset = load_dataset(cfg.dataset_name, data_dir)
+    backend, device = ("numpy", None) if me.is_server else worker_backend(cfg, me, local_rank)
+    model = build_model(cfg.model, backend)  # the server keeps host weights: always numpy
+    if tuple(dataset.train_x.shape[1:]) != tuple(model.input_shape):
+        raise ConfigError(f"model '{cfg.model}' takes inputs {tuple(model.input_shape)}, dataset "
+                          f"'{cfg.dataset_name}' has images {tuple(dataset.train_x.shape[1:])}")
+    slow = sorted(r for r in cfg.stragglers() if r > me.num_workers)
+    if slow:
+        raise ConfigError(f"config key 'straggler' = {cfg.straggler!r}: rank(s) {slow} are not workers "
+                          f"(workers are ranks 1..{me.num_workers})")
+    layout = mode.layout(cfg, model, me.num_workers, dataset.train_y.size)
+    smallest_shard = dataset.train_y.size // layout.shards
+    if smallest_shard and cfg.batch_size > smallest_shard:  # 0: the sampler names too many workers
+        raise ConfigError(f"config key 'batch_size' = {cfg.batch_size}: larger than the smallest worker shard "
+                          f"({smallest_shard} images: {dataset.train_y.size} over {layout.shards} shards)")
+    out = Startup(mode, dataset, model, backend, device, layout)
+    if me.is_server:
+        open_run_log(cfg, me, out)
+        return out
+    # validates: more workers than samples is a DataError naming both numbers
+    out.sampler = ShardSampler(dataset.train_y.size, layout.shards, layout.shard[me.rank], cfg.seed)
+    out.test_idx = np.array_split(np.arange(dataset.test_y.size, dtype=np.int64), me.num_workers)[me.rank - 1]
+    query = getattr(MPI, "Query_cuda_support", None)
+    if backend == "cupy" and cfg.cuda_aware == "auto" and query is None:
+        query = mpix_cuda_support()  # mpi4py's PyPI wheels lack Query_cuda_support: ask libmpi itself
+    cuda_aware = backend == "cupy" and resolve_cuda_aware(cfg.cuda_aware, query)
+    out.staging = make_staging(backend, cuda_aware, model.num_params)  # buffers reused every step
+    out.make_staging = lambda: make_staging(backend, cuda_aware, model.num_params)  # --overlap: a second one
+    return out
+
+
+def open_run_log(cfg: Config, me: Rank, out: Startup) -> None:
+    """(rank 0) The run log's path, its writer lock, and on --resume the checkpoint (checked against this
+    job): into `out`. ConfigError / FileExistsError naming the file."""
+    out.path = os.path.join(cfg.run_dir, run_name(cfg, me.num_workers) + ".h5")
+    if cfg.resume:
+        ckpt = out.checkpoint = checkpoint.load(cfg.resume)
+        if ckpt.num_workers != me.num_workers:
+            raise ConfigError(f"--resume: checkpoint '{cfg.resume}' was written by a run with {ckpt.num_workers} "
+                              f"workers; this job has {me.num_workers} (launch {1 + ckpt.num_workers} ranks)")
+        # the log lives next to its checkpoint, wherever the job is started from
+        out.path = os.path.join(os.path.dirname(os.path.abspath(cfg.resume)), os.path.basename(ckpt.log))
+        check_fits(ckpt, cfg, me, out.model)
+    log_dir = os.path.dirname(out.path) or "."
+    what = (f"--resume {cfg.resume!r}: the checkpoint's directory" if cfg.resume
+            else f"config key 'run_dir' = {cfg.run_dir!r}")
+    if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        raise ConfigError(f"{what}: is a file, expected a directory")
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot create it ({e.strerror})") from None
+    if not os.access(log_dir, os.W_OK):
+        raise ConfigError(f"{what}: directory is not writable")
+    out.lock = WriterLock(out.path)
+    out.lock.acquire("--resume: another job is writing this run's log; wait for it to end" if cfg.resume
+                     else "choose another --name")  # held until the log is closed, or the process dies
+    left = left_behind(out.path, out.lock)  # by a job that died writing this run (its temporaries go)
+    if os.path.exists(out.path) and not cfg.overwrite and not cfg.resume:
+        out.lock.release()
+        raise FileExistsError(f"run log '{out.path}' exists; choose another --name or pass --overwrite"
+                              + (f" ({left})" if left else ""))
+    if cfg.resume and os.path.exists(out.path):
+        owner = run_id_of(out.path)
+        if owner and out.checkpoint.run_id and owner != out.checkpoint.run_id:
+            out.lock.release()
+            raise ConfigError(f"--resume: run log '{out.path}' belongs to another run (run id {owner}) than "
+                              f"checkpoint '{cfg.resume}' (run id {out.checkpoint.run_id}): it was overwritten "
+                              f"since; move it away to resume into a new log")
+    if left:
+        print(f"mpiasgd: note: {left}", file=sys.stderr, flush=True)
+
+
+def worker_info(me: Rank, start: Startup, threads: int) -> WorkerInfo:
+    """(workers) This worker's start-up record, for rank 0."""
+    dev = start.device
+    module, replica = start.layout.place.get(me.rank, (-1, -1))
+    return WorkerInfo(rank=me.rank, host=me.host, pid=os.getpid(), threads=threads, backend=start.backend,
+                      shard_size=len(start.sampler), device=-1 if dev is None else dev.index,
+                      device_name="" if dev is None else dev.name, device_uuid="" if dev is None else dev.uuid,
+                      transfer=start.staging.kind, module=module, replica=replica, autotune=tuple(start.autotune))
+
+
+def check_fits(ckpt: checkpoint.Checkpoint, cfg: Config, me: Rank, model: Any) -> None:
+    """ConfigError unless checkpoint `ckpt` fits this job: its mode, model, parameter count, worker ranks."""
+    where = f"--resume: checkpoint '{cfg.resume}'"
+    if (ckpt.mode, ckpt.model) != (cfg.mode, cfg.model):
+        raise ConfigError(f"{where} holds a '{ckpt.mode}' run of model '{ckpt.model}', its config says "
+                          f"'{cfg.mode}' and '{cfg.model}'")
+    if ckpt.params.size != model.num_params:
+        raise ConfigError(f"{where} holds {ckpt.params.size} parameters, model '{cfg.model}' has {model.num_params}")
+    ranks = sorted(int(r) for r in ckpt.workers["rank"])
+    if ranks != list(range(1, me.num_workers + 1)):
+        raise ConfigError(f"{where} holds workers {ranks}, this job has workers 1..{me.num_workers}")
+    if not ckpt.log.endswith(".h5"):
+        raise ConfigError(f"{where} names its run log {ckpt.log!r}, expected NAME.h5")
+def left_behind(path: str, lock: WriterLock) -> str:
+    """(server only, holding `lock`, the writer lock of the run log at `path`) What a job that died while
+    writing this run left behind, in one line ("" if nothing): its log with status "running" (its
+    writer is gone: this job holds the lock; a resume recovers and continues it, --overwrite replaces
+    it) and the temporary checkpoint files of processes that no longer exist, which are removed here
+    (`checkpoint.remove_stale_temporaries`: a live process's file is kept)."""
+    from mpiasgd.runlog import clear_stale_flags, open_log
+
+    removed = checkpoint.remove_stale_temporaries(checkpoint.checkpoint_path(path))
+    parts = []
+    try:
+        clear_stale_flags(path, check_writer=False)  # its writer was killed with the file open (we hold the lock)
+        with open_log(path) as f:
+            status = f.attrs.get("status", "")
+    except OSError:  # no log (or not one): nothing to say about it
+        status = ""
+    if (status.decode() if isinstance(status, bytes) else status) == "running":
+        parts.append("it with status 'running' (readable up to its last flush)")
+    if removed:
+        names = ", ".join(f"'{name}'" for name in removed)
+        what = ("files", "processes that no longer exist") if len(removed) > 1 else ("file", "a process that no "
+                                                                                              "longer exists")
+        parts.append(f"the temporary checkpoint {what[0]} {names} (of {what[1]}: removed)")
+    if not parts:
+        return ""
+    who = f" (rank 0 was pid {lock.dead_pid})" if lock.dead_pid else ""
+    return f"a job that died writing run log '{path}'{who} left " + " and ".join(parts)
+
+
+def run_id_of(path: str) -> str:
+    """The `run_id` attribute of the run log at `path` ("" for logs written before run ids, or unreadable)."""
+    from mpiasgd.runlog import open_log
+
+    try:
+        with open_log(path) as f:
+            value = f.attrs.get("run_id", "")
+    except OSError:
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def tune_convs(cfg: Config, me: Rank, start: Startup, turns: list[int]) -> bool:
+    """Collective (--conv-algo autotune): each GPU worker times the conv tiles of the layers it computes
+    (`autotune_convs`; the mode's layout says which) at its turn (`device.tuning_turns`: workers sharing
+    a GPU one after another), its plans kept in `start.autotune` for the start-up gather. True if any
+    rank failed (reported once by rank 0, as every start-up error)."""
+    for turn in range(max(turns, default=-1) + 1):
+        error = None
+        if turns[me.rank] == turn:
+            first, last = start.layout.layers[me.rank]
+            try:
+                start.autotune = autotune_convs(cfg, start.dataset, first, last)
+            except STARTUP_ERRORS as e:
+                error = str(e)
+        if report_startup_errors(me, error):
+            return True
+    return False
+
+
+def report_startup_errors(me: Rank, error: str | None) -> bool:
+    """Collective: gather every rank's start-up error; rank 0 prints them once. True if any rank failed."""
+    errors = me.comm.allgather(error)
+    if not any(errors):
+        return False
+    if me.is_server:
+        by_text: dict[str, list[int]] = {}
+        for r, text in enumerate(errors):
+            if text:
+                by_text.setdefault(text, []).append(r)
+        for text, ranks in by_text.items():
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+            print(f"mpiasgd: error ({who}): {text}", file=sys.stderr, flush=True)
+    return True
+
+

@@ -1,0 +1,334 @@
+"""`--mode async`: asynchronous SGD through a parameter server (GPU A-SGD, Paine et al. 2013, arXiv
+1312.6186; Downpour SGD, Dean et al. 2012), with nsync, --overlap and the warm start.
+
+Rank 0 applies every PUSH the moment it arrives,
+
+    staleness = version (server, before the update) - base version (the push was computed from)
+    nsync = 1:  w <- SGD-momentum step of w with the pushed gradient scaled by f(staleness)
+                (v <- momentum v + f g + wd w; w <- w - lr v: see optim.SGD)
+    nsync = K:  w <- w + f(staleness) * u, u = the worker's accumulated update over K local steps
+    version <- version + 1
+
+and answers with the new weights (WEIGHTS, carrying the step size for the worker's local steps),
+so no worker ever waits for another. f is 1, or with `--staleness-lr inverse` 1 / max(1,
+staleness) (Zhang et al. 2016, arXiv 1511.05950; `sqrt`: 1 / sqrt(max(1, staleness))).
+
+A worker (ranks 1..N):
+
+    pull w (version v)  ->  nsync = 1: one gradient g on w;            push g (base version v)
+                            nsync = K: K local SGD steps from w to w'; push w' - w (base version v)
+
+`--overlap` posts the pull and computes the next minibatch on the weights at hand while the reply
+is in flight: the gradient pushed at step t was computed on the weights of the reply to push t-2
+instead of t-1 (one more step of staleness), and the wait for the reply overlaps compute.
+
+`--warm-start S`: only worker rank 1 gets its first weights at start-up; the others get theirs
+once S seconds have passed (GPU A-SGD's warm start).
+
+A push whose payload is not finite is rejected (not applied, counted per worker, answered with the
+current weights); `--max-rejects` of them in a row from one worker stop the run with an error. Once a
+stopping rule fires, each worker's next push is answered with STOP and the final weights instead;
+the worker evaluates its slice of the test set and sends EVAL. Rank 0 holds the whole training
+state, so it checkpoints it itself.
+
+Buffers: on rank 0 the master weights move between the workers' send buffers: an update writes
+them into the buffer of the worker it answers, so a reply costs no copy. On a worker the model's
+flat parameter vector IS the payload of a receive buffer and its flat gradient vector IS the payload
+of a send buffer (numpy backend; a GPU worker's `Staging` moves them). A receive is posted before the
+push it answers is sent; a buffer is written only after its send completed and read only after its
+receive completed. With `--overlap` there are two of each.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpiasgd import checkpoint
+from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
+from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, need
+from mpiasgd.optim import SGD, LocalSGD, Schedule, apply_delta, finite_square, fraction_done, staleness_factor
+from mpiasgd.rank0.role import Role
+
+STALENESS_LR = ("none", "inverse", "sqrt")
+
+
+class AsgdServer(Role):
+    """(rank 0) The parameter server: master weights `params` (float32 (P,)), the optimizer, and a reply
+    to every push; see the module docstring. `decay_mask` (float32 (P,)) marks the weights that take
+    weight decay."""
+
+    checkpoints_here = True
+    snapshots_here = True
+
+    def __init__(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray) -> None:
+        super().__init__(r0, params)
+        cfg = self.cfg
+        self.optimizer = SGD(params, decay_mask, cfg.momentum, cfg.weight_decay)
+        self.schedule = Schedule.of(cfg)
+        self.inbox = {w: Message(params.size) for w in self.workers}
+        self.outbox = {w: Message(params.size) for w in self.workers}
+        self.started: set[int] = set()        # workers sent their first weights (--warm-start holds back some)
+        self.held_s = dict.fromkeys(self.workers, 0.0)  # ssp: how long the last reply to each worker was held
+
+    # --- the loop's questions ---
+    def handlers(self) -> dict:
+        return {Tag.PUSH: self.on_push, Tag.EVAL: self.on_eval}
+
+    def buffer_for(self, tag: Tag, source: int) -> Message | None:
+        return self.inbox[source] if tag == Tag.PUSH else None
+
+    def begin(self) -> None:
+        """Send the first weights: to every worker, or (--warm-start, not on a resume) to the first one only."""
+        if self.cfg.warm_start > 0 and len(self.workers) > 1 and self.rec.resumed is None:
+            first = self.workers[0]
+            self.started.add(first)
+            self.send(first, Tag.WEIGHTS, step=0, initial=True)
+            self.rec.event("warm_start", f"worker rank {first} trains alone for {self.cfg.warm_start:g} s", at=0.0)
+        else:
+            self.start_workers()
+
+    def tick(self) -> None:
+        self.rec.check_stop()
+        if len(self.started) < len(self.workers) and (self.rec.now() >= self.cfg.warm_start or self.rec.stop_reason):
+            self.start_workers()
+
+    def waits_for_rank0(self, w: int) -> bool:
+        return w not in self.started
+
+    def state(self, reason: str) -> checkpoint.Checkpoint:
+        """The training state now: rank 0 holds all of it."""
+        velocity = self.optimizer.velocity
+        return self.rec.checkpoint(self.params, np.zeros_like(self.params) if velocity is None else velocity,
+                                   reason, {w: (self.last_step[w], self.cursor[w]) for w in self.workers},
+                                   self.rec.train_time())
+
+    def restore(self, ckpt: checkpoint.Checkpoint) -> None:
+        super().restore(ckpt)
+        if self.optimizer.velocity is not None:
+            self.optimizer.velocity[:] = ckpt.momentum
+
+    # --- sends ---
+    def local_lr(self) -> float:
+        """The step size a worker's nsync local steps use: the schedule at the middle of its next round
+        (K minibatches by each of the N workers ahead), so that warm-up does not start them at 0."""
+        rec = self.rec
+        ahead = 0.5 * self.cfg.nsync * self.cfg.batch_size * len(self.workers) / rec.num_train
+        epoch = rec.epoch + ahead
+        return self.schedule(epoch, fraction_done(rec.rule, epoch, rec.version, rec.train_time()))
+
+    def send(self, w: int, tag: Tag, step: int, initial: bool = False) -> None:
+        """Post the current weights to worker `w` from its send buffer (copied there unless they live there).
+
+        The master weights move between the send buffers: an update writes them into the buffer of
+        the worker it answers, so a reply costs no copy. A buffer is written only after its previous
+        send completed; the master weights are only read while a send from their buffer is in flight.
+        """
+        self.out[w].take(0)
+        out = self.outbox[w]
+        if out.payload is not self.params:
+            out.payload[:] = self.params
+        flags = Flag.PREEMPT if tag == Tag.STOP and self.r0.preempted else 0
+        if initial and self.rec.resumed is not None:  # the worker continues its step count and data position
+            flags |= Flag.RESUME
+        out.stamp(tag, self.rank, step=step, version=self.rec.version, flags=flags, cursor=self.cursor[w],
+                  elapsed=self.rec.train_time(), lr=self.local_lr() if self.cfg.nsync > 1 else 0.0)
+        self.post(w, out, tag)
+
+    def start_workers(self) -> None:
+        """Send the first weights to every worker not started yet (at start-up, or when the warm start ends)."""
+        rec = self.rec
+        late = [w for w in self.workers if w not in self.started]
+        if self.started:
+            text = (f"the run stopped before the warm start ended: workers {late} never trained" if rec.stop_reason
+                    else f"the other workers start at version {rec.version}")
+            rec.event("warm_start_end", text)
+            if rec.stop_reason:
+                print(f"mpiasgd: warning: {text} (--warm-start {self.cfg.warm_start:g} s)", file=sys.stderr,
+                      flush=True)
+        self.on_start(late)
+        for w in late:
+            self.started.add(w)
+            self.r0.last_seen[w] = rec.now()
+            self.send(w, Tag.STOP if rec.stop_reason else Tag.WEIGHTS, step=self.last_step[w], initial=True)
+            if rec.stop_reason:
+                self.stopped.add(w)
+
+    def on_start(self, workers: list[int]) -> None:
+        """`workers` get their first weights now (ssp: their clocks start at the slowest's)."""
+
+    def reply(self, w: int, step: int) -> None:
+        """Answer push `step` of worker `w`: WEIGHTS, or STOP once a stopping rule fired."""
+        if self.rec.stop_reason:
+            self.stopped.add(w)
+            self.send(w, Tag.STOP, step)
+        else:
+            self.send(w, Tag.WEIGHTS, step)
+
+    def answer(self, w: int, step: int) -> None:
+        """How a push is answered: at once (ssp may hold it)."""
+        self.reply(w, step)
+
+    # --- a push ---
+    def on_push(self, w: int, msg: Message) -> None:
+        rec, cfg = self.rec, self.cfg
+        h = msg.header
+        step, base = self.check_push(w, msg)
+        delta = bool(int(h["flags"]) & Flag.DELTA)
+        if delta != (cfg.nsync > 1):
+            raise ProtocolError(f"rank 0: PUSH step {step} from worker rank {w} carries "
+                                f"{'an accumulated update' if delta else 'a gradient'}, but nsync is "
+                                f"{cfg.nsync} (expected {'an update' if cfg.nsync > 1 else 'a gradient'})")
+        self.last_step[w] = step
+        if int(h["flags"]) & Flag.PREEMPT:
+            self.r0.signal_from(f"a signal received by worker rank {w}")
+        staleness = rec.version - base
+        grad = msg.payload
+        finite, square = finite_square(grad)
+        rejected = not finite
+        applied = not rejected and not rec.stop_reason  # after the stop decision pushes are drained
+        lr = 0.0
+        if applied:
+            factor = staleness_factor(cfg.staleness_lr, staleness)
+            # the new weights are written straight into w's send buffer (its previous send has completed:
+            # w pushed after receiving it), which then holds the master weights until the next update
+            self.out[w].take(0)
+            out = self.outbox[w].payload
+            if delta:  # already scaled by the worker's own step size: added, scaled by the staleness rule only
+                lr = float(h["lr"]) * factor
+                self.params = self.optimizer.params = apply_delta(self.params, grad, factor, out=out)
+            else:  # the staleness factor scales the gradient entering the momentum, not the velocity's step
+                step_size = self.schedule(rec.epoch, rec.fraction_done())
+                self.params = self.optimizer.step(grad, step_size, out=out, grad_scale=factor)
+                lr = step_size * factor  # logged: the step this push's gradient enters with
+            rec.version += 1
+            rec.samples += int(h["samples"])
+            self.cursor[w] = int(h["cursor"])
+            rec.count_staleness(staleness)
+            rec.update(version=rec.version, lr=lr, grad_norm=math.sqrt(square))
+            rec.training_loss(float(h["loss"]), int(h["correct"]), int(h["samples"]))
+            rec.check_stop()
+        rec.push(worker=w, step=step, base_version=base, version=rec.version, staleness=staleness, loss=h["loss"],
+                 correct=h["correct"], samples=h["samples"], epoch=h["epoch"], compute_s=h["compute_s"],
+                 comm_s=h["comm_s"], wait_s=h["wait_s"], applied=applied, lr=lr, rejected=rejected,
+                 held_s=self.held_s[w])
+        if rejected:
+            self.cursor[w] = int(h["cursor"])
+            rec.reject(w, step)  # after its row is logged: may stop the run
+        else:
+            rec.accept(w)
+        self.held_s[w] = 0.0
+        self.answer(w, step)
+
+
+class AsgdWorker(WorkerLoop):
+    """(workers) Push gradients (or nsync-step updates) and pull weights until rank 0 says STOP."""
+
+    def train(self) -> None:
+        cfg, model, rank = self.cfg, self.model, self.rank
+        ops = model.ops
+        # one staging, or two with --overlap: the weights of one reply are in use while the next arrives
+        stagings = [self.staging, self.make_staging()] if cfg.overlap else [self.staging]
+        n = len(stagings)
+        pushes = SendSlots(stagings, "push", rank, cfg.worker_timeout)  # slot (step % n) sends push `step`
+        cur = 0  # the staging whose params hold the weights in use
+        request = self.comm.Irecv(stagings[cur].recv_buf, source=0, tag=MPI.ANY_TAG)
+        tag, wait_s = self.receive_weights(request, stagings[cur], "initial weights from the parameter server "
+                                           "(rank 0)", timeout=cfg.worker_timeout + cfg.warm_start, initial=True)
+        began = time.perf_counter() - self.elapsed
+        local = LocalSGD(model, cfg.momentum, cfg.weight_decay) if cfg.nsync > 1 else None
+        pulled = ops.empty(model.num_params) if local else None  # the weights at the start of this round
+        reply = None  # --overlap: (request, staging index) of the reply in flight
+        comm_s = 0.0
+        version = self.version  # the version of the weights in use
+        bound = None
+        while tag == Tag.WEIGHTS:
+            lr = float(stagings[cur].weights.header["lr"])  # step size of local steps (nsync > 1)
+            out = (self.step + 1) % n  # the staging whose send buffer takes this push
+            t = time.perf_counter()
+            pushes.take(out)
+            t0 = time.perf_counter()
+            comm_s += t0 - t
+            if bound != (cur, out):
+                model.bind(stagings[cur].params, stagings[out].grads)
+                bound = (cur, out)
+            if local is not None:
+                pulled[...] = model.params
+            loss = correct = samples = epoch = 0
+            for _ in range(cfg.nsync):
+                batch_loss, batch_correct, batch_samples, epoch = self.gradient()
+                loss += batch_loss * batch_samples
+                correct += batch_correct
+                samples += batch_samples
+                if local is not None:
+                    local.step(lr)
+                    if cfg.max_time and time.perf_counter() - began >= cfg.max_time:
+                        break  # --max-time: push what this round has, the server then stops the run
+            if local is not None:  # the accumulated update: the weights now minus the weights at the start
+                model.grads[...] = model.params
+                model.grads -= pulled
+            stagings[out].finish_compute()  # cupy: device sync point
+            self.straggle(t0)
+            t1 = time.perf_counter()
+            if reply is not None:  # --overlap: the reply to the previous push, usually here already
+                request, cur = reply
+                reply = None
+                tag, wait_s = self.receive_weights(request, stagings[cur], f"reply to push step {self.step} from "
+                                                   "the parameter server (rank 0)")
+                if tag == Tag.STOP:
+                    break  # the gradient just computed is dropped: the server takes no push after STOP
+            t2 = time.perf_counter()
+            self.step += 1
+            stagings[out].push.stamp(Tag.PUSH, rank, step=self.step, version=version, samples=samples, epoch=epoch,
+                                     correct=correct, loss=loss / samples, compute_s=t1 - t0, comm_s=comm_s,
+                                     wait_s=wait_s, lr=lr, cursor=self.cursor,
+                                     flags=(Flag.DELTA if local is not None else 0)
+                                     | (Flag.PREEMPT if self.signalled() else 0))
+            stagings[out].before_send()  # cupy: gradient device->host (pinned) or header host->device (CUDA-aware)
+            into = (cur + 1) % n  # --overlap: the reply lands in the staging not in use
+            request = self.comm.Irecv(stagings[into].recv_buf, source=0, tag=MPI.ANY_TAG)
+            pushes.post(out, self.comm.Isend(stagings[out].send_buf, dest=0, tag=int(Tag.PUSH)))
+            comm_s = time.perf_counter() - t2
+            if cfg.overlap:
+                reply = (request, into)
+                version = self.version  # the weights now in use came with the reply received above
+                continue
+            tag, wait_s = self.receive_weights(
+                request, stagings[into], f"reply to push step {self.step} from the parameter server (rank 0)")
+            cur, version = into, self.version
+        pushes.drain()
+        model.bind(stagings[cur].params, stagings[cur].grads)  # the final weights
+
+
+class AsgdMode(Mode):
+    name = "async"
+    asynchronous = True
+
+    def check_config(self, cfg: Any) -> None:
+        need(cfg.nsync >= 1, cfg, "nsync", "an integer >= 1")
+        need(math.isfinite(cfg.warm_start) and cfg.warm_start >= 0, cfg, "warm_start", "seconds >= 0")
+        need(cfg.staleness_lr in STALENESS_LR, cfg, "staleness_lr", f"one of {STALENESS_LR}")
+
+    def layout(self, cfg: Any, model: Any, num_workers: int, num_train: int) -> Any:
+        from mpiasgd.config import ConfigError
+
+        if cfg.nsync > 1 and cfg.epochs and cfg.nsync * cfg.batch_size * num_workers > cfg.epochs * num_train:
+            raise ConfigError(f"config key 'nsync' = {cfg.nsync}: one round of local steps by every worker "
+                              f"({cfg.nsync} x {cfg.batch_size} images x {num_workers} workers) is longer than the "
+                              f"run ({cfg.epochs:g} epochs of {num_train} images)")
+        return super().layout(cfg, model, num_workers, num_train)
+
+    def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,
+              layout: Any) -> AsgdServer:
+        return AsgdServer(r0, params, decay_mask)
+
+    def worker(self, job: WorkerJob) -> AsgdWorker:
+        return AsgdWorker(job)
+
+
+MODE = AsgdMode()

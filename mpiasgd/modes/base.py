@@ -1,0 +1,220 @@
+"""What a training mode is: a `Mode` (checks, layout of the ranks, communicators, its two halves)
+and the machinery its worker loop shares with the others (`WorkerLoop`).
+
+A mode module defines `MODE`, an instance of a `Mode` subclass; `mpiasgd.modes.registry` names
+it. Start-up (`mpiasgd.launch`) and rank 0's loop (`mpiasgd.rank0`) call only these methods, so
+neither knows any mode.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpiasgd import signals
+from mpiasgd.comms import Flag, Message, ProtocolError, Staging, Tag, check, check_size, parse_tag, wait
+from mpiasgd.config import ConfigError
+from mpiasgd.data import MinibatchStream, ShardSampler
+from mpiasgd.model import evaluate
+
+
+@dataclass
+class Layout:
+    """How a mode lays the workers out: `shards` data shards, worker w reads shard `shard[w]`, computes
+    layers `layers[w]` = (first, last) of the model (last None: to the end), and sits at `place[w]` =
+    (module, replica) of a grid (-1, -1 where there is none; the log's /workers table shows it);
+    `attrs` go into the run log's attributes (e.g. the pipeline's module bounds)."""
+
+    shards: int
+    shard: dict[int, int]
+    layers: dict[int, tuple[int, int | None]]
+    attrs: dict = field(default_factory=dict)
+    place: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @classmethod
+    def data_parallel(cls, num_workers: int) -> Layout:
+        """One shard per worker, each computing the whole model."""
+        workers = range(1, num_workers + 1)
+        return cls(num_workers, {w: w - 1 for w in workers}, dict.fromkeys(workers, (0, None)))
+
+
+@dataclass
+class WorkerJob:
+    """Everything a worker loop gets at start-up. `comm` reaches rank 0; `sampler` is this worker's
+    shard; `test_idx` (int64) the test images it evaluates at the end; `staging` how the model's
+    params/grads meet the MPI buffers (default: the numpy backend's, no copies) and `make_staging()`
+    one more like it; `comms` the mode's own communicators (`Mode.communicators`); `layout` the
+    mode's layout."""
+
+    comm: Any
+    cfg: Any
+    model: Any
+    dataset: Any
+    sampler: ShardSampler
+    rank: int
+    test_idx: np.ndarray = field(default_factory=lambda: np.arange(0, dtype=np.int64))
+    staging: Staging | None = None
+    make_staging: Any = None
+    comms: Any = None
+    layout: Layout | None = None
+
+
+class Mode:
+    """A training mode. Subclasses override what differs; the defaults are those of data parallelism
+    with every worker computing the whole model on its own shard."""
+
+    name = ""
+    asynchronous = False  # the training rows come from different weights at once (the divergence watch)
+
+    def check_config(self, cfg: Any) -> None:
+        """ConfigError naming a key this mode owns that is out of range. `config.validate` calls every mode's
+        (the keys of other modes are at their defaults, which pass), before it checks that the keys of
+        other modes than `cfg.mode` are at their defaults."""
+
+    def layout(self, cfg: Any, model: Any, num_workers: int, num_train: int) -> Layout:
+        """The workers' layout for `num_workers` workers; ConfigError when the job does not fit the mode."""
+        return Layout.data_parallel(num_workers)
+
+    def communicators(self, cfg: Any, comm: Any, rank: int, layout: Layout) -> Any:
+        """Collective (every rank calls it): the mode's worker-only communicators; None on rank 0."""
+        return None
+
+    def describe(self, cfg: Any, model: Any, layout: Layout, num_workers: int) -> str:
+        """Lines rank 0 prints at start-up about the layout ("" for nothing)."""
+        return ""
+
+    def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,
+              layout: Layout) -> Any:
+        """The mode's rank-0 role (`mpiasgd.rank0.role.Role`) for the loop `r0`; `params` are the initial
+        weights (float32 (P,), host), `model` a numpy model and `dataset` the data, for roles that
+        evaluate on rank 0."""
+        raise NotImplementedError
+
+    def worker(self, job: WorkerJob) -> WorkerLoop:
+        """The mode's worker loop."""
+        raise NotImplementedError
+
+
+def need(ok: bool, cfg: Any, key: str, expected: str) -> None:
+    """ConfigError "config key 'KEY' = VALUE: expected EXPECTED" unless `ok`."""
+    if not ok:
+        raise ConfigError(f"config key '{key}' = {getattr(cfg, key)!r}: expected {expected}")
+
+
+class WorkerLoop:
+    """A worker's loop (ranks 1..N): what every mode's worker shares.
+
+    `gradient()` forward and backward on the next minibatch of the worker's stream; `straggle()`
+    (--straggler) emulates a slower device; `receive_weights()` takes WEIGHTS or STOP from rank 0
+    with every check; `run()` trains (`train`, the mode's) then evaluates the final weights on the
+    worker's test slice and sends EVAL (0 images when a signal ended the run).
+    """
+
+    def __init__(self, job: WorkerJob) -> None:
+        self.job = job
+        self.comm, self.cfg, self.model, self.dataset = job.comm, job.cfg, job.model, job.dataset
+        self.rank = job.rank
+        self.num_train = job.dataset.train_y.size
+        self.staging = job.staging or Staging(job.model.num_params)
+        self.make_staging = job.make_staging or (lambda: Staging(job.model.num_params))
+        self.stream = MinibatchStream(job.dataset, job.sampler, self.cfg.batch_size, self.cfg.seed, self.rank)
+        self.step = 0
+        self.version = -1
+        self.slowdown = self.cfg.stragglers().get(self.rank, 1.0)  # compute time multiplier of this worker
+        self.elapsed = 0.0               # seconds of training before this job (a resumed run)
+        self.preempted = False           # rank 0's STOP said: a signal ended the run
+
+    @property
+    def cursor(self) -> int:
+        """Minibatches drawn from the shard: the data position."""
+        return self.stream.cursor
+
+    def resume(self, header: np.void) -> None:
+        """Continue from the initial WEIGHTS of a resumed run (flag RESUME): step count, data position, clock."""
+        self.step, self.elapsed = int(header["step"]), float(header["elapsed"])
+        self.stream.seek(int(header["cursor"]))
+
+    def gradient(self) -> tuple[float, int, int, int]:
+        """Forward and backward on the next minibatch into the bound grads; (loss, correct, samples, epoch)."""
+        ops = self.model.ops
+        x, y, epoch = self.stream.next()                   # (B, C, H, W) float32, (B,) int64, host
+        x, y = ops.asarray(x), ops.asarray(y, y.dtype)     # cupy: host -> device; numpy: the same arrays
+        loss, correct = self.model.forward_backward(x, y)
+        return loss, correct, y.shape[0], epoch
+
+    def straggle(self, t0: float) -> None:
+        """--straggler: emulate a device `slowdown` times slower than this one (sleep for the difference)."""
+        if self.slowdown > 1:
+            time.sleep((self.slowdown - 1) * (time.perf_counter() - t0))
+
+    def receive_weights(self, request: Any, staging: Staging, what: str, timeout: float = 0.0,
+                        initial: bool = False) -> tuple[Tag, float]:
+        """Wait for WEIGHTS or STOP from rank 0 into `staging.recv_buf`; returns (tag, seconds waited).
+
+        After it returns, `staging.weights.header` and `staging.params` hold what arrived. The `initial`
+        weights of a resumed run (flag RESUME) set the step, data position and clock (`resume`).
+        """
+        status = MPI.Status()
+        waited = wait(request, what, self.rank, timeout or self.cfg.worker_timeout, status)
+        staging.after_receive()  # cupy: weights host->device (pinned) or the header device->host (CUDA-aware)
+        weights = staging.weights
+        tag = parse_tag(status.Get_tag(), status.Get_source(), self.rank)
+        if tag not in (Tag.WEIGHTS, Tag.STOP):
+            raise ProtocolError(f"rank {self.rank}: expected WEIGHTS or STOP from rank 0, got {tag.name}")
+        check_size(tag, 0, self.rank, status.Get_count(MPI.BYTE), weights.count)
+        check(weights, tag, 0, self.rank)
+        version, step = int(weights.header["version"]), int(weights.header["step"])
+        flags = int(weights.header["flags"])
+        if initial and flags & Flag.RESUME:
+            self.resume(weights.header)
+        if tag == Tag.STOP and flags & Flag.PREEMPT:
+            self.preempted = True
+        if step != self.step or version < self.version:
+            raise ProtocolError(f"rank {self.rank}: {tag.name} answers step {step} at version {version}; "
+                                f"expected step {self.step} at version >= {self.version}")
+        self.version = version
+        return tag, waited
+
+    def receive_state(self, count: int) -> Message:
+        """(resuming) The CHECKPOINT rank 0 sends after the initial weights: this worker's optimizer state."""
+        state = Message(count)
+        status = MPI.Status()
+        wait(self.comm.Irecv(state.buf, source=0, tag=int(Tag.CHECKPOINT)),
+             "the optimizer state of the checkpoint from rank 0", self.rank, self.cfg.worker_timeout, status)
+        check_size(Tag.CHECKPOINT, 0, self.rank, status.Get_count(MPI.BYTE), state.count)
+        check(state, Tag.CHECKPOINT, 0, self.rank)
+        return state
+
+    def stop_arrived(self, request: Any, msg: Message) -> bool:
+        """Rank 0's header-only STOP, whose receive `request` into `msg` was posted at the start, has arrived
+        (checked: ProtocolError if it is not a STOP from rank 0)."""
+        if request is None or not request.Test():
+            return False
+        check(msg, Tag.STOP, 0, self.rank)
+        return True
+
+    def signalled(self) -> bool:
+        """A signal reached this process (SIGTERM, SIGUSR1, SIGINT)."""
+        return bool(signals.received())
+
+    def train(self) -> None:
+        """The mode's loop; on return the model is bound to the final weights."""
+        raise NotImplementedError
+
+    def run(self) -> bool:
+        """Train until the run stops, then evaluate the final weights on this worker's test slice.
+
+        Returns True if a signal ended the run (preempted: no evaluation, an EVAL of 0 images is sent).
+        """
+        self.train()
+        loss_sum = correct = count = 0
+        if not self.preempted:
+            loss_sum, correct, count = evaluate(self.model, self.dataset, self.job.test_idx, self.cfg.eval_batch_size)
+        result = Message(0).stamp(Tag.EVAL, self.rank, samples=count, correct=correct, loss=loss_sum)
+        sending = self.comm.Isend(result.buf, dest=0, tag=int(Tag.EVAL))
+        wait(sending, "completion of the EVAL send", self.rank, self.cfg.worker_timeout)
+        return self.preempted

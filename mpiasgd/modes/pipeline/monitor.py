@@ -1,0 +1,183 @@
+"""Rank 0 of the pipeline mode (see `mpiasgd.modes.pipeline`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mpiasgd.comms import Flag, Message, ProtocolError, Tag
+from mpiasgd.model import evaluate
+from mpiasgd.modes.sync import Replicas
+from mpiasgd.rank0.role import Role
+
+
+class PipelineMonitor(Role):
+    """(server only, pipeline mode) Sends each unit its module's initial weights, logs every REPORT
+    (pushes table: one row per unit per iteration, staleness = the module's delay), assembles the
+    snapshots replica 0 sends into whole-model snapshots, and at the end evaluates the final
+    weights on the test set itself (numpy). Never updates weights.
+
+    `bounds` are the module cuts; `model` (numpy) and `dataset` are used for the final evaluation.
+    Checkpoints: replica 0's units send their module's weights and velocity after every drain
+    (CHECKPOINT); once all K have arrived for the same drain, rank 0 writes the file. A signal
+    (here, or flagged in a unit's REPORT) becomes a STOP with flag PREEMPT to every module 0.
+    """
+
+    checkpoints_here = False
+
+    def __init__(self, r0: Any, params: np.ndarray, model: Any, dataset: Any, bounds: list[int]) -> None:
+        super().__init__(r0, params)
+        self.model, self.dataset, self.bounds = model, dataset, bounds
+        self.K = len(bounds) - 1
+        self.N = len(self.workers) // self.K
+        self.replicas = Replicas()
+        self.ranges = [model.param_range(bounds[k], bounds[k + 1]) for k in range(self.K)]
+        self.inbox = {w: Message(self.size_of(w)) for w in self.workers}
+        self.pieces: dict[tuple, set] = {}      # snapshot (segment, iteration) -> modules received
+        self.ended: set[int] = set()
+        self.final: set[int] = set()
+        self.ckpt_params, self.ckpt_momentum = np.zeros_like(params), np.zeros_like(params)
+        self.ckpt_pieces: dict[int, dict] = {}  # minibatches done at a drain -> {module: its steps}
+        self.ckpt_inboxes: dict[int, Message] = {}
+        self.final_checkpoint = False
+
+    def module_of(self, w: int) -> int:
+        return (w - 1) % self.K
+
+    def size_of(self, w: int) -> int:
+        start, stop = self.ranges[self.module_of(w)]
+        return stop - start
+
+    def handlers(self) -> dict:
+        return {Tag.REPORT: self.on_report, Tag.SNAPSHOT: self.on_snapshot, Tag.CHECKPOINT: self.on_checkpoint}
+
+    def buffer_for(self, tag: Tag, source: int) -> Message:
+        if tag == Tag.CHECKPOINT:  # the module's weights and velocity
+            if source not in self.ckpt_inboxes:
+                self.ckpt_inboxes[source] = Message(2 * self.size_of(source))
+            return self.ckpt_inboxes[source]
+        return self.inbox[source] if tag == Tag.SNAPSHOT else None
+
+    def begin(self) -> None:
+        """Each unit's module slice; on a resume flagged RESUME (iterations, minibatches and seconds done),
+        followed by the slice of the velocity (CHECKPOINT)."""
+        ck = self.rec.resumed
+        for w in self.workers:
+            start, stop = self.ranges[self.module_of(w)]
+            out = Message(stop - start)
+            out.payload[:] = self.params[start:stop]
+            if ck is None:
+                out.stamp(Tag.WEIGHTS, 0, version=0)
+            else:
+                out.stamp(Tag.WEIGHTS, 0, version=self.rec.version, step=self.last_step[w], cursor=self.cursor[w],
+                          elapsed=ck.elapsed, flags=Flag.RESUME)
+                self.send_state(w, ck.momentum[start:stop])
+            self.out[w].take(0)
+            self.post(w, out, Tag.WEIGHTS)
+
+    def on_preempt(self) -> None:
+        """Module 0 of every replica hears of it (STOP, flag PREEMPT) and ends the segment there."""
+        self.stop_workers()
+
+    def stop_workers(self) -> None:
+        """A STOP to module 0 of every replica (flag PREEMPT on a signal; without it the run ends with the
+        final evaluation, as at the stopping rule)."""
+        for w in self.workers:
+            if self.module_of(w) == 0:
+                self.send_stop(w)
+
+    def on_checkpoint(self, w: int, msg: Message) -> None:
+        if w > self.K:
+            raise ProtocolError(f"rank 0: CHECKPOINT from unit rank {w}; only replica 0 (ranks 1..{self.K}) "
+                                f"sends them")
+        h, k = msg.header, self.module_of(w)
+        start, stop = self.ranges[k]
+        total = int(h["version"])
+        self.ckpt_params[start:stop] = msg.payload[: stop - start]
+        self.ckpt_momentum[start:stop] = msg.payload[stop - start:]
+        got = self.ckpt_pieces.setdefault(total, {})
+        got[k] = int(h["step"])
+        if len(got) < self.K:
+            return
+        del self.ckpt_pieces[total]
+        flags = int(h["flags"])
+        reason = "preempt" if flags & Flag.PREEMPT else "end" if flags & Flag.FINAL else "interval"
+        steps = {u: (got[self.module_of(u)], total) for u in self.workers}
+        ckpt = self.rec.checkpoint(self.ckpt_params, self.ckpt_momentum, reason, steps, float(h["elapsed"]))
+        ckpt.version, ckpt.samples = total, total * self.cfg.batch_size * self.N
+        self.rec.write_checkpoint(ckpt)
+        self.final_checkpoint = bool(flags & Flag.FINAL)
+
+    def done(self) -> bool:
+        return len(self.ended) == len(self.workers) and len(self.final) == self.K and self.final_checkpoint
+
+    def waiting_for(self) -> list[int]:
+        return [w for w in self.workers if w not in self.ended]
+
+    def on_report(self, w: int, msg: Message) -> None:
+        rec = self.rec
+        h = msg.header
+        t, version, flags = int(h["step"]), int(h["version"]), int(h["flags"])
+        if w in self.ended:
+            raise ProtocolError(f"rank 0: REPORT iteration {t} from unit rank {w} after its last iteration")
+        if t != self.last_step[w]:
+            raise ProtocolError(f"rank 0: REPORT from unit rank {w} has iteration {t}, expected "
+                                f"{self.last_step[w]} (duplicate or out-of-order report)")
+        self.last_step[w] = t + 1
+        applied = not flags & Flag.WARMUP
+        k = self.module_of(w)
+        if applied and k == self.K - 1 and w <= self.K:  # the last module of replica 0: one minibatch done
+            rec.version = int(h["epoch"]) + 1
+            rec.samples = rec.version * self.cfg.batch_size * self.N
+            rec.update(version=rec.version, lr=float(h["lr"]))
+            rec.training_loss(float(h["loss"]), int(h["correct"]), int(h["samples"]))
+        nonfinite = bool(flags & Flag.NONFINITE)
+        staleness = t - version if applied or nonfinite else 0
+        if applied:
+            rec.count_staleness(staleness)
+        rec.push(worker=w, step=t, base_version=version, version=t, staleness=staleness, loss=h["loss"],
+                 correct=h["correct"], samples=h["samples"], epoch=h["epoch"], compute_s=h["compute_s"],
+                 comm_s=h["comm_s"], wait_s=h["wait_s"], applied=applied, lr=h["lr"], rejected=nonfinite,
+                 digest=h["digest"])
+        self.replicas.check(k, t, w, int(h["digest"]), self.N)
+        if nonfinite:  # the module's replicas skipped this update together
+            rec.event("skip", f"iteration {t}: module {k} (unit rank {w}) got a non-finite gradient for minibatch "
+                              f"{int(h['epoch'])}; update skipped")
+            rec.reject(w, t)
+        elif applied:
+            rec.accept(w)
+        if flags & Flag.PREEMPT:
+            self.r0.signal_from(f"a signal received by unit rank {w} (module {k})" if k and not flags & Flag.END
+                                else "a signal reached the pipeline (module 0 ends the run)")
+        if flags & Flag.LAST:
+            rec.stop(f"the stopping rule after {int(h['step']) + 1} minibatches per replica")
+        if flags & Flag.END:
+            self.ended.add(w)
+            if k == 0:
+                self.send_stop(w)
+
+    def on_snapshot(self, w: int, msg: Message) -> None:
+        if w > self.K:
+            raise ProtocolError(f"rank 0: SNAPSHOT from unit rank {w}; only replica 0 (ranks 1..{self.K}) sends them")
+        k = self.module_of(w)
+        start, stop = self.ranges[k]
+        self.params[start:stop] = msg.payload
+        if int(msg.header["flags"]) & Flag.FINAL:
+            self.final.add(k)
+            return
+        key = (int(msg.header["cursor"]), int(msg.header["step"]))  # (segment, iteration in it)
+        got = self.pieces.setdefault(key, set())
+        got.add(k)
+        if len(got) == self.K:  # every module's weights after the same iteration: a whole-model snapshot
+            del self.pieces[key]
+            self.rec.snapshot(self.params)
+
+    def final_evals(self, preempted: str) -> dict:
+        """Evaluate the final weights on the whole test set here (numpy; not when preempted)."""
+        if preempted:
+            return {}
+        weights = self.params.copy()
+        self.model.bind(weights, np.zeros_like(weights))
+        idx = np.arange(self.dataset.test_y.size, dtype=np.int64)
+        return {1: evaluate(self.model, self.dataset, idx, self.cfg.eval_batch_size)}

@@ -1,0 +1,357 @@
+"""A pipeline unit: module k of replica n (see `mpiasgd.modes.pipeline`)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpiasgd.comms import (
+    Flag,
+    Interval,
+    Message,
+    ProtocolError,
+    SendSlots,
+    Tag,
+    check,
+    check_size,
+    wait,
+    weights_digest,
+)
+from mpiasgd.data import MinibatchStream
+from mpiasgd.modes.base import WorkerJob, WorkerLoop
+from mpiasgd.modes.pipeline.partition import Module
+from mpiasgd.optim import LocalSGD, Schedule, StopRule, finite_square, fraction_done
+
+
+class Segment:
+    """The state of one segment of a unit: from minibatch `base` to the drain."""
+
+    def __init__(self, unit: PipelineUnit, base: int) -> None:
+        k, K = unit.k, unit.K
+        self.base = base
+        self.ctrl = np.zeros(3, dtype=np.float64)  # [elapsed seconds, preempt, halt], max over the module's replicas
+        self.snapshots = Interval(unit.cfg.snapshot_interval, 0.0)
+        self.snapshot_at = -1          # the iteration after which replica 0 sends a snapshot
+        self.total: int | None = None  # minibatches done at the segment's end, once module 0 decided
+        self.ending = 0                # Flag bits of the end: LAST (a drain), FINAL (the run ends), PREEMPT
+        self.stored: deque = deque()   # (minibatch, input, stashed weights or None), at most delay + 1
+        self.act_req = (unit.pipe.Irecv(unit.acts_in[base % 2].buf, source=k - 1, tag=int(Tag.ACTIVATION))
+                        if k > 0 else None)
+        self.grad_req = (unit.pipe.Irecv(unit.grads_in[base % 2].buf, source=k + 1, tag=int(Tag.GRADIENT))
+                         if k < K - 1 else None)
+
+    def running(self, m: int) -> bool:
+        """Minibatch m belongs to this segment (started, and not past its end once that is known)."""
+        return m >= self.base and (self.total is None or m < self.total)
+
+
+@dataclass
+class Iteration:
+    """What one iteration of a unit reports: REPORT flags, loss and correct count (last module), the
+    input gradient `dx` to send back, the step size, and seconds in communication and waits."""
+
+    flags: int = 0
+    wait_s: float = 0.0
+    comm_s: float = 0.0
+    loss: float = 0.0
+    correct: int = 0
+    lr: float = 0.0
+    dx: Any = None
+
+
+class PipelineUnit(WorkerLoop):
+    """(workers, pipeline mode) Module k of replica n; see `mpiasgd.modes.pipeline`.
+
+    `job.comms` is (pipe, data): the replica's pipeline communicator (rank k) and the module's data
+    communicator (rank n); `job.comm` reaches rank 0; `job.sampler` is the replica's shard; the module
+    bounds are `job.layout.attrs["module_bounds"]`.
+    """
+
+    def __init__(self, job: WorkerJob) -> None:
+        super().__init__(job)
+        cfg = self.cfg
+        self.pipe, self.data = job.comms
+        self.k, self.K = self.pipe.Get_rank(), self.pipe.Get_size()
+        self.n, self.N = self.data.Get_rank(), self.data.Get_size()
+        bounds = job.layout.attrs["module_bounds"]
+        self.module = Module(job.model, bounds[self.k], bounds[self.k + 1])
+        self.ops = job.model.ops
+        self.full = cfg.decoupling == "full"
+        self.delay = (2 if self.full else 1) * (self.K - 1 - self.k)
+        self.schedule, self.rule = Schedule.of(cfg), StopRule.of(cfg)
+
+    def forward_minibatch(self, t: int) -> int:
+        """The minibatch (counted from the segment's first) whose forward this unit runs at iteration t."""
+        return t - self.k if self.full else t
+
+    def receive(self, request: Any, msg: Message, tag: Tag, source: int, m: int, what: str) -> float:
+        """Wait for an ACTIVATION/GRADIENT of minibatch `m`; checks; returns seconds waited."""
+        status = MPI.Status()
+        waited = wait(request, what, self.rank, self.cfg.worker_timeout, status)
+        check_size(tag, source, self.rank, status.Get_count(MPI.BYTE), msg.count)
+        check(msg, tag, status.Get_source(), self.rank)
+        if int(msg.header["step"]) != m:
+            raise ProtocolError(f"rank {self.rank}: {tag.name} for minibatch {int(msg.header['step'])} from "
+                                f"module {source}, expected minibatch {m}")
+        return waited
+
+    def run(self) -> bool:
+        """Train in segments until the run stops; returns True if a signal ended it (preempted). Rank 0
+        evaluates the final weights (the units send no EVAL).
+
+        A segment ends with a drain: module 0 stops starting minibatches, every started one is
+        back-propagated through every module, and replica 0 sends rank 0 each module's weights and
+        velocity (CHECKPOINT). The state after a drain is complete (no minibatch in flight), so a run
+        resumed from it continues exactly as the uninterrupted run did after the same drain.
+        Segments end at the stopping rule, on a signal, and every --checkpoint-interval seconds.
+        """
+        cfg, ops, module, k, rank = self.cfg, self.ops, self.module, self.k, self.rank
+        B, T = cfg.batch_size, cfg.worker_timeout
+        self.in_count = B * int(np.prod(module.in_shape))
+        self.out_count = B * int(np.prod(module.out_shape))
+        # initial weights: this module's slice, from rank 0 (a resumed run: then the velocity)
+        start = Message(module.size)
+        wait(self.comm.Irecv(start.buf, source=0, tag=int(Tag.WEIGHTS)), "initial weights from rank 0", rank, T)
+        check(start, Tag.WEIGHTS, 0, rank)
+        module.params[...] = ops.asarray(start.payload)
+        self.local = LocalSGD(module.model, cfg.momentum, cfg.weight_decay, module.start, module.stop)
+        h = start.header
+        base, t_base, elapsed = 0, 0, 0.0  # minibatches and iterations done, seconds trained
+        if int(h["flags"]) & Flag.RESUME:
+            base, t_base, elapsed = int(h["cursor"]), int(h["step"]), float(h["elapsed"])
+            self.local.velocity[...] = ops.asarray(self.receive_state(module.size).payload)
+        first, last = k == 0, k == self.K - 1
+        self.acts_in = [Message(self.in_count), Message(self.in_count)] if not first else None
+        self.grads_in = [Message(self.out_count), Message(self.out_count)] if not last else None
+        self.acts_out = SendSlots([Message(self.out_count) for _ in range(2 * (not last))], "activation", rank, T)
+        self.grads_out = SendSlots([Message(self.in_count) for _ in range(2 * (not first))], "gradient", rank, T)
+        self.reports = SendSlots([Message(0), Message(0)], "REPORT", rank, T)
+        self.snaps = SendSlots([Message(module.size)] if self.n == 0 else [], "SNAPSHOT", rank, T)
+        self.ckpts = SendSlots([Message(2 * module.size)] if self.n == 0 else [], "CHECKPOINT", rank, T)
+        # module 0 hears of a signal on rank 0 (or on another unit) by a STOP; the last STOP ends the run
+        self.stop = Message(0) if first else None
+        self.stop_req = self.comm.Irecv(self.stop.buf, source=0, tag=int(Tag.STOP)) if first else None
+        # module 0 draws the images (stream 1 + n: the replica's); the last module only the labels
+        self.stream = MinibatchStream(self.dataset, self.job.sampler, B, cfg.seed, 1 + self.n, base)
+        self.labels = (MinibatchStream(self.dataset, self.job.sampler, B, cfg.seed, 1 + self.n, base)
+                       if module.is_last and k > 0 else self.stream)
+        self.began = time.perf_counter() - elapsed
+        self.checkpoints = Interval(cfg.checkpoint_interval, elapsed)
+        final = False
+        while not final:
+            base, t_base, final = self.segment(base, t_base)
+        for slots in (self.acts_out, self.grads_out, self.reports, self.snaps, self.ckpts):
+            slots.drain()
+        if k == 0:
+            wait(self.stop_req, "STOP from rank 0 after the last iteration", rank, T)
+        return self.preempted
+
+    def segment(self, base: int, t_base: int) -> tuple[int, int, bool]:
+        """Iterations from minibatch `base` (the first of the segment) until the drain; the unit's
+        iterations so far are `t_base`. Returns (minibatches done, iterations done, the run ended).
+
+        Iteration t: the control allreduce (one clock for the replicas), the forward of the newest
+        minibatch m_f (`forward`), the backward of the one `delay` older, m_b (`backward`), the update
+        with its gradient averaged over the replicas (`update`), the REPORT, and replica 0's snapshot."""
+        seg = Segment(self, base)
+        t = 0
+        while True:
+            t0 = time.perf_counter()
+            signal, wait_s = self.control(seg, t0)
+            m_f = base + self.forward_minibatch(t)
+            m_b = m_f - self.delay
+            it = Iteration(flags=Flag.PREEMPT if signal else 0, wait_s=wait_s)
+            if seg.running(m_f):
+                self.forward(seg, it, t, m_f)
+            applied = seg.running(m_b)
+            if applied:
+                self.backward(seg, it, m_b)
+                self.update(seg, it, m_b)
+            else:
+                it.flags |= Flag.WARMUP
+            if self.slowdown > 1:  # --straggler: emulate a unit `slowdown` times slower than this one
+                time.sleep((self.slowdown - 1) * (time.perf_counter() - t0 - it.wait_s - it.comm_s))
+            drained = seg.total is not None and m_b == seg.total - 1
+            finished = drained and bool(seg.ending & Flag.FINAL)
+            if finished:
+                it.flags |= Flag.END | (seg.ending & Flag.PREEMPT)
+                self.preempted = bool(seg.ending & Flag.PREEMPT)
+            self.report(t_base + t, m_f, m_b if applied else -1, it.flags, it.loss, it.correct, applied,
+                        time.perf_counter() - t0 - it.wait_s - it.comm_s, it.comm_s, it.wait_s, it.lr)
+            if self.n == 0 and (t == seg.snapshot_at or finished):
+                self.send_snapshot(t, base, m_b + 1, finished)
+            if drained:
+                if self.n == 0:
+                    self.send_checkpoint(t_base + t + 1, seg.total, seg.ending, seg.ctrl[0])
+                return seg.total, t_base + t + 1, finished
+            t += 1
+
+    def control(self, seg: Segment, t0: float) -> tuple[bool, float]:
+        """The control allreduce of an iteration: seg.ctrl = [elapsed seconds, preempt, halt], max over the
+        module's replicas. A STOP from rank 0 is a signal there (flag PREEMPT) or --on-divergence stop
+        (halt: the run ends as at the stopping rule, with the final evaluation). Returns (this unit's own
+        signal, seconds waited)."""
+        stopped = self.stop_arrived(self.stop_req, self.stop)
+        halt = stopped and not int(self.stop.header["flags"]) & Flag.PREEMPT
+        signal = self.signalled() or (stopped and not halt)
+        seg.ctrl[:] = t0 - self.began, float(signal), float(halt)
+        if self.N == 1:
+            return signal, 0.0
+        request = self.data.Iallreduce(MPI.IN_PLACE, seg.ctrl, op=MPI.MAX)
+        return signal, wait(request, "completion of the control allreduce", self.rank, self.cfg.worker_timeout)
+
+    def forward(self, seg: Segment, it: Iteration, t: int, m_f: int) -> None:
+        """The forward of minibatch m_f: module 0 reads it (and decides where the segment ends), a later
+        module takes the activation module k-1 sent; the output goes on to module k+1 (the input kept
+        for the backward), or the last module computes the loss and its backward at once."""
+        ops, module, k = self.ops, self.module, self.k
+        y = None
+        if k == 0:
+            x, y, _ = self.stream.next()  # minibatch m_f: the stream's cursor is m_f
+            x = ops.asarray(x)
+            self.decide_end(seg, it, t, m_f)
+        else:
+            x = self.take_activation(seg, it, m_f)
+        h = module.forward(x)
+        if module.is_last:  # loss and backward at once: delay 0
+            y = self.dataset.train_y[self.labels.next_indices()[1]] if k > 0 else y
+            it.loss, it.correct, it.dx = module.loss_backward(h, ops.asarray(y, y.dtype))
+            return
+        out = self.acts_out.take(m_f)
+        out.payload[:] = ops.to_numpy(h).ravel()
+        out.stamp(Tag.ACTIVATION, k, step=m_f, version=seg.snapshot_at,
+                  flags=(seg.ending | Flag.LAST) if seg.total == m_f + 1 else 0)
+        t1 = time.perf_counter()
+        self.acts_out.send(self.pipe, m_f, k + 1, int(Tag.ACTIVATION))
+        it.comm_s += time.perf_counter() - t1
+        stashed = ops.zeros(module.size) if self.cfg.weight_stashing else None
+        if stashed is not None:
+            stashed[...] = module.params
+        seg.stored.append((m_f, x, stashed))
+
+    def decide_end(self, seg: Segment, it: Iteration, t: int, m_f: int) -> None:
+        """(module 0) Whether the segment ends with minibatch m_f, on the replicas' clock: a signal (FINAL,
+        PREEMPT), a halt or the stopping rule (FINAL), or the checkpoint interval (LAST: a drain); and
+        (replica 0) the iteration after which every module sends a snapshot."""
+        ctrl, K = seg.ctrl, self.K
+        if seg.total is None:
+            B = self.cfg.batch_size
+            if ctrl[1]:
+                seg.ending = Flag.FINAL | Flag.PREEMPT
+            elif ctrl[2] or self.rule.reason((m_f + 1) * B * self.N, self.num_train, m_f + 1, ctrl[0]):
+                seg.ending = Flag.FINAL
+            elif self.checkpoints.due(ctrl[0]):
+                seg.ending = Flag.LAST
+            if seg.ending:
+                seg.total = m_f + 1
+                self.checkpoints.restart(ctrl[0])
+                if seg.ending & Flag.FINAL:  # rank 0 logs the stop now (and why); the drain follows
+                    it.flags |= Flag.LAST | (seg.ending & Flag.PREEMPT)
+        if self.n == 0 and seg.snapshot_at < t and seg.total is None and seg.snapshots.due(ctrl[0]):
+            # every module has heard of it by then (full: module k at t + k; backward: at t)
+            seg.snapshot_at = t + (K - 1 if self.full else 0)
+
+    def take_activation(self, seg: Segment, it: Iteration, m_f: int) -> Any:
+        """(module k > 0) The activation of minibatch m_f from module k-1 (a copy: the buffer is reused);
+        its flags say whether the segment ends there and how."""
+        k = self.k
+        msg = self.acts_in[m_f % 2]
+        it.wait_s += self.receive(seg.act_req, msg, Tag.ACTIVATION, k - 1, m_f,
+                                  f"activation of minibatch {m_f} from module {k - 1}")
+        if int(msg.header["flags"]) & Flag.LAST:  # the segment's last minibatch; how it ends
+            seg.total = m_f + 1
+            seg.ending = int(msg.header["flags"]) & (Flag.LAST | Flag.FINAL | Flag.PREEMPT)
+        seg.snapshot_at = max(seg.snapshot_at, int(msg.header["version"]))
+        x = self.ops.asarray(np.array(msg.payload.reshape(self.cfg.batch_size, *self.module.in_shape)))
+        seg.act_req = None
+        if seg.total is None:  # the next activation lands in the other buffer
+            seg.act_req = self.pipe.Irecv(self.acts_in[(m_f + 1) % 2].buf, source=k - 1, tag=int(Tag.ACTIVATION))
+        return x
+
+    def backward(self, seg: Segment, it: Iteration, m_b: int) -> None:
+        """The backward of minibatch m_b with the gradient module k+1 sent back (the last module did it in
+        `forward`), then the input gradient to module k-1, shrunk by beta."""
+        ops, module, k = self.ops, self.module, self.k
+        if not module.is_last:
+            msg = self.grads_in[m_b % 2]
+            it.wait_s += self.receive(seg.grad_req, msg, Tag.GRADIENT, k + 1, m_b,
+                                      f"gradient of minibatch {m_b} from module {k + 1}")
+            dy = ops.asarray(msg.payload.reshape(self.cfg.batch_size, *module.out_shape))
+            m, x, stashed = seg.stored.popleft()
+            if m != m_b:
+                raise ProtocolError(f"rank {self.rank}: stored input of minibatch {m}, backward of {m_b}")
+            if stashed is not None:
+                module.bind(stashed)
+            module.forward(x)  # rebuild the layer caches for this minibatch
+            it.dx = module.backward(dy)
+            if stashed is not None:
+                module.bind(module.params)
+            seg.grad_req = None
+            if seg.total is None or m_b + 1 < seg.total:
+                seg.grad_req = self.pipe.Irecv(self.grads_in[(m_b + 1) % 2].buf, source=k + 1,
+                                               tag=int(Tag.GRADIENT))
+        if k > 0:
+            out = self.grads_out.take(m_b)
+            out.payload[:] = ops.to_numpy(it.dx).ravel()
+            if self.cfg.shrink != 1.0:
+                out.payload *= np.float32(self.cfg.shrink)
+            out.stamp(Tag.GRADIENT, k, step=m_b)
+            t1 = time.perf_counter()
+            self.grads_out.send(self.pipe, m_b, k - 1, int(Tag.GRADIENT))
+            it.comm_s += time.perf_counter() - t1
+
+    def update(self, seg: Segment, it: Iteration, m_b: int) -> None:
+        """Average the module gradient over the replicas and step, or skip a non-finite one (every replica
+        alike: the check follows the allreduce; rank 0 counts it, --max-rejects)."""
+        ops, module = self.ops, self.module
+        if self.N > 1:
+            host = ops.to_numpy(module.grads)
+            request = self.data.Iallreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+            it.wait_s += wait(request, "completion of the gradient allreduce", self.rank, self.cfg.worker_timeout)
+            module.grads[...] = ops.asarray(host)
+            module.grads *= np.float32(1.0 / self.N)
+        if finite_square(module.grads)[0]:
+            done = m_b * self.cfg.batch_size * self.N / self.num_train
+            it.lr = self.schedule(done, fraction_done(self.rule, done, m_b, seg.ctrl[0]))
+            self.local.step(it.lr, module.params, module.grads)
+        else:
+            it.flags |= Flag.NONFINITE | Flag.WARMUP
+
+    def send_snapshot(self, t: int, base: int, version: int, final: bool) -> None:
+        """(replica 0) This module's weights after iteration t of the segment starting at minibatch `base`:
+        (cursor, step) = (base, t) are the same for every module, so rank 0 assembles a whole model."""
+        snap = self.snaps.take(0)
+        snap.payload[:] = self.ops.to_numpy(self.module.params)
+        snap.stamp(Tag.SNAPSHOT, self.rank, step=t, cursor=base, version=version, flags=Flag.FINAL if final else 0)
+        self.snaps.send(self.comm, 0, 0, int(Tag.SNAPSHOT))
+
+    def send_checkpoint(self, steps: int, total: int, ending: int, elapsed: float) -> None:
+        """(replica 0, after a drain) This module's weights and velocity to rank 0, which writes the
+        checkpoint once every module's has arrived: `steps` iterations and `total` minibatches done."""
+        P = self.module.size
+        ckpt = self.ckpts.take(0)
+        ckpt.payload[:P] = self.ops.to_numpy(self.module.params)
+        ckpt.payload[P:] = self.ops.to_numpy(self.local.velocity)
+        ckpt.stamp(Tag.CHECKPOINT, self.rank, step=steps, version=total, cursor=total, elapsed=elapsed,
+                   flags=ending & (Flag.FINAL | Flag.PREEMPT))
+        self.ckpts.send(self.comm, 0, 0, int(Tag.CHECKPOINT))
+
+    def report(self, t: int, m_f: int, m_b: int, flags: int, loss: float, correct: int,
+               applied: bool, compute_s: float, comm_s: float, wait_s: float, lr: float) -> None:
+        """REPORT of iteration t to rank 0: version = the iteration whose forward the applied gradient used;
+        digest = CRC-32 of the module's weights (N > 1: rank 0 checks that the replicas agree)."""
+        report = self.reports.take(t)
+        # samples: counted once per minibatch, by the last module (the pushes table sums them)
+        samples = self.cfg.batch_size if applied and self.module.is_last else 0
+        digest = weights_digest(self.ops.to_numpy(self.module.params)) if self.N > 1 else 0
+        report.stamp(Tag.REPORT, self.rank, step=t, version=t - self.delay if m_b >= 0 else -1, epoch=m_b,
+                     samples=samples, correct=correct, loss=loss, compute_s=compute_s, comm_s=comm_s, wait_s=wait_s,
+                     lr=lr, flags=flags, digest=digest)
+        self.reports.send(self.comm, t, 0, int(Tag.REPORT))
+
+

@@ -1,0 +1,115 @@
+"""The training modes: name, implementing module, help, and the config keys each one owns.
+
+This file is read by the config (flags, TOML keys, validation) without importing any mode's code,
+so reading a run log or printing `--help` never starts MPI. A mode is added by one module in
+`mpiasgd/modes/` (a `MODE` object: see `mpiasgd.modes.base.Mode`) and one entry here: its
+`ModeSpec` and the `Option`s it owns.
+
+A key owned by other modes must keep its default (ConfigError naming the key and the modes that
+take it), so a flag never silently does nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Option:
+    """A config key (TOML key `name`, flag `--name-with-dashes`) owned by the modes in `modes`.
+
+    `type` is "int" | "float" | "str" | "bool"; `help` is one line with its unit; `group` the
+    heading it is listed under in `--help`.
+    """
+
+    name: str
+    default: Any
+    type: str
+    help: str
+    modes: tuple[str, ...]
+    group: str = "parallelism"
+    fixed_on_resume: bool = False  # a resumed run keeps it: the state it continues only fits that value
+    label: str = ""                # how report tables name a run's variant, e.g. "s={}" (str.format of the value)
+    always: bool = False           # label it at its default too (else only when set otherwise)
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """`name` (the `--mode` value), `module` (defines `MODE`), a one-line `help`, and `note`: what a key
+    of another mode is not, here (named when such a key is set)."""
+
+    name: str
+    module: str
+    help: str
+    note: str = ""
+
+
+PS_MODES = ("async", "ssp")  # the parameter-server modes of GPU A-SGD
+
+MODES: dict[str, ModeSpec] = {spec.name: spec for spec in (
+    ModeSpec("async", "mpiasgd.modes.asgd", "A-SGD through the parameter server"),
+    ModeSpec("sync", "mpiasgd.modes.sync", "workers allreduce their gradients every step; rank 0 only logs",
+             note="no parameter server updates"),
+    ModeSpec("ssp", "mpiasgd.modes.ssp", "async, but no worker more than --staleness-bound steps ahead of the "
+             "slowest"),
+    ModeSpec("pipeline", "mpiasgd.modes.pipeline", "decoupled backpropagation: --modules K x --replicas N units, "
+             "Pham and Ahn 2025", note="no parameter server updates"),
+    ModeSpec("easgd", "mpiasgd.modes.easgd", "elastic averaging SGD: workers train locally and every --easgd-tau "
+             "steps move toward rank 0's center variable, which moves toward them (Zhang et al. 2015)"),
+)}
+
+OPTIONS: tuple[Option, ...] = (  # in the order report tables label a variant
+    Option("staleness_bound", 3, "int", "ssp: steps a worker may run ahead of the slowest worker (0 = lockstep); "
+           "steps", ("ssp",), label="s={}", always=True),
+    Option("modules", 2, "int", "pipeline: K, the modules the layer list is cut into (1 = plain backprop)",
+           ("pipeline",), "pipeline", fixed_on_resume=True, label="K={}", always=True),
+    Option("replicas", 0, "int", "pipeline: N, data-parallel replicas of the whole pipeline; 0 = (ranks - 1) / K",
+           ("pipeline",), "pipeline", fixed_on_resume=True),
+    Option("cuts", "", "str", "pipeline: K-1 layer indices where modules start, e.g. '3,6' (default: balanced by "
+           "--balance)", ("pipeline",), "pipeline", fixed_on_resume=True),
+    Option("balance", "flops", "str", "pipeline: automatic cuts balance forward FLOPs | params", ("pipeline",),
+           "pipeline", fixed_on_resume=True),
+    Option("shrink", 1.0, "float", "pipeline: beta, each module scales the input gradient it sends back (module "
+           "k's gradient is scaled by beta^(K-1-k); FDG's gradient shrinking)", ("pipeline",), "pipeline",
+           label="beta={:g}"),
+    Option("decoupling", "full", "str", "pipeline: full (forward and backward decoupled: module k's gradient is "
+           "2(K-1-k) iterations old, FDG) | backward (forward locked: K-1-k, DDG)", ("pipeline",), "pipeline",
+           fixed_on_resume=True, label="{}"),
+    Option("weight_stashing", False, "bool", "pipeline: backward uses the weights the minibatch's forward used "
+           "(PipeDream); default: the current weights", ("pipeline",), "pipeline", label="stashing"),
+    Option("nsync", 1, "int", "async/ssp: local optimizer steps between exchanges; a worker pushes the accumulated "
+           "update (its weights minus the weights it pulled) every NSYNC minibatches (n_push = n_fetch = NSYNC, "
+           "GPU A-SGD / Downpour); 1 = push every gradient", PS_MODES),
+    Option("overlap", False, "bool", "async/ssp: compute the next minibatch on the weights at hand while the pull "
+           "is in flight (hides communication, one more step of staleness)", PS_MODES, label="overlap"),
+    Option("warm_start", 0.0, "float", "async/ssp: worker rank 1 trains alone for this many seconds before the "
+           "others get their first weights (GPU A-SGD's warm start); seconds", PS_MODES, label="warm {:g}s"),
+    Option("staleness_lr", "none", "str", "scale of a pushed gradient of staleness s as it enters the momentum: "
+           "none = 1, inverse = 1/max(1,s), sqrt = 1/sqrt(max(1,s)) (Zhang et al. 2016)", PS_MODES, "optimizer"),
+    Option("easgd_tau", 4, "int", "easgd: local steps between two exchanges with the center variable (tau in "
+           "Zhang et al. 2015); steps", ("easgd",), "easgd", label="tau={}", always=True),
+    Option("easgd_alpha", 0.0, "float", "easgd: the elastic moving rate alpha, 0 < alpha < 1 (each exchange moves "
+           "a worker by alpha (x_i - center) and the center by as much back); 0 = the paper's rule alpha = "
+           "beta / p, beta = 0.9, p = the number of workers", ("easgd",), "easgd", label="alpha={:g}"),
+)
+
+
+def variant(cfg: dict) -> str:
+    """The options that make a run's mode variant, short, from its stored config (a dict): the labels of
+    the keys its mode owns that are set otherwise than by default (or always labelled), e.g. "s=2" (ssp),
+    "K=2 beta=0.5" (pipeline), "tau=4 alpha=0.1" (easgd), "overlap warm 30s" (async)."""
+    mode = cfg.get("mode", "async")
+    parts = []
+    for option in OPTIONS:
+        value = cfg.get(option.name, option.default)
+        if option.label and mode in option.modes and (option.always or value != option.default):
+            parts.append(option.label.format(value))
+    return " ".join(parts)
+
+
+def load(name: str) -> Any:
+    """The `Mode` object of mode `name` (imports its module); KeyError for an unknown name."""
+    import importlib
+
+    return importlib.import_module(MODES[name].module).MODE

@@ -1,0 +1,258 @@
+"""`--mode sync`: synchronous data parallelism; the workers allreduce, rank 0 only logs.
+
+After the initial pull, the workers average their gradients with an allreduce on a communicator
+of workers only and each applies the same SGD step to its own copy, so the copies stay identical;
+rank 0 turns every worker's REPORT into a row of the pushes table (one per worker per step) and
+an updates row per step, stores the SNAPSHOTs the first worker sends, and collects the EVALs.
+
+A max-allreduce of (non-finite flag, elapsed seconds, preempt, halt) comes first every step: a
+non-finite gradient on any worker makes every worker skip that step (logged as an event naming the
+worker; `--max-rejects` such steps in a row from one worker end the run with TrainingDiverged), and
+the stopping rule is judged on one clock for all: their last REPORT carries the flag LAST. The
+first worker also sends the SNAPSHOTs and the CHECKPOINTs (weights and velocity), at intervals
+judged on that clock and at the end. A signal on any worker, or a STOP from rank 0 (a signal there,
+flag PREEMPT, or --on-divergence stop), enters the control allreduce: every worker makes that step
+its last.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpiasgd.comms import Flag, Interval, Message, ProtocolError, SendSlots, Tag, check, wait, weights_digest
+from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop
+from mpiasgd.optim import LocalSGD, Schedule, StopRule, finite_square, fraction_done
+from mpiasgd.rank0.role import Role
+
+
+class Replicas:
+    """(rank 0) Replicas must report the same weight digest for the same step (sync: all workers;
+    pipeline: a module's replicas): RuntimeError naming the step and the ranks at the first difference."""
+
+    def __init__(self) -> None:
+        self.digests: dict[tuple[int, int], tuple] = {}  # (group, step) -> (first digest and rank, ranks seen)
+
+    def check(self, group: int, step: int, w: int, digest: int, replicas: int) -> None:
+        key = (group, step)
+        first, seen = self.digests.get(key, (None, []))
+        seen.append(w)
+        if first is not None and digest != first[0]:
+            raise RuntimeError(f"rank 0: the replicas' weights differ after step {step}: worker rank {w} has "
+                               f"CRC-32 {digest:08x}, worker rank {first[1]} has {first[0]:08x}")
+        if len(seen) == replicas:
+            self.digests.pop(key, None)
+        else:
+            self.digests[key] = (first or (digest, w), seen)
+
+
+class SyncMonitor(Role):
+    """(rank 0) Logs the workers' REPORTs and SNAPSHOTs, writes the CHECKPOINTs the first worker sends."""
+
+    def __init__(self, r0: Any, params: np.ndarray) -> None:
+        super().__init__(r0, params)
+        self.replicas = Replicas()
+        self.snapshot_inbox = Message(params.size)
+        self.checkpoint_inbox: Message | None = None
+
+    def handlers(self) -> dict:
+        return {Tag.REPORT: self.on_report, Tag.SNAPSHOT: self.on_snapshot, Tag.CHECKPOINT: self.on_checkpoint,
+                Tag.EVAL: self.on_eval}
+
+    def buffer_for(self, tag: Tag, source: int) -> Message | None:
+        if tag == Tag.CHECKPOINT:  # weights and velocity
+            if self.checkpoint_inbox is None:
+                self.checkpoint_inbox = Message(2 * self.params.size)
+            return self.checkpoint_inbox
+        return self.snapshot_inbox if tag == Tag.SNAPSHOT else None
+
+    def begin(self) -> None:
+        """The initial weights, and on a resume the checkpoint's velocity (CHECKPOINT), to every worker."""
+        ck = self.rec.resumed
+        for w in self.workers:
+            out = Message(self.params.size)
+            out.payload[:] = self.params
+            flags = Flag.RESUME if ck is not None else 0
+            out.stamp(Tag.WEIGHTS, self.rank, step=self.last_step[w], version=self.rec.version, flags=flags,
+                      cursor=self.cursor[w], elapsed=self.rec.train_time())
+            self.out[w].take(0)
+            self.post(w, out, Tag.WEIGHTS)
+            if ck is not None:
+                self.send_state(w, ck.momentum)
+
+    def on_preempt(self) -> None:
+        """Tell every worker: they end together after the step where the control allreduce hears of it, and
+        the first worker sends the CHECKPOINT of that step."""
+        self.stop_workers()
+
+    def stop_workers(self) -> None:
+        """A STOP to every worker (flag PREEMPT on a signal; without it they end with the final evaluation)."""
+        for w in self.workers:
+            self.send_stop(w)
+
+    def on_checkpoint(self, w: int, msg: Message) -> None:
+        if w != self.workers[0]:
+            raise ProtocolError(f"rank 0: CHECKPOINT from worker rank {w}; only rank {self.workers[0]} sends them")
+        h, P = msg.header, self.params.size
+        flags = int(h["flags"])
+        reason = "preempt" if flags & Flag.PREEMPT else "end" if flags & Flag.FINAL else "interval"
+        step, cursor = int(h["step"]), int(h["cursor"])  # the same on every worker
+        ckpt = self.rec.checkpoint(msg.payload[:P], msg.payload[P:], reason,
+                                   dict.fromkeys(self.workers, (step, cursor)), float(h["elapsed"]))
+        ckpt.version = int(h["version"])
+        ckpt.samples = ckpt.version * self.cfg.batch_size * len(self.workers)
+        self.rec.write_checkpoint(ckpt)
+
+    def on_report(self, w: int, msg: Message) -> None:
+        rec = self.rec
+        h = msg.header
+        step, version, flags = int(h["step"]), int(h["version"]), int(h["flags"])
+        if w in self.stopped:
+            raise ProtocolError(f"rank 0: REPORT step {step} from worker rank {w} after its last step")
+        if step != self.last_step[w] + 1:
+            raise ProtocolError(f"rank 0: REPORT from worker rank {w} has step {step}, expected "
+                                f"{self.last_step[w] + 1} (duplicate or out-of-order report)")
+        self.last_step[w] = step
+        applied, nonfinite = not flags & Flag.SKIPPED, bool(flags & Flag.NONFINITE)
+        if version > rec.version:  # the first report of a step that updated the weights
+            rec.version = version
+            rec.samples = version * self.cfg.batch_size * len(self.workers)
+            rec.update(version=version, lr=float(h["lr"]))
+        rec.training_loss(float(h["loss"]), int(h["correct"]), int(h["samples"]))
+        rec.push(worker=w, step=step, base_version=version - applied, version=version, staleness=0, loss=h["loss"],
+                 correct=h["correct"], samples=h["samples"], epoch=h["epoch"], compute_s=h["compute_s"],
+                 comm_s=h["comm_s"], wait_s=h["wait_s"], applied=applied, lr=h["lr"], rejected=nonfinite,
+                 digest=h["digest"])
+        self.replicas.check(0, step, w, int(h["digest"]), len(self.workers))
+        if nonfinite:
+            rec.event("skip", f"step {step} skipped by every worker: worker rank {w} computed a non-finite gradient")
+            rec.reject(w, step)
+        else:
+            rec.accept(w)
+        if flags & Flag.PREEMPT:  # every worker's last REPORT
+            self.r0.signal_from(f"a signal reached the workers (the control allreduce of step {step}; the worker "
+                                f"it reached printed it)")
+        if flags & Flag.LAST:
+            self.stopped.add(w)
+            self.send_stop(w)
+            rec.stop(f"the workers' stopping rule at step {step} (epoch {rec.epoch:.2f})")
+
+    def on_snapshot(self, w: int, msg: Message) -> None:
+        if w != self.workers[0]:
+            raise ProtocolError(f"rank 0: SNAPSHOT from worker rank {w}; only rank {self.workers[0]} sends them")
+        self.params[:] = msg.payload
+        if not int(msg.header["flags"]) & Flag.FINAL:  # the final weights are logged by the loop's finish
+            self.rec.snapshot(self.params)
+
+
+class SyncWorker(WorkerLoop):
+    """(workers) Allreduce-average gradients with the other workers and step locally until the stopping rule."""
+
+    def train(self) -> None:
+        cfg, model, rank, wc = self.cfg, self.model, self.rank, self.job.comms
+        staging, nworkers = self.staging, wc.Get_size()
+        request = self.comm.Irecv(staging.recv_buf, source=0, tag=MPI.ANY_TAG)
+        tag, _ = self.receive_weights(request, staging, "initial weights from the parameter server (rank 0)",
+                                      initial=True)
+        if tag != Tag.WEIGHTS:
+            raise ProtocolError(f"rank {rank}: expected the initial WEIGHTS from rank 0, got {tag.name}")
+        model.bind(staging.params, staging.grads)
+        local = LocalSGD(model, cfg.momentum, cfg.weight_decay)
+        schedule, rule = Schedule.of(cfg), StopRule.of(cfg)
+        applied = 0
+        if int(staging.weights.header["flags"]) & Flag.RESUME:  # the velocity follows the weights
+            applied = int(staging.weights.header["version"])
+            local.velocity[...] = model.ops.asarray(self.receive_state(model.num_params).payload)
+        stop = Message(0)  # rank 0's STOP: after the last REPORT, at once on a signal (PREEMPT) or a divergence
+        stop_req = self.comm.Irecv(stop.buf, source=0, tag=int(Tag.STOP))
+        leader = wc.Get_rank() == 0  # sends the snapshots and checkpoints
+        reports = SendSlots([Message(0), Message(0)], "REPORT", rank, cfg.worker_timeout)
+        snaps = SendSlots([Message(model.num_params)] if leader else [], "SNAPSHOT", rank, cfg.worker_timeout)
+        ckpts = SendSlots([Message(2 * model.num_params)] if leader else [], "CHECKPOINT", rank, cfg.worker_timeout)
+        ctrl = np.zeros(4, dtype=np.float64)  # [non-finite flag, elapsed seconds, preempt, halt], max-allreduced
+        start = time.perf_counter() - self.elapsed
+        snapshots = Interval(cfg.snapshot_interval, self.elapsed)
+        checkpoints = Interval(cfg.checkpoint_interval, self.elapsed)
+        samples_per_step = cfg.batch_size * nworkers
+        last = False
+        while not last:
+            t0 = time.perf_counter()
+            loss, correct, samples, epoch = self.gradient()
+            staging.finish_compute()
+            self.straggle(t0)
+            t1 = time.perf_counter()
+            grads = model.grads
+            nonfinite = not finite_square(grads)[0]
+            stopped = self.stop_arrived(stop_req, stop)  # early: a signal on rank 0 (PREEMPT), or a divergence
+            halt = stopped and not int(stop.header["flags"]) & Flag.PREEMPT
+            preempt = self.signalled() or (stopped and not halt)
+            ctrl[:] = float(nonfinite), time.perf_counter() - start, float(preempt), float(halt)
+            wait_s = wait(wc.Iallreduce(MPI.IN_PLACE, ctrl, op=MPI.MAX), "completion of the control allreduce", rank,
+                          cfg.worker_timeout)
+            skipped = bool(ctrl[0])
+            self.step += 1
+            lr = 0.0
+            if not skipped:  # every worker takes the same branch: ctrl is identical everywhere
+                buf = staging.grads_to_mpi()
+                request = wc.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+                wait_s += wait(request, "completion of the gradient allreduce", rank, cfg.worker_timeout)
+                staging.grads_from_mpi()
+                grads *= np.float32(1.0 / nworkers)
+                done = applied * samples_per_step / self.num_train
+                lr = schedule(done, fraction_done(rule, done, applied, ctrl[1]))
+                local.step(lr)
+                applied += 1
+            t2 = time.perf_counter()
+            self.preempted = bool(ctrl[2])
+            last = (self.preempted or bool(ctrl[3])
+                    or bool(rule.reason(applied * samples_per_step, self.num_train, applied, ctrl[1])))
+            flags = ((Flag.SKIPPED if skipped else 0) | (Flag.NONFINITE if nonfinite else 0)
+                     | (Flag.LAST if last else 0) | (Flag.PREEMPT if self.preempted else 0))
+            report = reports.take(self.step)
+            digest = weights_digest(model.ops.to_numpy(model.params))  # rank 0 checks the replicas agree
+            report.stamp(Tag.REPORT, rank, step=self.step, version=applied, samples=samples, epoch=epoch,
+                         correct=correct, loss=loss, compute_s=t1 - t0, comm_s=t2 - t1 - wait_s, wait_s=wait_s,
+                         lr=lr, flags=flags, digest=digest, cursor=self.cursor)
+            reports.send(self.comm, self.step, 0, int(Tag.REPORT))
+            if not leader:
+                continue
+            if snapshots.due(ctrl[1]) or last:
+                snapshots.restart(ctrl[1])
+                snap = snaps.take(0)
+                snap.payload[:] = model.ops.to_numpy(model.params)
+                snap.stamp(Tag.SNAPSHOT, rank, step=self.step, version=applied, flags=Flag.FINAL if last else 0)
+                snaps.send(self.comm, 0, 0, int(Tag.SNAPSHOT))
+            if checkpoints.due(ctrl[1]) or last:
+                checkpoints.restart(ctrl[1])
+                ckpt = ckpts.take(0)
+                P = model.num_params
+                ckpt.payload[:P] = model.ops.to_numpy(model.params)
+                ckpt.payload[P:] = model.ops.to_numpy(local.velocity)
+                ckpt.stamp(Tag.CHECKPOINT, rank, step=self.step, version=applied, cursor=self.cursor,
+                           elapsed=ctrl[1], flags=(Flag.FINAL if last else 0) | (Flag.PREEMPT if self.preempted else 0))
+                ckpts.send(self.comm, 0, 0, int(Tag.CHECKPOINT))
+        for slots in (reports, snaps, ckpts):
+            slots.drain()
+        wait(stop_req, "STOP from rank 0 after the last step", rank, cfg.worker_timeout)
+        check(stop, Tag.STOP, 0, rank)
+
+
+class SyncMode(Mode):
+    name = "sync"
+
+    def communicators(self, cfg: Any, comm: Any, rank: int, layout: Any) -> Any:
+        """The workers' own communicator, for the allreduces (rank 0: MPI.COMM_NULL)."""
+        return comm.Split(0 if rank else MPI.UNDEFINED, rank)
+
+    def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,
+              layout: Any) -> SyncMonitor:
+        return SyncMonitor(r0, params)
+
+    def worker(self, job: WorkerJob) -> SyncWorker:
+        return SyncWorker(job)
+
+
+MODE = SyncMode()

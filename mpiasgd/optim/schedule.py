@@ -1,0 +1,101 @@
+"""The learning-rate schedule and the stopping rule: one of each, used by every mode.
+
+Both are plain values built from the run's config (`Schedule.of(cfg)`, `StopRule.of(cfg)` take
+any object with the fields' names), so the optimizer side never sees the whole config. Rank 0
+(async, ssp, easgd), the sync workers and the pipeline's module 0 judge the same rule on their
+own counts:
+
+    samples   images in applied updates (async: pushes applied; sync: steps x workers x batch;
+              pipeline: minibatches per replica x replicas x batch)
+    steps     updates: pushes applied (async, ssp), exchanges (easgd), steps (sync), minibatches per
+              replica (pipeline); `--max-pushes` counts them
+    seconds   training time (`--max-time`), on the judging rank's clock
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+def _pick(cls: type, source: Any) -> Any:
+    return cls(**{f.name: getattr(source, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """The run stops at the first limit reached: `epochs` passes over the training set by all workers
+    together, `max_pushes` updates, `max_time` seconds of training (0 = no such limit)."""
+
+    epochs: float = 0.0
+    max_pushes: int = 0
+    max_time: float = 0.0
+
+    @classmethod
+    def of(cls, source: Any) -> StopRule:
+        return _pick(cls, source)
+
+    def reason(self, samples: int, num_train: int, steps: int, seconds: float) -> str:
+        """Why the run stops after `samples` images of a `num_train`-image training set, `steps`
+        updates and `seconds` of training: "" while no limit is reached, else e.g.
+        "epochs: 2.00 >= 2" (the first limit checked in the order epochs, max_pushes, max_time)."""
+        if self.epochs and samples >= self.epochs * num_train:
+            return f"epochs: {samples / num_train:.2f} >= {self.epochs:g}"
+        if self.max_pushes and steps >= self.max_pushes:
+            return f"max_pushes: {steps} >= {self.max_pushes}"
+        if self.max_time and seconds >= self.max_time:
+            return f"max_time: {seconds:.1f} s >= {self.max_time:g} s"
+        return ""
+
+    def fraction(self, epochs_done: float, steps: int, seconds: float) -> float:
+        return fraction_done(self, epochs_done, steps, seconds)
+
+
+def fraction_done(rule: Any, epochs_done: float, steps: int, elapsed: float) -> float:
+    """Fraction of the run done, in [0, 1], by the stopping rule closest to its limit: `epochs_done`
+    epochs, `steps` updates (pushes, sync steps or pipeline minibatches), `elapsed` seconds.
+    `rule` is a StopRule (or anything with its fields)."""
+    parts = [0.0]
+    if rule.epochs:
+        parts.append(epochs_done / rule.epochs)
+    if rule.max_pushes:
+        parts.append(steps / rule.max_pushes)
+    if rule.max_time:
+        parts.append(elapsed / rule.max_time)
+    return min(1.0, max(parts))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Step size: linear warm-up from 0 to `lr` over `warmup_epochs` (Goyal et al. 2017), then
+    `lr_schedule` constant, step (times `lr_gamma` at each epoch in `lr_milestones`) or cosine
+    (Loshchilov and Hutter 2017: lr/2 * (1 + cos(pi * t)), t the fraction of the run done by the
+    stopping rule closest to its limit)."""
+
+    lr: float = 0.01
+    warmup_epochs: float = 0.0
+    lr_schedule: str = "constant"
+    lr_milestones: tuple = ()
+    lr_gamma: float = 0.1
+
+    @classmethod
+    def of(cls, source: Any) -> Schedule:
+        return _pick(cls, source)
+
+    def __call__(self, epoch: float, progress: float) -> float:
+        return learning_rate(self, epoch, progress)
+
+
+def learning_rate(schedule: Any, epoch: float, progress: float) -> float:
+    """Step size after `epoch` epochs of training, `progress` in [0, 1] the fraction of the run done;
+    `schedule` is a Schedule (or anything with its fields). See `Schedule`."""
+    s = schedule
+    if s.warmup_epochs > 0 and epoch < s.warmup_epochs:
+        return s.lr * epoch / s.warmup_epochs
+    if s.lr_schedule == "step":
+        return s.lr * s.lr_gamma ** sum(epoch >= m for m in s.lr_milestones)
+    if s.lr_schedule == "cosine":
+        return 0.5 * s.lr * (1.0 + math.cos(math.pi * min(1.0, max(0.0, progress))))
+    return s.lr

@@ -1,0 +1,295 @@
+"""Rank 0's loop: probe -> dispatch -> tick, the stall watch, and the preemption grace.
+
+It knows no mode. A mode's `Role` (`mpiasgd.rank0.role`) says which messages rank 0 takes and
+what each does, what it sends first, and when the run is over; the `Recorder` holds the log and
+the figures. The loop itself:
+
+    serve    until role.done(): probe any worker's message, check it against the protocol (tag,
+             sender, size, header), hand it to the role's handler, then tick; every send the role
+             posted is completed before it returns
+    tick     between messages: a signal -> preempt; the role's clock duties (warm start, ssp);
+             the stall watch; the recorder's snapshot and checkpoint intervals, log flush, progress
+    stalls   a worker silent for --comm-timeout (not counting one the role holds, or pauses of
+             rank 0's own process) ends the run naming it; --stall-warning warns first
+    preempt  a signal (here, or flagged by a worker): stop, checkpoint where rank 0 holds the state,
+             end within PREEMPT_GRACE seconds (Preempted naming the workers that did not answer)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+from mpi4py import MPI
+
+from mpiasgd import signals
+from mpiasgd.comms import (
+    PAUSE_GAP,
+    Backoff,
+    CommTimeout,
+    Interval,
+    Message,
+    ProtocolError,
+    Tag,
+    probe,
+    protocol,
+    wait_all,
+)
+from mpiasgd.rank0.recorder import Recorder
+
+PREEMPT_GRACE = 5.0  # seconds the workers have to answer after a preemption signal
+
+
+class WorkerFailed(RuntimeError):
+    """A worker reported an exception (ERROR message); `rank` and `text` (its traceback) are kept."""
+
+    def __init__(self, rank: int, text: str) -> None:
+        super().__init__(f"worker rank {rank} failed:\n{text}")
+        self.rank = rank
+        self.text = text
+
+
+class Preempted(RuntimeError):
+    """The run was preempted and `waiting` workers did not answer within PREEMPT_GRACE seconds (hung),
+    or (`dead`) their processes had exited when the signal came: the launcher is ending the job
+    because a rank died. The checkpoint is written; the job must be aborted."""
+
+    def __init__(self, why: str, waiting: list[int], dead: bool = False) -> None:
+        super().__init__(f"{why}; workers {waiting} " + ("have exited" if dead else
+                                                         f"did not answer within {PREEMPT_GRACE:g} s"))
+        self.why = why
+        self.waiting = waiting
+        self.dead = dead
+
+
+class Rank0:
+    """Rank 0 of a run: serves the workers 1..len(workers) over `comm` with `role` (built by
+    `make_role(rank0)`, a mode's rank-0 part) and records into `rec` (a Recorder).
+
+    `cfg` gives comm_timeout and stall_warning (seconds). `pids` ({worker: (host, pid)}) names dead
+    workers on this host when a signal comes.
+    """
+
+    def __init__(self, comm: Any, cfg: Any, rec: Recorder, make_role: Any, pids: dict | None = None) -> None:
+        self.comm, self.cfg, self.rec = comm, cfg, rec
+        self.rank = 0
+        self.workers = rec.workers
+        self.pids: dict[int, tuple[str, int]] = pids or {}
+        self.host = socket.gethostname()
+        self.last_seen = dict.fromkeys(self.workers, 0.0)  # log-clock time of each worker's last message
+        self.warned: set[int] = set()         # workers warned about (--stall-warning) in their current silence
+        self.last_tick: float | None = None   # when the loop last ticked (a gap: rank 0 itself was paused)
+        self.stall_check = Interval(0.5)
+        self.preempted = ""                   # why the run ends on a signal ("" otherwise)
+        self.preempt_reason = "preempt"       # the checkpoint's reason ("failure": a worker died)
+        self.late_signal = ""                 # a signal that came while the run was already ending
+        self.preempt_time: float | None = None
+        self.preempt_deadline = 0.0
+        self.header_only = Message(0)         # EVAL, REPORT: received and handled one at a time
+        self.role = make_role(self)
+        rec.stop_workers = self.role.stop_workers
+
+    # --- the loop ---
+    def run(self) -> dict:
+        """Serve until the role is done; returns the summary dict."""
+        self.rec.begin()
+        self.rec.snapshot(self.role.params)
+        self.role.begin()
+        self.serve()
+        return self.finish()
+
+    def serve(self) -> None:
+        """Handle messages until `role.done()`, then complete every send."""
+        backoff = Backoff()
+        while not self.role.done():
+            if (self.preempted or self.late_signal) and time.perf_counter() > self.preempt_deadline:
+                self.end_late()
+                raise Preempted(self.preempted, self.role.waiting_for())
+            try:
+                timeout = PREEMPT_GRACE if self.preempted or self.late_signal else self.cfg.comm_timeout
+                message, status = probe(self.comm, self.rank, timeout, "message from any worker", backoff,
+                                        idle=self.tick)
+            except CommTimeout as e:
+                if self.preempted or self.late_signal:
+                    self.end_late()
+                    raise Preempted(self.preempted, self.role.waiting_for()) from None
+                try:
+                    self.check_stalls()  # names the silent workers, held ones (ssp) aside
+                except CommTimeout as stall:
+                    raise stall from None  # its own traceback, not the probe's timeout above it again
+                waiting = self.role.waiting_for()
+                silent = ", ".join(f"rank {w} ({self.rec.now() - self.last_seen[w]:.0f} s)" for w in waiting)
+                raise CommTimeout(f"{e}; still waiting for workers {waiting}; time since each last sent: "
+                                  f"{silent} (hung or very slow; see --comm-timeout)") from None
+            self.handle(message, status)
+            self.last_seen[status.Get_source()] = self.rec.now()
+            self.tick()
+        wait_all(self.role.pending_sends(), "completion of the final sends", self.rank, self.cfg.comm_timeout)
+
+    def handle(self, message: Any, status: Any) -> None:
+        """Receive one probed message and hand it to the role; ProtocolError on anything outside the protocol."""
+        source = status.Get_source()
+        tag = protocol.parse_tag(status.Get_tag(), source, self.rank)
+        nbytes = status.Get_count(MPI.BYTE)
+        if source not in self.workers:
+            raise ProtocolError(f"rank 0: {tag.name} message from rank {source}, which is not a worker "
+                                f"(workers are ranks 1..{len(self.workers)})")
+        if tag == Tag.ERROR:
+            msg = Message(max(0, nbytes - protocol.HEADER_BYTES) // 4)
+            message.Recv(msg.buf[:nbytes])
+            raise WorkerFailed(source, protocol.error_text(msg))
+        handlers = self.role.handlers()
+        if tag not in handlers:
+            raise ProtocolError(f"rank 0: unexpected {tag.name} message from rank {source} (in mode "
+                                f"'{self.cfg.mode}' rank 0 receives {', '.join(t.name for t in handlers)} and ERROR)")
+        msg = self.role.buffer_for(tag, source) or self.header_only
+        protocol.check_size(tag, source, self.rank, nbytes, msg.count)
+        message.Recv(msg.buf)
+        protocol.check(msg, tag, source, self.rank)
+        handlers[tag](source, msg)
+
+    def tick(self) -> None:
+        """Clock-driven duties between messages: signals, the role's, stalls, snapshots, checkpoints,
+        log flush, progress bar."""
+        rec, role = self.rec, self.role
+        self.skip_pause()
+        if signals.received() and not self.preempted and not self.late_signal:
+            self.preempt(f"{signals.received()} received by rank 0")
+        role.tick()
+        if self.stall_check.due(rec.now()):
+            self.check_stalls()
+        if role.snapshots_here and not rec.stop_reason and rec.snapshots.due(rec.now()):
+            rec.snapshot(role.params)
+        if role.checkpoints_here and not rec.stop_reason and rec.checkpoints.due(rec.now()):
+            rec.write_checkpoint(role.state("interval"))
+        rec.log.maybe_flush()
+        rec.show_progress()
+
+    def finish(self) -> dict:
+        """Final snapshot, checkpoint and evaluation rows; returns the summary (also stored as log attributes)."""
+        evals = self.role.final_evals(self.preempted)
+        self.rec.finish_watch()
+        self.rec.snapshot(self.role.params)
+        if self.role.checkpoints_here and not self.preempted:  # a preempted run checkpointed when the signal came
+            self.rec.write_checkpoint(self.role.state("end"))
+        self.rec.show_progress(force=True)  # the bar's last figures
+        return self.rec.summary(evals, self.preempted)
+
+    # --- the stall watch ---
+    def skip_pause(self) -> None:
+        """Rank 0's own loop did not run for more than PAUSE_GAP seconds since its last tick (its process was
+        stopped, SIGSTOP then SIGCONT, or starved, or busy writing): the workers' messages waited in the
+        queue meanwhile, so that gap is not their silence. It is taken off every worker's silence
+        (--stall-warning, --comm-timeout) and logged as one event "pause" instead of stall warnings; a
+        hung worker is still named once it has been silent that long while rank 0 ran."""
+        now = self.rec.now()
+        gap = 0.0 if self.last_tick is None else now - self.last_tick
+        self.last_tick = now
+        if gap <= PAUSE_GAP:
+            return
+        for w in self.workers:
+            self.last_seen[w] = min(now, self.last_seen[w] + gap)
+        text = (f"rank 0 was paused for {gap:.1f} s (its loop did not run: the process was stopped, starved or "
+                f"busy); not counted as the workers' silence")
+        self.rec.event("pause", text, at=now)
+        print(f"mpiasgd: note: {text}", file=sys.stderr, flush=True)
+
+    def check_stalls(self) -> None:
+        """CommTimeout naming the workers silent for more than --comm-timeout, longest first.
+
+        Only workers the role still waits for count, and not those waiting for rank 0 itself (held by
+        ssp, or not yet started by a warm start). So a hung worker is named even while the others keep
+        training. A pause of rank 0 itself is not counted (`skip_pause`).
+        """
+        self.skip_pause()
+        limit, now = self.cfg.comm_timeout, self.rec.now()
+        silent = sorted(((now - self.last_seen[w], w) for w in self.role.waiting_for()
+                         if not self.role.waits_for_rank0(w)), reverse=True)
+        warn = self.cfg.stall_warning
+        for quiet, w in silent:  # --stall-warning: one warning per silence, before the abort
+            if warn and warn < limit and quiet > warn and w not in self.warned:
+                self.warned.add(w)
+                self.rec.warn(f"worker rank {w} has sent nothing for {quiet:.1f} s (--stall-warning {warn:g} s); "
+                              f"the run ends if it stays silent for {limit:g} s (--comm-timeout)")
+        self.warned -= {w for quiet, w in silent if quiet <= (warn or 0)}  # it spoke again: warn anew next time
+        if silent and silent[0][0] > limit:
+            names = ", ".join(f"rank {w} ({s:.1f} s)" for s, w in silent if s > limit)
+            raise CommTimeout(f"rank 0: worker rank {silent[0][1]} has sent nothing for {silent[0][0]:.1f} s "
+                              f"(--comm-timeout {limit:g} s): hung or very slow; silent longer than that: {names}")
+
+    # --- preemption ---
+    def preempt(self, why: str) -> None:
+        """A signal reached a rank: stop, checkpoint now, and end within PREEMPT_GRACE seconds (the STOPs
+        carry the flag PREEMPT: workers skip the final evaluation)."""
+        rec = self.rec
+        gone = self.exited_workers()
+        if gone:  # a launcher sends SIGTERM to the other ranks when one dies: say which
+            why += "; " + ", ".join(f"worker rank {w} (pid {pid} on {host}) has exited" for w, host, pid in gone)
+        elif rec.stop_reason:  # the run is already ending (final evaluation): let it, within the grace
+            self.late_signal = why
+            self.preempt_deadline = time.perf_counter() + PREEMPT_GRACE
+            text = (f"{why} while the run was ending ({rec.stop_reason}): it completes if the workers finish "
+                    f"within {PREEMPT_GRACE:g} s, else it ends as preempted")
+            rec.event("signal", text)
+            print(f"mpiasgd: {text}", file=sys.stderr, flush=True)
+            return
+        self.preempted = why
+        self.preempt_time = rec.now()
+        self.preempt_reason = "failure" if gone else "preempt"
+        self.preempt_deadline = time.perf_counter() + PREEMPT_GRACE
+        rec.event("preempt", why)
+        checkpoints = self.role.checkpoints_here
+        doing = "ending the run" if gone and not checkpoints else "checkpointing and ending the run"
+        print(f"mpiasgd: {why}: {doing}", file=sys.stderr, flush=True)
+        rec.stop(f"{'failed' if gone else 'preempted'}: {why}")  # gone: a worker died
+        if checkpoints:
+            rec.write_checkpoint(self.role.state(self.preempt_reason))
+        self.role.on_preempt()
+        rec.log.flush()
+        if gone:  # no use waiting for them: end now, before the launcher's SIGKILL, with the log closed
+            raise Preempted(why, [w for w, _, _ in gone], dead=True)
+
+    def signal_from(self, why: str) -> None:
+        """A worker's message flagged a signal (PREEMPT): preempt, unless the run already is."""
+        if not self.preempted and not self.late_signal:
+            self.preempt(why)
+
+    def end_late(self) -> None:
+        """A signal came while the run was ending and the grace has passed: it ends as preempted, from a
+        checkpoint of the final state (rank 0 holds it in the parameter-server modes; the others sent theirs)."""
+        if self.late_signal and not self.preempted:
+            self.preempted = self.late_signal
+            self.rec.event("preempt", self.late_signal)
+            if self.role.checkpoints_here:
+                self.rec.write_checkpoint(self.role.state("preempt"))
+
+    def exited_workers(self) -> list[tuple[int, str, int]]:
+        """(rank, host, pid) of the workers on this rank's host whose process has exited (or is a zombie)."""
+        gone = []
+        for w, (host, pid) in self.pids.items():
+            if host != self.host or not pid:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    alive = f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            except OSError:
+                alive = False
+            if not alive:
+                gone.append((w, host, pid))
+        return gone
+
+    def resume_note(self) -> str:
+        """What a run that stopped on a signal leaves to resume from, for its final message: the
+        checkpoint written when the signal came (rank 0 holds the state), or an earlier one kept (the
+        state is on the workers, which a dead rank cannot send), or none."""
+        path, rec = self.rec.checkpoint_path, self.rec
+        if rec.last_written is not None and self.preempt_time is not None and rec.last_written >= self.preempt_time:
+            return f"checkpoint '{path}' written, continue with --resume"
+        if os.path.isfile(path):
+            return (f"no checkpoint written now (the state is on the workers); the last one, '{path}', is kept: "
+                    f"continue from it with --resume")
+        return ("no checkpoint to resume from: the state is on the workers and none was written before "
+                "(see --checkpoint-interval)")

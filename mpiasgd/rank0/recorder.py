@@ -1,0 +1,284 @@
+"""The recorder: the sole owner of the run log on rank 0, and of what it says about the run.
+
+It keeps the run's figures (version, images trained, staleness, rejected pushes, the training
+loss's running level), judges the stopping rule and the divergence watch on them, writes every
+row (by field name), the weight snapshots and the checkpoints, and builds the summary. Every
+mode's rank-0 role reports to it; none of them touches the log.
+
+Clocks: `now()` is the run log's clock (seconds since the run's first start, a resume included);
+`train_time()` the training the state holds (the schedule's and --max-time's clock), up to the
+stop once there is one, so the final evaluation counts as no training.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from mpiasgd import checkpoint
+from mpiasgd.comms import Interval
+from mpiasgd.health import Finding, LossWatch
+from mpiasgd.optim import StopRule
+from mpiasgd.runlog import CheckpointRow, EvalRow, EventRow, PushRow, RunLog, SnapshotRow, UpdateRow
+
+
+class TrainingDiverged(RuntimeError):
+    """A worker pushed `max_rejects` non-finite gradients in a row; the message names it and the steps."""
+
+
+class Recorder:
+    """Rank 0's account of the run, written to `log` (a RunLog).
+
+    `cfg` gives the intervals (snapshot_interval, checkpoint_interval), the stopping rule, max_rejects,
+    on_divergence and the checkpoint's config; `workers` are the worker ranks; `num_train` the
+    training images (one epoch); `progress` a tqdm bar or None; `health` the divergence watch.
+    `stop_workers()` (set by the loop) tells the workers to stop when the watch ends the run.
+    """
+
+    def __init__(self, cfg: Any, log: RunLog, workers: range, num_train: int, progress: Any = None,
+                 health: LossWatch | None = None) -> None:
+        self.cfg, self.log, self.workers, self.num_train = cfg, log, workers, num_train
+        self.progress, self.health = progress, health
+        self.rule = StopRule.of(cfg)
+        self.start = 0.0
+        self.lost = 0.0                       # log clock minus training clock: time lost to a resume
+        self.stop_reason = ""
+        self.stop_time = 0.0
+        self.version = 0                      # updates of the weights (async: pushes applied; sync: steps; ...)
+        self.samples = 0                      # images in applied updates
+        self.staleness_sum = self.staleness_max = self.staleness_count = 0
+        self.loss_avg = float("nan")
+        self.rejected = dict.fromkeys(workers, 0)       # non-finite gradients per worker
+        self.rejects_in_row = dict.fromkeys(workers, 0)
+        self.held_total = dict.fromkeys(workers, 0.0)   # ssp: seconds each worker's replies were held
+        self.diverged = ""                    # --on-divergence stop: the symptom that ended the run
+        self.checkpoint_path = checkpoint.checkpoint_path(log.path)
+        self.checkpoint_error = ""            # why the last checkpoint could not be written
+        self.last_written: float | None = None  # run time of the last checkpoint this process wrote
+        self.resumed: checkpoint.Checkpoint | None = None
+        self.snapshots = Interval(cfg.snapshot_interval)
+        self.checkpoints = Interval(cfg.checkpoint_interval)
+        self.bar_refresh = Interval(0.5)
+        self.stop_workers: Callable[[], None] = lambda: None
+
+    # --- clocks ---
+    def now(self) -> float:
+        """Seconds on the run log's clock: since the run's first start, including time lost to a resume."""
+        return time.perf_counter() - self.start
+
+    def train_time(self) -> float:
+        return (self.stop_time or self.now()) - self.lost
+
+    @property
+    def epoch(self) -> float:
+        return self.samples / self.num_train
+
+    def fraction_done(self) -> float:
+        """Fraction of the run done, by the stopping rule closest to its limit."""
+        return self.rule.fraction(self.epoch, self.version, self.train_time())
+
+    def begin(self) -> None:
+        """Start the clocks (and, resuming, continue the log's): the `start` or `resume` event."""
+        self.start = time.perf_counter()
+        ck = self.resumed
+        if ck is not None:  # the log's clock continues after its last row; training's from the checkpoint
+            offset = max(ck.log_time, self.log.last_time())
+            self.start -= offset
+            self.lost = offset - ck.elapsed
+            self.checkpoints.restart(self.now())
+            self.event("resume", f"resumed from '{ck.path}' ({ck.reason} checkpoint at version {ck.version}, "
+                                 f"{ck.elapsed:.1f} s of training, epoch {self.epoch:.2f})")
+        else:
+            self.event("start", f"{len(self.workers)} workers", at=0.0)
+
+    # --- rows ---
+    def event(self, kind: str, text: str, at: float | None = None) -> None:
+        self.log.add(EventRow(time=self.now() if at is None else at, kind=kind.encode(), text=text))
+
+    def warn(self, text: str) -> None:
+        """A warning: an event of kind "warning" and one line on stderr."""
+        self.event("warning", text)
+        print(f"mpiasgd: warning: {text}", file=sys.stderr, flush=True)
+
+    def push(self, *, worker: int, step: int, base_version: int, version: int, staleness: int, loss: float,
+             correct: int, samples: int, epoch: int, compute_s: float, comm_s: float, wait_s: float,
+             applied: bool, lr: float, rejected: bool, held_s: float = 0.0, digest: int = 0) -> None:
+        """One row of the pushes table (see `mpiasgd.runlog`)."""
+        self.log.add(PushRow(time=self.now(), worker=worker, step=step, base_version=base_version, version=version,
+                             staleness=staleness, loss=loss, correct=correct, samples=samples, epoch=epoch,
+                             compute_s=compute_s, comm_s=comm_s, wait_s=wait_s, applied=applied, lr=lr,
+                             rejected=rejected, held_s=held_s, digest=digest))
+
+    def update(self, *, version: int, lr: float, grad_norm: float = float("nan")) -> None:
+        """One row of the updates table at the current figures (`version` and `samples` set first)."""
+        self.log.add(UpdateRow(time=self.now(), version=version, lr=lr, grad_norm=grad_norm, samples=self.samples,
+                               epoch=self.epoch))
+
+    def snapshot(self, params: np.ndarray) -> None:
+        """Store `params` (float32 (P,)) as a snapshot of the current version."""
+        self.snapshots.restart(self.now())
+        self.log.add_snapshot(SnapshotRow(time=self.now(), version=self.version, samples=self.samples,
+                                          epoch=self.epoch), params)
+
+    # --- figures and rules ---
+    def count_staleness(self, staleness: int) -> None:
+        self.staleness_sum += staleness
+        self.staleness_max = max(self.staleness_max, staleness)
+        self.staleness_count += 1
+
+    def training_loss(self, loss: float, correct: int, samples: int) -> None:
+        """A minibatch's mean loss (nats), its correct count and images: the running level (progress bar)
+        and the divergence watch."""
+        self.loss_avg = loss if self.loss_avg != self.loss_avg else 0.95 * self.loss_avg + 0.05 * loss
+        if self.health is not None:
+            for finding in self.health.observe(self.epoch, loss, correct, samples):
+                self.on_health(finding)
+
+    def stop(self, reason: str) -> None:
+        """The run stops: `reason` is logged (event "stop") and kept; the first reason wins."""
+        if self.stop_reason:
+            return
+        self.stop_reason = reason
+        self.stop_time = self.now()
+        self.event("stop", reason)
+
+    def check_stop(self) -> None:
+        """The stopping rule on rank 0's figures: images, updates (`version`), training seconds."""
+        if not self.stop_reason:
+            reason = self.rule.reason(self.samples, self.num_train, self.version, self.train_time())
+            if reason:
+                self.stop(reason)
+
+    def on_health(self, finding: Finding) -> None:
+        """Log and print a symptom of divergence (or a recovery); with --on-divergence stop, a dead network
+        ends the run as a stopping rule would, the reason saying why (status 'diverged'). A spike alone
+        only warns: runs often recover from one."""
+        self.event(finding.kind, finding.text)
+        print(f"mpiasgd: {'note' if finding.kind == 'recovered' else 'warning'}: {finding.text}", file=sys.stderr,
+              flush=True)
+        if finding.kind != "dead" or self.cfg.on_divergence != "stop" or self.stop_reason:
+            if finding.kind == "dead" and self.cfg.on_divergence == "stop":  # seen at the end: stopped anyway
+                self.diverged = self.diverged or finding.text
+            return
+        self.diverged = finding.text
+        self.stop(f"diverged ({finding.kind}; --on-divergence stop)")
+        self.stop_workers()
+
+    def reject(self, w: int, step: int) -> None:
+        """Count a non-finite gradient of worker `w` at `step`; TrainingDiverged after `max_rejects` in a row."""
+        self.rejected[w] += 1
+        self.rejects_in_row[w] += 1
+        if self.rejected[w] == 1:
+            self.warn(f"worker rank {w} pushed a non-finite gradient at step {step}: rejected (not applied)")
+        if self.rejects_in_row[w] >= self.cfg.max_rejects:
+            raise TrainingDiverged(
+                f"rank 0: worker rank {w} pushed {self.rejects_in_row[w]} non-finite gradients in a row "
+                f"(steps {step - self.rejects_in_row[w] + 1}..{step}; --max-rejects {self.cfg.max_rejects}): "
+                f"training has diverged; lower --lr")
+
+    def accept(self, w: int) -> None:
+        """Worker `w`'s gradient was finite: its run of rejects is over."""
+        self.rejects_in_row[w] = 0
+
+    # --- checkpoints ---
+    def checkpoint(self, params: np.ndarray, momentum: np.ndarray, reason: str, steps: dict,
+                   elapsed: float) -> checkpoint.Checkpoint:
+        """A Checkpoint of `params`, `momentum` (float32 (P,)) and `steps` ({worker: (step, cursor)}) with the
+        run's figures; `elapsed` training seconds."""
+        rows = np.array([(w, steps[w][0], steps[w][1], self.rejected[w]) for w in self.workers],
+                        dtype=checkpoint.WORKER_STATE)
+        return checkpoint.Checkpoint(
+            params=params, momentum=momentum, workers=rows, version=self.version, samples=self.samples,
+            elapsed=elapsed, log_time=self.now(), config=self.cfg.to_json(), log=self.log.path,
+            mode=self.cfg.mode, model=self.cfg.model, reason=reason, run_id=self.log.run_id,
+            staleness_sum=self.staleness_sum, staleness_max=self.staleness_max,
+            staleness_count=self.staleness_count)
+
+    def write_checkpoint(self, ckpt: checkpoint.Checkpoint) -> bool:
+        """Write `ckpt` atomically and log it (the checkpoints table); a failed write is a warning, not the
+        end of the run: the previous checkpoint stays. Returns whether it was written; `checkpoint_error`
+        keeps the last failure's text ("" after a success)."""
+        self.checkpoints.restart(self.now())
+        t0 = self.now()
+        try:
+            seconds = checkpoint.write(self.checkpoint_path, ckpt)
+        except OSError as e:
+            kept = ("the previous one stays" if os.path.isfile(self.checkpoint_path) else
+                    "there is no earlier one")
+            text = f"checkpoint '{self.checkpoint_path}' not written ({e}); {kept}"
+            self.event("warning", text)
+            print(f"mpiasgd: warning: {text}", file=sys.stderr, flush=True)
+            self.checkpoint_error = text
+            return False
+        self.checkpoint_error = ""
+        self.last_written = t0
+        self.log.add(CheckpointRow(time=t0, seconds=seconds, version=ckpt.version, samples=ckpt.samples,
+                                   elapsed=ckpt.elapsed, reason=ckpt.reason.encode()))
+        self.log.flush()  # every row up to the checkpoint is on disk with it: a resume supersedes only later ones
+        return True
+
+    def restore(self, ckpt: checkpoint.Checkpoint) -> None:
+        """The figures of checkpoint `ckpt` (before `begin`): version, images, staleness, rejects."""
+        self.version, self.samples = ckpt.version, ckpt.samples
+        self.staleness_sum, self.staleness_max = ckpt.staleness_sum, ckpt.staleness_max
+        self.staleness_count = ckpt.staleness_count
+        for row in ckpt.workers:
+            self.rejected[int(row["rank"])] = int(row["rejected"])
+        self.resumed = ckpt
+
+    # --- progress and the end ---
+    def show_progress(self, force: bool = False) -> None:
+        """The progress bar's figures, about twice a second (`force`: now)."""
+        if self.progress is None or not (force or self.bar_refresh.due(self.now())):
+            return
+        self.progress.n = min(self.samples, self.progress.total or self.samples)
+        mean_stale = self.staleness_sum / max(1, self.staleness_count)
+        self.progress.set_postfix_str(
+            f"epoch {self.epoch:.2f} loss {self.loss_avg:.3f} staleness {mean_stale:.2f}", refresh=True)
+
+    def finish_watch(self) -> None:
+        """The divergence watch's last judgement (a dead network seen only at the end)."""
+        if self.health is not None:
+            for finding in self.health.finish():
+                self.on_health(finding)
+
+    def summary(self, evals: dict, preempted: str) -> dict:
+        """The evaluation row and end event, and the summary dict (also stored as log attributes).
+
+        `evals` maps a worker to (summed loss, correct, images) of its test slice; `preempted` is why a
+        signal ended the run ("" otherwise: then no evaluation row is written)."""
+        loss_sum = sum(e[0] for e in evals.values())
+        correct = sum(e[1] for e in evals.values())
+        count = sum(e[2] for e in evals.values())
+        accuracy = correct / count if count else float("nan")
+        test_loss = loss_sum / count if count else float("nan")
+        if not preempted:  # no evaluation row for a run cut short: the resumed run will add one
+            self.log.add(EvalRow(time=self.now(), version=self.version, epoch=self.epoch, snapshot=-1, loss=test_loss,
+                                 accuracy=accuracy, count=count))
+        self.event("end", f"preempted ({preempted}): no final evaluation" if preempted
+                   else f"test accuracy {accuracy:.4f} on {count} images")
+        train_time = self.train_time()  # time lost to a resume, or spent on the final evaluation, is not training
+        return {
+            "wall_time_s": self.now(),
+            "train_time_s": train_time,
+            "test_accuracy": accuracy,
+            "test_loss": test_loss,
+            "test_count": count,
+            "version": self.version,
+            "samples": self.samples,
+            "epochs_done": self.epoch,
+            "images_per_s": self.samples / train_time if train_time else 0.0,
+            "staleness_mean": self.staleness_sum / max(1, self.staleness_count),
+            "staleness_max": self.staleness_max,
+            "stop_reason": self.stop_reason,
+            "rejected": sum(self.rejected.values()),
+            "held_s": sum(self.held_total.values()),
+            "preempted": preempted,
+            "health": self.health.final_state() if self.health is not None else "",
+            "diverged": self.diverged,
+        }

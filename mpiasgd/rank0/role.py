@@ -1,0 +1,147 @@
+"""What a mode does on rank 0: the `Role` a mode's rank-0 part implements for the loop.
+
+The loop (`mpiasgd.rank0.loop.Rank0`) asks the role which messages it takes (`handlers`, with a
+receive buffer each: `buffer_for`), what it sends first (`begin`), its clock duties (`tick`),
+whether the run is over (`done`) and whom it still waits for, and for the state to checkpoint
+when rank 0 holds it (`checkpoints_here`). The role reports everything it learns to the recorder
+(`self.rec`), never to the log itself.
+
+This base class holds what every role shares: the workers' EVALs at the end (`on_eval`), the
+header-only STOP of the modes whose workers decide their own steps (`send_stop`), and the
+optimizer state sent to resuming workers (`send_state`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mpiasgd import checkpoint
+from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
+
+
+class Role:
+    """Base of a mode's rank-0 part. `r0` is the loop (`Rank0`): its comm, cfg, recorder, workers.
+
+    Attributes every role has: `params` (float32 (P,), the weights rank 0 snapshots), `stopped`
+    (workers sent STOP), `evals` ({worker: (loss sum, correct, images)}), `last_step` and `cursor`
+    ({worker: int}: its last step and data position, for checkpoints).
+    """
+
+    checkpoints_here = False  # rank 0 holds the whole training state (it writes checkpoints itself)
+    snapshots_here = False    # rank 0 holds current weights (it snapshots them on the interval itself)
+
+    def __init__(self, r0: Any, params: np.ndarray) -> None:
+        self.r0, self.rec, self.comm, self.cfg = r0, r0.rec, r0.comm, r0.cfg
+        self.rank = 0
+        self.workers = r0.workers
+        self.params = params
+        self.stopped: set[int] = set()
+        self.evals: dict[int, tuple] = {}
+        self.stops_sent: set[int] = set()  # header-only STOPs posted (send_stop)
+        self.last_step = dict.fromkeys(self.workers, 0)
+        self.cursor = dict.fromkeys(self.workers, 0)
+        # one send slot per worker: its replies (or STOP), each posted once the previous one completed
+        self.out = {w: SendSlots([None], f"send to worker rank {w}", 0, self.cfg.comm_timeout) for w in self.workers}
+        self.state_slots = SendSlots([], "CHECKPOINT (optimizer state)", 0, self.cfg.comm_timeout)
+
+    # --- what the loop asks ---
+    def handlers(self) -> dict:
+        """{Tag: handler(worker, Message)} of the messages rank 0 takes in this mode (ERROR aside)."""
+        raise NotImplementedError
+
+    def buffer_for(self, tag: Tag, source: int) -> Message | None:
+        """The receive buffer of a `tag` message from `source` (its size is checked against it); None: the
+        loop's header-only buffer."""
+        return None
+
+    def begin(self) -> None:
+        """The first sends (initial weights)."""
+
+    def tick(self) -> None:
+        """Clock-driven duties between messages."""
+
+    def done(self) -> bool:
+        """The loop's end: every worker has sent its EVAL."""
+        return len(self.evals) == len(self.workers)
+
+    def waiting_for(self) -> list[int]:
+        """The workers `done()` still waits for (named when a wait times out)."""
+        return [w for w in self.workers if w not in self.evals]
+
+    def waits_for_rank0(self, w: int) -> bool:
+        """Worker `w` is silent because it waits for rank 0 (not a stall)."""
+        return False
+
+    def stop_workers(self) -> None:
+        """Tell the workers the run stops before a rule they judge themselves would (--on-divergence stop)."""
+
+    def on_preempt(self) -> None:
+        """What a preemption does besides stopping and checkpointing (the loop did those)."""
+
+    def state(self, reason: str) -> checkpoint.Checkpoint:
+        """The training state now (roles with `checkpoints_here`)."""
+        raise NotImplementedError
+
+    def restore(self, ckpt: checkpoint.Checkpoint) -> None:
+        """Continue from `ckpt` (before `begin`): the weights and each worker's step and data position."""
+        self.params[:] = ckpt.params
+        for row in ckpt.workers:
+            w = int(row["rank"])
+            self.last_step[w], self.cursor[w] = int(row["step"]), int(row["cursor"])
+
+    def final_evals(self, preempted: str) -> dict:
+        """{worker: (loss sum, correct, images)} of the final evaluation."""
+        return self.evals
+
+    def pending_sends(self) -> list:
+        return [r for slots in (*self.out.values(), self.state_slots) for r in slots.pending()]
+
+    # --- shared handlers and sends ---
+    def check_push(self, w: int, msg: Message) -> tuple[int, int]:
+        """(step, base version) of a PUSH from worker `w`, after the protocol's checks: not after its STOP,
+        the next step, a version rank 0 has had (ProtocolError naming what differs)."""
+        h = msg.header
+        step, base = int(h["step"]), int(h["version"])
+        if w in self.stopped:
+            raise ProtocolError(f"rank 0: PUSH step {step} from worker rank {w} after it was sent STOP")
+        if step != self.last_step[w] + 1:
+            raise ProtocolError(f"rank 0: PUSH from worker rank {w} has step {step}, expected "
+                                f"{self.last_step[w] + 1} (duplicate or out-of-order push)")
+        if not 0 <= base <= self.rec.version:
+            raise ProtocolError(f"rank 0: PUSH step {step} from worker rank {w} was computed from version "
+                                f"{base}, but the server is at version {self.rec.version}")
+        return step, base
+
+    def on_eval(self, w: int, msg: Message) -> None:
+        if w not in self.stopped:
+            raise ProtocolError(f"rank 0: EVAL from worker rank {w} before it was sent STOP")
+        if w in self.evals:
+            raise ProtocolError(f"rank 0: second EVAL from worker rank {w}")
+        h = msg.header
+        self.evals[w] = (float(h["loss"]), int(h["correct"]), int(h["samples"]))
+
+    def send_state(self, w: int, velocity: np.ndarray) -> None:
+        """(resuming) Post the checkpoint's `velocity` (float32, the worker's share) to worker `w` as a
+        CHECKPOINT message; it follows the initial WEIGHTS."""
+        state = Message(velocity.size)
+        state.payload[:] = velocity
+        state.stamp(Tag.CHECKPOINT, self.rank, version=self.rec.version)
+        self.state_slots.buffers.append(state)
+        self.state_slots.requests.append(None)
+        self.state_slots.send(self.comm, len(self.state_slots) - 1, w, int(Tag.CHECKPOINT))
+
+    def post(self, w: int, msg: Message, tag: Tag) -> None:
+        """Send `msg` to worker `w` from its send slot (take(w) came first: the previous send completed)."""
+        self.out[w].buffers[0] = msg
+        self.out[w].send(self.comm, 0, w, int(tag))
+
+    def send_stop(self, w: int) -> None:
+        """The one header-only STOP worker `w` gets (sync, pipeline, easgd): after its last message, or at
+        once (flag PREEMPT) on a signal; it completes the receive the worker posted at its start."""
+        if w in self.stops_sent:
+            return
+        self.stops_sent.add(w)
+        self.out[w].take(0)
+        self.post(w, Message(0).stamp(Tag.STOP, self.rank, flags=Flag.PREEMPT if self.r0.preempted else 0), Tag.STOP)

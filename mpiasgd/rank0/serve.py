@@ -1,0 +1,214 @@
+"""Rank 0 of `mpiasgd train`: create (or continue) the run log, serve, close the log, say how it ended.
+
+Exit statuses: 0, EXIT_PREEMPTED (75) when a signal ended the run (the checkpoint is written),
+EXIT_DIVERGED (3) when --on-divergence stop ended it; a failed worker or a worker that died ends
+the job through MPI_Abort after the log is closed with status "failed", so nothing already logged
+is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+from mpiasgd import signals
+from mpiasgd.comms import CommTimeout, Message, Tag
+from mpiasgd.runlog import EventRow, RunLog, RunLogError, summary_lines
+
+EXIT_DIVERGED = 3  # --on-divergence stop ended the run (log status 'diverged')
+EXIT_PREEMPTED = signals.EXIT_PREEMPTED  # 75: checkpointed on a signal; requeue and --resume
+ABORT_CODE = 1
+
+
+def announce(cfg: Any, me: Any, start: Any, workers: list) -> None:
+    """The first lines rank 0 prints: workers and their kind, model, dataset, the mode's layout."""
+    from mpiasgd import __version__
+
+    model, dataset = start.model, start.dataset
+    kinds: dict[str, int] = {}
+    for w in workers:  # e.g. "cupy (pinned) x2" or "numpy (host) x2"
+        key = f"{w.backend} ({w.transfer})"
+        kinds[key] = kinds.get(key, 0) + 1
+    print(f"mpiasgd {__version__}: {me.num_workers} worker{'s' * (me.num_workers != 1)} "
+          f"[{', '.join(f'{k} x{n}' for k, n in kinds.items())}], model {cfg.model} ({model.num_params:,} parameters), "
+          f"dataset {cfg.dataset_name} ({dataset.train_y.size:,} train / {dataset.test_y.size:,} test images)",
+          flush=True)
+    if cfg.show_config:
+        print(f"resolved config:\n{cfg.describe()}", flush=True)
+    lines = start.mode.describe(cfg, model, start.layout, me.num_workers)
+    if lines:
+        print(lines, flush=True)
+
+
+def open_log(cfg: Any, me: Any, start: Any, workers: list) -> RunLog:
+    """Create the run log, or (resuming) continue it; logs the resume's config changes and autotune events."""
+    from mpiasgd.config import from_mapping, resume_overrides
+    from mpiasgd.launch.startup import versions
+    from mpiasgd.optim import StopRule
+
+    model, dataset, ckpt = start.model, start.dataset, start.checkpoint
+    attrs = {"config": cfg.to_json(), "versions": versions(), "layout": model.layout(), "model": cfg.model,
+             "mode": cfg.mode, "num_workers": me.num_workers, "num_params": model.num_params,
+             "num_train": int(dataset.train_y.size), "num_test": int(dataset.test_y.size),
+             "data_source": dataset.source, "command": " ".join(sys.argv), **start.layout.attrs}
+    rows = [w.row() for w in workers]
+    if ckpt is not None and os.path.exists(start.path):
+        log = RunLog.reopen(start.path, rows, cfg.flush_interval, start.lock, resumed_at=ckpt.log_time)
+    else:
+        if ckpt is not None:  # the run continues from its checkpoint; its history is gone
+            attrs["run_id"] = ckpt.run_id
+            print(f"mpiasgd: warning: run log '{start.path}' of checkpoint '{ckpt.path}' is missing: a new log "
+                  f"starts at the checkpoint (version {ckpt.version})", file=sys.stderr, flush=True)
+        log = RunLog.create(start.path, attrs, rows, model.num_params, cfg.flush_interval, start.lock)
+    if ckpt is not None:
+        changed = resume_overrides(from_mapping(json.loads(ckpt.config)), cfg)
+        text = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()) or "none"
+        log.add(EventRow(time=max(ckpt.log_time, log.last_time()), kind=b"overrides",
+                         text=f"resumed with config changes: {text}; command: {' '.join(sys.argv)}"))
+        log.file.attrs["config"] = cfg.to_json()
+        epochs = ckpt.samples / dataset.train_y.size
+        if StopRule.of(cfg).fraction(epochs, ckpt.version, ckpt.elapsed) >= 1:
+            print(f"mpiasgd: warning: checkpoint '{ckpt.path}' already meets the stopping rule (version "
+                  f"{ckpt.version}, {epochs:.2f} epochs, {ckpt.elapsed:.1f} s): nothing is trained; raise "
+                  f"--epochs, --max-pushes or --max-time to train longer", file=sys.stderr, flush=True)
+        print(f"mpiasgd: resuming '{start.path}' from checkpoint '{ckpt.path}' (version {ckpt.version}, "
+              f"{ckpt.elapsed:.1f} s of training); config changes: {text}", flush=True)
+    at = log.last_time() if ckpt is None else max(ckpt.log_time, log.last_time())  # (reads the file: once)
+    for w in workers:  # --conv-algo autotune: what each GPU worker chose (after a resume's events)
+        if w.autotune:
+            log.add(EventRow(time=at, kind=b"autotune", text=w.autotune_event()))
+    return log
+
+
+def serve(cfg: Any, me: Any, start: Any) -> int:
+    """(rank 0) Create (or, resuming, continue) the run log, serve, close the log, print the summary.
+
+    Returns 0, EXIT_PREEMPTED when a signal ended the run (the checkpoint is written), or EXIT_DIVERGED when
+    --on-divergence stop ended it.
+    """
+    from tqdm import tqdm
+
+    from mpiasgd.health import LossWatch
+    from mpiasgd.rank0.loop import PREEMPT_GRACE, Preempted, Rank0, WorkerFailed
+    from mpiasgd.rank0.recorder import Recorder
+
+    model, dataset, ckpt = start.model, start.dataset, start.checkpoint
+    workers = me.comm.gather(None, root=0)[1:]  # each worker's WorkerInfo, in rank order
+    announce(cfg, me, start, workers)
+    log = open_log(cfg, me, start, workers)
+    params = model.init_params(cfg.seed)
+    bar = None
+    if cfg.progress:
+        total = cfg.epochs * dataset.train_y.size if cfg.epochs else None
+        total = int(total) if total and total < 2**53 else None  # a huge --epochs: a bar without a total
+        bar = tqdm(total=total, unit="img", unit_scale=True, dynamic_ncols=True, mininterval=0.5,
+                   desc="training", file=sys.stderr)
+    health = LossWatch(len(dataset.classes), me.num_workers, asynchronous=start.mode.asynchronous)
+    rec = Recorder(cfg, log, range(1, me.num_workers + 1), dataset.train_y.size, bar, health)
+    hosts = {w.rank: w.host for w in workers}
+    r0 = Rank0(me.comm, cfg, rec, lambda r0: start.mode.rank0(r0, params, model.decay_mask(), model, dataset,
+                                                              start.layout),
+               pids={w.rank: (w.host, w.pid) for w in workers})
+    if ckpt is not None:
+        rec.restore(ckpt)
+        r0.role.restore(ckpt)
+    start.rank0 = r0  # for `log_unwritable`, should the log fail
+    try:
+        summary = r0.run()
+    except (Preempted, WorkerFailed) as stop:
+        # close the log first, so nothing already logged is lost, then end the whole job
+        if isinstance(stop, WorkerFailed):
+            status, code, text = "failed", ABORT_CODE, f"worker rank {stop.rank} on {hosts[stop.rank]} failed"
+        elif stop.dead:  # the launcher's SIGTERM after a worker died
+            names = ", ".join(f"rank {w} on {hosts[w]}" for w in stop.waiting)
+            status, code = "failed", ABORT_CODE
+            text = f"worker {names} died (its process exited; the launcher ended the job); {r0.resume_note()}"
+        else:  # a signal, and some workers did not answer: hung, or dead on another host
+            names = ", ".join(f"rank {w} on {hosts[w]}" for w in stop.waiting)
+            status, code = "preempted", EXIT_PREEMPTED
+            text = (f"{stop.why}; {r0.resume_note()}; worker(s) {names} did not answer within {PREEMPT_GRACE:g} s: "
+                    f"dead (a launcher ends the job with SIGTERM when a rank dies) or hung")
+        rec.event(status, f"{text}:\n{stop.text}" if isinstance(stop, WorkerFailed) else text)
+        closed = f"run log '{start.path}' closed with status '{status}'"
+        try:
+            log.close(status)
+        except RunLogError as e:  # the disk is full too
+            closed = f"{e}; {log.outcome}"
+        if isinstance(stop, WorkerFailed):  # the failed worker waits for this acknowledgement before it aborts
+            me.comm.Isend(Message(0).stamp(Tag.ERROR_ACK, 0).buf, dest=stop.rank, tag=int(Tag.ERROR_ACK))
+        if bar is not None:
+            bar.close()
+        print(f"mpiasgd: {text}; {closed}." + (f"\n{stop.text}" if isinstance(stop, WorkerFailed) else ""),
+              file=sys.stderr, flush=True)
+        if isinstance(stop, Preempted) and stop.dead:
+            time.sleep(0.3)  # the launcher is tearing the job down: let it forward this message first
+        me.comm.Abort(code)
+        return code
+    except BaseException as e:
+        if isinstance(e, RunLogError):
+            raise  # the log cannot be written (disk full): `train` reports it in one line (`log_unwritable`)
+        if isinstance(e, CommTimeout) and r0.role.checkpoints_here:  # a hung worker: the state on rank 0 is sound
+            rec.write_checkpoint(r0.role.state("failure"))
+        rec.event("failed", traceback.format_exc())
+        try:
+            log.close("failed")
+        except RunLogError as closing:  # the disk is full too: say so; the traceback of `e` follows
+            print(f"mpiasgd: error: rank 0: {closing}; {log.outcome}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    if r0.preempted:
+        if rec.checkpoint_error:  # nothing to requeue from: not the status that says "try again"
+            text = f"run preempted ({r0.preempted}) but its {rec.checkpoint_error}"
+            rec.event("failed", text)
+            log.close("failed", summary)  # not "preempted": there is no checkpoint of this state to resume from
+            print(f"mpiasgd: error: {text}", file=sys.stderr, flush=True)
+            me.comm.Abort(ABORT_CODE)
+            return ABORT_CODE
+        log.close("preempted", summary)
+        print(f"mpiasgd: run preempted ({r0.preempted}); checkpoint '{rec.checkpoint_path}' written at "
+              f"version {summary['version']}; continue with --resume {rec.checkpoint_path}", file=sys.stderr,
+              flush=True)
+        return EXIT_PREEMPTED
+    if rec.diverged:  # --on-divergence stop: the run ended early, evaluated, with status 'diverged'
+        log.close("diverged", summary)
+        print("\n".join(summary_lines(start.path)), flush=True)
+        print(f"mpiasgd: error: run stopped (--on-divergence stop): {rec.diverged}", file=sys.stderr, flush=True)
+        return EXIT_DIVERGED
+    log.close("completed", summary)
+    print("\n".join(summary_lines(start.path)), flush=True)
+    return 0
+
+
+def log_unwritable(me: Any, start: Any, error: RunLogError) -> None:
+    """(rank 0) The run log cannot be written (disk full, quota, I/O error): print one error line naming
+    the file and the cause, end the log as far as the disk allows (`RunLog.abandon`: status "failed";
+    readable up to its last flush either way) and release its lock, write a checkpoint where rank 0
+    holds the state (one line says whether it was written), then abort the whole job: the workers end
+    with it."""
+    r0 = getattr(start, "rank0", None)
+    try:
+        if r0 is None:  # the log could not even be created or reopened: there is nothing to close
+            start.release()
+            print(f"mpiasgd: error: rank 0: {error}", file=sys.stderr, flush=True)
+            return
+        rec = r0.rec
+        print(f"mpiasgd: error: rank 0: {error}; {rec.log.abandon()}", file=sys.stderr, flush=True)
+        path = rec.checkpoint_path
+        if r0.role.checkpoints_here:
+            if rec.write_checkpoint(r0.role.state("failure")):  # a failed write prints its own warning line
+                print(f"mpiasgd: checkpoint '{path}' written (version {rec.version}); once there is space, "
+                      f"continue with --resume {path}", file=sys.stderr, flush=True)
+        else:
+            kept = (f"the last one, '{path}', is kept: continue from it with --resume" if os.path.isfile(path)
+                    else "there is none to resume from")
+            print(f"mpiasgd: no checkpoint written now (the state is on the workers); {kept}", file=sys.stderr,
+                  flush=True)
+    finally:
+        time.sleep(0.3)  # let the launcher forward these lines before the abort tears the job down
+        me.comm.Abort(ABORT_CODE)

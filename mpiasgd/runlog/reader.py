@@ -1,0 +1,128 @@
+"""Reading a run log, also while it is being written or after its writer was killed.
+
+`open_log` opens the HDF5 file (SWMR while a live writer holds the lock; stale flags cleared; a
+truncated file a one-line error), `open_run` checks that a file is an mpiasgd run log, and `load`
+reads what the summary and the offline tools need into a dict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import h5py
+import numpy as np
+
+from mpiasgd.runlog.lock import writer_alive
+from mpiasgd.runlog.superblock import SWMR_WRITE, clear_stale_flags, superblock_flags
+
+
+class TruncatedLogError(OSError):
+    """The run log is shorter than its superblock says (cut short): the message names the file and both sizes."""
+
+
+def open_log(path: str, mode: str = "r") -> h5py.File:
+    """Open a run log for reading (`mode` "r"), also while it is being written or after its writer was killed;
+    other modes ("r+") open it for writing, flags a killed writer left cleared first (`clear_stale_flags`).
+
+    Reading: while a live job holds the writer lock, in SWMR mode. Otherwise without SWMR first, so that a
+    damaged file fails at once (HDF5's SWMR reader retries a truncated file for many minutes): a truncated
+    file is a TruncatedLogError ("'x.h5' is truncated (5000 bytes, the file says 378542): ..."); a file
+    a killed SWMR writer left open for writing is read in SWMR mode (every row up to its last flush);
+    one a writer killed outside SWMR mode left open (in `RunLog.close`) has its flags cleared first.
+    OSError (h5py's) for anything else that is not a readable HDF5 file.
+    """
+    if mode != "r":
+        flags = superblock_flags(path)
+        if flags and not flags & SWMR_WRITE:
+            clear_stale_flags(path)
+        return h5py.File(path, mode, libver="latest")
+    if writer_alive(path):
+        return h5py.File(path, "r", libver="latest", swmr=True)
+    try:
+        return h5py.File(path, "r", libver="latest")
+    except OSError as e:
+        text = str(e)
+        truncated = re.search(r"truncated file: eof = (\d+),.*stored_eof = (\d+)", text)
+        if truncated:
+            raise TruncatedLogError(f"'{path}' is truncated ({truncated.group(1)} bytes, the file says "
+                                    f"{truncated.group(2)}): it was cut short (a copy or a disk that filled up); "
+                                    f"it cannot be read") from None
+        if "already open for write" not in text:
+            raise
+    flags = superblock_flags(path) or 0
+    if flags & SWMR_WRITE:  # a killed SWMR writer: readable in SWMR mode up to its last flush
+        return h5py.File(path, "r", libver="latest", swmr=True)
+    if not clear_stale_flags(path):
+        raise OSError(f"run log '{path}' was left marked open for writing by a writer that was killed, and its "
+                      f"flags could not be cleared (run `h5clear -s {path}`)")
+    return h5py.File(path, "r", libver="latest")
+
+
+def _attr(f, key: str, default=None):
+    value = f.attrs.get(key, default)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def open_run(path: str) -> h5py.File:
+    """Open the run log at `path` for reading (`open_log`: SWMR while it is written), checking that it is one.
+
+    Raises FileNotFoundError if it does not exist, IsADirectoryError for a directory (naming the .h5
+    files in it), ValueError if it is empty or not an mpiasgd run log.
+    """
+    if os.path.isdir(path):
+        logs = sorted(name for name in os.listdir(path) if name.endswith(".h5") and not name.endswith(".ckpt.h5"))
+        inside = f"; the .h5 files in it: {', '.join(logs[:5])}{' ...' if len(logs) > 5 else ''}" if logs else ""
+        raise IsADirectoryError(f"'{path}' is a directory, expected a run log file (runs/NAME.h5){inside}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"run log '{path}' not found")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"'{path}' is empty (0 bytes), expected an mpiasgd run log (HDF5)")
+    try:
+        f = open_log(path)
+    except TruncatedLogError as e:  # names the file and both sizes already
+        raise ValueError(str(e)) from None
+    except OSError as e:
+        raise ValueError(f"'{path}' is not a readable HDF5 file ({e})") from None
+    if "config" not in f.attrs or "pushes" not in f:
+        f.close()
+        raise ValueError(f"'{path}' is not an mpiasgd run log (no 'config' attribute or 'pushes' table)")
+    return f
+
+
+def load(path: str) -> dict:
+    """Read what a report needs from the run log at `path` (errors as `open_run`; ValueError for a config
+    attribute that is not JSON).
+
+    The dict holds every file attribute (bytes decoded to str), "config" parsed from its JSON, "path",
+    the tables "pushes", "updates", "evals", "workers", "snapshots/meta", "events", "checkpoints" as
+    structured arrays of their dtypes (`mpiasgd.runlog.records`; None where the file has no such table),
+    rows of pushes, updates and evals a resumed run superseded left out, and "superseded_s" (seconds
+    of such spans). A log marked "running" whose writer is gone gets status "killed (...)".
+    """
+    with open_run(path) as f:
+        run = {key: _attr(f, key) for key in f.attrs}
+        for name in ("pushes", "updates", "evals", "workers", "snapshots/meta", "events", "checkpoints"):
+            run[name] = f[name][()] if name in f else None
+    try:
+        run["config"] = json.loads(run.get("config") or "{}")
+    except ValueError as e:
+        raise ValueError(f"run log '{path}' has a malformed 'config' attribute ({e})") from None
+    run["path"] = path
+    try:  # rows a resumed run superseded (logged by a segment that died after its last checkpoint)
+        spans = json.loads(run.get("superseded") or "[]")
+    except ValueError:
+        spans = []
+    for name in ("pushes", "updates", "evals"):
+        rows = run[name]
+        if rows is not None and spans and len(rows):
+            keep = np.ones(len(rows), bool)
+            for start, end in spans:
+                keep &= ~((rows["time"] > start) & (rows["time"] <= end))
+            run[name] = rows[keep]
+    run["superseded_s"] = sum(end - start for start, end in spans)
+    if run.get("status") == "running" and not writer_alive(path):
+        run["status"] = "killed (its writer is gone; rows up to the last flush)"
+    return run
+

@@ -1,0 +1,312 @@
+"""The run log's writer (rank 0 alone): `RunLog` buffers rows and flushes them in SWMR mode; `recover`
+turns the log of a killed writer into a clean file.
+
+Rows are records (`mpiasgd.runlog.records`): `log.add(PushRow(...))` appends to the table of the
+record's type. Times are seconds since the start of training.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+import uuid
+from collections.abc import Sequence
+
+import h5py
+import numpy as np
+
+from mpiasgd.runlog.disk import RunLogError, ensure_free_space
+from mpiasgd.runlog.lock import WriterLock, writer_alive
+from mpiasgd.runlog.reader import open_log
+from mpiasgd.runlog.records import TABLES, WORKER_ROW, Record, SnapshotRow, WorkerRow
+from mpiasgd.runlog.superblock import clear_stale_flags
+
+
+def recover(path: str, check_writer: bool = True) -> None:
+    """Rewrite the log of a run whose writer was killed into a clean, closed file; status "killed".
+
+    A writer killed in SWMR mode leaves the file marked open for writing: readers (SWMR) see every
+    row up to its last flush, but it cannot be opened for writing. This copies every object and
+    attribute into `PATH.recover.tmp` and renames it over `PATH`. Raises RuntimeError if the writer
+    is alive (`check_writer` False: the caller holds the lock, e.g. a resuming job).
+    """
+    if check_writer and writer_alive(path):
+        raise RuntimeError(f"run log '{path}' is still being written by a running job; try when it has ended")
+    tmp = path + ".recover.tmp"
+    try:
+        with open_log(path) as src, h5py.File(tmp, "w", libver="latest") as dst:
+            for key, value in src.attrs.items():
+                dst.attrs[key] = value
+            for name in src:
+                src.copy(src[name], dst, name=name)
+            if dst.attrs.get("status") == "running":
+                dst.attrs["status"] = "killed"
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):  # disk full: the log stays as it was, no half copy beside it
+            os.unlink(tmp)
+        raise
+
+
+def _close_quietly(f: h5py.File | None) -> None:
+    """Close `f` (if any) after a failed write; a second failure while closing adds nothing to the first."""
+    try:
+        if f is not None:
+            f.close()
+    except (OSError, RuntimeError):
+        pass
+
+
+def append(ds: h5py.Dataset, rows: np.ndarray) -> None:
+    """Append `rows` (a structured array of the dataset's dtype, or an array of its shape but the first
+    axis) along axis 0 of a resizable dataset."""
+    n = ds.shape[0]
+    ds.resize(n + len(rows), axis=0)
+    ds[n:] = rows
+
+
+def _worker_table(workers: Sequence[WorkerRow]) -> np.ndarray:
+    """(W,) WORKER_ROW array of `workers` (records, each row taken by field name)."""
+    return np.array([w.row() for w in workers], dtype=WORKER_ROW)
+
+
+class RunLog:
+    """Buffered, appendable writer of one run log (server only). Use `RunLog.create`.
+
+    Rows are records (`mpiasgd.runlog.records`) given to `add` (snapshots: `add_snapshot`); they reach
+    the file at the next `flush` (`maybe_flush`: every `flush_interval` seconds).
+    """
+
+    def __init__(self, path: str, file: h5py.File, flush_interval: float, lock: WriterLock | None = None) -> None:
+        self.path = path
+        self.file = file
+        self.lock = lock
+        self.flush_interval = flush_interval
+        self.pending: dict[str, list] = {name: [] for name in TABLES}
+        self.pending_params: list[np.ndarray] = []
+        self.last_flush = time.monotonic()
+        self.error: RunLogError | None = None  # the write failure that broke the log (it takes no more rows)
+        self.outcome = ""                      # what `abandon` made of a broken log, for the error message
+        run_id = file.attrs.get("run_id", "")
+        self.run_id = run_id.decode() if isinstance(run_id, bytes) else str(run_id)
+
+    @classmethod
+    def create(cls, path: str, attrs: dict, workers: Sequence[WorkerRow], num_params: int,
+               flush_interval: float, lock: WriterLock | None = None) -> RunLog:
+        """Create the file with every dataset, then switch to SWMR mode (no new objects after that).
+
+        `workers` fill the /workers table (`WorkerRow`s); `num_params` (P) is the width of /snapshots/params. `attrs`
+        values that are not str/int/float are stored as JSON. An existing file at `path` is replaced:
+        the caller decides (launch.startup refuses one unless --overwrite, holding `lock`). `lock` is
+        released by `close`. RunLogError if the file cannot be created (disk full): no part of it is
+        left; the caller releases `lock`.
+        """
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        f, existed = None, os.path.exists(path)
+        try:
+            f = h5py.File(path, "w", libver="latest")
+            cls._fill(f, attrs, workers, num_params)
+        except (OSError, RuntimeError) as e:  # RuntimeError: h5py's, when HDF5 fails to write
+            _close_quietly(f)
+            if (f is not None or not existed) and os.path.exists(path):  # ours: created or truncated above
+                os.unlink(path)
+            raise RunLogError(path, e, "created") from e
+        return cls(path, f, flush_interval, lock)
+
+    @staticmethod
+    def _fill(f: h5py.File, attrs: dict, workers: Sequence[WorkerRow], num_params: int) -> None:
+        """`create`'s attributes and datasets in the new file `f`, then SWMR mode."""
+        for key, value in attrs.items():
+            f.attrs[key] = value if isinstance(value, (str, int, float)) else json.dumps(value)
+        f.attrs["created"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        f.attrs["status"] = "running"
+        if not f.attrs.get("run_id"):  # a resumed run whose log was lost keeps its checkpoint's id
+            f.attrs["run_id"] = uuid.uuid4().hex  # its checkpoints carry it: a resume checks they belong here
+        f.create_dataset("workers", data=_worker_table(workers))
+        for name, dtype in TABLES.items():
+            f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
+        f.create_dataset("snapshots/params", shape=(0, num_params), maxshape=(None, num_params),
+                         dtype=np.float32, chunks=(1, num_params))
+        f.swmr_mode = True
+
+    @classmethod
+    def reopen(cls, path: str, workers: Sequence[WorkerRow], flush_interval: float, lock: WriterLock,
+               resumed_at: float | None = None) -> RunLog:
+        """Continue the log at `path` for a resumed run (caller holds `lock`): a log left by a killed writer
+        is recovered first; status becomes "running"; the workers table is replaced by this job's
+        (pids and hosts change); tables added since the log was written are created. Rows after
+        `resumed_at` (the log time of the checkpoint resumed from) came from a segment that died
+        after that checkpoint: their time span is appended to the attribute `superseded` (JSON list of
+        [start, end]), which readers use to leave them out of counts. RunLogError if it cannot be
+        written (disk full)."""
+        f = None
+        try:
+            clear_stale_flags(path, check_writer=False)  # killed inside close's non-SWMR reopen
+            with open_log(path) as f:
+                status = f.attrs.get("status")
+            if status == "running":  # its writer was killed (we hold the lock): make it writable again
+                recover(path, check_writer=False)
+            f = h5py.File(path, "r+", libver="latest")
+            f.attrs["status"] = "running"
+            log = cls(path, f, flush_interval, lock)
+            last = log.last_time()
+            if resumed_at is not None and last > resumed_at:  # a segment that died after its checkpoint
+                spans = [*json.loads(f.attrs.get("superseded", "[]")), [resumed_at, last]]
+                f.attrs["superseded"] = json.dumps(spans)
+            del f["workers"]
+            f.create_dataset("workers", data=_worker_table(workers))
+            for name, dtype in TABLES.items():
+                if name not in f:
+                    f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
+            f.swmr_mode = True
+        except (OSError, RuntimeError) as e:  # RuntimeError: h5py's, when HDF5 fails to write
+            _close_quietly(f)
+            raise RunLogError(path, e, "reopened") from e
+        return log
+
+    def last_time(self) -> float:
+        """The latest time of any row in the file (0 for an empty log): where a resumed run's clock starts."""
+        latest = 0.0
+        for name in TABLES:
+            ds = self.file[name]
+            if ds.shape[0]:
+                latest = max(latest, float(ds[ds.shape[0] - 1]["time"]))
+        return latest
+
+    # --- appending (server only; rows reach the file at the next flush; a broken log drops them) ---
+    def add(self, record: Record) -> None:
+        """Buffer one row: appended to the record's table (`record.table`), its values taken by field name
+        (`record.row()`).
+
+        ValueError for a record of a table `add` does not append to: /snapshots/meta (its weights come
+        with it: `add_snapshot`) or /workers (written whole by `create`, `reopen`). Nothing is buffered
+        once the log is broken (`error`).
+        """
+        if isinstance(record, SnapshotRow):
+            raise ValueError("RunLog.add: a SnapshotRow goes with its weights; use RunLog.add_snapshot")
+        if record.table not in self.pending:
+            raise ValueError(f"RunLog.add: {type(record).__name__} rows are written whole by RunLog.create "
+                             f"and RunLog.reopen")
+        if self.error is None:
+            self.pending[record.table].append(record.row())
+
+    def add_snapshot(self, record: SnapshotRow, params: np.ndarray) -> None:
+        """Buffer one weight snapshot: its metadata `record` and `params`, the (P,) float32 weights, copied
+        (the caller may go on writing them)."""
+        if self.error is None:
+            self.pending["snapshots/meta"].append(record.row())
+            self.pending_params.append(params.copy())
+
+    def maybe_flush(self) -> None:
+        """`flush` if `flush_interval` seconds have passed since the last one (RunLogError as `flush`)."""
+        if time.monotonic() - self.last_flush >= self.flush_interval:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every buffered row and make it visible to readers.
+
+        Checked first (`ensure_free_space`): the buffered rows and snapshots plus 5 % and 1 MiB must fit on
+        the disk, else RunLogError before HDF5 is called.
+        RunLogError if the file cannot be written (disk full): the tables this flush grew are cut back
+        to their rows before it (readers never see rows that did not reach the disk), the buffered
+        rows are dropped and the log is broken: `add` and `flush` do nothing from then on, and `close`
+        ends it as `abandon` does.
+        """
+        if self.error is not None or self.file is None:
+            return
+        need = sum(p.nbytes for p in self.pending_params)
+        need += sum(len(rows) * TABLES[name].itemsize for name, rows in self.pending.items())
+        try:
+            if need:
+                ensure_free_space(self.path, need)  # before HDF5: its own ENOSPC paths stay the rare fallback
+        except OSError as e:
+            self.error = RunLogError(self.path, e)
+            self.pending_params.clear()
+            for rows in self.pending.values():
+                rows.clear()
+            raise self.error from None
+        before: dict[str, int] = {}  # the rows of each table this flush grows, before it
+        try:
+            if self.pending_params:
+                ds = self.file["snapshots/params"]
+                before["snapshots/params"] = ds.shape[0]
+                append(ds, np.stack(self.pending_params))
+                ds.flush()
+            for name, rows in self.pending.items():
+                if rows:
+                    ds = self.file[name]
+                    before[name] = ds.shape[0]
+                    append(ds, np.array(rows, dtype=TABLES[name]))
+                    ds.flush()
+            self.file.flush()
+        except (OSError, RuntimeError) as e:  # RuntimeError: h5py's, when HDF5 fails to write
+            self.error = RunLogError(self.path, e)
+            for name, n in before.items():  # no row that may not be on disk stays referenced
+                try:
+                    self.file[name].resize(n, axis=0)
+                except (OSError, RuntimeError):
+                    pass
+            raise self.error from e
+        finally:
+            self.pending_params.clear()
+            for rows in self.pending.values():
+                rows.clear()
+        self.last_flush = time.monotonic()
+
+    def close(self, status: str, attrs: dict | None = None) -> None:
+        """Flush, close, and record the final `status` and summary `attrs` (reopened, in SWMR mode; closed
+        cleanly after); release the lock. RunLogError if the file cannot be written: the log is then ended by `abandon`
+        (status "failed" where the disk allows), its `outcome` says how."""
+        if self.file is None:
+            return
+        try:
+            self.flush()
+            if self.error is None:
+                self.file.close()
+        except RunLogError:
+            pass
+        except (OSError, RuntimeError) as e:  # the close's own writes
+            self.error = RunLogError(self.path, e)
+        if self.error is not None:
+            self.abandon()
+            raise self.error
+        self.file = None
+        try:
+            with h5py.File(self.path, "r+", libver="latest") as f:
+                # SWMR mode again at once: rank 0 killed from here on leaves a file SWMR readers read (killed
+                # before it, `clear_stale_flags` repairs it), and live readers are not refused meanwhile
+                f.swmr_mode = True
+                f.attrs["status"] = status
+                for key, value in (attrs or {}).items():
+                    f.attrs[key] = value
+        except (OSError, RuntimeError) as e:
+            self.error = RunLogError(self.path, e)
+            self.outcome = f"its status could not be set to '{status}'"
+            raise self.error from e
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def abandon(self) -> str:
+        """End a log that cannot be written (after RunLogError), never raising: status "failed" set in place
+        (the file stays in SWMR mode: no new objects), the file closed, the lock released. Returns (and
+        keeps in `outcome`) what became of it, for the error message. Readers see every row up to the
+        last flush that succeeded, whether or not the status could be written."""
+        if self.file is not None:
+            try:
+                self.file.attrs.modify("status", "failed")
+                self.file.flush()
+                self.outcome = "the log is closed with status 'failed', readable up to its last flush"
+            except (OSError, RuntimeError):
+                self.outcome = ("its status could not be set to 'failed' (it stays 'running'); it is readable up "
+                                "to its last flush")
+            try:
+                self.file.close()
+            except (OSError, RuntimeError):
+                pass  # HDF5 keeps it open; the process ends soon
+            self.file = None
+        if self.lock is not None:
+            self.lock.release()
+        return self.outcome
