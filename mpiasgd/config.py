@@ -84,7 +84,8 @@ class BaseConfig:
     max_rejects: int = _opt(10, "optimizer", "non-finite gradients in a row from one worker before the run stops")
     # --- stopping (first limit reached stops the run; 0 = no limit) ---
     epochs: float = _opt(10.0, "stopping", "passes over the training set by all workers together (0 = no limit)")
-    max_pushes: int = _opt(0, "stopping", "gradient pushes applied by the server; sync: steps; pipeline: minibatches "
+    max_pushes: int = _opt(0, "stopping", "gradient pushes applied by the server; sync: steps; easgd: exchanges; "
+                                          "pipeline: minibatches "
                                           "per replica (0 = no limit)")
     max_time: float = _opt(0.0, "stopping", "wall time of training, seconds (0 = no limit)")
     on_divergence: str = _opt("warn", "stopping",
@@ -352,9 +353,10 @@ def resolve(args: argparse.Namespace) -> Config:
         kind = FIELDS[key].type
         if kind in ("float", "tuple") and not all(map(math.isfinite, value if kind == "tuple" else [value])):
             raise ConfigError(f"flag --{key.replace('_', '-')} = {value!r}: expected a finite number")
-    cfg = dataclasses.replace(cfg, **flags).validate()
+    cfg = dataclasses.replace(cfg, **flags)
     if cfg.resume:
-        resume_overrides(base, cfg)  # raises for a key that may not change
+        resume_overrides(base, cfg)  # raises for a key that may not change (before the mode's keys are judged)
+    cfg = cfg.validate()
     return cfg
 
 

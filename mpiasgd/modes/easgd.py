@@ -130,7 +130,7 @@ class EasgdCenter(Role):
                  correct=h["correct"], samples=h["samples"], epoch=h["epoch"], compute_s=h["compute_s"],
                  comm_s=h["comm_s"], wait_s=h["wait_s"], applied=applied, lr=h["lr"], rejected=rejected)
         if rejected:
-            rec.reject(w, step)
+            rec.reject(w, step, "weight vector")
         else:
             rec.accept(w)
         if rec.stop_reason:
@@ -155,7 +155,7 @@ class EasgdWorker(WorkerLoop):
         cfg, model, rank, staging = self.cfg, self.model, self.rank, self.staging
         ops = model.ops
         request = self.comm.Irecv(staging.recv_buf, source=0, tag=MPI.ANY_TAG)
-        tag, wait_s = self.receive_weights(request, staging, "the initial center from rank 0", initial=True)
+        tag, wait_s = self.receive_weights(request, staging, "initial center from rank 0", initial=True)
         x, grads = ops.empty(model.num_params), ops.empty(model.num_params)
         x[...] = staging.params                      # x_i starts at the center
         model.bind(x, grads)
@@ -173,8 +173,8 @@ class EasgdWorker(WorkerLoop):
                 loss += batch_loss * batch_samples
                 correct += batch_correct
                 samples += batch_samples
-                if cfg.max_time and time.perf_counter() - began >= cfg.max_time:
-                    break  # --max-time: exchange what this round has; rank 0 then stops the run
+                if self.signalled() or (cfg.max_time and time.perf_counter() - began >= cfg.max_time):
+                    break  # a signal, --max-time: exchange what this round has; rank 0 then stops the run
             staging.grads[...] = x                    # the push carries x_i
             staging.finish_compute()
             self.straggle(t0)
@@ -188,7 +188,8 @@ class EasgdWorker(WorkerLoop):
             request = self.comm.Irecv(staging.recv_buf, source=0, tag=MPI.ANY_TAG)
             sending = self.comm.Isend(staging.send_buf, dest=0, tag=int(Tag.PUSH))
             comm_s = time.perf_counter() - t1
-            tag, wait_s = self.receive_weights(request, staging, f"the center for exchange {self.step} from rank 0")
+            tag, wait_s = self.receive_weights(request, staging, f"reply to exchange {self.step} (the center) from "
+                                               "rank 0")
             wait(sending, f"completion of exchange {self.step}", rank, cfg.worker_timeout)
             if tag == Tag.WEIGHTS:                    # x_i <- x_i - alpha (x_i - x~)
                 x -= elastic_difference(x, staging.params, alpha)
@@ -198,11 +199,22 @@ class EasgdWorker(WorkerLoop):
 class EasgdMode(Mode):
     name = "easgd"
     asynchronous = True
+    advice = ("the step size of the local steps is likely too large: lower --lr or lengthen --warmup-epochs "
+              "(or exchange more often: a smaller --easgd-tau)")
 
     def check_config(self, cfg: Any) -> None:
         need(cfg.easgd_tau >= 1, cfg, "easgd_tau", "an integer >= 1 (local steps between exchanges)")
         need(math.isfinite(cfg.easgd_alpha) and 0 <= cfg.easgd_alpha < 1, cfg, "easgd_alpha",
              "0 < alpha < 1, or 0 for the paper's rule 0.9 / workers")
+
+    def layout(self, cfg: Any, model: Any, num_workers: int, num_train: int) -> Any:
+        from mpiasgd.config import ConfigError
+
+        if cfg.epochs and cfg.easgd_tau * cfg.batch_size * num_workers > cfg.epochs * num_train:
+            raise ConfigError(f"config key 'easgd_tau' = {cfg.easgd_tau}: one round of local steps by every worker "
+                              f"({cfg.easgd_tau} x {cfg.batch_size} images x {num_workers} workers) is longer than "
+                              f"the run ({cfg.epochs:g} epochs of {num_train} images)")
+        return super().layout(cfg, model, num_workers, num_train)
 
     def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,
               layout: Any) -> EasgdCenter:

@@ -105,9 +105,7 @@ class Rank0:
         """Handle messages until `role.done()`, then complete every send."""
         backoff = Backoff()
         while not self.role.done():
-            if (self.preempted or self.late_signal) and time.perf_counter() > self.preempt_deadline:
-                self.end_late()
-                raise Preempted(self.preempted, self.role.waiting_for())
+            self.check_grace()
             try:
                 timeout = PREEMPT_GRACE if self.preempted or self.late_signal else self.cfg.comm_timeout
                 message, status = probe(self.comm, self.rank, timeout, "message from any worker", backoff,
@@ -158,6 +156,7 @@ class Rank0:
         self.skip_pause()
         if signals.received() and not self.preempted and not self.late_signal:
             self.preempt(f"{signals.received()} received by rank 0")
+        self.check_grace()  # also while the probe for the next message waits
         role.tick()
         if self.stall_check.due(rec.now()):
             self.check_stalls()
@@ -251,6 +250,13 @@ class Rank0:
         rec.log.flush()
         if gone:  # no use waiting for them: end now, before the launcher's SIGKILL, with the log closed
             raise Preempted(why, [w for w, _, _ in gone], dead=True)
+
+    def check_grace(self) -> None:
+        """Preempted once PREEMPT_GRACE seconds have passed since a signal and the workers have not all
+        answered (naming them); a signal that came while the run was ending first checkpoints (`end_late`)."""
+        if (self.preempted or self.late_signal) and time.perf_counter() > self.preempt_deadline:
+            self.end_late()
+            raise Preempted(self.preempted, self.role.waiting_for())
 
     def signal_from(self, why: str) -> None:
         """A worker's message flagged a signal (PREEMPT): preempt, unless the run already is."""

@@ -169,15 +169,16 @@ class Recorder:
         self.stop(f"diverged ({finding.kind}; --on-divergence stop)")
         self.stop_workers()
 
-    def reject(self, w: int, step: int) -> None:
-        """Count a non-finite gradient of worker `w` at `step`; TrainingDiverged after `max_rejects` in a row."""
+    def reject(self, w: int, step: int, what: str = "gradient") -> None:
+        """Count a non-finite `what` (a gradient; easgd: weights) of worker `w` at `step`; TrainingDiverged
+        after `max_rejects` in a row."""
         self.rejected[w] += 1
         self.rejects_in_row[w] += 1
         if self.rejected[w] == 1:
-            self.warn(f"worker rank {w} pushed a non-finite gradient at step {step}: rejected (not applied)")
+            self.warn(f"worker rank {w} pushed a non-finite {what} at step {step}: rejected (not applied)")
         if self.rejects_in_row[w] >= self.cfg.max_rejects:
             raise TrainingDiverged(
-                f"rank 0: worker rank {w} pushed {self.rejects_in_row[w]} non-finite gradients in a row "
+                f"rank 0: worker rank {w} pushed {self.rejects_in_row[w]} non-finite {what}s in a row "
                 f"(steps {step - self.rejects_in_row[w] + 1}..{step}; --max-rejects {self.cfg.max_rejects}): "
                 f"training has diverged; lower --lr")
 

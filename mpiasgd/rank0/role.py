@@ -128,9 +128,7 @@ class Role:
         state = Message(velocity.size)
         state.payload[:] = velocity
         state.stamp(Tag.CHECKPOINT, self.rank, version=self.rec.version)
-        self.state_slots.buffers.append(state)
-        self.state_slots.requests.append(None)
-        self.state_slots.send(self.comm, len(self.state_slots) - 1, w, int(Tag.CHECKPOINT))
+        self.state_slots.send(self.comm, self.state_slots.add(state), w, int(Tag.CHECKPOINT))
 
     def post(self, w: int, msg: Message, tag: Tag) -> None:
         """Send `msg` to worker `w` from its send slot (take(w) came first: the previous send completed)."""

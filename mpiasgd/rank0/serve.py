@@ -107,7 +107,8 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
         total = int(total) if total and total < 2**53 else None  # a huge --epochs: a bar without a total
         bar = tqdm(total=total, unit="img", unit_scale=True, dynamic_ncols=True, mininterval=0.5,
                    desc="training", file=sys.stderr)
-    health = LossWatch(len(dataset.classes), me.num_workers, asynchronous=start.mode.asynchronous)
+    health = LossWatch(len(dataset.classes), me.num_workers, asynchronous=start.mode.asynchronous,
+                       advice=start.mode.advice)
     rec = Recorder(cfg, log, range(1, me.num_workers + 1), dataset.train_y.size, bar, health)
     hosts = {w.rank: w.host for w in workers}
     r0 = Rank0(me.comm, cfg, rec, lambda r0: start.mode.rank0(r0, params, model.decay_mask(), model, dataset,

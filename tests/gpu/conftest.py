@@ -4,8 +4,8 @@ Run them on a machine with a GPU (bench/gpu_check.sh does, with a timing table):
 
     .venv/bin/pytest -q -rs tests/gpu
 
-`tests/gpu` is a package so that this conftest does not take the module name `conftest` from
-tests/conftest.py (whose helpers test_mpi.py imports).
+`tests/gpu` is a package (as every tier folder is) so that this conftest does not take the module
+name `conftest` from tests/conftest.py.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_mpi
-from test_data import write_py_batch
+from kit.cifar import write_py_batch
+from kit.launch import run_mpi
 
 from mpiasgd.ops import cuda_device_count
 from mpiasgd.runlog import open_log

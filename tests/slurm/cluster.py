@@ -1,4 +1,4 @@
-"""A real one-node SLURM cluster on this machine, for the tests of jobs/*.sbatch (tests/test_slurm.py).
+"""A real one-node SLURM cluster on this machine, for the tests of jobs/*.sbatch (tests/slurm/test_slurm.py).
 
     python tests/slurm/cluster.py /tmp/slurm     # bring it up, print the SLURM_CONF to export, Ctrl-C stops it
 

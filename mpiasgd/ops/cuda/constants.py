@@ -6,7 +6,7 @@ softmax_xent.cu include it, so each value is written once, here. After editing a
     python -m mpiasgd.ops.cuda.constants            # rewrites kernels/constants.cuh
     python -m mpiasgd.ops.cuda.constants --check    # exit 1 when the committed header is stale
 
-(tests/test_cupy_wrappers.py fails while the committed header differs from `header_text()`.)
+(tests/kernels_cpu/test_cupy_wrappers.py fails while the committed header differs from `header_text()`.)
 The CUDA launch limits that no .cu file uses (grid size) are here too, as the one list of limits.
 Units: counts unless a name says otherwise; bytes for memory.
 """

@@ -5,7 +5,7 @@
 
 Each .cu file (conv2d.cu once per tile) becomes one module, compiled on first use and kept by the
 `CudaKernels` object (CuPy keeps the compiled code on disk as well). The CUDA-on-CPU harness of the
-tests (tests/cuda_cpu) stands in for `CudaKernels`: anything with `get(kernel, tile)` returning a
+tests (tests/kernels_cpu/cuda_cpu) stands in for `CudaKernels`: anything with `get(kernel, tile)` returning a
 callable `(grid, block, args, shared_mem=0)`, and `compile(filename, defines)` for start-up.
 Importing this module needs neither cupy nor a GPU.
 """

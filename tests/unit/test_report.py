@@ -1,0 +1,248 @@
+"""`mpiasgd report`: the comparison of several runs, on run logs written row by row with known values.
+
+The logs are built with `RunLog` directly (no MPI), so every number in the table is known: images/s,
+staleness mean and p99 over applied pushes only, time to a target accuracy from crafted snapshot
+evaluations, and the failures (a missing file, an HDF5 file that is not a run log, a malformed log,
+a percentage where a fraction is expected; `report` and `evaluate` refusing foreign files).
+tests/mpi/test_report.py checks the table against a real run's log.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from mpiasgd.cli import main
+from mpiasgd.runlog import PUSH_ROW, EvalRow, EventRow, PushRow, RunLog, SnapshotRow, WorkerRow, load
+from mpiasgd.tools.report import comparison_row, report, time_to_accuracy
+
+WORKER = WorkerRow(rank=1, host=b"host", pid=1, threads=1, backend=b"numpy", shard_size=100, device=-1,
+                   device_name=b"", device_uuid=b"", transfer=b"host", module=-1, replica=-1)
+ZERO_PUSH = PushRow(**dict.fromkeys(PushRow.dtype.names, 0))
+
+
+def push(time: float, staleness: int, samples: int = 32, applied: int = 1) -> PushRow:
+    """A push of worker 1 with these fields, zero elsewhere (by name: the table may grow columns)."""
+    return dataclasses.replace(ZERO_PUSH, time=time, worker=1, staleness=staleness, samples=samples, applied=applied,
+                               rejected=1 - applied)
+
+
+def write_log(path, config: dict, pushes: list[PushRow], snapshot_times: list[float] = (),
+              snapshot_evals: list[tuple[int, float]] = (), final_accuracy: float | None = None,
+              train_time: float = 4.0, workers: int = 2, close: bool = True) -> str:
+    """A run log with these rows. `snapshot_evals`: (snapshot index, accuracy), written in that order;
+    `close=False` leaves it as a killed writer does (status "running", no lock)."""
+    attrs = {"config": config, "model": "digits", "mode": config.get("mode", "async"), "num_workers": workers,
+             "num_params": 3, "num_train": 1000}
+    log = RunLog.create(str(path), attrs, [WORKER] * workers, 3, flush_interval=60.0)
+    for row in pushes:
+        log.add(row)
+    for t in snapshot_times:
+        log.add_snapshot(SnapshotRow(time=t, version=0, samples=0, epoch=0.0), np.zeros(3, np.float32))
+    for snapshot, accuracy in snapshot_evals:  # evals rows carry their snapshot's time, as `evaluate` writes them
+        log.add(EvalRow(time=snapshot_times[snapshot], version=0, epoch=0.0, snapshot=snapshot, loss=1.0,
+                        accuracy=accuracy, count=100))
+    if final_accuracy is not None:
+        log.add(EvalRow(time=train_time, version=0, epoch=0.0, snapshot=-1, loss=1.0, accuracy=final_accuracy,
+                        count=100))
+    if close:
+        log.close("completed", {"train_time_s": train_time})
+    else:
+        log.flush()
+        log.file.close()
+    return str(path)
+
+
+@pytest.fixture
+def logs(tmp_path):
+    """Three logs: an async run with staleness-aware steps and evaluated snapshots, a sync run without
+    snapshot evaluations, and a killed log of an older version (no nsync / staleness_lr in its config)."""
+    # 150 applied pushes: staleness 0 x140, 2 x8, 9 x2 (mean 34/150; p99 9: 149 of 150 pushes are needed to
+    # cover 99 %, where interpolating percentiles would give 5.57); one unapplied push of staleness 50
+    pushes = [push(0.02 * i, s) for i, s in enumerate([0] * 140 + [2] * 8 + [9] * 2)] + [push(3.9, 50, applied=0)]
+    a = write_log(tmp_path / "fast.h5", {"mode": "async", "staleness_lr": "inverse", "nsync": 1}, pushes,
+                  snapshot_times=[0.0, 1.5, 3.0, 4.0],
+                  snapshot_evals=[(3, 0.7), (2, 0.6), (0, 0.1), (1, 0.55)],  # out of order, as evaluate may leave
+                  final_accuracy=0.7125)
+    b = write_log(tmp_path / "sync.h5", {"mode": "sync", "staleness_lr": "none", "nsync": 2},
+                  [push(0.2 * i, 0, samples=64) for i in range(10)], snapshot_times=[0.0, 2.0],
+                  final_accuracy=0.5, train_time=2.0, workers=4)
+    c = write_log(tmp_path / "old.h5", {"mode": "async"}, [push(0.5, 1), push(1.0, 2)], close=False)
+    return a, b, c
+
+
+def test_time_to_accuracy_is_the_earliest_snapshot_that_reached_it(logs):
+    run = load(logs[0])
+    assert time_to_accuracy(run, 0.5) == 1.5
+    assert time_to_accuracy(run, 0.6) == 3.0      # reached exactly counts
+    assert time_to_accuracy(run, 0.65) == 4.0
+    assert time_to_accuracy(run, 0.05) == 0.0
+    assert time_to_accuracy(run, 0.75) is None    # the final weights (0.7125) are not a snapshot
+    assert time_to_accuracy(load(logs[1]), 0.1) is None  # snapshots taken but none evaluated
+
+
+def test_comparison_rows(logs):
+    a, b, c = (comparison_row(load(path), 0.6) for path in logs)
+    assert a == {"run": "fast", "status": "completed", "mode": "async", "options": "", "workers": 2, "nsync": 1,
+                 "staleness_lr": "inverse", "test_accuracy": 0.7125, "target_accuracy": 0.6, "time_to_target_s": 3.0,
+                 "images_per_s": 1200.0, "staleness_mean": pytest.approx(34 / 150), "staleness_p99": 9}
+    assert b == {"run": "sync", "status": "completed", "mode": "sync", "options": "", "workers": 4, "nsync": 2,
+                 "staleness_lr": "none", "test_accuracy": 0.5, "target_accuracy": 0.6, "time_to_target_s": None,
+                 "images_per_s": 320.0, "staleness_mean": 0.0, "staleness_p99": 0}
+    # killed, older log: no train_time_s (time of the last push), no final evaluation, defaults for new keys
+    assert c == {"run": "old", "status": "killed", "mode": "async", "options": "", "workers": 2, "nsync": 1,
+                 "staleness_lr": "none", "test_accuracy": None, "target_accuracy": 0.6, "time_to_target_s": None,
+                 "images_per_s": 64.0, "staleness_mean": 1.5, "staleness_p99": 2}
+
+
+def test_markdown_table(logs):
+    assert report(list(logs), 0.6, "markdown") == "\n".join([
+        "| run          | mode  | workers | nsync | staleness lr | test acc | time to 60% (s) | images/s "
+        "| staleness mean | staleness p99 |",
+        "| :----------- | :---- | ------: | ----: | :----------- | -------: | --------------: | -------: "
+        "| -------------: | ------------: |",
+        "| fast         | async |       2 |     1 | inverse      |   71.25% |             3.0 |    1,200 "
+        "|           0.23 |             9 |",
+        "| sync         | sync  |       4 |     2 | none         |   50.00% |               - |      320 "
+        "|           0.00 |             0 |",
+        "| old (killed) | async |       2 |     1 | none         |        - |               - |       64 "
+        "|           1.50 |             2 |",
+    ])
+    # one run is a table too (the benchmark scripts paste it); the target is in the header
+    assert report([logs[0]], 0.925, "markdown").splitlines()[0].split(" | ")[6] == "time to 92.5% (s)"
+
+
+def test_csv_table_has_raw_values(logs):
+    rows = list(csv.DictReader(io.StringIO(report(list(logs[:2]), 0.5, "csv"))))
+    assert rows[0] == {"run": "fast", "status": "completed", "mode": "async", "options": "", "workers": "2",
+                       "nsync": "1",
+                       "staleness_lr": "inverse", "test_accuracy": "0.7125", "target_accuracy": "0.5",
+                       "time_to_target_s": "1.5", "images_per_s": "1200.0", "staleness_mean": "0.227",
+                       "staleness_p99": "9"}
+    assert rows[1]["time_to_target_s"] == "" and rows[1]["images_per_s"] == "320.0"
+
+
+def test_text_report_compares_after_the_runs_and_one_run_reads_as_before(logs):
+    one = report([logs[0]])
+    assert one.startswith(f"== {logs[0]}\n") and "comparison" not in one and "time to" not in one
+    both = report(list(logs[:2]), 0.6)
+    assert both.startswith(one)  # each run's own report first, unchanged
+    lines = both.splitlines()
+    at = lines.index("== comparison of 2 runs")
+    assert lines[at + 1].split() == ["run", "mode", "workers", "nsync", "staleness", "lr", "test", "acc", "time",
+                                     "to", "60%", "(s)", "images/s", "staleness", "mean", "staleness", "p99"]
+    assert lines[at + 2].split() == ["fast", "async", "2", "1", "inverse", "71.25%", "3.0", "1,200", "0.23", "9"]
+    assert lines[at + 3].split() == ["sync", "sync", "4", "2", "none", "50.00%", "-", "320", "0.00", "0"]
+
+
+def test_cli_reads_every_log_before_printing(logs, tmp_path, capsys):
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["x"] = [1, 2]
+    for bad, expected in [(tmp_path / "missing.h5", f"run log '{tmp_path / 'missing.h5'}' not found"),
+                          (tmp_path / "other.h5", f"'{tmp_path / 'other.h5'}' is not an mpiasgd run log")]:
+        assert main(["report", logs[0], str(bad), logs[1], "--format", "markdown"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and expected in err and err.count("error") == 1, err
+        assert main(["report", logs[0], str(bad)]) == 2  # text: not even the first run's section
+        assert capsys.readouterr().out == ""
+    assert main(["report", *logs, "--format", "csv", "--target-accuracy", "0.6"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("fast,completed,async,,2,1,inverse,0.7125,0.6,3.0,")
+
+
+def test_malformed_log_is_named(logs, tmp_path, capsys):
+    path = tmp_path / "bad.h5"
+    with h5py.File(path, "w") as f:  # looks like a log, but the pushes table lacks the 'applied' column
+        f.attrs["config"] = json.dumps({"mode": "async"})
+        f["pushes"] = np.zeros(3, dtype=[(n, PUSH_ROW[n]) for n in ("time", "worker", "staleness", "samples")])
+    assert main(["report", logs[0], str(path), "--format", "csv"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"run log '{path}' is malformed" in err and "applied" in err
+
+
+@pytest.mark.parametrize("value", ["60", "0", "-0.5", "1.5"])
+def test_target_accuracy_must_be_a_fraction(logs, value, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["report", logs[0], "--target-accuracy", value])
+    assert stop.value.code == 2
+    assert f"expected a fraction in (0, 1], e.g. 0.6 for 60 %; got {value}" in capsys.readouterr().err
+
+
+def test_mode_options_tell_variants_apart():
+    from mpiasgd.tools.report import mode_options
+
+    assert mode_options({"mode": "async"}) == ""
+    assert mode_options({"mode": "ssp", "staleness_bound": 2}) == "s=2"
+    assert mode_options({"mode": "async", "overlap": True, "warm_start": 30.0, "straggler": "2:3"}) == \
+        "overlap warm 30s straggler 2:3"
+    assert mode_options({"mode": "pipeline", "modules": 3, "shrink": 0.5, "decoupling": "backward",
+                         "weight_stashing": True}) == "K=3 beta=0.5 backward stashing"
+
+
+def test_evaluate_of_a_missing_log_prints_the_error_without_a_table_header(tmp_path, capsys):
+    """`mpiasgd evaluate` names the log and the error, and prints no table header above it (helper-23)."""
+    missing = str(tmp_path / "none.h5")
+    assert main(["evaluate", missing]) == 2
+    out, err = capsys.readouterr()
+    assert out == f"== {missing}\n" and "snapshot" not in out
+    assert err.startswith("mpiasgd evaluate: error: ") and "none.h5" in err
+
+
+def test_report_shows_the_conv_tiles_each_worker_autotuned(tmp_path):
+    """A run under --conv-algo autotune logs one 'autotune' event per GPU worker; the report lists each
+    worker's chosen tile per conv pass (the per-tile timings stay in the event); without such events the
+    report has no such section."""
+    plan = ("conv2d_fprop N128 C3 32x32 K32 5x5 stride 1 pad 2: 32x96/4x4k24 "
+            "(64x64 0.0301 ms, 32x128 0.0262 ms, 32x96/4x4k24 0.0201 ms)")
+    path = write_log(tmp_path / "tuned.h5", {"mode": "async", "conv_algo": "autotune"}, [push(0.1, 0)], close=False)
+    with h5py.File(path, "a") as f:
+        ds = f["events"]
+        ds.resize((ds.shape[0] + 2,))
+        ds[-2] = EventRow(time=0.0, kind=b"autotune", text=f"worker rank 1 on gpu7: conv tiles chosen by timing "
+                                                            f"(ms per call of each tile):\n{plan}").row()
+        ds[-1] = EventRow(time=0.0, kind=b"start", text="training starts").row()
+    text = report([path])
+    at = text.splitlines().index("conv tiles chosen by --conv-algo autotune (timings: the log's events):")
+    assert text.splitlines()[at + 1:at + 3] == [
+        "worker rank 1 on gpu7:", "  conv2d_fprop N128 C3 32x32 K32 5x5 stride 1 pad 2: 32x96/4x4k24"]
+    plain = write_log(tmp_path / "plain.h5", {"mode": "async"}, [push(0.1, 0)])
+    assert "autotune" not in report([plain])
+
+
+@pytest.mark.parametrize("command", ["report", "evaluate", "trace"])
+def test_a_directory_or_an_empty_file_is_named_as_such(command, tmp_path, capsys):
+    """report, evaluate and trace on a directory say it is one and list the run logs in it; on a 0-byte file
+    they say it is empty; neither is "not found"."""
+    (tmp_path / "a.h5").write_bytes(b"")
+    (tmp_path / "a.ckpt.h5").write_bytes(b"")  # checkpoints are not run logs
+    argv = [command, str(tmp_path)] + (["-o", str(tmp_path / "t.json")] if command == "trace" else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"'{tmp_path}' is a directory, expected a run log file (runs/NAME.h5); the .h5 files in it: a.h5\n" \
+        in err and "not found" not in err, err
+    argv[1] = str(tmp_path / "a.h5")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"'{tmp_path / 'a.h5'}' is empty (0 bytes), expected an mpiasgd run log (HDF5)" in err, err
+
+
+def test_report_refuses_foreign_files(tmp_path):
+    import h5py
+
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["x"] = [1, 2]
+    (tmp_path / "text.h5").write_text("hello")
+    for name, expected in [("other.h5", "not an mpiasgd run log"), ("text.h5", "not a readable HDF5 file"),
+                           ("missing.h5", "not found")]:
+        for command in ("report", "evaluate"):
+            res = subprocess.run([sys.executable, "-m", "mpiasgd", command, str(tmp_path / name)],
+                                 capture_output=True, text=True, timeout=60)
+            assert res.returncode == 2 and expected in res.stderr, (command, name, res.stderr)
+            assert "Traceback" not in res.stderr
