@@ -51,7 +51,7 @@ from mpi4py import MPI
 
 from mpiasgd import checkpoint
 from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
-from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, need
+from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, need, round_fits
 from mpiasgd.optim import SGD, LocalSGD, Schedule, apply_delta, finite_square, fraction_done, staleness_factor
 from mpiasgd.rank0.role import Role
 
@@ -315,12 +315,8 @@ class AsgdMode(Mode):
         need(cfg.staleness_lr in STALENESS_LR, cfg, "staleness_lr", f"one of {STALENESS_LR}")
 
     def layout(self, cfg: Any, model: Any, num_workers: int, num_train: int) -> Any:
-        from mpiasgd.config import ConfigError
-
-        if cfg.nsync > 1 and cfg.epochs and cfg.nsync * cfg.batch_size * num_workers > cfg.epochs * num_train:
-            raise ConfigError(f"config key 'nsync' = {cfg.nsync}: one round of local steps by every worker "
-                              f"({cfg.nsync} x {cfg.batch_size} images x {num_workers} workers) is longer than the "
-                              f"run ({cfg.epochs:g} epochs of {num_train} images)")
+        if cfg.nsync > 1:
+            round_fits(cfg, "nsync", cfg.nsync, num_workers, num_train)
         return super().layout(cfg, model, num_workers, num_train)
 
     def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,

@@ -106,6 +106,16 @@ def need(ok: bool, cfg: Any, key: str, expected: str) -> None:
         raise ConfigError(f"config key '{key}' = {getattr(cfg, key)!r}: expected {expected}")
 
 
+def round_fits(cfg: Any, key: str, steps: int, num_workers: int, num_train: int) -> None:
+    """ConfigError naming config key `key` when one round of `steps` local minibatches by every one of
+    `num_workers` workers is longer than the whole run (`cfg.epochs` of `num_train` images): it would
+    train with the step size the schedule has past the end (nsync, easgd's tau)."""
+    if cfg.epochs and steps * cfg.batch_size * num_workers > cfg.epochs * num_train:
+        raise ConfigError(f"config key '{key}' = {steps}: one round of local steps by every worker ({steps} x "
+                          f"{cfg.batch_size} images x {num_workers} workers) is longer than the run "
+                          f"({cfg.epochs:g} epochs of {num_train} images)")
+
+
 class WorkerLoop:
     """A worker's loop (ranks 1..N): what every mode's worker shares.
 

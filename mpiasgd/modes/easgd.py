@@ -38,7 +38,7 @@ from mpi4py import MPI
 
 from mpiasgd import checkpoint
 from mpiasgd.comms import Flag, Message, Tag, wait
-from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, need
+from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, need, round_fits
 from mpiasgd.optim import LocalSGD, Schedule, finite_square, fraction_done
 from mpiasgd.rank0.role import Role
 
@@ -208,12 +208,7 @@ class EasgdMode(Mode):
              "0 < alpha < 1, or 0 for the paper's rule 0.9 / workers")
 
     def layout(self, cfg: Any, model: Any, num_workers: int, num_train: int) -> Any:
-        from mpiasgd.config import ConfigError
-
-        if cfg.epochs and cfg.easgd_tau * cfg.batch_size * num_workers > cfg.epochs * num_train:
-            raise ConfigError(f"config key 'easgd_tau' = {cfg.easgd_tau}: one round of local steps by every worker "
-                              f"({cfg.easgd_tau} x {cfg.batch_size} images x {num_workers} workers) is longer than "
-                              f"the run ({cfg.epochs:g} epochs of {num_train} images)")
+        round_fits(cfg, "easgd_tau", cfg.easgd_tau, num_workers, num_train)
         return super().layout(cfg, model, num_workers, num_train)
 
     def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,

@@ -151,3 +151,17 @@ def test_the_worker_takes_tau_local_steps_then_its_elastic_step(tmp_path):
     thread.join(5)
     assert not thread.is_alive() and "error" not in outcome
     assert result.header["samples"] == 20  # it evaluated the center STOP carried on its 20 test images
+
+
+@pytest.mark.parametrize("mode, key, value", [("async", "nsync", 300), ("easgd", "easgd_tau", 300)])
+def test_a_round_longer_than_the_run_is_refused(mode, key, value):
+    """nsync and easgd's tau: one round of local steps by both workers (300 x 32 x 2 images) is longer than
+    a 1-epoch run of 1,437 images; a round that fits is taken."""
+    from mpiasgd.modes.registry import load
+
+    cfg = Config(mode=mode, epochs=1, **{key: value}).validate()
+    with pytest.raises(ConfigError, match=rf"'{key}' = 300: one round of local steps by every worker \(300 x 32 "
+                                          r"images x 2 workers\) is longer than the run \(1 epochs of 1437 images\)"):
+        load(mode).layout(cfg, None, 2, 1437)
+    fits = Config(mode=mode, epochs=1, **{key: 20}).validate()
+    assert load(mode).layout(fits, None, 2, 1437).shards == 2
