@@ -44,7 +44,7 @@ def announce(cfg: Any, me: Any, start: Any, workers: list) -> None:
         print(lines, flush=True)
 
 
-def open_log(cfg: Any, me: Any, start: Any, workers: list) -> RunLog:
+def start_log(cfg: Any, me: Any, start: Any, workers: list) -> RunLog:
     """Create the run log, or (resuming) continue it; logs the resume's config changes and autotune events."""
     from mpiasgd.config import from_mapping, resume_overrides
     from mpiasgd.launch.startup import versions
@@ -99,7 +99,7 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
     model, dataset, ckpt = start.model, start.dataset, start.checkpoint
     workers = me.comm.gather(None, root=0)[1:]  # each worker's WorkerInfo, in rank order
     announce(cfg, me, start, workers)
-    log = open_log(cfg, me, start, workers)
+    log = start_log(cfg, me, start, workers)
     params = model.init_params(cfg.seed)
     bar = None
     if cfg.progress:
