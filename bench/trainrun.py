@@ -131,6 +131,22 @@ def seconds(text: str) -> float:
     return value
 
 
+def nonnegative(text: str) -> float:
+    """An argparse type: a number >= 0."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def epochs_type(text: str) -> float:
+    """An argparse type: epochs > 0, fractions allowed."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected epochs > 0 (fractions allowed), got {text}")
+    return value
+
+
 def int_list(text: str) -> list[int]:
     """A comma-separated list of distinct integers >= 1, in the order given."""
     try:

@@ -6,6 +6,9 @@
                                 copy; pipeline: every module's slice, assembled)
     momentum     float32 (P,)   the optimizer's velocity (zeros when momentum is 0; async/ssp with
                                 nsync > 1: the server's, the workers' local velocities are not kept)
+    buffers      float32 (B,)   the layers' buffers (BatchNorm's running statistics; absent when the
+                                network has none): async/ssp/easgd: rank 0's average of the workers'
+                                latest; sync: the replicas' common copy; pipeline: every module's
     workers      WORKER_STATE (W,): each worker's rank, step (pushes or sync steps made, or pipeline
                                 iterations), cursor (minibatches it drew from its shard: its data
                                 position), rejected (non-finite pushes)
@@ -13,8 +16,9 @@
                  pipeline minibatches), samples, elapsed (seconds of training the state holds: the
                  schedule's clock), log_time (the run log's clock when it was written), reason,
                  config (JSON), log (the run log's path), run_id (the log's: a resume checks the log
-                 is this run's), staleness_sum/_max/_count, created, and crc32: a CRC-32 of every
-                 array and every attribute above, checked on load with the values' ranges
+                 is this run's), model_spec (the network's definition, JSON: `mpiasgd.model.spec`),
+                 staleness_sum/_max/_count, created, and crc32: a CRC-32 of every array and every
+                 attribute above, checked on load with the values' ranges
 
 Random state: the initial weights, the shards and each epoch's shuffle derive from `seed`; the
 augmentation of minibatch b of a worker's stream comes from `batch_rng(seed, stream, b)`. So the
@@ -37,7 +41,7 @@ import os
 import sys
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import h5py
 import numpy as np
@@ -64,10 +68,11 @@ SCALARS = ("mode", "model", "config", "log", "reason", "run_id", "version", "sam
 def crc32(ckpt: Checkpoint) -> int:
     """CRC-32 of the arrays' bytes and of the scalar fields (as JSON): what `load` checks."""
     crc = 0
-    for a in (ckpt.params, ckpt.momentum, ckpt.workers):
+    arrays = (ckpt.params, ckpt.momentum, ckpt.workers) + ((ckpt.buffers,) if ckpt.buffers.size else ())
+    for a in arrays:
         crc = zlib.crc32(np.ascontiguousarray(a).view(np.uint8), crc)
-    scalars = json.dumps([getattr(ckpt, key) for key in SCALARS])
-    return zlib.crc32(scalars.encode(), crc)
+    scalars = [getattr(ckpt, key) for key in SCALARS] + ([ckpt.model_spec] if ckpt.model_spec else [])
+    return zlib.crc32(json.dumps(scalars).encode(), crc)
 
 
 @dataclass
@@ -91,6 +96,8 @@ class Checkpoint:
     staleness_max: int = 0
     staleness_count: int = 0
     path: str = ""
+    buffers: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    model_spec: str = ""  # JSON text; "" in checkpoints written before networks had stored definitions
 
     @property
     def num_workers(self) -> int:
@@ -115,14 +122,18 @@ def write(path: str, ckpt: Checkpoint) -> float:
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
     remove_stale_temporaries(path)
-    size = 2 * int(ckpt.params.size) * 4 + ckpt.workers.size * WORKER_STATE.itemsize  # params, momentum (float32)
+    size = (2 * int(ckpt.params.size) + int(ckpt.buffers.size)) * 4 + ckpt.workers.size * WORKER_STATE.itemsize
     ensure_free_space(tmp, size)  # ENOSPC before HDF5 is called: on a full disk it fails noisily, even crashes
     try:
         with _quiet_hdf5_cleanup(tmp), h5py.File(tmp, "w") as f:
             f.create_dataset("params", data=ckpt.params.astype(np.float32, copy=False))
             f.create_dataset("momentum", data=ckpt.momentum.astype(np.float32, copy=False))
             f.create_dataset("workers", data=ckpt.workers.astype(WORKER_STATE, copy=False))
+            if ckpt.buffers.size:
+                f.create_dataset("buffers", data=ckpt.buffers.astype(np.float32, copy=False))
             a = f.attrs
+            if ckpt.model_spec:
+                a["model_spec"] = ckpt.model_spec
             a["format"] = FORMAT
             for key in ("mode", "model", "config", "log", "reason", "run_id"):
                 a[key] = getattr(ckpt, key)
@@ -227,7 +238,9 @@ def load(path: str) -> Checkpoint:
             log_time=float(a["log_time"]), config=str(a["config"]), log=str(a["log"]), mode=str(a["mode"]),
             model=str(a["model"]), reason=str(a["reason"]), run_id=str(a["run_id"]),
             staleness_sum=int(a["staleness_sum"]), staleness_max=int(a["staleness_max"]),
-            staleness_count=int(a["staleness_count"]), path=path)
+            staleness_count=int(a["staleness_count"]), path=path,
+            buffers=f["buffers"][()] if "buffers" in f else np.zeros(0, np.float32),
+            model_spec=str(a.get("model_spec", "")))
         stored = int(a["crc32"])
     if crc32(ckpt) != stored:
         raise CheckpointError(f"checkpoint '{path}' is corrupt: its contents do not match the CRC-32 stored with them")
@@ -244,13 +257,15 @@ def check_values(ckpt: Checkpoint) -> str:
         return f"params {ckpt.params.dtype}{ckpt.params.shape}, momentum {ckpt.momentum.dtype}{ckpt.momentum.shape}"
     if not (np.isfinite(ckpt.params).all() and np.isfinite(ckpt.momentum).all()):
         return "non-finite weights or momentum"
+    if ckpt.buffers.dtype != np.float32 or ckpt.buffers.ndim != 1 or not np.isfinite(ckpt.buffers).all():
+        return f"buffers {ckpt.buffers.dtype}{ckpt.buffers.shape} (expected finite float32 (B,))"
     if w.dtype != WORKER_STATE or w.ndim != 1 or w.size < 1:
         return f"workers table {w.dtype} {w.shape}"
     if (w["rank"] < 1).any() or np.unique(w["rank"]).size != w.size:
         return f"worker ranks {w['rank'].tolist()} (expected distinct ranks >= 1)"
-    for field in ("step", "cursor", "rejected"):
-        if (w[field] < 0).any():
-            return f"negative worker {field}s {w[field].tolist()}"
+    for column in ("step", "cursor", "rejected"):
+        if (w[column] < 0).any():
+            return f"negative worker {column}s {w[column].tolist()}"
     for key in ("version", "samples", "staleness_sum", "staleness_max", "staleness_count"):
         if getattr(ckpt, key) < 0:
             return f"{key} = {getattr(ckpt, key)} (expected >= 0)"
@@ -259,6 +274,13 @@ def check_values(ckpt: Checkpoint) -> str:
         if not (math.isfinite(value) and value >= 0):
             return f"{key} = {value} (expected seconds >= 0)"
     return ""
+
+
+def load_model_spec(path: str) -> str:
+    """The network definition (JSON text) stored in the checkpoint at `path`, "" for a checkpoint without one;
+    read without the arrays (the full `load` verifies it with the rest)."""
+    with _opened(path) as f:
+        return str(f.attrs.get("model_spec", ""))
 
 
 def load_config(path: str) -> dict:

@@ -1,10 +1,11 @@
-"""Command line: `mpiasgd train | evaluate | report | watch | trace` (also `python -m mpiasgd ...`).
+"""Command line: `mpiasgd train | evaluate | report | watch | trace | export` (also `python -m mpiasgd ...`).
 
     mpiexec -n 3 python -m mpiasgd train --model digits --epochs 30   # 1 parameter server + 2 workers
     python -m mpiasgd evaluate runs/NAME.h5                            # accuracy of every weight snapshot
     python -m mpiasgd report runs/NAME.h5 [runs/OTHER.h5 ...]          # summary tables, runs compared
     python -m mpiasgd watch runs/NAME.h5                               # follow a running job, a line per interval
     python -m mpiasgd trace runs/NAME.h5 -o trace.json                 # Chrome trace, one track per rank
+    python -m mpiasgd export runs/NAME.h5 -o NAME.npz                  # weights as .npz, keyed by parameter name
 """
 
 from __future__ import annotations
@@ -80,6 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     tr = command(sub, "trace", "write a Chrome trace of a run (Perfetto, chrome://tracing): a track per rank")
     tr.add_argument("log", metavar="RUN.h5", help="a run log written by mpiasgd train (runs/NAME.h5)")
     tr.add_argument("-o", "--output", default="trace.json", help="the JSON file to write (default trace.json)")
+    ex = command(sub, "export", "write a run's weights to a NumPy .npz keyed by parameter name (see README, "
+                                "Model export)")
+    ex.add_argument("log", metavar="RUN.h5", help="a run log written by mpiasgd train (runs/NAME.h5)")
+    which = ex.add_mutually_exclusive_group()
+    which.add_argument("--snapshot", type=int, default=None, metavar="N",
+                       help="weight snapshot N of the log, from 0 (negative: from the end; default: the last)")
+    which.add_argument("--checkpoint", action="store_true",
+                       help="the run's checkpoint (RUN.ckpt.h5) instead of a snapshot")
+    ex.add_argument("-o", "--output", default=None, help="the .npz file to write (default: RUN.npz beside the log)")
     args, rest = parser.parse_known_args(argv)
 
     if args.command == "train":
@@ -92,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         from mpiasgd.tools.trace import main as trace
 
         return trace(args.log, args.output)
+    if args.command == "export":
+        return _export(args)
     if args.command == "watch":
         from mpiasgd.tools.watch import main as watch
 
@@ -155,6 +167,19 @@ def _evaluate(args: argparse.Namespace) -> int:
             continue
         print(f"{len(rows)} snapshots evaluated and stored in {path}")
     return status
+
+
+def _export(args: argparse.Namespace) -> int:
+    from mpiasgd.model.export import export_run
+
+    stem = args.log[:-3] if args.log.endswith(".h5") else args.log
+    output = args.output or (stem[:-5] if stem.endswith(".ckpt") else stem) + ".npz"
+    try:
+        print(export_run(args.log, output, args.snapshot, args.checkpoint), flush=True)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"mpiasgd export: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -43,8 +43,13 @@ class BaseConfig:
     """The keys every mode has; `Config` adds the keys the modes own (`mpiasgd.modes.registry.OPTIONS`)."""
 
     # --- model and data ---
-    model: str = _opt("digits", "model and data", "network: digits | cifar10 | cifar10_deep (six conv layers)")
-    dataset: str = _opt("", "model and data", "dataset: digits | cifar10 (default: the model's own)")
+    model: str = _opt("digits", "model and data",
+                      "network: a built-in (digits | cifar10 | cifar10_deep | resnet20 | resnet56 | ...; the "
+                      "README lists them), or a file: PATH.py:FUNCTION (returns a list of "
+                      "mpiasgd.model.layers) or PATH.json (a stored definition); the run log stores the definition")
+    dataset: str = _opt("", "model and data", "dataset: digits | cifar10 | synthetic64 | synthetic224 (default: a "
+                        "built-in network's own; "
+                        "required with a network from a file)")
     data_dir: str = _opt("", "model and data",
                          "folder holding cifar-10-batches-py/ or -bin/ (default: $MPIASGD_DATA or ~/.cache/mpiasgd)")
     seed: int = _opt(0, "model and data", "seed of initial weights, shards and augmentation")
@@ -75,7 +80,9 @@ class BaseConfig:
                           "step (a heterogeneous cluster on one machine)")
     # --- optimizer (applied by the parameter server) ---
     lr: float = _opt(0.01, "optimizer", "peak learning rate (SGD step size)")
-    momentum: float = _opt(0.9, "optimizer", "heavy-ball momentum, 0 <= m < 1")
+    momentum: float = _opt(0.9, "optimizer", "momentum, 0 <= m < 1 (heavy ball unless --nesterov)")
+    nesterov: bool = _opt(False, "optimizer", "Nesterov momentum (torch.optim.SGD's form) instead of heavy-ball; "
+                          "needs momentum > 0")
     weight_decay: float = _opt(5e-4, "optimizer", "L2 penalty on conv/linear weights (not biases)")
     lr_schedule: str = _opt("cosine", "optimizer", "after warm-up: constant | step | cosine (to 0 at the stop)")
     warmup_epochs: float = _opt(0.5, "optimizer", "linear learning-rate warm-up from 0, epochs")
@@ -119,9 +126,15 @@ class BaseConfig:
                 raise ConfigError(f"config key '{key}' = {getattr(self, key)!r}: expected {expected}")
 
         from mpiasgd.model import MODELS  # late import: the model registry pulls in the ops
+        from mpiasgd.model.spec import is_file_ref
 
-        need(self.model in MODELS, "model", f"one of {sorted(MODELS)}")
-        need(self.dataset in ("", "digits", "cifar10"), "dataset", "digits or cifar10")
+        need(self.model in MODELS or is_file_ref(self.model), "model",
+             f"one of {sorted(MODELS)}, or a file PATH.py:FUNCTION or PATH.json")
+        need(self.model in MODELS or self.dataset != "", "dataset",
+             f"a dataset name for the network from file {self.model!r}")
+        from mpiasgd.data import DATASETS
+
+        need(self.dataset in ("", *DATASETS), "dataset", " | ".join(DATASETS))
         need(self.mode in MODES, "mode", f"one of {tuple(MODES)}")
         from mpiasgd.modes.registry import load
 
@@ -153,6 +166,8 @@ class BaseConfig:
         need(math.isfinite(self.stall_warning) and self.stall_warning >= 0, "stall_warning", "seconds >= 0")
         need(math.isfinite(self.lr) and self.lr > 0, "lr", "a finite number > 0")
         need(0 <= self.momentum < 1, "momentum", "0 <= momentum < 1")
+        need(not (self.nesterov and self.momentum == 0), "nesterov",
+             "False with momentum 0 (Nesterov momentum needs a momentum > 0)")
         need(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "a number >= 0")
         need(self.lr_schedule in SCHEDULES, "lr_schedule", f"one of {SCHEDULES}")
         need(self.warmup_epochs >= 0, "warmup_epochs", "epochs >= 0")
@@ -200,10 +215,17 @@ class BaseConfig:
 
     @property
     def dataset_name(self) -> str:
-        """The dataset to load: `dataset`, or the model's own when empty."""
+        """The dataset to load: `dataset`, or the built-in model's own when empty."""
         from mpiasgd.model import MODELS
 
         return self.dataset or MODELS[self.model].dataset
+
+    @property
+    def model_label(self) -> str:
+        """A short name of the network: the built-in's, or the file's stem (run names, messages)."""
+        from mpiasgd.model.spec import label
+
+        return label(self.model)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -12,9 +12,9 @@ sampler.py (ShardSampler), augment.py (random crop + flip), stream.py (Minibatch
 minibatches and their augmentation, reproducible from its cursor).
 """
 
-from mpiasgd.data.dataset import DataError, Dataset, default_data_dir, load_dataset
+from mpiasgd.data.dataset import DATASETS, DataError, Dataset, default_data_dir, load_dataset
 from mpiasgd.data.sampler import ShardSampler
 from mpiasgd.data.stream import MinibatchStream, batch_rng, minibatches
 
-__all__ = ["DataError", "Dataset", "MinibatchStream", "ShardSampler", "batch_rng", "default_data_dir", "load_dataset",
-           "minibatches"]
+__all__ = ["DATASETS", "DataError", "Dataset", "MinibatchStream", "ShardSampler", "batch_rng", "default_data_dir",
+           "load_dataset", "minibatches"]

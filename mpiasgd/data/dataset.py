@@ -14,7 +14,7 @@ import numpy as np
 
 from mpiasgd.data.augment import PAD, random_crop_flip
 
-DATASETS = ("digits", "cifar10")  # names load_dataset accepts
+DATASETS = ("digits", "cifar10", "synthetic64", "synthetic224")  # names load_dataset accepts
 
 
 class DataError(ValueError):
@@ -169,7 +169,8 @@ class Dataset:
 
 
 def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
-    """Load a dataset by name: "digits" (bundled with scikit-learn) or "cifar10".
+    """Load a dataset by name: "digits" (bundled with scikit-learn), "cifar10", or "synthetic64" /
+    "synthetic224" (ImageNet-shaped images generated in memory: `mpiasgd.data.synthetic`).
 
     data_dir: where to look for CIFAR-10 (see `cifar10.load_cifar10`); None means
     `default_data_dir()`. Ignored for "digits", which never touches the disk beyond scikit-learn.
@@ -183,4 +184,8 @@ def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
         return load_digits()
     if name == "cifar10":
         return load_cifar10(default_data_dir() if data_dir is None else data_dir)
+    if name.startswith("synthetic") and name in DATASETS:
+        from mpiasgd.data.synthetic import load_synthetic
+
+        return load_synthetic(name)
     raise DataError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")

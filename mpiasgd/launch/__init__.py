@@ -34,7 +34,16 @@ from mpiasgd.comms import CommTimeout, Message, ProtocolError, Tag, error_messag
 from mpiasgd.config import Config
 from mpiasgd.device import sharing_error, tuning_turns
 from mpiasgd.launch.ranks import Rank, blas_threads, node_workers
-from mpiasgd.launch.startup import STARTUP_ERRORS, report_startup_errors, setup, tune_convs, worker_info
+from mpiasgd.launch.startup import (
+    STARTUP_ERRORS,
+    definition,
+    load_data,
+    report_startup_errors,
+    setup,
+    share_definition,
+    tune_convs,
+    worker_info,
+)
 from mpiasgd.modes.base import WorkerJob
 from mpiasgd.modes.registry import load
 from mpiasgd.rank0.serve import ABORT_CODE, EXIT_DIVERGED, EXIT_PREEMPTED, log_unwritable, serve
@@ -72,13 +81,21 @@ def train(cfg: Config, comm: Any = None) -> int:
     me = Rank(comm, comm.Get_rank(), comm.Get_size(), socket.gethostname())
     mode = load(cfg.mode)
     # start-up (all ranks): collective, so bad input gives one message and a clean exit
-    error, start, threads = None, None, 1
+    error, start, threads, dataset, spec = None, None, 1, None, None
     try:
         workers_here, local_rank = node_workers(me)
         threads = blas_threads(me, cfg.threads, workers_here)
-        start = setup(cfg, me, mode, local_rank)
+        dataset = load_data(cfg)
+        if me.is_server:
+            spec = definition(cfg, dataset)
     except STARTUP_ERRORS as e:
         error = str(e)
+    spec = share_definition(me, spec)  # collective: every rank comes here, failed or not
+    if error is None and spec is not None:  # (rank 0 failed: it reports why, the others wait for that)
+        try:
+            start = setup(cfg, me, mode, dataset, spec, local_rank)
+        except STARTUP_ERRORS as e:
+            error = str(e)
     if report_startup_errors(me, error):
         if start is not None:  # rank 0 took the log's lock; no log was written
             start.release()

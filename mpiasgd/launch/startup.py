@@ -33,7 +33,7 @@ from mpiasgd.device import (
 )
 from mpiasgd.launch.ranks import Rank
 from mpiasgd.launch.records import WorkerInfo
-from mpiasgd.modes.base import Layout, Mode
+from mpiasgd.modes.base import Layout, Mode, message_count
 from mpiasgd.ops import BackendUnavailable, cuda_probe, get_backend
 from mpiasgd.runlog import WriterLock
 
@@ -70,7 +70,7 @@ class Startup:
 
 
 def run_name(cfg: Config, num_workers: int) -> str:
-    return cfg.name or f"{cfg.model}-{cfg.mode}-{num_workers}w-{time.strftime('%Y%m%d-%H%M%S')}"
+    return cfg.name or f"{cfg.model_label}-{cfg.mode}-{num_workers}w-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def versions() -> dict:
@@ -112,7 +112,8 @@ def worker_backend(cfg: Config, me: Rank, local_rank: int) -> tuple[str, object]
     return backend, device
 
 
-def autotune_convs(cfg: Config, dataset: Any, first: int = 0, last: int | None = None) -> list[str]:
+def autotune_convs(cfg: Config, dataset: Any, first: int = 0, last: int | None = None,
+                   spec: dict | None = None) -> list[str]:
     """(cupy workers, --conv-algo autotune) One forward/backward of layers first..last-1 (default: the
     whole model; a pipeline unit: its module's) on a throwaway copy of the model, so that every conv
     pass this worker trains with picks its tile now (the backend's conv plans) and not in the first
@@ -121,7 +122,7 @@ def autotune_convs(cfg: Config, dataset: Any, first: int = 0, last: int | None =
     (tile chosen, ms per call of each tile). Raises BackendUnavailable naming the failure."""
     from mpiasgd.model import build_model
 
-    model = build_model(cfg.model, "cupy")
+    model = build_model(cfg.model if spec is None else spec, "cupy")  # spec: the run's network definition
     ops, layers = model.ops, model.layers[first:last]
     try:
         model.bind(ops.asarray(model.init_params(cfg.seed)), ops.zeros(model.num_params))
@@ -141,8 +142,36 @@ def autotune_convs(cfg: Config, dataset: Any, first: int = 0, last: int | None =
     return [plan.describe() for plan in ops.conv_plans()]
 
 
-def setup(cfg: Config, me: Rank, mode: Mode, local_rank: int = 0) -> Startup:
-    """Per-rank start-up; returns what the role needs. Raises one of STARTUP_ERRORS on bad input.
+def load_data(cfg: Config) -> Any:
+    """(every rank) The run's dataset (`cfg.dataset_name` from `cfg.data_dir` or the default directory)."""
+    return load_dataset(cfg.dataset_name, cfg.data_dir or default_data_dir())
+
+
+def definition(cfg: Config, dataset: Any) -> dict:
+    """(rank 0) The network's stored definition (`mpiasgd.model.spec`): a resumed run's from its checkpoint
+    (the network it trained, whatever the file says now), else what --model names, a file's network
+    taking the dataset's image shape. Raises ModelSpecError (a ValueError) naming what is wrong."""
+    from mpiasgd.model.spec import from_json, resolve
+
+    if cfg.resume and os.path.isfile(cfg.resume):
+        stored = checkpoint.load_model_spec(cfg.resume)
+        if stored:
+            return from_json(stored, f"--resume: checkpoint '{cfg.resume}': its network definition")
+    return resolve(cfg.model, tuple(int(d) for d in dataset.train_x.shape[1:]))
+
+
+def share_definition(me: Rank, spec: dict | None) -> dict | None:
+    """Collective: rank 0's definition (None when it failed) on every rank, sent as JSON text, so that every
+    worker builds the network rank 0 logs, from data (no rank but 0 runs a user's model file)."""
+    from mpiasgd.model.spec import from_json, to_json
+
+    text = me.comm.bcast(to_json(spec) if me.is_server and spec is not None else None, root=0)
+    return None if text is None else from_json(text)
+
+
+def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_rank: int = 0) -> Startup:
+    """Per-rank start-up with the run's dataset and network definition; returns what the role needs. Raises
+    one of STARTUP_ERRORS on bad input.
 
     `local_rank` is a worker's index among the workers of its node (its GPU, modulo visible devices).
     """
@@ -151,13 +180,19 @@ def setup(cfg: Config, me: Rank, mode: Mode, local_rank: int = 0) -> Startup:
     if me.size < 2:
         raise ConfigError(f"mpiasgd train needs at least 2 MPI ranks (1 parameter server + workers), got {me.size}; "
                           "launch it with e.g. 'mpiexec -n 3 python -m mpiasgd train'")
-    data_dir = cfg.data_dir or default_data_dir()
-    dataset = load_dataset(cfg.dataset_name, data_dir)
     backend, device = ("numpy", None) if me.is_server else worker_backend(cfg, me, local_rank)
-    model = build_model(cfg.model, backend)  # the server keeps host weights: always numpy
+    try:
+        model = build_model(spec, backend)  # the server keeps host weights: always numpy
+    except ValueError as e:
+        raise ConfigError(f"--model {cfg.model!r}: {e}") from None
     if tuple(dataset.train_x.shape[1:]) != tuple(model.input_shape):
-        raise ConfigError(f"model '{cfg.model}' takes inputs {tuple(model.input_shape)}, dataset "
+        raise ConfigError(f"model '{cfg.model_label}' takes inputs {tuple(model.input_shape)}, dataset "
                           f"'{cfg.dataset_name}' has images {tuple(dataset.train_x.shape[1:])}")
+    classes = int(dataset.train_y.max()) + 1 if dataset.train_y.size else 0
+    if model.num_classes < classes:
+        raise ConfigError(f"model '{cfg.model_label}': its last layer {model.names[-1]} "
+                          f"({model.layers[-1].describe()}) gives {model.num_classes} logits, dataset "
+                          f"'{cfg.dataset_name}' has {classes} classes")
     slow = sorted(r for r in cfg.stragglers() if r > me.num_workers)
     if slow:
         raise ConfigError(f"config key 'straggler' = {cfg.straggler!r}: rank(s) {slow} are not workers "
@@ -178,8 +213,9 @@ def setup(cfg: Config, me: Rank, mode: Mode, local_rank: int = 0) -> Startup:
     if backend == "cupy" and cfg.cuda_aware == "auto" and query is None:
         query = mpix_cuda_support()  # mpi4py's PyPI wheels lack Query_cuda_support: ask libmpi itself
     cuda_aware = backend == "cupy" and resolve_cuda_aware(cfg.cuda_aware, query)
-    out.staging = make_staging(backend, cuda_aware, model.num_params)  # buffers reused every step
-    out.make_staging = lambda: make_staging(backend, cuda_aware, model.num_params)  # --overlap: a second one
+    count = message_count(model)  # weights or gradient, then the layers' buffers
+    out.staging = make_staging(backend, cuda_aware, count)  # buffers reused every step
+    out.make_staging = lambda: make_staging(backend, cuda_aware, count)  # --overlap: a second one
     return out
 
 
@@ -238,6 +274,9 @@ def worker_info(me: Rank, start: Startup, threads: int) -> WorkerInfo:
 def check_fits(ckpt: checkpoint.Checkpoint, cfg: Config, me: Rank, model: Any) -> None:
     """ConfigError unless checkpoint `ckpt` fits this job: its mode, model, parameter count, worker ranks."""
     where = f"--resume: checkpoint '{cfg.resume}'"
+    if ckpt.buffers.size not in (0, model.num_buffers):
+        raise ConfigError(f"{where} holds {ckpt.buffers.size} buffer values, model '{cfg.model_label}' has "
+                          f"{model.num_buffers}")
     if (ckpt.mode, ckpt.model) != (cfg.mode, cfg.model):
         raise ConfigError(f"{where} holds a '{ckpt.mode}' run of model '{ckpt.model}', its config says "
                           f"'{cfg.mode}' and '{cfg.model}'")
@@ -299,7 +338,8 @@ def tune_convs(cfg: Config, me: Rank, start: Startup, turns: list[int]) -> bool:
         if turns[me.rank] == turn:
             first, last = start.layout.layers[me.rank]
             try:
-                start.autotune = autotune_convs(cfg, start.dataset, first, last)
+                start.autotune = autotune_convs(cfg, start.dataset, first, last,
+                                                spec=None if start.model is None else start.model.spec())
             except STARTUP_ERRORS as e:
                 error = str(e)
         if report_startup_errors(me, error):

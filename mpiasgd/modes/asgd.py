@@ -51,7 +51,7 @@ from mpi4py import MPI
 
 from mpiasgd import checkpoint
 from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
-from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, need, round_fits
+from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, initial_buffers, lr_scale, need, round_fits
 from mpiasgd.optim import SGD, LocalSGD, Schedule, apply_delta, finite_square, fraction_done, staleness_factor
 from mpiasgd.rank0.role import Role
 
@@ -60,19 +60,31 @@ STALENESS_LR = ("none", "inverse", "sqrt")
 
 class AsgdServer(Role):
     """(rank 0) The parameter server: master weights `params` (float32 (P,)), the optimizer, and a reply
-    to every push; see the module docstring. `decay_mask` (float32 (P,)) marks the weights that take
-    weight decay."""
+    to every push; see the module docstring. `decay_mask` (float32 (P,)) holds each weight's weight-decay
+    multiplier, `lr_scale` its learning-rate multiplier (None: all 1), `buffers` (float32 (B,)) the
+    layers' initial buffers.
+
+    Buffers (BatchNorm's running statistics): each push carries the worker's own after its gradient;
+    rank 0 keeps every worker's latest and snapshots and checkpoints their mean (`current_buffers`).
+    A worker starts from the buffers of its first WEIGHTS (the initial ones, or a resumed run's), keeps
+    its own while it trains (replies carry a tail it does not read), and evaluates the final weights
+    with the mean its STOP carries: the final evaluation and the last snapshot use the same state."""
 
     checkpoints_here = True
     snapshots_here = True
 
-    def __init__(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray) -> None:
-        super().__init__(r0, params)
+    def __init__(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, lr_scale: np.ndarray | None = None,
+                 buffers: np.ndarray | None = None) -> None:
+        super().__init__(r0, params, buffers)
         cfg = self.cfg
-        self.optimizer = SGD(params, decay_mask, cfg.momentum, cfg.weight_decay)
+        P, B = params.size, self.buffers.size
+        self.P = P
+        self.inbox = {w: Message(P + B) for w in self.workers}
+        self.outbox = {w: Message(P + B) for w in self.workers}
+        self.weights = {w: self.outbox[w].payload[:P] for w in self.workers}  # where the master weights may live
+        self.optimizer = SGD(params, decay_mask, cfg.momentum, cfg.weight_decay, nesterov=cfg.nesterov,
+                             lr_scale=lr_scale)
         self.schedule = Schedule.of(cfg)
-        self.inbox = {w: Message(params.size) for w in self.workers}
-        self.outbox = {w: Message(params.size) for w in self.workers}
         self.started: set[int] = set()        # workers sent their first weights (--warm-start holds back some)
         self.held_s = dict.fromkeys(self.workers, 0.0)  # ssp: how long the last reply to each worker was held
 
@@ -106,7 +118,7 @@ class AsgdServer(Role):
         velocity = self.optimizer.velocity
         return self.rec.checkpoint(self.params, np.zeros_like(self.params) if velocity is None else velocity,
                                    reason, {w: (self.last_step[w], self.cursor[w]) for w in self.workers},
-                                   self.rec.train_time())
+                                   self.rec.train_time(), self.current_buffers())
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
         super().restore(ckpt)
@@ -131,8 +143,10 @@ class AsgdServer(Role):
         """
         self.out[w].take(0)
         out = self.outbox[w]
-        if out.payload is not self.params:
-            out.payload[:] = self.params
+        if self.weights[w] is not self.params:
+            self.weights[w][:] = self.params
+        if self.buffers.size:
+            out.payload[self.P:] = self.current_buffers() if initial or tag == Tag.STOP else self.buffers
         flags = Flag.PREEMPT if tag == Tag.STOP and self.r0.preempted else 0
         if initial and self.rec.resumed is not None:  # the worker continues its step count and data position
             flags |= Flag.RESUME
@@ -188,17 +202,19 @@ class AsgdServer(Role):
         if int(h["flags"]) & Flag.PREEMPT:
             self.r0.signal_from(f"a signal received by worker rank {w}")
         staleness = rec.version - base
-        grad = msg.payload
+        grad = msg.payload[:self.P]
         finite, square = finite_square(grad)
         rejected = not finite
         applied = not rejected and not rec.stop_reason  # after the stop decision pushes are drained
+        if applied:  # (not after the stop: the mean the STOPs carry is the final snapshot's)
+            self.take_buffers(w, msg.payload[self.P:])
         lr = 0.0
         if applied:
             factor = staleness_factor(cfg.staleness_lr, staleness)
             # the new weights are written straight into w's send buffer (its previous send has completed:
             # w pushed after receiving it), which then holds the master weights until the next update
             self.out[w].take(0)
-            out = self.outbox[w].payload
+            out = self.weights[w]
             if delta:  # already scaled by the worker's own step size: added, scaled by the staleness rule only
                 lr = float(h["lr"]) * factor
                 self.params = self.optimizer.params = apply_delta(self.params, grad, factor, out=out)
@@ -240,8 +256,9 @@ class AsgdWorker(WorkerLoop):
         request = self.comm.Irecv(stagings[cur].recv_buf, source=0, tag=MPI.ANY_TAG)
         tag, wait_s = self.receive_weights(request, stagings[cur], "initial weights from the parameter server "
                                            "(rank 0)", timeout=cfg.worker_timeout + cfg.warm_start, initial=True)
+        self.buffers_from(stagings[cur].params)  # rank 0's buffers to start from; this worker's own after
         began = time.perf_counter() - self.elapsed
-        local = LocalSGD(model, cfg.momentum, cfg.weight_decay) if cfg.nsync > 1 else None
+        local = LocalSGD(model, cfg.momentum, cfg.weight_decay, nesterov=cfg.nesterov) if cfg.nsync > 1 else None
         pulled = ops.empty(model.num_params) if local else None  # the weights at the start of this round
         reply = None  # --overlap: (request, staging index) of the reply in flight
         comm_s = 0.0
@@ -255,7 +272,7 @@ class AsgdWorker(WorkerLoop):
             t0 = time.perf_counter()
             comm_s += t0 - t
             if bound != (cur, out):
-                model.bind(stagings[cur].params, stagings[out].grads)
+                self.bind(stagings[cur].params, stagings[out].grads)
                 bound = (cur, out)
             if local is not None:
                 pulled[...] = model.params
@@ -272,6 +289,7 @@ class AsgdWorker(WorkerLoop):
             if local is not None:  # the accumulated update: the weights now minus the weights at the start
                 model.grads[...] = model.params
                 model.grads -= pulled
+            self.buffers_into(stagings[out].grads)  # the push carries this worker's buffers after the gradient
             stagings[out].finish_compute()  # cupy: device sync point
             self.straggle(t0)
             t1 = time.perf_counter()
@@ -302,7 +320,9 @@ class AsgdWorker(WorkerLoop):
                 request, stagings[into], f"reply to push step {self.step} from the parameter server (rank 0)")
             cur, version = into, self.version
         pushes.drain()
-        model.bind(stagings[cur].params, stagings[cur].grads)  # the final weights
+        if tag == Tag.STOP:  # the final weights, and rank 0's mean buffers: what the snapshot holds
+            self.buffers_from(stagings[cur].params)
+        self.bind(stagings[cur].params, stagings[cur].grads)
 
 
 class AsgdMode(Mode):
@@ -321,7 +341,7 @@ class AsgdMode(Mode):
 
     def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,
               layout: Any) -> AsgdServer:
-        return AsgdServer(r0, params, decay_mask)
+        return AsgdServer(r0, params, decay_mask, lr_scale(model), initial_buffers(model))
 
     def worker(self, job: WorkerJob) -> AsgdWorker:
         return AsgdWorker(job)

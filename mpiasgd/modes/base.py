@@ -116,6 +116,28 @@ def round_fits(cfg: Any, key: str, steps: int, num_workers: int, num_train: int)
                           f"({cfg.epochs:g} epochs of {num_train} images)")
 
 
+def message_count(model: Any) -> int:
+    """Values in a worker's weight and gradient messages: the P parameters, then the model's B buffers."""
+    return model.num_params + model.num_buffers
+
+
+def lr_scale(model: Any) -> np.ndarray | None:
+    """The model's per-parameter learning-rate multipliers (float32 (P,)), None when all are 1 (or no model)."""
+    mult = None if model is None else model.lr_mult()
+    return None if mult is None or (mult == 1).all() else mult
+
+
+def initial_buffers(model: Any) -> np.ndarray | None:
+    """The model's buffers at their initial values (float32 (B,)), rank 0's until workers push theirs."""
+    return None if model is None else model.init_buffers()
+
+
+def dropout_seed(seed: int, rank: int) -> int:
+    """The dropout key's seed of worker `rank` in a run of `seed`: distinct per worker (its masks differ
+    from the others'), the same on every start (a resumed run draws the masks the uninterrupted would)."""
+    return (int(seed) << 20) + int(rank)
+
+
 class WorkerLoop:
     """A worker's loop (ranks 1..N): what every mode's worker shares.
 
@@ -130,8 +152,12 @@ class WorkerLoop:
         self.comm, self.cfg, self.model, self.dataset = job.comm, job.cfg, job.model, job.dataset
         self.rank = job.rank
         self.num_train = job.dataset.train_y.size
-        self.staging = job.staging or Staging(job.model.num_params)
-        self.make_staging = job.make_staging or (lambda: Staging(job.model.num_params))
+        self.P, self.B = job.model.num_params, job.model.num_buffers
+        self.staging = job.staging or Staging(message_count(job.model))
+        self.make_staging = job.make_staging or (lambda: Staging(message_count(job.model)))
+        # the layers' buffers (running statistics): this worker's own, updated by every training forward
+        self.buffers = job.model.ops.asarray(job.model.init_buffers())
+        job.model.ctx.seed = dropout_seed(self.cfg.seed, self.rank)
         self.stream = MinibatchStream(job.dataset, job.sampler, self.cfg.batch_size, self.cfg.seed, self.rank)
         self.step = 0
         self.version = -1
@@ -150,12 +176,28 @@ class WorkerLoop:
         self.stream.seek(int(header["cursor"]))
 
     def gradient(self) -> tuple[float, int, int, int]:
-        """Forward and backward on the next minibatch into the bound grads; (loss, correct, samples, epoch)."""
+        """Forward and backward on the next minibatch into the bound grads; (loss, correct, samples, epoch).
+        The minibatch's number in the worker's stream (`cursor`) keys its dropout masks."""
         ops = self.model.ops
         x, y, epoch = self.stream.next()                   # (B, C, H, W) float32, (B,) int64, host
         x, y = ops.asarray(x), ops.asarray(y, y.dtype)     # cupy: host -> device; numpy: the same arrays
-        loss, correct = self.model.forward_backward(x, y)
+        loss, correct = self.model.forward_backward(x, y, minibatch=self.cursor)
         return loss, correct, y.shape[0], epoch
+
+    def bind(self, params: Any, grads: Any) -> None:
+        """Compute with weights `params` and gradients into `grads`, message payloads of P + B values (or
+        arrays of P): the model binds their first P and this worker's own buffers."""
+        self.model.bind(params[:self.P], grads[:self.P], self.buffers)
+
+    def buffers_into(self, payload: Any) -> None:
+        """Write this worker's buffers after the P values of a message payload (a push carries them)."""
+        if self.B:
+            payload[self.P:] = self.buffers
+
+    def buffers_from(self, payload: Any) -> None:
+        """Take the buffers after the P values of a message payload (rank 0's, in the initial weights)."""
+        if self.B:
+            self.buffers[...] = payload[self.P:]
 
     def straggle(self, t0: float) -> None:
         """--straggler: emulate a device `slowdown` times slower than this one (sleep for the difference)."""

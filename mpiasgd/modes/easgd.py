@@ -38,7 +38,7 @@ from mpi4py import MPI
 
 from mpiasgd import checkpoint
 from mpiasgd.comms import Flag, Message, Tag, wait
-from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, need, round_fits
+from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, initial_buffers, need, round_fits
 from mpiasgd.optim import LocalSGD, Schedule, finite_square, fraction_done
 from mpiasgd.rank0.role import Role
 
@@ -61,12 +61,13 @@ class EasgdCenter(Role):
     checkpoints_here = True
     snapshots_here = True
 
-    def __init__(self, r0: Any, params: np.ndarray) -> None:
-        super().__init__(r0, params)
+    def __init__(self, r0: Any, params: np.ndarray, buffers: np.ndarray | None = None) -> None:
+        super().__init__(r0, params, buffers)
         self.alpha = moving_rate(self.cfg, len(self.workers))
         self.schedule = Schedule.of(self.cfg)
-        self.inbox = {w: Message(params.size) for w in self.workers}
-        self.outbox = {w: Message(params.size) for w in self.workers}
+        self.P = P = params.size
+        self.inbox = {w: Message(P + self.buffers.size) for w in self.workers}  # x_i, then its buffers
+        self.outbox = {w: Message(P + self.buffers.size) for w in self.workers}
 
     def handlers(self) -> dict:
         return {Tag.PUSH: self.on_exchange, Tag.EVAL: self.on_eval}
@@ -92,7 +93,9 @@ class EasgdCenter(Role):
         """Post the center (or `center`, the one an exchange used) to worker `w`: WEIGHTS or STOP."""
         self.out[w].take(0)
         out = self.outbox[w]
-        out.payload[:] = self.params if center is None else center
+        out.payload[:self.P] = self.params if center is None else center
+        if self.buffers.size:  # a worker takes them from its first WEIGHTS only (see AsgdServer)
+            out.payload[self.P:] = self.current_buffers()
         flags = Flag.PREEMPT if tag == Tag.STOP and self.r0.preempted else 0
         if initial and self.rec.resumed is not None:
             flags |= Flag.RESUME
@@ -109,13 +112,15 @@ class EasgdCenter(Role):
         if int(h["flags"]) & Flag.PREEMPT:
             self.r0.signal_from(f"a signal received by worker rank {w}")
         staleness = rec.version - base
-        x = msg.payload
+        x = msg.payload[:self.P]
         rejected = not finite_square(x)[0]
         applied = not rejected and not rec.stop_reason
+        if applied:  # (not after the stop: the mean the STOPs carry is the final snapshot's)
+            self.take_buffers(w, msg.payload[self.P:])
         norm = 0.0
         if applied:
             self.out[w].take(0)
-            center = self.outbox[w].payload
+            center = self.outbox[w].payload[:self.P]
             center[:] = self.params                           # the center this exchange uses, sent back
             delta = elastic_difference(x, center, self.alpha)
             self.params += delta                              # x~ <- x~ + alpha (x_i - x~)
@@ -137,7 +142,7 @@ class EasgdCenter(Role):
             self.stopped.add(w)
             self.send(w, Tag.STOP, step)
         elif applied:
-            self.send(w, Tag.WEIGHTS, step, center=self.outbox[w].payload.copy())
+            self.send(w, Tag.WEIGHTS, step, center=self.outbox[w].payload[:self.P].copy())
         else:  # rejected: the center as it is (the worker's elastic step then moves it toward it)
             self.send(w, Tag.WEIGHTS, step)
 
@@ -145,7 +150,7 @@ class EasgdCenter(Role):
         """The center, each worker's step and data position (velocity zero: the workers hold theirs)."""
         return self.rec.checkpoint(self.params, np.zeros_like(self.params), reason,
                                    {w: (self.last_step[w], self.cursor[w]) for w in self.workers},
-                                   self.rec.train_time())
+                                   self.rec.train_time(), self.current_buffers())
 
 
 class EasgdWorker(WorkerLoop):
@@ -157,9 +162,10 @@ class EasgdWorker(WorkerLoop):
         request = self.comm.Irecv(staging.recv_buf, source=0, tag=MPI.ANY_TAG)
         tag, wait_s = self.receive_weights(request, staging, "initial center from rank 0", initial=True)
         x, grads = ops.empty(model.num_params), ops.empty(model.num_params)
-        x[...] = staging.params                      # x_i starts at the center
-        model.bind(x, grads)
-        local = LocalSGD(model, cfg.momentum, cfg.weight_decay)
+        x[...] = staging.params[:self.P]             # x_i starts at the center
+        self.buffers_from(staging.params)            # and the buffers at rank 0's
+        self.bind(x, grads)
+        local = LocalSGD(model, cfg.momentum, cfg.weight_decay, nesterov=cfg.nesterov)
         alpha = moving_rate(cfg, self.comm.Get_size() - 1)
         began = time.perf_counter() - self.elapsed
         comm_s = 0.0
@@ -175,7 +181,8 @@ class EasgdWorker(WorkerLoop):
                 samples += batch_samples
                 if self.signalled() or (cfg.max_time and time.perf_counter() - began >= cfg.max_time):
                     break  # a signal, --max-time: exchange what this round has; rank 0 then stops the run
-            staging.grads[...] = x                    # the push carries x_i
+            staging.grads[:self.P] = x                # the push carries x_i, then this worker's buffers
+            self.buffers_into(staging.grads)
             staging.finish_compute()
             self.straggle(t0)
             t1 = time.perf_counter()
@@ -192,8 +199,10 @@ class EasgdWorker(WorkerLoop):
                                                "rank 0")
             wait(sending, f"completion of exchange {self.step}", rank, cfg.worker_timeout)
             if tag == Tag.WEIGHTS:                    # x_i <- x_i - alpha (x_i - x~)
-                x -= elastic_difference(x, staging.params, alpha)
-        model.bind(staging.params, grads)            # the final center: what this worker evaluates
+                x -= elastic_difference(x, staging.params[:self.P], alpha)
+        if tag == Tag.STOP:
+            self.buffers_from(staging.params)        # with rank 0's mean buffers, as the last snapshot
+        self.bind(staging.params, grads)             # the final center: what this worker evaluates
 
 
 class EasgdMode(Mode):
@@ -213,7 +222,7 @@ class EasgdMode(Mode):
 
     def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,
               layout: Any) -> EasgdCenter:
-        return EasgdCenter(r0, params)
+        return EasgdCenter(r0, params, initial_buffers(model))
 
     def worker(self, job: WorkerJob) -> EasgdWorker:
         return EasgdWorker(job)

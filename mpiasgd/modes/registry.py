@@ -78,6 +78,10 @@ OPTIONS: tuple[Option, ...] = (  # in the order report tables label a variant
            fixed_on_resume=True, label="{}"),
     Option("weight_stashing", False, "bool", "pipeline: backward uses the weights the minibatch's forward used "
            "(PipeDream); default: the current weights", ("pipeline",), "pipeline", label="stashing"),
+    Option("pipeline_activations", "recompute", "str", "pipeline: how a module's delayed backward gets its "
+           "forward's activations: recompute (keep the input, re-run the forward before the backward: the "
+           "activations of the weights then) | store (keep every layer's activations of the forward, FDG's; more "
+           "memory, no extra forward)", ("pipeline",), "pipeline", label="activations={}"),
     Option("nsync", 1, "int", "async/ssp: local optimizer steps between exchanges; a worker pushes the accumulated "
            "update (its weights minus the weights it pulled) every NSYNC minibatches (n_push = n_fetch = NSYNC, "
            "GPU A-SGD / Downpour); 1 = push every gradient", PS_MODES),

@@ -14,14 +14,15 @@ from typing import Any
 import numpy as np
 
 from mpiasgd.modes.asgd import AsgdMode, AsgdServer
-from mpiasgd.modes.base import need
+from mpiasgd.modes.base import initial_buffers, lr_scale, need
 
 
 class SspServer(AsgdServer):
     """(rank 0) The parameter server with the SSP gate on its replies."""
 
-    def __init__(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray) -> None:
-        super().__init__(r0, params, decay_mask)
+    def __init__(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, lr_scale: np.ndarray | None = None,
+                 buffers: np.ndarray | None = None) -> None:
+        super().__init__(r0, params, decay_mask, lr_scale, buffers)
         self.held: dict[int, tuple[int, float]] = {}  # worker -> (step answered, time held since)
         self.clock_offset = dict.fromkeys(self.workers, 0)  # the slowest clock when a late starter began
 
@@ -75,7 +76,7 @@ class SspMode(AsgdMode):
 
     def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,
               layout: Any) -> SspServer:
-        return SspServer(r0, params, decay_mask)
+        return SspServer(r0, params, decay_mask, lr_scale(model), initial_buffers(model))
 
 
 MODE = SspMode()

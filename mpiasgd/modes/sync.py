@@ -13,20 +13,39 @@ first worker also sends the SNAPSHOTs and the CHECKPOINTs (weights and velocity)
 judged on that clock and at the end. A signal on any worker, or a STOP from rank 0 (a signal there,
 flag PREEMPT, or --on-divergence stop), enters the control allreduce: every worker makes that step
 its last.
+
+Layer state (BatchNorm's running statistics; `WorkerLoop.buffers`): every worker updates its own in
+each training forward, then the gradient allreduce carries them after the gradient ([grads |
+buffers], divided by N as the gradient is), so every replica holds the replicas' mean after every
+step: bit for bit the same buffers everywhere, as the weights. The running statistics are thereby
+updated with the replicas' mean batch statistics (the momentum update is affine: averaging the
+updated buffers is updating with the averaged batch mean and unbiased variance). A step every
+worker skips (a non-finite gradient somewhere) leaves the buffers as they were before it, as the
+weights. The REPORT digest covers weights and buffers. The initial WEIGHTS carry rank 0's buffers
+(initial, or the checkpoint's on a resume), which the workers take; the first worker's SNAPSHOTs and
+CHECKPOINTs carry the common buffers after the weights (and velocity), which rank 0 logs and stores.
 """
 
 from __future__ import annotations
 
 import time
+import zlib
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from mpiasgd.comms import Flag, Interval, Message, ProtocolError, SendSlots, Tag, check, wait, weights_digest
-from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop
+from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, initial_buffers
 from mpiasgd.optim import LocalSGD, Schedule, StopRule, finite_square, fraction_done
 from mpiasgd.rank0.role import Role
+
+
+def replica_digest(params: np.ndarray, buffers: np.ndarray) -> int:
+    """The REPORT digest of a replica: CRC-32 of its host float32 weights, continued over its layers'
+    buffers (what replicas must hold alike; with no buffers, `weights_digest(params)`)."""
+    digest = weights_digest(params)
+    return zlib.crc32(np.ascontiguousarray(buffers), digest) if buffers.size else digest
 
 
 class Replicas:
@@ -50,12 +69,17 @@ class Replicas:
 
 
 class SyncMonitor(Role):
-    """(rank 0) Logs the workers' REPORTs and SNAPSHOTs, writes the CHECKPOINTs the first worker sends."""
+    """(rank 0) Logs the workers' REPORTs and SNAPSHOTs, writes the CHECKPOINTs the first worker sends.
 
-    def __init__(self, r0: Any, params: np.ndarray) -> None:
-        super().__init__(r0, params)
+    `params` (float32 (P,)) and `buffers` (float32 (B,), the layers' buffers) are the initial ones, then
+    the first worker's latest snapshot: SNAPSHOT payload [weights | buffers], CHECKPOINT payload
+    [weights | velocity | buffers]."""
+
+    def __init__(self, r0: Any, params: np.ndarray, buffers: np.ndarray | None = None) -> None:
+        super().__init__(r0, params, buffers)
+        self.P, self.B = params.size, self.buffers.size
         self.replicas = Replicas()
-        self.snapshot_inbox = Message(params.size)
+        self.snapshot_inbox = Message(self.P + self.B)
         self.checkpoint_inbox: Message | None = None
 
     def handlers(self) -> dict:
@@ -63,18 +87,20 @@ class SyncMonitor(Role):
                 Tag.EVAL: self.on_eval}
 
     def buffer_for(self, tag: Tag, source: int) -> Message | None:
-        if tag == Tag.CHECKPOINT:  # weights and velocity
+        if tag == Tag.CHECKPOINT:  # weights, velocity and buffers
             if self.checkpoint_inbox is None:
-                self.checkpoint_inbox = Message(2 * self.params.size)
+                self.checkpoint_inbox = Message(2 * self.P + self.B)
             return self.checkpoint_inbox
         return self.snapshot_inbox if tag == Tag.SNAPSHOT else None
 
     def begin(self) -> None:
-        """The initial weights, and on a resume the checkpoint's velocity (CHECKPOINT), to every worker."""
+        """The initial weights and buffers, and on a resume the checkpoint's velocity (CHECKPOINT), to every
+        worker."""
         ck = self.rec.resumed
         for w in self.workers:
-            out = Message(self.params.size)
-            out.payload[:] = self.params
+            out = Message(self.P + self.B)
+            out.payload[:self.P] = self.params
+            out.payload[self.P:] = self.buffers
             flags = Flag.RESUME if ck is not None else 0
             out.stamp(Tag.WEIGHTS, self.rank, step=self.last_step[w], version=self.rec.version, flags=flags,
                       cursor=self.cursor[w], elapsed=self.rec.train_time())
@@ -96,12 +122,13 @@ class SyncMonitor(Role):
     def on_checkpoint(self, w: int, msg: Message) -> None:
         if w != self.workers[0]:
             raise ProtocolError(f"rank 0: CHECKPOINT from worker rank {w}; only rank {self.workers[0]} sends them")
-        h, P = msg.header, self.params.size
+        h, P = msg.header, self.P
         flags = int(h["flags"])
         reason = "preempt" if flags & Flag.PREEMPT else "end" if flags & Flag.FINAL else "interval"
         step, cursor = int(h["step"]), int(h["cursor"])  # the same on every worker
-        ckpt = self.rec.checkpoint(msg.payload[:P], msg.payload[P:], reason,
-                                   dict.fromkeys(self.workers, (step, cursor)), float(h["elapsed"]))
+        ckpt = self.rec.checkpoint(msg.payload[:P], msg.payload[P:2 * P], reason,
+                                   dict.fromkeys(self.workers, (step, cursor)), float(h["elapsed"]),
+                                   msg.payload[2 * P:])
         ckpt.version = int(h["version"])
         ckpt.samples = ckpt.version * self.cfg.batch_size * len(self.workers)
         self.rec.write_checkpoint(ckpt)
@@ -143,13 +170,15 @@ class SyncMonitor(Role):
     def on_snapshot(self, w: int, msg: Message) -> None:
         if w != self.workers[0]:
             raise ProtocolError(f"rank 0: SNAPSHOT from worker rank {w}; only rank {self.workers[0]} sends them")
-        self.params[:] = msg.payload
+        self.params[:] = msg.payload[:self.P]
+        self.buffers[:] = msg.payload[self.P:]
         if not int(msg.header["flags"]) & Flag.FINAL:  # the final weights are logged by the loop's finish
-            self.rec.snapshot(self.params)
+            self.rec.snapshot(self.params, self.buffers)
 
 
 class SyncWorker(WorkerLoop):
-    """(workers) Allreduce-average gradients with the other workers and step locally until the stopping rule."""
+    """(workers) Allreduce-average gradients and layer buffers with the other workers and step locally until
+    the stopping rule (see the module docstring)."""
 
     def train(self) -> None:
         cfg, model, rank, wc = self.cfg, self.model, self.rank, self.job.comms
@@ -159,8 +188,11 @@ class SyncWorker(WorkerLoop):
                                       initial=True)
         if tag != Tag.WEIGHTS:
             raise ProtocolError(f"rank {rank}: expected the initial WEIGHTS from rank 0, got {tag.name}")
-        model.bind(staging.params, staging.grads)
-        local = LocalSGD(model, cfg.momentum, cfg.weight_decay)
+        self.buffers_from(staging.params)  # rank 0's buffers (the checkpoint's on a resume)
+        self.bind(staging.params, staging.grads)
+        P, B, ops = self.P, self.B, model.ops
+        kept = ops.empty(B) if B else None  # the buffers before the step: a skipped step restores them
+        local = LocalSGD(model, cfg.momentum, cfg.weight_decay, nesterov=cfg.nesterov)
         schedule, rule = Schedule.of(cfg), StopRule.of(cfg)
         applied = 0
         if int(staging.weights.header["flags"]) & Flag.RESUME:  # the velocity follows the weights
@@ -170,8 +202,8 @@ class SyncWorker(WorkerLoop):
         stop_req = self.comm.Irecv(stop.buf, source=0, tag=int(Tag.STOP))
         leader = wc.Get_rank() == 0  # sends the snapshots and checkpoints
         reports = SendSlots([Message(0), Message(0)], "REPORT", rank, cfg.worker_timeout)
-        snaps = SendSlots([Message(model.num_params)] if leader else [], "SNAPSHOT", rank, cfg.worker_timeout)
-        ckpts = SendSlots([Message(2 * model.num_params)] if leader else [], "CHECKPOINT", rank, cfg.worker_timeout)
+        snaps = SendSlots([Message(P + B)] if leader else [], "SNAPSHOT", rank, cfg.worker_timeout)
+        ckpts = SendSlots([Message(2 * P + B)] if leader else [], "CHECKPOINT", rank, cfg.worker_timeout)
         ctrl = np.zeros(4, dtype=np.float64)  # [non-finite flag, elapsed seconds, preempt, halt], max-allreduced
         start = time.perf_counter() - self.elapsed
         snapshots = Interval(cfg.snapshot_interval, self.elapsed)
@@ -180,6 +212,8 @@ class SyncWorker(WorkerLoop):
         last = False
         while not last:
             t0 = time.perf_counter()
+            if kept is not None:
+                kept[...] = self.buffers
             loss, correct, samples, epoch = self.gradient()
             staging.finish_compute()
             self.straggle(t0)
@@ -196,15 +230,19 @@ class SyncWorker(WorkerLoop):
             self.step += 1
             lr = 0.0
             if not skipped:  # every worker takes the same branch: ctrl is identical everywhere
+                self.buffers_into(staging.grads)  # one allreduce: [gradient | buffers]
                 buf = staging.grads_to_mpi()
                 request = wc.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
                 wait_s += wait(request, "completion of the gradient allreduce", rank, cfg.worker_timeout)
                 staging.grads_from_mpi()
-                grads *= np.float32(1.0 / nworkers)
+                staging.grads *= np.float32(1.0 / nworkers)  # the mean gradient, and the mean buffers
+                self.buffers_from(staging.grads)
                 done = applied * samples_per_step / self.num_train
                 lr = schedule(done, fraction_done(rule, done, applied, ctrl[1]))
                 local.step(lr)
                 applied += 1
+            elif kept is not None:  # a skipped step leaves the buffers as the weights: as they were
+                self.buffers[...] = kept
             t2 = time.perf_counter()
             self.preempted = bool(ctrl[2])
             last = (self.preempted or bool(ctrl[3])
@@ -212,7 +250,7 @@ class SyncWorker(WorkerLoop):
             flags = ((Flag.SKIPPED if skipped else 0) | (Flag.NONFINITE if nonfinite else 0)
                      | (Flag.LAST if last else 0) | (Flag.PREEMPT if self.preempted else 0))
             report = reports.take(self.step)
-            digest = weights_digest(model.ops.to_numpy(model.params))  # rank 0 checks the replicas agree
+            digest = replica_digest(ops.to_numpy(model.params), ops.to_numpy(self.buffers))  # rank 0 compares
             report.stamp(Tag.REPORT, rank, step=self.step, version=applied, samples=samples, epoch=epoch,
                          correct=correct, loss=loss, compute_s=t1 - t0, comm_s=t2 - t1 - wait_s, wait_s=wait_s,
                          lr=lr, flags=flags, digest=digest, cursor=self.cursor)
@@ -222,15 +260,16 @@ class SyncWorker(WorkerLoop):
             if snapshots.due(ctrl[1]) or last:
                 snapshots.restart(ctrl[1])
                 snap = snaps.take(0)
-                snap.payload[:] = model.ops.to_numpy(model.params)
+                snap.payload[:P] = ops.to_numpy(model.params)
+                snap.payload[P:] = ops.to_numpy(self.buffers)
                 snap.stamp(Tag.SNAPSHOT, rank, step=self.step, version=applied, flags=Flag.FINAL if last else 0)
                 snaps.send(self.comm, 0, 0, int(Tag.SNAPSHOT))
             if checkpoints.due(ctrl[1]) or last:
                 checkpoints.restart(ctrl[1])
                 ckpt = ckpts.take(0)
-                P = model.num_params
-                ckpt.payload[:P] = model.ops.to_numpy(model.params)
-                ckpt.payload[P:] = model.ops.to_numpy(local.velocity)
+                ckpt.payload[:P] = ops.to_numpy(model.params)
+                ckpt.payload[P:2 * P] = ops.to_numpy(local.velocity)
+                ckpt.payload[2 * P:] = ops.to_numpy(self.buffers)
                 ckpt.stamp(Tag.CHECKPOINT, rank, step=self.step, version=applied, cursor=self.cursor,
                            elapsed=ctrl[1], flags=(Flag.FINAL if last else 0) | (Flag.PREEMPT if self.preempted else 0))
                 ckpts.send(self.comm, 0, 0, int(Tag.CHECKPOINT))
@@ -249,7 +288,7 @@ class SyncMode(Mode):
 
     def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,
               layout: Any) -> SyncMonitor:
-        return SyncMonitor(r0, params)
+        return SyncMonitor(r0, params, initial_buffers(model))
 
     def worker(self, job: WorkerJob) -> SyncWorker:
         return SyncWorker(job)

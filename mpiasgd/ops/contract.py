@@ -4,7 +4,9 @@ Every check raises ValueError naming the op and the argument (`conv2d_fprop: w m
 work is done. Three groups:
 
   shared        shape arguments, the geometry of convolution and pooling, labels, the shape relations
-                of the linear ops: the same rule and the same message on both backends;
+                of the linear ops, scalar arguments (flags, real numbers, dropout's Philox key, local
+                response normalisation's parameters): the same rule and the same message on both
+                backends;
   host policy   the numpy backend (`numpy_ops`): numpy arrays of float32 or float64 (float64 for the
                 finite-difference tests), any strides (numpy reads views), `out=` C-contiguous;
   device policy the CUDA backend (`cuda.backend`): arrays of the backend's own array type (a host
@@ -51,14 +53,34 @@ def conv_output_size(op: str, x_shape, w_shape, stride: int, pad: int) -> tuple[
     return (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
 
 
-def pool_output_size(op: str, x_shape, kernel: int, stride: int) -> tuple[int, int]:
-    """(P, Q) = ((H - kernel)//stride + 1, (W - kernel)//stride + 1) of max pooling x (N, C, H, W) (no
-    padding), kernel and stride already checked to be ints >= 1. ValueError when the window is larger
-    than the input."""
+def pool_output_size(op: str, x_shape, kernel: int, stride: int, pad: int = 0,
+                     ceil_mode: bool = False) -> tuple[int, int]:
+    """(P, Q) of pooling x (N, C, H, W), PyTorch's rule (`torch.nn.MaxPool2d`, `AvgPool2d`):
+
+        P = (H + 2*pad - kernel)//stride + 1                     (floor)
+        P = ceil((H + 2*pad - kernel)/stride) + 1, less 1 when the last window would start at or past
+            H + pad in padded coordinates, (P - 1)*stride >= H + pad, i.e. wholly in the bottom padding
+                                                                 (ceil_mode)
+
+    and Q likewise from W, so every window overlaps the image. kernel, stride (ints >= 1), pad (int >= 0)
+    and ceil_mode (bool) already checked by the caller. ValueError when pad > kernel//2 (PyTorch's limit:
+    a window of padding only) or the window is larger than the padded input."""
+    if pad > kernel // 2:
+        raise ValueError(f"{op}: pad must be <= kernel//2 = {kernel // 2} (a window must not be padding only), "
+                         f"got pad {pad} for kernel {kernel}")
     H, W = x_shape[2:]
-    if H < kernel or W < kernel:
-        raise ValueError(f"{op}: kernel {kernel} larger than input {H}x{W}")
-    return (H - kernel) // stride + 1, (W - kernel) // stride + 1
+    if H + 2 * pad < kernel or W + 2 * pad < kernel:
+        padded = f" (padded by {pad}: {H + 2 * pad}x{W + 2 * pad})" if pad else ""
+        raise ValueError(f"{op}: kernel {kernel} larger than input {H}x{W}{padded}")
+
+    def size(n: int) -> int:
+        span = n + 2 * pad - kernel  # >= 0
+        if not ceil_mode:
+            return span // stride + 1
+        out = -(-span // stride) + 1
+        return out - 1 if (out - 1) * stride >= n + pad else out
+
+    return size(H), size(W)
 
 
 def argmax_dtype(kernel: int) -> type:
@@ -90,6 +112,61 @@ def check_linear_wgrad(op: str, dy_shape, x_shape) -> None:
     """ValueError unless dy (N, O) has x (N, I)'s N rows."""
     if dy_shape[0] != x_shape[0]:
         raise ValueError(f"{op}: dy must have shape ({x_shape[0]}, O), got {tuple(dy_shape)}")
+
+
+def check_bool(op: str, arg: str, value) -> None:
+    """ValueError unless `value` is a bool (or numpy.bool_); 0 and 1 are refused, so that a misplaced
+    positional argument does not pass as a flag."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{op}: {arg} must be a bool, got {value!r}")
+
+
+def check_real(op: str, arg: str, value, low: float | None = None, high: float | None = None,
+               low_open: bool = False, high_open: bool = False) -> float:
+    """`value` as a float after checking it is a finite real number (not a bool) within [low, high]
+    (`low_open` / `high_open`: the bound itself excluded; None: no bound). ValueError otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{op}: {arg} must be a real number, got {value!r}")
+    v = float(value)
+    below = low is not None and (v <= low if low_open else v < low)
+    above = high is not None and (v >= high if high_open else v > high)
+    if not np.isfinite(v) or below or above:
+        lo = "" if low is None else ("(" if low_open else "[") + f"{low:g}"
+        hi = "" if high is None else f"{high:g}" + (")" if high_open else "]")
+        where = f" in {lo or '(-inf'}, {hi or 'inf)'}" if lo or hi else ""
+        raise ValueError(f"{op}: {arg} must be a finite real number{where}, got {value!r}")
+    return v
+
+
+DROPOUT_MAX_ELEMENTS = 4 << 32  # Philox counter word 0 is i // 4, a 32-bit word
+
+
+def dropout_key(op: str, p: float, seed: int, minibatch: int, layer: int, size: int
+                ) -> tuple[int, tuple[int, int, int], tuple[int, int]]:
+    """The mask parameters of dropout (`protocol.Backend.dropout_fprop`) after checking them:
+    (threshold t = min(round(p * 2^32), 2^32 - 1), counter words 1..3 (layer, minibatch mod 2^32,
+    minibatch // 2^32), key (seed mod 2^32, seed // 2^32)). ValueError for p outside [0, 1), seed or
+    minibatch outside [0, 2^64), layer outside [0, 2^32) (all integers, not bools), or more than 2^34
+    elements (`size`; the counter's word 0, i // 4, would wrap)."""
+    p = check_real(op, "p", p, 0.0, 1.0, high_open=True)
+    for arg, value, bits in (("seed", seed, 64), ("minibatch", minibatch, 64), ("layer", layer, 32)):
+        if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
+                or not 0 <= int(value) < 1 << bits):
+            raise ValueError(f"{op}: {arg} must be an integer in [0, 2^{bits}), got {value!r}")
+    if size > DROPOUT_MAX_ELEMENTS:
+        raise ValueError(f"{op}: x has {size} elements, more than the 2^34 one Philox key stream numbers")
+    threshold = min(round(p * 2.0**32), 2**32 - 1)
+    minibatch = int(minibatch)
+    return threshold, (int(layer), minibatch & 0xFFFFFFFF, minibatch >> 32), (int(seed) & 0xFFFFFFFF,
+                                                                             int(seed) >> 32)
+
+
+def check_lrn(op: str, size: int, alpha: float, beta: float, k: float | None = None) -> tuple[float, ...]:
+    """(alpha, beta[, k]) as floats after checking local response normalisation's parameters: size an
+    int >= 1, alpha >= 0, beta and k finite, k > 0 (when given: scale = k + ... must stay positive)."""
+    check_int(op, "size", size, 1)
+    values = (check_real(op, "alpha", alpha, 0.0), check_real(op, "beta", beta))
+    return values if k is None else (*values, check_real(op, "k", k, 0.0, low_open=True))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,11 +218,15 @@ def host_conv_geometry(op: str, x_shape, w_shape, stride: int, pad: int) -> tupl
     return conv_output_size(op, x_shape, w_shape, stride, pad)
 
 
-def host_pool_geometry(op: str, x_shape, kernel: int, stride: int) -> tuple[int, int]:
-    """(P, Q) of max pooling on the host: kernel and stride ints >= 1, then `pool_output_size`."""
+def host_pool_geometry(op: str, x_shape, kernel: int, stride: int, pad: int = 0,
+                       ceil_mode: bool = False) -> tuple[int, int]:
+    """(P, Q) of pooling on the host: kernel and stride ints >= 1, pad an int >= 0, ceil_mode a bool, then
+    `pool_output_size`."""
     check_int(op, "kernel", kernel, 1)
     check_int(op, "stride", stride, 1)
-    return pool_output_size(op, x_shape, kernel, stride)
+    check_int(op, "pad", pad, 0)
+    check_bool(op, "ceil_mode", ceil_mode)
+    return pool_output_size(op, x_shape, kernel, stride, pad, ceil_mode)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,14 +305,18 @@ def conv_geometry(op: str, x_shape, w_shape, stride: int, pad: int) -> tuple[int
     return P, Q
 
 
-def pool_geometry(op: str, x_shape, kernel: int, stride: int) -> tuple[int, int]:
-    """(P, Q) of max pooling on the device: kernel and stride C ints >= 1, `pool_output_size`, and H*W and
-    kernel*kernel within an int (pool.cu indexes within one (n, c) plane with an int)."""
+def pool_geometry(op: str, x_shape, kernel: int, stride: int, pad: int = 0,
+                  ceil_mode: bool = False) -> tuple[int, int]:
+    """(P, Q) of pooling on the device: kernel and stride C ints >= 1, pad a C int >= 0, ceil_mode a bool,
+    `pool_output_size`, and H*W and kernel*kernel within an int (pool.cu indexes within one (n, c) plane
+    with an int)."""
     c_int32(op, "kernel", kernel)
     c_int32(op, "stride", stride)
-    if kernel < 1 or stride < 1:
-        raise ValueError(f"{op}: kernel and stride must be >= 1, got {kernel}, {stride}")
-    P, Q = pool_output_size(op, x_shape, kernel, stride)
+    c_int32(op, "pad", pad)
+    if kernel < 1 or stride < 1 or pad < 0:
+        raise ValueError(f"{op}: kernel and stride must be >= 1 and pad >= 0, got {kernel}, {stride}, {pad}")
+    check_bool(op, "ceil_mode", ceil_mode)
+    P, Q = pool_output_size(op, x_shape, kernel, stride, pad, ceil_mode)
     H, W = x_shape[2:]
     c_int32(op, "H*W", H * W)  # the kernels index within one (n, c) plane with an int
     c_int32(op, "kernel*kernel", kernel * kernel)

@@ -17,6 +17,11 @@ and the fastest wgrad; (N*P*Q, C*R*S) makes im2col ~2.5x slower (short inner cop
 (N, C*R*S, P*Q) GEMM is ~2x slower once P*Q is small (7x7). GEMM + col2im over 5x5 offsets with
 15-wide rows takes ~2x as long as running dgrad as a convolution, hence the stride-1 path.
 
+Pooling reads strided views of the input, copied into a border (-inf for max, 0 for average) when a
+window reaches outside it, in a loop over the kernel offsets; local response normalisation loops
+over its channel window; batch normalisation reduces in float64 (two passes); dropout's mask is
+Philox4x32-10 in uint64 arithmetic, recomputed from its key by the forward and the backward.
+
 Every array here is fresh unless written into `out=`; a `Workspace` (one per layer) holds the large
 temporaries between minibatches: fresh arrays over glibc's 32 MB mmap threshold are page-faulted
 in on every call, which cost ~25% of a cifar10 step.
@@ -34,12 +39,17 @@ from numpy.lib.stride_tricks import as_strided
 from mpiasgd.ops.contract import (
     FLOAT_DTYPES,
     argmax_dtype,
+    check_bool,
     check_float,
+    check_int,
     check_labels,
     check_linear_dgrad,
     check_linear_wgrad,
+    check_lrn,
     check_out,
+    check_real,
     describe,
+    dropout_key,
     host_conv_geometry,
     host_pool_geometry,
     label_outside,
@@ -279,22 +289,59 @@ def relu_bprop(dy: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.multiply(dy, y > 0)
 
 
-def maxpool_fprop(x: np.ndarray, kernel: int, stride: int) -> tuple[np.ndarray, np.ndarray]:
-    """Max pooling, no padding, floor output size; windows may overlap (kernel > stride).
+def _pool_extent(H: int, W: int, P: int, Q: int, kernel: int, stride: int, pad: int) -> tuple[int, int]:
+    """(Hb, Wb): the padded input every window lies in, H + 2*pad (W + 2*pad), or more where a ceil_mode
+    window runs past the bottom (right) padding."""
+    return max(H + 2 * pad, (P - 1) * stride + kernel), max(W + 2 * pad, (Q - 1) * stride + kernel)
 
-    x (N, C, H, W) -> y (N, C, P, Q) with P = (H - kernel)//stride + 1 (same for Q), and
-    argmax (N, C, P, Q) uint8 (int32 if kernel*kernel > 256): offset i*kernel + j of the maximum
-    inside its window, the first one on ties. Only `maxpool_bprop` of this backend reads it.
+
+def _pool_padded(x: np.ndarray, pad: int, Hb: int, Wb: int, fill: float) -> np.ndarray:
+    """x (N, C, H, W) placed at rows and columns pad.. of a fresh (N, C, Hb, Wb) array that holds `fill`
+    elsewhere; x itself when no window reaches outside it ((Hb, Wb) == (H, W) implies pad 0)."""
+    N, C, H, W = x.shape
+    if (Hb, Wb) == (H, W):
+        return x
+    xp = np.empty((N, C, Hb, Wb), dtype=x.dtype)  # (N, C, Hb, Wb)
+    xp[:, :, :pad, :] = fill
+    xp[:, :, pad + H:, :] = fill
+    xp[:, :, pad:pad + H, :pad] = fill
+    xp[:, :, pad:pad + H, pad + W:] = fill
+    xp[:, :, pad:pad + H, pad:pad + W] = x
+    return xp
+
+
+def _pool_crop(dxp: np.ndarray, pad: int, H: int, W: int) -> np.ndarray:
+    """The image part (N, C, H, W) of a padded gradient (N, C, Hb, Wb), fresh and C-contiguous."""
+    if dxp.shape[2:] == (H, W):
+        return dxp
+    return np.ascontiguousarray(dxp[:, :, pad:pad + H, pad:pad + W])
+
+
+def maxpool_fprop(x: np.ndarray, kernel: int, stride: int, pad: int = 0,
+                  ceil_mode: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Max pooling; windows may overlap (kernel > stride); padding never wins.
+
+    x (N, C, H, W) -> y (N, C, P, Q) with P, Q from `contract.pool_output_size` (PyTorch's rule, floor
+    or `ceil_mode`), and argmax (N, C, P, Q) uint8 (int32 if kernel*kernel > 256): offset i*kernel + j
+    of the maximum inside its unclipped window, whose origin is (p*stride - pad, q*stride - pad), the
+    first one on ties. Only `maxpool_bprop` of this backend reads it.
+
+    The input is copied into a -inf border when a window reaches outside it (pad > 0 or a ceil_mode
+    window past the edge), so the strict comparison below never lets padding win over an image pixel;
+    a window whose image pixels are all -inf points at its first image pixel (PyTorch's choice).
     NaN propagates as in np.max / np.argmax: a window holding a NaN gives NaN, and its argmax is the
     first NaN in row-major order, so `maxpool_bprop` routes that window's gradient to it (PyTorch also
     propagates the NaN and routes to a NaN, though to the last one of the window); +-inf are ordinary.
-    Raises ValueError on wrong ndim/dtype or a kernel larger than the input.
+    Raises ValueError on wrong ndim/dtype, pad < 0 or > kernel//2, or a kernel larger than the padded
+    input.
     """
     op = "maxpool_fprop"
     check_float(op, "x", x, 4, "(N, C, H, W)")
-    P, Q = host_pool_geometry(op, x.shape, kernel, stride)
+    _, _, H, W = x.shape
+    P, Q = host_pool_geometry(op, x.shape, kernel, stride, pad, ceil_mode)
+    xp = _pool_padded(x, pad, *_pool_extent(H, W, P, Q, kernel, stride, pad), -np.inf)  # (N, C, Hb, Wb)
     hs, ws_ = stride * (P - 1) + 1, stride * (Q - 1) + 1  # extent of the window origins
-    y = np.array(x[:, :, 0:hs:stride, 0:ws_:stride])  # offset (0, 0): (N, C, P, Q)
+    y = np.array(xp[:, :, 0:hs:stride, 0:ws_:stride])  # offset (0, 0): (N, C, P, Q)
     argmax = np.zeros(y.shape, dtype=argmax_dtype(kernel))
     greater = np.empty(y.shape, dtype=bool)
     code = np.empty(y.shape, dtype=argmax.dtype)
@@ -302,13 +349,22 @@ def maxpool_fprop(x: np.ndarray, kernel: int, stride: int) -> tuple[np.ndarray, 
         for j in range(kernel):
             if i == 0 and j == 0:
                 continue
-            v = x[:, :, i:i + hs:stride, j:j + ws_:stride]  # strided view (N, C, P, Q)
+            v = xp[:, :, i:i + hs:stride, j:j + ws_:stride]  # strided view (N, C, P, Q)
             np.greater(v, y, out=greater)  # strict: on ties the earlier offset stays
             np.maximum(y, v, out=y)
             # offsets only grow, so "argmax = o where greater" is a max with greater*o;
             # np.copyto(where=) / np.where are ~10x slower here
             np.multiply(greater, code.dtype.type(i * kernel + j), out=code)
             np.maximum(argmax, code, out=argmax)
+    if pad:
+        # a window clipped at the top or left whose image pixels are all -inf kept offset 0, a padding
+        # position: point it at its first image pixel (i0, j0) instead
+        all_neg_inf = y == -np.inf
+        if all_neg_inf.any():
+            i0 = np.maximum(pad - stride * np.arange(P), 0)  # (P,)
+            j0 = np.maximum(pad - stride * np.arange(Q), 0)  # (Q,)
+            first = (i0[:, None] * kernel + j0).astype(argmax.dtype)  # (P, Q)
+            np.copyto(argmax, np.broadcast_to(first, y.shape), where=all_neg_inf)
     # np.maximum made y NaN wherever a window holds a NaN, but `greater` never saw the NaN (v > y is
     # False for it), so point those windows' argmax at their first NaN; this costs one pass over y
     # when there is none (the training path), the rest scales with the NaN windows only
@@ -318,22 +374,24 @@ def maxpool_fprop(x: np.ndarray, kernel: int, stride: int) -> tuple[np.ndarray, 
         first = np.zeros(nan_windows.size, dtype=argmax.dtype)
         for o in reversed(range(kernel * kernel)):  # descending: the smallest NaN offset is written last
             i, j = divmod(o, kernel)
-            first[np.isnan(x[n, c, p * stride + i, q * stride + j])] = o
+            first[np.isnan(xp[n, c, p * stride + i, q * stride + j])] = o  # padding is never NaN
         argmax.reshape(-1)[nan_windows] = first
     return y, argmax
 
 
 def maxpool_bprop(dy: np.ndarray, argmax: np.ndarray, x_shape: tuple[int, int, int, int],
-                  kernel: int, stride: int) -> np.ndarray:
+                  kernel: int, stride: int, pad: int = 0, ceil_mode: bool = False) -> np.ndarray:
     """Gradient of `maxpool_fprop`: dx (N, C, H, W), fresh; overlapping windows accumulate.
 
-    dy (N, C, P, Q), argmax from `maxpool_fprop`, x_shape the forward input shape.
-    Raises ValueError on shapes inconsistent with x_shape/kernel/stride.
+    dy (N, C, P, Q), argmax from `maxpool_fprop` with the same kernel, stride, pad and ceil_mode,
+    x_shape the forward input shape. A scatter-add into the padded input, then the image part.
+    Raises ValueError on shapes inconsistent with x_shape and the pooling arguments, or an argmax that
+    is not integers in 0..kernel*kernel - 1.
     """
     op = "maxpool_bprop"
     check_float(op, "dy", dy, 4, "(N, C, P, Q)")
     N, C, H, W = shape4(op, "x_shape", x_shape, "(N, C, H, W)")
-    P, Q = host_pool_geometry(op, (N, C, H, W), kernel, stride)
+    P, Q = host_pool_geometry(op, (N, C, H, W), kernel, stride, pad, ceil_mode)
     if dy.shape != (N, C, P, Q) or not isinstance(argmax, np.ndarray) or argmax.shape != dy.shape:
         got = argmax.shape if isinstance(argmax, np.ndarray) else type(argmax).__name__
         raise ValueError(f"{op}: dy and argmax must have shape {(N, C, P, Q)} for x_shape "
@@ -343,19 +401,415 @@ def maxpool_bprop(dy: np.ndarray, argmax: np.ndarray, x_shape: tuple[int, int, i
     if argmax.size and (int(argmax.min()) < 0 or int(argmax.max()) >= kernel * kernel):
         raise ValueError(f"{op}: argmax must lie in 0..{kernel * kernel - 1} (offsets in a {kernel}x{kernel} window), "
                          f"got {int(argmax.min())}..{int(argmax.max())}")
-    # flat index into dx of every window's maximum: window origin + in-window offset of argmax
-    index_dtype = np.int32 if N * C * H * W < 2**31 else np.int64
-    origin = (np.arange(N * C, dtype=index_dtype).reshape(N * C, 1, 1) * (H * W)
-              + (np.arange(P, dtype=index_dtype) * (stride * W)).reshape(P, 1)
+    Hb, Wb = _pool_extent(H, W, P, Q, kernel, stride, pad)
+    # flat index into the padded dx of every window's maximum: window origin + in-window offset of argmax
+    index_dtype = np.int32 if N * C * Hb * Wb < 2**31 else np.int64
+    origin = (np.arange(N * C, dtype=index_dtype).reshape(N * C, 1, 1) * (Hb * Wb)
+              + (np.arange(P, dtype=index_dtype) * (stride * Wb)).reshape(P, 1)
               + np.arange(Q, dtype=index_dtype) * stride)  # (N*C, P, Q)
-    offsets = np.array([i * W + j for i in range(kernel) for j in range(kernel)], dtype=index_dtype)
+    offsets = np.array([i * Wb + j for i in range(kernel) for j in range(kernel)], dtype=index_dtype)
     target = origin.reshape(N, C, P, Q) + offsets[argmax]  # (N, C, P, Q)
-    dx = np.zeros(N * C * H * W, dtype=dy.dtype)
+    dxp = np.zeros(N * C * Hb * Wb, dtype=dy.dtype)
     # unbuffered scatter-add: overlapping windows (kernel > stride) may pick the same input
     # element, which must receive the sum (numpy >= 1.25 runs this in a fast C loop; 5x faster
     # than a strided add per kernel offset)
-    np.add.at(dx, target.reshape(-1), dy.reshape(-1))
-    return dx.reshape(N, C, H, W)
+    np.add.at(dxp, target.reshape(-1), dy.reshape(-1))
+    return _pool_crop(dxp.reshape(N, C, Hb, Wb), pad, H, W)
+
+
+def _avgpool_divisors(H: int, W: int, P: int, Q: int, kernel: int, stride: int, pad: int,
+                      count_include_pad: bool, dtype) -> np.ndarray:
+    """(P, Q) divisors of average pooling: the window's positions inside [-pad, H + pad) x [-pad, W + pad)
+    (count_include_pad) or inside the image [0, H) x [0, W); separable, rows times columns."""
+    def count(n: int, out: int) -> np.ndarray:
+        start = np.arange(out) * stride - pad  # first row (column) of each window, image coordinates
+        end = start + kernel
+        if count_include_pad:
+            return np.minimum(end, n + pad) - start  # start >= -pad always
+        return np.minimum(end, n) - np.maximum(start, 0)
+
+    return (count(H, P)[:, None] * count(W, Q)).astype(dtype)  # (P, Q)
+
+
+def avgpool_fprop(x: np.ndarray, kernel: int, stride: int, pad: int = 0, ceil_mode: bool = False,
+                  count_include_pad: bool = True) -> np.ndarray:
+    """Average pooling (torch.nn.AvgPool2d): x (N, C, H, W) -> y (N, C, P, Q), fresh; P, Q as
+    `maxpool_fprop`; y = the sum of the window's image pixels / its divisor (`protocol.Backend.avgpool_fprop`).
+
+    The window sums are separable: rows first (a loop over the kernel's rows), then columns, on the
+    input in a zero border. Raises ValueError as `maxpool_fprop`, or for a non-bool count_include_pad.
+    """
+    op = "avgpool_fprop"
+    check_float(op, "x", x, 4, "(N, C, H, W)")
+    _, _, H, W = x.shape
+    P, Q = host_pool_geometry(op, x.shape, kernel, stride, pad, ceil_mode)
+    check_bool(op, "count_include_pad", count_include_pad)
+    Hb, Wb = _pool_extent(H, W, P, Q, kernel, stride, pad)
+    xp = _pool_padded(x, pad, Hb, Wb, 0.0)  # (N, C, Hb, Wb)
+    hs, ws_ = stride * (P - 1) + 1, stride * (Q - 1) + 1  # extent of the window origins
+    rows = np.array(xp[:, :, 0:hs:stride, :])  # (N, C, P, Wb): sums over the window's rows
+    for i in range(1, kernel):
+        rows += xp[:, :, i:i + hs:stride, :]
+    y = np.array(rows[:, :, :, 0:ws_:stride])  # (N, C, P, Q)
+    for j in range(1, kernel):
+        y += rows[:, :, :, j:j + ws_:stride]
+    y /= _avgpool_divisors(H, W, P, Q, kernel, stride, pad, count_include_pad, x.dtype)
+    return y
+
+
+def avgpool_bprop(dy: np.ndarray, x_shape: tuple[int, int, int, int], kernel: int, stride: int,
+                  pad: int = 0, ceil_mode: bool = False, count_include_pad: bool = True) -> np.ndarray:
+    """Gradient of `avgpool_fprop`: dy (N, C, P, Q) -> dx (N, C, H, W), fresh: each window's dy / divisor
+    added to each of its image pixels (columns first, then rows, into the padded input; then the
+    image part). Raises ValueError on shapes inconsistent with x_shape and the pooling arguments."""
+    op = "avgpool_bprop"
+    check_float(op, "dy", dy, 4, "(N, C, P, Q)")
+    N, C, H, W = shape4(op, "x_shape", x_shape, "(N, C, H, W)")
+    P, Q = host_pool_geometry(op, (N, C, H, W), kernel, stride, pad, ceil_mode)
+    check_bool(op, "count_include_pad", count_include_pad)
+    if dy.shape != (N, C, P, Q):
+        raise ValueError(f"{op}: dy must have shape {(N, C, P, Q)} for x_shape {(N, C, H, W)}, got {dy.shape}")
+    Hb, Wb = _pool_extent(H, W, P, Q, kernel, stride, pad)
+    hs, ws_ = stride * (P - 1) + 1, stride * (Q - 1) + 1
+    g = dy / _avgpool_divisors(H, W, P, Q, kernel, stride, pad, count_include_pad, dy.dtype)  # (N, C, P, Q)
+    rows = np.zeros((N, C, P, Wb), dtype=dy.dtype)
+    for j in range(kernel):  # windows of neighbouring q overlap when kernel > stride: accumulate
+        rows[:, :, :, j:j + ws_:stride] += g
+    dxp = np.zeros((N, C, Hb, Wb), dtype=dy.dtype)
+    for i in range(kernel):
+        dxp[:, :, i:i + hs:stride, :] += rows
+    return _pool_crop(dxp, pad, H, W)
+
+
+def global_avgpool_fprop(x: np.ndarray) -> np.ndarray:
+    """Global average pooling: x (N, C, H, W) -> y (N, C) = the mean over H and W, fresh, x's dtype (summed
+    in float64). Raises ValueError on a wrong ndim/dtype or H*W = 0."""
+    op = "global_avgpool_fprop"
+    check_float(op, "x", x, 4, "(N, C, H, W)")
+    N, C, H, W = x.shape
+    if H * W == 0:
+        raise ValueError(f"{op}: x must have H*W > 0, got shape {x.shape}")
+    return (x.reshape(N, C, H * W).sum(axis=2, dtype=np.float64) / (H * W)).astype(x.dtype)
+
+
+def global_avgpool_bprop(dy: np.ndarray, x_shape: tuple[int, int, int, int]) -> np.ndarray:
+    """Gradient of `global_avgpool_fprop`: dy (N, C) -> dx (N, C, H, W) = dy / (H*W) at every pixel, fresh.
+    Raises ValueError on a wrong ndim/dtype, a dy that is not x_shape's (N, C), or H*W = 0."""
+    op = "global_avgpool_bprop"
+    check_float(op, "dy", dy, 2, "(N, C)")
+    N, C, H, W = shape4(op, "x_shape", x_shape, "(N, C, H, W)")
+    if H * W == 0:
+        raise ValueError(f"{op}: x_shape must have H*W > 0, got {(N, C, H, W)}")
+    if dy.shape != (N, C):
+        raise ValueError(f"{op}: dy must have shape {(N, C)} for x_shape {(N, C, H, W)}, got {dy.shape}")
+    dx = np.empty((N, C, H, W), dtype=dy.dtype)
+    dx[...] = (dy / dy.dtype.type(H * W))[:, :, None, None]
+    return dx
+
+
+# ----------------------------------------------------------------------------------------------
+# batch normalisation (Ioffe and Szegedy 2015, arXiv 1502.03167, Algorithm 1)
+
+
+def _check_channel_vectors(op: str, C: int, dtype, **vectors: np.ndarray) -> None:
+    """ValueError unless every named argument is a (C,) numpy array of `dtype`."""
+    for arg, a in vectors.items():
+        check_float(op, arg, a, 1, f"({C},)", dtype)
+        if a.shape != (C,):
+            raise ValueError(f"{op}: {arg} must have shape ({C},) (x's channels), got {a.shape}")
+
+
+def batchnorm_stats(x: np.ndarray, running_mean: np.ndarray | None = None, running_var: np.ndarray | None = None,
+                    momentum: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel batch statistics: x (N, C, H, W) -> (mean (C,), biased var (C,)), fresh, x's dtype
+    (`protocol.Backend.batchnorm_stats`). Two passes in float64: the mean, then the mean squared
+    deviation from it (no E[x^2] - E[x]^2 cancellation).
+
+    With `running_mean` and `running_var` ((C,), x's dtype), updates them in place from the float64
+    statistics, rounded once: running_mean <- (1 - momentum)*running_mean + momentum*mean,
+    running_var <- (1 - momentum)*running_var + momentum*var*M/(M - 1), M = N*H*W (M = 1: var), the
+    update of torch.nn.BatchNorm2d. Raises ValueError on a wrong ndim/dtype, M = 0, momentum outside
+    [0, 1], or only one of the running arrays.
+    """
+    op = "batchnorm_stats"
+    check_float(op, "x", x, 4, "(N, C, H, W)")
+    N, C, H, W = x.shape
+    M = N * H * W
+    if M == 0:
+        raise ValueError(f"{op}: x must have N*H*W > 0 values per channel, got shape {x.shape}")
+    if (running_mean is None) != (running_var is None):
+        raise ValueError(f"{op}: running_mean and running_var must be given together, got "
+                         f"{describe(running_mean)} and {describe(running_var)}")
+    if running_mean is not None:
+        _check_channel_vectors(op, C, x.dtype, running_mean=running_mean, running_var=running_var)
+        for arg, a in (("running_mean", running_mean), ("running_var", running_var)):
+            if not a.flags.writeable:
+                raise ValueError(f"{op}: {arg} must be writeable (it is updated in place)")
+    m = check_real(op, "momentum", momentum, 0.0, 1.0)
+    x3 = x.reshape(N, C, H * W)
+    mean = x3.sum(axis=(0, 2), dtype=np.float64) / M  # (C,) float64
+    dev = x3 - mean[:, None]  # (N, C, H*W) float64
+    dev *= dev
+    var = dev.sum(axis=(0, 2)) / M  # (C,) float64, biased
+    if running_mean is not None:
+        unbiased = var * (M / (M - 1)) if M > 1 else var
+        running_mean[...] = (1 - m) * running_mean.astype(np.float64) + m * mean
+        running_var[...] = (1 - m) * running_var.astype(np.float64) + m * unbiased
+    return mean.astype(x.dtype), var.astype(x.dtype)
+
+
+def batchnorm_fprop(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, mean: np.ndarray, var: np.ndarray,
+                    eps: float) -> np.ndarray:
+    """y = (x - mean) / sqrt(var + eps) * gamma + beta per channel: x (N, C, H, W); gamma, beta, mean, var
+    (C,) -> y (N, C, H, W), fresh, x's dtype (`protocol.Backend.batchnorm_fprop`). The per-channel factor
+    gamma / sqrt(var + eps) is formed in float64 and rounded once; x - mean is taken first (not
+    x*a + (beta - mean*a), which cancels when |mean| >> std). Raises ValueError on a shape/dtype
+    mismatch or eps <= 0."""
+    op = "batchnorm_fprop"
+    check_float(op, "x", x, 4, "(N, C, H, W)")
+    C = x.shape[1]
+    _check_channel_vectors(op, C, x.dtype, gamma=gamma, beta=beta, mean=mean, var=var)
+    eps = check_real(op, "eps", eps, 0.0, low_open=True)
+    a = (gamma / np.sqrt(var.astype(np.float64) + eps)).astype(x.dtype)  # (C,)
+    y = x - mean.reshape(1, C, 1, 1)  # (N, C, H, W)
+    y *= a.reshape(1, C, 1, 1)
+    y += beta.reshape(1, C, 1, 1)
+    return y
+
+
+def batchnorm_bprop(dy: np.ndarray, x: np.ndarray, gamma: np.ndarray, mean: np.ndarray, var: np.ndarray,
+                    eps: float, dgamma: np.ndarray, dbeta: np.ndarray, need_dx: bool = True) -> np.ndarray | None:
+    """Gradient of `batchnorm_fprop` with the batch statistics (`protocol.Backend.batchnorm_bprop`).
+
+    dy, x (N, C, H, W); gamma, mean, var (C,). Overwrites dbeta = sum dy and dgamma = sum dy * xhat
+    ((C,), x's dtype, C-contiguous), xhat = (x - mean) * invstd, both summed in float64 (dgamma as
+    invstd * sum dy*(x - mean)). Returns dx = gamma*invstd/M * (M*dy - dbeta - xhat*dgamma), M = N*H*W,
+    fresh (None when not `need_dx`), computed in x's dtype as a*dy - b - (x - mean)*e with per-channel
+    a = gamma*invstd, b = a*dbeta/M, e = a*invstd*dgamma/M formed in float64.
+    Raises ValueError on a shape/dtype mismatch, eps <= 0, or M = 0.
+    """
+    op = "batchnorm_bprop"
+    check_float(op, "x", x, 4, "(N, C, H, W)")
+    check_float(op, "dy", dy, 4, "(N, C, H, W)", x.dtype)
+    if dy.shape != x.shape:
+        raise ValueError(f"{op}: dy must have x's shape {x.shape}, got {dy.shape}")
+    N, C, H, W = x.shape
+    M = N * H * W
+    if M == 0:
+        raise ValueError(f"{op}: x must have N*H*W > 0 values per channel, got shape {x.shape}")
+    _check_channel_vectors(op, C, x.dtype, gamma=gamma, mean=mean, var=var)
+    eps = check_real(op, "eps", eps, 0.0, low_open=True)
+    for arg, out in (("dgamma", dgamma), ("dbeta", dbeta)):
+        if out is None:
+            raise ValueError(f"{op}: {arg} must be a {x.dtype} array of shape ({C},), got None")
+        check_out(op, out, (C,), x.dtype)
+    check_bool(op, "need_dx", need_dx)
+    dy3, x3 = dy.reshape(N, C, H * W), x.reshape(N, C, H * W)
+    mean64 = mean.astype(np.float64)
+    invstd = 1.0 / np.sqrt(var.astype(np.float64) + eps)  # (C,) float64
+    sum_dy = dy3.sum(axis=(0, 2), dtype=np.float64)  # (C,)
+    prod = x3 - mean64[:, None]  # (N, C, H*W) float64: x - mean
+    prod *= dy3
+    sum_dy_xhat = prod.sum(axis=(0, 2)) * invstd  # (C,)
+    dbeta[...] = sum_dy
+    dgamma[...] = sum_dy_xhat
+    if not need_dx:
+        return None
+    a = gamma.astype(np.float64) * invstd
+    b, e = a * sum_dy / M, a * invstd * sum_dy_xhat / M
+    shape = (1, C, 1, 1)
+    dx = x - mean.reshape(shape)  # (N, C, H, W), x's dtype
+    dx *= -e.astype(x.dtype).reshape(shape)
+    dx += dy * a.astype(x.dtype).reshape(shape)
+    dx -= b.astype(x.dtype).reshape(shape)
+    return dx
+
+
+# ----------------------------------------------------------------------------------------------
+# residual blocks, dropout, local response normalisation
+
+
+def add(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """a + b elementwise (same shape and float dtype), into `out` when given (it may be `a` or `b`;
+    C-contiguous, their shape and dtype) and returned, fresh otherwise. Raises ValueError on a
+    shape/dtype mismatch or a bad `out`."""
+    op = "add"
+    for arg, v in (("a", a), ("b", b)):
+        if not isinstance(v, np.ndarray) or v.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{op}: {arg} must be a float32 (or float64) numpy.ndarray, got {describe(v)}")
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(f"{op}: a and b must have one shape and dtype, got {describe(a)} and {describe(b)}")
+    out = check_out(op, out, a.shape, a.dtype)
+    return np.add(a, b, out=out)
+
+
+def subsample_pad_fprop(x: np.ndarray, stride: int, pad_before: int, pad_after: int) -> np.ndarray:
+    """Option-A shortcut (He et al. 2016 section 4.2): x (N, C, H, W) -> y (N, pad_before + C + pad_after,
+    ceil(H/stride), ceil(W/stride)), fresh: x[:, :, ::stride, ::stride] between zero channels.
+    Raises ValueError on a wrong ndim/dtype, stride < 1 or a pad < 0."""
+    op = "subsample_pad_fprop"
+    check_float(op, "x", x, 4, "(N, C, H, W)")
+    check_int(op, "stride", stride, 1)
+    check_int(op, "pad_before", pad_before, 0)
+    check_int(op, "pad_after", pad_after, 0)
+    N, C, H, W = x.shape
+    y = np.zeros((N, pad_before + C + pad_after, -(-H // stride), -(-W // stride)), dtype=x.dtype)
+    y[:, pad_before:pad_before + C] = x[:, :, ::stride, ::stride]
+    return y
+
+
+def subsample_pad_bprop(dy: np.ndarray, x_shape: tuple[int, int, int, int], stride: int, pad_before: int,
+                        pad_after: int) -> np.ndarray:
+    """Gradient of `subsample_pad_fprop`: dx (N, C, H, W), fresh: dy's channels pad_before..pad_before+C-1
+    at the sampled pixels, 0 elsewhere. Raises ValueError on a dy inconsistent with x_shape and the
+    arguments."""
+    op = "subsample_pad_bprop"
+    check_float(op, "dy", dy, 4, "(N, C', P, Q)")
+    N, C, H, W = shape4(op, "x_shape", x_shape, "(N, C, H, W)")
+    check_int(op, "stride", stride, 1)
+    check_int(op, "pad_before", pad_before, 0)
+    check_int(op, "pad_after", pad_after, 0)
+    expected = (N, pad_before + C + pad_after, -(-H // stride), -(-W // stride))
+    if dy.shape != expected:
+        raise ValueError(f"{op}: dy must have shape {expected} for x_shape {(N, C, H, W)}, got {dy.shape}")
+    dx = np.zeros((N, C, H, W), dtype=dy.dtype)
+    dx[:, :, ::stride, ::stride] = dy[:, pad_before:pad_before + C]
+    return dx
+
+
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # Philox4x32 multipliers (Salmon et al. 2011, Random123 philox.h)
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # key schedule increments (golden ratio, sqrt(3) - 1)
+
+
+PHILOX_BLOCK = 1 << 14  # counters per pass: 4 words + 2 products of uint64 stay in L2 (10x faster than all at once)
+
+
+def philox4x32(counter: np.ndarray, key: tuple[int, int], rounds: int = 10) -> np.ndarray:
+    """Philox4x32-`rounds` (Salmon, Moraes, Dror and Shaw 2011, "Parallel random numbers: as easy as 1, 2,
+    3", SC'11; Random123's philox4x32_R): counter (n, 4) uint32, key two 32-bit ints -> (n, 4) uint32.
+
+    Each round multiplies words 0 and 2 by M0 and M1 (the 32x32 -> 64-bit products in uint64, exact)
+    and mixes their hi/lo halves with words 1, 3 and the key; the key is bumped by W0, W1 before every
+    round but the first. Vectorised over the counters, `PHILOX_BLOCK` at a time.
+    """
+    counter = np.asarray(counter, dtype=np.uint32)
+    if counter.ndim != 2 or counter.shape[1] != 4:
+        raise ValueError(f"philox4x32: counter must have shape (n, 4), got {counter.shape}")
+    lo32, s32 = np.uint64(0xFFFFFFFF), np.uint64(32)
+    m0, m1 = np.uint64(PHILOX_M[0]), np.uint64(PHILOX_M[1])
+    out = np.empty(counter.shape, dtype=np.uint32)
+    for a in range(0, counter.shape[0], PHILOX_BLOCK):
+        b = min(a + PHILOX_BLOCK, counter.shape[0])
+        c0, c1, c2, c3 = (counter[a:b, w].astype(np.uint64) for w in range(4))  # (n_block,) each
+        p0, p1 = np.empty_like(c0), np.empty_like(c0)
+        k0, k1 = int(key[0]) & 0xFFFFFFFF, int(key[1]) & 0xFFFFFFFF
+        for r in range(rounds):
+            if r:
+                k0, k1 = (k0 + PHILOX_W[0]) & 0xFFFFFFFF, (k1 + PHILOX_W[1]) & 0xFFFFFFFF
+            np.multiply(c0, m0, out=p0)  # < 2^64: exact
+            np.multiply(c2, m1, out=p1)
+            # (c0, c1, c2, c3) <- (hi(p1) ^ c1 ^ k0, lo(p1), hi(p0) ^ c3 ^ k1, lo(p0)), in place
+            np.right_shift(p1, s32, out=c0)
+            c0 ^= c1
+            c0 ^= np.uint64(k0)
+            np.bitwise_and(p1, lo32, out=c1)
+            np.right_shift(p0, s32, out=c2)
+            c2 ^= c3
+            c2 ^= np.uint64(k1)
+            np.bitwise_and(p0, lo32, out=c3)
+        for w, c in enumerate((c0, c1, c2, c3)):
+            out[a:b, w] = c
+    return out
+
+
+def _dropout_multiplier(op: str, a, p: float, seed: int, minibatch: int, layer: int) -> np.ndarray | None:
+    """The flat (a.size,) multiplier keep / (1 - p) in a's dtype (0 or the rounded scale), None when p is 0
+    (everything kept, scale 1). Element i keeps when word i mod 4 of Philox4x32-10 at counter
+    (i // 4, layer, minibatch mod 2^32, minibatch // 2^32), key (seed mod 2^32, seed // 2^32) is >= t."""
+    if not isinstance(a, np.ndarray) or a.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: {'x' if op == 'dropout_fprop' else 'dy'} must be a float32 (or float64) "
+                         f"numpy.ndarray, got {describe(a)}")
+    threshold, words, key = dropout_key(op, p, seed, minibatch, layer, a.size)
+    if threshold == 0:
+        return None
+    n_counters = -(-a.size // 4)
+    counter = np.empty((n_counters, 4), dtype=np.uint32)
+    counter[:, 0] = np.arange(n_counters, dtype=np.uint32)
+    counter[:, 1:] = words
+    r = philox4x32(counter, key).reshape(-1)[:a.size]  # (size,) uint32: r_i
+    multiplier = (r >= np.uint32(threshold)).astype(a.dtype)
+    multiplier *= a.dtype.type(1.0 / (1.0 - p))  # the scale, rounded to a's dtype once
+    return multiplier
+
+
+def dropout_fprop(x: np.ndarray, p: float, seed: int, minibatch: int, layer: int) -> np.ndarray:
+    """Inverted dropout: y = x * keep / (1 - p), fresh, any shape (`protocol.Backend.dropout_fprop`);
+    the mask is recomputed from (seed, minibatch, layer) with Philox4x32-10, never stored. A dropped
+    element is multiplied by 0, so a dropped inf or NaN gives NaN (as PyTorch's x * mask * scale).
+    Raises ValueError for a non-float x, p outside [0, 1) or a key out of range."""
+    multiplier = _dropout_multiplier("dropout_fprop", x, p, seed, minibatch, layer)
+    if multiplier is None:
+        return x.copy()
+    return (x.reshape(-1) * multiplier).reshape(x.shape)
+
+
+def dropout_bprop(dy: np.ndarray, p: float, seed: int, minibatch: int, layer: int) -> np.ndarray:
+    """Gradient of `dropout_fprop` with the same key: dx = dy * keep / (1 - p), fresh, the same mask."""
+    multiplier = _dropout_multiplier("dropout_bprop", dy, p, seed, minibatch, layer)
+    if multiplier is None:
+        return dy.copy()
+    return (dy.reshape(-1) * multiplier).reshape(dy.shape)
+
+
+def _channel_window_sum(a: np.ndarray, before: int, after: int) -> np.ndarray:
+    """s[:, c] = sum of a[:, c'] over c' in [c - before, c + after] (channels outside [0, C) count 0);
+    a (N, C, H, W), fresh result. A loop over the before + after + 1 window offsets."""
+    N, C, H, W = a.shape
+    padded = np.zeros((N, C + before + after, H, W), dtype=a.dtype)  # zero channels around a
+    padded[:, before:before + C] = a
+    s = np.array(padded[:, 0:C])
+    for o in range(1, before + after + 1):
+        s += padded[:, o:o + C]
+    return s
+
+
+def lrn_fprop(x: np.ndarray, size: int, alpha: float, beta: float, k: float) -> tuple[np.ndarray, np.ndarray]:
+    """Cross-map local response normalisation (Krizhevsky et al. 2012 section 3.3, `protocol.Backend.lrn_fprop`):
+    scale = k + alpha/size * (sum of x^2 over channels c - size//2 .. c + (size - 1)//2), y = x * scale^-beta;
+    x (N, C, H, W) -> (y, scale), fresh, x's dtype. Raises ValueError on a wrong ndim/dtype, size < 1,
+    k <= 0, alpha < 0, or a non-finite alpha, beta or k."""
+    op = "lrn_fprop"
+    check_float(op, "x", x, 4, "(N, C, H, W)")
+    alpha, beta, k = check_lrn(op, size, alpha, beta, k)
+    dt = x.dtype.type
+    scale = _channel_window_sum(x * x, size // 2, (size - 1) // 2)  # (N, C, H, W)
+    scale *= dt(alpha / size)
+    scale += dt(k)
+    y = np.power(scale, dt(-beta))
+    y *= x
+    return y, scale
+
+
+def lrn_bprop(dy: np.ndarray, x: np.ndarray, y: np.ndarray, scale: np.ndarray, size: int, alpha: float,
+              beta: float) -> np.ndarray:
+    """Gradient of `lrn_fprop`: dx = dy * scale^-beta - 2*alpha*beta/size * x * (sum of dy*y/scale over the
+    channels c - (size - 1)//2 .. c + size//2, those whose window holds c), fresh (N, C, H, W).
+    Raises ValueError on arrays whose shape or dtype differs from x's, or bad size, alpha, beta."""
+    op = "lrn_bprop"
+    check_float(op, "x", x, 4, "(N, C, H, W)")
+    for arg, a in (("dy", dy), ("y", y), ("scale", scale)):
+        check_float(op, arg, a, 4, "(N, C, H, W)", x.dtype)
+        if a.shape != x.shape:
+            raise ValueError(f"{op}: {arg} must have x's shape {x.shape}, got {a.shape}")
+    alpha, beta = check_lrn(op, size, alpha, beta)
+    dt = x.dtype.type
+    ratio = dy * y
+    ratio /= scale
+    dx = _channel_window_sum(ratio, (size - 1) // 2, size // 2)  # (N, C, H, W)
+    dx *= x
+    dx *= dt(-2.0 * alpha * beta / size)
+    dx += dy * np.power(scale, dt(-beta))
+    return dx
 
 
 # ----------------------------------------------------------------------------------------------
@@ -441,23 +895,42 @@ def softmax_xent(logits: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndar
 
 
 def sgd_momentum(params: np.ndarray, velocity: np.ndarray, grad: np.ndarray, decay: np.ndarray,
-                 momentum: float, lr: float) -> None:
-    """In place: velocity <- momentum*velocity + (grad + decay*params); params <- params - lr*velocity.
+                 momentum: float, lr: float, nesterov: bool = False, lr_scale: np.ndarray | None = None) -> None:
+    """In place, with d = grad + decay*params and s = lr_scale (1 when None):
 
-    All (P,) float32 C-contiguous; decay = weight_decay * mask (0 on biases). The arithmetic of
-    `mpiasgd.optim.SGD` and of the CUDA kernel `sgd_momentum` (kernels/sgd.cu), in float32.
-    Raises ValueError naming the argument whose shape or dtype differs from params'.
+        velocity <- momentum*velocity + d
+        params   <- params - (lr * s) * velocity                    (heavy ball)
+        params   <- params - (lr * s) * (d + momentum*velocity)     (nesterov, with the new velocity)
+
+    All (P,) float32 C-contiguous; decay = weight_decay * mask (0 on biases), lr_scale the learning-rate
+    multipliers. The arithmetic of `mpiasgd.optim.SGD` and of the CUDA kernel `sgd_momentum`
+    (kernels/sgd.cu), torch.optim.SGD's forms (dampening 0), in float32; lr * s is one float32 product
+    per element (exactly lr when s is None). Raises ValueError naming the argument whose shape or dtype
+    differs from params', or a non-bool nesterov.
     """
     op = "sgd_momentum"
     check_float(op, "params", params, 1, "(P,)")
-    for arg, a in (("velocity", velocity), ("grad", grad), ("decay", decay)):
+    arrays = [("velocity", velocity), ("grad", grad), ("decay", decay)]
+    if lr_scale is not None:
+        arrays.append(("lr_scale", lr_scale))
+    for arg, a in arrays:
         check_float(op, arg, a, 1, f"({params.shape[0]},)", params.dtype)
         if a.shape != params.shape or not a.flags.c_contiguous:
             raise ValueError(f"{op}: {arg} must be C-contiguous of shape {params.shape}, got {a.shape}")
+    check_bool(op, "nesterov", nesterov)
     m, step = params.dtype.type(momentum), params.dtype.type(lr)
+    d = grad + decay * params  # (P,)
     velocity *= m
-    velocity += grad + decay * params
-    params -= step * velocity
+    velocity += d
+    if nesterov:
+        d += m * velocity  # the look-ahead direction d + momentum*velocity
+        direction = d
+    else:
+        direction = velocity
+    if lr_scale is None:
+        params -= step * direction
+    else:
+        params -= (step * lr_scale) * direction
 
 
 # ----------------------------------------------------------------------------------------------
@@ -486,6 +959,20 @@ class NumpyBackend:
     relu_bprop = staticmethod(relu_bprop)
     maxpool_fprop = staticmethod(maxpool_fprop)
     maxpool_bprop = staticmethod(maxpool_bprop)
+    avgpool_fprop = staticmethod(avgpool_fprop)
+    avgpool_bprop = staticmethod(avgpool_bprop)
+    global_avgpool_fprop = staticmethod(global_avgpool_fprop)
+    global_avgpool_bprop = staticmethod(global_avgpool_bprop)
+    batchnorm_stats = staticmethod(batchnorm_stats)
+    batchnorm_fprop = staticmethod(batchnorm_fprop)
+    batchnorm_bprop = staticmethod(batchnorm_bprop)
+    add = staticmethod(add)
+    subsample_pad_fprop = staticmethod(subsample_pad_fprop)
+    subsample_pad_bprop = staticmethod(subsample_pad_bprop)
+    dropout_fprop = staticmethod(dropout_fprop)
+    dropout_bprop = staticmethod(dropout_bprop)
+    lrn_fprop = staticmethod(lrn_fprop)
+    lrn_bprop = staticmethod(lrn_bprop)
     linear_fprop = staticmethod(linear_fprop)
     linear_dgrad = staticmethod(linear_dgrad)
     linear_wgrad = staticmethod(linear_wgrad)

@@ -113,22 +113,136 @@ class Backend(Protocol):
         forward output (where it is NaN, dx is 0 unless dy is non-finite). Raises ValueError on a
         shape/dtype mismatch."""
 
-    def maxpool_fprop(self, x: Array, kernel: int, stride: int) -> tuple[Array, Array]:
-        """Max pooling, no padding, floor output size; windows may overlap (kernel > stride).
+    def maxpool_fprop(self, x: Array, kernel: int, stride: int, pad: int = 0,
+                      ceil_mode: bool = False) -> tuple[Array, Array]:
+        """Max pooling; windows may overlap (kernel > stride); padding never wins (it acts as -inf).
 
-        x (N, C, H, W) -> (y (N, C, P, Q), argmax (N, C, P, Q)), P = (H - kernel)//stride + 1 (Q
-        likewise); argmax uint8 (int32 if kernel*kernel > 256: `contract.argmax_dtype`) holds the offset
-        i*kernel + j of the maximum inside its window, the first one on ties. NaN propagates as in
-        np.max / np.argmax: a window holding a NaN gives NaN, its argmax is its first NaN in row-major
-        order; +-inf are ordinary values. Raises ValueError on a wrong ndim/dtype or a kernel larger than
-        the input.
+        x (N, C, H, W) -> (y (N, C, P, Q), argmax (N, C, P, Q)). Output size (`contract.pool_output_size`,
+        PyTorch's rule): P = (H + 2*pad - kernel)//stride + 1 (floor), or with `ceil_mode` the ceiling
+        of the division plus 1, less 1 when the last window would start at or past H + pad (so every
+        window overlaps the padded input); cuda-convnet's output size (`outputsX = ceil((H - k)/s) + 1`
+        for start 0) is ceil_mode with pad 0. Windows are clipped to the image. argmax uint8 (int32 if
+        kernel*kernel > 256: `contract.argmax_dtype`) holds the offset i*kernel + j of the maximum inside
+        its (unclipped, padded-origin) window, the first one on ties. NaN propagates as in np.max /
+        np.argmax: a window holding a NaN gives NaN, its argmax is its first NaN in row-major order;
+        +-inf are ordinary values. Raises ValueError on a wrong ndim/dtype, pad < 0 or pad > kernel//2
+        (PyTorch's limit: a window of padding only), or a kernel larger than the padded input.
         """
 
     def maxpool_bprop(self, dy: Array, argmax: Array, x_shape: tuple[int, int, int, int], kernel: int,
-                      stride: int) -> Array:
+                      stride: int, pad: int = 0, ceil_mode: bool = False) -> Array:
         """Gradient of `maxpool_fprop`: dy (N, C, P, Q), its argmax, x_shape (N, C, H, W) -> dx (N, C, H, W),
-        fresh; overlapping windows add up. Raises ValueError on shapes inconsistent with x_shape, kernel
-        and stride, or an argmax not of `maxpool_fprop`'s integers."""
+        fresh; overlapping windows add up. Raises ValueError on shapes inconsistent with x_shape, kernel,
+        stride, pad and ceil_mode, or an argmax not of `maxpool_fprop`'s integers."""
+
+    def avgpool_fprop(self, x: Array, kernel: int, stride: int, pad: int = 0, ceil_mode: bool = False,
+                      count_include_pad: bool = True) -> Array:
+        """Average pooling (torch.nn.AvgPool2d's semantics): x (N, C, H, W) -> y (N, C, P, Q), fresh; P, Q
+        as `maxpool_fprop`. y = (sum of the window's pixels inside the image) / divisor, where the window
+        is rows h0 = p*stride - pad .. h0 + kernel - 1 (columns likewise) and the divisor is the number
+        of window positions inside [-pad, H + pad) x [-pad, W + pad) when `count_include_pad`, else
+        inside [0, H) x [0, W). cuda-convnet's avg pooling (`pool=avg`, windows clipped at the border by
+        its ceil output size) is pad 0, ceil_mode True: then both divisors count the clipped window.
+        Raises ValueError as `maxpool_fprop`."""
+
+    def avgpool_bprop(self, dy: Array, x_shape: tuple[int, int, int, int], kernel: int, stride: int,
+                      pad: int = 0, ceil_mode: bool = False, count_include_pad: bool = True) -> Array:
+        """Gradient of `avgpool_fprop`: dy (N, C, P, Q) -> dx (N, C, H, W), fresh: each window's dy / divisor
+        added to each of its pixels inside the image. Raises ValueError on shapes inconsistent with
+        x_shape and the pooling arguments."""
+
+    def global_avgpool_fprop(self, x: Array) -> Array:
+        """Global average pooling: x (N, C, H, W) -> y (N, C) = the mean over H and W, fresh. Raises
+        ValueError on a wrong ndim/dtype or H*W = 0."""
+
+    def global_avgpool_bprop(self, dy: Array, x_shape: tuple[int, int, int, int]) -> Array:
+        """Gradient of `global_avgpool_fprop`: dy (N, C) -> dx (N, C, H, W) = dy / (H*W) at every pixel."""
+
+    # ------------------------------------------------------------------------------------------
+    # batch normalisation (Ioffe and Szegedy 2015, arXiv 1502.03167, Algorithm 1 and section 3)
+
+    def batchnorm_stats(self, x: Array, running_mean: Array | None = None, running_var: Array | None = None,
+                        momentum: float = 0.1) -> tuple[Array, Array]:
+        """Batch statistics per channel over N, H, W: x (N, C, H, W) -> (mean (C,), var (C,)), fresh, x's
+        dtype; var is the biased variance (divisor M = N*H*W), computed in two passes (the mean, then
+        the mean squared deviation), accumulated in float64 on the numpy backend and by a fixed-order
+        tree in float32 on the cupy backend (no atomics: the same input gives the same bits).
+
+        When `running_mean` and `running_var` ((C,), x's dtype) are given they are updated in place as
+        torch.nn.BatchNorm2d does: running_mean <- (1 - momentum)*running_mean + momentum*mean,
+        running_var <- (1 - momentum)*running_var + momentum*var*M/(M - 1) (the unbiased variance; M = 1
+        uses var). Raises ValueError on a wrong ndim/dtype, M = 0, momentum outside [0, 1], or only one
+        of the running arrays.
+        """
+
+    def batchnorm_fprop(self, x: Array, gamma: Array, beta: Array, mean: Array, var: Array,
+                        eps: float) -> Array:
+        """y = (x - mean) / sqrt(var + eps) * gamma + beta per channel: x (N, C, H, W); gamma, beta, mean,
+        var (C,) -> y (N, C, H, W), fresh. Training passes the batch statistics of `batchnorm_stats`,
+        evaluation the running ones. Raises ValueError on a shape/dtype mismatch or eps <= 0."""
+
+    def batchnorm_bprop(self, dy: Array, x: Array, gamma: Array, mean: Array, var: Array, eps: float,
+                        dgamma: Array, dbeta: Array, need_dx: bool = True) -> Array | None:
+        """Gradient of `batchnorm_fprop` with the batch statistics (training mode; mean and var depend on x).
+
+        dy, x (N, C, H, W); gamma, mean, var (C,). Writes (overwrites) dbeta = sum over N, H, W of dy and
+        dgamma = sum of dy * xhat, xhat = (x - mean) * invstd, invstd = 1/sqrt(var + eps), into the
+        (C,) arrays `dgamma` and `dbeta`, and returns dx = gamma * invstd / M * (M*dy - dbeta - xhat *
+        dgamma), fresh (None when not `need_dx`). Reductions as `batchnorm_stats` (deterministic).
+        Raises ValueError on a shape/dtype mismatch or eps <= 0.
+        """
+
+    # ------------------------------------------------------------------------------------------
+    # residual blocks, dropout, local response normalisation
+
+    def add(self, a: Array, b: Array, out: Array | None = None) -> Array:
+        """a + b elementwise (same shape and dtype), written into `out` when given (may be `a` or `b`) and
+        returned; fresh otherwise. The residual add and the sum of a block's two input gradients."""
+
+    def subsample_pad_fprop(self, x: Array, stride: int, pad_before: int, pad_after: int) -> Array:
+        """The option-A shortcut of He et al. 2016 (arXiv 1512.03385 section 4.2) as FDG's ResNet_cifar.py
+        writes it: y = zero-pad channels(x[:, :, ::stride, ::stride]), `pad_before` zero channels first
+        and `pad_after` after. x (N, C, H, W) -> y (N, pad_before + C + pad_after, ceil(H/stride),
+        ceil(W/stride)), fresh. Raises ValueError on a wrong ndim/dtype, stride < 1 or a pad < 0."""
+
+    def subsample_pad_bprop(self, dy: Array, x_shape: tuple[int, int, int, int], stride: int, pad_before: int,
+                            pad_after: int) -> Array:
+        """Gradient of `subsample_pad_fprop`: dx (N, C, H, W), fresh: dy's channels pad_before..pad_before+C-1
+        at the sampled pixels, 0 elsewhere."""
+
+    def dropout_fprop(self, x: Array, p: float, seed: int, minibatch: int, layer: int) -> Array:
+        """Inverted dropout: y = x * keep / (1 - p), fresh, any shape; keep is recomputed from its key, never
+        stored, so a recomputed forward (and `dropout_bprop`) draws the same mask.
+
+        keep[i] = (r_i >= t) with t = min(round(p * 2^32), 2^32 - 1) and r_i the (i mod 4)-th 32-bit word
+        of Philox4x32-10 (Salmon et al. 2011, SC'11; the generator of cuRAND and of PyTorch's CUDA
+        dropout) with counter (i // 4, layer, minibatch mod 2^32, minibatch // 2^32) and key (seed mod
+        2^32, seed // 2^32), i the element's row-major index. p = 0 keeps every element (y = x); seed and
+        minibatch are integers in [0, 2^64), layer in [0, 2^32). The scale 1/(1 - p) is rounded to x's
+        dtype once. Raises ValueError for p outside [0, 1) or a key out of range.
+        """
+
+    def dropout_bprop(self, dy: Array, p: float, seed: int, minibatch: int, layer: int) -> Array:
+        """Gradient of `dropout_fprop` with the same key: dx = dy * keep / (1 - p), fresh."""
+
+    def lrn_fprop(self, x: Array, size: int, alpha: float, beta: float, k: float) -> tuple[Array, Array]:
+        """Cross-map local response normalisation (Krizhevsky et al. 2012 section 3.3; cuda-convnet's
+        `cmrnorm`; torch.nn.LocalResponseNorm's formula):
+
+            scale[n, c] = k + alpha / size * sum over c' in [c - size//2, c + (size - 1)//2] of x[n, c']^2
+            y = x * scale^-beta
+
+        (channels outside [0, C) count as 0). x (N, C, H, W) -> (y, scale), both fresh (N, C, H, W); scale
+        is kept for `lrn_bprop`. cuda-convnet's `scale` parameter is alpha / size here, its `pow` is beta
+        and its constant 1 (cuda-convnet2's minDiv) is k. Raises ValueError on a wrong ndim/dtype, size < 1,
+        k <= 0 or alpha < 0 (scale must stay positive), or a non-finite alpha, beta or k.
+        """
+
+    def lrn_bprop(self, dy: Array, x: Array, y: Array, scale: Array, size: int, alpha: float,
+                  beta: float) -> Array:
+        """Gradient of `lrn_fprop`: dx[c] = dy[c] * scale[c]^-beta - 2 * alpha * beta / size * x[c] * sum over
+        c' whose window holds c (c' in [c - (size - 1)//2, c + size//2]) of dy[c'] * y[c'] / scale[c'];
+        fresh (N, C, H, W). Raises ValueError on shapes that differ from x's."""
 
     # ------------------------------------------------------------------------------------------
     # fully connected
@@ -160,12 +274,17 @@ class Backend(Protocol):
         """
 
     def sgd_momentum(self, params: Array, velocity: Array, grad: Array, decay: Array, momentum: float,
-                     lr: float) -> None:
-        """In place: velocity <- momentum*velocity + (grad + decay*params); params <- params - lr*velocity.
+                     lr: float, nesterov: bool = False, lr_scale: Array | None = None) -> None:
+        """In place, with d = grad + decay*params and s = lr_scale (1 when None):
 
-        All (P,) float32 C-contiguous; decay = weight_decay * mask (0 on biases): the arithmetic of
-        `mpiasgd.optim.SGD` (heavy-ball momentum, torch.optim.SGD's form), in float32. Raises ValueError
-        naming an argument whose shape or dtype differs from params' (cupy: or that overlaps another).
+            velocity <- momentum*velocity + d
+            params   <- params - lr * s * velocity                    (heavy ball)
+            params   <- params - lr * s * (d + momentum*velocity)     (nesterov, with the new velocity)
+
+        All (P,) float32 C-contiguous; decay = weight_decay * the decay multipliers (0 on biases by
+        default), lr_scale the learning-rate multipliers (`Model.lr_scale`): the arithmetic of
+        `mpiasgd.optim.SGD`, torch.optim.SGD's forms (dampening 0), in float32. Raises ValueError naming
+        an argument whose shape or dtype differs from params' (cupy: or that overlaps another).
         """
 
 

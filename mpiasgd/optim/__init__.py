@@ -6,7 +6,7 @@
 """
 
 from mpiasgd.optim.schedule import Schedule, StopRule, fraction_done, learning_rate
-from mpiasgd.optim.sgd import CHUNK, SGD, LocalSGD, apply_delta, decay_blocks, finite_square, staleness_factor
+from mpiasgd.optim.sgd import CHUNK, SGD, LocalSGD, apply_delta, finite_square, run_blocks, staleness_factor
 
-__all__ = ["CHUNK", "SGD", "LocalSGD", "Schedule", "StopRule", "apply_delta", "decay_blocks", "finite_square",
-           "fraction_done", "learning_rate", "staleness_factor"]
+__all__ = ["CHUNK", "SGD", "LocalSGD", "Schedule", "StopRule", "apply_delta", "finite_square",
+           "fraction_done", "learning_rate", "run_blocks", "staleness_factor"]

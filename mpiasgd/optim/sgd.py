@@ -18,24 +18,27 @@ from typing import Any
 import numpy as np
 
 CHUNK = 65536  # float32 values per block (256 KiB per array); see `SGD` for the measured sweep
-MIN_RUN = 4096  # mean length of the decay mask's constant runs below which the mask is read as an array
+MIN_RUN = 4096  # mean length of a vector's constant runs below which the vector is read as an array
 
 
-def decay_blocks(decay: np.ndarray, chunk: int) -> list[tuple[int, int, np.float32 | None]]:
-    """The blocks of one update: [(start, stop, coefficient)] covering 0..P in order, stop - start <= chunk.
+def run_blocks(vectors: list[np.ndarray], chunk: int) -> list[tuple]:
+    """The blocks of one update: [(start, stop, c_1, ..., c_k)] covering 0..P in order, stop - start <=
+    chunk, one coefficient per vector of `vectors` (k float32 (P,) vectors: the weight decay, the
+    learning-rate multipliers).
 
-    `decay` (float32 (P,)) is weight_decay * mask. When it is a few constant runs (a model's
-    weights and biases are contiguous blocks), each block lies in one run and carries that run's
-    value (np.float32; 0 for no decay), so the update never reads `decay`. Otherwise the blocks are
-    the plain grid and the coefficient is None: read `decay[start:stop]`.
+    A vector made of a few constant runs (a model's layers and their weights and biases are
+    contiguous blocks, each with one decay and one lr multiplier) is never read by the update: every
+    block lies in one of its runs and carries that run's value (np.float32). A vector with many
+    short runs (mean length below `MIN_RUN`) gets the coefficient None: read `vector[start:stop]`.
+    The blocks start at every run start of the run-read vectors (the plain grid when there are none)
+    and then every `chunk` values.
     """
-    size = decay.size
-    edges = np.flatnonzero(decay[1:] != decay[:-1]) + 1  # where a run of equal values starts
-    if size and (edges.size + 1) * MIN_RUN > size:
-        return [(a, min(a + chunk, size), None) for a in range(0, size, chunk)]
-    starts = [0, *edges.tolist()]
-    stops = [*edges.tolist(), size]
-    return [(a, min(a + chunk, stop), decay[start])
+    size = vectors[0].size
+    edges = [np.flatnonzero(v[1:] != v[:-1]) + 1 for v in vectors]  # where a run of equal values starts
+    as_runs = [not size or (e.size + 1) * MIN_RUN <= size for e in edges]
+    cuts = sorted(set().union(*(e.tolist() for e, runs in zip(edges, as_runs, strict=True) if runs)))
+    starts, stops = [0, *cuts], [*cuts, size]
+    return [(a, min(a + chunk, stop), *(v[start] if runs else None for v, runs in zip(vectors, as_runs, strict=True)))
             for start, stop in zip(starts, stops, strict=True) if stop > start
             for a in range(start, stop, chunk)]
 
@@ -62,30 +65,58 @@ def _scratch_needed(out: np.ndarray, reads: tuple[np.ndarray, ...], size: int) -
     return True
 
 
+def _multipliers(name: str, values: Any, size: int) -> np.ndarray:
+    """`values` as a float32 (P,) vector; ValueError naming `name` for a wrong shape or a value that is
+    negative or not finite."""
+    out = np.asarray(values, np.float32)
+    if out.shape != (size,) or not (np.isfinite(out) & (out >= 0)).all():
+        raise ValueError(f"{name} must be float32 ({size},) with finite values >= 0, got shape {out.shape}")
+    return out
+
+
 class SGD:
-    """Heavy-ball SGD on one flat float32 parameter vector (P,), in PyTorch's form (`torch.optim.SGD`
-    with dampening 0, not Nesterov):
+    """SGD with momentum on one flat float32 parameter vector (P,), in PyTorch's form
+    (`torch.optim.SGD`, dampening 0), heavy-ball or Nesterov:
 
-        v <- momentum * v + (s * g + weight_decay * mask * w)
-        w <- w - lr * v
+        d <- s_g * g + weight_decay * decay_mult * w
+        v <- momentum * v + d
+        w <- w - (lr * lr_mult) * v                    (heavy ball, the default)
+        w <- w - (lr * lr_mult) * (d + momentum * v)   (nesterov=True; v the new velocity)
 
-    `mask` is 1 on conv/linear weights and 0 on biases, so biases are not decayed; `s` is the
-    gradient's scale (`step(..., grad_scale=s)`, default 1: the staleness rule, see
+    `decay_mult` (float32 (P,)) is the weight-decay multiplier of each parameter: a 0/1 mask (1 on
+    conv/linear weights, 0 on biases, so biases are not decayed) or a layer's own multiplier
+    (Caffe's `decay_mult`, cuda-convnet's per-layer `wc`). `lr_mult` (`lr_scale`, float32 (P,), None
+    = 1 everywhere) is the learning-rate multiplier (Caffe's `lr_mult`, cuda-convnet's epsW/epsB
+    relative to the base rate); the float32 product lr * lr_mult is formed first. `s_g` is the
+    gradient's scale (`step(..., grad_scale=s_g)`, default 1: the staleness rule, see
     `staleness_factor`). All arrays float32 (P,), C-contiguous.
 
-    Conventions differ when the step size changes. cuda-convnet and Caffe (and Sutskever et al.
-    2013, eq. 1-2) keep the step inside the velocity, v <- momentum * v - lr * (g + wd * w),
-    w <- w + v: a new lr scales only the new gradient's share. Here lr multiplies the whole
-    velocity at each step, so a new lr rescales every earlier gradient's remaining contribution at
-    once. The two agree while lr is constant (v_here = -v_caffe / lr).
+    Conventions differ when the step size changes. cuda-convnet and Caffe keep the step inside the
+    velocity, v <- momentum * v - lr * lr_mult * (g + wd * decay_mult * w), w <- w + v: a new lr
+    scales only the new gradient's share. Here lr multiplies the whole velocity at each step, so a
+    new lr rescales every earlier gradient's remaining contribution at once. The two agree while lr
+    is constant (v_here = -v_caffe / (lr * lr_mult)).
+
+    Nesterov is torch.optim.SGD's form of Nesterov's accelerated gradient. Sutskever, Martens, Dahl
+    and Hinton 2013 (ICML, eq. 3-4) take the gradient at a look-ahead point: v_S <- momentum * v_S -
+    lr * grad(theta + momentum * v_S), theta <- theta + v_S. The form here is a change of variables
+    (as in Bengio, Boulanger-Lewandowski and Pascanu 2012, arXiv 1212.0901, which Caffe's Nesterov
+    solver implements with lr inside the velocity h: w <- w - ((1 + momentum) h - momentum * h_old)):
+    `w` is the look-ahead point theta + momentum * v_S itself (v_S = -lr * lr_mult * v while lr is
+    constant), so the gradient is the one at the weights held and no second weight vector is kept.
+    Nesterov needs momentum > 0 (ValueError otherwise, as torch).
 
     `params` is the current weight vector. `step(g, lr)` updates it in place; `step(g, lr, out=buf)`
     writes the new weights into `buf` instead, leaves the old vector unchanged, and re-points
     `params` at `buf` (the server's double buffering: the old vector may still be being sent).
 
-    Cost: momentum 0 keeps no velocity (`velocity` is None) and skips its pass; weight decay 0, or a
-    mask made of contiguous runs, never reads a (P,) decay vector (see `decay_blocks`). Blocks of
-    `chunk` values (default `CHUNK`), measured on one AMD EPYC core (L2 1 MiB) shared with other
+    Cost: momentum 0 keeps no velocity (`velocity` is None) and skips its pass; weight decay 0, or
+    decay multipliers made of contiguous runs, never read a (P,) decay vector, and lr multipliers made
+    of runs never read a (P,) vector either (see `run_blocks`); a vector of lr multipliers all 1 is
+    dropped (`lr_scale` None). Nesterov adds two passes over each block in L2, lr multipliers read
+    as an array one pass and one (P,) read (minimum over 60 interleaved steps on a loaded machine,
+    momentum + decay runs: 2.8 ms; lr multiplier runs 2.8; nesterov 3.5; lr multipliers read as an
+    array 3.6). Blocks of `chunk` values (default `CHUNK`), measured on one AMD EPYC core (L2 1 MiB) shared with other
     jobs, P = 4M, out of place, ms per step (`python bench/server.py --sweep`):
 
         block                    16K   32K   64K  128K  256K  none (whole vector)
@@ -100,17 +131,30 @@ class SGD:
     (4.3 vs 6.6 ms with two busy processes): the server has none, its workers need the cores.
     """
 
-    def __init__(self, params: np.ndarray, decay_mask: np.ndarray, momentum: float, weight_decay: float,
-                 chunk: int = CHUNK) -> None:
+    def __init__(self, params: np.ndarray, decay_mult: np.ndarray, momentum: float, weight_decay: float,
+                 chunk: int = CHUNK, nesterov: bool = False, lr_scale: np.ndarray | None = None) -> None:
         _check("params", params, params.size)
+        if nesterov and not momentum:
+            raise ValueError("Nesterov momentum needs momentum > 0 (as torch.optim.SGD)")
+        size = params.size
         self.params = params
-        self.decay = (weight_decay * decay_mask).astype(np.float32)  # (P,), 0 on biases; read only if not runs
+        self.decay = (weight_decay * _multipliers("decay_mult", decay_mult, size)).astype(np.float32)  # (P,)
+        self.lr_scale = None if lr_scale is None else _multipliers("lr_scale", lr_scale, size)
+        if self.lr_scale is not None and (self.lr_scale == 1).all():
+            self.lr_scale = None  # lr * 1 = lr: the default path
         self.momentum = np.float32(momentum)
+        self.nesterov = bool(nesterov)
         self.velocity = np.zeros_like(params) if momentum else None
-        self.blocks = decay_blocks(self.decay, chunk)
-        self.scratch = np.empty(min(chunk, params.size), np.float32)  # for in-place steps
+        blocks = run_blocks([self.decay] if self.lr_scale is None else [self.decay, self.lr_scale], chunk)
+        one = np.float32(1)
+        # [(start, stop, decay coefficient, lr multiplier)]; None: read the (P,) vector
+        self.blocks = [(a, b, c, one) for a, b, c in blocks] if self.lr_scale is None else blocks
         self.chunk = chunk
-        self.decay_scratch: np.ndarray | None = None  # for grad_scale != 1, allocated on first use
+        n = min(chunk, size)
+        self.scratch = np.empty(n, np.float32)  # for in-place steps
+        self.scratch2: np.ndarray | None = np.empty(n, np.float32) if nesterov else None  # see step()
+        read_lr = any(block[3] is None for block in self.blocks)
+        self.lr_scratch = np.empty(n, np.float32) if read_lr else None  # lr * lr_scale[a:b]
 
     def step(self, grad: np.ndarray, lr: float, out: np.ndarray | None = None, grad_scale: float = 1.0) -> np.ndarray:
         """Apply one update with step size `lr` for gradient `grad` scaled by `grad_scale`; returns the
@@ -134,15 +178,15 @@ class SGD:
             raise ValueError("out must not be the optimizer's velocity")
         lr32, m, v = np.float32(lr), self.momentum, self.velocity
         scale = np.float32(grad_scale)
-        if scale != 1 and self.decay_scratch is None:
-            self.decay_scratch = np.empty(min(self.chunk, size), np.float32)
-        for a, b, coef in self.blocks:
+        if scale != 1 and self.scratch2 is None:
+            self.scratch2 = np.empty(min(self.chunk, size), np.float32)
+        for a, b, coef, mult in self.blocks:
             wb, gb, ob = w[a:b], grad[a:b], out[a:b]
             t = self.scratch[: b - a] if in_place else ob  # ob is free until its final write
             if scale != 1:  # t = s * g + decay * w
                 np.multiply(gb, scale, out=t)
                 if coef is None or coef:
-                    d = self.decay_scratch[: b - a]
+                    d = self.scratch2[: b - a]
                     np.multiply(wb, self.decay[a:b] if coef is None else coef, out=d)
                     t += d
             elif coef is None:
@@ -156,11 +200,22 @@ class SGD:
             if v is not None:
                 vb = v[a:b]
                 vb *= m
-                vb += t                                  # v = m * v + (g + decay * w)
-                t = vb
+                vb += t                                  # v = m * v + d
+                if self.nesterov:
+                    u = self.scratch2[: b - a]
+                    np.multiply(vb, m, out=u)
+                    u += t                               # d + m * v (the new v)
+                    t = u
+                else:
+                    t = vb
+            if mult is None:
+                step_size = self.lr_scratch[: b - a]
+                np.multiply(self.lr_scale[a:b], lr32, out=step_size)  # lr * lr_mult, per element
+            else:
+                step_size = lr32 * mult                  # lr * 1 = lr on the default path
             s = self.scratch[: b - a] if in_place else ob
-            np.multiply(t, lr32, out=s)                  # lr * v
-            np.subtract(wb, s, out=ob)                   # w - lr * v
+            np.multiply(t, step_size, out=s)             # (lr * lr_mult) * v
+            np.subtract(wb, s, out=ob)                   # w - lr * lr_mult * v
         self.params = out
         return out
 
@@ -223,26 +278,39 @@ def finite_square(a) -> tuple[bool, float]:
 
 
 class LocalSGD:
-    """SGD with momentum and weight decay on a worker's own weights, on the model's backend.
+    """SGD with momentum and weight decay on a worker's own weights, on the model's backend: the
+    update of the parameter server (`SGD`, same formula, heavy-ball or Nesterov, with the model's
+    decay and learning-rate multipliers), through the backend's `sgd_momentum` op.
 
-    The update of the parameter server (`SGD`), for workers that step locally: every step in sync
-    mode, between exchanges with nsync > 1 and in EASGD, and each pipeline module on its slice.
-    `step(lr)` updates `model.params` in place with `model.grads`; the velocity (float32, on the
-    model's backend) persists across pulls. `decay_mask` (float32 (P,), 1 on conv/linear weights)
-    is sliced to [start, stop) for a pipeline module.
+    For workers that step locally: every step in sync mode, between exchanges with nsync > 1 and in
+    EASGD, and each pipeline module on its slice. `step(lr)` updates `model.params` in place with
+    `model.grads`; the velocity (float32, on the model's backend) persists across pulls. The
+    multipliers are the model's host float32 (P,) vectors `decay_mult()` (a model without it:
+    `decay_mask()`, 1 on conv/linear weights) and `lr_mult()` (without it: 1 everywhere), sliced to
+    [start, stop) for a pipeline module; lr multipliers all 1 are passed as None (the op's default
+    path). ValueError for nesterov with momentum 0.
     """
 
     def __init__(self, model: Any, momentum: float, weight_decay: float, start: int = 0,
-                 stop: int | None = None) -> None:
+                 stop: int | None = None, nesterov: bool = False) -> None:
+        if nesterov and not momentum:
+            raise ValueError("Nesterov momentum needs momentum > 0 (as torch.optim.SGD)")
         self.model = model
         self.ops = model.ops
         self.momentum = momentum
-        mask = model.decay_mask()[start:stop]  # a pipeline module steps its own slice [start, stop)
-        self.decay = self.ops.asarray(weight_decay * mask)  # float32, 0 on biases
-        self.velocity = self.ops.zeros(mask.size)
+        self.nesterov = bool(nesterov)
+        decay_mult = getattr(model, "decay_mult", None) or model.decay_mask
+        mult = decay_mult()[start:stop]  # a pipeline module steps its own slice [start, stop)
+        size = mult.size
+        self.decay = self.ops.asarray((weight_decay * _multipliers("decay_mult", mult, size)).astype(np.float32))
+        lr_mult = getattr(model, "lr_mult", None)
+        scale = None if lr_mult is None else _multipliers("lr_mult", lr_mult()[start:stop], size)
+        self.lr_scale = None if scale is None or (scale == 1).all() else self.ops.asarray(scale)
+        self.velocity = self.ops.zeros(size)
 
     def step(self, lr: float, params: Any = None, grads: Any = None) -> None:
         """Update `params` (default: the model's) in place with `grads` (default: the model's)."""
         params = self.model.params if params is None else params
         grads = self.model.grads if grads is None else grads
-        self.ops.sgd_momentum(params, self.velocity, grads, self.decay, self.momentum, lr)
+        self.ops.sgd_momentum(params, self.velocity, grads, self.decay, self.momentum, lr, nesterov=self.nesterov,
+                              lr_scale=self.lr_scale)

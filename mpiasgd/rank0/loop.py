@@ -96,7 +96,7 @@ class Rank0:
     def run(self) -> dict:
         """Serve until the role is done; returns the summary dict."""
         self.rec.begin()
-        self.rec.snapshot(self.role.params)
+        self.rec.snapshot(self.role.params, self.role.current_buffers())
         self.role.begin()
         self.serve()
         return self.finish()
@@ -161,7 +161,7 @@ class Rank0:
         if self.stall_check.due(rec.now()):
             self.check_stalls()
         if role.snapshots_here and not rec.stop_reason and rec.snapshots.due(rec.now()):
-            rec.snapshot(role.params)
+            rec.snapshot(role.params, role.current_buffers())
         if role.checkpoints_here and not rec.stop_reason and rec.checkpoints.due(rec.now()):
             rec.write_checkpoint(role.state("interval"))
         rec.log.maybe_flush()
@@ -171,7 +171,7 @@ class Rank0:
         """Final snapshot, checkpoint and evaluation rows; returns the summary (also stored as log attributes)."""
         evals = self.role.final_evals(self.preempted)
         self.rec.finish_watch()
-        self.rec.snapshot(self.role.params)
+        self.rec.snapshot(self.role.params, self.role.current_buffers())
         if self.role.checkpoints_here and not self.preempted:  # a preempted run checkpointed when the signal came
             self.rec.write_checkpoint(self.role.state("end"))
         self.rec.show_progress(force=True)  # the bar's last figures

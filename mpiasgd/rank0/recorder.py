@@ -58,6 +58,7 @@ class Recorder:
         self.held_total = dict.fromkeys(workers, 0.0)   # ssp: seconds each worker's replies were held
         self.diverged = ""                    # --on-divergence stop: the symptom that ended the run
         self.checkpoint_path = checkpoint.checkpoint_path(log.path)
+        self.model_spec = ""                  # the network's definition (JSON), stored with each checkpoint
         self.checkpoint_error = ""            # why the last checkpoint could not be written
         self.last_written: float | None = None  # run time of the last checkpoint this process wrote
         self.resumed: checkpoint.Checkpoint | None = None
@@ -119,11 +120,13 @@ class Recorder:
         self.log.add(UpdateRow(time=self.now(), version=version, lr=lr, grad_norm=grad_norm, samples=self.samples,
                                epoch=self.epoch))
 
-    def snapshot(self, params: np.ndarray) -> None:
-        """Store `params` (float32 (P,)) as a snapshot of the current version."""
+    def snapshot(self, params: np.ndarray, buffers: np.ndarray | None = None) -> None:
+        """Store `params` (float32 (P,)) and the layers' `buffers` (float32 (B,), None or empty for a network
+        without any) as a snapshot of the current version."""
         self.snapshots.restart(self.now())
         self.log.add_snapshot(SnapshotRow(time=self.now(), version=self.version, samples=self.samples,
-                                          epoch=self.epoch), params)
+                                          epoch=self.epoch), params,
+                              buffers if buffers is not None and buffers.size else None)
 
     # --- figures and rules ---
     def count_staleness(self, staleness: int) -> None:
@@ -188,9 +191,9 @@ class Recorder:
 
     # --- checkpoints ---
     def checkpoint(self, params: np.ndarray, momentum: np.ndarray, reason: str, steps: dict,
-                   elapsed: float) -> checkpoint.Checkpoint:
-        """A Checkpoint of `params`, `momentum` (float32 (P,)) and `steps` ({worker: (step, cursor)}) with the
-        run's figures; `elapsed` training seconds."""
+                   elapsed: float, buffers: np.ndarray | None = None) -> checkpoint.Checkpoint:
+        """A Checkpoint of `params`, `momentum` (float32 (P,)), the layers' `buffers` (float32 (B,)) and
+        `steps` ({worker: (step, cursor)}) with the run's figures; `elapsed` training seconds."""
         rows = np.array([(w, steps[w][0], steps[w][1], self.rejected[w]) for w in self.workers],
                         dtype=checkpoint.WORKER_STATE)
         return checkpoint.Checkpoint(
@@ -198,7 +201,9 @@ class Recorder:
             elapsed=elapsed, log_time=self.now(), config=self.cfg.to_json(), log=self.log.path,
             mode=self.cfg.mode, model=self.cfg.model, reason=reason, run_id=self.log.run_id,
             staleness_sum=self.staleness_sum, staleness_max=self.staleness_max,
-            staleness_count=self.staleness_count)
+            staleness_count=self.staleness_count,
+            buffers=np.zeros(0, np.float32) if buffers is None else np.array(buffers, np.float32),
+            model_spec=self.model_spec)
 
     def write_checkpoint(self, ckpt: checkpoint.Checkpoint) -> bool:
         """Write `ckpt` atomically and log it (the checkpoints table); a failed write is a warning, not the

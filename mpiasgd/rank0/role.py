@@ -24,7 +24,8 @@ from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
 class Role:
     """Base of a mode's rank-0 part. `r0` is the loop (`Rank0`): its comm, cfg, recorder, workers.
 
-    Attributes every role has: `params` (float32 (P,), the weights rank 0 snapshots), `stopped`
+    Attributes every role has: `params` (float32 (P,), the weights rank 0 snapshots), `buffers` (float32
+    (B,), the layers' buffers it snapshots with them: `current_buffers`), `stopped`
     (workers sent STOP), `evals` ({worker: (loss sum, correct, images)}), `last_step` and `cursor`
     ({worker: int}: its last step and data position, for checkpoints).
     """
@@ -32,11 +33,13 @@ class Role:
     checkpoints_here = False  # rank 0 holds the whole training state (it writes checkpoints itself)
     snapshots_here = False    # rank 0 holds current weights (it snapshots them on the interval itself)
 
-    def __init__(self, r0: Any, params: np.ndarray) -> None:
+    def __init__(self, r0: Any, params: np.ndarray, buffers: np.ndarray | None = None) -> None:
         self.r0, self.rec, self.comm, self.cfg = r0, r0.rec, r0.comm, r0.cfg
         self.rank = 0
         self.workers = r0.workers
         self.params = params
+        self.buffers = np.zeros(0, np.float32) if buffers is None else buffers
+        self.worker_buffers: dict[int, np.ndarray] = {}  # async modes: each worker's latest pushed buffers
         self.stopped: set[int] = set()
         self.evals: dict[int, tuple] = {}
         self.stops_sent: set[int] = set()  # header-only STOPs posted (send_stop)
@@ -47,6 +50,18 @@ class Role:
         self.state_slots = SendSlots([], "CHECKPOINT (optimizer state)", 0, self.cfg.comm_timeout)
 
     # --- what the loop asks ---
+    def current_buffers(self) -> np.ndarray:
+        """The layers' buffers that go with `params` in a snapshot or checkpoint (float32 (B,)): the mean of the
+        workers' latest pushed ones (`take_buffers`) when there are any, else `buffers` as they are."""
+        if self.worker_buffers and self.buffers.size:
+            self.buffers[:] = np.mean(list(self.worker_buffers.values()), axis=0, dtype=np.float64)
+        return self.buffers
+
+    def take_buffers(self, w: int, pushed: np.ndarray) -> None:
+        """Keep worker `w`'s buffers (`pushed`, the (B,) tail of its push; copied) unless they are not finite."""
+        if self.buffers.size and np.isfinite(pushed).all():
+            self.worker_buffers[w] = pushed.copy()
+
     def handlers(self) -> dict:
         """{Tag: handler(worker, Message)} of the messages rank 0 takes in this mode (ERROR aside)."""
         raise NotImplementedError
@@ -85,8 +100,12 @@ class Role:
         raise NotImplementedError
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
-        """Continue from `ckpt` (before `begin`): the weights and each worker's step and data position."""
+        """Continue from `ckpt` (before `begin`): the weights, the layers' buffers (a checkpoint written before
+        networks had buffers holds none: they stay at their initial values) and each worker's step and
+        data position."""
         self.params[:] = ckpt.params
+        if ckpt.buffers.size == self.buffers.size:
+            self.buffers[:] = ckpt.buffers
         for row in ckpt.workers:
             w = int(row["rank"])
             self.last_step[w], self.cursor[w] = int(row["step"]), int(row["cursor"])

@@ -34,7 +34,8 @@ def announce(cfg: Any, me: Any, start: Any, workers: list) -> None:
         key = f"{w.backend} ({w.transfer})"
         kinds[key] = kinds.get(key, 0) + 1
     print(f"mpiasgd {__version__}: {me.num_workers} worker{'s' * (me.num_workers != 1)} "
-          f"[{', '.join(f'{k} x{n}' for k, n in kinds.items())}], model {cfg.model} ({model.num_params:,} parameters), "
+          f"[{', '.join(f'{k} x{n}' for k, n in kinds.items())}], model {cfg.model_label} "
+          f"({model.num_params:,} parameters), "
           f"dataset {cfg.dataset_name} ({dataset.train_y.size:,} train / {dataset.test_y.size:,} test images)",
           flush=True)
     if cfg.show_config:
@@ -51,8 +52,12 @@ def start_log(cfg: Any, me: Any, start: Any, workers: list) -> RunLog:
     from mpiasgd.optim import StopRule
 
     model, dataset, ckpt = start.model, start.dataset, start.checkpoint
+    from mpiasgd.model.spec import to_json
+
     attrs = {"config": cfg.to_json(), "versions": versions(), "layout": model.layout(), "model": cfg.model,
+             "model_spec": to_json(model.spec()), "buffer_layout": model.buffer_layout(),
              "mode": cfg.mode, "num_workers": me.num_workers, "num_params": model.num_params,
+             "num_buffers": model.num_buffers,
              "num_train": int(dataset.train_y.size), "num_test": int(dataset.test_y.size),
              "data_source": dataset.source, "command": " ".join(sys.argv), **start.layout.attrs}
     rows = [w.row() for w in workers]
@@ -63,7 +68,8 @@ def start_log(cfg: Any, me: Any, start: Any, workers: list) -> RunLog:
             attrs["run_id"] = ckpt.run_id
             print(f"mpiasgd: warning: run log '{start.path}' of checkpoint '{ckpt.path}' is missing: a new log "
                   f"starts at the checkpoint (version {ckpt.version})", file=sys.stderr, flush=True)
-        log = RunLog.create(start.path, attrs, rows, model.num_params, cfg.flush_interval, start.lock)
+        log = RunLog.create(start.path, attrs, rows, model.num_params, cfg.flush_interval, start.lock,
+                            num_buffers=model.num_buffers)
     if ckpt is not None:
         changed = resume_overrides(from_mapping(json.loads(ckpt.config)), cfg)
         text = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()) or "none"
@@ -93,6 +99,7 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
     from tqdm import tqdm
 
     from mpiasgd.health import LossWatch
+    from mpiasgd.model.spec import to_json
     from mpiasgd.rank0.loop import PREEMPT_GRACE, Preempted, Rank0, WorkerFailed
     from mpiasgd.rank0.recorder import Recorder
 
@@ -110,6 +117,7 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
     health = LossWatch(len(dataset.classes), me.num_workers, asynchronous=start.mode.asynchronous,
                        advice=start.mode.advice)
     rec = Recorder(cfg, log, range(1, me.num_workers + 1), dataset.train_y.size, bar, health)
+    rec.model_spec = to_json(model.spec())
     hosts = {w.rank: w.host for w in workers}
     r0 = Rank0(me.comm, cfg, rec, lambda r0: start.mode.rank0(r0, params, model.decay_mask(), model, dataset,
                                                               start.layout),

@@ -2,7 +2,10 @@
 
 One file per run, `RUN_DIR/NAME.h5`:
 
-    attrs        config (JSON), versions (JSON), layout (JSON), model, mode, num_workers, num_params,
+    attrs        config (JSON), versions (JSON), layout (JSON: parameter names, offsets, shapes), model
+                 (the --model given), model_spec (the network's definition, JSON data:
+                 `mpiasgd.model.spec`; evaluate, report, export and --resume rebuild the network from
+                 it, never from a file), buffer_layout (JSON), mode, num_workers, num_params, num_buffers,
                  created, run_id, status ("running" | "completed" | "failed" | "preempted" | "killed" |
                  "diverged": --on-divergence stop ended it), and at the end wall_time_s, test_accuracy,
                  test_loss, images_per_s, health ("" or how a dead network ended the run: mpiasgd.health),
@@ -20,6 +23,9 @@ One file per run, `RUN_DIR/NAME.h5`:
                  rank 0 checks it as the rows arrive)
     /updates     one row per server update (UPDATE_ROW): time, version, lr, gradient norm, samples, epoch
     /snapshots/params  (S, P) float32 weights every `snapshot_interval` seconds, first and last included
+    /snapshots/buffers (S, B) float32 the layers' buffers with each snapshot (BatchNorm's running statistics;
+                       only for a network that has buffers): async/ssp/easgd: rank 0's average of the
+                       workers' latest; sync: the replicas' common copy; pipeline: every module's
     /snapshots/meta    (S,) SNAPSHOT_ROW: time, version, samples, epoch
     /evals       EVAL_ROW: time, version, epoch, snapshot (-1: the final weights), loss, accuracy, count
     /events      EVENT_ROW: time, kind, text (start, stop reason, failures, preempt, resume; autotune:

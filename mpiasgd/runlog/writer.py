@@ -86,6 +86,7 @@ class RunLog:
         self.flush_interval = flush_interval
         self.pending: dict[str, list] = {name: [] for name in TABLES}
         self.pending_params: list[np.ndarray] = []
+        self.pending_buffers: list[np.ndarray] = []
         self.last_flush = time.monotonic()
         self.error: RunLogError | None = None  # the write failure that broke the log (it takes no more rows)
         self.outcome = ""                      # what `abandon` made of a broken log, for the error message
@@ -94,10 +95,11 @@ class RunLog:
 
     @classmethod
     def create(cls, path: str, attrs: dict, workers: Sequence[WorkerRow], num_params: int,
-               flush_interval: float, lock: WriterLock | None = None) -> RunLog:
+               flush_interval: float, lock: WriterLock | None = None, num_buffers: int = 0) -> RunLog:
         """Create the file with every dataset, then switch to SWMR mode (no new objects after that).
 
-        `workers` fill the /workers table (`WorkerRow`s); `num_params` (P) is the width of /snapshots/params. `attrs`
+        `workers` fill the /workers table (`WorkerRow`s); `num_params` (P) is the width of /snapshots/params,
+        `num_buffers` (B) of /snapshots/buffers (created only when B > 0: the layers' buffers). `attrs`
         values that are not str/int/float are stored as JSON. An existing file at `path` is replaced:
         the caller decides (launch.startup refuses one unless --overwrite, holding `lock`). `lock` is
         released by `close`. RunLogError if the file cannot be created (disk full): no part of it is
@@ -107,7 +109,7 @@ class RunLog:
         f, existed = None, os.path.exists(path)
         try:
             f = h5py.File(path, "w", libver="latest")
-            cls._fill(f, attrs, workers, num_params)
+            cls._fill(f, attrs, workers, num_params, num_buffers)
         except (OSError, RuntimeError) as e:  # RuntimeError: h5py's, when HDF5 fails to write
             _close_quietly(f)
             if (f is not None or not existed) and os.path.exists(path):  # ours: created or truncated above
@@ -116,7 +118,7 @@ class RunLog:
         return cls(path, f, flush_interval, lock)
 
     @staticmethod
-    def _fill(f: h5py.File, attrs: dict, workers: Sequence[WorkerRow], num_params: int) -> None:
+    def _fill(f: h5py.File, attrs: dict, workers: Sequence[WorkerRow], num_params: int, num_buffers: int) -> None:
         """`create`'s attributes and datasets in the new file `f`, then SWMR mode."""
         for key, value in attrs.items():
             f.attrs[key] = value if isinstance(value, (str, int, float)) else json.dumps(value)
@@ -129,6 +131,9 @@ class RunLog:
             f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
         f.create_dataset("snapshots/params", shape=(0, num_params), maxshape=(None, num_params),
                          dtype=np.float32, chunks=(1, num_params))
+        if num_buffers:
+            f.create_dataset("snapshots/buffers", shape=(0, num_buffers), maxshape=(None, num_buffers),
+                             dtype=np.float32, chunks=(1, num_buffers))
         f.swmr_mode = True
 
     @classmethod
@@ -192,12 +197,20 @@ class RunLog:
         if self.error is None:
             self.pending[record.table].append(record.row())
 
-    def add_snapshot(self, record: SnapshotRow, params: np.ndarray) -> None:
-        """Buffer one weight snapshot: its metadata `record` and `params`, the (P,) float32 weights, copied
-        (the caller may go on writing them)."""
+    def add_snapshot(self, record: SnapshotRow, params: np.ndarray, buffers: np.ndarray | None = None) -> None:
+        """Buffer one weight snapshot: its metadata `record`, `params`, the (P,) float32 weights, and `buffers`,
+        the (B,) float32 layer buffers when the log has /snapshots/buffers; copied (the caller may go on
+        writing them). ValueError when buffers are missing for a log that keeps them, or given to one that
+        does not."""
+        has = "snapshots/buffers" in self.file if self.file is not None else False
+        if has != (buffers is not None and buffers.size > 0):
+            raise ValueError(f"RunLog.add_snapshot: this log {'keeps' if has else 'has no'} layer buffers, got "
+                             f"{'none' if buffers is None else buffers.size}")
         if self.error is None:
             self.pending["snapshots/meta"].append(record.row())
             self.pending_params.append(params.copy())
+            if has:
+                self.pending_buffers.append(buffers.copy())
 
     def maybe_flush(self) -> None:
         """`flush` if `flush_interval` seconds have passed since the last one (RunLogError as `flush`)."""
@@ -216,7 +229,7 @@ class RunLog:
         """
         if self.error is not None or self.file is None:
             return
-        need = sum(p.nbytes for p in self.pending_params)
+        need = sum(p.nbytes for p in self.pending_params) + sum(b.nbytes for b in self.pending_buffers)
         need += sum(len(rows) * TABLES[name].itemsize for name, rows in self.pending.items())
         try:
             if need:
@@ -224,6 +237,7 @@ class RunLog:
         except OSError as e:
             self.error = RunLogError(self.path, e)
             self.pending_params.clear()
+            self.pending_buffers.clear()
             for rows in self.pending.values():
                 rows.clear()
             raise self.error from None
@@ -233,6 +247,11 @@ class RunLog:
                 ds = self.file["snapshots/params"]
                 before["snapshots/params"] = ds.shape[0]
                 append(ds, np.stack(self.pending_params))
+                ds.flush()
+            if self.pending_buffers:
+                ds = self.file["snapshots/buffers"]
+                before["snapshots/buffers"] = ds.shape[0]
+                append(ds, np.stack(self.pending_buffers))
                 ds.flush()
             for name, rows in self.pending.items():
                 if rows:
@@ -251,6 +270,7 @@ class RunLog:
             raise self.error from e
         finally:
             self.pending_params.clear()
+            self.pending_buffers.clear()
             for rows in self.pending.values():
                 rows.clear()
         self.last_flush = time.monotonic()

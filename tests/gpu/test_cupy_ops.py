@@ -1,6 +1,9 @@
 """Every op of the cupy backend (our CUDA C kernels, cuBLAS for linear) against the numpy backend on
 the shapes of real training: the cifar10 model's layers at batch 128, one larger layer (64 -> 128
-channels, 3x3, 32x32, batch 256), stride 2, and a whole cifar10 forward/backward at batch 128.
+channels, 3x3, 32x32, batch 256), stride 2, and a whole cifar10 forward/backward at batch 128; the
+batch-norm, residual-shortcut and global-pooling ops on resnet20's CIFAR activations at batch 128
+(16x32x32, 32x16x16, 64x8x8), LRN and max/avg pooling 3/2 ceil_mode on AlexNet's 96x55x55 and
+256x27x27 at batch 32, dropout bit for bit, and sgd_momentum's nesterov and lr_scale forms.
 
 Tolerance, stated once: |got - ref| <= TOL * (|ref| + max|ref|) elementwise (float32 sums of up to
 ~10^5 terms in a different order); a failure names the worst element.
@@ -321,6 +324,139 @@ def test_cifar10_model_gradient(cp, batch):
     for name, offset, shape in ref.layout():
         size = int(np.prod(shape))
         close(cp.to_numpy(gc[offset:offset + size]), g[offset:offset + size], f"gradient of {name}")
+
+
+RESNET20 = [(128, 16, 32, 32), (128, 32, 16, 16), (128, 64, 8, 8)]  # its activations on CIFAR, batch 128
+ALEXNET_LRN = [(32, 96, 55, 55), (32, 256, 27, 27)]  # conv1 and conv2 outputs at batch 32
+
+
+@pytest.mark.parametrize("xs", RESNET20, ids=[f"{c}x{h}x{w}" for _, c, h, w in RESNET20])
+def test_batchnorm(cp, npo, xs):
+    """batchnorm_stats (with the running update), _fprop and _bprop against numpy (which sums in float64),
+    and bit-identical when run again (one block per channel, fixed-order trees: no atomics)."""
+    rng = np.random.default_rng(8)
+    C = xs[1]
+    x = rand(rng, xs) * 2 + rand(rng, (1, C, 1, 1)) * 3  # (N, C, H, W), per-channel offsets
+    gamma, beta, dy = rand(rng, (C,)), rand(rng, (C,)), rand(rng, xs)
+    rm, rv = rand(rng, (C,)), np.abs(rand(rng, (C,))) + 0.5
+    d = cp.asarray
+    rm_c, rv_c = d(rm), d(rv)
+    mean, var = npo.batchnorm_stats(x, rm, rv, 0.1)
+    mean_c, var_c = cp.batchnorm_stats(d(x), rm_c, rv_c, 0.1)
+    for got, ref, what in ((mean_c, mean, "mean"), (var_c, var, "var"), (rm_c, rm, "running_mean"),
+                           (rv_c, rv, "running_var")):
+        close(cp.to_numpy(got), ref, f"batchnorm_stats {what}")
+    again = cp.batchnorm_stats(d(x))
+    assert all(np.array_equal(cp.to_numpy(a), cp.to_numpy(b)) for a, b in zip(again, (mean_c, var_c), strict=True))
+    y = cp.batchnorm_fprop(d(x), d(gamma), d(beta), mean_c, var_c, 1e-5)
+    close(cp.to_numpy(y), npo.batchnorm_fprop(x, gamma, beta, mean, var, 1e-5), "batchnorm_fprop")
+    dgamma, dbeta = np.empty(C, np.float32), np.empty(C, np.float32)
+    dx = npo.batchnorm_bprop(dy, x, gamma, mean, var, 1e-5, dgamma, dbeta)
+    dgamma_c, dbeta_c = cp.zeros(C), cp.zeros(C)
+    dx_c = cp.batchnorm_bprop(d(dy), d(x), d(gamma), mean_c, var_c, 1e-5, dgamma_c, dbeta_c)
+    close(cp.to_numpy(dgamma_c), dgamma, "batchnorm_bprop dgamma")
+    close(cp.to_numpy(dbeta_c), dbeta, "batchnorm_bprop dbeta")
+    close(cp.to_numpy(dx_c), dx, "batchnorm_bprop dx")
+    dgamma2, dbeta2 = cp.zeros(C), cp.zeros(C)
+    assert cp.batchnorm_bprop(d(dy), d(x), d(gamma), mean_c, var_c, 1e-5, dgamma2, dbeta2, need_dx=False) is None
+    assert np.array_equal(cp.to_numpy(dgamma2), cp.to_numpy(dgamma_c))
+    assert np.array_equal(cp.to_numpy(dbeta2), cp.to_numpy(dbeta_c))
+
+
+@pytest.mark.parametrize("xs", RESNET20[:2], ids=[f"{c}x{h}x{w}" for _, c, h, w in RESNET20[:2]])
+def test_residual_shortcut(cp, npo, xs):
+    """resnet20's option-A shortcut to the next stage (stride 2, half the new channels as zero padding on
+    either side) and the residual add (fresh and in place): copies and one add, equal to numpy exactly."""
+    rng = np.random.default_rng(9)
+    C = xs[1]
+    x = rand(rng, xs)
+    y = npo.subsample_pad_fprop(x, 2, C // 2, C // 2)
+    y_c = cp.subsample_pad_fprop(cp.asarray(x), 2, C // 2, C // 2)
+    assert y.shape == (xs[0], 2 * C, xs[2] // 2, xs[3] // 2) and np.array_equal(cp.to_numpy(y_c), y)
+    dy = rand(rng, y.shape)
+    dx_c = cp.subsample_pad_bprop(cp.asarray(dy), xs, 2, C // 2, C // 2)
+    assert np.array_equal(cp.to_numpy(dx_c), npo.subsample_pad_bprop(dy, xs, 2, C // 2, C // 2))
+    b = rand(rng, y.shape)
+    total = npo.add(y, b)
+    assert np.array_equal(cp.to_numpy(cp.add(y_c, cp.asarray(b))), total)
+    assert np.array_equal(cp.to_numpy(cp.add(y_c, cp.asarray(b), out=y_c)), total)
+
+
+def test_global_avgpool(cp, npo):
+    """resnet20's last activations (128, 64, 8, 8) -> (128, 64), and the backward."""
+    rng = np.random.default_rng(10)
+    x, dy = rand(rng, RESNET20[2]), rand(rng, RESNET20[2][:2])
+    close(cp.to_numpy(cp.global_avgpool_fprop(cp.asarray(x))), npo.global_avgpool_fprop(x), "global_avgpool_fprop")
+    assert np.array_equal(cp.to_numpy(cp.global_avgpool_bprop(cp.asarray(dy), x.shape)),
+                          npo.global_avgpool_bprop(dy, x.shape))
+
+
+@pytest.mark.parametrize("xs", ALEXNET_LRN, ids=[f"{c}x{h}x{w}" for _, c, h, w in ALEXNET_LRN])
+def test_alexnet_lrn_and_pooling(cp, npo, xs):
+    """AlexNet's response normalisation (size 5, alpha 1e-4, beta 0.75, k 2) and its overlapping max
+    pooling 3/2 with cuda-convnet's output size (ceil_mode: 55 -> 27, 27 -> 13), plus average pooling 3/2
+    ceil_mode and 3/2 pad 1 (count_include_pad both ways)."""
+    rng = np.random.default_rng(11)
+    x = np.maximum(rand(rng, xs) * 3, 0)  # ReLU outputs, as AlexNet normalises
+    d = cp.asarray
+    y, scale = npo.lrn_fprop(x, 5, 1e-4, 0.75, 2.0)
+    y_c, scale_c = cp.lrn_fprop(d(x), 5, 1e-4, 0.75, 2.0)
+    close(cp.to_numpy(scale_c), scale, "lrn_fprop scale")
+    close(cp.to_numpy(y_c), y, "lrn_fprop y")
+    dy = rand(rng, xs)
+    close(cp.to_numpy(cp.lrn_bprop(d(dy), d(x), y_c, scale_c, 5, 1e-4, 0.75)),
+          npo.lrn_bprop(dy, x, y, scale, 5, 1e-4, 0.75), "lrn_bprop")
+    x = rand(rng, xs)
+    m, arg = npo.maxpool_fprop(x, 3, 2, 0, True)
+    m_c, arg_c = cp.maxpool_fprop(d(x), 3, 2, 0, True)
+    assert m.shape[2] == (xs[2] - 3 + 1) // 2 + 1  # ceil((H - 3)/2) + 1: 27 and 13
+    assert np.array_equal(cp.to_numpy(m_c), m) and np.array_equal(cp.to_numpy(arg_c), arg), "maxpool 3/2 ceil"
+    g = rand(rng, m.shape)
+    close(cp.to_numpy(cp.maxpool_bprop(d(g), arg_c, xs, 3, 2, 0, True)), npo.maxpool_bprop(g, arg, xs, 3, 2, 0, True),
+          "maxpool_bprop 3/2 ceil")
+    for pad, ceil, include in ((0, True, True), (1, False, False), (1, True, True)):
+        a = npo.avgpool_fprop(x, 3, 2, pad, ceil, include)
+        close(cp.to_numpy(cp.avgpool_fprop(d(x), 3, 2, pad, ceil, include)), a, f"avgpool 3/2 pad {pad} ceil {ceil}")
+        g = rand(rng, a.shape)
+        close(cp.to_numpy(cp.avgpool_bprop(d(g), xs, 3, 2, pad, ceil, include)),
+              npo.avgpool_bprop(g, xs, 3, 2, pad, ceil, include), f"avgpool_bprop 3/2 pad {pad} ceil {ceil}")
+    m, arg = npo.maxpool_fprop(x, 3, 2, 1)
+    m_c, arg_c = cp.maxpool_fprop(d(x), 3, 2, 1)
+    assert np.array_equal(cp.to_numpy(m_c), m) and np.array_equal(cp.to_numpy(arg_c), arg), "maxpool 3/2 pad 1"
+
+
+@pytest.mark.parametrize("shape, p", [((32, 4096), 0.5), ((128, 64, 8, 8), 0.1), ((7, 1001), 0.9)])
+def test_dropout_bit_for_bit(cp, npo, shape, p):
+    """The Philox mask on the device is numpy's, bit for bit, for keys past 2^32 (AlexNet's fc layers at
+    batch 32; an odd size: a partial last counter); the backward draws the same mask."""
+    rng = np.random.default_rng(12)
+    x, dy = rand(rng, shape), rand(rng, shape)
+    key = (2**63 + 12345, 2**33 + 7, 5)  # seed, minibatch, layer
+    y_c = cp.to_numpy(cp.dropout_fprop(cp.asarray(x), p, *key))
+    assert np.array_equal(y_c, npo.dropout_fprop(x, p, *key)), "dropout_fprop"
+    dx_c = cp.to_numpy(cp.dropout_bprop(cp.asarray(dy), p, *key))
+    assert np.array_equal(dx_c, npo.dropout_bprop(dy, p, *key)), "dropout_bprop"
+    assert np.array_equal(y_c == 0, dx_c == 0)
+    assert abs(np.mean(y_c == 0) - p) < 0.02, f"dropped fraction {np.mean(y_c == 0)} for p {p}"
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_momentum_nesterov_lr_scale(cp, npo, nesterov):
+    """sgd_momentum's nesterov form and lr_scale multipliers (resnet20-sized: 272,474 parameters), three
+    steps against numpy's float32 arithmetic (FMA contraction on the device: close, not equal)."""
+    rng = np.random.default_rng(13)
+    n = 272_474
+    p, decay = rand(rng, n), np.where(rng.random(n) < 0.9, 5e-4, 0).astype(np.float32)
+    lr_scale = rng.choice([0.5, 1.0, 2.0], n).astype(np.float32)
+    v = np.zeros(n, np.float32)
+    pc, vc = cp.asarray(p), cp.asarray(v)
+    for _ in range(3):
+        g = rand(rng, n)
+        npo.sgd_momentum(p, v, g, decay, 0.9, 0.1, nesterov=nesterov, lr_scale=lr_scale)
+        cp.sgd_momentum(pc, vc, cp.asarray(g), cp.asarray(decay), 0.9, 0.1, nesterov=nesterov,
+                        lr_scale=cp.asarray(lr_scale))
+    close(cp.to_numpy(vc), v, f"sgd velocity (nesterov {nesterov})")
+    close(cp.to_numpy(pc), p, f"sgd params (nesterov {nesterov})")
 
 
 def test_staging_on_the_device():

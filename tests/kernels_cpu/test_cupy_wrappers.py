@@ -156,6 +156,42 @@ def test_scalar_casts_refuse(cast, value, match):
         cast("op", "v", value)
 
 
+# the kernel parameters that take NULL: conv's bias, sgd's lr_scale, batchnorm_stats' running arrays,
+# batchnorm_bprop's dx (need_dx False)
+OPTIONAL_POINTERS = {"bias", "lr_scale", "running_mean", "running_var", "dx"}
+
+
+def newer_ops(ops, N, C, H, W) -> None:
+    """One call of each op added with padded pooling, batch norm, residual blocks, dropout and LRN, on
+    `ops` (arrays of its xp), with its optional arrays both ways where it has some."""
+    x, dy2 = ops.empty((N, C, H, W)), ops.empty((N, C))
+    vec = [ops.empty((C,)) for _ in range(6)]
+    y, argmax = ops.maxpool_fprop(x, 3, 2, 1, True)
+    ops.maxpool_bprop(ops.empty(y.shape), argmax, x.shape, 3, 2, 1, True)
+    y = ops.avgpool_fprop(x, 3, 2, 1, True, False)
+    ops.avgpool_bprop(ops.empty(y.shape), x.shape, 3, 2, 1, True, False)
+    ops.global_avgpool_fprop(x)
+    ops.global_avgpool_bprop(dy2, x.shape)
+    ops.batchnorm_stats(x)
+    ops.batchnorm_stats(x, vec[0], vec[1], 0.1)
+    ops.batchnorm_fprop(x, *vec[:4], 1e-5)
+    ops.batchnorm_bprop(ops.empty(x.shape), x, *vec[:3], 1e-5, vec[4], vec[5])
+    ops.batchnorm_bprop(ops.empty(x.shape), x, *vec[:3], 1e-5, vec[4], vec[5], need_dx=False)
+    ops.add(x, ops.empty(x.shape))
+    y = ops.subsample_pad_fprop(x, 2, 1, 2)
+    ops.subsample_pad_bprop(ops.empty(y.shape), x.shape, 2, 1, 2)
+    ops.dropout_fprop(x, 0.5, 2**64 - 1, 2**40, 3)
+    ops.dropout_bprop(x, 0.5, 2**64 - 1, 2**40, 3)
+    y, scale = ops.lrn_fprop(x, 5, 1e-4, 0.75, 2.0)
+    ops.lrn_bprop(ops.empty(x.shape), x, y, scale, 5, 1e-4, 0.75)
+
+
+NEWER_OPS_KERNELS = ["maxpool_fprop_u8", "maxpool_bprop_u8", "avgpool_fprop", "avgpool_bprop", "global_avgpool_fprop",
+                     "global_avgpool_bprop", "batchnorm_stats", "batchnorm_stats", "batchnorm_fprop", "batchnorm_bprop",
+                     "batchnorm_bprop", "add", "subsample_pad_fprop", "subsample_pad_bprop", "dropout", "dropout",
+                     "lrn_fprop", "lrn_bprop"]
+
+
 def test_every_launched_scalar_has_its_c_type(fake_gpu, launches):
     N, C, H, W, K = 2, 3, 8, 8, 4
     x, w, b = FakeArray((N, C, H, W)), FakeArray((K, C, 3, 3)), FakeArray((K,))
@@ -167,18 +203,22 @@ def test_every_launched_scalar_has_its_c_type(fake_gpu, launches):
     fake_gpu.maxpool_fprop(x, 3, 2)
     fake_gpu.relu_fprop(x)
     fake_gpu.sgd_momentum(*(FakeArray((10,)) for _ in range(4)), momentum=0.9, lr=0.01)
+    fake_gpu.sgd_momentum(*(FakeArray((10,)) for _ in range(4)), momentum=0.9, lr=0.01, nesterov=True,
+                          lr_scale=FakeArray((10,)))
+    newer_ops(fake_gpu, N, C, H, W)
     names = [launch[0] for launch in launches]
     assert names == ["conv2d_fprop", "conv2d_dgrad", "conv2d_wgrad_partial",
                      "conv2d_fprop_partial", "conv2d_split_reduce", "conv2d_dgrad_partial", "conv2d_split_reduce",
                      "conv2d_wgrad_partial", "conv2d_split_reduce",
-                     "maxpool_fprop_u8", "relu_fprop", "sgd_momentum"]
+                     "maxpool_fprop_u8", "relu_fprop", "sgd_momentum", "sgd_momentum", *NEWER_OPS_KERNELS]
     sigs = {s.name: s for f, t in harness.kernel_sources().items() for s in harness.parse_kernels(f, t)}
     for name, _, _, args, _, _ in launches:
         params = sigs[name].params
         assert len(args) == len(params), name
         for p, a in zip(params, args, strict=True):
-            if p.pointer and a is None:  # NULL: only where the kernel takes an optional bias
-                assert p.name == "bias", f"{name}: {p.decl} got None"  # (3x3 stride 1: every pass takes a table)
+            if p.pointer and a is None:  # NULL: only where the kernel takes an optional array
+                assert p.name in OPTIONAL_POINTERS, f"{name}: {p.decl} got None"  # (3x3 stride 1: every pass
+                # takes a tap table)
             elif p.pointer:
                 assert isinstance(a, FakeArray) and a.dtype == p.dtype, f"{name}: {p.decl} got {a!r}"
             else:
@@ -513,8 +553,9 @@ def test_kernel_folder_from_the_environment_must_hold_every_source(monkeypatch, 
         runtime.kernel_dir()
     (tmp_path / "conv2d.cu").write_text(harness.kernel_sources()["conv2d.cu"])
     monkeypatch.setenv("MPIASGD_KERNELS", str(tmp_path))
-    with pytest.raises(BackendUnavailable, match=r"kernel folder '.*' lacks bias.cu, pool.cu, relu.cu, sgd.cu, "
-                                                  r"softmax_xent.cu"):
+    with pytest.raises(BackendUnavailable, match=r"kernel folder '.*' lacks batchnorm.cu, bias.cu, dropout.cu, "
+                                                  r"lrn.cu, pool.cu, relu.cu, residual.cu, sgd.cu, softmax_xent.cu, "
+                                                  r"constants.cuh, philox.cuh"):
         get_backend("cupy")
 
 
@@ -743,3 +784,127 @@ def test_a_timing_that_fell_behind_its_spin_is_taken_again_behind_a_longer_spin(
     spins.clear()
     gpu.time_calls(lambda: None, planner.AUTOTUNE_CALLS, launch_ms=0.0)  # late every time: gives up after the retries
     assert len(spins) == 1 + device.AUTOTUNE_LATE_RETRIES and spins[0] == int(1e6 * device.AUTOTUNE_SPIN_MS)
+
+
+# ----------------------------------------------------------------------------------------------
+# the newer ops: padded pooling, batch norm, residual blocks, dropout, LRN, sgd's nesterov and lr_scale
+
+
+def _a(*shape):
+    return np.zeros(shape, np.float32)
+
+
+# (op, arguments): each breaks a check of mpiasgd.ops.contract that both backends share (pool geometry,
+# bools, reals, ints, dropout's key, LRN's parameters), so both must refuse it with the same message
+SHARED_REFUSALS = [
+    ("maxpool_fprop", lambda: (_a(1, 1, 8, 8), 3, 2, 2)),                    # pad > kernel//2
+    ("maxpool_fprop", lambda: (_a(1, 1, 8, 8), 3, 2, 1, 1)),                 # ceil_mode not a bool
+    ("maxpool_fprop", lambda: (_a(1, 1, 2, 8), 5, 1, 1)),                    # kernel larger than the padded input
+    ("maxpool_bprop", lambda: (_a(1, 1, 3, 3), np.zeros((1, 1, 3, 3), np.uint8), (1, 1, 5, 5), 2, 2, 2)),
+    ("avgpool_fprop", lambda: (_a(1, 1, 8, 8), 3, 2, 1, False, 1)),          # count_include_pad not a bool
+    ("avgpool_bprop", lambda: (_a(1, 1, 4, 4), (1, 1, 8, 8), 3, 2, 3)),
+    ("batchnorm_stats", lambda: (_a(2, 3, 4, 4), _a(3), _a(3), 1.5)),        # momentum outside [0, 1]
+    ("batchnorm_fprop", lambda: (_a(2, 3, 4, 4), _a(3), _a(3), _a(3), _a(3), 0.0)),  # eps <= 0
+    ("batchnorm_bprop", lambda: (_a(2, 3, 4, 4), _a(2, 3, 4, 4), _a(3), _a(3), _a(3), float("nan"), _a(3), _a(3))),
+    ("batchnorm_bprop", lambda: (_a(2, 3, 4, 4), _a(2, 3, 4, 4), _a(3), _a(3), _a(3), 1e-5, _a(3), _a(3), 1)),
+    ("subsample_pad_fprop", lambda: (_a(1, 2, 4, 4), 0, 1, 1)),             # stride < 1
+    ("subsample_pad_fprop", lambda: (_a(1, 2, 4, 4), 2, -1, 1)),            # a pad < 0
+    ("subsample_pad_bprop", lambda: (_a(1, 4, 2, 2), (1, 2, 4, 4), 2, 1, True)),
+    ("dropout_fprop", lambda: (_a(10), 1.0, 0, 0, 0)),                       # p outside [0, 1)
+    ("dropout_fprop", lambda: (_a(10), -0.1, 0, 0, 0)),
+    ("dropout_fprop", lambda: (_a(10), 0.5, -1, 0, 0)),                      # seed < 0
+    ("dropout_fprop", lambda: (_a(10), 0.5, 2**64, 0, 0)),                   # seed >= 2^64
+    ("dropout_bprop", lambda: (_a(10), 0.5, 0, True, 0)),                    # minibatch a bool
+    ("dropout_bprop", lambda: (_a(10), 0.5, 0, 0, 2**32)),                   # layer >= 2^32
+    ("lrn_fprop", lambda: (_a(1, 4, 2, 2), 0, 1e-4, 0.75, 2.0)),             # size < 1
+    ("lrn_fprop", lambda: (_a(1, 4, 2, 2), 5, -1e-4, 0.75, 2.0)),            # alpha < 0
+    ("lrn_fprop", lambda: (_a(1, 4, 2, 2), 5, 1e-4, float("inf"), 2.0)),     # beta not finite
+    ("lrn_fprop", lambda: (_a(1, 4, 2, 2), 5, 1e-4, 0.75, 0.0)),             # k <= 0
+    ("lrn_bprop", lambda: (_a(1, 4, 2, 2), _a(1, 4, 2, 2), _a(1, 4, 2, 2), _a(1, 4, 2, 2), 5, float("nan"), 0.75)),
+    ("sgd_momentum", lambda: (_a(4), _a(4), _a(4), _a(4), 0.9, 0.1, 1)),    # nesterov not a bool
+]
+
+
+@pytest.mark.parametrize("op, make", SHARED_REFUSALS, ids=[f"{op}-{i}" for i, (op, _) in enumerate(SHARED_REFUSALS)])
+def test_newer_ops_refuse_as_the_numpy_backend_does(on_numpy, op, make):
+    """A check the contract shares: the CUDA backend raises numpy's ValueError, message for message, and
+    launches nothing (`on_numpy` fails the test at a launch)."""
+    with pytest.raises(ValueError) as host:
+        getattr(get_backend("numpy"), op)(*make())
+    with pytest.raises(ValueError) as device:
+        getattr(on_numpy, op)(*make())
+    assert str(device.value) == str(host.value) and str(host.value).startswith(f"{op}: ")
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda ops: ops.batchnorm_stats(_a(2, 3, 4, 4), _a(3)), "batchnorm_stats: running_mean and running_var must be"),
+    (lambda ops: ops.batchnorm_stats(_a(0, 3, 4, 4)), r"batchnorm_stats: x must have N\*H\*W > 0"),
+    (lambda ops: ops.batchnorm_bprop(_a(2, 3, 4, 4), _a(2, 3, 4, 4), _a(3), _a(3), _a(3), 1e-5, _a(2), _a(3)),
+     r"batchnorm_bprop: dgamma must have shape \(3,\)"),
+    (lambda ops: ops.batchnorm_fprop(_a(2, 3, 4, 4), _a(3), _a(3), _a(3), _a(3), 1e-50),
+     "batchnorm_fprop: eps = 1e-50 rounds to 0 in float32"),
+    (lambda ops: ops.global_avgpool_fprop(_a(2, 3, 0, 4)), r"global_avgpool_fprop: x must have H\*W > 0"),
+    (lambda ops: ops.global_avgpool_bprop(_a(2, 3), (2, 3, 4, 0)), r"global_avgpool_bprop: x_shape must have H\*W > 0"),
+    (lambda ops: ops.global_avgpool_bprop(_a(2, 4), (2, 3, 4, 4)),
+     r"global_avgpool_bprop: dy must have shape \(2, 3\)"),
+    (lambda ops: ops.add(_a(2, 3), _a(3, 2)), r"add: b must have shape \(2, 3\)"),
+    (lambda ops: ops.subsample_pad_bprop(_a(1, 4, 2, 2), (1, 2, 4, 4), 2, 1, 2),
+     r"subsample_pad_bprop: dy must have shape \(1, 5, 2, 2\) for x_shape \(1, 2, 4, 4\)"),
+    (lambda ops: ops.lrn_bprop(_a(1, 4, 2, 2), _a(1, 4, 2, 2), _a(1, 4, 2, 3), _a(1, 4, 2, 2), 5, 1e-4, 0.75),
+     r"lrn_bprop: y must have shape \(1, 4, 2, 2\)"),
+    (lambda ops: ops.maxpool_bprop(_a(1, 1, 4, 4), np.zeros((1, 1, 4, 4), np.int32), (1, 1, 8, 8), 3, 2, 1),
+     "maxpool_bprop: argmax must have dtype uint8"),
+    (lambda ops: ops.dropout_fprop(np.zeros(4), 0.5, 0, 0, 0), "dropout_fprop: x must have dtype float32"),
+])
+def test_newer_ops_refuse_bad_arrays_before_launch(on_numpy, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(on_numpy)
+
+
+def test_written_arrays_must_not_overlap_an_input(on_numpy):
+    """Arrays the kernels write in place (batch-norm running statistics and gradients, add's out, sgd's
+    params and velocity) are refused when they may overlap another argument: one thread's write would
+    change what another reads."""
+    x, buf = _a(2, 3, 4, 4), _a(6)
+    with pytest.raises(ValueError, match="batchnorm_stats: running_mean overlaps running_var in memory"):
+        on_numpy.batchnorm_stats(x, buf[:3], buf[:3])
+    with pytest.raises(ValueError, match="batchnorm_bprop: dgamma overlaps dbeta in memory"):
+        on_numpy.batchnorm_bprop(x, x, _a(3), _a(3), _a(3), 1e-5, buf[:3], buf[:3])
+    gamma = _a(3)
+    with pytest.raises(ValueError, match="batchnorm_bprop: dbeta overlaps gamma in memory"):
+        on_numpy.batchnorm_bprop(x, x, gamma, _a(3), _a(3), 1e-5, _a(3), gamma)
+    shifted = _a(9)
+    with pytest.raises(ValueError, match="add: out overlaps a in memory without being it"):
+        on_numpy.add(shifted[:8], _a(8), out=shifted[1:])  # out[i] = a[i + 1] + ... would read a written a
+    p = _a(8)
+    with pytest.raises(ValueError, match="sgd_momentum: lr_scale overlaps params in memory"):
+        on_numpy.sgd_momentum(p, _a(8), _a(8), _a(8), 0.9, 0.1, lr_scale=p)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda ops: ops.global_avgpool_fprop(FakeArray((1, 1, 50000, 50000))), r"H\*W = 2500000000 does not fit"),
+    (lambda ops: ops.batchnorm_stats(FakeArray((1, 1, 50000, 50000))), r"H\*W = 2500000000 does not fit"),
+    (lambda ops: ops.batchnorm_fprop(FakeArray((1, 1, 50000, 50000)), *(FakeArray((1,)) for _ in range(4)), 1e-5),
+     r"H\*W = 2500000000 does not fit"),
+    (lambda ops: ops.lrn_fprop(FakeArray((1, 1, 50000, 50000)), 5, 1e-4, 0.75, 2.0), r"H\*W = 2500000000 does not"),
+    (lambda ops: ops.avgpool_fprop(FakeArray((1, 1, 50000, 50000)), 2, 2), r"H\*W = 2500000000 does not fit"),
+    (lambda ops: ops.subsample_pad_fprop(FakeArray((1, 1, 50000, 50000)), 1, 0, 0), r"H\*W = 2500000000 does not"),
+    (lambda ops: ops.dropout_fprop(FakeArray((2**35,)), 0.5, 0, 0, 0), "more than the 2\\^34"),
+    (lambda ops: ops.maxpool_fprop(FakeArray((1, 1, 1, 2**31 - 3)), 3, 1, 1), r"W \+ 2\*pad \+ kernel = .* does"),
+])
+def test_newer_ops_refuse_extents_their_ints_cannot_hold(fake_gpu, launches, call, match):
+    """The kernels index within a plane with ints: an extent past 2^31 - 1 is refused before launch."""
+    with pytest.raises(ValueError, match=match):
+        call(fake_gpu)
+    assert launches == []
+
+
+def test_launch_takes_numpy_uint32_for_unsigned_int(fake_gpu, launches):
+    """dropout's key words are C unsigned ints: np.uint32 passes check_args, a Python int does not."""
+    x = FakeArray((4,))
+    fake_gpu.launch("dropout", (1, 1, 1), (32, 1, 1), (x, x, np.int64(4), np.uint32(7), np.float32(2.0),
+                                                        *(np.uint32(0) for _ in range(5))))
+    with pytest.raises(TypeError, match="no C type"):
+        fake_gpu.launch("dropout", (1, 1, 1), (32, 1, 1), (x, x, np.int64(4), 7, np.float32(2.0),
+                                                            *(np.uint32(0) for _ in range(5))))
+    assert len(launches) == 1

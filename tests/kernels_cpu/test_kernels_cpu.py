@@ -66,6 +66,84 @@ def test_harness_catches_a_wrong_kernel():
         cases.conv_wrappers(lib, np.random.default_rng(0), True)
 
 
+# (file, {code: planted error}, the case that must catch it): one per kernel family added with the
+# padded pooling, batch norm, residual, dropout and LRN ops, each an error a tolerance could hide
+PLANTED_ERRORS = [
+    ("pool.cu", {"(h0 + kernel < n + pad ? h0 + kernel : n + pad) - h0": "(h0 + kernel < n ? h0 + kernel : n) - h0"},
+     "avgpool"),  # count_include_pad counting the image only
+    ("pool.cu", {"int best_at = i0 * kernel + j0;": "int best_at = 0;"}, "maxpool_pad_ceil"),  # padding wins
+    ("pool.cu", {"const int first = (hp - kernel + stride) / stride;": "const int first = (hp - kernel) / stride;"},
+     "maxpool_pad_ceil"),  # the backward misses a window
+    ("batchnorm.cu", {"    if (l >= HW) {": "    if (l > HW) {"}, "batchnorm"),  # the channel walk's carry
+    ("batchnorm.cu", {"const float d = x[i] - mu;\n    s2 += d * d;": "s2 += x[i] * x[i];",
+                      "bn_block_sum(part, s2) / M;": "bn_block_sum(part, s2) / M - mu * mu;"},
+     "batchnorm"),  # a one-pass variance, which cancels on the case's offset data
+    ("batchnorm.cu", {"e = a * invstd * sum_dy_xhat / M;": "e = a * sum_dy_xhat / M;"}, "batchnorm"),
+    ("residual.cu", {"dy[((n * K + pad_before + c) * P": "dy[((n * K + c) * P"}, "residual"),
+    ("lrn.cu", {"lrn_window(c, C, (size - 1) / 2, size / 2, &lo, &hi);":  # fprop's window: wrong for even sizes
+                "lrn_window(c, C, size / 2, (size - 1) / 2, &lo, &hi);"}, "lrn"),
+    ("philox.cuh", {"k1 += PHILOX_W1;": "k1 += PHILOX_W0;"}, "dropout"),  # a wrong key schedule
+    ("sgd.cu", {"(nesterov ? d + momentum * vi : vi)": "(nesterov ? d + vi : vi)"}, "sgd_nesterov_lr_scale"),
+]
+
+
+
+
+def planted(name: str, edits: dict[str, str]) -> dict[str, str]:
+    """The kernel sources with each `edits` key replaced by its value in file `name` (each must occur once);
+    for a header, in a copy inlined into every .cu file that includes it."""
+    sources = harness.kernel_sources()
+    text = (harness.KERNELS / name).read_text() if name.endswith(".cuh") else sources[name]
+    for old, new in edits.items():
+        assert text.count(old) == 1, f"{name}: no single {old!r}"
+        text = text.replace(old, new)
+    if not name.endswith(".cuh"):
+        return {**sources, name: text}
+    include = f'#include "{name}"'
+    return {f: t.replace(include, text) for f, t in sources.items() if include in t}
+
+
+@pytest.mark.parametrize("name, edits, case", PLANTED_ERRORS, ids=[f"{e[0]}:{e[2]}" for e in PLANTED_ERRORS])
+def test_cases_catch_a_planted_error(name, edits, case):
+    """Each case of the newer kernels fails on a kernel with one planted error (not vacuous)."""
+    lib = harness.build(sources=planted(name, edits))
+    run = next(c.run for c in cases.CASES if c.name == case)
+    with pytest.raises(AssertionError), np.errstate(all="ignore"):
+        run(lib, np.random.default_rng(0), True)
+
+
+PHILOX_KAT_KERNEL = """
+#include "philox.cuh"
+extern "C" __global__ void philox_kat(const int* __restrict__ input, int* __restrict__ out) {
+  unsigned int ctr[4] = {(unsigned int)input[0], (unsigned int)input[1], (unsigned int)input[2],
+                         (unsigned int)input[3]};
+  philox4x32_10(ctr, (unsigned int)input[4], (unsigned int)input[5]);
+  for (int w = 0; w < 4; ++w) out[w] = (int)ctr[w];
+}
+"""
+
+# Random123's kat_vectors for philox4x32_10: (counter, key, result)
+PHILOX_KATS = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter, key, want", PHILOX_KATS, ids=["zero", "ones", "pi"])
+def test_philox_known_answers(counter, key, want):
+    """kernels/philox.cuh (dropout's generator) gives Random123's known answers, and so does numpy_ops'
+    philox4x32 (the reference the dropout case compares against bit for bit); counter word 0 of the
+    last two needs 2^34 elements, out of the dropout case's reach."""
+    lib = harness.build(sources={"kat.cu": PHILOX_KAT_KERNEL})
+    out = np.zeros(4, np.int32)
+    lib.kernel("philox_kat")((1,), (1,), (np.array([*counter, *key], np.uint32).view(np.int32), out))
+    assert [hex(v) for v in out.view(np.uint32)] == [hex(v) for v in want]
+    ref = numpy_ops.philox4x32(np.array([counter], np.uint32), key)[0]
+    assert [hex(v) for v in ref] == [hex(v) for v in want]
+
+
 # (file, the NaN-propagating code, a NaN-dropping stand-in, the case that must catch it)
 NAN_DROPS = [
     ("relu.cu", "y[i] = (v > 0.0f || v != v) ? v : 0.0f;", "y[i] = fmaxf(v, 0.0f);", "relu_nonfinite"),
@@ -74,6 +152,8 @@ NAN_DROPS = [
     ("conv2d.cu", "if (relu) t = conv_relu(t);", "if (relu) t = fmaxf(t, 0.0f);", "conv_relu_nonfinite"),
     ("pool.cu", "if (v > best || (v != v && best == best)) {", "if (v > best) {", "maxpool_nonfinite"),
     ("softmax_xent.cu", "if (best_at == K || softmax_above(v, best)) {", "if (v > best) {", "softmax_xent_nonfinite"),
+    ("dropout.cu", "y[i] = x[i] * (r[j] >= threshold ? scale : 0.0f);",
+     "y[i] = r[j] >= threshold ? x[i] * scale : 0.0f;", "dropout"),
 ]
 
 
@@ -495,6 +575,9 @@ def test_tsan_clean_with_one_stage():
     ("bias.cu:all partial sums stored", "bias_grad", ()),             # the tree reads partial sums not yet stored
     ("bias.cu:this tree level done", "bias_grad", ()),                # tree levels overlap
     ("softmax_xent.cu:before it is reused for the sum", "softmax_xent", ()),  # max reread after the sum began
+    ("batchnorm.cu:all partial sums stored", "batchnorm", ()),        # the tree reads partial sums not yet stored
+    ("batchnorm.cu:this tree level done", "batchnorm", ()),           # tree levels overlap
+    ("batchnorm.cu:before part is reused", "batchnorm", ()),          # the next sum overwrites the total being read
 ])
 def test_tsan_catches_missing_syncthreads(plant, case, defines):
     proc = run_tsan(*defines, "--plant", plant, "--cases", case, "--repeat", "2")

@@ -8,6 +8,8 @@
     pipeline    reference_two_modules: a 2-module pipeline's weights computed by hand
     cifar       CIFAR-10 batches in both official layouts, write_tiny_cifar
     checkpoints make_ckpt: a checkpoint with known fields
+    grads       assert_close, numeric_grad, check_model_gradient: gradients against finite differences
+    threads     Loop, start, join, run_threads: in-process loops in threads, joined under a timeout
 
 No test module imports another test module; what two of them share lives here (fixtures: tests/conftest.py).
 """

@@ -6,6 +6,11 @@ window of images, and the time at which it first reaches a target.
 
 dev/sass_mix.py (the kernel lab): finding the conv kernels' main loops in disassembled machine code.
 
+bench/resnet20_torch.py and bench/decoupling.py: their options as mpiasgd's own parser reads them, the
+work the PyTorch side is given (minibatches, augmentation, step sizes: against a real sync worker run
+in-process; initial weights under PyTorch's names, param groups, BatchNorm settings), FDG's cuts, and
+their tables and goal lines (no PyTorch: the script imports it only to train).
+
 bench/kernels.py: the conv layers it times (from the cifar10 model), the implicit GEMM shape and
 FLOP count of each pass, the FP32 peak from (compute capability, SMs, clock), the error and ratio
 columns of its table and the goal lines; and its exit status 2 on a machine without a GPU.
@@ -26,6 +31,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # the scripts import their siblings
 sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "dev"))  # the kernel lab's scripts
 
+import decoupling  # bench/decoupling.py
+import resnet20_torch as r20  # bench/resnet20_torch.py
 from nsync import time_to_loss, trailing_mean
 from sass_mix import LOOPS, function_bodies, hot_loops, pick
 
@@ -46,7 +53,10 @@ from kernels import (  # bench/kernels.py, not the kernels/ folder of .cu files
     tflops,
     tuned_lines,
 )
+from mpiasgd.config import make_parser, resolve
+from mpiasgd.model import build_model
 from mpiasgd.ops import cuda_device_count
+from mpiasgd.optim import Schedule, StopRule, fraction_done, learning_rate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -299,3 +309,238 @@ def test_sass_mix_picks_rows_by_instantiation():
     assert [pick("conv2d_dgrad", new, w) for w in (0, 1, -1)] == new
     assert [pick("conv2d_dgrad", old, w) for w in (0, 1, -1)] == [old[0], None, old[1]]
     assert pick("conv2d_fprop", [(372, 256)], 1) is None and pick("conv2d_fprop", [], 0) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# bench/resnet20_torch.py (mpiasgd against PyTorch on the same work) and bench/decoupling.py (the
+# decoupling table): their options as mpiasgd parses them, the work PyTorch is given (minibatches,
+# augmentation, step sizes, initial weights, param groups) against what a sync worker really does, and
+# the tables and goal lines. No PyTorch here: the scripts import it only to train.
+
+
+def _mpiasgd_config(options: list[str]):
+    """The validated Config `mpiasgd train OPTIONS` would run with (parsed in-process, no ranks)."""
+    return resolve(make_parser().parse_args(options))
+
+
+def test_resnet20_torch_options_parse_and_refuse_nonsense(capsys):
+    args = r20.parse([])
+    assert (args.epochs, args.batch_size, args.lr, args.momentum, args.weight_decay, args.warmup_epochs,
+            args.lr_schedule, args.seed, args.subset) == (10.0, 128, 0.1, 0.9, 5e-4, 0.0, "cosine", 0, None)
+    assert args.run_dir.startswith(os.path.join("runs", "resnet20-torch-")) and not args.nesterov
+    assert r20.parse(["--epochs", "0.05", "--subset", "4", "--lr-milestones", "5,8"]).lr_milestones == (5.0, 8.0)
+    for bad in (["--epochs", "0"], ["--skip-torch", "--skip-mpiasgd"], ["--nesterov", "--momentum", "0"],
+                ["--subset", "0"], ["--lr-milestones", "5,x"]):
+        with pytest.raises(SystemExit):
+            r20.parse(bad)
+    assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [[], ["--subset", "7"], ["--warmup-epochs", "0.01", "--nesterov"],
+                                   ["--lr-schedule", "step", "--lr-milestones", "0.02,0.04"]])
+def test_resnet20_torch_mpiasgd_run_and_torch_plan_take_the_same_steps(extra):
+    """The train flags the script passes resolve (mpiasgd's own parser) to a 1-worker sync run of resnet20 on
+    numpy, and its stop rule and schedule give the step sizes the PyTorch side is planned with."""
+    args = r20.parse(["--epochs", "0.05", "--run-dir", "/tmp/x", *extra])
+    cfg = _mpiasgd_config(r20.train_options(args))
+    assert (cfg.model, cfg.mode, cfg.backend, cfg.batch_size, cfg.seed) == ("resnet20", "sync", "numpy", 128, 0)
+    assert (cfg.momentum, cfg.nesterov, cfg.weight_decay) == (args.momentum, args.nesterov, args.weight_decay)
+    assert cfg.max_pushes == (args.subset or 0) and cfg.max_time == 0 and (cfg.run_dir, cfg.name) == ("/tmp/x",
+                                                                                                       "mpiasgd")
+    plan = r20.sync_plan(args, 50_000)
+    # the worker's rule, judged as SyncWorker.train does (after each step, on steps x batch images)
+    rule, schedule = StopRule.of(cfg), Schedule.of(cfg)
+    steps = next(k for k in range(1, 10_000) if rule.reason(k * 128, 50_000, k, 0.0))
+    assert plan.steps == steps == (args.subset or 20)  # 0.05 x 50,000 / 128 = 19.5 -> 20 steps
+    expected = [learning_rate(schedule, k * 128 / 50_000, fraction_done(rule, k * 128 / 50_000, k, 0.0))
+                for k in range(steps)]
+    assert list(plan.lrs) == expected
+    if not extra:  # cosine from 0.1, no warm-up: the first step at the peak, then down towards 0
+        assert plan.lrs[0] == 0.1 and all(a > b > 0 for a, b in zip(plan.lrs, plan.lrs[1:], strict=False))
+
+
+def test_resnet20_torch_plan_with_warmup_starts_at_zero():
+    plan = r20.sync_plan(r20.parse(["--epochs", "2", "--warmup-epochs", "1"]), 1280)  # 10 steps an epoch
+    assert plan.steps == 20 and plan.epochs == 2.0
+    assert plan.lrs[:3] == (0.0, pytest.approx(0.01), pytest.approx(0.02)) and plan.lrs[10] == pytest.approx(0.05)
+
+
+def test_resnet20_torch_reproduces_what_a_sync_worker_draws_and_steps_with(tmp_path, tiny_cifar):
+    """The real SyncWorker (1 worker, its shard from the sync mode's own layout, as start-up builds it) and
+    rank 0's loop run in threads on the fake communicator: every minibatch it trains on (images after
+    augmentation, labels) is the one `sync_stream` yields, and every step size rank 0 logs is `sync_plan`'s,
+    across an epoch boundary of the shard and with warm-up, cosine and a fractional epoch count."""
+    import threading
+
+    from kit.fakempi import Group, Network, rank0
+
+    from mpiasgd.config import Config
+    from mpiasgd.data import ShardSampler, load_dataset
+    from mpiasgd.modes.base import WorkerJob
+    from mpiasgd.modes.registry import load
+    from mpiasgd.runlog import RunLog
+
+    data_dir, _ = tiny_cifar
+    dataset = load_dataset("cifar10", str(data_dir))  # 100 training images, augmented
+    args = r20.parse(["--epochs", "1.5", "--batch-size", "8", "--warmup-epochs", "0.3", "--seed", "5"])
+    cfg = Config(model="cifar10", mode="sync", batch_size=8, seed=5, epochs=1.5, lr=args.lr,
+                 warmup_epochs=0.3, lr_schedule="cosine", momentum=0.9, weight_decay=5e-4, snapshot_interval=0,
+                 progress=False, comm_timeout=5.0)
+    num_train = dataset.train_y.size
+    model = build_model("cifar10")
+    layout = load("sync").layout(cfg, model, 1, num_train)
+    sampler = ShardSampler(num_train, layout.shards, layout.shard[1], cfg.seed)  # as launch.startup.setup
+    net, group = Network(2), Group(1)
+    log = RunLog.create(str(tmp_path / "run.h5"), {"config": cfg.to_json()}, [], model.num_params,
+                        flush_interval=60)
+    server = rank0(net.comm(0), cfg, model.init_params(cfg.seed), model.decay_mask(), 1, num_train, log)
+    worker = load("sync").worker(WorkerJob(net.comm(1), cfg, model, dataset, sampler, 1,
+                                           np.arange(dataset.test_y.size, dtype=np.int64), comms=group.comm(0)))
+    seen = []
+    train_step = model.forward_backward
+
+    def spy(x, y, minibatch=None):
+        seen.append((x.copy(), y.copy()))
+        return train_step(x, y, minibatch)
+
+    model.forward_backward = spy
+    errors = []
+
+    def call(fn):
+        try:
+            fn()
+        except Exception as e:  # reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=call, args=(fn,), daemon=True) for fn in (server.run, worker.run)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    log.close("completed", {})
+
+    plan = r20.sync_plan(args, num_train)
+    assert plan.steps == len(seen) == 19  # 150 images / 8 -> 18.75 -> 19 steps, the shard reshuffled twice
+    stream = r20.sync_stream(dataset, 8, 5)
+    for k, (x, y) in enumerate(seen):
+        ex, ey, _ = stream.next()
+        np.testing.assert_array_equal(x, ex, err_msg=f"step {k}")
+        np.testing.assert_array_equal(y, ey, err_msg=f"step {k}")
+    from mpiasgd.runlog import load as load_log
+
+    pushes = load_log(str(tmp_path / "run.h5"))["pushes"]
+    np.testing.assert_allclose(pushes["lr"][np.argsort(pushes["step"])], plan.lrs, rtol=1e-6)  # float32 column
+    assert plan.lrs[0] == 0.0 and max(plan.lrs) < args.lr
+
+
+def test_resnet20_torch_initial_state_is_init_params_under_torch_names():
+    from mpiasgd.model.export import torch_names
+
+    model = build_model("resnet20")
+    state = r20.initial_state(model, seed=3)
+    assert set(state) == set(torch_names(model.spec()).values())
+    assert state["layer2.0.conv1.weight"].shape == (32, 16, 3, 3) and state["linear.weight"].shape == (10, 64)
+    flat = np.concatenate([state[torch_names(model.spec())[name]].ravel() for name, _, _ in model.layout()])
+    np.testing.assert_array_equal(flat, model.init_params(3))
+    assert (state["bn1.running_var"] == 1).all() and (state["layer3.2.bn2.running_mean"] == 0).all()
+    assert all(v.dtype == np.float32 for v in state.values())
+
+
+def test_resnet20_torch_param_groups_follow_the_multipliers():
+    resnet = r20.param_groups(build_model("resnet20"))
+    assert list(resnet) == [(1.0, 1.0)]  # FDG: weight decay on every parameter, BatchNorm's and the bias too
+    assert len(resnet[1.0, 1.0]) == len(build_model("resnet20").layout())
+    digits = r20.param_groups(build_model("digits"))
+    assert digits == {(1.0, 1.0): ["conv1.weight", "conv2.weight", "fc1.weight"],
+                      (0.0, 1.0): ["conv1.bias", "conv2.bias", "fc1.bias"]}
+    assert r20.batchnorm_settings(build_model("resnet20")) == (1e-5, 0.1)
+    with pytest.raises(ValueError, match="one BatchNorm"):
+        r20.batchnorm_settings(build_model("digits"))
+
+
+def _r20_result(name, accuracy, seconds, steps=10):
+    return r20.Result(name, accuracy, seconds, steps, steps * 128, 50_000)
+
+
+def test_resnet20_torch_table_loss_line_and_verdict():
+    ours, ref = _r20_result("mpiasgd", 0.9112, 300.0), _r20_result("PyTorch", 0.9050, 100.0)
+    assert ours.ms_per_step == 30_000 and ours.images_per_s == pytest.approx(1280 / 300)
+    assert ours.s_per_epoch == pytest.approx(300 * 50_000 / 1280)
+    lines = r20.table_lines([ours, ref])
+    assert lines[2].startswith("| mpiasgd | 91.12% | 11,719 | 30,000 | 4.3 | 1.00 |")
+    assert lines[3].endswith("| 0.33 |")
+    diff, goal = r20.verdict(ours, ref)
+    assert diff == pytest.approx(0.62) and goal == "mpiasgd within 1 point of PyTorch: yes (+0.62 points)"
+    assert r20.verdict(_r20_result("mpiasgd", 0.89, 1.0), ref)[1].endswith("no (-1.50 points)")
+    assert r20.verdict(ours, None) == (None, "mpiasgd within 1 point of PyTorch: not assessed (only one of the two "
+                                             "ran)")
+    line = r20.loss_line([2.3026, 2.30, 2.0], [2.3026, 2.31, 2.0001])
+    assert line.startswith("training loss per step, |mpiasgd - PyTorch| over 3 steps: max 1.00e-02 (step 2: "
+                           "2.30000 vs 2.31000)")
+    assert r20.loss_line([], [1.0]) == "training loss per step: no steps to compare"
+
+
+def test_decoupling_rows_and_fdg_cuts():
+    assert decoupling.row_list("all") == list(decoupling.ROWS) and len(decoupling.ROWS) == 7
+    assert decoupling.row_list(" K1, K2-b0.5-store") == ["K1", "K2-b0.5-store"]
+    for bad in ("K4", "K1,K1", ""):
+        with pytest.raises(Exception, match="expected distinct names"):
+            decoupling.row_list(bad)
+    names = build_model("resnet20").names  # conv1 bn1 relu1 res1..res9 gap1 fc1
+    # FDG's DG_models.py: K=2 cuts after layer2[:1] (our res4), K=3 at the stage boundaries
+    assert [decoupling.fdg_cuts(names, k) for k in (1, 2, 3)] == ["", "7", "6,9"]
+    assert names[7] == "res5" and names[6] == "res4" and names[9] == "res7"
+    args = decoupling.parse([])
+    assert (args.epochs, args.batch_size, args.lr, args.weight_decay, args.warmup_epochs, args.rows) == (
+        10.0, 128, 0.1, 5e-4, 0.0, list(decoupling.ROWS))
+
+
+@pytest.mark.parametrize("row", ["K1", "K2-b1-recompute", "K2-b0.5-store", "K3-b0.5-store"])
+def test_decoupling_commands_resolve_to_the_row(row):
+    """Each row's train flags, parsed by mpiasgd's own parser, give the row's pipeline: K modules at FDG's
+    cuts, beta, the activation semantics, one replica (1 + K ranks), the shared workload."""
+    args = decoupling.parse(["--epochs", "0.05", "--subset", "3", "--run-dir", "/tmp/d"])
+    spec = decoupling.ROWS[row]
+    cuts = decoupling.fdg_cuts(build_model("resnet20").names, spec.modules)
+    cmd = decoupling.train_command(["mpiexec"], spec, args, cuts, activations_flag=True)
+    assert cmd[:3] == ["mpiexec", "-n", str(1 + spec.modules)] and cmd[4:7] == ["-m", "mpiasgd", "train"]
+    cfg = _mpiasgd_config(cmd[7:])
+    assert (cfg.model, cfg.mode, cfg.modules, cfg.cuts, cfg.shrink, cfg.decoupling) == (
+        "resnet20", "pipeline", spec.modules, cuts, spec.beta, "full")
+    assert cfg.pipeline_activations == (spec.activations or "recompute")
+    assert (cfg.epochs, cfg.max_pushes, cfg.batch_size, cfg.lr, cfg.weight_decay, cfg.name) == (
+        0.05, 3, 128, 0.1, 5e-4, row)
+    without = decoupling.train_command(["mpiexec"], spec, args, cuts, activations_flag=False)
+    assert "--pipeline-activations" not in without
+
+
+def test_decoupling_finds_the_activations_option_in_the_train_help():
+    assert decoupling.has_activations_option(make_parser().format_help())
+    assert not decoupling.has_activations_option("usage: mpiasgd train [--shrink SHRINK]")
+
+
+def _decoupling_row(name, accuracy=None, note=""):
+    spec = decoupling.ROWS[name]
+    return decoupling.RowResult(name, spec.modules, spec.beta, spec.activations, "", accuracy,
+                                None if accuracy is None else 600.0, None if accuracy is None else 83.3, 10.0, note)
+
+
+def test_decoupling_table_and_goal_line():
+    row = _decoupling_row
+    rows = [row("K1", 0.9000), row("K2-b1-recompute", 0.8900), row("K2-b1-store", 0.8840),
+            row("K2-b0.5-store", note="skipped: no --pipeline-activations"), row("K3-b0.5-recompute", 0.86)]
+    lines = decoupling.table_lines(rows)
+    assert lines[2] == "| K1 | 1 | 1 | - | - | 90.00% | 600 | 83.3 | - |"
+    assert lines[3].endswith("| 89.00% | 600 | 83.3 | -1.00 |") and lines[4].endswith("| -1.60 |")
+    assert lines[5] == "| K2-b0.5-store | 2 | 0.5 | store | - | skipped: no --pipeline-activations | | | |"
+    assert lines[6].endswith("| -4.00 |")
+    assert decoupling.goal_line(rows) == ("K = 2 within 1.5 points of K = 1: no (worst K = 2 row: K2-b1-store, "
+                                          "-1.60 points; 2 K = 2 rows)")
+    assert decoupling.goal_line(rows[:2]).startswith("K = 2 within 1.5 points of K = 1: yes (worst K = 2 row: "
+                                                     "K2-b1-recompute, -1.00 points; 1 K = 2 row)")
+    better = [row("K1", 0.80), row("K2-b1-store", 0.85)]  # above K = 1 is within
+    assert ": yes (" in decoupling.goal_line(better)
+    assert decoupling.goal_line(rows[1:]) == "K = 2 within 1.5 points of K = 1: not assessed (no K = 1 row ran)"
+    assert decoupling.goal_line([row("K1", 0.9), row("K3-b0.5-store", 0.9)]).endswith("(no K = 2 row ran)")
+    assert decoupling.table_lines([row("K1", note="FAILED (see stderr)")])[2].endswith("| FAILED (see stderr) | | | |")

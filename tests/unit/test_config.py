@@ -94,6 +94,8 @@ def test_missing_toml_file():
     ({"conv_algo": "fastest"}, r"'conv_algo' = 'fastest': expected one of \('heuristic', 'autotune'\)"),
     ({"backend": "numpy", "conv_algo": "autotune"},
      r"'conv_algo' = 'autotune': expected 'heuristic' with --backend numpy"),
+    ({"nesterov": True, "momentum": 0.0}, r"'nesterov' = True: expected False with momentum 0 \(Nesterov momentum "
+                                          r"needs a momentum > 0\)"),
 ])
 def test_out_of_range_values(values, match):
     with pytest.raises(ConfigError, match=match):
@@ -157,3 +159,19 @@ def test_an_empty_milestone_is_refused():
         parse(["--lr-milestones", "5,,8"])
     assert parse(["--lr-milestones", "5, 8"]).lr_milestones == (5.0, 8.0)
     assert parse(["--lr-milestones", ""]).lr_milestones == ()
+
+
+def test_nesterov_from_flags_and_toml(tmp_path):
+    assert parse([]).nesterov is False
+    assert parse(["--nesterov"]).nesterov is True
+    assert parse(["--nesterov", "--no-nesterov"]).nesterov is False
+    path = tmp_path / "n.toml"
+    path.write_text("nesterov = true\nmomentum = 0.95\n")
+    cfg = parse(["--config", str(path)])
+    assert (cfg.nesterov, cfg.momentum) == (True, 0.95)
+    with pytest.raises(ConfigError, match="'nesterov' = True: expected False with momentum 0"):
+        parse(["--config", str(path), "--momentum", "0"])
+    path.write_text("nesterov = 1\n")
+    with pytest.raises(ConfigError, match="config key 'nesterov' = 1: expected true or false"):
+        load_toml(str(path))
+    assert FIELDS["nesterov"].metadata["group"] == "optimizer"

@@ -430,3 +430,24 @@ def test_test_split_is_never_augmented(tiny_cifar):
     expected = (ds.test_x.astype(np.float32) - ds.mean[:, None, None]) / ds.std[:, None, None]
     np.testing.assert_allclose(x, expected, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(y, ds.test_y)
+
+
+def test_synthetic_datasets_are_generated_the_same_on_every_call():
+    """synthetic64: 3x64x64 uint8 images of 1000 classes, class template plus noise, identical on every rank."""
+    from mpiasgd.data.synthetic import SIZES, load_synthetic
+
+    assert SIZES["synthetic64"] == (64, 12800, 1000)
+    a, b = load_synthetic("synthetic64"), load_synthetic("synthetic64")
+    assert a.train_x.shape == (12800, 3, 64, 64) and a.test_x.shape == (1000, 3, 64, 64)
+    assert a.train_x.dtype == np.uint8 and len(a.classes) == 1000 and a.augment
+    np.testing.assert_array_equal(a.train_x[:50], b.train_x[:50])
+    np.testing.assert_array_equal(a.test_y, b.test_y)
+    assert 0 <= a.train_y.min() and a.train_y.max() <= 999
+    # images of one class are closer to each other than to another class's (the classes are learnable)
+    x = a.train_x.astype(np.float32).reshape(12800, -1)
+    c = a.train_y[0]
+    same = np.flatnonzero(a.train_y == c)[1:4]
+    other = np.flatnonzero(a.train_y != c)[:3]
+    d_same = np.linalg.norm(x[same] - x[0], axis=1).mean()
+    d_other = np.linalg.norm(x[other] - x[0], axis=1).mean()
+    assert d_same < 0.8 * d_other

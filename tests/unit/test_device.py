@@ -615,7 +615,7 @@ def test_tune_convs_runs_each_worker_in_its_turn(monkeypatch, rank, tunes_in):
     comm = GatherComm(4)
     comm.me = rank
     called = []
-    monkeypatch.setattr(train, "autotune_convs", lambda cfg, ds, first, last: called.append(
+    monkeypatch.setattr(train, "autotune_convs", lambda cfg, ds, first, last, spec=None: called.append(
         (len(comm.rounds), first, last)) or [f"plan of rank {rank}"])
     cfg = Config(mode="pipeline", modules=2, conv_algo="autotune") if rank == 2 else Config(conv_algo="autotune")
     layers = {1: (0, 3), 2: (3, 8), 3: (0, 3)} if cfg.mode == "pipeline" else dict.fromkeys((1, 2, 3), (0, None))

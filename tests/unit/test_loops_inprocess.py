@@ -9,7 +9,6 @@ ProtocolError that names them. Every thread is joined under a timeout.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -18,6 +17,7 @@ from kit.fakempi import Group, Network, rank0
 from kit.pipeline import reference_two_modules
 from kit.runs import read_log
 from kit.server import serve_one
+from kit.threads import JOIN_TIMEOUT, join, start
 from kit.worker import worker_pair
 
 from mpiasgd import checkpoint
@@ -35,43 +35,9 @@ from mpiasgd.runlog import RunLog
 
 B = 16
 COMM_TIMEOUT = 5.0  # seconds: rank 0 names a silent worker after this, a worker gives up after twice it
-JOIN_TIMEOUT = 20.0  # seconds for every thread of a test to end (a healthy run takes well under 1 s)
 # weights and velocities against the references: equal today (the same numpy ops in the same order), but a
 # BLAS may block its sums differently by thread or alignment
 TOL = {"rtol": 1e-5, "atol": 1e-7}
-
-
-class Loop(threading.Thread):
-    """`call()` (a loop's run) in a daemon thread; keeps what it returned (`result`) or raised (`error`)."""
-
-    def __init__(self, name: str, call) -> None:
-        super().__init__(name=name, daemon=True)
-        self.call, self.result, self.error = call, None, None
-
-    def run(self) -> None:
-        try:
-            self.result = self.call()
-        except Exception as e:  # the test reports it
-            self.error = e
-
-
-def start(loops: dict) -> list[Loop]:
-    """Start {name: call} in threads, in the order given."""
-    threads = [Loop(name, call) for name, call in loops.items()]
-    for thread in threads:
-        thread.start()
-    return threads
-
-
-def join(threads: list[Loop], timeout: float = JOIN_TIMEOUT) -> None:
-    """Join every thread within `timeout` seconds in all; assert each ended, and without an exception."""
-    deadline = time.monotonic() + timeout
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    hung = [t.name for t in threads if t.is_alive()]
-    assert not hung, f"still running after {timeout:g} s: {hung}"
-    errors = {t.name: repr(t.error) for t in threads if t.error is not None}
-    assert not errors, errors
 
 
 def wait_for(what: str, found, timeout: float = 5.0):

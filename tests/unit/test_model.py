@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from kit.grads import check_model_gradient
 from sklearn.datasets import load_digits
 
 from mpiasgd.model import MODELS, Model, build_model
@@ -60,7 +61,8 @@ def test_layout_is_contiguous_and_named():
 
 def test_registry_and_unknown_names():
     assert set(MODELS) >= {"digits", "cifar10"}
-    with pytest.raises(ValueError, match="unknown model 'mnist'; valid models: cifar10, cifar10_deep, digits"):
+    with pytest.raises(ValueError, match="unknown model 'mnist'; valid models: alexnet_1gpu, alexnet_1gpu_64, cifar10, "
+                       "cifar10_18pct, cifar10_deep, digits, resnet20, resnet56"):
         build_model("mnist")
     with pytest.raises(ValueError, match="unknown ops backend 'tpu'; valid backends: numpy"):
         build_model("digits", backend="tpu")
@@ -140,25 +142,8 @@ def test_whole_model_gradient_matches_finite_differences():
     model = Model("digits", spec.input_shape, spec(ops), ops, dtype=np.float64)
     rng = np.random.default_rng(4)
     params = model.init_params(3).astype(np.float64) + 0.1 * rng.standard_normal(model.num_params)  # non-zero head
-    grads = np.zeros_like(params)
-    model.bind(params, grads)
     x, y = rng.standard_normal((4, 1, 8, 8)), rng.integers(0, 10, 4)
-    model.forward_backward(x, y)
-    analytic = grads.copy()
-    # a few random parameters from every tensor
-    check = np.concatenate([offset + rng.choice(int(np.prod(shape)), 3, replace=False)
-                            for _, offset, shape in model.layout()])
-    h, atol, rtol = 1e-6, 1e-7, 1e-5  # |analytic - numeric| <= atol + rtol*|numeric|
-    for i in check:
-        keep = params[i]
-        params[i] = keep + h
-        up = model.forward_backward(x, y)[0]
-        params[i] = keep - h
-        down = model.forward_backward(x, y)[0]
-        params[i] = keep
-        numeric = (up - down) / (2 * h)
-        assert abs(analytic[i] - numeric) <= atol + rtol * abs(numeric), \
-            f"parameter {i}: analytic {analytic[i]:.10g}, numeric {numeric:.10g}"
+    analytic = check_model_gradient(model, params, x, y, rng, per_tensor=3)
     # the production float32 model computes the same gradient to float32 precision
     model32 = bound("digits", 3)
     model32.params[:] = params  # the same (perturbed) weights in float32

@@ -7,6 +7,7 @@ float64 where central differences are accurate to ~1e-10; float32 is checked aga
 
 import numpy as np
 import pytest
+from kit.grads import assert_close, numeric_grad
 
 from mpiasgd.ops import get_backend
 
@@ -15,38 +16,9 @@ ops = get_backend("numpy")
 
 
 # tolerances, stated once: |got - ref| <= atol + rtol * |ref| elementwise
-FD_STEP = 1e-6
-ATOL64, RTOL64 = 1e-7, 1e-6  # float64 analytic vs float64 finite differences
 ATOL32, RTOL32 = 1e-4, 1e-4  # float32 result vs float64 result (values are O(1))
 
 
-def assert_close(got, ref, what: str, atol: float = ATOL64, rtol: float = RTOL64) -> None:
-    """Elementwise |got - ref| <= atol + rtol*|ref|; on failure report the worst element."""
-    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
-    assert got.shape == ref.shape, f"{what}: shape {got.shape} != expected {ref.shape}"
-    if got.size == 0:
-        return
-    excess = np.abs(got - ref) - (atol + rtol * np.abs(ref))
-    worst = np.unravel_index(int(np.argmax(excess)), excess.shape)
-    assert excess[worst] <= 0, (
-        f"{what}: worst element {tuple(int(i) for i in worst)}: got {got[worst]:.10g}, "
-        f"expected {ref[worst]:.10g} (|diff| {abs(got[worst] - ref[worst]):.3g} > "
-        f"atol + rtol*|ref| = {atol + rtol * abs(ref[worst]):.3g})")
-
-
-def numeric_grad(f, x: np.ndarray, h: float = FD_STEP) -> np.ndarray:
-    """Central differences of the scalar f() with respect to every element of x (modified in place)."""
-    grad = np.empty_like(x)
-    flat, gflat = x.reshape(-1), grad.reshape(-1)
-    for i in range(flat.size):
-        keep = flat[i]
-        flat[i] = keep + h
-        up = f()
-        flat[i] = keep - h
-        down = f()
-        flat[i] = keep
-        gflat[i] = (up - down) / (2 * h)
-    return grad
 
 
 def naive_conv(x, w, b, stride, pad):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from mpiasgd.config import Config
-from mpiasgd.optim import SGD, apply_delta, decay_blocks, learning_rate, staleness_factor
+from mpiasgd.ops import numpy_ops
+from mpiasgd.optim import SGD, LocalSGD, apply_delta, learning_rate, run_blocks, staleness_factor
 
 
 def test_sgd_momentum_weight_decay_matches_formula():
@@ -59,7 +60,7 @@ def test_blocked_step_equals_whole_vector_formula(mask_kind, momentum, weight_de
     w = rng.standard_normal(P, dtype=np.float32)
     opt = SGD(w.copy(), mask, momentum=momentum, weight_decay=weight_decay, chunk=4096)
     if mask_kind == "runs" and weight_decay:
-        assert all(coef is not None for _, _, coef in opt.blocks)  # the (P,) decay vector is never read
+        assert all(coef is not None for _, _, coef, _ in opt.blocks)  # the (P,) decay vector is never read
     assert (opt.velocity is None) == (momentum == 0)
     ref_w, ref_v = w.copy(), np.zeros(P, np.float32)
     decay = (weight_decay * mask).astype(np.float32)
@@ -100,15 +101,15 @@ def test_in_place_and_out_of_place_agree_over_many_steps():
     np.testing.assert_array_equal(a.velocity, b.velocity)
 
 
-def test_decay_blocks_follow_the_mask_runs():
+def test_blocks_follow_the_mask_runs():
     decay = (5e-4 * layer_mask([10, 3, 25])).astype(np.float32)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("mpiasgd.optim.sgd.MIN_RUN", 1)
-        blocks = decay_blocks(decay, chunk=8)
+        blocks = run_blocks([decay], chunk=8)
     assert [(a, b) for a, b, _ in blocks] == [(0, 8), (8, 10), (10, 13), (13, 21), (21, 29), (29, 37), (37, 38)]
     assert [float(c) for _, _, c in blocks] == [float(np.float32(5e-4))] * 2 + [0.0] + [float(np.float32(5e-4))] * 4
     # short runs: the decay vector is read as an array, in a plain grid of blocks
-    assert [(a, b, c) for a, b, c in decay_blocks(decay, chunk=16)] == [(0, 16, None), (16, 32, None), (32, 38, None)]
+    assert [(a, b, c) for a, b, c in run_blocks([decay], chunk=16)] == [(0, 16, None), (16, 32, None), (32, 38, None)]
 
 
 def test_step_rejects_bad_buffers():
@@ -216,3 +217,263 @@ def test_a_stale_gradient_moves_the_weights_by_its_share_only():
     for _ in range(400):
         fresh.step(np.zeros(1, np.float32), lr)
     assert -fresh.params[0] == pytest.approx(10 * lr, rel=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Nesterov and per-parameter multipliers (Caffe's lr_mult/decay_mult, cuda-convnet's epsW/epsB/wc)
+
+
+def reference_update(w, v, g, decay, momentum, lr, nesterov=False, lr_scale=None, grad_scale=1.0):
+    """torch.optim.SGD's update (dampening 0) as plain whole-vector float32 numpy passes, with
+    d = s_g g + decay w: v <- m v + d (v updated in place); returns w - (lr s) v, or w - (lr s)(d + m v)."""
+    m, s_g = np.float32(momentum), np.float32(grad_scale)
+    if s_g != 1:
+        d = g * s_g
+        d += decay * w
+    else:
+        d = decay * w
+        d += g
+    v *= m
+    v += d
+    u = v * m + d if nesterov else v
+    step_size = np.float32(lr) if lr_scale is None else lr_scale * np.float32(lr)
+    return w - u * step_size
+
+
+def per_layer(sizes, values):
+    """A vector of per-layer constants: `values[k]` on the `sizes[k]` parameters of block k."""
+    return np.concatenate([np.full(n, x, np.float32) for n, x in zip(sizes, values, strict=True)])
+
+
+SIZES = [5000, 32, 70000, 64, 2000, 10]  # the layout of MASKS["runs"]
+DECAYS = {  # decay multipliers, each (77106,)
+    "mask runs": MASKS["runs"],
+    "multiplier runs": per_layer(SIZES, [1.0, 0.0, 2.0, 0.0, 0.5, 0.0]),
+    "array": MASKS["scattered"],
+}
+LR_SCALES = {
+    "none": None,
+    # Caffe's usual lr_mult 1 / 2 on weights / biases, a frozen layer, cuts not those of the decay runs
+    "runs": per_layer([3000, 2032, 70064, 2010], [1.0, 2.0, 0.0, 0.5]),
+    "array": (2 * np.random.default_rng(5).random(77106)).astype(np.float32),
+}
+MOMENTA = {"momentum 0": (0.0, False), "heavy ball": (0.9, False), "nesterov": (0.9, True)}
+
+
+@pytest.mark.parametrize("decay_kind", list(DECAYS))
+@pytest.mark.parametrize("lr_kind", list(LR_SCALES))
+@pytest.mark.parametrize("momentum_kind", list(MOMENTA))
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("grad_scale", [1.0, 0.5])
+def test_every_variant_equals_the_whole_vector_formula_bit_for_bit(decay_kind, lr_kind, momentum_kind, in_place,
+                                                                    grad_scale):
+    decay_mult, lr_scale = DECAYS[decay_kind], LR_SCALES[lr_kind]
+    momentum, nesterov = MOMENTA[momentum_kind]
+    P = decay_mult.size
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal(P, dtype=np.float32)
+    opt = SGD(w.copy(), decay_mult, momentum, 5e-4, chunk=4096, nesterov=nesterov, lr_scale=lr_scale)
+    if decay_kind != "array":
+        assert all(block[2] is not None for block in opt.blocks)  # the decay vector is never read
+    assert all((block[3] is None) == (lr_kind == "array") for block in opt.blocks)
+    ref_w, ref_v = w.copy(), np.zeros(P, np.float32)
+    decay = (5e-4 * decay_mult).astype(np.float32)
+    spare = np.empty(P, np.float32)
+    for k in range(3):
+        g = rng.standard_normal(P, dtype=np.float32)
+        g_before = g.copy()
+        old = opt.params
+        new = opt.step(g, lr=0.1 * (k + 1), out=None if in_place else spare, grad_scale=grad_scale)
+        ref_w = reference_update(ref_w, ref_v, g, decay, momentum, 0.1 * (k + 1), nesterov, lr_scale, grad_scale)
+        np.testing.assert_array_equal(new.view(np.uint32), ref_w.view(np.uint32))  # bit for bit
+        np.testing.assert_array_equal(g, g_before)
+        if not in_place:
+            spare = old
+        if momentum:
+            np.testing.assert_array_equal(opt.velocity.view(np.uint32), ref_v.view(np.uint32))
+
+
+def test_the_reference_is_the_old_formula_on_the_default_path():
+    """reference_update with nesterov off and no lr_scale takes the exact passes of reference_step."""
+    rng = np.random.default_rng(7)
+    w, g = rng.standard_normal(1000, dtype=np.float32), rng.standard_normal(1000, dtype=np.float32)
+    decay = (5e-4 * MASKS["scattered"][:1000]).astype(np.float32)
+    v1 = rng.standard_normal(1000, dtype=np.float32)
+    v2 = v1.copy()
+    a = reference_step(w, v1, g, decay, 0.9, 0.1)
+    b = reference_update(w, v2, g, decay, 0.9, 0.1)
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    np.testing.assert_array_equal(v1.view(np.uint32), v2.view(np.uint32))
+
+
+def test_lr_scale_of_ones_is_the_default_path():
+    P = 10_000
+    ones = SGD(np.zeros(P, np.float32), np.ones(P, np.float32), 0.9, 5e-4, lr_scale=np.ones(P, np.float32))
+    assert ones.lr_scale is None and ones.lr_scratch is None
+    assert [b[3] for b in ones.blocks] == [np.float32(1)] * len(ones.blocks)
+
+
+def test_nesterov_needs_momentum_and_multipliers_are_checked():
+    P = 100
+    with pytest.raises(ValueError, match="Nesterov momentum needs momentum > 0"):
+        SGD(np.zeros(P, np.float32), np.ones(P, np.float32), 0.0, 5e-4, nesterov=True)
+    with pytest.raises(ValueError, match=r"lr_scale must be float32 \(100,\)"):
+        SGD(np.zeros(P, np.float32), np.ones(P, np.float32), 0.9, 5e-4, lr_scale=np.ones(P + 1, np.float32))
+    with pytest.raises(ValueError, match=r"lr_scale must be .* finite values >= 0"):
+        SGD(np.zeros(P, np.float32), np.ones(P, np.float32), 0.9, 5e-4, lr_scale=-np.ones(P, np.float32))
+    with pytest.raises(ValueError, match="decay_mult must be"):
+        SGD(np.zeros(P, np.float32), np.full(P, np.nan, np.float32), 0.9, 5e-4)
+
+
+def test_run_blocks_of_two_vectors_cut_at_the_runs_of_both():
+    decay = per_layer([10, 3, 25], [5e-4, 0.0, 5e-4])
+    lr = per_layer([6, 20, 12], [1.0, 2.0, 0.5])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("mpiasgd.optim.sgd.MIN_RUN", 1)
+        blocks = run_blocks([decay, lr], chunk=8)
+    assert [(a, b) for a, b, _, _ in blocks] == [(0, 6), (6, 10), (10, 13), (13, 21), (21, 26), (26, 34), (34, 38)]
+    assert [(float(c), float(s)) for _, _, c, s in blocks] == [
+        (np.float32(5e-4), 1.0), (np.float32(5e-4), 2.0), (0.0, 2.0), (np.float32(5e-4), 2.0),
+        (np.float32(5e-4), 2.0), (np.float32(5e-4), 0.5), (np.float32(5e-4), 0.5)]
+    scattered = np.arange(38, dtype=np.float32)  # one run per value: read as an array
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("mpiasgd.optim.sgd.MIN_RUN", 2)
+        blocks = run_blocks([decay, scattered], chunk=8)
+    assert [(a, b) for a, b, _, _ in blocks] == [(0, 8), (8, 10), (10, 13), (13, 21), (21, 29), (29, 37), (37, 38)]
+    assert all(s is None for _, _, _, s in blocks)
+
+
+def quadratic(P, seed):
+    """Curvatures a > 0 of f(w) = sum(a w^2) / 2 (gradient a * w), a start point, a 0/1 decay mask and
+    per-layer lr multipliers."""
+    rng = np.random.default_rng(seed)
+    a = rng.uniform(0.1, 2.0, P)
+    sizes = [P // 4, P // 4, P - P // 2]
+    return (a, rng.standard_normal(P).astype(np.float32), per_layer(sizes, [1.0, 0.0, 1.0]),
+            per_layer(sizes, [1.0, 2.0, 0.5]))
+
+
+def test_nesterov_is_sutskevers_look_ahead_form():
+    """Sutskever et al. 2013 eq. 3-4 in float64: v_S <- m v_S - lr s grad(theta + m v_S), theta <- theta + v_S.
+    SGD(nesterov=True) holds the look-ahead point theta + m v_S as its weights."""
+    a, w0, mask, s = quadratic(600, 8)
+    m, lr, wd = 0.9, 0.05, 0.01
+    opt = SGD(w0.copy(), mask, m, wd, nesterov=True, lr_scale=s)
+    theta, v_s = w0.astype(np.float64), np.zeros(600)
+    for _ in range(60):
+        opt.step((a * opt.params).astype(np.float32), lr)
+        p = theta + m * v_s
+        v_s = m * v_s - lr * s * (a * p + wd * mask * p)
+        theta = theta + v_s
+    np.testing.assert_allclose(opt.params, theta + m * v_s, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_caffe_solvers_with_lr_mult_and_decay_mult_agree_at_constant_lr(nesterov):
+    """Caffe's SGD and Nesterov solvers in float64 (lr inside the history h, per-layer lr_mult and
+    decay_mult): h <- m h + lr s (g + wd dm w); SGD: w <- w - h; Nesterov: w <- w - ((1 + m) h - m h_old)."""
+    a, w0, _, s = quadratic(600, 9)
+    dm = per_layer([150, 150, 300], [1.0, 0.0, 2.0])
+    m, lr, wd = 0.9, 0.05, 0.01
+    opt = SGD(w0.copy(), dm, m, wd, nesterov=nesterov, lr_scale=s)
+    w, h = w0.astype(np.float64), np.zeros(600)
+    for _ in range(60):
+        opt.step((a * opt.params).astype(np.float32), lr)
+        h_old = h
+        h = m * h + lr * s * (a * w + wd * dm * w)
+        w = w - ((1 + m) * h - m * h_old if nesterov else h)
+    np.testing.assert_allclose(opt.params, w, rtol=1e-4, atol=1e-6)
+
+
+def test_lr_mult_zero_freezes_a_layer():
+    a, w0, mask, _ = quadratic(400, 10)
+    frozen = per_layer([100, 300], [0.0, 1.0])
+    opt = SGD(w0.copy(), mask, 0.9, 5e-4, nesterov=True, lr_scale=frozen)
+    for _ in range(5):
+        opt.step((a * opt.params).astype(np.float32), 0.1)
+    np.testing.assert_array_equal(opt.params[:100], w0[:100])
+    assert np.all(opt.params[100:] != w0[100:])
+
+
+# LocalSGD: what it hands the backend's sgd_momentum op
+
+
+class RecordingOps:
+    """A backend stand-in: host arrays, and sgd_momentum records its arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    asarray = staticmethod(lambda a: np.asarray(a, np.float32))
+    zeros = staticmethod(lambda n: np.zeros(n, np.float32))
+
+    def sgd_momentum(self, params, velocity, grad, decay, momentum, lr, nesterov=False, lr_scale=None):
+        self.calls.append({"decay": decay, "momentum": momentum, "lr": lr, "nesterov": nesterov,
+                           "lr_scale": lr_scale})
+
+
+class MaskModel:
+    """A model of the time before per-parameter multipliers: decay_mask() only."""
+
+    def __init__(self, ops, mask):
+        self.ops, self.mask = ops, mask
+        self.params = np.zeros(mask.size, np.float32)
+        self.grads = np.ones(mask.size, np.float32)
+
+    def decay_mask(self):
+        return self.mask
+
+
+class MultModel(MaskModel):
+    def __init__(self, ops, decay_mult, lr_mult):
+        super().__init__(ops, decay_mult)
+        self.lr = lr_mult
+
+    def decay_mult(self):
+        return self.mask
+
+    def lr_mult(self):
+        return self.lr
+
+
+def test_local_sgd_of_a_model_with_a_decay_mask_only():
+    ops, mask = RecordingOps(), layer_mask([6, 2, 4, 1])
+    local = LocalSGD(MaskModel(ops, mask), 0.9, 5e-4, nesterov=True)
+    local.step(0.1)
+    (call,) = ops.calls
+    np.testing.assert_array_equal(call["decay"], (5e-4 * mask).astype(np.float32))
+    assert (call["momentum"], call["lr"], call["nesterov"], call["lr_scale"]) == (0.9, 0.1, True, None)
+
+
+def test_local_sgd_takes_the_models_multipliers_on_its_slice():
+    ops = RecordingOps()
+    decay_mult = per_layer([6, 2, 4, 1], [1.0, 0.0, 2.0, 0.0])
+    lr_mult = per_layer([6, 2, 4, 1], [1.0, 2.0, 0.5, 2.0])
+    LocalSGD(MultModel(ops, decay_mult, lr_mult), 0.9, 1e-2, start=6, stop=12).step(0.05)
+    (call,) = ops.calls
+    np.testing.assert_array_equal(call["decay"], (1e-2 * decay_mult[6:12]).astype(np.float32))
+    np.testing.assert_array_equal(call["lr_scale"], lr_mult[6:12])
+    assert call["nesterov"] is False
+    ops.calls.clear()
+    LocalSGD(MultModel(ops, decay_mult, lr_mult), 0.9, 1e-2, start=0, stop=6).step(0.05)
+    assert ops.calls[0]["lr_scale"] is None  # multipliers all 1 on this slice: the op's default path
+    with pytest.raises(ValueError, match="Nesterov momentum needs momentum > 0"):
+        LocalSGD(MultModel(ops, decay_mult, lr_mult), 0.0, 1e-2, nesterov=True)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_local_sgd_on_the_numpy_backend_matches_the_server(nesterov):
+    P = 77106
+    rng = np.random.default_rng(11)
+    lr_mult = LR_SCALES["runs"]
+    model = MultModel(numpy_ops.NumpyBackend(), DECAYS["multiplier runs"], lr_mult)
+    model.params = rng.standard_normal(P, dtype=np.float32)
+    server = SGD(model.params.copy(), DECAYS["multiplier runs"], 0.9, 5e-4, nesterov=nesterov, lr_scale=lr_mult)
+    local = LocalSGD(model, 0.9, 5e-4, nesterov=nesterov)
+    for k in range(3):
+        model.grads = rng.standard_normal(P, dtype=np.float32)
+        local.step(0.1 * (k + 1))
+        server.step(model.grads, 0.1 * (k + 1))
+        # the op's float32 operations are the server's (lr * lr_mult formed first): equal bit for bit
+        np.testing.assert_array_equal(model.params.view(np.uint32), server.params.view(np.uint32))
+        np.testing.assert_array_equal(local.velocity.view(np.uint32), server.velocity.view(np.uint32))

@@ -12,8 +12,10 @@ Every iteration t, every unit works without waiting for a full forward and backw
               module k-1 sent; the output goes to module k+1 (non-blocking ACTIVATION). The last
               module computes the loss and its backward at once.
     backward  an older minibatch, with the output gradient module k+1 sent back (GRADIENT): the
-              module re-runs its forward on the input it stored for that minibatch, back-propagates,
-              sends the input gradient to module k-1, and updates its weights.
+              module gets back that minibatch's layer caches (`--pipeline-activations`: recompute
+              re-runs its forward on the input it stored; store keeps the forward's activations, as
+              FDG; see `unit`), back-propagates, sends the input gradient to module k-1, and updates
+              its weights.
 
     decoupling "full" (FDG, Zhuang et al. 2021; the default):  forward of minibatch t - k at module
         k, which therefore updates with a gradient 2(K-1-k) iterations old (every message is
@@ -21,14 +23,20 @@ Every iteration t, every unit works without waiting for a full forward and backw
     decoupling "backward" (DDG, Huo et al. 2018):  the forward pass stays locked (minibatch t flows
         through every module within iteration t); only the backward is decoupled: delay K-1-k.
 
-A module keeps exactly the inputs its delay needs (a queue of delay + 1 minibatches; with
-`--weight-stashing` also the weights each forward used, PipeDream's rule, which the backward then
-uses instead of the current weights). The first iterations of a module have no gradient yet
-(warm-up, logged with flag WARMUP). `--shrink beta` multiplies the input gradient a module sends
-back, so module k's gradient is scaled by beta^(K-1-k) (FDG's gradient shrinking). Replicas of a
-module average their gradients every iteration (allreduce on the data communicator) and apply the
-same SGD step, so they stay identical (every REPORT carries a CRC-32 of the module's weights, and
-rank 0 stops the run at the first iteration where two replicas differ). At the end every module
+A module keeps exactly the inputs its delay needs (a queue of delay + 1 minibatches: their inputs,
+or with `--pipeline-activations store` their layer caches; with `--weight-stashing` also the weights
+each forward used, PipeDream's rule, which the backward then uses instead of the current weights).
+The first iterations of a module have no gradient yet (warm-up, logged with flag WARMUP). `--shrink
+beta` multiplies the input gradient a module sends back, so module k's gradient is scaled by
+beta^(K-1-k) (FDG's gradient shrinking). Replicas of a module average their gradients every
+iteration (allreduce on the data communicator) and apply the same SGD step, so they stay identical
+(every REPORT carries a CRC-32 of the module's weights and buffers, and rank 0 stops the run at the
+first iteration where two replicas differ).
+
+Layer buffers (BatchNorm's running statistics) belong to the module of their layer: a minibatch
+updates them once, in its first forward (a recomputed forward leaves them alone), and the replicas
+average them with the gradient (or alone, in the warm-up), so replicas hold the same ones (the
+digest covers them); snapshots and checkpoints carry each module's slice, rank 0 assembles them. At the end every module
 drains: minibatches already started are back-propagated through every module, so each minibatch's
 gradient is applied exactly once by every module.
 
@@ -57,6 +65,7 @@ from mpiasgd.modes.pipeline.partition import Module, describe_partition, layer_c
 from mpiasgd.modes.pipeline.unit import PipelineUnit
 
 DECOUPLING = ("full", "backward")
+ACTIVATIONS = ("recompute", "store")
 BALANCE = ("flops", "params")
 
 __all__ = ["MODE", "Module", "PipelineMode", "PipelineMonitor", "PipelineUnit", "cut_points", "describe_partition",
@@ -84,6 +93,7 @@ class PipelineMode(Mode):
         need(cfg.balance in BALANCE, cfg, "balance", f"one of {BALANCE}")
         need(cfg.decoupling in DECOUPLING, cfg, "decoupling", f"one of {DECOUPLING}")
         need(math.isfinite(cfg.shrink) and 0 < cfg.shrink <= 1, cfg, "shrink", "0 < beta <= 1")
+        need(cfg.pipeline_activations in ACTIVATIONS, cfg, "pipeline_activations", f"one of {ACTIVATIONS}")
         cuts = cut_points(cfg)  # raises on a malformed list
         need(not cuts or len(cuts) == cfg.modules - 1, cfg, "cuts", f"{cfg.modules - 1} layer indices (--modules "
              f"{cfg.modules})")
@@ -116,7 +126,7 @@ class PipelineMode(Mode):
         cuts = describe_partition(model, layout.attrs["module_bounds"], cfg.balance, cfg.decoupling)
         replicas = num_workers // cfg.modules
         return (f"pipeline: {replicas} replica{'s' * (replicas != 1)} x {cfg.modules} modules, decoupling "
-                f"{cfg.decoupling}:\n{cuts}")
+                f"{cfg.decoupling}, activations {cfg.pipeline_activations}:\n{cuts}")
 
     def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,
               layout: Layout) -> PipelineMonitor:

@@ -8,6 +8,7 @@ import numpy as np
 
 from mpiasgd.comms import Flag, Message, ProtocolError, Tag
 from mpiasgd.model import evaluate
+from mpiasgd.modes.base import initial_buffers
 from mpiasgd.modes.sync import Replicas
 from mpiasgd.rank0.role import Role
 
@@ -22,22 +23,30 @@ class PipelineMonitor(Role):
     Checkpoints: replica 0's units send their module's weights and velocity after every drain
     (CHECKPOINT); once all K have arrived for the same drain, rank 0 writes the file. A signal
     (here, or flagged in a unit's REPORT) becomes a STOP with flag PREEMPT to every module 0.
+
+    Layer buffers (running statistics): each module owns its layers' slice of the model's buffer
+    vector; the initial WEIGHTS carry it after the weights (rank 0's: initial, or the checkpoint's),
+    SNAPSHOT payloads are [weights | buffers] and CHECKPOINT payloads [weights | velocity | buffers]
+    of the module, and rank 0 assembles the whole-model `buffers` from them for the snapshots, the
+    checkpoints and the final evaluation.
     """
 
     checkpoints_here = False
 
     def __init__(self, r0: Any, params: np.ndarray, model: Any, dataset: Any, bounds: list[int]) -> None:
-        super().__init__(r0, params)
+        super().__init__(r0, params, initial_buffers(model))
         self.model, self.dataset, self.bounds = model, dataset, bounds
         self.K = len(bounds) - 1
         self.N = len(self.workers) // self.K
         self.replicas = Replicas()
         self.ranges = [model.param_range(bounds[k], bounds[k + 1]) for k in range(self.K)]
-        self.inbox = {w: Message(self.size_of(w)) for w in self.workers}
+        self.branges = [model.buffer_range(bounds[k], bounds[k + 1]) for k in range(self.K)]
+        self.inbox = {w: Message(self.size_of(w) + self.bsize_of(w)) for w in self.workers}
         self.pieces: dict[tuple, set] = {}      # snapshot (segment, iteration) -> modules received
         self.ended: set[int] = set()
         self.final: set[int] = set()
         self.ckpt_params, self.ckpt_momentum = np.zeros_like(params), np.zeros_like(params)
+        self.ckpt_buffers = self.buffers.copy()
         self.ckpt_pieces: dict[int, dict] = {}  # minibatches done at a drain -> {module: its steps}
         self.ckpt_inboxes: dict[int, Message] = {}
         self.final_checkpoint = False
@@ -49,24 +58,30 @@ class PipelineMonitor(Role):
         start, stop = self.ranges[self.module_of(w)]
         return stop - start
 
+    def bsize_of(self, w: int) -> int:
+        start, stop = self.branges[self.module_of(w)]
+        return stop - start
+
     def handlers(self) -> dict:
         return {Tag.REPORT: self.on_report, Tag.SNAPSHOT: self.on_snapshot, Tag.CHECKPOINT: self.on_checkpoint}
 
     def buffer_for(self, tag: Tag, source: int) -> Message:
-        if tag == Tag.CHECKPOINT:  # the module's weights and velocity
+        if tag == Tag.CHECKPOINT:  # the module's weights, velocity and buffers
             if source not in self.ckpt_inboxes:
-                self.ckpt_inboxes[source] = Message(2 * self.size_of(source))
+                self.ckpt_inboxes[source] = Message(2 * self.size_of(source) + self.bsize_of(source))
             return self.ckpt_inboxes[source]
         return self.inbox[source] if tag == Tag.SNAPSHOT else None
 
     def begin(self) -> None:
-        """Each unit's module slice; on a resume flagged RESUME (iterations, minibatches and seconds done),
-        followed by the slice of the velocity (CHECKPOINT)."""
+        """Each unit's module slices of the weights and buffers; on a resume flagged RESUME (iterations,
+        minibatches and seconds done), followed by the slice of the velocity (CHECKPOINT)."""
         ck = self.rec.resumed
         for w in self.workers:
             start, stop = self.ranges[self.module_of(w)]
-            out = Message(stop - start)
-            out.payload[:] = self.params[start:stop]
+            bstart, bstop = self.branges[self.module_of(w)]
+            out = Message(stop - start + bstop - bstart)
+            out.payload[:stop - start] = self.params[start:stop]
+            out.payload[stop - start:] = self.buffers[bstart:bstop]
             if ck is None:
                 out.stamp(Tag.WEIGHTS, 0, version=0)
             else:
@@ -93,9 +108,12 @@ class PipelineMonitor(Role):
                                 f"sends them")
         h, k = msg.header, self.module_of(w)
         start, stop = self.ranges[k]
+        bstart, bstop = self.branges[k]
+        P = stop - start
         total = int(h["version"])
-        self.ckpt_params[start:stop] = msg.payload[: stop - start]
-        self.ckpt_momentum[start:stop] = msg.payload[stop - start:]
+        self.ckpt_params[start:stop] = msg.payload[:P]
+        self.ckpt_momentum[start:stop] = msg.payload[P:2 * P]
+        self.ckpt_buffers[bstart:bstop] = msg.payload[2 * P:]
         got = self.ckpt_pieces.setdefault(total, {})
         got[k] = int(h["step"])
         if len(got) < self.K:
@@ -104,7 +122,8 @@ class PipelineMonitor(Role):
         flags = int(h["flags"])
         reason = "preempt" if flags & Flag.PREEMPT else "end" if flags & Flag.FINAL else "interval"
         steps = {u: (got[self.module_of(u)], total) for u in self.workers}
-        ckpt = self.rec.checkpoint(self.ckpt_params, self.ckpt_momentum, reason, steps, float(h["elapsed"]))
+        ckpt = self.rec.checkpoint(self.ckpt_params, self.ckpt_momentum, reason, steps, float(h["elapsed"]),
+                                   self.ckpt_buffers)
         ckpt.version, ckpt.samples = total, total * self.cfg.batch_size * self.N
         self.rec.write_checkpoint(ckpt)
         self.final_checkpoint = bool(flags & Flag.FINAL)
@@ -162,7 +181,9 @@ class PipelineMonitor(Role):
             raise ProtocolError(f"rank 0: SNAPSHOT from unit rank {w}; only replica 0 (ranks 1..{self.K}) sends them")
         k = self.module_of(w)
         start, stop = self.ranges[k]
-        self.params[start:stop] = msg.payload
+        bstart, bstop = self.branges[k]
+        self.params[start:stop] = msg.payload[:stop - start]
+        self.buffers[bstart:bstop] = msg.payload[stop - start:]
         if int(msg.header["flags"]) & Flag.FINAL:
             self.final.add(k)
             return
@@ -171,13 +192,14 @@ class PipelineMonitor(Role):
         got.add(k)
         if len(got) == self.K:  # every module's weights after the same iteration: a whole-model snapshot
             del self.pieces[key]
-            self.rec.snapshot(self.params)
+            self.rec.snapshot(self.params, self.buffers)
 
     def final_evals(self, preempted: str) -> dict:
-        """Evaluate the final weights on the whole test set here (numpy; not when preempted)."""
+        """Evaluate the final weights with the final buffers on the whole test set here (numpy; not when
+        preempted)."""
         if preempted:
             return {}
         weights = self.params.copy()
-        self.model.bind(weights, np.zeros_like(weights))
+        self.model.bind(weights, np.zeros_like(weights), self.buffers.copy())
         idx = np.arange(self.dataset.test_y.size, dtype=np.int64)
         return {1: evaluate(self.model, self.dataset, idx, self.cfg.eval_batch_size)}

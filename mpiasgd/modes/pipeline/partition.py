@@ -77,8 +77,10 @@ class Module:
     """Layers first..last-1 of `model` with their parameters in one module-local flat vector.
 
     `params`/`grads` (float32 (size,), on the model's backend) are the slice [start, stop) of the
-    whole model's vectors. forward(x (B, *in_shape)) -> (B, *out_shape); backward(dy) -> dx, or None
-    for module 0 (nothing consumes the gradient w.r.t. the images).
+    whole model's vectors; `buffers` (float32 (bsize,)) the slice [bstart, bstop) of its buffer vector
+    (the module's layers' running statistics, at their initial values until set), bound with every
+    `bind`. forward(x (B, *in_shape)) -> (B, *out_shape); backward(dy) -> dx, or None for module 0
+    (nothing consumes the gradient w.r.t. the images).
     """
 
     def __init__(self, model: Any, first: int, last: int) -> None:
@@ -86,16 +88,20 @@ class Module:
         self.layers = model.layers[first:last]
         self.start, self.stop = model.param_range(first, last)
         self.size = self.stop - self.start
+        self.bstart, self.bstop = model.buffer_range(first, last)
+        self.bsize = self.bstop - self.bstart
         self.in_shape = tuple(model.input_shape if first == 0 else model.shapes[first - 1])
         self.out_shape = tuple(model.shapes[last - 1])
         self.is_last = last == len(model.layers)
         ops = model.ops
         self.params, self.grads = ops.zeros(self.size), ops.zeros(self.size)
+        self.buffers = ops.asarray(model.init_buffers()[self.bstart:self.bstop])
         self.bind(self.params)
 
     def bind(self, params: Any) -> None:
-        """Compute with `params` (the current weights, or a stashed copy); gradients go to `grads`."""
-        self.model.bind_layers(self.first, self.last, params, self.grads)
+        """Compute with `params` (the current weights, or a stashed copy); gradients go to `grads`, the
+        running statistics stay in `buffers`."""
+        self.model.bind_layers(self.first, self.last, params, self.grads, self.buffers)
 
     def forward(self, x: Any) -> Any:
         for layer in self.layers:
@@ -107,9 +113,16 @@ class Module:
             dy = layer.backward(dy)
         return dy
 
+    def save_cache(self) -> list:
+        """What the last forward cached in every layer (`Layer.save_cache`): --pipeline-activations store."""
+        return [layer.save_cache() for layer in self.layers]
+
+    def load_cache(self, state: list) -> None:
+        """Put back a `save_cache()` state: the next `backward` back-propagates that forward's minibatch."""
+        for layer, layer_state in zip(self.layers, state, strict=True):
+            layer.load_cache(layer_state)
+
     def loss_backward(self, logits: Any, labels: Any) -> tuple[float, int, Any]:
         """(last module) loss of `logits`, then backward: (mean loss, correct, dx)."""
         loss, correct = self.model.loss.forward(logits, labels)
         return loss, correct, self.backward(self.model.loss.backward())
-
-

@@ -1,4 +1,24 @@
-"""A pipeline unit: module k of replica n (see `mpiasgd.modes.pipeline`)."""
+"""A pipeline unit: module k of replica n (see `mpiasgd.modes.pipeline`).
+
+The backward of minibatch m at module k (delay d = its gradient's age in iterations) needs the layer
+caches of m's forward, which d later forwards have overwritten. --pipeline-activations says how they
+come back:
+
+    recompute (default)  the module keeps m's input and re-runs its forward just before the backward:
+                         the backward runs at the weights of that moment (the current ones, or with
+                         --weight-stashing the ones m's forward used), activations included. Memory:
+                         d + 1 module inputs; cost: one more forward per minibatch. The re-run draws
+                         m's dropout masks again (ctx.minibatch = m) and does not update the running
+                         statistics a second time (ctx.update_buffers False).
+    store                the module keeps every layer's caches of m's forward (`Layer.save_cache`) and
+                         back-propagates through those activations (FDG's semantics: PyTorch keeps the
+                         forward's graph), with the current weights for dgrad (with --weight-stashing
+                         the forward's: PipeDream's). Memory: d + 1 copies of everything the module's
+                         layers cache (about every activation inside the module, several times its
+                         input); no extra forward.
+
+Either way a minibatch updates the module's running statistics once, in its first forward.
+"""
 
 from __future__ import annotations
 
@@ -20,11 +40,11 @@ from mpiasgd.comms import (
     check,
     check_size,
     wait,
-    weights_digest,
 )
 from mpiasgd.data import MinibatchStream
 from mpiasgd.modes.base import WorkerJob, WorkerLoop
 from mpiasgd.modes.pipeline.partition import Module
+from mpiasgd.modes.sync import replica_digest
 from mpiasgd.optim import LocalSGD, Schedule, StopRule, finite_square, fraction_done
 
 
@@ -39,7 +59,8 @@ class Segment:
         self.snapshot_at = -1          # the iteration after which replica 0 sends a snapshot
         self.total: int | None = None  # minibatches done at the segment's end, once module 0 decided
         self.ending = 0                # Flag bits of the end: LAST (a drain), FINAL (the run ends), PREEMPT
-        self.stored: deque = deque()   # (minibatch, input, stashed weights or None), at most delay + 1
+        # (minibatch, input or None, stashed weights or None, layer caches or None), at most delay + 1
+        self.stored: deque = deque()
         self.act_req = (unit.pipe.Irecv(unit.acts_in[base % 2].buf, source=k - 1, tag=int(Tag.ACTIVATION))
                         if k > 0 else None)
         self.grad_req = (unit.pipe.Irecv(unit.grads_in[base % 2].buf, source=k + 1, tag=int(Tag.GRADIENT))
@@ -114,12 +135,22 @@ class PipelineUnit(WorkerLoop):
         B, T = cfg.batch_size, cfg.worker_timeout
         self.in_count = B * int(np.prod(module.in_shape))
         self.out_count = B * int(np.prod(module.out_shape))
-        # initial weights: this module's slice, from rank 0 (a resumed run: then the velocity)
-        start = Message(module.size)
-        wait(self.comm.Irecv(start.buf, source=0, tag=int(Tag.WEIGHTS)), "initial weights from rank 0", rank, T)
+        # initial weights and buffers: this module's slices, from rank 0 (a resumed run: then the velocity)
+        P, Bn = module.size, module.bsize
+        start = Message(P + Bn)
+        status = MPI.Status()
+        wait(self.comm.Irecv(start.buf, source=0, tag=int(Tag.WEIGHTS)), "initial weights from rank 0", rank, T,
+             status)
+        check_size(Tag.WEIGHTS, 0, rank, status.Get_count(MPI.BYTE), start.count)
         check(start, Tag.WEIGHTS, 0, rank)
-        module.params[...] = ops.asarray(start.payload)
-        self.local = LocalSGD(module.model, cfg.momentum, cfg.weight_decay, module.start, module.stop)
+        module.params[...] = ops.asarray(start.payload[:P])
+        if Bn:
+            module.buffers[...] = ops.asarray(start.payload[P:])
+        self.store = cfg.pipeline_activations == "store"
+        self.model.train()
+        self.reduce_buf = np.empty(P + Bn, np.float32) if self.N > 1 else None  # the replicas' allreduce
+        self.local = LocalSGD(module.model, cfg.momentum, cfg.weight_decay, module.start, module.stop,
+                              nesterov=cfg.nesterov)
         h = start.header
         base, t_base, elapsed = 0, 0, 0.0  # minibatches and iterations done, seconds trained
         if int(h["flags"]) & Flag.RESUME:
@@ -131,8 +162,8 @@ class PipelineUnit(WorkerLoop):
         self.acts_out = SendSlots([Message(self.out_count) for _ in range(2 * (not last))], "activation", rank, T)
         self.grads_out = SendSlots([Message(self.in_count) for _ in range(2 * (not first))], "gradient", rank, T)
         self.reports = SendSlots([Message(0), Message(0)], "REPORT", rank, T)
-        self.snaps = SendSlots([Message(module.size)] if self.n == 0 else [], "SNAPSHOT", rank, T)
-        self.ckpts = SendSlots([Message(2 * module.size)] if self.n == 0 else [], "CHECKPOINT", rank, T)
+        self.snaps = SendSlots([Message(P + Bn)] if self.n == 0 else [], "SNAPSHOT", rank, T)
+        self.ckpts = SendSlots([Message(2 * P + Bn)] if self.n == 0 else [], "CHECKPOINT", rank, T)
         # module 0 hears of a signal on rank 0 (or on another unit) by a STOP; the last STOP ends the run
         self.stop = Message(0) if first else None
         self.stop_req = self.comm.Irecv(self.stop.buf, source=0, tag=int(Tag.STOP)) if first else None
@@ -166,14 +197,17 @@ class PipelineUnit(WorkerLoop):
             m_f = base + self.forward_minibatch(t)
             m_b = m_f - self.delay
             it = Iteration(flags=Flag.PREEMPT if signal else 0, wait_s=wait_s)
-            if seg.running(m_f):
+            forwarded = seg.running(m_f)
+            if forwarded:
                 self.forward(seg, it, t, m_f)
             applied = seg.running(m_b)
             if applied:
                 self.backward(seg, it, m_b)
-                self.update(seg, it, m_b)
             else:
                 it.flags |= Flag.WARMUP
+            self.average(it, applied, forwarded)  # every replica of the module takes the same branches
+            if applied:
+                self.update(seg, it, m_b)
             if self.slowdown > 1:  # --straggler: emulate a unit `slowdown` times slower than this one
                 time.sleep((self.slowdown - 1) * (time.perf_counter() - t0 - it.wait_s - it.comm_s))
             drained = seg.total is not None and m_b == seg.total - 1
@@ -210,6 +244,7 @@ class PipelineUnit(WorkerLoop):
         module takes the activation module k-1 sent; the output goes on to module k+1 (the input kept
         for the backward), or the last module computes the loss and its backward at once."""
         ops, module, k = self.ops, self.module, self.k
+        module.model.ctx.minibatch = m_f  # dropout's key; the backward's recomputed forward uses it again
         y = None
         if k == 0:
             x, y, _ = self.stream.next()  # minibatch m_f: the stream's cursor is m_f
@@ -232,7 +267,10 @@ class PipelineUnit(WorkerLoop):
         stashed = ops.zeros(module.size) if self.cfg.weight_stashing else None
         if stashed is not None:
             stashed[...] = module.params
-        seg.stored.append((m_f, x, stashed))
+        if self.store:  # the layer caches of this forward (they hold what the backward needs of x)
+            seg.stored.append((m_f, None, stashed, module.save_cache()))
+        else:
+            seg.stored.append((m_f, x, stashed, None))
 
     def decide_end(self, seg: Segment, it: Iteration, t: int, m_f: int) -> None:
         """(module 0) Whether the segment ends with minibatch m_f, on the replicas' clock: a signal (FINAL,
@@ -275,19 +313,24 @@ class PipelineUnit(WorkerLoop):
 
     def backward(self, seg: Segment, it: Iteration, m_b: int) -> None:
         """The backward of minibatch m_b with the gradient module k+1 sent back (the last module did it in
-        `forward`), then the input gradient to module k-1, shrunk by beta."""
+        `forward`), then the input gradient to module k-1, shrunk by beta. The layer caches of m_b come
+        back by a recomputed forward (its running statistics left alone) or from the stored ones
+        (--pipeline-activations; see the module docstring)."""
         ops, module, k = self.ops, self.module, self.k
         if not module.is_last:
             msg = self.grads_in[m_b % 2]
             it.wait_s += self.receive(seg.grad_req, msg, Tag.GRADIENT, k + 1, m_b,
                                       f"gradient of minibatch {m_b} from module {k + 1}")
             dy = ops.asarray(msg.payload.reshape(self.cfg.batch_size, *module.out_shape))
-            m, x, stashed = seg.stored.popleft()
+            m, x, stashed, cache = seg.stored.popleft()
             if m != m_b:
                 raise ProtocolError(f"rank {self.rank}: stored input of minibatch {m}, backward of {m_b}")
             if stashed is not None:
                 module.bind(stashed)
-            module.forward(x)  # rebuild the layer caches for this minibatch
+            if cache is not None:
+                module.load_cache(cache)
+            else:
+                self.recompute(x, m_b)
             it.dx = module.backward(dy)
             if stashed is not None:
                 module.bind(module.params)
@@ -305,16 +348,43 @@ class PipelineUnit(WorkerLoop):
             self.grads_out.send(self.pipe, m_b, k - 1, int(Tag.GRADIENT))
             it.comm_s += time.perf_counter() - t1
 
+    def recompute(self, x: Any, m: int) -> None:
+        """Re-run the module's forward on minibatch m's stored input `x` to rebuild the layer caches: the same
+        dropout masks (ctx.minibatch = m), the running statistics not updated again (its first forward did)."""
+        ctx = self.module.model.ctx
+        ctx.minibatch, ctx.update_buffers = m, False
+        try:
+            self.module.forward(x)
+        finally:
+            ctx.update_buffers = True
+
+    def average(self, it: Iteration, grads: bool, buffers: bool) -> None:
+        """(N > 1) The mean over the module's replicas, in one allreduce, of its gradient (`grads`: a
+        backward ran) and of its layers' buffers (`buffers`: a forward updated them), each divided by N
+        alike: every replica then holds the same gradient and the same running statistics."""
+        module, ops = self.module, self.ops
+        P = module.size if grads else 0
+        Bn = module.bsize if buffers else 0
+        if self.N == 1 or not P + Bn:
+            return
+        host = self.reduce_buf[:P + Bn]  # [gradient | buffers]
+        if P:
+            host[:P] = ops.to_numpy(module.grads)
+        if Bn:
+            host[P:] = ops.to_numpy(module.buffers)
+        what = "gradient" if not Bn else "buffers" if not P else "gradient and buffers"
+        request = self.data.Iallreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+        it.wait_s += wait(request, f"completion of the {what} allreduce", self.rank, self.cfg.worker_timeout)
+        host *= np.float32(1.0 / self.N)
+        if P:
+            module.grads[...] = ops.asarray(host[:P])
+        if Bn:
+            module.buffers[...] = ops.asarray(host[P:])
+
     def update(self, seg: Segment, it: Iteration, m_b: int) -> None:
-        """Average the module gradient over the replicas and step, or skip a non-finite one (every replica
-        alike: the check follows the allreduce; rank 0 counts it, --max-rejects)."""
-        ops, module = self.ops, self.module
-        if self.N > 1:
-            host = ops.to_numpy(module.grads)
-            request = self.data.Iallreduce(MPI.IN_PLACE, host, op=MPI.SUM)
-            it.wait_s += wait(request, "completion of the gradient allreduce", self.rank, self.cfg.worker_timeout)
-            module.grads[...] = ops.asarray(host)
-            module.grads *= np.float32(1.0 / self.N)
+        """Step with the module gradient (averaged over the replicas by `average`), or skip a non-finite one
+        (every replica alike: the check follows the allreduce; rank 0 counts it, --max-rejects)."""
+        module = self.module
         if finite_square(module.grads)[0]:
             done = m_b * self.cfg.batch_size * self.N / self.num_train
             it.lr = self.schedule(done, fraction_done(self.rule, done, m_b, seg.ctrl[0]))
@@ -326,17 +396,20 @@ class PipelineUnit(WorkerLoop):
         """(replica 0) This module's weights after iteration t of the segment starting at minibatch `base`:
         (cursor, step) = (base, t) are the same for every module, so rank 0 assembles a whole model."""
         snap = self.snaps.take(0)
-        snap.payload[:] = self.ops.to_numpy(self.module.params)
+        P = self.module.size
+        snap.payload[:P] = self.ops.to_numpy(self.module.params)
+        snap.payload[P:] = self.ops.to_numpy(self.module.buffers)
         snap.stamp(Tag.SNAPSHOT, self.rank, step=t, cursor=base, version=version, flags=Flag.FINAL if final else 0)
         self.snaps.send(self.comm, 0, 0, int(Tag.SNAPSHOT))
 
     def send_checkpoint(self, steps: int, total: int, ending: int, elapsed: float) -> None:
-        """(replica 0, after a drain) This module's weights and velocity to rank 0, which writes the
+        """(replica 0, after a drain) This module's weights, velocity and buffers to rank 0, which writes the
         checkpoint once every module's has arrived: `steps` iterations and `total` minibatches done."""
         P = self.module.size
         ckpt = self.ckpts.take(0)
         ckpt.payload[:P] = self.ops.to_numpy(self.module.params)
-        ckpt.payload[P:] = self.ops.to_numpy(self.local.velocity)
+        ckpt.payload[P:2 * P] = self.ops.to_numpy(self.local.velocity)
+        ckpt.payload[2 * P:] = self.ops.to_numpy(self.module.buffers)
         ckpt.stamp(Tag.CHECKPOINT, self.rank, step=steps, version=total, cursor=total, elapsed=elapsed,
                    flags=ending & (Flag.FINAL | Flag.PREEMPT))
         self.ckpts.send(self.comm, 0, 0, int(Tag.CHECKPOINT))
@@ -344,11 +417,12 @@ class PipelineUnit(WorkerLoop):
     def report(self, t: int, m_f: int, m_b: int, flags: int, loss: float, correct: int,
                applied: bool, compute_s: float, comm_s: float, wait_s: float, lr: float) -> None:
         """REPORT of iteration t to rank 0: version = the iteration whose forward the applied gradient used;
-        digest = CRC-32 of the module's weights (N > 1: rank 0 checks that the replicas agree)."""
+        digest = CRC-32 of the module's weights and buffers (N > 1: rank 0 checks that the replicas agree)."""
         report = self.reports.take(t)
         # samples: counted once per minibatch, by the last module (the pushes table sums them)
         samples = self.cfg.batch_size if applied and self.module.is_last else 0
-        digest = weights_digest(self.ops.to_numpy(self.module.params)) if self.N > 1 else 0
+        module, ops = self.module, self.ops
+        digest = replica_digest(ops.to_numpy(module.params), ops.to_numpy(module.buffers)) if self.N > 1 else 0
         report.stamp(Tag.REPORT, self.rank, step=t, version=t - self.delay if m_b >= 0 else -1, epoch=m_b,
                      samples=samples, correct=correct, loss=loss, compute_s=compute_s, comm_s=comm_s, wait_s=wait_s,
                      lr=lr, flags=flags, digest=digest)

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpiasgd.ops import numpy_ops
+from mpiasgd.ops.contract import argmax_dtype, pool_output_size
 from mpiasgd.ops.cuda.backend import CupyBackend
-from mpiasgd.ops.cuda.constants import CONV_BK, CONV_BM, CONV_BN, CONV_STAGES
+from mpiasgd.ops.cuda.constants import BATCHNORM_THREADS_MAX, CONV_BK, CONV_BM, CONV_BN, CONV_STAGES
 from mpiasgd.ops.cuda.device import HostDevice
 from mpiasgd.ops.cuda.tiles import tile_macros
 
@@ -490,6 +491,247 @@ def sgd(lib, rng, small: bool) -> None:
         assert_close(v, ref.velocity, f"sgd_momentum velocity, step {step}", atol=1e-6, rtol=1e-6)
 
 
+# (N, C, H, W, kernel, stride, pad, ceil_mode), each valid under contract.pool_output_size:
+POOL_PAD_SHAPES = [
+    (2, 3, 8, 8, 3, 2, 1, False),   # resnet/torchvision-style 3/2 pad 1
+    (2, 2, 9, 11, 3, 2, 1, True),   # ceil: the last window runs past the bottom/right padding
+    (1, 2, 7, 6, 3, 3, 0, True),    # cuda-convnet's size (ceil, pad 0): the last window clipped to 1 pixel
+    (1, 2, 5, 5, 2, 2, 1, True),    # ceil that drops a window starting in the bottom padding
+    (2, 1, 10, 9, 4, 3, 2, True),   # even kernel, pad = kernel//2
+    (1, 2, 5, 5, 5, 1, 2, False),   # every window clipped on some side
+    (1, 1, 17, 18, 17, 2, 8, True),  # 17*17 > 256: int32 argmax, with padding
+]
+
+
+def pool_window(x: np.ndarray, kernel: int, stride: int, pad: int, n: int, c: int, p: int, q: int):
+    """The image pixels of window (n, c, p, q) of x in row-major order, and each one's offset i*kernel + j in
+    the unclipped window whose origin is (p*stride - pad, q*stride - pad)."""
+    H, W = x.shape[2:]
+    h0, w0 = p * stride - pad, q * stride - pad
+    rows, cols = range(max(h0, 0), min(h0 + kernel, H)), range(max(w0, 0), min(w0 + kernel, W))
+    values = np.array([x[n, c, h, w] for h in rows for w in cols])
+    offsets = np.array([(h - h0) * kernel + (w - w0) for h in rows for w in cols])
+    return values, offsets
+
+
+def maxpool_scan_padded(x: np.ndarray, kernel: int, stride: int, pad: int, ceil_mode: bool):
+    """Max pooling with padding by a plain scan of each window's image pixels (padding never wins), the
+    definition: the first NaN, else the first maximum; (y, argmax offset in the unclipped window)."""
+    N, C = x.shape[:2]
+    P, Q = pool_output_size("maxpool_scan_padded", x.shape, kernel, stride, pad, ceil_mode)
+    y, argmax = np.empty((N, C, P, Q), x.dtype), np.empty((N, C, P, Q), np.int64)
+    for n, c, p, q in itertools.product(range(N), range(C), range(P), range(Q)):
+        values, offsets = pool_window(x, kernel, stride, pad, n, c, p, q)
+        nan = np.flatnonzero(np.isnan(values))
+        at = nan[0] if nan.size else int(np.argmax(values))
+        y[n, c, p, q], argmax[n, c, p, q] = values[at], offsets[at]
+    return y, argmax
+
+
+def maxpool_pad_ceil(lib, rng, small: bool) -> None:
+    """maxpool_fprop / maxpool_bprop with padding and ceil_mode (uint8 and int32 argmax): ties, NaN, +-inf,
+    and windows whose image pixels are all -inf (the argmax is then the first image pixel: padding never
+    wins); y and argmax equal numpy_ops and the plain scan, dx numpy_ops' scatter-add."""
+    for shape in POOL_PAD_SHAPES:
+        N, C, H, W, k, st, pad, ceil = shape
+        x = np.round(f32(rng, N, C, H, W) * 2) / 2  # many ties: the first maximum must win
+        flat = x.reshape(-1)
+        pick = rng.permutation(flat.size)
+        flat[pick[:flat.size // 20]] = np.nan
+        flat[pick[flat.size // 20:flat.size // 10]] = np.inf
+        x[0, 0, :, :] = -np.inf  # every window of this plane -inf: clipped ones point at their first pixel
+        x[0, 0, H // 2, W // 2] = np.nan
+        what = f"maxpool pad/ceil {shape}"
+        ops = cpu_backend(lib, elementwise_threads=64)
+        y, am = ops.maxpool_fprop(x, k, st, pad, ceil)
+        y_def, am_def = maxpool_scan_padded(x, k, st, pad, ceil)
+        y_ref, am_ref = numpy_ops.maxpool_fprop(x, k, st, pad, ceil)
+        assert am.dtype == am_ref.dtype == argmax_dtype(k), f"{what}: argmax dtype {am.dtype}"
+        for name, got_y, got_am in (("numpy_ops", y_ref, am_ref), ("kernel", y, am)):
+            assert np.array_equal(got_y, y_def, equal_nan=True), f"{what}: {name} y"
+            wrong = [tuple(int(i) for i in at) for at in np.argwhere(got_am != am_def)]
+            assert not wrong, f"{what}: {name} argmax at {wrong[0]} is {got_am[wrong[0]]}, expected {am_def[wrong[0]]}"
+        dy = f32(rng, *y.shape)
+        dx = ops.maxpool_bprop(dy, am, x.shape, k, st, pad, ceil)
+        assert_close(dx, numpy_ops.maxpool_bprop(f64(dy), am_ref, x.shape, k, st, pad, ceil), f"{what}: bprop")
+        x = np.round(f32(rng, N, C, H, W) * 2) / 2  # finite: the backward of a plain forward
+        y, am = ops.maxpool_fprop(x, k, st, pad, ceil)
+        dx = ops.maxpool_bprop(dy, am, x.shape, k, st, pad, ceil)
+        assert_close(dx, numpy_ops.maxpool_bprop(f64(dy), am, x.shape, k, st, pad, ceil), f"{what}: finite bprop")
+
+
+def avgpool(lib, rng, small: bool) -> None:
+    """avgpool_fprop / avgpool_bprop (count_include_pad both ways) vs numpy_ops in float64 on the padded and
+    ceil_mode shapes and the unpadded ones, and global_avgpool_fprop / _bprop; a capped grid in the
+    grid-stride loops."""
+    shapes = [*POOL_PAD_SHAPES, *((*s, 0, False) for s in POOL_SHAPES)]
+    for (N, C, H, W, k, st, pad, ceil), include in itertools.product(shapes, (True, False)):
+        x = f32(rng, N, C, H, W)
+        ops = cpu_backend(lib, elementwise_threads=64, elementwise_max_blocks=2)
+        y = ops.avgpool_fprop(x, k, st, pad, ceil, include)
+        dy = f32(rng, *y.shape)
+        dx = ops.avgpool_bprop(dy, x.shape, k, st, pad, ceil, include)
+        what = f"avgpool {(N, C, H, W, k, st, pad, ceil)} count_include_pad {include}"
+        assert_close(y, numpy_ops.avgpool_fprop(f64(x), k, st, pad, ceil, include), f"{what}: fprop")
+        assert_close(dx, numpy_ops.avgpool_bprop(f64(dy), x.shape, k, st, pad, ceil, include), f"{what}: bprop")
+    for N, C, H, W in [(2, 3, 4, 4), (3, 5, 7, 9), (1, 1, 1, 1), (2, 70, 3, 1)]:
+        x = f32(rng, N, C, H, W)
+        dy = f32(rng, N, C)
+        ops = cpu_backend(lib, elementwise_threads=32, elementwise_max_blocks=2)
+        assert_close(ops.global_avgpool_fprop(x), numpy_ops.global_avgpool_fprop(f64(x)), f"global_avgpool {x.shape}")
+        dx = ops.global_avgpool_bprop(dy, x.shape)
+        assert np.array_equal(dx, numpy_ops.global_avgpool_bprop(dy, x.shape)), f"global_avgpool_bprop {x.shape}"
+
+
+# (N, C, H, W): H*W below, above and not dividing the block (32, 64, 512 threads: one carry per step,
+# whole images per step), M = 1 (the unbiased running variance is var), a channel with fewer elements
+# than the block
+BN_SHAPES = [(2, 3, 5, 7), (3, 2, 4, 4), (4, 5, 9, 9), (1, 2, 1, 1), (5, 3, 1, 3), (2, 4, 16, 17)]
+
+
+def batchnorm(lib, rng, small: bool) -> None:
+    """batchnorm_stats (with and without the running update), batchnorm_fprop and batchnorm_bprop (with and
+    without dx) vs numpy_ops in float64, on data with a large offset (|mean| >> std: the two-pass variance
+    must not cancel: a one-pass E[x^2] - E[x]^2 fails here); blocks of 32 and 64 threads (and the
+    production 512 on two shapes with `small` False); every reduction is bit-identical when run again."""
+    runs = [(threads, shape) for threads in (32, 64) for shape in BN_SHAPES]
+    if not small:
+        runs += [(BATCHNORM_THREADS_MAX, shape) for shape in BN_SHAPES[2:4]]
+    for threads, shape in runs:
+        C = shape[1]
+        x = f32(rng, *shape) * 0.5 + 100.0 * f32(rng, 1, C, 1, 1)  # (N, C, H, W), per-channel offsets
+        dy, gamma, beta = f32(rng, *shape), f32(rng, C), f32(rng, C)
+        rm, rv = f32(rng, C), np.abs(f32(rng, C)) + 0.5
+        ops = cpu_backend(lib, batchnorm_threads=threads)
+        what = f"batchnorm {shape} block {threads}"
+        mean, var = ops.batchnorm_stats(x)
+        rm_got, rv_got = rm.copy(), rv.copy()
+        mean2, var2 = ops.batchnorm_stats(x, rm_got, rv_got, 0.3)
+        rm_ref, rv_ref = f64(rm), f64(rv)
+        mean_ref, var_ref = numpy_ops.batchnorm_stats(f64(x), rm_ref, rv_ref, 0.3)
+        assert_close(mean, mean_ref, f"{what}: mean")
+        assert_close(var, var_ref, f"{what}: var")
+        assert np.array_equal(mean, mean2) and np.array_equal(var, var2), f"{what}: stats not bit-reproducible"
+        assert_close(rm_got, rm_ref, f"{what}: running_mean")
+        assert_close(rv_got, rv_ref, f"{what}: running_var")
+        y = ops.batchnorm_fprop(x, gamma, beta, mean, var, 1e-5)
+        assert_close(y, numpy_ops.batchnorm_fprop(f64(x), f64(gamma), f64(beta), f64(mean), f64(var), 1e-5),
+                     f"{what}: fprop")
+        dgamma, dbeta = np.full(C, np.nan, np.float32), np.full(C, np.nan, np.float32)
+        dx = ops.batchnorm_bprop(dy, x, gamma, mean, var, 1e-5, dgamma, dbeta)
+        dgamma_ref, dbeta_ref = np.empty(C), np.empty(C)
+        dx_ref = numpy_ops.batchnorm_bprop(f64(dy), f64(x), f64(gamma), f64(mean), f64(var), 1e-5, dgamma_ref,
+                                           dbeta_ref)
+        assert_close(dgamma, dgamma_ref, f"{what}: dgamma")
+        assert_close(dbeta, dbeta_ref, f"{what}: dbeta")
+        assert_close(dx, dx_ref, f"{what}: dx")
+        again = np.full(C, np.nan, np.float32), np.full(C, np.nan, np.float32)
+        assert ops.batchnorm_bprop(dy, x, gamma, mean, var, 1e-5, *again, need_dx=False) is None
+        assert np.array_equal(again[0], dgamma) and np.array_equal(again[1], dbeta), \
+            f"{what}: bprop sums not bit-reproducible (or differ without dx)"
+
+
+def residual(lib, rng, small: bool) -> None:
+    """add (fresh, into a, into b, into a third array) and subsample_pad_fprop / _bprop (strides 1-3,
+    odd sizes, pads on either side or none): copies and one float32 add, so equal to numpy_ops exactly."""
+    a, b = f32(rng, 3, 5, 7, 3), f32(rng, 3, 5, 7, 3)
+    ops = cpu_backend(lib, elementwise_threads=64, elementwise_max_blocks=2)
+    want = numpy_ops.add(a, b)
+    assert np.array_equal(ops.add(a, b), want), "add"
+    for into in ("a", "b", "third"):
+        aa, bb, third = a.copy(), b.copy(), np.full(a.shape, np.nan, np.float32)
+        out = {"a": aa, "b": bb, "third": third}[into]
+        assert ops.add(aa, bb, out=out) is out and np.array_equal(out, want), f"add into {into}"
+    for shape, stride, before, after in [((2, 3, 8, 8), 2, 2, 3), ((2, 3, 7, 9), 2, 0, 0), ((1, 4, 9, 10), 3, 1, 0),
+                                          ((2, 2, 5, 5), 1, 0, 2)]:
+        x = f32(rng, *shape)
+        y = ops.subsample_pad_fprop(x, stride, before, after)
+        what = f"subsample_pad {shape} stride {stride} pads {before}, {after}"
+        assert np.array_equal(y, numpy_ops.subsample_pad_fprop(x, stride, before, after)), f"{what}: fprop"
+        dy = f32(rng, *y.shape)
+        dx = ops.subsample_pad_bprop(dy, shape, stride, before, after)
+        assert np.array_equal(dx, numpy_ops.subsample_pad_bprop(dy, shape, stride, before, after)), f"{what}: bprop"
+
+
+# Random123's known answers of Philox4x32-10 (kat_vectors): counter 0, key 0
+PHILOX_KAT_ZERO = (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
+
+
+def dropout(lib, rng, small: bool) -> None:
+    """dropout_fprop / dropout_bprop (kernel `dropout`) equal numpy_ops bit for bit: the mask for several
+    keys (seed and minibatch past 2^32, layers), p from 0 to 0.99, sizes that are not multiples of 4, a
+    capped grid; NaN and inf in x (a dropped one gives NaN: a multiply); the forward and backward keep
+    the same elements. Then Random123's known answer through the op itself: with key 0 and counter 0
+    (seed, minibatch, layer 0: elements 0..3), threshold t = word keeps the element and t = word + 1
+    drops it, so each of the 4 words must be exactly the known one."""
+    x = f32(rng, 3, 5, 7, 11)  # 1155 elements: 288 counters and a partial one
+    x.reshape(-1)[::17] = np.nan
+    x.reshape(-1)[5::17] = np.inf
+    dy = f32(rng, *x.shape)
+    ops = cpu_backend(lib, elementwise_threads=64, elementwise_max_blocks=3)
+    keys = [(0, 0, 0), (1234, 7, 3), (2**64 - 1, 2**40 + 5, 2**32 - 1), (2**33 + 9, 2**64 - 1, 1)]
+    for (seed, minibatch, layer), p in itertools.product(keys, (0.0, 0.5, 0.1, 0.99)):
+        what = f"dropout p {p} seed {seed} minibatch {minibatch} layer {layer}"
+        with np.errstate(invalid="ignore"):
+            y, y_ref = ops.dropout_fprop(x, p, seed, minibatch, layer), numpy_ops.dropout_fprop(x, p, seed, minibatch,
+                                                                                                layer)
+        assert np.array_equal(y, y_ref, equal_nan=True), f"{what}: fprop differs from numpy_ops"
+        dx = ops.dropout_bprop(dy, p, seed, minibatch, layer)
+        assert np.array_equal(dx, numpy_ops.dropout_bprop(dy, p, seed, minibatch, layer)), f"{what}: bprop"
+        finite = np.isfinite(x)
+        assert np.array_equal((y != 0)[finite], (dx != 0)[finite]), f"{what}: forward and backward masks differ"
+    for shape in [(1,), (6,), (4, 3)]:  # a partial counter only, one and a half, three whole
+        a = f32(rng, *shape)
+        assert np.array_equal(ops.dropout_fprop(a, 0.3, 5, 6, 7), numpy_ops.dropout_fprop(a, 0.3, 5, 6, 7)), shape
+    ones = np.ones(4, np.float32)
+    for word_at, word in enumerate(PHILOX_KAT_ZERO):
+        kept = ops.dropout_fprop(ones, word / 2**32, 0, 0, 0)
+        dropped = ops.dropout_fprop(ones, (word + 1) / 2**32, 0, 0, 0)
+        assert kept[word_at] != 0 and dropped[word_at] == 0, (
+            f"Philox4x32-10 word {word_at} of counter 0, key 0 is not {word:#010x}: kept at t = word: "
+            f"{kept[word_at] != 0}, dropped at t = word + 1: {dropped[word_at] == 0}")
+
+
+def lrn(lib, rng, small: bool) -> None:
+    """lrn_fprop / lrn_bprop vs numpy_ops in float64: odd and even window sizes, size 1, a window wider
+    than C (every channel), AlexNet's parameters (k 2, alpha 1e-4, beta 0.75) and strong ones (alpha
+    1, beta 0.5, k 1) so that the normalisation is far from the identity."""
+    for (N, C, H, W), size, alpha, beta, k in [((2, 7, 3, 5), 5, 1e-4, 0.75, 2.0), ((2, 7, 3, 5), 5, 1.0, 0.5, 1.0),
+                                               ((1, 6, 4, 3), 4, 2.0, 0.75, 1.5), ((2, 3, 2, 2), 1, 0.7, 1.3, 1.0),
+                                               ((1, 5, 3, 3), 9, 1.0, 0.75, 0.5)]:
+        x = f32(rng, N, C, H, W)
+        dy = f32(rng, N, C, H, W)
+        ops = cpu_backend(lib, elementwise_threads=64, elementwise_max_blocks=2)
+        y, scale = ops.lrn_fprop(x, size, alpha, beta, k)
+        y_ref, scale_ref = numpy_ops.lrn_fprop(f64(x), size, alpha, beta, k)
+        what = f"lrn {(N, C, H, W)} size {size} alpha {alpha} beta {beta} k {k}"
+        assert_close(scale, scale_ref, f"{what}: scale")
+        assert_close(y, y_ref, f"{what}: y")
+        dx = ops.lrn_bprop(dy, x, y, scale, size, alpha, beta)
+        assert_close(dx, numpy_ops.lrn_bprop(f64(dy), f64(x), y_ref, scale_ref, size, alpha, beta), f"{what}: dx")
+
+
+def sgd_nesterov_lr_scale(lib, rng, small: bool) -> None:
+    """sgd_momentum's four forms (heavy ball or nesterov, lr_scale or none) vs numpy_ops.sgd_momentum in
+    float64 over three steps, with decay 0 on 'biases' and per-element learning-rate multipliers."""
+    n = 1001
+    w0, mask = f32(rng, n), (rng.random(n) < 0.8).astype(np.float32)
+    decay = (5e-4 * mask).astype(np.float32)
+    lr_scale = rng.choice([0.0, 0.5, 1.0, 2.0], n).astype(np.float32)
+    ops = cpu_backend(lib, elementwise_threads=64, elementwise_max_blocks=3)
+    for nesterov, scale in itertools.product((False, True), (None, lr_scale)):
+        w, v = w0.copy(), np.zeros(n, np.float32)
+        w_ref, v_ref = f64(w0), np.zeros(n)
+        for step in range(3):
+            g = f32(rng, n)
+            ops.sgd_momentum(w, v, g, decay, 0.9, 0.05, nesterov=nesterov, lr_scale=scale)
+            numpy_ops.sgd_momentum(w_ref, v_ref, f64(g), f64(decay), 0.9, 0.05, nesterov=nesterov,
+                                   lr_scale=None if scale is None else f64(scale))
+            what = f"sgd_momentum nesterov {nesterov} lr_scale {scale is not None}, step {step}"
+            assert_close(w, w_ref, f"{what}: params", atol=1e-6, rtol=1e-6)
+            assert_close(v, v_ref, f"{what}: velocity", atol=1e-6, rtol=1e-6)
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -514,4 +756,12 @@ CASES = [
     Case("softmax_xent", softmax_xent, ("softmax_xent",)),
     Case("softmax_xent_nonfinite", softmax_xent_nonfinite, ("softmax_xent",)),
     Case("sgd", sgd, ("sgd_momentum",)),
+    Case("maxpool_pad_ceil", maxpool_pad_ceil,
+         ("maxpool_fprop_u8", "maxpool_fprop_i32", "maxpool_bprop_u8", "maxpool_bprop_i32")),
+    Case("avgpool", avgpool, ("avgpool_fprop", "avgpool_bprop", "global_avgpool_fprop", "global_avgpool_bprop")),
+    Case("batchnorm", batchnorm, ("batchnorm_stats", "batchnorm_fprop", "batchnorm_bprop")),
+    Case("residual", residual, ("add", "subsample_pad_fprop", "subsample_pad_bprop")),
+    Case("dropout", dropout, ("dropout",)),
+    Case("lrn", lrn, ("lrn_fprop", "lrn_bprop")),
+    Case("sgd_nesterov_lr_scale", sgd_nesterov_lr_scale, ("sgd_momentum",)),
 ]

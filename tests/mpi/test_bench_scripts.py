@@ -1,0 +1,59 @@
+"""bench/resnet20_torch.py (its mpiasgd half: --skip-torch; PyTorch is no test dependency) and
+bench/decoupling.py end to end, a few minibatches each, on the tiny CIFAR-10 of the tests (resnet20 needs
+3x32x32 images: 100 training, 10 test): each script launches its own `mpiexec` jobs, reads their run logs and
+prints its table. Their pure logic: tests/unit/test_bench.py.
+
+Each script's jobs run under its own --timeout (it ends mpiexec and every rank at the limit); the script
+itself runs under a timeout of the test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from kit import REPO
+from kit.launch import mpi_env
+
+TIMEOUT = 60.0  # seconds per mpiexec job (the scripts' --timeout); a run here takes a few seconds when idle
+
+
+def run_script(script: str, args: list[str], cwd, jobs: int) -> subprocess.CompletedProcess:
+    """`python bench/SCRIPT ARGS` in `cwd`, with the harness's MPI environment (root, oversubscription)."""
+    done = subprocess.run([sys.executable, str(REPO / "bench" / script), *args, "--timeout", f"{TIMEOUT:g}"],
+                          cwd=cwd, env=mpi_env(), capture_output=True, text=True,
+                          timeout=jobs * (TIMEOUT + 40) + 60)  # the script's own time limits come first
+    assert done.returncode == 0, f"exit {done.returncode}\n--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
+    return done
+
+
+def test_resnet20_torch_script_runs_mpiasgd_and_reads_its_log(tmp_path, tiny_cifar):
+    data_dir, _ = tiny_cifar
+    done = run_script("resnet20_torch.py", ["--skip-torch", "--epochs", "0.5", "--batch-size", "8", "--subset", "3",
+                                            "--data-dir", str(data_dir), "--run-dir", "r", "--json", "out.json"],
+                      tmp_path, jobs=1)
+    assert "SUBSET: 3 minibatches only" in done.stdout
+    assert "| mpiasgd | " in done.stdout and "| PyTorch |" not in done.stdout
+    assert "mpiasgd within 1 point of PyTorch: not assessed (only one of the two ran)" in done.stdout
+    out = json.loads((tmp_path / "out.json").read_text())
+    ours = out["results"]["mpiasgd"]
+    assert out["subset"] and out["steps"] == ours["steps"] == 3 and ours["images"] == 24
+    assert 0 <= ours["test_accuracy"] <= 1 and len(ours["extra"]["losses"]) == 3
+    assert "--mode sync" in out["commands"][0] and "--max-pushes 3" in out["commands"][0]
+
+
+def test_decoupling_script_runs_k1_and_k2_and_prints_the_table(tmp_path, tiny_cifar):
+    data_dir, _ = tiny_cifar
+    done = run_script("decoupling.py", ["--rows", "K1,K2-b0.5-store", "--epochs", "0.5", "--batch-size", "8",
+                                        "--subset", "3", "--data-dir", str(data_dir), "--run-dir", "r",
+                                        "--json", "out.json"], tmp_path, jobs=2)
+    table = [line for line in done.stdout.splitlines() if line.startswith("| K")]
+    assert [line.split(" | ")[0] for line in table] == ["| K1", "| K2-b0.5-store"]
+    assert table[0].startswith("| K1 | 1 | 1 | - | - | ")
+    assert table[1].startswith("| K2-b0.5-store | 2 | 0.5 | store | 7 | ")
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert [r["name"] for r in out["rows"]] == ["K1", "K2-b0.5-store"] and out["activations_option"]
+    assert all(0 <= r["test_accuracy"] <= 1 and r["epochs"] == 0.24 for r in out["rows"])  # 3 x 8 of 100 images
+    assert out["goal"].startswith("K = 2 within 1.5 points of K = 1: ") and out["goal"] in done.stdout
+    assert "--pipeline-activations store" in out["commands"][1] and "--cuts 7" in out["commands"][1]
