@@ -83,7 +83,8 @@ class BaseConfig:
     momentum: float = _opt(0.9, "optimizer", "momentum, 0 <= m < 1 (heavy ball unless --nesterov)")
     nesterov: bool = _opt(False, "optimizer", "Nesterov momentum (torch.optim.SGD's form) instead of heavy-ball; "
                           "needs momentum > 0")
-    weight_decay: float = _opt(5e-4, "optimizer", "L2 penalty on conv/linear weights (not biases)")
+    weight_decay: float = _opt(5e-4, "optimizer", "L2 penalty, times each parameter's decay_mult (by default 1 on "
+                               "conv/linear weights, 0 on biases and BatchNorm; resnet20/56 decay every parameter)")
     lr_schedule: str = _opt("cosine", "optimizer", "after warm-up: constant | step | cosine (to 0 at the stop)")
     warmup_epochs: float = _opt(0.5, "optimizer", "linear learning-rate warm-up from 0, epochs")
     lr_milestones: tuple = _opt((), "optimizer", "step schedule: epochs at which lr is multiplied by --lr-gamma")
