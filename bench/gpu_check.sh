@@ -24,9 +24,12 @@
 #    min of CUDA-event timings after warm-up), throughput ours/cuDNN (goal >= 0.80 on the cifar10
 #    layers), TFLOP/s and % of the FP32 peak, cuBLAS ms of the same GEMM, and our error vs cuDNN;
 #    then the same with --conv-algo autotune (each pass's fastest tile, timed on its first call),
-#    and one goal line per pass kind for each. Exit status 2 there means no usable GPU (or no cupy).
-# Under 8.5 minutes on one GPU: every step has its own timeout (at most 30+10+20+20+270+110 s, plus 5 s
-# grace each: 490 s); a step that fails prints its exit status and the script goes on to the next.
+#    and one goal line per pass kind for each. Exit status 2 there means no usable GPU (or no cupy);
+# 4. runs bench/kernels.py --ops: our other kernels (batch norm, the residual shortcut and add, dropout,
+#    global/average/max pooling 3/2 ceil_mode, LRN, sgd_momentum nesterov + lr_scale) on resnet20's and
+#    AlexNet's shapes against PyTorch's: ms (median (min)), throughput ours/torch, our GB/s, error.
+# Under 8.5 minutes on one GPU: every step has its own timeout (at most 30+10+20+20+270+95+25 s, plus 5 s
+# grace each: 505 s); a step that fails prints its exit status and the script goes on to the next.
 set -u
 if [ $# -gt 0 ]; then
     echo "gpu_check.sh: takes no arguments (got: $*); PYTHON=... selects the interpreter, OUT=... a folder" >&2
@@ -88,13 +91,18 @@ tests_rc=$?
 echo "tests/gpu exit status: $tests_rc"
 
 echo "== bench/kernels.py: our conv kernels against cuDNN"
-timeout -k 5 110 "$PY" bench/kernels.py --tiles
+timeout -k 5 95 "$PY" bench/kernels.py --tiles
 bench_rc=$?
 echo "bench/kernels.py exit status: $bench_rc (0: measured; 2: no GPU or no cupy; 124: timed out)"
+
+echo "== bench/kernels.py --ops: our other kernels against PyTorch"
+timeout -k 5 25 "$PY" bench/kernels.py --ops --runs 30 --warmup 5
+ops_rc=$?
+echo "bench/kernels.py --ops exit status: $ops_rc (0: measured; 2: no GPU or no cupy; 124: timed out)"
 echo "== $(date -Is) done"
 # 0: the GPU tests passed and the kernels were timed; 1: a step failed (tests/gpu failing or not
 # collecting counts even without a GPU); 2: no usable GPU here, nothing failed, nothing measured
 if [ "$tests_rc" != 0 ] && [ "$tests_rc" != 5 ]; then exit 1; fi
-if [ "$bench_rc" = 2 ]; then exit 2; fi
-if [ "$bench_rc" != 0 ]; then exit 1; fi
+if [ "$bench_rc" = 2 ] && [ "$ops_rc" = 2 ]; then exit 2; fi
+if [ "$bench_rc" != 0 ] || [ "$ops_rc" != 0 ]; then exit 1; fi
 exit 0

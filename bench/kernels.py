@@ -1,6 +1,8 @@
-"""Our convolution kernels (kernels/conv2d.cu) against cuDNN, pass by pass, on one GPU.
+"""Our convolution kernels (kernels/conv2d.cu) against cuDNN, pass by pass, on one GPU; with --ops, our
+other kernels (pooling, batch norm, residual shortcut, dropout, LRN, sgd) against PyTorch's.
 
     python3 bench/kernels.py [--batch 128] [--runs 50] [--warmup 10] [--layers conv1 conv3 large] [--no-torch]
+    python3 bench/kernels.py --ops [--runs 30] [--warmup 5] [--no-torch]
 
 Run from the repository root with it on PYTHONPATH (bash bench/gpu_check.sh does both). Layers: the
 conv layers of the cifar10 model (conv1..conv3, shapes taken from `mpiasgd.model` at --batch) and one
@@ -27,6 +29,13 @@ is ours with conv_algo "heuristic" (the default tiles); an autotune table follow
 with conv_algo "autotune" (its first call times every tile variant and keeps the fastest, as
 --conv-algo autotune does in training), its tile, ms, speed-up over the heuristic tiles and
 ratio to cuDNN, and a second set of goal lines.
+
+--ops: one row per op and shape (resnet20's CIFAR activations at batch 128: batch norm's training
+forward (statistics + y) and backward, the option-A shortcut, the residual add, dropout, global
+average pooling; AlexNet's 96x55x55 and 256x27x27 at batch 32: LRN forward and backward, max and
+average pooling 3/2 ceil_mode forward and backward; sgd_momentum (nesterov, lr_scale) on 272,474
+parameters), ours against PyTorch's (their native kernels, or autograd for LRN's backward), with the
+throughput ratio ours/torch, our GB/s of the op's least memory traffic and the error against torch.
 
 Timing: every call (ours, cuDNN, cuBLAS) runs on one CUDA stream, shared by CuPy and PyTorch (an
 external stream for torch), between two CUDA events recorded on that stream (CuPy's events for all
@@ -617,6 +626,195 @@ def tile_sweep(layer: ConvLayer, ops, cupy, timer: Timer, runs: int, warmup: int
 
 
 # ----------------------------------------------------------------------------------------------
+# the other kernels (--ops): pooling, batch norm, residual shortcut, dropout, LRN, sgd against PyTorch
+
+RESNET20_SHAPES = ((128, 16, 32, 32), (128, 64, 8, 8))  # resnet20 CIFAR activations at batch 128
+ALEXNET_SHAPES = ((32, 96, 55, 55), (32, 256, 27, 27))  # AlexNet's conv1 / conv2 outputs at batch 32
+SGD_PARAMS = 272_474  # resnet20's parameters
+
+
+@dataclass(frozen=True)
+class OpResult:
+    """One row of the --ops table: our kernel(s) for one op on one shape against PyTorch's (None: not
+    measured)."""
+
+    op: str
+    shape: str
+    nbytes: int  # the least memory traffic of the op: every input read once, every output written once
+    ours: Timing
+    torch: Timing | None = None
+    error: float | None = None  # max |ours - torch| / max |torch|; None where the outputs differ by design
+
+    @property
+    def ratio(self) -> float | None:
+        """Throughput ours/torch = torch ms / ours ms (> 1: ours is faster)."""
+        return None if self.torch is None else throughput_ratio(self.ours.median_ms, self.torch.median_ms)
+
+
+OPS_HEADER = (f"{'op':<36} {'shape':<18} {'ours ms (min)':>19} {'torch ms (min)':>19} {'ours/torch':>10} "
+              f"{'ours GB/s':>9} {'err':>9}")
+
+
+def format_op_row(r: OpResult) -> str:
+    """The --ops table row of one result (OPS_HEADER's columns): GB/s = the least traffic / ours median."""
+    ratio = "-" if r.ratio is None else f"{r.ratio:.2f}"
+    err = "-" if r.error is None else f"{r.error:.1e}" + ("!" if r.error > ERROR_FLAG else " ")
+    late = "~" if r.ours.late or (r.torch is not None and r.torch.late) else " "
+    return (f"{r.op:<36} {r.shape:<18} {_ms(r.ours):>19} {_ms(r.torch):>19} {ratio:>10} "
+            f"{r.nbytes / (r.ours.median_ms * 1e-3) / 1e9:>9.1f} {err:>9}{late}")
+
+
+@dataclass(frozen=True)
+class OpCase:
+    """One op to time: our call and PyTorch's (each returns the array compared, or None), the least bytes."""
+
+    op: str
+    shape: tuple[int, ...]
+    nbytes: int
+    ours: Callable[[], object]
+    torch: Callable[[], object] | None
+    comparable: bool = True  # False: the outputs differ by design (dropout's generators, sgd's state)
+
+
+class _Inputs:
+    """Float32 standard-normal arrays, the same values as a cupy array and (with torch) a torch tensor."""
+
+    def __init__(self, cupy, torch, seed: int) -> None:
+        self.cupy, self.torch, self.rng = cupy, torch, np.random.default_rng(seed)
+
+    def pair(self, shape: tuple[int, ...]):
+        host = self.rng.standard_normal(shape, dtype=np.float32)
+        return self.cupy.asarray(host), (None if self.torch is None else self.torch.from_numpy(host).cuda())
+
+
+def _batchnorm_cases(ops, torch, inputs: _Inputs, shape: tuple[int, int, int, int]) -> list[OpCase]:
+    """Training-mode batch norm: statistics (with the running update) and y; the backward."""
+    C, n, eps = shape[1], math.prod(shape), 1e-5
+    (x, xt), (dy, dyt), (g, gt), (b, bt) = (inputs.pair(s) for s in (shape, shape, (C,), (C,)))
+    rm, rv = ops.zeros(C), ops.asarray(np.ones(C))
+    mean, var = ops.batchnorm_stats(x)
+    dgamma, dbeta = ops.empty(C), ops.empty(C)
+
+    def fprop():
+        return ops.batchnorm_fprop(x, g, b, *ops.batchnorm_stats(x, rm, rv, 0.1), eps)
+
+    def bprop():
+        return ops.batchnorm_bprop(dy, x, g, mean, var, eps, dgamma, dbeta)
+
+    if torch is None:
+        return [OpCase("batchnorm train fprop (stats+y)", shape, 8 * n, fprop, None),
+                OpCase("batchnorm bprop (dx, dgamma, dbeta)", shape, 12 * n, bprop, None)]
+    rmt, rvt = torch.zeros(C, device="cuda"), torch.ones(C, device="cuda")
+    _, save_mean, save_invstd = torch.ops.aten.native_batch_norm(xt, gt, bt, None, None, True, 0.1, eps)
+    return [OpCase("batchnorm train fprop (stats+y)", shape, 8 * n, fprop,
+                   lambda: torch.nn.functional.batch_norm(xt, rmt, rvt, gt, bt, training=True, momentum=0.1, eps=eps)),
+            OpCase("batchnorm bprop (dx, dgamma, dbeta)", shape, 12 * n, bprop,
+                   lambda: torch.ops.aten.native_batch_norm_backward(dyt, xt, gt, None, None, save_mean, save_invstd,
+                                                                     True, eps, [True, True, True])[0])]
+
+
+def _shortcut_cases(ops, torch, inputs: _Inputs, shape: tuple[int, int, int, int]) -> list[OpCase]:
+    """resnet20's first-stage shortcut into the second (option A), a residual add, dropout p 0.5."""
+    C, n = shape[1], math.prod(shape)
+    (x, xt), (b, bt) = inputs.pair(shape), inputs.pair(shape)
+    out = ops.empty(shape)
+    y_size = math.prod(ops.subsample_pad_fprop(x, 2, C // 2, C // 2).shape)
+    outt = None if torch is None else torch.empty_like(xt)
+    F = None if torch is None else torch.nn.functional
+    return [OpCase("subsample_pad fprop (option A)", shape, 4 * (n // 4 + y_size),
+                   lambda: ops.subsample_pad_fprop(x, 2, C // 2, C // 2),
+                   None if torch is None else lambda: F.pad(xt[:, :, ::2, ::2], (0, 0, 0, 0, C // 2, C // 2))),
+            OpCase("add", shape, 12 * n, lambda: ops.add(x, b, out=out),
+                   None if torch is None else lambda: torch.add(xt, bt, out=outt)),
+            OpCase("dropout p 0.5", shape, 8 * n, lambda: ops.dropout_fprop(x, 0.5, 1, 2, 3),
+                   None if torch is None else lambda: F.dropout(xt, 0.5, training=True), comparable=False)]
+
+
+def _global_pool_cases(ops, torch, inputs: _Inputs, shape: tuple[int, int, int, int]) -> list[OpCase]:
+    x, xt = inputs.pair(shape)
+    return [OpCase("global_avgpool fprop", shape, 4 * (math.prod(shape) + shape[0] * shape[1]),
+                   lambda: ops.global_avgpool_fprop(x), None if torch is None else lambda: xt.mean(dim=(2, 3)))]
+
+
+def _alexnet_cases(ops, torch, inputs: _Inputs, shape: tuple[int, int, int, int]) -> list[OpCase]:
+    """AlexNet's response normalisation (size 5, alpha 1e-4, beta 0.75, k 2) and pooling 3/2 ceil_mode."""
+    n = math.prod(shape)
+    (x, xt), (dy, dyt) = inputs.pair(shape), inputs.pair(shape)
+    y, scale = ops.lrn_fprop(x, 5, 1e-4, 0.75, 2.0)
+    m, argmax = ops.maxpool_fprop(x, 3, 2, 0, True)
+    g, gt = inputs.pair(tuple(m.shape))
+    pooled = math.prod(m.shape)
+    ours = [("lrn fprop (size 5)", 12 * n, lambda: ops.lrn_fprop(x, 5, 1e-4, 0.75, 2.0)[0]),
+            ("lrn bprop", 20 * n, lambda: ops.lrn_bprop(dy, x, y, scale, 5, 1e-4, 0.75)),
+            ("maxpool fprop 3/2 ceil", 4 * n + 5 * pooled, lambda: ops.maxpool_fprop(x, 3, 2, 0, True)[0]),
+            ("maxpool bprop 3/2 ceil", 5 * pooled + 4 * n, lambda: ops.maxpool_bprop(g, argmax, shape, 3, 2, 0, True)),
+            ("avgpool fprop 3/2 ceil", 4 * (n + pooled), lambda: ops.avgpool_fprop(x, 3, 2, 0, True)),
+            ("avgpool bprop 3/2 ceil", 4 * (n + pooled), lambda: ops.avgpool_bprop(g, shape, 3, 2, 0, True))]
+    if torch is None:
+        return [OpCase(op, shape, nbytes, call, None) for op, nbytes, call in ours]
+    F, aten = torch.nn.functional, torch.ops.aten
+    xg = xt.clone().requires_grad_(True)
+    yt = F.local_response_norm(xg, 5, 1e-4, 0.75, 2.0)  # its graph, kept for the timed backwards
+    idx = F.max_pool2d(xt, 3, 2, 0, ceil_mode=True, return_indices=True)[1]
+    theirs = [lambda: F.local_response_norm(xt, 5, 1e-4, 0.75, 2.0),
+              lambda: torch.autograd.grad(yt, xg, dyt, retain_graph=True)[0],
+              lambda: F.max_pool2d(xt, 3, 2, 0, ceil_mode=True, return_indices=True)[0],
+              lambda: aten.max_pool2d_with_indices_backward(gt, xt, [3, 3], [2, 2], [0, 0], [1, 1], True, idx),
+              lambda: F.avg_pool2d(xt, 3, 2, 0, ceil_mode=True),
+              lambda: aten.avg_pool2d_backward(gt, xt, [3, 3], [2, 2], [0, 0], True, True, None)]
+    return [OpCase(op, shape, nbytes, call, ref) for (op, nbytes, call), ref in zip(ours, theirs, strict=True)]
+
+
+def _sgd_cases(ops, torch, inputs: _Inputs) -> list[OpCase]:
+    """One sgd_momentum step (nesterov, lr_scale) on resnet20's parameter count; torch.optim.SGD's step
+    (nesterov, foreach; no lr_scale) with the same sizes."""
+    n = SGD_PARAMS
+    (p, pt), (v, _), (g, gt), (s, _) = (inputs.pair((n,)) for _ in range(4))
+    decay = ops.asarray(np.full(n, 5e-4))
+    opt = None
+    if torch is not None:
+        pt.grad = gt
+        opt = torch.optim.SGD([pt], lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4, foreach=True)
+    return [OpCase("sgd_momentum nesterov lr_scale", (n,), 28 * n,
+                   lambda: ops.sgd_momentum(p, v, g, decay, 0.9, 0.1, nesterov=True, lr_scale=s),
+                   None if torch is None else lambda: opt.step(), comparable=False)]
+
+
+def op_cases(ops, cupy, torch, seed: int = 0) -> list[OpCase]:
+    """The ops --ops times, on resnet20's and AlexNet's shapes, with the same inputs on both sides (`torch`
+    None: ours only). PyTorch's side: F.batch_norm and aten.native_batch_norm_backward, F.pad of a
+    strided view, torch.add, F.dropout, a mean, F.local_response_norm and its autograd backward, max and
+    average pooling with their aten backwards, torch.optim.SGD (foreach)."""
+    inputs = _Inputs(cupy, torch, seed)
+    first, last = RESNET20_SHAPES
+    cases = [*_batchnorm_cases(ops, torch, inputs, first), *_batchnorm_cases(ops, torch, inputs, last),
+             *_shortcut_cases(ops, torch, inputs, first), *_global_pool_cases(ops, torch, inputs, last)]
+    for shape in ALEXNET_SHAPES:
+        cases += _alexnet_cases(ops, torch, inputs, shape)
+    return cases + _sgd_cases(ops, torch, inputs)
+
+
+def measure_ops(cases: list[OpCase], cupy, timer: Timer, runs: int, warmup: int) -> tuple[list[OpResult], list[str]]:
+    """Check (one call each side) and time every case; (results, the ops that failed, reported on stdout)."""
+    results, failed = [], []
+    for case in cases:
+        shape = "x".join(map(str, case.shape))
+        try:
+            error = None
+            if case.torch is not None and case.comparable:
+                error = relative_error(cupy.asnumpy(case.ours()), case.torch().detach().cpu().numpy())
+            mine = timer.time(case.ours, runs, warmup)
+            theirs = None if case.torch is None else timer.time(case.torch, runs, warmup)
+        except Exception:  # report and go on: one op's failure must not hide the rest
+            failed.append(f"{case.op} {shape}")
+            print(f"!! {case.op} {shape}: failed\n{traceback.format_exc()}", flush=True)
+            continue
+        results.append(OpResult(case.op, shape, case.nbytes, mine, theirs, error))
+        print(format_op_row(results[-1]), flush=True)
+    return results, failed
+
+
+# ----------------------------------------------------------------------------------------------
 # main
 
 
@@ -632,6 +830,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-torch", action="store_true", help="time ours (and cuBLAS) only, no cuDNN")
     parser.add_argument("--tiles", action="store_true",
                         help="also time every conv tile variant of ours on every pass (* marks conv_tile's choice)")
+    parser.add_argument("--ops", action="store_true",
+                        help="instead of the conv layers, time the other kernels (pooling, batch norm, residual "
+                             "shortcut, dropout, LRN, sgd) against PyTorch's on resnet20 and AlexNet shapes")
     args = parser.parse_args(argv)
     if args.warmup < 0:
         parser.error(f"argument --warmup: expected an integer >= 0, got {args.warmup}")
@@ -659,6 +860,31 @@ def device_lines(cupy, dev: int) -> tuple[list[str], float | None, int]:
         peak, clock_khz
 
 
+def run_ops(args: argparse.Namespace, ops, cupy, torch, stream, on_torch_stream, clock_khz: int) -> int:
+    """--ops: the table of the non-conv kernels against PyTorch (`op_cases`), timed as the conv passes are.
+    Exit status 0 after the measurement, 1 when an op failed."""
+    with stream, on_torch_stream:  # every launch below, cupy's and torch's, goes to `stream`
+        timer = Timer(cupy, stream, clock_khz)
+        timer.calibrate()
+        print(f"timing: median (min) of {args.runs} calls after {args.warmup} warm-up call(s), CUDA events on one "
+              f"stream, each call queued behind a {timer.spin_ms:.2f} ms spin kernel; ms per call")
+        print("ours/torch = torch ms / ours ms (throughput); GB/s = the op's least memory traffic (each input read "
+              f"once, each output written once) / ours ms; err = max|ours - torch| / max|torch| (! above "
+              f"{ERROR_FLAG:g}; - where the outputs differ by design: dropout's generators, optimizer state)\n")
+        print(OPS_HEADER, flush=True)
+        results, failed = measure_ops(op_cases(ops, cupy, torch), cupy, timer, args.runs, args.warmup)
+    if any(r.ours.late or (r.torch is not None and r.torch.late) for r in results):
+        print(f"~: some calls took longer than the {timer.spin_ms:.2f} ms spin to launch: their samples may "
+              "hold host time")
+    flagged = [f"{r.op} {r.shape}" for r in results if r.error is not None and r.error > ERROR_FLAG]
+    if flagged:
+        print(f"!! ours differs from torch by more than {ERROR_FLAG:g} of max |torch|: {', '.join(flagged)}")
+    if failed:
+        print(f"!! failed: {', '.join(failed)}")
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     why = no_device_reason()
@@ -681,6 +907,8 @@ def main(argv: list[str] | None = None) -> int:
     if torch is not None:
         print(f"same device for cupy and torch: {same_device_note(cupy, torch, dev)}")
         on_torch_stream = torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=torch.device("cuda", dev)))
+    if args.ops:
+        return run_ops(args, ops, cupy, torch, stream, on_torch_stream, clock_khz)
     layers = [layer for layer in bench_layers(args.batch) if layer.name in args.layers]
     print(f"layers (NCHW float32, batch {args.batch}):")
     for layer in layers:

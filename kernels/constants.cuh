@@ -31,6 +31,7 @@
 #define SPLIT_REDUCE_THREADS_MAX 256  // conv2d_split_reduce: most threads per block
 #define BIAS_THREADS_MAX 256  // bias_grad: most threads per block (a power of two)
 #define SOFTMAX_THREADS_MAX 256  // softmax_xent: most threads per block (a power of two)
+#define BATCHNORM_THREADS_MAX 512  // batchnorm_stats, batchnorm_bprop: most threads per block (a power of two)
 #define MAX_BLOCK_THREADS 1024  // CUDA: threads per block
 #define MAX_STATIC_SHARED 49152  // CUDA: bytes of static shared memory per block
 

@@ -876,6 +876,9 @@ def test_written_arrays_must_not_overlap_an_input(on_numpy):
     shifted = _a(9)
     with pytest.raises(ValueError, match="add: out overlaps a in memory without being it"):
         on_numpy.add(shifted[:8], _a(8), out=shifted[1:])  # out[i] = a[i + 1] + ... would read a written a
+    with pytest.raises(ValueError, match="add: out overlaps b in memory without being it"):
+        tail = shifted[1:]
+        on_numpy.add(tail, shifted[:8], out=tail)  # in place into a, b a shifted view of it
     p = _a(8)
     with pytest.raises(ValueError, match="sgd_momentum: lr_scale overlaps params in memory"):
         on_numpy.sgd_momentum(p, _a(8), _a(8), _a(8), 0.9, 0.1, lr_scale=p)
@@ -896,6 +899,15 @@ def test_newer_ops_refuse_extents_their_ints_cannot_hold(fake_gpu, launches, cal
     """The kernels index within a plane with ints: an extent past 2^31 - 1 is refused before launch."""
     with pytest.raises(ValueError, match=match):
         call(fake_gpu)
+    assert launches == []
+
+
+@pytest.mark.parametrize("threads", [0, 48, 1024])
+def test_batchnorm_block_must_fit_the_shared_array(fake_gpu, launches, threads):
+    """batchnorm.cu's trees need a power-of-two block no larger than its static array (BATCHNORM_THREADS_MAX)."""
+    ops = fake_gpu.configured(batchnorm_threads=threads)
+    with pytest.raises(ValueError, match="batchnorm_stats: batchnorm_threads must be a power of two up to 512"):
+        ops.batchnorm_stats(FakeArray((2, 3, 4, 4)))
     assert launches == []
 
 

@@ -2,6 +2,9 @@
 
 Plain build: every case of `kernels_cpu.cuda_cpu.cases` (every kernel, through the CUDA backend's wrappers and raw; the
 *_nonfinite cases feed NaN and +-inf, which must propagate as in numpy_ops).
+Not vacuous: a copy of a kernel with one planted error (an arithmetic slip, a dropped NaN, a padding
+rule, a one-pass variance, a wrong Philox key schedule) fails its case; kernels/philox.cuh gives
+Random123's known answers.
 ThreadSanitizer build (in a subprocess with libtsan preloaded): the small cases must run clean, and
 a copy of a kernel with one `__syncthreads()` removed must be reported as a data race (every
 barrier of the kernels that have one is planted in turn; each was reported in 5 of 5 trials).
@@ -72,7 +75,7 @@ PLANTED_ERRORS = [
     ("pool.cu", {"(h0 + kernel < n + pad ? h0 + kernel : n + pad) - h0": "(h0 + kernel < n ? h0 + kernel : n) - h0"},
      "avgpool"),  # count_include_pad counting the image only
     ("pool.cu", {"int best_at = i0 * kernel + j0;": "int best_at = 0;"}, "maxpool_pad_ceil"),  # padding wins
-    ("pool.cu", {"const int first = (hp - kernel + stride) / stride;": "const int first = (hp - kernel) / stride;"},
+    ("pool.cu", {"(hp - kernel) / stride + 1 : 0;": "(hp - kernel) / stride + 2 : 0;"},
      "maxpool_pad_ceil"),  # the backward misses a window
     ("batchnorm.cu", {"    if (l >= HW) {": "    if (l > HW) {"}, "batchnorm"),  # the channel walk's carry
     ("batchnorm.cu", {"const float d = x[i] - mu;\n    s2 += d * d;": "s2 += x[i] * x[i];",

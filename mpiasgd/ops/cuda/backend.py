@@ -22,9 +22,10 @@ block and shared memory in plain view; `launch` checks them against the device's
 arguments' C types before anything runs.
 
 Float sums run in a different order than NumPy's BLAS: results agree to float32 rounding, and every
-reduction (wgrad over the batch, bias_grad, maxpool_bprop) has a fixed order without atomics, so each
-result is bit-reproducible run to run on one device (with conv_algo "autotune", for a given choice of
-tiles, which is itself a measurement). Importing this module needs neither cupy nor a GPU.
+reduction (wgrad over the batch, bias_grad, the batch-norm statistics and gradients, the pooling
+backwards) has a fixed order without atomics, so each result is bit-reproducible run to run on one
+device (with conv_algo "autotune", for a given choice of tiles, which is itself a measurement).
+Importing this module needs neither cupy nor a GPU.
 """
 
 from __future__ import annotations
@@ -41,17 +42,23 @@ from mpiasgd.ops.contract import (
     c_float32,
     c_int32,
     c_int64,
+    check_bool,
+    check_int,
     check_labels,
     check_linear_dgrad,
     check_linear_wgrad,
+    check_lrn,
+    check_real,
     conv_geometry,
     conv_ints,
+    dropout_key,
     label_outside,
     pool_geometry,
     shape4,
 )
 from mpiasgd.ops.contract import check_array as check_device_array
 from mpiasgd.ops.cuda.constants import (
+    BATCHNORM_THREADS_MAX,
     BIAS_THREADS_MAX,
     SOFTMAX_THREADS_MAX,
     SPLIT_REDUCE_OUTS,
@@ -76,7 +83,8 @@ class Blocks:
     values by default; the CPU harness uses smaller ones to run more of each kernel's paths."""
 
     reduce_threads: int = min(BIAS_THREADS_MAX, SOFTMAX_THREADS_MAX)  # bias_grad, softmax_xent: a power of two
-    elementwise_threads: int = ELEMENTWISE_THREADS  # relu, pooling, sgd: any
+    batchnorm_threads: int = BATCHNORM_THREADS_MAX  # batchnorm_stats, batchnorm_bprop: a power of two
+    elementwise_threads: int = ELEMENTWISE_THREADS  # relu, pooling, dropout, lrn, sgd, ...: any
     elementwise_max_blocks: int = ELEMENTWISE_MAX_BLOCKS  # grid-stride loops cover the rest
 
     def elementwise(self, n: int) -> tuple[Grid, Grid]:
@@ -403,37 +411,330 @@ class CupyBackend:
         self.launch("relu_bprop", grid, block, (dy, y, dx, c_int64("relu_bprop", "n", dy.size)))
         return dx
 
-    def maxpool_fprop(self, x, kernel: int, stride: int):
-        """Max pooling: x (N, C, H, W) -> (y (N, C, P, Q), argmax (N, C, P, Q) uint8/int32). See
-        `Backend.maxpool_fprop`. Kernels `maxpool_fprop_u8` / `_i32`, one thread per output."""
+    def _pool_launch_geometry(self, op: str, x_shape, kernel: int, stride: int, pad: int, ceil_mode: bool):
+        """(P, Q) of pooling x_shape on the device (`contract.pool_geometry`: kernel, stride, pad, ceil_mode,
+        PyTorch's output size, H*W in an int) and pool.cu's other int extents: a window's padded rows
+        and columns (h0 + kernel < H + 2*pad + kernel) and the output plane P*Q."""
+        P, Q = pool_geometry(op, x_shape, kernel, stride, pad, ceil_mode)
+        H, W = x_shape[2:]
+        for what, v in (("H + 2*pad + kernel", H + 2 * pad + kernel), ("W + 2*pad + kernel", W + 2 * pad + kernel),
+                        ("P*Q", P * Q)):
+            c_int32(op, what, v)
+        return P, Q
+
+    def _pool_args(self, op: str, N: int, C: int, H: int, W: int, P: int, Q: int, kernel: int, stride: int,
+                   pad: int) -> tuple:
+        """pool.cu's geometry arguments: N*C (long long), H, W, P, Q, kernel, stride, pad (int)."""
+        i32 = functools.partial(c_int32, op)
+        return (c_int64(op, "N*C", N * C), i32("H", H), i32("W", W), i32("P", P), i32("Q", Q), i32("kernel", kernel),
+                i32("stride", stride), i32("pad", pad))
+
+    def maxpool_fprop(self, x, kernel: int, stride: int, pad: int = 0, ceil_mode: bool = False):
+        """Max pooling: x (N, C, H, W) -> (y (N, C, P, Q), argmax (N, C, P, Q) uint8/int32), padding never
+        wins, PyTorch's output size (floor or ceil_mode). See `Backend.maxpool_fprop`. Kernels
+        `maxpool_fprop_u8` / `_i32`, one thread per output."""
         op = "maxpool_fprop"
         self.check_array(op, "x", x, ndim=4)
         N, C, H, W = x.shape
-        P, Q = pool_geometry(op, x.shape, kernel, stride)
+        P, Q = self._pool_launch_geometry(op, x.shape, kernel, stride, pad, ceil_mode)
         adt = argmax_dtype(kernel)
         y = self.xp.empty((N, C, P, Q), dtype=np.float32)
         argmax = self.xp.empty((N, C, P, Q), dtype=adt)
         grid, block = self.blocks.elementwise(y.size)  # one thread per output
         kname = "maxpool_fprop_u8" if adt == np.uint8 else "maxpool_fprop_i32"
-        i32 = functools.partial(c_int32, op)
-        self.launch(kname, grid, block, (x, y, argmax, c_int64(op, "N*C", N * C), i32("H", H), i32("W", W),
-                                         i32("P", P), i32("Q", Q), i32("kernel", kernel), i32("stride", stride)))
+        self.launch(kname, grid, block, (x, y, argmax, *self._pool_args(op, N, C, H, W, P, Q, kernel, stride, pad)))
         return y, argmax
 
-    def maxpool_bprop(self, dy, argmax, x_shape: tuple[int, int, int, int], kernel: int, stride: int):
-        """Gradient of `maxpool_fprop`: dx (N, C, H, W), fresh; overlapping windows sum (gather, no atomics)."""
+    def maxpool_bprop(self, dy, argmax, x_shape: tuple[int, int, int, int], kernel: int, stride: int, pad: int = 0,
+                      ceil_mode: bool = False):
+        """Gradient of `maxpool_fprop`: dx (N, C, H, W), fresh; overlapping windows sum (gather, no atomics).
+        An argmax value naming no image pixel of its window (not one `maxpool_fprop` makes) adds nothing."""
         op = "maxpool_bprop"
         N, C, H, W = shape4(op, "x_shape", x_shape, "(N, C, H, W)")
-        P, Q = pool_geometry(op, (N, C, H, W), kernel, stride)
+        P, Q = self._pool_launch_geometry(op, (N, C, H, W), kernel, stride, pad, ceil_mode)
         adt = argmax_dtype(kernel)
         self.check_array(op, "dy", dy, shape=(N, C, P, Q))
         self.check_array(op, "argmax", argmax, shape=(N, C, P, Q), dtype=adt)
         dx = self.xp.empty((N, C, H, W), dtype=np.float32)
         grid, block = self.blocks.elementwise(dx.size)  # one thread per input element
         kname = "maxpool_bprop_u8" if adt == np.uint8 else "maxpool_bprop_i32"
+        self.launch(kname, grid, block, (dy, argmax, dx, *self._pool_args(op, N, C, H, W, P, Q, kernel, stride, pad)))
+        return dx
+
+    def avgpool_fprop(self, x, kernel: int, stride: int, pad: int = 0, ceil_mode: bool = False,
+                      count_include_pad: bool = True):
+        """Average pooling (torch.nn.AvgPool2d): x (N, C, H, W) -> y (N, C, P, Q), fresh. See
+        `Backend.avgpool_fprop`. Kernel `avgpool_fprop`, one thread per output."""
+        op = "avgpool_fprop"
+        self.check_array(op, "x", x, ndim=4)
+        N, C, H, W = x.shape
+        P, Q = self._pool_launch_geometry(op, x.shape, kernel, stride, pad, ceil_mode)
+        check_bool(op, "count_include_pad", count_include_pad)
+        y = self.xp.empty((N, C, P, Q), dtype=np.float32)
+        grid, block = self.blocks.elementwise(y.size)  # one thread per output
+        self.launch(op, grid, block, (x, y, *self._pool_args(op, N, C, H, W, P, Q, kernel, stride, pad),
+                                      np.int32(count_include_pad)))
+        return y
+
+    def avgpool_bprop(self, dy, x_shape: tuple[int, int, int, int], kernel: int, stride: int, pad: int = 0,
+                      ceil_mode: bool = False, count_include_pad: bool = True):
+        """Gradient of `avgpool_fprop`: dy (N, C, P, Q) -> dx (N, C, H, W), fresh. Kernel `avgpool_bprop`, one
+        thread per input element gathering dy / divisor of its windows (no atomics)."""
+        op = "avgpool_bprop"
+        N, C, H, W = shape4(op, "x_shape", x_shape, "(N, C, H, W)")
+        P, Q = self._pool_launch_geometry(op, (N, C, H, W), kernel, stride, pad, ceil_mode)
+        check_bool(op, "count_include_pad", count_include_pad)
+        self.check_array(op, "dy", dy, shape=(N, C, P, Q))
+        dx = self.xp.empty((N, C, H, W), dtype=np.float32)
+        grid, block = self.blocks.elementwise(dx.size)  # one thread per input element
+        self.launch(op, grid, block, (dy, dx, *self._pool_args(op, N, C, H, W, P, Q, kernel, stride, pad),
+                                      np.int32(count_include_pad)))
+        return dx
+
+    def global_avgpool_fprop(self, x):
+        """Global average pooling: x (N, C, H, W) -> y (N, C), the mean over H and W, fresh. Kernel
+        `global_avgpool_fprop`, one thread per (n, c) summing its H*W pixels in order."""
+        op = "global_avgpool_fprop"
+        self.check_array(op, "x", x, ndim=4)
+        N, C, H, W = x.shape
+        if H * W == 0:
+            raise ValueError(f"{op}: x must have H*W > 0, got shape {tuple(x.shape)}")
+        y = self.xp.empty((N, C), dtype=np.float32)
+        grid, block = self.blocks.elementwise(N * C)  # one thread per (n, c)
+        self.launch(op, grid, block, (x, y, c_int64(op, "N*C", N * C), c_int32(op, "H*W", H * W)))
+        return y
+
+    def global_avgpool_bprop(self, dy, x_shape: tuple[int, int, int, int]):
+        """Gradient of `global_avgpool_fprop`: dy (N, C) -> dx (N, C, H, W) = dy / (H*W), fresh. Kernel
+        `global_avgpool_bprop`, one thread per element."""
+        op = "global_avgpool_bprop"
+        self.check_array(op, "dy", dy, ndim=2)
+        N, C, H, W = shape4(op, "x_shape", x_shape, "(N, C, H, W)")
+        if H * W == 0:
+            raise ValueError(f"{op}: x_shape must have H*W > 0, got {(N, C, H, W)}")
+        self.check_array(op, "dy", dy, shape=(N, C))
+        dx = self.xp.empty((N, C, H, W), dtype=np.float32)
+        grid, block = self.blocks.elementwise(dx.size)
+        self.launch(op, grid, block, (dy, dx, c_int64(op, "N*C", N * C), c_int32(op, "H*W", H * W)))
+        return dx
+
+    # ------------------------------------------------------------------------------------------
+    # batch normalisation (kernels/batchnorm.cu): per-channel reductions, one block per channel, no atomics
+
+    def _channel_vectors(self, op: str, C: int, **vectors) -> None:
+        """Check every named argument is a (C,) float32 device array (x's channels)."""
+        for arg, a in vectors.items():
+            self.check_array(op, arg, a, shape=(C,))
+
+    def _refuse_overlap(self, op: str, written: dict, others: dict) -> None:
+        """ValueError naming the first array of `written` (arg -> array, written by the kernel) that may
+        overlap another written one or one of `others` (arg -> array, read) in memory."""
+        names = list(written)
+        for i, arg in enumerate(names):
+            for other, b in [*((o, written[o]) for o in names[i + 1:]), *others.items()]:
+                if b is not None and self.may_share_memory(written[arg], b):
+                    raise ValueError(f"{op}: {arg} overlaps {other} in memory ({arg} is written by the kernel: "
+                                     "pass separate buffers)")
+
+    def _bn_block(self, op: str, C: int) -> tuple[Grid, Grid]:
+        """The reductions' launch: one block per channel, `Blocks.batchnorm_threads` threads (a power of two
+        up to BATCHNORM_THREADS_MAX, the kernels' static shared array: ValueError otherwise)."""
+        threads = self.blocks.batchnorm_threads
+        if threads < 1 or threads & (threads - 1) or threads > BATCHNORM_THREADS_MAX:
+            raise ValueError(f"{op}: batchnorm_threads must be a power of two up to {BATCHNORM_THREADS_MAX} (the "
+                             f"kernel's shared array), got {threads}")
+        return (C, 1, 1), (threads, 1, 1)
+
+    def batchnorm_stats(self, x, running_mean=None, running_var=None, momentum: float = 0.1):
+        """Per-channel batch statistics: x (N, C, H, W) -> (mean (C,), biased var (C,)), fresh; with
+        running_mean and running_var ((C,) float32) also their in-place update (torch.nn.BatchNorm2d's).
+        See `Backend.batchnorm_stats`. Kernel `batchnorm_stats`: one block per channel, two passes (mean,
+        then squared deviations), each a fixed-order float32 tree (no atomics: bit-reproducible).
+        Raises ValueError also when a running array overlaps the other or x."""
+        op = "batchnorm_stats"
+        self.check_array(op, "x", x, ndim=4)
+        N, C, H, W = x.shape
+        M = N * H * W
+        if M == 0:
+            raise ValueError(f"{op}: x must have N*H*W > 0 values per channel, got shape {tuple(x.shape)}")
+        if (running_mean is None) != (running_var is None):
+            raise ValueError(f"{op}: running_mean and running_var must be given together, got "
+                             f"{type(running_mean).__name__} and {type(running_var).__name__}")
+        if running_mean is not None:
+            self._channel_vectors(op, C, running_mean=running_mean, running_var=running_var)
+            self._refuse_overlap(op, {"running_mean": running_mean, "running_var": running_var}, {"x": x})
+        m = check_real(op, "momentum", momentum, 0.0, 1.0)
+        mean = self.xp.empty((C,), dtype=np.float32)
+        var = self.xp.empty((C,), dtype=np.float32)
+        if C:
+            grid, block = self._bn_block(op, C)
+            self.launch(op, grid, block, (x, mean, var, running_mean, running_var, c_int32(op, "N", N),
+                                          c_int32(op, "C", C), c_int32(op, "H*W", H * W),
+                                          c_float32(op, "momentum", m),
+                                          c_float32(op, "M/(M - 1)", M / (M - 1) if M > 1 else 1.0)))
+        return mean, var
+
+    def _bn_eps(self, op: str, eps: float) -> np.float32:
+        """eps as a float32 > 0 (`contract.check_real`, then the cast: an eps that rounds to 0 is refused)."""
+        eps32 = c_float32(op, "eps", check_real(op, "eps", eps, 0.0, low_open=True))
+        if eps32 <= 0:
+            raise ValueError(f"{op}: eps = {eps!r} rounds to 0 in float32")
+        return eps32
+
+    def batchnorm_fprop(self, x, gamma, beta, mean, var, eps: float):
+        """y = (x - mean) / sqrt(var + eps) * gamma + beta per channel, fresh (N, C, H, W). See
+        `Backend.batchnorm_fprop`. Kernel `batchnorm_fprop`, elementwise."""
+        op = "batchnorm_fprop"
+        self.check_array(op, "x", x, ndim=4)
+        _, C, H, W = x.shape
+        self._channel_vectors(op, C, gamma=gamma, beta=beta, mean=mean, var=var)
+        eps32 = self._bn_eps(op, eps)
+        y = self.xp.empty(x.shape, dtype=np.float32)
+        grid, block = self.blocks.elementwise(x.size)
+        self.launch(op, grid, block, (x, gamma, beta, mean, var, y, c_int64(op, "n", x.size), c_int32(op, "C", C),
+                                      c_int32(op, "H*W", H * W), eps32))
+        return y
+
+    def batchnorm_bprop(self, dy, x, gamma, mean, var, eps: float, dgamma, dbeta, need_dx: bool = True):
+        """Gradient of `batchnorm_fprop` with the batch statistics: writes dgamma, dbeta ((C,) float32) and
+        returns dx (N, C, H, W), fresh (None when not `need_dx`). See `Backend.batchnorm_bprop`. Kernel
+        `batchnorm_bprop`: one block per channel reduces sum dy and sum dy*(x - mean) (fixed-order trees, no
+        atomics), then writes its channel's dx. Raises ValueError also when dgamma or dbeta overlaps the
+        other or an input."""
+        op = "batchnorm_bprop"
+        self.check_array(op, "x", x, ndim=4)
+        self.check_array(op, "dy", dy, shape=x.shape)
+        N, C, H, W = x.shape
+        if N * H * W == 0:
+            raise ValueError(f"{op}: x must have N*H*W > 0 values per channel, got shape {tuple(x.shape)}")
+        self._channel_vectors(op, C, gamma=gamma, mean=mean, var=var)
+        eps32 = self._bn_eps(op, eps)
+        self._channel_vectors(op, C, dgamma=dgamma, dbeta=dbeta)
+        self._refuse_overlap(op, {"dgamma": dgamma, "dbeta": dbeta},
+                             {"dy": dy, "x": x, "gamma": gamma, "mean": mean, "var": var})
+        check_bool(op, "need_dx", need_dx)
+        dx = self.xp.empty(x.shape, dtype=np.float32) if need_dx else None
+        if C:
+            grid, block = self._bn_block(op, C)
+            self.launch(op, grid, block, (dy, x, gamma, mean, var, dgamma, dbeta, dx, c_int32(op, "N", N),
+                                          c_int32(op, "C", C), c_int32(op, "H*W", H * W), eps32))
+        return dx
+
+    # ------------------------------------------------------------------------------------------
+    # residual blocks (kernels/residual.cu), dropout (dropout.cu), local response normalisation (lrn.cu)
+
+    def add(self, a, b, out=None):
+        """a + b elementwise (same shape), into `out` when given (it may be `a` or `b` itself, not a part of
+        one) and returned; fresh otherwise. Kernel `add`."""
+        op = "add"
+        self.check_array(op, "a", a)
+        self.check_array(op, "b", b, shape=a.shape)
+        if out is None:
+            out = self.xp.empty(a.shape, dtype=np.float32)
+        else:
+            self.check_array(op, "out", out, shape=a.shape)
+            for arg, v in (("a", a), ("b", b)):  # out = a with b a shifted view of a would read written values
+                if v is not out and self.may_share_memory(out, v):
+                    raise ValueError(f"{op}: out overlaps {arg} in memory without being it (out may be a or b "
+                                     "itself, or a separate buffer)")
+        grid, block = self.blocks.elementwise(a.size)
+        self.launch(op, grid, block, (a, b, out, c_int64(op, "n", a.size)))
+        return out
+
+    def _subsample_geometry(self, op: str, x_shape, stride: int, pad_before: int, pad_after: int) -> tuple:
+        """(y shape (N, K, P, Q), the kernels' int arguments) of the option-A shortcut: stride an int >= 1,
+        the pads ints >= 0 (`contract.check_int`), and every extent the kernels hold in an int."""
+        for arg, v, low in (("stride", stride, 1), ("pad_before", pad_before, 0), ("pad_after", pad_after, 0)):
+            check_int(op, arg, v, low)
+        N, C, H, W = x_shape
+        K, P, Q = pad_before + C + pad_after, -(-H // stride), -(-W // stride)
         i32 = functools.partial(c_int32, op)
-        self.launch(kname, grid, block, (dy, argmax, dx, c_int64(op, "N*C", N * C), i32("H", H), i32("W", W),
-                                         i32("P", P), i32("Q", Q), i32("kernel", kernel), i32("stride", stride)))
+        for what, v in (("H*W", H * W), ("K*P*Q", K * P * Q), ("C*H*W", C * H * W)):
+            i32(what, v)
+        return (N, K, P, Q), (i32("N", N), i32("C", C), i32("H", H), i32("W", W), i32("K", K), i32("P", P),
+                              i32("Q", Q), i32("stride", stride), i32("pad_before", pad_before))
+
+    def subsample_pad_fprop(self, x, stride: int, pad_before: int, pad_after: int):
+        """The option-A shortcut: x (N, C, H, W) -> y (N, pad_before + C + pad_after, ceil(H/stride),
+        ceil(W/stride)), fresh: x[:, :, ::stride, ::stride] between zero channels. Kernel
+        `subsample_pad_fprop`, one thread per output."""
+        op = "subsample_pad_fprop"
+        self.check_array(op, "x", x, ndim=4)
+        y_shape, args = self._subsample_geometry(op, x.shape, stride, pad_before, pad_after)
+        y = self.xp.empty(y_shape, dtype=np.float32)
+        grid, block = self.blocks.elementwise(y.size)
+        self.launch(op, grid, block, (x, y, *args))
+        return y
+
+    def subsample_pad_bprop(self, dy, x_shape: tuple[int, int, int, int], stride: int, pad_before: int,
+                            pad_after: int):
+        """Gradient of `subsample_pad_fprop`: dx (N, C, H, W), fresh: dy's channels pad_before.. at the
+        sampled pixels, 0 elsewhere. Kernel `subsample_pad_bprop`, one thread per dx element."""
+        op = "subsample_pad_bprop"
+        self.check_array(op, "dy", dy, ndim=4)
+        N, C, H, W = shape4(op, "x_shape", x_shape, "(N, C, H, W)")
+        expected, args = self._subsample_geometry(op, (N, C, H, W), stride, pad_before, pad_after)
+        if tuple(dy.shape) != expected:
+            raise ValueError(f"{op}: dy must have shape {expected} for x_shape {(N, C, H, W)}, got {tuple(dy.shape)}")
+        dx = self.xp.empty((N, C, H, W), dtype=np.float32)
+        grid, block = self.blocks.elementwise(dx.size)
+        self.launch(op, grid, block, (dy, dx, *args))
+        return dx
+
+    def _dropout(self, op: str, arg: str, a, p: float, seed: int, minibatch: int, layer: int):
+        """a * keep / (1 - p), fresh: kernel `dropout` with the key of `contract.dropout_key` (the threshold
+        and Philox words the numpy backend uses), 4 elements (one Philox call) per thread."""
+        self.check_array(op, arg, a)
+        threshold, (layer, mb_lo, mb_hi), (seed_lo, seed_hi) = dropout_key(op, p, seed, minibatch, layer, a.size)
+        scale = np.float32(1.0 / (1.0 - float(p)))  # rounded to float32 once, as numpy_ops
+        out = self.xp.empty(a.shape, dtype=np.float32)
+        grid, block = self.blocks.elementwise(_cdiv(a.size, 4))  # one thread per Philox counter
+        self.launch("dropout", grid, block, (a, out, c_int64(op, "n", a.size), np.uint32(threshold), scale,
+                                             *(np.uint32(w) for w in (layer, mb_lo, mb_hi, seed_lo, seed_hi))))
+        return out
+
+    def dropout_fprop(self, x, p: float, seed: int, minibatch: int, layer: int):
+        """Inverted dropout: y = x * keep / (1 - p), fresh, any shape; the mask (Philox4x32-10 of (seed,
+        minibatch, layer)) is recomputed, never stored, bit for bit the numpy backend's. See
+        `Backend.dropout_fprop`. Kernel `dropout`."""
+        return self._dropout("dropout_fprop", "x", x, p, seed, minibatch, layer)
+
+    def dropout_bprop(self, dy, p: float, seed: int, minibatch: int, layer: int):
+        """Gradient of `dropout_fprop` with the same key: dx = dy * keep / (1 - p), fresh (kernel `dropout`
+        again: the same mask)."""
+        return self._dropout("dropout_bprop", "dy", dy, p, seed, minibatch, layer)
+
+    def lrn_fprop(self, x, size: int, alpha: float, beta: float, k: float):
+        """Cross-map local response normalisation: x (N, C, H, W) -> (y, scale), both fresh. See
+        `Backend.lrn_fprop`. Kernel `lrn_fprop`, one thread per output summing its channel window."""
+        op = "lrn_fprop"
+        self.check_array(op, "x", x, ndim=4)
+        alpha, beta, k = check_lrn(op, size, alpha, beta, k)
+        _, C, H, W = x.shape
+        y = self.xp.empty(x.shape, dtype=np.float32)
+        scale = self.xp.empty(x.shape, dtype=np.float32)
+        grid, block = self.blocks.elementwise(x.size)
+        self.launch(op, grid, block, (x, y, scale, c_int64(op, "n", x.size), c_int32(op, "C", C),
+                                      c_int32(op, "H*W", H * W), c_int32(op, "size", size),
+                                      c_float32(op, "alpha/size", alpha / size), c_float32(op, "k", k),
+                                      c_float32(op, "beta", -beta)))
+        return y, scale
+
+    def lrn_bprop(self, dy, x, y, scale, size: int, alpha: float, beta: float):
+        """Gradient of `lrn_fprop`: dx (N, C, H, W), fresh. See `Backend.lrn_bprop`. Kernel `lrn_bprop`, one
+        thread per element summing dy*y/scale over the channels whose window holds it."""
+        op = "lrn_bprop"
+        self.check_array(op, "x", x, ndim=4)
+        for arg, a in (("dy", dy), ("y", y), ("scale", scale)):
+            self.check_array(op, arg, a, shape=x.shape)
+        alpha, beta = check_lrn(op, size, alpha, beta)
+        _, C, H, W = x.shape
+        dx = self.xp.empty(x.shape, dtype=np.float32)
+        grid, block = self.blocks.elementwise(x.size)
+        self.launch(op, grid, block, (dy, x, y, scale, dx, c_int64(op, "n", x.size), c_int32(op, "C", C),
+                                      c_int32(op, "H*W", H * W), c_int32(op, "size", size),
+                                      c_float32(op, "2*alpha*beta/size", -2.0 * alpha * beta / size),
+                                      c_float32(op, "beta", -beta)))
         return dx
 
     # ------------------------------------------------------------------------------------------
@@ -502,23 +803,30 @@ class CupyBackend:
         loss = float(self.to_numpy(row_loss).astype(np.float64).mean())
         return loss, dlogits, int(correct.sum())
 
-    def sgd_momentum(self, params, velocity, grad, decay, momentum: float, lr: float) -> None:
-        """In place: velocity <- momentum*velocity + (grad + decay*params); params <- params - lr*velocity.
+    def sgd_momentum(self, params, velocity, grad, decay, momentum: float, lr: float, nesterov: bool = False,
+                     lr_scale=None) -> None:
+        """In place, d = grad + decay*params, s = lr_scale (1 when None): velocity <- momentum*velocity + d;
+        params <- params - (lr*s)*velocity (heavy ball) or params - (lr*s)*(d + momentum*velocity) (nesterov).
 
         All (P,) float32 C-contiguous; decay = weight_decay * mask (0 on biases), as `mpiasgd.optim.SGD`.
         One kernel (`sgd_momentum`), for workers taking local steps on the device. Raises ValueError
-        also for an argument that overlaps params or velocity in memory (both are updated in place).
+        also for an argument that overlaps params or velocity in memory (both are updated in place), or a
+        non-bool nesterov.
         """
         op = "sgd_momentum"
         self.check_array(op, "params", params, ndim=1)
-        for arg, a in (("velocity", velocity), ("grad", grad), ("decay", decay)):
+        inputs = [("velocity", velocity), ("grad", grad), ("decay", decay)]
+        if lr_scale is not None:
+            inputs.append(("lr_scale", lr_scale))
+        for arg, a in inputs:
             self.check_array(op, arg, a, shape=params.shape)
             if self.may_share_memory(params, a) or (arg != "velocity" and self.may_share_memory(velocity, a)):
                 raise ValueError(f"{op}: {arg} overlaps {'params' if self.may_share_memory(params, a) else 'velocity'} "
                                  "in memory (both are updated in place: pass separate buffers)")
+        check_bool(op, "nesterov", nesterov)
         grid, block = self.blocks.elementwise(params.size)
-        self.launch(op, grid, block, (params, velocity, grad, decay, c_float32(op, "momentum", momentum),
-                                      c_float32(op, "lr", lr), c_int64(op, "n", params.size)))
+        self.launch(op, grid, block, (params, velocity, grad, decay, lr_scale, c_float32(op, "momentum", momentum),
+                                      c_float32(op, "lr", lr), np.int32(nesterov), c_int64(op, "n", params.size)))
 
 
 def make_backend() -> CupyBackend:

@@ -1,7 +1,8 @@
 """The constants that the CUDA kernels (kernels/*.cu) and their Python side share: ONE table.
 
-kernels/constants.cuh is generated from `HEADER` below and committed; conv2d.cu, bias.cu and
-softmax_xent.cu include it, so each value is written once, here. After editing a value, regenerate:
+kernels/constants.cuh is generated from `HEADER` below and committed; conv2d.cu, bias.cu,
+softmax_xent.cu and batchnorm.cu include it, so each value is written once, here. After editing a
+value, regenerate:
 
     python -m mpiasgd.ops.cuda.constants            # rewrites kernels/constants.cuh
     python -m mpiasgd.ops.cuda.constants --check    # exit 1 when the committed header is stale
@@ -39,6 +40,8 @@ SPLIT_REDUCE_THREADS_MAX = 256  # conv2d_split_reduce: threads per block (8 lane
 # bias.cu, softmax_xent.cu: block sizes are powers of two up to these (static shared memory of that size)
 BIAS_THREADS_MAX = 256
 SOFTMAX_THREADS_MAX = 256
+# batchnorm.cu: one block per channel (the channel's N*H*W elements), block size a power of two up to this
+BATCHNORM_THREADS_MAX = 512
 
 # CUDA's launch limits (every device of compute capability >= 3.0)
 MAX_GRID_X = 2**31 - 1  # blocks along x
@@ -74,6 +77,8 @@ HEADER = (
     Define("SPLIT_REDUCE_THREADS_MAX", SPLIT_REDUCE_THREADS_MAX, "conv2d_split_reduce: most threads per block"),
     Define("BIAS_THREADS_MAX", BIAS_THREADS_MAX, "bias_grad: most threads per block (a power of two)"),
     Define("SOFTMAX_THREADS_MAX", SOFTMAX_THREADS_MAX, "softmax_xent: most threads per block (a power of two)"),
+    Define("BATCHNORM_THREADS_MAX", BATCHNORM_THREADS_MAX,
+           "batchnorm_stats, batchnorm_bprop: most threads per block (a power of two)"),
     Define("MAX_BLOCK_THREADS", MAX_BLOCK_THREADS, "CUDA: threads per block"),
     Define("MAX_STATIC_SHARED", MAX_STATIC_SHARED, "CUDA: bytes of static shared memory per block"),
 )

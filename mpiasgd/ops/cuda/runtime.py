@@ -27,9 +27,15 @@ KERNEL_FILES = {  # kernel -> file under kernels/
     "conv2d_dgrad_partial": "conv2d.cu", "conv2d_wgrad_partial": "conv2d.cu", "conv2d_split_reduce": "conv2d.cu",
     "bias_grad": "bias.cu", "relu_fprop": "relu.cu", "relu_bprop": "relu.cu",
     "maxpool_fprop_u8": "pool.cu", "maxpool_fprop_i32": "pool.cu", "maxpool_bprop_u8": "pool.cu",
-    "maxpool_bprop_i32": "pool.cu", "softmax_xent": "softmax_xent.cu", "sgd_momentum": "sgd.cu",
+    "maxpool_bprop_i32": "pool.cu", "avgpool_fprop": "pool.cu", "avgpool_bprop": "pool.cu",
+    "global_avgpool_fprop": "pool.cu", "global_avgpool_bprop": "pool.cu",
+    "batchnorm_stats": "batchnorm.cu", "batchnorm_fprop": "batchnorm.cu", "batchnorm_bprop": "batchnorm.cu",
+    "add": "residual.cu", "subsample_pad_fprop": "residual.cu", "subsample_pad_bprop": "residual.cu",
+    "dropout": "dropout.cu", "lrn_fprop": "lrn.cu", "lrn_bprop": "lrn.cu",
+    "softmax_xent": "softmax_xent.cu", "sgd_momentum": "sgd.cu",
 }
-HEADERS = (HEADER_NAME,)  # headers the .cu files include (generated: constants.HEADER)
+# headers the .cu files include: constants.HEADER's (generated) and Philox4x32-10 (dropout.cu)
+HEADERS = (HEADER_NAME, "philox.cuh")
 NVRTC_OPTIONS = ("--std=c++14",)  # CuPy adds -ftz=true, -arch=sm_XX of the device, --device-as-default-execution-space
 _INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*(?://.*)?$', re.M)  # a local header (a comment may follow)
 
@@ -137,7 +143,8 @@ class CudaKernels:
 
 def check_args(kernel: str, args: tuple) -> None:
     """TypeError unless every argument is an array (anything with a dtype), None (a NULL pointer) or a
-    scalar of its C type already (np.int32, np.int64, np.float32): a Python int or float here is a bug."""
+    scalar of its C type already (np.int32, np.int64, np.float32, np.uint32 for an unsigned int: dropout's
+    key words): a Python int or float here is a bug."""
     for a in args:
-        if not (a is None or isinstance(a, (np.int32, np.int64, np.float32)) or hasattr(a, "dtype")):
-            raise TypeError(f"{kernel}: argument {a!r} has no C type (use np.int32/np.int64/np.float32)")
+        if not (a is None or isinstance(a, (np.int32, np.int64, np.float32, np.uint32)) or hasattr(a, "dtype")):
+            raise TypeError(f"{kernel}: argument {a!r} has no C type (use np.int32/np.int64/np.float32/np.uint32)")
