@@ -80,6 +80,22 @@ def autotune_lines(events: np.ndarray | None) -> list[str]:
     return ["conv tiles chosen by --conv-algo autotune (timings: the log's events):", *lines] if lines else []
 
 
+def network_lines(run: dict) -> list[str]:
+    """The network the run trained, rebuilt from the log's stored definition (data, never a model file): one
+    line per top-level layer with its output shape and parameters (`Model.describe`); [] for a log from
+    before definitions were stored, or one line saying why the definition cannot be built."""
+    from mpiasgd.model import build_model
+    from mpiasgd.model.spec import ModelSpecError, from_json
+
+    text = run.get("model_spec")
+    if not text:
+        return []
+    try:
+        return ["network (the log's stored definition):", *build_model(from_json(text)).describe().splitlines()[1:]]
+    except ModelSpecError as e:
+        return [f"network: the log's stored definition cannot be built ({e})"]
+
+
 def run_section(run: dict) -> list[str]:
     """The full text report of one loaded run (`load`): summary, workers, staleness histogram, snapshots."""
     path, cfg = run["path"], run["config"]
@@ -87,6 +103,7 @@ def run_section(run: dict) -> list[str]:
            f"model {run.get('model')}, mode {run.get('mode')}, {run.get('num_workers')} workers, "
            f"{run.get('num_params')} parameters, batch {cfg.get('batch_size')}, lr {cfg.get('lr')}, "
            f"created {run.get('created')}"]
+    out += network_lines(run)
     out += summary_lines(path, run)
     if run["pushes"] is not None and len(run["pushes"]):
         out += ["", *worker_table(run), "", *staleness_histogram(run["pushes"])]

@@ -246,3 +246,20 @@ def test_report_refuses_foreign_files(tmp_path):
                                  capture_output=True, text=True, timeout=60)
             assert res.returncode == 2 and expected in res.stderr, (command, name, res.stderr)
             assert "Traceback" not in res.stderr
+
+
+def test_report_rebuilds_the_network_from_the_stored_definition():
+    """`mpiasgd report` lists the network's layers from the log's definition (data), and says so when it cannot
+    be built (a tampered attribute) instead of failing or running anything."""
+    from mpiasgd.model import build_model
+    from mpiasgd.model.spec import to_json
+    from mpiasgd.tools.report import network_lines
+
+    text = to_json(build_model("resnet20").spec())
+    lines = network_lines({"model_spec": text})
+    assert lines[0] == "network (the log's stored definition):" and len(lines) == 1 + 14 + 1
+    assert lines[4].split()[0] == "res1" and lines[-1] == "  total 269,722 parameters, 1,376 buffer values"
+    assert network_lines({}) == []
+    bad = text.replace('"Residual"', '"__import__"', 1)
+    assert network_lines({"model_spec": bad})[0].startswith(
+        "network: the log's stored definition cannot be built (layers[3]: unknown layer type '__import__'")
