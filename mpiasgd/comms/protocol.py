@@ -72,6 +72,7 @@ class Tag(IntEnum):
     ACTIVATION = 19
     GRADIENT = 20
     CHECKPOINT = 21
+    ALIVE = 22  # header only, worker -> rank 0: busy with the final evaluation (resets the stall watch)
 
 
 class Flag(IntEnum):

@@ -35,12 +35,12 @@ from mpiasgd.config import Config
 from mpiasgd.device import sharing_error, tuning_turns
 from mpiasgd.launch.ranks import Rank, blas_threads, node_workers
 from mpiasgd.launch.startup import (
-    STARTUP_ERRORS,
-    definition,
+    definition_text,
     load_data,
     report_startup_errors,
     setup,
-    share_definition,
+    shared_definition,
+    startup_error,
     tune_convs,
     worker_info,
 )
@@ -81,21 +81,24 @@ def train(cfg: Config, comm: Any = None) -> int:
     me = Rank(comm, comm.Get_rank(), comm.Get_size(), socket.gethostname())
     mode = load(cfg.mode)
     # start-up (all ranks): collective, so bad input gives one message and a clean exit
-    error, start, threads, dataset, spec = None, None, 1, None, None
+    # (every failure of a rank is caught here, a user's model file's SystemExit included: no rank may leave
+    # the collective start-up early, or the others would wait for it forever)
+    error, start, threads, dataset, text, spec = None, None, 1, None, None, None
     try:
         workers_here, local_rank = node_workers(me)
         threads = blas_threads(me, cfg.threads, workers_here)
         dataset = load_data(cfg)
         if me.is_server:
-            spec = definition(cfg, dataset)
-    except STARTUP_ERRORS as e:
-        error = str(e)
-    spec = share_definition(me, spec)  # collective: every rank comes here, failed or not
-    if error is None and spec is not None:  # (rank 0 failed: it reports why, the others wait for that)
+            text = definition_text(cfg, dataset)
+    except BaseException as e:
+        error = startup_error(e)
+    text = me.comm.bcast(text, root=0)  # collective: every rank comes here, failed or not
+    if error is None and text is not None:  # (rank 0 failed: it reports why, the others wait for that)
         try:
+            spec = shared_definition(text)
             start = setup(cfg, me, mode, dataset, spec, local_rank)
-        except STARTUP_ERRORS as e:
-            error = str(e)
+        except BaseException as e:
+            error = startup_error(e)
     if report_startup_errors(me, error):
         if start is not None:  # rank 0 took the log's lock; no log was written
             start.release()

@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 from mpiasgd import __version__, checkpoint
 from mpiasgd.comms import Staging, make_staging
+from mpiasgd.comms.protocol import HEADER_BYTES
 from mpiasgd.config import Config, ConfigError
 from mpiasgd.data import DataError, ShardSampler, default_data_dir, load_dataset
 from mpiasgd.device import (
@@ -38,6 +39,7 @@ from mpiasgd.ops import BackendUnavailable, cuda_probe, get_backend
 from mpiasgd.runlog import WriterLock
 
 STARTUP_ERRORS = (ConfigError, DataError, OSError, ValueError, BackendUnavailable, DeviceError)
+MAX_MESSAGE_VALUES = (2**31 - 1 - HEADER_BYTES) // 4  # float32 values in one message of < 2 GiB
 
 
 @dataclass
@@ -147,26 +149,46 @@ def load_data(cfg: Config) -> Any:
     return load_dataset(cfg.dataset_name, cfg.data_dir or default_data_dir())
 
 
-def definition(cfg: Config, dataset: Any) -> dict:
-    """(rank 0) The network's stored definition (`mpiasgd.model.spec`): a resumed run's from its checkpoint
-    (the network it trained, whatever the file says now), else what --model names, a file's network
-    taking the dataset's image shape. Raises ModelSpecError (a ValueError) naming what is wrong."""
-    from mpiasgd.model.spec import from_json, resolve
+def definition_text(cfg: Config, dataset: Any) -> str:
+    """(rank 0) The network's stored definition (`mpiasgd.model.spec`) as JSON text: a resumed run's from its
+    checkpoint (the network it trained, whatever the file says now; the checkpoint's CRC is verified
+    first), else what --model names, a file's network taking the dataset's image shape. Checked by
+    building its layers. Raises ModelSpecError (a ValueError) or CheckpointError naming what is wrong."""
+    from mpiasgd.model.spec import from_json, layers_from_spec, resolve, to_json
 
     if cfg.resume and os.path.isfile(cfg.resume):
-        stored = checkpoint.load_model_spec(cfg.resume)
+        stored = checkpoint.load(cfg.resume).model_spec
         if stored:
-            return from_json(stored, f"--resume: checkpoint '{cfg.resume}': its network definition")
-    return resolve(cfg.model, tuple(int(d) for d in dataset.train_x.shape[1:]))
+            what = f"--resume: checkpoint '{cfg.resume}': its network definition"
+            spec = from_json(stored, what)
+            try:
+                layers_from_spec(spec)
+            except ValueError as e:
+                raise ConfigError(f"{what} is corrupt: {e}") from None
+            return to_json(spec)
+    spec = resolve(cfg.model, tuple(int(d) for d in dataset.train_x.shape[1:]))
+    try:
+        return to_json(spec)
+    except (TypeError, ValueError, RecursionError) as e:  # (resolve made it from JSON values: a safeguard)
+        raise ConfigError(f"--model {cfg.model!r}: its definition cannot be stored as JSON ({e})") from None
 
 
-def share_definition(me: Rank, spec: dict | None) -> dict | None:
-    """Collective: rank 0's definition (None when it failed) on every rank, sent as JSON text, so that every
-    worker builds the network rank 0 logs, from data (no rank but 0 runs a user's model file)."""
-    from mpiasgd.model.spec import from_json, to_json
+def shared_definition(text: str) -> dict:
+    """The definition rank 0 sent (JSON text, `definition_text`), on every rank: every worker builds the
+    network rank 0 logs, from data (no rank but 0 runs a user's model file)."""
+    from mpiasgd.model.spec import from_json
 
-    text = me.comm.bcast(to_json(spec) if me.is_server and spec is not None else None, root=0)
-    return None if text is None else from_json(text)
+    return from_json(text)
+
+
+def startup_error(e: BaseException) -> str:
+    """The one-line start-up error of exception `e`: the message of an expected error (STARTUP_ERRORS), else
+    the exception's type and message (a MemoryError for a network too large, a user file's SystemExit)."""
+    if isinstance(e, STARTUP_ERRORS):
+        return str(e)
+    if isinstance(e, MemoryError):
+        return f"out of memory at start-up ({type(e).__name__}: {e}): the network or dataset is too large here"
+    return f"start-up failed: {type(e).__name__}: {e}"
 
 
 def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_rank: int = 0) -> Startup:
@@ -188,6 +210,12 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
     if tuple(dataset.train_x.shape[1:]) != tuple(model.input_shape):
         raise ConfigError(f"model '{cfg.model_label}' takes inputs {tuple(model.input_shape)}, dataset "
                           f"'{cfg.dataset_name}' has images {tuple(dataset.train_x.shape[1:])}")
+    if model.num_params == 0:
+        raise ConfigError(f"model '{cfg.model_label}' has no parameters to train")
+    if message_count(model) > MAX_MESSAGE_VALUES:
+        raise ConfigError(f"model '{cfg.model_label}' has {model.num_params:,} parameters and {model.num_buffers:,} "
+                          f"buffer values; a message of mpiasgd holds at most {MAX_MESSAGE_VALUES:,} values "
+                          "(MPI counts bytes with 32-bit ints)")
     classes = int(dataset.train_y.max()) + 1 if dataset.train_y.size else 0
     if model.num_classes < classes:
         raise ConfigError(f"model '{cfg.model_label}': its last layer {model.names[-1]} "

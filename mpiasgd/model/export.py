@@ -202,6 +202,12 @@ def export_run(log: str, output: str, snapshot: int | None = None, checkpoint: b
     """
     if checkpoint and snapshot is not None:
         raise ValueError("export: give --snapshot or --checkpoint, not both")
+    sources = [log] + ([] if log.endswith(".ckpt.h5") else [log[:-3] + ".ckpt.h5" if log.endswith(".h5") else ""])
+    if os.path.isdir(output):
+        raise ValueError(f"export: output '{output}' is a directory; give a file name (e.g. '{output}/net.npz')")
+    for source in sources:
+        if source and os.path.exists(source) and os.path.exists(output) and os.path.samefile(source, output):
+            raise ValueError(f"export: output '{output}' is the run's own file '{source}'; choose another name")
     if checkpoint:
         from mpiasgd.checkpoint import checkpoint_path, load
 

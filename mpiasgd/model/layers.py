@@ -28,8 +28,11 @@ on per-sample shapes without N.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from mpiasgd.ops.contract import pool_output_size
 
@@ -188,12 +191,43 @@ def _expect_planes(layer: Layer, in_shape: Shape, channels: int | None = None) -
     return tuple(in_shape)
 
 
-def _weight(init: str, std: float | None, lr_mult: float, decay_mult: float, shape: Shape) -> Param:
+MAX_EXTENT = 2**31 - 1  # a layer's sizes: the kernels index within one image or filter with 32-bit ints
+
+
+def _ints(layer: str, **values: tuple[Any, int]) -> list[int]:
+    """Each value (value, minimum) as a Python int in [minimum, MAX_EXTENT]; ValueError naming `layer` and
+    the argument otherwise (a bool, a float, None, a negative or zero size)."""
+    out = []
+    for name, (value, minimum) in values.items():
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+                or not minimum <= int(value) <= MAX_EXTENT:
+            raise ValueError(f"{layer}: {name} must be an integer in [{minimum}, {MAX_EXTENT}], got {value!r}")
+        out.append(int(value))
+    return out
+
+
+def _reals(layer: str, **values: tuple[Any, float, bool]) -> list[float]:
+    """Each value (value, minimum, strict) as a finite float >= minimum (> minimum when strict); ValueError
+    naming `layer` and the argument otherwise (NaN and infinities included)."""
+    out = []
+    for name, (value, minimum, strict) in values.items():
+        ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+        if not ok or not math.isfinite(float(value)) or float(value) < minimum or (strict and float(value) == minimum):
+            raise ValueError(f"{layer}: {name} must be a finite number {'>' if strict else '>='} {minimum:g}, "
+                             f"got {value!r}")
+        out.append(float(value))
+    return out
+
+
+def _weight(layer: str, init: str, std: float | None, lr_mult: float, decay_mult: float, shape: Shape) -> Param:
     if init not in INITS:
-        raise ValueError(f"init must be one of {', '.join(INITS)}, got {init!r}")
-    if init == "normal" and not (std is not None and std > 0):
-        raise ValueError(f"init 'normal' needs std > 0, got {std!r}")
-    return Param("weight", shape, init, float(std or 0.0), float(lr_mult), float(decay_mult))
+        raise ValueError(f"{layer}: init must be one of {', '.join(INITS)}, got {init!r}")
+    if init == "normal" and std is None:
+        raise ValueError(f"{layer}: init 'normal' needs std > 0, got None")
+    if std is not None:
+        (std,) = _reals(layer, std=(std, 0.0, True))
+    lr_mult, decay_mult = _reals(layer, lr_mult=(lr_mult, 0.0, False), decay_mult=(decay_mult, 0.0, False))
+    return Param("weight", shape, init, float(std or 0.0), lr_mult, decay_mult)
 
 
 class Conv2d(Layer):
@@ -212,10 +246,14 @@ class Conv2d(Layer):
                  decay_mult: float = 1.0, bias_lr_mult: float = 1.0, bias_decay_mult: float = 0.0,
                  ops: Any = None) -> None:
         super().__init__(ops=ops)
+        in_channels, out_channels, kernel, stride, pad = _ints(
+            "Conv2d", in_channels=(in_channels, 1), out_channels=(out_channels, 1), kernel=(kernel, 1),
+            stride=(stride, 1), pad=(pad, 0))
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel, self.stride, self.pad, self.has_bias = kernel, stride, pad, bool(bias)
-        self._weight = _weight(init, std, lr_mult, decay_mult, (out_channels, in_channels, kernel, kernel))
-        self._bias = Param("bias", (out_channels,), "zeros", 0.0, float(bias_lr_mult), float(bias_decay_mult))
+        self._weight = _weight("Conv2d", init, std, lr_mult, decay_mult, (out_channels, in_channels, kernel, kernel))
+        self._bias = Param("bias", (out_channels,), "zeros", 0.0, *_reals(
+            "Conv2d", bias_lr_mult=(bias_lr_mult, 0.0, False), bias_decay_mult=(bias_decay_mult, 0.0, False)))
         self.weight = self.bias = self.dweight = self.dbias = None
         self.x = None  # cached forward input
         self.ws = ops.Workspace() if ops is not None else None  # scratch kept between minibatches
@@ -292,8 +330,10 @@ class _Pool(Layer):
     def __init__(self, kernel: int, stride: int | None = None, pad: int = 0, ceil_mode: bool = False, *,
                  ops: Any = None) -> None:
         super().__init__(ops=ops)
-        self.kernel, self.stride = kernel, kernel if stride is None else stride
-        self.pad, self.ceil_mode = pad, bool(ceil_mode)
+        name = type(self).__name__
+        stride = kernel if stride is None else stride
+        self.kernel, self.stride, self.pad = _ints(name, kernel=(kernel, 1), stride=(stride, 1), pad=(pad, 0))
+        self.ceil_mode = bool(ceil_mode)
         self.x_shape = None
 
     def out_shape(self, in_shape: Shape) -> Shape:
@@ -443,9 +483,11 @@ class Linear(Layer):
                  std: float | None = None, lr_mult: float = 1.0, decay_mult: float = 1.0, bias_lr_mult: float = 1.0,
                  bias_decay_mult: float = 0.0, ops: Any = None) -> None:
         super().__init__(ops=ops)
+        in_features, out_features = _ints("Linear", in_features=(in_features, 1), out_features=(out_features, 1))
         self.in_features, self.out_features, self.has_bias = in_features, out_features, bool(bias)
-        self._weight = _weight(init, std, lr_mult, decay_mult, (out_features, in_features))
-        self._bias = Param("bias", (out_features,), "zeros", 0.0, float(bias_lr_mult), float(bias_decay_mult))
+        self._weight = _weight("Linear", init, std, lr_mult, decay_mult, (out_features, in_features))
+        self._bias = Param("bias", (out_features,), "zeros", 0.0, *_reals(
+            "Linear", bias_lr_mult=(bias_lr_mult, 0.0, False), bias_decay_mult=(bias_decay_mult, 0.0, False)))
         self.weight = self.bias = self.dweight = self.dbias = None
         self.x = None  # cached forward input
 
@@ -511,10 +553,14 @@ class BatchNorm2d(Layer):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1, *, decay_mult: float = 0.0,
                  lr_mult: float = 1.0, ops: Any = None) -> None:
         super().__init__(ops=ops)
-        if not eps > 0 or not 0 <= momentum <= 1:
-            raise ValueError(f"BatchNorm2d: need eps > 0 and 0 <= momentum <= 1, got eps {eps}, momentum {momentum}")
-        self.num_features, self.eps, self.momentum = num_features, float(eps), float(momentum)
-        self.decay_mult, self.lr_mult = float(decay_mult), float(lr_mult)
+        (num_features,) = _ints("BatchNorm2d", num_features=(num_features, 1))
+        eps, momentum, decay_mult, lr_mult = _reals(
+            "BatchNorm2d", eps=(eps, 0.0, True), momentum=(momentum, 0.0, False), decay_mult=(decay_mult, 0.0, False),
+            lr_mult=(lr_mult, 0.0, False))
+        if momentum > 1:
+            raise ValueError(f"BatchNorm2d: momentum must be in [0, 1], got {momentum!r}")
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.decay_mult, self.lr_mult = decay_mult, lr_mult
         self.weight = self.bias = self.dweight = self.dbias = self.running_mean = self.running_var = None
         self.x = self.mean = self.var = None  # cached by a training forward
 
@@ -570,9 +616,10 @@ class Dropout(Layer):
 
     def __init__(self, p: float = 0.5, *, ops: Any = None) -> None:
         super().__init__(ops=ops)
-        if not 0 <= p < 1:
+        (p,) = _reals("Dropout", p=(p, 0.0, False))
+        if not p < 1:
             raise ValueError(f"Dropout: p must be in [0, 1), got {p!r}")
-        self.p = float(p)
+        self.p = p
         self.key: tuple[int, int, int] | None = None  # (seed, minibatch, layer) of the last training forward
 
     def config(self) -> dict[str, Any]:
@@ -604,9 +651,10 @@ class LocalResponseNorm(Layer):
 
     def __init__(self, size: int, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0, *, ops: Any = None) -> None:
         super().__init__(ops=ops)
-        if size < 1 or not alpha >= 0 or not k > 0:
-            raise ValueError(f"LocalResponseNorm: need size >= 1, alpha >= 0, k > 0, got {size}, {alpha}, {k}")
-        self.size, self.alpha, self.beta, self.k = int(size), float(alpha), float(beta), float(k)
+        (size,) = _ints("LocalResponseNorm", size=(size, 1))
+        alpha, beta, k = _reals("LocalResponseNorm", alpha=(alpha, 0.0, False), beta=(beta, -math.inf, False),
+                                k=(k, 0.0, True))
+        self.size, self.alpha, self.beta, self.k = size, alpha, beta, k
         self.x = self.y = self.scale = None
 
     def config(self) -> dict[str, Any]:
@@ -639,9 +687,10 @@ class SubsamplePad(Layer):
 
     def __init__(self, in_channels: int, out_channels: int, stride: int = 2, *, ops: Any = None) -> None:
         super().__init__(ops=ops)
-        if out_channels < in_channels or stride < 1:
-            raise ValueError(f"SubsamplePad: need out_channels >= in_channels and stride >= 1, got "
-                             f"{in_channels}->{out_channels}, stride {stride}")
+        in_channels, out_channels, stride = _ints("SubsamplePad", in_channels=(in_channels, 1),
+                                                  out_channels=(out_channels, 1), stride=(stride, 1))
+        if out_channels < in_channels:
+            raise ValueError(f"SubsamplePad: need out_channels >= in_channels, got {in_channels}->{out_channels}")
         self.in_channels, self.out_channels, self.stride = in_channels, out_channels, stride
         self.before = (out_channels - in_channels) // 2
         self.after = out_channels - in_channels - self.before

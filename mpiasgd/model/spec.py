@@ -33,9 +33,13 @@ import re
 import sys
 from typing import Any
 
+import numpy as np
+
 from mpiasgd.model.layers import LAYER_TYPES, Layer
 
 FORMAT = "mpiasgd.model/1"
+KEYS = ("format", "name", "input_shape", "layers")  # a definition's keys, no others
+MAX_DEPTH = 16  # residual blocks nested in residual blocks, at most (a deeper definition is refused, not recursed)
 USER_FILE = re.compile(r"^(?P<path>.+\.py):(?P<func>[A-Za-z_]\w*)$")
 
 
@@ -51,7 +55,18 @@ def layer_spec(layer: Layer) -> dict[str, Any]:
         raise ModelSpecError(f"layer {layer.describe()} is a {type(layer).__module__}.{name}, not one of mpiasgd's "
                              f"layer types ({', '.join(LAYER_TYPES)}): a network must be made of them to be "
                              "stored in the run log and rebuilt from it")
-    return {"type": name, **layer.config()}
+    return {"type": name, **{key: _plain(value) for key, value in layer.config().items()}}
+
+
+def _plain(value: Any) -> Any:
+    """A config value as plain JSON data: numpy scalars as Python numbers (a user's np.int64 channel count)."""
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    return value
 
 
 def model_spec(name: str, input_shape: tuple[int, ...], layers: list[Layer]) -> dict[str, Any]:
@@ -79,12 +94,14 @@ def _accepts(annotation: str, value: Any) -> bool:
     return False
 
 
-def layer_from_spec(spec: Any, where: str) -> Layer:
+def layer_from_spec(spec: Any, where: str, depth: int = 0) -> Layer:
     """A fresh layer (no ops yet) from one layer definition; `where` names it in errors ("layers[3]").
 
-    Raises ModelSpecError naming `where` for an unknown type, an unknown or mistyped argument, or a value
-    the layer refuses.
+    Raises ModelSpecError naming `where` for an unknown type, an unknown or mistyped argument, a value the
+    layer refuses, or residual blocks nested deeper than MAX_DEPTH.
     """
+    if depth > MAX_DEPTH:
+        raise ModelSpecError(f"{where}: residual blocks nested more than {MAX_DEPTH} deep")
     if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
         raise ModelSpecError(f"{where}: a layer must be an object with a \"type\", got {spec!r:.80}")
     kind = spec["type"]
@@ -97,11 +114,12 @@ def layer_from_spec(spec: Any, where: str) -> Layer:
         if key == "type":
             continue
         if key not in params:
-            raise ModelSpecError(f"{where} ({kind}): unknown argument {key!r}; {kind} takes {', '.join(params)}")
+            takes = f"takes {', '.join(params)}" if params else "takes no arguments"
+            raise ModelSpecError(f"{where} ({kind}): unknown argument {key!r}; {kind} {takes}")
         if not _accepts(params[key].annotation, value):
             raise ModelSpecError(f"{where} ({kind}): {key} must be {params[key].annotation}, got {value!r:.80}")
         if isinstance(value, list) and str(params[key].annotation).startswith("list[Layer]"):
-            value = [layer_from_spec(v, f"{where}.{key}[{i}]") for i, v in enumerate(value)]
+            value = [layer_from_spec(v, f"{where}.{key}[{i}]", depth + 1) for i, v in enumerate(value)]
         kwargs[key] = value
     missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in kwargs]
     if missing:
@@ -122,6 +140,10 @@ def check_spec(spec: Any) -> None:
     """ModelSpecError unless `spec` has a definition's keys and types (layers are checked when built)."""
     if not isinstance(spec, dict):
         raise ModelSpecError(f"a network definition must be a JSON object, got {type(spec).__name__}")
+    unknown = sorted(set(spec) - set(KEYS))
+    if unknown:
+        raise ModelSpecError(f"network definition: unknown key(s) {', '.join(map(repr, unknown))}; a definition "
+                             f"has {', '.join(KEYS)}")
     if spec.get("format") != FORMAT:
         raise ModelSpecError(f"network definition format {spec.get('format')!r}, expected {FORMAT!r}")
     shape = spec.get("input_shape")
@@ -133,16 +155,20 @@ def check_spec(spec: Any) -> None:
 
 
 def to_json(spec: dict[str, Any]) -> str:
-    """A definition as compact JSON text (what the run log and checkpoint store)."""
-    return json.dumps(spec, separators=(",", ":"), sort_keys=False)
+    """A definition as compact, standard JSON text (what the run log and checkpoint store). ModelSpecError
+    for a value JSON cannot hold (NaN, infinities, objects) or nesting too deep to write."""
+    try:
+        return json.dumps(spec, separators=(",", ":"), sort_keys=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ModelSpecError(f"the network definition cannot be stored as JSON: {e}") from None
 
 
 def from_json(text: str | bytes, what: str = "network definition") -> dict[str, Any]:
     """A definition from JSON text (json.loads: data only), checked; ModelSpecError naming `what`."""
     try:
         spec = json.loads(text)
-    except (TypeError, ValueError) as e:
-        raise ModelSpecError(f"{what}: not valid JSON ({e})") from None
+    except (TypeError, ValueError, RecursionError) as e:  # RecursionError: nesting deeper than json can parse
+        raise ModelSpecError(f"{what}: not valid JSON ({type(e).__name__}: {e})") from None
     try:
         check_spec(spec)
     except ModelSpecError as e:
@@ -155,6 +181,8 @@ def stored(attrs: Any, what: str) -> dict[str, Any]:
     before networks were stored, the built-in its `model` attribute names. ModelSpecError naming `what`
     (the file) when neither gives one."""
     text = attrs.get("model_spec", "")
+    if not isinstance(text, (str, bytes)):
+        raise ModelSpecError(f"{what}: its model_spec attribute is a {type(text).__name__}, expected JSON text")
     if text:
         return from_json(text, f"{what}: its network definition")
     from mpiasgd.model.registry import MODELS
@@ -200,12 +228,12 @@ def resolve(ref: str, input_shape: tuple[int, ...] | None = None) -> dict[str, A
     if not os.path.isfile(path):
         raise ModelSpecError(f"--model {ref!r}: no such file {path!r}")
     if m is None:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is allowed)
             text = f.read()
         try:
             data = json.loads(text)
-        except ValueError as e:
-            raise ModelSpecError(f"--model {ref!r}: not valid JSON ({e})") from None
+        except (ValueError, RecursionError) as e:
+            raise ModelSpecError(f"--model {ref!r}: not valid JSON ({type(e).__name__}: {e})") from None
         if isinstance(data, list):
             data = {"layers": data}
         if not isinstance(data, dict):
@@ -234,17 +262,22 @@ def _call_user_file(ref: str, path: str, func: str) -> list[Layer]:
         raise ModelSpecError(f"--model {ref!r}: cannot load {path!r} as a Python file")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)  # the file may import modules beside it
     try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        raise ModelSpecError(f"--model {ref!r}: importing {path!r} failed: {type(e).__name__}: {e}") from None
-    build = getattr(module, func, None)
-    if not callable(build):
-        raise ModelSpecError(f"--model {ref!r}: {path!r} has no function {func!r}")
-    try:
-        layers = build()
-    except Exception as e:
-        raise ModelSpecError(f"--model {ref!r}: {func}() raised {type(e).__name__}: {e}") from None
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException as e:  # SystemExit, KeyboardInterrupt too: rank 0 must go on to report it
+            raise ModelSpecError(f"--model {ref!r}: importing {path!r} failed: {type(e).__name__}: {e}") from None
+        build = getattr(module, func, None)
+        if not callable(build):
+            raise ModelSpecError(f"--model {ref!r}: {path!r} has no function {func!r}")
+        try:
+            layers = build()
+        except BaseException as e:
+            raise ModelSpecError(f"--model {ref!r}: {func}() raised {type(e).__name__}: {e}") from None
+    finally:
+        sys.path.remove(folder)
     if not isinstance(layers, (list, tuple)) or not layers or not all(isinstance(x, Layer) for x in layers):
         got = type(layers).__name__ if not isinstance(layers, (list, tuple)) else \
             ", ".join(sorted({type(x).__name__ for x in layers})) or "an empty list"

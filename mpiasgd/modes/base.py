@@ -138,6 +138,31 @@ def dropout_seed(seed: int, rank: int) -> int:
     return (int(seed) << 20) + int(rank)
 
 
+class Heartbeat:
+    """A worker's ALIVE messages to rank 0 while it evaluates the final weights (which may take longer than
+    --comm-timeout on a large test slice): `beat()` sends one when `interval` seconds have passed since the
+    last, after the previous send completed; `drain()` completes the last."""
+
+    def __init__(self, comm: Any, rank: int, interval: float, timeout: float) -> None:
+        self.comm, self.rank, self.interval, self.timeout = comm, rank, interval, timeout
+        self.msg = Message(0)
+        self.sending = None
+        self.last = time.monotonic()
+
+    def beat(self) -> None:
+        if time.monotonic() - self.last < self.interval:
+            return
+        self.drain()
+        self.msg.stamp(Tag.ALIVE, self.rank)
+        self.sending = self.comm.Isend(self.msg.buf, dest=0, tag=int(Tag.ALIVE))
+        self.last = time.monotonic()
+
+    def drain(self) -> None:
+        if self.sending is not None:
+            wait(self.sending, "completion of an ALIVE send", self.rank, self.timeout)
+            self.sending = None
+
+
 class WorkerLoop:
     """A worker's loop (ranks 1..N): what every mode's worker shares.
 
@@ -266,7 +291,10 @@ class WorkerLoop:
         self.train()
         loss_sum = correct = count = 0
         if not self.preempted:
-            loss_sum, correct, count = evaluate(self.model, self.dataset, self.job.test_idx, self.cfg.eval_batch_size)
+            alive = Heartbeat(self.comm, self.rank, self.cfg.comm_timeout / 4, self.cfg.worker_timeout)
+            loss_sum, correct, count = evaluate(self.model, self.dataset, self.job.test_idx, self.cfg.eval_batch_size,
+                                                alive.beat)
+            alive.drain()
         result = Message(0).stamp(Tag.EVAL, self.rank, samples=count, correct=correct, loss=loss_sum)
         sending = self.comm.Isend(result.buf, dest=0, tag=int(Tag.EVAL))
         wait(sending, "completion of the EVAL send", self.rank, self.cfg.worker_timeout)

@@ -139,6 +139,11 @@ class Rank0:
             msg = Message(max(0, nbytes - protocol.HEADER_BYTES) // 4)
             message.Recv(msg.buf[:nbytes])
             raise WorkerFailed(source, protocol.error_text(msg))
+        if tag == Tag.ALIVE:  # a worker busy evaluating: only its silence clock restarts (in `serve`)
+            protocol.check_size(tag, source, self.rank, nbytes, 0)
+            message.Recv(self.header_only.buf)
+            protocol.check(self.header_only, tag, source, self.rank)
+            return
         handlers = self.role.handlers()
         if tag not in handlers:
             raise ProtocolError(f"rank 0: unexpected {tag.name} message from rank {source} (in mode "

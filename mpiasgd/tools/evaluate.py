@@ -47,11 +47,14 @@ def evaluate_snapshots(path: str, data_dir: str | None = None, batch_size: int =
         buffers = f["snapshots/buffers"][chosen] if "snapshots/buffers" in f else None  # (S, B) float32
     dataset = load_dataset(cfg["dataset"] or MODELS[cfg["model"]].dataset, data_dir or cfg["data_dir"] or None)
     model = build_model(spec, "numpy")  # from the stored definition: data, never a model file
-    weights, grads = np.empty(model.num_params, np.float32), np.empty(model.num_params, np.float32)
-    state = model.init_buffers()
+    if model.num_params != snapshots.shape[1]:  # (checked before anything of the network's size is allocated)
+        raise ValueError(f"run log '{path}': its network definition has {model.num_params} parameters, the "
+                         f"snapshots hold {snapshots.shape[1]}")
     if model.num_buffers and (buffers is None or buffers.shape[1] != model.num_buffers):
         raise ValueError(f"run log '{path}': its network has {model.num_buffers} buffer values, the snapshots "
                          f"hold {'none' if buffers is None else buffers.shape[1]}")
+    weights, grads = np.empty(model.num_params, np.float32), np.empty(model.num_params, np.float32)
+    state = model.init_buffers()
     model.bind(weights, grads, state)
     idx = np.arange(dataset.test_y.size, dtype=np.int64)
     rows = np.zeros(len(chosen), dtype=EVAL_ROW)

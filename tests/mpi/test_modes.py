@@ -146,3 +146,15 @@ def test_a_hung_worker_is_named_while_the_others_train(mpirun, tmp_path, mode):
     assert text.count("comms.CommTimeout:") == 1 and "During handling of the above exception" not in text, text
     p = t["pushes"]
     assert (p["worker"] == 2).sum() == 19 and (p["worker"] == 1).sum() >= 19
+
+
+@pytest.mark.parametrize("mode", [["--mode", "async"], ["--mode", "sync"]])
+def test_a_final_evaluation_longer_than_the_comm_timeout_completes(mpirun, tmp_path, mode):
+    """Worker 2's final evaluation takes 6 s, twice --comm-timeout: its ALIVE messages (one per evaluation
+    batch once comm_timeout / 4 has passed) keep rank 0 from taking it for hung; the run completes."""
+    res = mpirun(3, ["longeval", "2", *FAST, *mode, "--epochs", "0", "--max-pushes", "20", "--comm-timeout", "3",
+                     "--stall-warning", "0", "--name", "ev"], timeout=90, script="fault.py")
+    assert res.returncode == 0, res.explain()
+    assert "has sent nothing" not in res.stderr, res.explain()
+    attrs, _, _ = read_log(tmp_path / "runs" / "ev.h5")
+    assert attrs["status"] == "completed" and attrs["test_count"] == 360  # every worker evaluated its slice

@@ -55,3 +55,17 @@ def test_a_network_that_does_not_fit_the_data_is_one_startup_error(mpirun, tmp_p
     assert res.returncode == 2
     assert ("its last layer fc1 (Linear(8->3)) gives 3 logits, dataset 'digits' has 10 classes") in res.stderr
     assert not (tmp_path / "runs" / "bad.h5").exists()
+
+
+def test_a_model_file_that_exits_or_uses_numpy_sizes_never_hangs_startup(mpirun, tmp_path):
+    """Rank 0 alone runs the file while the workers wait for its definition: a SystemExit there is reported as
+    the start-up error (exit 2, within seconds), and NumPy integer sizes are stored as plain numbers."""
+    res = mpirun(3, ["train", "--model", f"{NET}:exits", *RUN, "--epochs", "1", "--name", "x"], timeout=60)
+    assert res.returncode == 2 and res.seconds < 30, res.explain()
+    assert f"mpiasgd: error (rank 0): --model '{NET}:exits': exits() raised SystemExit: 3" in res.stderr
+    res = mpirun(3, ["train", "--model", f"{NET}:numpy_sizes", *RUN, "--epochs", "0", "--max-pushes", "4",
+                     "--name", "np"], timeout=60)
+    assert res.returncode == 0, res.explain()
+    with h5py.File(tmp_path / "runs" / "np.h5", "r") as f:
+        layers = json.loads(f.attrs["model_spec"])["layers"]
+    assert layers[0]["out_channels"] == 8 and layers[-1]["out_features"] == 10

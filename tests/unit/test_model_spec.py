@@ -213,3 +213,62 @@ def test_user_files(tmp_path):
         resolve(f"{custom}:build", (1, 8, 8))
     with pytest.raises(ModelSpecError, match="unknown model 'resnet21'"):
         resolve("resnet21")
+
+
+@pytest.mark.parametrize("layer, message", [
+    ({"type": "Conv2d", "in_channels": 3, "out_channels": 0, "kernel": 3}, r"Conv2d: out_channels must be an integer "
+                                                                           r"in \[1, 2147483647\], got 0"),
+    ({"type": "Conv2d", "in_channels": 3, "out_channels": 4, "kernel": -3}, "Conv2d: kernel must be an integer"),
+    ({"type": "Conv2d", "in_channels": 3, "out_channels": 4, "kernel": 3, "stride": 0}, "Conv2d: stride must be"),
+    ({"type": "Conv2d", "in_channels": 3, "out_channels": 4, "kernel": 3, "pad": -1},
+     r"pad must be an integer in \[0,"),
+    ({"type": "Linear", "in_features": 3, "out_features": 10**30}, "out_features must be an integer"),
+    ({"type": "Linear", "in_features": 3, "out_features": 4, "init": "normal", "std": float("inf")},
+     "std must be a finite number > 0, got inf"),
+    ({"type": "Linear", "in_features": 3, "out_features": 4, "lr_mult": float("nan")}, "lr_mult must be a finite"),
+    ({"type": "Linear", "in_features": 3, "out_features": 4, "decay_mult": -1.0}, "decay_mult must be a finite"),
+    ({"type": "MaxPool2d", "kernel": 0}, "MaxPool2d: kernel must be an integer"),
+    ({"type": "AvgPool2d", "kernel": 2, "stride": 0}, "AvgPool2d: stride must be"),
+    ({"type": "BatchNorm2d", "num_features": 4, "eps": float("inf")}, "BatchNorm2d: eps must be a finite"),
+    ({"type": "LocalResponseNorm", "size": 5, "beta": float("nan")}, "LocalResponseNorm: beta must be a finite"),
+    ({"type": "SubsamplePad", "in_channels": 8, "out_channels": 4}, "need out_channels >= in_channels"),
+    ({"type": "Flatten", "x": 1}, "unknown argument 'x'; Flatten takes no arguments"),
+])
+def test_layer_arguments_out_of_range_are_refused_by_name(layer, message):
+    with pytest.raises(ModelSpecError, match=message):
+        layer_from_spec(layer, "layers[0]")
+
+
+def test_definitions_are_bounded_and_strict(tmp_path):
+    leaf = {"type": "ReLU"}
+    nested = leaf
+    for _ in range(20):
+        nested = {"type": "Residual", "main": [nested]}
+    with pytest.raises(ModelSpecError, match=r"nested more than 16 deep"):
+        layer_from_spec(nested, "layers[0]")
+    deep_text = "[" * 100000 + "]" * 100000
+    with pytest.raises(ModelSpecError, match="not valid JSON"):
+        from_json(deep_text)
+    good = json.loads(to_json(build_model("digits").spec()))
+    with pytest.raises(ModelSpecError, match="unknown key\\(s\\) 'input_shap'"):
+        from_json(json.dumps({**good, "input_shap": [1, 8, 8]}))
+    with pytest.raises(ModelSpecError, match="its model_spec attribute is a ndarray"):
+        stored({"model_spec": np.zeros(3)}, "run log 'x.h5'")
+    path = tmp_path / "bom.json"
+    path.write_text(json.dumps(good["layers"]), encoding="utf-8-sig")
+    assert build_model(resolve(str(path), (1, 8, 8))).num_params == 6090
+
+
+def test_a_model_file_may_import_its_neighbours_and_numpy_sizes_are_stored_as_numbers(tmp_path):
+    (tmp_path / "blocks.py").write_text("from mpiasgd.model.layers import Conv2d, ReLU\n"
+                                        "def stem(width):\n    return [Conv2d(1, width, 3, pad=1), ReLU()]\n")
+    (tmp_path / "net.py").write_text("import numpy as np\nfrom blocks import stem\n"
+                                     "from mpiasgd.model.layers import GlobalAvgPool, Linear\n"
+                                     "def build():\n    w = np.int64(6)\n"
+                                     "    return [*stem(w), GlobalAvgPool(), Linear(w, 10)]\n")
+    spec = resolve(f"{tmp_path / 'net.py'}:build", (1, 8, 8))
+    assert spec["layers"][0]["out_channels"] == 6 and type(spec["layers"][0]["out_channels"]) is int
+    assert from_json(to_json(spec)) == spec
+    (tmp_path / "bye.py").write_text("import sys\nsys.exit(0)\n")
+    with pytest.raises(ModelSpecError, match=r"importing .* failed: SystemExit: 0"):
+        resolve(f"{tmp_path / 'bye.py'}:build", (1, 8, 8))

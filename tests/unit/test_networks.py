@@ -377,3 +377,14 @@ def test_export_cli_checkpoint_and_errors(tmp_path, capsys):
     assert main(["export", other, "-o", str(tmp_path / "d.npz")]) == 2
     assert "does not fit its network 'cifar10': params must be a float vector of shape (85098,)" in \
         capsys.readouterr().err
+
+
+def test_export_never_writes_over_the_run_or_into_a_directory(tmp_path, capsys):
+    model = build_model("digits")
+    log = write_run(tmp_path / "d.h5", "digits", [random_state(model, 0)])
+    before = (tmp_path / "d.h5").read_bytes()
+    assert main(["export", log, "-o", log]) == 2
+    assert f"output '{log}' is the run's own file" in capsys.readouterr().err
+    assert (tmp_path / "d.h5").read_bytes() == before
+    assert main(["export", log, "-o", str(tmp_path)]) == 2
+    assert "is a directory; give a file name" in capsys.readouterr().err

@@ -30,3 +30,18 @@ def wrong_classes() -> list:
 def wrong_input() -> list:
     """Does not fit digits: expects 3-channel images."""
     return [Conv2d(3, 8, 3, 1, 1), ReLU(), GlobalAvgPool(), Linear(8, 10)]
+
+
+def exits() -> list:
+    """A model file that ends the process (rank 0 must report it, not leave the workers waiting)."""
+    import sys
+
+    sys.exit(3)
+
+
+def numpy_sizes() -> list:
+    """Sizes given as NumPy integers (as code computing them often does): stored as plain JSON numbers."""
+    import numpy as np
+
+    width = np.int64(8)
+    return [Conv2d(1, width, 3, 1, 1), ReLU(), GlobalAvgPool(), Linear(width, np.int32(10), init="zeros")]

@@ -13,6 +13,8 @@ KIND: raise      rank RANK (a worker) raises RuntimeError("injected failure") in
       nanmodule  pipeline unit RANK's module gradients are NaN from its 3rd backward on
       preempt    rank RANK (a worker or a pipeline module 0) sends itself SIGUSR1 in its 10th minibatch
       sloweval   worker RANK takes 3 s longer over its final evaluation
+      longeval   worker RANK's final evaluation takes 6 s more, in 12 batches of 0.5 s (each reported as
+                 evaluation progress, as real batches are)
       logfull    rank 0's run log flushes fail as on a full disk (h5py's RuntimeError, errno 28) from the
                  30th dataset flush on; checkpoints still fit
       diskfull   as logfull, and from then on checkpoints fail too (ENOSPC)
@@ -59,6 +61,22 @@ if kind == "sloweval" and rank == target:
         return original_evaluate(*args, **kwargs)
 
     worker.evaluate = slow_evaluate
+
+if kind == "longeval" and rank == target:
+    import time
+
+    from mpiasgd.modes import base as worker
+
+    original_evaluate = worker.evaluate
+
+    def long_evaluate(model, dataset, idx, batch_size, on_batch=None):
+        for _ in range(12):
+            time.sleep(0.5)
+            if on_batch is not None:
+                on_batch()
+        return original_evaluate(model, dataset, idx, batch_size, on_batch)
+
+    worker.evaluate = long_evaluate
 
 if kind in ("logfull", "diskfull", "nocreate") and rank == 0:
     import h5py
