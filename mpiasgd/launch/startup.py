@@ -198,6 +198,7 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
     `local_rank` is a worker's index among the workers of its node (its GPU, modulo visible devices).
     """
     from mpiasgd.model import build_model
+    from mpiasgd.model.layers import BatchNorm2d, walk
 
     if me.size < 2:
         raise ConfigError(f"mpiasgd train needs at least 2 MPI ranks (1 parameter server + workers), got {me.size}; "
@@ -216,6 +217,12 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
         raise ConfigError(f"model '{cfg.model_label}' has {model.num_params:,} parameters and {model.num_buffers:,} "
                           f"buffer values; a message of mpiasgd holds at most {MAX_MESSAGE_VALUES:,} values "
                           "(MPI counts bytes with 32-bit ints)")
+    single = [layer for layer in walk(model.layers)
+              if isinstance(layer, BatchNorm2d) and cfg.batch_size * layer.plane < 2]
+    if single:
+        raise ConfigError(f"config key 'batch_size' = {cfg.batch_size}: {single[0].describe()} of model "
+                          f"'{cfg.model_label}' would see one value per channel (1x1 maps); BatchNorm needs a "
+                          "minibatch of at least 2 there")
     classes = int(dataset.train_y.max()) + 1 if dataset.train_y.size else 0
     if model.num_classes < classes:
         raise ConfigError(f"model '{cfg.model_label}': its last layer {model.names[-1]} "

@@ -584,12 +584,17 @@ class BatchNorm2d(Layer):
         self.running_mean, self.running_var = buffers
 
     def out_shape(self, in_shape: Shape) -> Shape:
-        return _expect_planes(self, in_shape, self.num_features)
+        shape = _expect_planes(self, in_shape, self.num_features)
+        self.plane = shape[1] * shape[2]  # values per channel and image: N * plane per batch statistic
+        return shape
 
     def forward(self, x: Any) -> Any:
         ops = self.ops
         if not self.training:
             return ops.batchnorm_fprop(x, self.weight, self.bias, self.running_mean, self.running_var, self.eps)
+        if x.shape[0] * x.shape[2] * x.shape[3] < 2:
+            raise ValueError(f"{self.describe()}: training needs more than one value per channel, got input "
+                             f"{tuple(x.shape)} (as torch.nn.BatchNorm2d); use a larger minibatch")
         if self.ctx.update_buffers:
             self.mean, self.var = ops.batchnorm_stats(x, self.running_mean, self.running_var, self.momentum)
         else:

@@ -272,3 +272,16 @@ def test_a_model_file_may_import_its_neighbours_and_numpy_sizes_are_stored_as_nu
     (tmp_path / "bye.py").write_text("import sys\nsys.exit(0)\n")
     with pytest.raises(ModelSpecError, match=r"importing .* failed: SystemExit: 0"):
         resolve(f"{tmp_path / 'bye.py'}:build", (1, 8, 8))
+
+
+def test_batchnorm_refuses_one_value_per_channel_in_training():
+    """As torch.nn.BatchNorm2d: a batch statistic of one value is no statistic (its variance is 0)."""
+    model = Model("one", (1, 8, 8), [Conv2d(1, 4, 8), BatchNorm2d(4), ReLU(), Flatten(), Linear(4, 3)], ops)
+    assert model.layers[1].plane == 1  # 1x1 maps: the start-up check refuses --batch-size 1 for it
+    p = model.init_params(0)
+    model.bind(p, np.zeros_like(p))
+    x = np.ones((1, 1, 8, 8), np.float32)
+    with pytest.raises(ValueError, match=r"BatchNorm2d\(4\): training needs more than one value per channel"):
+        model.forward_backward(x, np.zeros(1, np.int64))
+    assert np.isfinite(model.evaluate(x, np.zeros(1, np.int64))[0])  # evaluation uses the running statistics
+    model.forward_backward(np.ones((2, 1, 8, 8), np.float32), np.zeros(2, np.int64))
