@@ -150,8 +150,8 @@ if kind in ("nan", "nan1") and rank == target:
 
     original_fb, steps = Model.forward_backward, [0]
 
-    def nan_forward_backward(self, x, y):
-        out = original_fb(self, x, y)
+    def nan_forward_backward(self, x, y, minibatch=None):
+        out = original_fb(self, x, y, minibatch)
         steps[0] += 1
         if steps[0] == 3 or (kind == "nan" and steps[0] > 3):
             self.grads[:] = np.nan
