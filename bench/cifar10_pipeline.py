@@ -30,6 +30,7 @@ import sys
 import time
 
 from launch import add_run_arguments, launcher, run, run_dir
+from trainrun import name_list
 
 from mpiasgd.cli import positive
 from mpiasgd.runlog import load
@@ -39,12 +40,7 @@ CONFIGS = {  # name -> (modules K, shrink beta)
 }
 
 
-def config_list(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in CONFIGS]
-    if unknown or not names or len(set(names)) < len(names):
-        raise argparse.ArgumentTypeError(f"expected distinct names from {', '.join(CONFIGS)}, got {text!r}")
-    return names
+config_list = name_list(CONFIGS)  # argparse type: comma-separated config names
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -55,7 +55,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from launch import launcher, run, seconds
-from trainrun import cores, epochs_type, nonnegative
+from trainrun import cores, epochs_type, name_list, nonnegative
 
 from mpiasgd.cli import positive
 
@@ -83,15 +83,7 @@ ROWS = {row.name: row for row in (
 )}
 
 
-def row_list(text: str) -> list[str]:
-    """argparse type: comma-separated row names (or "all"), distinct, in the order given."""
-    if text.strip() == "all":
-        return list(ROWS)
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in ROWS]
-    if unknown or not names or len(set(names)) < len(names):
-        raise argparse.ArgumentTypeError(f"expected distinct names from {', '.join(ROWS)} (or all), got {text!r}")
-    return names
+row_list = name_list(ROWS, allow_all=True)  # argparse type: comma-separated row names, or all
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

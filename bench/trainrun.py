@@ -147,6 +147,22 @@ def epochs_type(text: str) -> float:
     return value
 
 
+def name_list(choices, allow_all: bool = False) -> Callable[[str], list[str]]:
+    """An argparse type: comma-separated distinct names from `choices`, in the order given (`allow_all`: or
+    "all", every choice)."""
+    def parse(text: str) -> list[str]:
+        if allow_all and text.strip() == "all":
+            return list(choices)
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in names if name not in choices]
+        if unknown or not names or len(set(names)) < len(names):
+            raise argparse.ArgumentTypeError(f"expected distinct names from {', '.join(choices)}"
+                                             f"{' (or all)' if allow_all else ''}, got {text!r}")
+        return names
+
+    return parse
+
+
 def int_list(text: str) -> list[int]:
     """A comma-separated list of distinct integers >= 1, in the order given."""
     try:

@@ -29,7 +29,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from mpiasgd import signals
+from mpiasgd import checkpoint, signals
 from mpiasgd.comms import CommTimeout, Message, ProtocolError, Tag, error_message, wait
 from mpiasgd.config import Config
 from mpiasgd.device import sharing_error, tuning_turns
@@ -83,20 +83,21 @@ def train(cfg: Config, comm: Any = None) -> int:
     # start-up (all ranks): collective, so bad input gives one message and a clean exit
     # (every failure of a rank is caught here, a user's model file's SystemExit included: no rank may leave
     # the collective start-up early, or the others would wait for it forever)
-    error, start, threads, dataset, text, spec = None, None, 1, None, None, None
+    error, start, threads, dataset, text, spec, resumed = None, None, 1, None, None, None, None
     try:
         workers_here, local_rank = node_workers(me)
         threads = blas_threads(me, cfg.threads, workers_here)
         dataset = load_data(cfg)
         if me.is_server:
-            text = definition_text(cfg, dataset)
+            resumed = checkpoint.load(cfg.resume) if cfg.resume else None  # read once: here and for the log
+            text = definition_text(cfg, dataset, resumed)
     except BaseException as e:
         error = startup_error(e)
     text = me.comm.bcast(text, root=0)  # collective: every rank comes here, failed or not
     if error is None and text is not None:  # (rank 0 failed: it reports why, the others wait for that)
         try:
             spec = shared_definition(text)
-            start = setup(cfg, me, mode, dataset, spec, local_rank)
+            start = setup(cfg, me, mode, dataset, spec, local_rank, resumed)
         except BaseException as e:
             error = startup_error(e)
     if report_startup_errors(me, error):

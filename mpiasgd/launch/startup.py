@@ -149,23 +149,22 @@ def load_data(cfg: Config) -> Any:
     return load_dataset(cfg.dataset_name, cfg.data_dir or default_data_dir())
 
 
-def definition_text(cfg: Config, dataset: Any) -> str:
+def definition_text(cfg: Config, dataset: Any, resumed: checkpoint.Checkpoint | None = None) -> str:
     """(rank 0) The network's stored definition (`mpiasgd.model.spec`) as JSON text: a resumed run's from its
-    checkpoint (the network it trained, whatever the file says now; the checkpoint's CRC is verified
-    first), else what --model names, a file's network taking the dataset's image shape. Checked by
+    checkpoint `resumed` (the network it trained, whatever the file says now; `checkpoint.load` verified
+    its CRC), else what --model names, a file's network taking the dataset's image shape. Checked by
     building its layers. Raises ModelSpecError (a ValueError) or CheckpointError naming what is wrong."""
     from mpiasgd.model.spec import from_json, layers_from_spec, resolve, to_json
 
-    if cfg.resume and os.path.isfile(cfg.resume):
-        stored = checkpoint.load(cfg.resume).model_spec
-        if stored:
-            what = f"--resume: checkpoint '{cfg.resume}': its network definition"
-            spec = from_json(stored, what)
-            try:
-                layers_from_spec(spec)
-            except ValueError as e:
-                raise ConfigError(f"{what} is corrupt: {e}") from None
-            return to_json(spec)
+    stored = resumed.model_spec if resumed is not None else ""
+    if stored:
+        what = f"--resume: checkpoint '{cfg.resume}': its network definition"
+        spec = from_json(stored, what)
+        try:
+            layers_from_spec(spec)
+        except ValueError as e:
+            raise ConfigError(f"{what} is corrupt: {e}") from None
+        return to_json(spec)
     spec = resolve(cfg.model, tuple(int(d) for d in dataset.train_x.shape[1:]))
     try:
         return to_json(spec)
@@ -191,9 +190,10 @@ def startup_error(e: BaseException) -> str:
     return f"start-up failed: {type(e).__name__}: {e}"
 
 
-def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_rank: int = 0) -> Startup:
-    """Per-rank start-up with the run's dataset and network definition; returns what the role needs. Raises
-    one of STARTUP_ERRORS on bad input.
+def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_rank: int = 0,
+          resumed: checkpoint.Checkpoint | None = None) -> Startup:
+    """Per-rank start-up with the run's dataset and network definition (and on rank 0 the checkpoint of a
+    --resume, `resumed`, read once); returns what the role needs. Raises one of STARTUP_ERRORS on bad input.
 
     `local_rank` is a worker's index among the workers of its node (its GPU, modulo visible devices).
     """
@@ -239,7 +239,7 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
                           f"({smallest_shard} images: {dataset.train_y.size} over {layout.shards} shards)")
     out = Startup(mode, dataset, model, backend, device, layout)
     if me.is_server:
-        open_run_log(cfg, me, out)
+        open_run_log(cfg, me, out, resumed)
         return out
     # validates: more workers than samples is a DataError naming both numbers
     out.sampler = ShardSampler(dataset.train_y.size, layout.shards, layout.shard[me.rank], cfg.seed)
@@ -254,12 +254,12 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
     return out
 
 
-def open_run_log(cfg: Config, me: Rank, out: Startup) -> None:
-    """(rank 0) The run log's path, its writer lock, and on --resume the checkpoint (checked against this
-    job): into `out`. ConfigError / FileExistsError naming the file."""
+def open_run_log(cfg: Config, me: Rank, out: Startup, resumed: checkpoint.Checkpoint | None = None) -> None:
+    """(rank 0) The run log's path, its writer lock, and on --resume the checkpoint (`resumed` when already
+    read, checked against this job): into `out`. ConfigError / FileExistsError naming the file."""
     out.path = os.path.join(cfg.run_dir, run_name(cfg, me.num_workers) + ".h5")
     if cfg.resume:
-        ckpt = out.checkpoint = checkpoint.load(cfg.resume)
+        ckpt = out.checkpoint = resumed if resumed is not None else checkpoint.load(cfg.resume)
         if ckpt.num_workers != me.num_workers:
             raise ConfigError(f"--resume: checkpoint '{cfg.resume}' was written by a run with {ckpt.num_workers} "
                               f"workers; this job has {me.num_workers} (launch {1 + ckpt.num_workers} ranks)")

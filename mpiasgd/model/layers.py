@@ -114,6 +114,17 @@ class Layer:
         """[(name, shape)] of `params()`."""
         return [(p.name, p.shape) for p in self.params()]
 
+    def param_fan_ins(self) -> list[int]:
+        """The fan-in of the layer owning each of `params()` (He initialisation; a block's nested weights)."""
+        return [self.fan_in] * len(self.params())
+
+    def flops(self, in_shape: Shape) -> int:
+        """2 x multiply-adds of the forward for one sample of shape `in_shape`: its weights (conv, linear) times
+        the output positions; 0 for a layer without weights. A block sums its layers'."""
+        out = self.out_shape(in_shape)
+        weights = sum(_numel(p.shape) for p in self.params() if p.name == "weight")
+        return 2 * weights * (_numel(out[1:]) if len(out) == 3 else 1)
+
     def config(self) -> dict[str, Any]:
         """The constructor's keyword arguments as JSON values (none for a layer without settings)."""
         return {}
@@ -182,6 +193,13 @@ class Layer:
     def describe(self) -> str:
         """Short constructor-like description, e.g. 'Conv2d(3->32, k5 s1 p2)'."""
         return f"{type(self).__name__}()"
+
+
+def _numel(shape: Shape) -> int:
+    size = 1
+    for d in shape:
+        size *= d
+    return size
 
 
 def _expect_planes(layer: Layer, in_shape: Shape, channels: int | None = None) -> tuple[int, int, int]:
@@ -796,8 +814,16 @@ class Residual(Layer):
                 for b in layer.buffers()]
 
     def param_fan_ins(self) -> list[int]:
-        """The fan-in of the layer owning each of `params()` (He initialisation of nested weights)."""
-        return [layer.fan_in for layer in self.children() for _ in layer.params()]
+        return [fan_in for layer in self.children() for fan_in in layer.param_fan_ins()]
+
+    def flops(self, in_shape: Shape) -> int:
+        total = 0
+        after_in = _chain(self.main, in_shape)
+        for group, shape in ((self.main, in_shape), (self.shortcut, in_shape), (self.after, after_in)):
+            for layer in group:
+                total += layer.flops(shape)
+                shape = layer.out_shape(shape)
+        return total
 
     def config(self) -> dict[str, Any]:
         from mpiasgd.model.spec import layer_spec

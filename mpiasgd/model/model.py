@@ -64,7 +64,7 @@ class Model:
                 shape = tuple(int(d) for d in layer.out_shape(shape))
             except ValueError as e:
                 raise ValueError(f"model {name!r}, layer {lname}: {e}") from None
-            fan_ins = layer.param_fan_ins() if hasattr(layer, "param_fan_ins") else [layer.fan_in] * len(layer.params())
+            fan_ins = layer.param_fan_ins()
             slots = []
             for p, fan_in in zip(layer.params(), fan_ins, strict=True):
                 pshape = tuple(int(d) for d in p.shape)
@@ -229,12 +229,8 @@ class Model:
     def layer_flops(self) -> list[int]:
         """Multiply-adds x 2 of each layer's forward pass for one sample (conv and linear, nested ones included;
         0 for the rest)."""
-        flops = []
-        shape = self.input_shape
-        for layer, out in zip(self.layers, self.shapes, strict=True):
-            flops.append(_flops(layer, shape))
-            shape = out
-        return flops
+        ins = [self.input_shape, *self.shapes[:-1]]
+        return [layer.flops(shape) for layer, shape in zip(self.layers, ins, strict=True)]
 
     def train(self, mode: bool = True) -> None:
         """Set every layer's `training` flag (BatchNorm: batch statistics; Dropout: on)."""
@@ -323,19 +319,3 @@ def _size(shape: Shape) -> int:
         size *= d
     return size
 
-
-def _flops(layer: Layer, in_shape: Shape) -> int:
-    """2 x multiply-adds of `layer`'s forward for one sample of shape `in_shape` (conv/linear weights only)."""
-    children = layer.children()
-    if children:
-        total, shape = 0, in_shape
-        for group in (layer.main, layer.shortcut, layer.after):
-            shape = in_shape if group is not layer.after else shape
-            for child in group:
-                total += _flops(child, shape)
-                shape = child.out_shape(shape)
-        return total
-    out = layer.out_shape(in_shape)
-    weights = sum(_size(p.shape) for p in layer.params() if p.name == "weight")
-    spatial = _size(out[1:]) if len(out) == 3 else 1
-    return 2 * weights * spatial

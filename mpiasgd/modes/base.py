@@ -122,9 +122,9 @@ def message_count(model: Any) -> int:
 
 
 def lr_scale(model: Any) -> np.ndarray | None:
-    """The model's per-parameter learning-rate multipliers (float32 (P,)), None when all are 1 (or no model)."""
-    mult = None if model is None else model.lr_mult()
-    return None if mult is None or (mult == 1).all() else mult
+    """The model's per-parameter learning-rate multipliers (float32 (P,); `optim.SGD` takes all 1 as its default
+    path), None without a model."""
+    return None if model is None else model.lr_mult()
 
 
 def initial_buffers(model: Any) -> np.ndarray | None:

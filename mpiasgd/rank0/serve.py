@@ -119,7 +119,7 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
     rec = Recorder(cfg, log, range(1, me.num_workers + 1), dataset.train_y.size, bar, health)
     rec.model_spec = to_json(model.spec())
     hosts = {w.rank: w.host for w in workers}
-    r0 = Rank0(me.comm, cfg, rec, lambda r0: start.mode.rank0(r0, params, model.decay_mask(), model, dataset,
+    r0 = Rank0(me.comm, cfg, rec, lambda r0: start.mode.rank0(r0, params, model.decay_mult(), model, dataset,
                                                               start.layout),
                pids={w.rank: (w.host, w.pid) for w in workers})
     if ckpt is not None:
