@@ -22,6 +22,7 @@ setup(
         "tqdm>=4.60",
         "threadpoolctl>=3.1",
         "matplotlib>=3.6",  # mpiasgd report --plots
+        "pillow>=9.0",  # mpiasgd data convert: decodes and resizes image folders
         "tomli>=2.0; python_version<'3.11'",
     ],
     extras_require={
@@ -30,9 +31,12 @@ setup(
         # the PyTorch references of bench/ (torch_models.py, resnet20_torch.py; kernels.py wants a CUDA build),
         # never imported by mpiasgd/ or tests/; the CPU wheel: --index-url https://download.pytorch.org/whl/cpu
         "bench": ["torch>=2.1"],
-        # pillow: decodes the CIFAR-10 archive of the tests; NVRTC (found by cuda-pathfinder) compiles the
+        # --tensorboard: rank 0 writes the metrics as TensorBoard event files
+        "tensorboard": ["tensorboardX>=2.6"],
+        # tensorboardX: the tests of --tensorboard; NVRTC (found by cuda-pathfinder) compiles the
         # kernels as cupy.RawModule would, with no GPU (tests/kernels_cpu/test_nvcc.py)
-        "test": ["pytest>=7.0", "ruff>=0.5", "pillow>=9.0", "nvidia-cuda-nvrtc-cu12>=12.4", "cuda-pathfinder>=1.9"],
+        "test": ["pytest>=7.0", "ruff>=0.5", "tensorboardX>=2.6", "nvidia-cuda-nvrtc-cu12>=12.4",
+                 "cuda-pathfinder>=1.9"],
     },
     entry_points={"console_scripts": ["mpiasgd=mpiasgd.cli:main"]},
 )

@@ -1,4 +1,4 @@
-"""Command line: `mpiasgd train | evaluate | report | watch | trace | export` (also `python -m mpiasgd ...`).
+"""Command line: `mpiasgd train | evaluate | report | watch | trace | export | data` (also `python -m mpiasgd ...`).
 
     mpiexec -n 3 python -m mpiasgd train --model digits --epochs 30   # 1 parameter server + 2 workers
     python -m mpiasgd evaluate runs/NAME.h5                            # accuracy of every weight snapshot
@@ -6,6 +6,7 @@
     python -m mpiasgd watch runs/NAME.h5                               # follow a running job, a line per interval
     python -m mpiasgd trace runs/NAME.h5 -o trace.json                 # Chrome trace, one track per rank
     python -m mpiasgd export runs/NAME.h5 -o NAME.npz                  # weights as .npz, keyed by parameter name
+    python -m mpiasgd data convert SRC OUT.h5 [--size S]               # dataset file (also: data synth, data info)
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--checkpoint", action="store_true",
                        help="the run's checkpoint (RUN.ckpt.h5) instead of a snapshot")
     ex.add_argument("-o", "--output", default=None, help="the .npz file to write (default: RUN.npz beside the log)")
+    from mpiasgd.tools.data_cli import add_parser as add_data_parser  # argparse only: `train` loads no data tools
+
+    add_data_parser(sub)
     args, rest = parser.parse_known_args(argv)
 
     if args.command == "train":
@@ -104,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         return trace(args.log, args.output)
     if args.command == "export":
         return _export(args)
+    if args.command == "data":
+        from mpiasgd.tools.data_cli import main as data
+
+        return data(args)
     if args.command == "watch":
         from mpiasgd.tools.watch import main as watch
 
@@ -143,17 +151,16 @@ def _train(argv: list[str]) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from mpiasgd.tools.evaluate import evaluate_snapshots
+    from mpiasgd.tools.evaluate import SNAPSHOT_HEADER, evaluate_snapshots, snapshot_line
 
     header = True  # the table's header goes before a log's first row, not before an error
 
     def show(r) -> None:
         nonlocal header
         if header:
-            print("snapshot    time s   epoch   test acc   test loss", flush=True)
+            print(SNAPSHOT_HEADER, flush=True)
             header = False
-        print(f"{r['snapshot']:>8} {r['time']:>8.1f} {r['epoch']:>7.2f} {100 * r['accuracy']:>9.2f}% "
-              f"{r['loss']:>11.4f}", flush=True)
+        print(snapshot_line(r), flush=True)
 
     status = 0
     for path in args.logs:

@@ -52,6 +52,22 @@ class BaseConfig:
                         "required with a network from a file)")
     data_dir: str = _opt("", "model and data",
                          "folder holding cifar-10-batches-py/ or -bin/ (default: $MPIASGD_DATA or ~/.cache/mpiasgd)")
+    data: str = _opt("", "model and data",
+                     "an mpiasgd dataset file (HDF5, written by `mpiasgd data convert` or `data synth`): train on "
+                     "its train split, evaluate on its test split; replaces --dataset")
+    test_data: str = _opt("", "model and data", "another dataset file whose test split to evaluate on (with --data)")
+    augment: str = _opt("", "model and data",
+                        "training augmentation, comma-separated: pad-crop=P | inner-crop=S | resized-crop=S, flip, "
+                        "pca-noise=SIGMA, or none (default: the dataset's: pad-crop=4,flip for images of 32 pixels "
+                        "or more, none for digits); evaluation centre-crops what training crops")
+    shuffle_window: int = _opt(16, "model and data",
+                               "--data: a worker reads its shard a chunk at a time in a shuffled chunk order and "
+                               "shuffles the images within a window of this many chunks")
+    data_in_memory: bool = _opt(False, "model and data",
+                                "--data: each worker reads its whole shard into memory at start-up (when it fits)")
+    prefetch: int = _opt(2, "model and data",
+                         "minibatches a background thread prepares ahead of the step (read, augment, "
+                         "normalise); 0 = in the step")
     seed: int = _opt(0, "model and data", "seed of initial weights, shards and augmentation")
     batch_size: int = _opt(32, "model and data", "minibatch per worker, images")
     # --- parallelism ---
@@ -104,7 +120,11 @@ class BaseConfig:
     name: str = _opt("", "run log", "run name; the log is RUN_DIR/NAME.h5 (default: model-mode-Nw-timestamp)")
     run_dir: str = _opt("runs", "run log", "folder of run logs")
     overwrite: bool = _opt(False, "run log", "replace an existing log of the same name")
-    snapshot_interval: float = _opt(5.0, "run log", "weight snapshot every this many seconds; 0 = first and last only")
+    snapshot_interval: float = _opt(-1.0, "run log",
+                                    "weight snapshot every this many seconds; 0 = first and last only; -1 = auto: "
+                                    "max(5, model MB / 1 MB/s) seconds, so that a large model does not write "
+                                    "its whole weights into the log every 5 s (AlexNet: every 244 s, not 49 "
+                                    "MB/s); the first and last snapshots are always taken")
     flush_interval: float = _opt(2.0, "run log", "log flushed to disk every this many seconds")
     checkpoint_interval: float = _opt(300.0, "run log",
                                       "rank 0 writes the training state to RUN_DIR/NAME.ckpt.h5 every this many "
@@ -115,6 +135,12 @@ class BaseConfig:
                        "weights, optimizer state, step counts and data positions; flags given override the "
                        "config (model, mode, seed, batch size, name and the pipeline's layout excepted)")
     eval_batch_size: int = _opt(256, "run log", "images per forward pass when evaluating")
+    eval_interval: str = _opt("", "run log",
+                              "evaluate the current weights on the test split during training, every Ns seconds or "
+                              "Nep epochs (e.g. 300s, 0.5ep); the workers evaluate their slices; '' = only at the end")
+    tensorboard: bool = _opt(False, "run log",
+                             "rank 0 also writes the metrics as TensorBoard event files into RUN_DIR/NAME.tb/ "
+                             "(needs the tensorboard extra: pip install 'mpiasgd[tensorboard]')")
     progress: bool = _opt(True, "run log", "progress bar on rank 0")
     show_config: bool = _opt(False, "run log",
                              "rank 0 prints the resolved config (every key) before training; it is stored in the "
@@ -131,8 +157,6 @@ class BaseConfig:
 
         need(self.model in MODELS or is_file_ref(self.model), "model",
              f"one of {sorted(MODELS)}, or a file PATH.py:FUNCTION or PATH.json")
-        need(self.model in MODELS or self.dataset != "", "dataset",
-             f"a dataset name for the network from file {self.model!r}")
         from mpiasgd.data import DATASETS
 
         need(self.dataset in ("", *DATASETS), "dataset", " | ".join(DATASETS))
@@ -183,11 +207,27 @@ class BaseConfig:
         need(self.max_time >= 0, "max_time", "seconds >= 0 (0 = no limit)")
         if self.epochs == 0 and self.max_pushes == 0 and self.max_time == 0:
             raise ConfigError("no stopping rule: set at least one of 'epochs', 'max_pushes', 'max_time' > 0")
-        need(self.snapshot_interval >= 0, "snapshot_interval", "seconds >= 0")
+        need(self.snapshot_interval >= 0 or self.snapshot_interval == -1, "snapshot_interval",
+             "seconds >= 0, or -1 (auto)")
         need(self.flush_interval > 0, "flush_interval", "seconds > 0")
         need(math.isfinite(self.checkpoint_interval) and self.checkpoint_interval >= 0, "checkpoint_interval",
              "seconds >= 0 (0 = only at the end and on a signal)")
         need(self.eval_batch_size >= 1, "eval_batch_size", "an integer >= 1")
+        self.eval_every()  # raises on a malformed interval
+        need(not (self.data and self.dataset), "data", "'' with --dataset (a file replaces the named dataset)")
+        need(not self.test_data or bool(self.data), "test_data", "'' without --data")
+        need(self.model in MODELS or self.dataset != "" or self.data != "", "dataset",
+             f"a dataset name or a --data file for the network from file {self.model!r}")
+        if self.augment:
+            from mpiasgd.data import DataError
+            from mpiasgd.data.augment import Augmentation
+
+            try:
+                Augmentation.parse(self.augment)
+            except DataError as e:
+                raise ConfigError(f"config key 'augment' = {self.augment!r}: {e}") from None
+        need(self.shuffle_window >= 1, "shuffle_window", "an integer >= 1 (chunks)")
+        need(0 <= self.prefetch <= 64, "prefetch", "0..64 minibatches")
         need(self.name == "" or (self.name.strip() == self.name and "/" not in self.name
                                  and not self.name.startswith(".") and not self.name.endswith(".h5")),
              "name", "a file name without '/', leading '.', surrounding blanks or '.h5' (it is added)")
@@ -208,6 +248,23 @@ class BaseConfig:
             out[rank] = factor
         return out
 
+    def eval_every(self) -> tuple[float, str]:
+        """`eval_interval` parsed: (0.0, "") when off, else (N > 0, "s") for every N seconds or (N, "ep") for every
+        N epochs; a bare number is seconds. ConfigError naming the key when malformed."""
+        text = self.eval_interval.strip()
+        if text in ("", "0"):
+            return 0.0, ""
+        unit = "ep" if text.endswith("ep") else "s"
+        number = text[:-2] if unit == "ep" else text.removesuffix("s")
+        try:
+            value = float(number)
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"config key 'eval_interval' = {self.eval_interval!r}: expected Ns (seconds) or Nep "
+                              "(epochs) with N > 0, e.g. 300s or 0.5ep; '' for none")
+        return value, unit
+
     @property
     def worker_timeout(self) -> float:
         """Seconds a worker waits for any one message: twice `comm_timeout`, so that rank 0, which watches
@@ -219,6 +276,8 @@ class BaseConfig:
         """The dataset to load: `dataset`, or the built-in model's own when empty."""
         from mpiasgd.model import MODELS
 
+        if self.data:
+            return self.data
         return self.dataset or MODELS[self.model].dataset
 
     @property
@@ -333,7 +392,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # what a resumed run may not change: the state it continues would not fit
-FIXED_ON_RESUME = ("model", "dataset", "mode", "seed", "batch_size", "name", "run_dir",
+FIXED_ON_RESUME = ("model", "dataset", "data", "augment", "shuffle_window", "mode", "seed", "batch_size", "name",
+                   "run_dir",
                    *(o.name for o in OPTIONS if o.fixed_on_resume))
 
 

@@ -2,7 +2,7 @@
 
 Every message is ONE contiguous byte buffer sent with buffer-based MPI (never pickle):
 
-    [ header: HEADER, HEADER_BYTES = 144 bytes ][ payload: `count` float32 values ]
+    [ header: HEADER, HEADER_BYTES = 160 bytes ][ payload: `count` float32 values ]
 
 The header makes each message self-describing: kind, sender, step, the weight version, loss,
 sample count and timings travel in the same message as the gradient or weights they describe, so a
@@ -18,7 +18,13 @@ Message flow, async and ssp modes (GPU A-SGD of Paine et al. 2013, n_fetch = n_p
                                or accumulated update)        payload is an update when nsync > 1
     server -> worker  STOP     (final version, params)       reply to a push once the run must end
                                                              (flag PREEMPT: a signal, skip the EVAL)
-    worker -> server  EVAL     (loss sum, correct, count)    its slice of the test set, final weights
+    worker -> server  EVAL     (loss sum, correct, correct5, its slice of the test set, final weights
+                               count)
+    server -> worker  WEIGHTS  flag EVALUATE, `epoch` = n    --eval-interval: evaluation n is due; the worker
+                                                             evaluates these weights (async: the reply; easgd:
+                                                             the center) with the buffers they carry, then
+    worker -> server  EVAL     flag EVALUATE, step = n,      before its next push (0 images: abandoned on a
+                               version, compute_s = seconds  signal); ALIVE meanwhile, as for the final one
     worker -> server  ERROR    (UTF-8 traceback)             a worker failed; the server logs, acks
     server -> worker  ERROR_ACK                              log closed, the job may now abort
 
@@ -31,6 +37,10 @@ Sync mode (workers allreduce among themselves; rank 0 only logs): after the init
                                  velocity, 2P values)       and at the end (rank 0 writes the file)
     server -> worker  STOP     (header only)                 the run ends: after the worker's last REPORT,
                                                              or at once (flag PREEMPT) on a signal
+    worker -> server  EVAL     flag EVALUATE, step = n      --eval-interval: every worker evaluates the same
+                                                             step (decided alike on the allreduced clock and the
+                                                             step count), after its REPORT; the first worker's
+                                                             SNAPSHOT of that step carries flag EVALUATE
     worker -> server  EVAL, ERROR as above
 
 Pipeline mode (module k of replica n on rank 1 + n*K + k; see `mpiasgd.modes.pipeline`): after the
@@ -41,7 +51,9 @@ initial WEIGHTS (the unit's module slice), every iteration
     unit k -> unit k-1  GRADIENT   (minibatch m, d loss / d input)
     unit   -> server    REPORT     (iteration, delay, timings)   header only
     unit   -> server    SNAPSHOT   (module slice)                replica 0, at announced iterations and
-                                                                 at the end (flag FINAL)
+                                                                 at the end (flag FINAL); module 0's flag
+                                                                 EVALUATE: rank 0 evaluates the assembled
+                                                                 whole-model snapshot (--eval-interval)
     unit   -> server    CHECKPOINT (module weights, velocity)    replica 0, after every drain (interval,
                                                                  end, flag PREEMPT on a signal)
     server -> module 0  STOP       (header only)                 after its last iteration, or at once
@@ -72,7 +84,7 @@ class Tag(IntEnum):
     ACTIVATION = 19
     GRADIENT = 20
     CHECKPOINT = 21
-    ALIVE = 22  # header only, worker -> rank 0: busy with the final evaluation (resets the stall watch)
+    ALIVE = 22  # header only, worker -> rank 0: busy evaluating (final or --eval-interval; resets the stall watch)
 
 
 class Flag(IntEnum):
@@ -90,6 +102,10 @@ class Flag(IntEnum):
     PREEMPT = 256    # PUSH: a signal reached this worker; REPORT: the run ends on a signal (sync: every
                      # worker's last step; pipeline: module 0's stop and each unit's end; a unit's own signal);
                      # STOP and CHECKPOINT: the run ends on a signal, skip the final evaluation, exit 75
+    EVALUATE = 512   # WEIGHTS (async, ssp, easgd): evaluate these weights on the test slice before the next
+                     # local steps (--eval-interval), header `epoch` = the evaluation's number; EVAL: the result
+                     # of such a periodic evaluation (not the final one); SNAPSHOT (sync: the weights the workers
+                     # evaluate at this step; pipeline, module 0: rank 0 evaluates the assembled snapshot)
 
 
 class ProtocolError(RuntimeError):
@@ -100,10 +116,12 @@ HEADER = np.dtype([
     ("magic", "<u4"),
     ("tag", "<u4"),
     ("sender", "<i8"),      # rank of the sender
-    ("step", "<i8"),        # PUSH: worker's step (1, 2, ...); WEIGHTS/STOP: step of the push answered
+    ("step", "<i8"),        # PUSH: worker's step (1, 2, ...); WEIGHTS/STOP: step of the push answered;
+                            # EVAL with flag EVALUATE: the evaluation's number
     ("version", "<i8"),     # PUSH: version the gradient was computed from; WEIGHTS/STOP: version sent
     ("samples", "<i8"),     # PUSH: minibatch size; EVAL: images evaluated
-    ("epoch", "<i8"),       # PUSH: the worker's epoch over its shard
+    ("epoch", "<i8"),       # PUSH: the worker's epoch over its shard; WEIGHTS with flag EVALUATE: the evaluation's
+                            # number
     ("correct", "<i8"),     # PUSH: correct predictions in the minibatch; EVAL: over the slice
     ("count", "<i8"),       # float32 values in the payload
     ("loss", "<f8"),        # PUSH: minibatch mean loss; EVAL: summed loss
@@ -116,8 +134,10 @@ HEADER = np.dtype([
     ("cursor", "<i8"),      # PUSH/REPORT/CHECKPOINT: minibatches the worker has drawn from its shard (its data
                             # position); initial WEIGHTS of a resumed run: where to continue
     ("elapsed", "<f8"),     # CHECKPOINT: training seconds at the step; initial WEIGHTS: seconds already trained
+    ("data_s", "<f8"),      # PUSH/REPORT: seconds of compute_s the step waited for its minibatch (input pipeline)
+    ("correct5", "<i8"),    # EVAL: images whose label is among the 5 largest logits (top-5)
 ])
-HEADER_BYTES = -(-HEADER.itemsize // 16) * 16  # 144: rounded up to 16 bytes so the payload stays aligned
+HEADER_BYTES = -(-HEADER.itemsize // 16) * 16  # 160: rounded up to 16 bytes so the payload stays aligned
 
 
 class Message:

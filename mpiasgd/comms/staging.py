@@ -6,7 +6,7 @@ Staging (one object per worker, chosen once; the worker loop calls the same thre
     pinned    cupy backend: MPI buffers in pinned host memory (reused every step); weights copied
               host->device after each receive, the gradient device->host before each send
     device    cupy backend with a CUDA-aware MPI: the message buffers live on the device, params and
-              grads are views into them; only the 144-byte header crosses to and from the host
+              grads are views into them; only the 160-byte header crosses to and from the host
               (and sync mode's gradient: Open MPI's MPI_Iallreduce takes no device buffers)
 
 Every loop that moves model data through MPI uses these objects: the A-SGD and EASGD workers (one

@@ -7,12 +7,13 @@ each named dataset live beside this file (`digits.py`, `cifar10.py`); `load_data
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
-
-from mpiasgd.data.augment import PAD, random_crop_flip
 
 DATASETS = ("digits", "cifar10", "synthetic64", "synthetic224")  # names load_dataset accepts
 
@@ -57,8 +58,26 @@ def channel_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mean.astype(np.float32), std.astype(np.float32)
 
 
+class Splits:
+    """What every dataset derives from its labels and its augmentation (in memory: `Dataset`; a file:
+    `h5data.H5Dataset`): needs `train_y`, `test_y`, `image_shape` and `augmentation`."""
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """(C, H', W') of the minibatches `batch` returns: the stored images after the augmentation's crop."""
+        return self.augmentation.output_shape(self.image_shape)
+
+    @property
+    def num_train(self) -> int:
+        return int(self.train_y.size)
+
+    @property
+    def num_test(self) -> int:
+        return int(self.test_y.size)
+
+
 @dataclass(frozen=True, eq=False)
-class Dataset:
+class Dataset(Splits):
     """A labelled image dataset split into train and test, raw pixels in memory.
 
     Build one with `Dataset.from_arrays` (checks shapes, computes mean/std) or `load_dataset`.
@@ -75,6 +94,8 @@ class Dataset:
     classes: tuple[str, ...]  # class names, index = label
     augment: bool  # train batches get random crop (pad 4) + horizontal flip when an rng is given
     source: str  # where it was read from: a folder, or "sklearn.datasets.load_digits"
+    augmentation: Any = None  # an augment.Augmentation: "pad-crop=4,flip" if augment else "none" (from_arrays)
+    chunk = 1  # samples the sampler keeps together: any sample is one read (in memory)
 
     @classmethod
     def from_arrays(
@@ -123,6 +144,8 @@ class Dataset:
         mean, std = channel_stats(arrays["train"][0])
         mean.setflags(write=False)
         std.setflags(write=False)
+        from mpiasgd.data.augment import Augmentation
+
         return cls(
             name=name,
             train_x=arrays["train"][0],
@@ -134,7 +157,26 @@ class Dataset:
             classes=tuple(classes),
             augment=bool(augment),
             source=source,
+            augmentation=Augmentation.parse("pad-crop=4,flip" if augment else "none"),
         )
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of the stored images."""
+        return tuple(int(d) for d in self.train_x.shape[1:])
+
+    @functools.cached_property
+    def pixel_cov(self) -> np.ndarray:
+        """float64 (C, C): covariance of a pixel's channels over the training images, pixel units (PCA noise)."""
+        c = self.train_x.shape[1]
+        pixels = self.train_x.transpose(1, 0, 2, 3).reshape(c, -1)
+        return np.cov(pixels.astype(np.float32), bias=True).reshape(c, c).astype(np.float64)
+
+    def with_augmentation(self, augmentation: Any) -> Dataset:
+        """The same data with another training augmentation (`augment.Augmentation`); DataError if it cannot
+        apply to these images."""
+        augmentation.check(self.image_shape, self.pixel_cov if augmentation.pca_noise > 0 else None)
+        return dataclasses.replace(self, augmentation=augmentation, augment=augmentation.random)
 
     def batch(
         self, split: str, idx: np.ndarray, rng: np.random.Generator | None = None
@@ -144,10 +186,11 @@ class Dataset:
         split: "train" or "test" (else ValueError). idx: integer indices (B,) into that split.
         Returns x float32 (B, C, H, W) C-contiguous, (x - mean) / std per channel, and y int64 (B,).
 
-        Augmentation happens only for split "train", with an rng given, on a dataset with
-        `augment` True: random crop with padding 4 and horizontal flip with p = 0.5
-        (`augment.random_crop_flip`). The padding is zeros AFTER normalisation, i.e. the padded
-        border holds the channel mean in pixel units. The test split is never augmented.
+        Augmentation happens only for split "train" with an rng given: `self.augmentation.train`
+        (by default on CIFAR-10 and the synthetic sets random crop with padding 4 and horizontal flip
+        with p = 0.5; the padding is zeros AFTER normalisation, i.e. the padded border holds the
+        channel mean in pixel units). The test split gets `self.augmentation.test` (normalisation, and
+        the centre crop of a cropping augmentation).
         """
         if split == "train":
             xs, ys = self.train_x, self.train_y
@@ -160,12 +203,11 @@ class Dataset:
             idx = idx.astype(np.int64)  # np.asarray([]) is float64
         if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
             raise ValueError(f"idx must be a 1-D integer array, got {idx.dtype} {idx.shape}")
-        x = xs[idx].astype(np.float32)  # (B, C, H, W), a fresh C-contiguous copy
-        x -= self.mean[:, None, None]
-        x /= self.std[:, None, None]
-        if split == "train" and rng is not None and self.augment:
-            x = random_crop_flip(x, rng, pad=PAD)
-        return x, ys[idx]
+        raw = xs[idx]  # (B, C, H, W) uint8
+        if split == "train" and rng is not None:
+            cov = self.pixel_cov if self.augmentation.pca_noise > 0 else None
+            return self.augmentation.train(raw, rng, self.mean, self.std, cov), ys[idx]
+        return self.augmentation.test(raw, self.mean, self.std), ys[idx]
 
 
 def load_dataset(name: str, data_dir: str | None = None) -> Dataset:

@@ -22,7 +22,8 @@ from mpiasgd import __version__, checkpoint
 from mpiasgd.comms import Staging, make_staging
 from mpiasgd.comms.protocol import HEADER_BYTES
 from mpiasgd.config import Config, ConfigError
-from mpiasgd.data import DataError, ShardSampler, default_data_dir, load_dataset
+from mpiasgd.data import DataError, ShardSampler, default_data_dir
+from mpiasgd.data.loader import open_data
 from mpiasgd.device import (
     DeviceError,
     assign_device,
@@ -145,8 +146,11 @@ def autotune_convs(cfg: Config, dataset: Any, first: int = 0, last: int | None =
 
 
 def load_data(cfg: Config) -> Any:
-    """(every rank) The run's dataset (`cfg.dataset_name` from `cfg.data_dir` or the default directory)."""
-    return load_dataset(cfg.dataset_name, cfg.data_dir or default_data_dir())
+    """(every rank) The run's dataset: the file `cfg.data` (its test split, or `cfg.test_data`'s), else the
+    named `cfg.dataset_name` from `cfg.data_dir` or the default directory, with the augmentation `cfg.augment`.
+    Reads no training images (rank 0 calls it too; a file's images are read by the worker that owns them)."""
+    return open_data(cfg.dataset_name, cfg.data_dir or default_data_dir(), cfg.test_data, cfg.augment,
+                     cache_chunks=cfg.shuffle_window + 2)
 
 
 def definition_text(cfg: Config, dataset: Any, resumed: checkpoint.Checkpoint | None = None) -> str:
@@ -165,7 +169,7 @@ def definition_text(cfg: Config, dataset: Any, resumed: checkpoint.Checkpoint | 
         except ValueError as e:
             raise ConfigError(f"{what} is corrupt: {e}") from None
         return to_json(spec)
-    spec = resolve(cfg.model, tuple(int(d) for d in dataset.train_x.shape[1:]))
+    spec = resolve(cfg.model, tuple(dataset.input_shape))
     try:
         return to_json(spec)
     except (TypeError, ValueError, RecursionError) as e:  # (resolve made it from JSON values: a safeguard)
@@ -208,9 +212,11 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
         model = build_model(spec, backend)  # the server keeps host weights: always numpy
     except ValueError as e:
         raise ConfigError(f"--model {cfg.model!r}: {e}") from None
-    if tuple(dataset.train_x.shape[1:]) != tuple(model.input_shape):
+    if tuple(dataset.input_shape) != tuple(model.input_shape):
+        crop = (f" ({tuple(dataset.image_shape)} after --augment {dataset.augmentation.describe()})"
+                if tuple(dataset.input_shape) != tuple(dataset.image_shape) else "")
         raise ConfigError(f"model '{cfg.model_label}' takes inputs {tuple(model.input_shape)}, dataset "
-                          f"'{cfg.dataset_name}' has images {tuple(dataset.train_x.shape[1:])}")
+                          f"'{cfg.dataset_name}' gives images {tuple(dataset.input_shape)}{crop}")
     if model.num_params == 0:
         raise ConfigError(f"model '{cfg.model_label}' has no parameters to train")
     if message_count(model) > MAX_MESSAGE_VALUES:
@@ -223,7 +229,7 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
         raise ConfigError(f"config key 'batch_size' = {cfg.batch_size}: {single[0].describe()} of model "
                           f"'{cfg.model_label}' would see one value per channel (1x1 maps); BatchNorm needs a "
                           "minibatch of at least 2 there")
-    classes = int(dataset.train_y.max()) + 1 if dataset.train_y.size else 0
+    classes = max(len(dataset.classes), int(dataset.train_y.max()) + 1 if dataset.train_y.size else 0)
     if model.num_classes < classes:
         raise ConfigError(f"model '{cfg.model_label}': its last layer {model.names[-1]} "
                           f"({model.layers[-1].describe()}) gives {model.num_classes} logits, dataset "
@@ -232,18 +238,25 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
     if slow:
         raise ConfigError(f"config key 'straggler' = {cfg.straggler!r}: rank(s) {slow} are not workers "
                           f"(workers are ranks 1..{me.num_workers})")
-    layout = mode.layout(cfg, model, me.num_workers, dataset.train_y.size)
-    smallest_shard = dataset.train_y.size // layout.shards
-    if smallest_shard and cfg.batch_size > smallest_shard:  # 0: the sampler names too many workers
+    if dataset.num_test == 0:
+        raise ConfigError(f"dataset '{cfg.dataset_name}' has no test split to evaluate on: convert one into the "
+                          "file (val/ or test/ beside train/) or pass --test-data FILE")
+    layout = mode.layout(cfg, model, me.num_workers, dataset.num_train)
+    # validates: more workers than samples (or a file's chunks) is a DataError naming both numbers
+    samplers = [ShardSampler(dataset.num_train, layout.shards, s, cfg.seed, dataset.chunk, cfg.shuffle_window)
+                for s in range(layout.shards)]
+    smallest_shard = min(len(s) for s in samplers)
+    if cfg.batch_size > smallest_shard:
         raise ConfigError(f"config key 'batch_size' = {cfg.batch_size}: larger than the smallest worker shard "
-                          f"({smallest_shard} images: {dataset.train_y.size} over {layout.shards} shards)")
+                          f"({smallest_shard} images: {dataset.num_train} over {layout.shards} shards)")
     out = Startup(mode, dataset, model, backend, device, layout)
     if me.is_server:
         open_run_log(cfg, me, out, resumed)
         return out
-    # validates: more workers than samples is a DataError naming both numbers
-    out.sampler = ShardSampler(dataset.train_y.size, layout.shards, layout.shard[me.rank], cfg.seed)
-    out.test_idx = np.array_split(np.arange(dataset.test_y.size, dtype=np.int64), me.num_workers)[me.rank - 1]
+    out.sampler = samplers[layout.shard[me.rank]]
+    out.test_idx = np.array_split(np.arange(dataset.num_test, dtype=np.int64), me.num_workers)[me.rank - 1]
+    if cfg.data_in_memory and hasattr(dataset, "keep_in_memory"):
+        dataset.keep_in_memory(out.sampler.shard_indices())  # a file's shard, read once (MemoryError: a start-up error)
     query = getattr(MPI, "Query_cuda_support", None)
     if backend == "cupy" and cfg.cuda_aware == "auto" and query is None:
         query = mpix_cuda_support()  # mpi4py's PyPI wheels lack Query_cuda_support: ask libmpi itself

@@ -11,14 +11,14 @@ networks as stored definitions, the built-in networks, export, and test-set eval
                    build_model
     networks.py    the papers' networks: cifar10_18pct, alexnet_1gpu (224 and 64)
     export.py      weights and buffers as .npz by name; PyTorch state_dict names of the built-ins
-    evaluation.py  evaluate: summed loss and correct count of bound weights on test images
+    evaluation.py  evaluate: summed loss, top-1 and top-5 correct counts of bound weights on test images
 
     from mpiasgd.model import build_model, evaluate
     model = build_model("digits")                    # numpy backend, unbound
 """
 
-from mpiasgd.model.evaluation import evaluate
+from mpiasgd.model.evaluation import Evaluation, evaluate
 from mpiasgd.model.model import Model
 from mpiasgd.model.registry import MODELS, ModelSpec, build_model
 
-__all__ = ["MODELS", "Model", "ModelSpec", "build_model", "evaluate"]
+__all__ = ["MODELS", "Evaluation", "Model", "ModelSpec", "build_model", "evaluate"]

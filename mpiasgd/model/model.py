@@ -281,26 +281,33 @@ class Model:
             d = layer.backward(d)
         return loss, correct
 
-    def evaluate(self, x: Any, y: Any, batch_size: int = 1000) -> tuple[float, int]:
+    def evaluate(self, x: Any, y: Any, batch_size: int = 1000) -> tuple[float, int, int]:
         """Forward only, in evaluation behaviour (running statistics, no dropout), in chunks of `batch_size`:
-        (summed loss over samples, number correct).
+        (summed loss over samples, number correct (top-1), number correct in the top 5).
 
-        Memory grows with batch_size: the numpy backend keeps ~2.8 MB of conv scratch per cifar10
-        sample (about 1.4 GB of forward-only scratch at 1000; 256 is plenty fast on a CPU).
+        Top-1 is the loss op's argmax (the first maximum on a tie). Top-5 (`topk_correct`): the label is
+        among the 5 largest logits, counted as fewer than 5 logits strictly greater than the label's (a
+        tie counts for the label), so top-5 >= top-1; with 5 classes or fewer every image is a top-5 hit
+        (top-5 accuracy 1.0 by definition). Memory grows with batch_size: the numpy backend keeps
+        ~2.8 MB of conv scratch per cifar10 sample (about 1.4 GB of forward-only scratch at 1000; 256 is
+        plenty fast on a CPU).
         """
         self._check_batch("evaluate", x, y)
         if batch_size < 1:
             raise ValueError(f"Model.evaluate: batch_size must be >= 1, got {batch_size}")
-        loss_sum, correct = 0.0, 0
+        loss_sum, correct, correct5 = 0.0, 0, 0
         self.eval()
         for start in range(0, x.shape[0], batch_size):
             h = x[start:start + batch_size]
             for layer in self.layers:
                 h = layer.forward(h)
-            loss, batch_correct = self.loss.forward(h, y[start:start + batch_size])
+            labels = y[start:start + batch_size]
+            loss, batch_correct = self.loss.forward(h, labels)
             loss_sum += loss * h.shape[0]
             correct += batch_correct
-        return loss_sum, correct
+            # host copies: (B, K) logits and (B,) labels, small next to the batch's forward pass
+            correct5 += topk_correct(self.ops.to_numpy(h), self.ops.to_numpy(labels), 5)
+        return loss_sum, correct, correct5
 
     def describe(self) -> str:
         """One line per layer: name, layer, output shape, parameter count; then the total."""
@@ -311,6 +318,20 @@ class Model:
         lines.append(f"  total {self.num_params:,} parameters" +
                      (f", {self.num_buffers:,} buffer values" if self.num_buffers else ""))
         return "\n".join(lines)
+
+
+def topk_correct(logits: np.ndarray, labels: np.ndarray, k: int) -> int:
+    """Images whose label is among the `k` largest of their logits: (N, K) float host logits, (N,) int labels.
+
+    Counted as fewer than `k` logits strictly greater than the label's, so a tie counts for the label and
+    the top-1 hit of an argmax is always a top-k hit; a NaN label logit is never a hit. With K <= k classes
+    every image with a finite label logit is a hit (top-k accuracy 1.0 by definition).
+    """
+    if logits.shape[0] == 0:
+        return 0
+    own = logits[np.arange(logits.shape[0]), labels.astype(np.int64)]  # (N,) the label's logit
+    above = (logits > own[:, None]).sum(axis=1)                       # (N,) logits strictly greater
+    return int(np.count_nonzero((above < k) & ~np.isnan(own)))
 
 
 def _size(shape: Shape) -> int:

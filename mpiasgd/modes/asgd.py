@@ -31,6 +31,12 @@ stopping rule fires, each worker's next push is answered with STOP and the final
 the worker evaluates its slice of the test set and sends EVAL. Rank 0 holds the whole training
 state, so it checkpoints it itself.
 
+Evaluation during training (--eval-interval; `mpiasgd.rank0.evals`): when one is due on rank 0's clock
+(training seconds or epochs), the next WEIGHTS reply to every running worker carries flag EVALUATE
+(and rank 0's mean layer buffers, as a STOP does); the worker evaluates those weights on its test slice
+before computing on them, sends EVAL (flag EVALUATE) and goes on. The slices of one evaluation come
+from the versions each worker got (logged as version_min..version_max).
+
 Buffers: on rank 0 the master weights move between the workers' send buffers: an update writes
 them into the buffer of the worker it answers, so a reply costs no copy. On a worker the model's
 flat parameter vector IS the payload of a receive buffer and its flat gradient vector IS the payload
@@ -109,6 +115,8 @@ class AsgdServer(Role):
         self.rec.check_stop()
         if len(self.started) < len(self.workers) and (self.rec.now() >= self.cfg.warm_start or self.rec.stop_reason):
             self.start_workers()
+        if self.periodic.due():  # --eval-interval: the workers running now evaluate their next reply's weights
+            self.periodic.ask([w for w in self.workers if w in self.started and w not in self.stopped])
 
     def waits_for_rank0(self, w: int) -> bool:
         return w not in self.started
@@ -145,13 +153,17 @@ class AsgdServer(Role):
         out = self.outbox[w]
         if self.weights[w] is not self.params:
             self.weights[w][:] = self.params
-        if self.buffers.size:
-            out.payload[self.P:] = self.current_buffers() if initial or tag == Tag.STOP else self.buffers
+        # --eval-interval: this reply asks for evaluation `number` of the weights it carries
+        number = self.periodic.flag(w, self.rec.version) if tag == Tag.WEIGHTS and not initial else 0
+        if self.buffers.size:  # the mean buffers go with weights the worker evaluates (STOP, EVALUATE)
+            out.payload[self.P:] = self.current_buffers() if initial or tag == Tag.STOP or number else self.buffers
         flags = Flag.PREEMPT if tag == Tag.STOP and self.r0.preempted else 0
         if initial and self.rec.resumed is not None:  # the worker continues its step count and data position
             flags |= Flag.RESUME
+        if number:
+            flags |= Flag.EVALUATE
         out.stamp(tag, self.rank, step=step, version=self.rec.version, flags=flags, cursor=self.cursor[w],
-                  elapsed=self.rec.train_time(), lr=self.local_lr() if self.cfg.nsync > 1 else 0.0)
+                  elapsed=self.rec.train_time(), lr=self.local_lr() if self.cfg.nsync > 1 else 0.0, epoch=number)
         self.post(w, out, tag)
 
     def start_workers(self) -> None:
@@ -172,6 +184,7 @@ class AsgdServer(Role):
             self.send(w, Tag.STOP if rec.stop_reason else Tag.WEIGHTS, step=self.last_step[w], initial=True)
             if rec.stop_reason:
                 self.stopped.add(w)
+                self.periodic.withdraw(w)
 
     def on_start(self, workers: list[int]) -> None:
         """`workers` get their first weights now (ssp: their clocks start at the slowest's)."""
@@ -180,6 +193,7 @@ class AsgdServer(Role):
         """Answer push `step` of worker `w`: WEIGHTS, or STOP once a stopping rule fired."""
         if self.rec.stop_reason:
             self.stopped.add(w)
+            self.periodic.withdraw(w)  # an evaluation it was still to be asked for goes without it
             self.send(w, Tag.STOP, step)
         else:
             self.send(w, Tag.WEIGHTS, step)
@@ -232,7 +246,7 @@ class AsgdServer(Role):
         rec.push(worker=w, step=step, base_version=base, version=rec.version, staleness=staleness, loss=h["loss"],
                  correct=h["correct"], samples=h["samples"], epoch=h["epoch"], compute_s=h["compute_s"],
                  comm_s=h["comm_s"], wait_s=h["wait_s"], applied=applied, lr=lr, rejected=rejected,
-                 held_s=self.held_s[w])
+                 held_s=self.held_s[w], data_s=h["data_s"])
         if rejected:
             self.cursor[w] = int(h["cursor"])
             rec.reject(w, step)  # after its row is logged: may stop the run
@@ -274,6 +288,10 @@ class AsgdWorker(WorkerLoop):
             if bound != (cur, out):
                 self.bind(stagings[cur].params, stagings[out].grads)
                 bound = (cur, out)
+            pulled_header = stagings[cur].weights.header  # of the weights in use
+            if int(pulled_header["flags"]) & Flag.EVALUATE:  # --eval-interval: these weights first (rank 0's buffers)
+                self.evaluate_during_training(int(pulled_header["epoch"]), version, stagings[cur].params)
+                t0 = time.perf_counter()  # the evaluation is no part of this push's compute time
             if local is not None:
                 pulled[...] = model.params
             loss = correct = samples = epoch = 0
@@ -304,7 +322,7 @@ class AsgdWorker(WorkerLoop):
             self.step += 1
             stagings[out].push.stamp(Tag.PUSH, rank, step=self.step, version=version, samples=samples, epoch=epoch,
                                      correct=correct, loss=loss / samples, compute_s=t1 - t0, comm_s=comm_s,
-                                     wait_s=wait_s, lr=lr, cursor=self.cursor,
+                                     wait_s=wait_s, lr=lr, cursor=self.cursor, data_s=self.take_data_s(),
                                      flags=(Flag.DELTA if local is not None else 0)
                                      | (Flag.PREEMPT if self.signalled() else 0))
             stagings[out].before_send()  # cupy: gradient device->host (pinned) or header host->device (CUDA-aware)

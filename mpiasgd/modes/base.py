@@ -9,6 +9,7 @@ neither knows any mode.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ from mpiasgd import signals
 from mpiasgd.comms import Flag, Message, ProtocolError, Staging, Tag, check, check_size, parse_tag, wait
 from mpiasgd.config import ConfigError
 from mpiasgd.data import MinibatchStream, ShardSampler
-from mpiasgd.model import evaluate
+from mpiasgd.model import Evaluation, evaluate
 
 
 @dataclass
@@ -139,8 +140,9 @@ def dropout_seed(seed: int, rank: int) -> int:
 
 
 class Heartbeat:
-    """A worker's ALIVE messages to rank 0 while it evaluates the final weights (which may take longer than
-    --comm-timeout on a large test slice): `beat()` sends one when `interval` seconds have passed since the
+    """A worker's ALIVE messages to rank 0 while it evaluates the final weights, or weights --eval-interval asks
+    for (which may take longer than --comm-timeout on a large test slice): `beat()` sends one when `interval`
+    seconds have passed since the
     last, after the previous send completed; `drain()` completes the last."""
 
     def __init__(self, comm: Any, rank: int, interval: float, timeout: float) -> None:
@@ -163,13 +165,18 @@ class Heartbeat:
             self.sending = None
 
 
+class EvaluationAbandoned(Exception):
+    """An evaluation during training gives way to a signal, or to the end of the run (raised between batches)."""
+
+
 class WorkerLoop:
     """A worker's loop (ranks 1..N): what every mode's worker shares.
 
     `gradient()` forward and backward on the next minibatch of the worker's stream; `straggle()`
     (--straggler) emulates a slower device; `receive_weights()` takes WEIGHTS or STOP from rank 0
     with every check; `run()` trains (`train`, the mode's) then evaluates the final weights on the
-    worker's test slice and sends EVAL (0 images when a signal ended the run).
+    worker's test slice and sends EVAL (0 images when a signal ended the run);
+    `evaluate_during_training()` is the same for an evaluation --eval-interval asks for.
     """
 
     def __init__(self, job: WorkerJob) -> None:
@@ -183,7 +190,9 @@ class WorkerLoop:
         # the layers' buffers (running statistics): this worker's own, updated by every training forward
         self.buffers = job.model.ops.asarray(job.model.init_buffers())
         job.model.ctx.seed = dropout_seed(self.cfg.seed, self.rank)
-        self.stream = MinibatchStream(job.dataset, job.sampler, self.cfg.batch_size, self.cfg.seed, self.rank)
+        self.stream = MinibatchStream(job.dataset, job.sampler, self.cfg.batch_size, self.cfg.seed, self.rank,
+                                      prefetch=self.cfg.prefetch)
+        self.data_s = 0.0                # seconds waited for minibatches since the last push or report
         self.step = 0
         self.version = -1
         self.slowdown = self.cfg.stragglers().get(self.rank, 1.0)  # compute time multiplier of this worker
@@ -205,9 +214,15 @@ class WorkerLoop:
         The minibatch's number in the worker's stream (`cursor`) keys its dropout masks."""
         ops = self.model.ops
         x, y, epoch = self.stream.next()                   # (B, C, H, W) float32, (B,) int64, host
+        self.data_s += self.stream.data_s
         x, y = ops.asarray(x), ops.asarray(y, y.dtype)     # cupy: host -> device; numpy: the same arrays
         loss, correct = self.model.forward_backward(x, y, minibatch=self.cursor)
         return loss, correct, y.shape[0], epoch
+
+    def take_data_s(self) -> float:
+        """Seconds this worker waited for its minibatches since the last call (a push's or report's `data_s`)."""
+        waited, self.data_s = self.data_s, 0.0
+        return waited
 
     def bind(self, params: Any, grads: Any) -> None:
         """Compute with weights `params` and gradients into `grads`, message payloads of P + B values (or
@@ -283,19 +298,60 @@ class WorkerLoop:
         """The mode's loop; on return the model is bound to the final weights."""
         raise NotImplementedError
 
+    def evaluate_during_training(self, number: int, version: int, payload: Any = None,
+                                 stop: Callable[[], bool] | None = None) -> None:
+        """--eval-interval: evaluate the bound weights (of `version`) on this worker's test slice and send rank 0
+        EVAL number `number` (flag EVALUATE; header step = number, version, samples = images, correct,
+        correct5, loss = summed loss, compute_s = seconds it took).
+
+        `payload`: a message payload whose values after the first P are rank 0's layer buffers, evaluated
+        with instead of this worker's own (async, easgd: the mean its snapshots hold), which are put back
+        after. ALIVE messages keep rank 0's stall watch quiet meanwhile (`Heartbeat`). A signal, or `stop()`
+        turning true, abandons it between two batches: the EVAL then carries flag PREEMPT.
+        """
+        t0 = time.perf_counter()
+        kept = None
+        if payload is not None and self.B:
+            kept = self.buffers.copy()
+            self.buffers_from(payload)
+        alive = Heartbeat(self.comm, self.rank, self.cfg.comm_timeout / 4, self.cfg.worker_timeout)
+
+        def beat() -> None:
+            alive.beat()
+            if self.signalled() or (stop is not None and stop()):
+                raise EvaluationAbandoned
+
+        abandoned = False
+        try:
+            result = evaluate(self.model, self.dataset, self.job.test_idx, self.cfg.eval_batch_size, beat)
+        except EvaluationAbandoned:
+            result, abandoned = Evaluation(0.0, 0, 0, 0), True
+        finally:
+            alive.drain()
+            if kept is not None:
+                self.buffers[...] = kept
+        msg = Message(0).stamp(Tag.EVAL, self.rank, step=number, version=version, samples=result.count,
+                               correct=result.correct, correct5=result.correct5, loss=result.loss_sum,
+                               compute_s=time.perf_counter() - t0,
+                               flags=Flag.EVALUATE | (Flag.PREEMPT if abandoned else 0))
+        wait(self.comm.Isend(msg.buf, dest=0, tag=int(Tag.EVAL)), f"completion of the EVAL send (evaluation {number})",
+             self.rank, self.cfg.worker_timeout)
+
     def run(self) -> bool:
         """Train until the run stops, then evaluate the final weights on this worker's test slice.
 
         Returns True if a signal ended the run (preempted: no evaluation, an EVAL of 0 images is sent).
         """
         self.train()
-        loss_sum = correct = count = 0
+        self.stream.close()  # the prefetch thread: nothing more to read
+        loss_sum = correct = count = correct5 = 0
         if not self.preempted:
             alive = Heartbeat(self.comm, self.rank, self.cfg.comm_timeout / 4, self.cfg.worker_timeout)
-            loss_sum, correct, count = evaluate(self.model, self.dataset, self.job.test_idx, self.cfg.eval_batch_size,
-                                                alive.beat)
+            loss_sum, correct, count, correct5 = evaluate(self.model, self.dataset, self.job.test_idx,
+                                                          self.cfg.eval_batch_size, alive.beat)
             alive.drain()
-        result = Message(0).stamp(Tag.EVAL, self.rank, samples=count, correct=correct, loss=loss_sum)
+        result = Message(0).stamp(Tag.EVAL, self.rank, samples=count, correct=correct, loss=loss_sum,
+                                  correct5=correct5)
         sending = self.comm.Isend(result.buf, dest=0, tag=int(Tag.EVAL))
         wait(sending, "completion of the EVAL send", self.rank, self.cfg.worker_timeout)
         return self.preempted

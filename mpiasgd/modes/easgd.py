@@ -25,6 +25,11 @@ trained on), and checkpoints the center: a resumed run restarts every worker fro
 zero velocity (a worker's own x_i and velocity are not in the checkpoint). Once the run stops, each
 worker's next exchange is answered with STOP and the center, which it evaluates on its test slice.
 An x_i that is not finite is rejected (not applied; --max-rejects in a row end the run).
+
+Evaluation during training (--eval-interval; `mpiasgd.rank0.evals`): when one is due on rank 0's clock,
+the next WEIGHTS reply to every running worker carries flag EVALUATE; the worker evaluates the center
+that reply carries (the x~ its exchange used, with rank 0's mean buffers) on its test slice before its
+next local steps, sends EVAL (flag EVALUATE) and goes on. Its own x_i is not evaluated.
 """
 
 from __future__ import annotations
@@ -81,6 +86,8 @@ class EasgdCenter(Role):
 
     def tick(self) -> None:
         self.rec.check_stop()
+        if self.periodic.due():  # --eval-interval: the running workers evaluate the center of their next reply
+            self.periodic.ask([w for w in self.workers if w not in self.stopped])
 
     def local_lr(self) -> float:
         """The step size of a worker's next tau local steps: the schedule at the middle of the round ahead."""
@@ -99,8 +106,13 @@ class EasgdCenter(Role):
         flags = Flag.PREEMPT if tag == Tag.STOP and self.r0.preempted else 0
         if initial and self.rec.resumed is not None:
             flags |= Flag.RESUME
+        # --eval-interval: the center this reply carries is evaluated (`center`: the one before this update)
+        number = (self.periodic.flag(w, self.rec.version - (center is not None))
+                  if tag == Tag.WEIGHTS and not initial else 0)
+        if number:
+            flags |= Flag.EVALUATE
         out.stamp(tag, self.rank, step=step, version=self.rec.version, flags=flags, cursor=self.cursor[w],
-                  elapsed=self.rec.train_time(), lr=self.local_lr())
+                  elapsed=self.rec.train_time(), lr=self.local_lr(), epoch=number)
         self.post(w, out, tag)
 
     def on_exchange(self, w: int, msg: Message) -> None:
@@ -133,13 +145,15 @@ class EasgdCenter(Role):
             rec.check_stop()
         rec.push(worker=w, step=step, base_version=base, version=rec.version, staleness=staleness, loss=h["loss"],
                  correct=h["correct"], samples=h["samples"], epoch=h["epoch"], compute_s=h["compute_s"],
-                 comm_s=h["comm_s"], wait_s=h["wait_s"], applied=applied, lr=h["lr"], rejected=rejected)
+                 comm_s=h["comm_s"], wait_s=h["wait_s"], applied=applied, lr=h["lr"], rejected=rejected,
+                 data_s=h["data_s"])
         if rejected:
             rec.reject(w, step, "weight vector")
         else:
             rec.accept(w)
         if rec.stop_reason:
             self.stopped.add(w)
+            self.periodic.withdraw(w)
             self.send(w, Tag.STOP, step)
         elif applied:
             self.send(w, Tag.WEIGHTS, step, center=self.outbox[w].payload[:self.P].copy())
@@ -171,6 +185,10 @@ class EasgdWorker(WorkerLoop):
         comm_s = 0.0
         while tag == Tag.WEIGHTS:
             lr = float(staging.weights.header["lr"])
+            if int(staging.weights.header["flags"]) & Flag.EVALUATE:  # --eval-interval: the center received
+                self.bind(staging.params, grads)
+                self.evaluate_during_training(int(staging.weights.header["epoch"]), self.version, staging.params)
+                self.bind(x, grads)
             t0 = time.perf_counter()
             loss = correct = samples = epoch = 0
             for _ in range(cfg.easgd_tau):
@@ -189,7 +207,7 @@ class EasgdWorker(WorkerLoop):
             self.step += 1
             staging.push.stamp(Tag.PUSH, rank, step=self.step, version=self.version, samples=samples, epoch=epoch,
                                correct=correct, loss=loss / samples, compute_s=t1 - t0, comm_s=comm_s,
-                               wait_s=wait_s, lr=lr, cursor=self.cursor,
+                               wait_s=wait_s, lr=lr, cursor=self.cursor, data_s=self.take_data_s(),
                                flags=Flag.PREEMPT if self.signalled() else 0)
             staging.before_send()
             request = self.comm.Irecv(staging.recv_buf, source=0, tag=MPI.ANY_TAG)

@@ -24,6 +24,12 @@ worker skips (a non-finite gradient somewhere) leaves the buffers as they were b
 weights. The REPORT digest covers weights and buffers. The initial WEIGHTS carry rank 0's buffers
 (initial, or the checkpoint's on a resume), which the workers take; the first worker's SNAPSHOTs and
 CHECKPOINTs carry the common buffers after the weights (and velocity), which rank 0 logs and stores.
+
+Evaluation during training (--eval-interval): every worker decides alike, after a step's REPORT, on the
+allreduced clock (seconds) or the steps applied (epochs), so all evaluate the same weights, each on its
+test slice, and send EVAL (flag EVALUATE, the evaluation's number and step); the first worker also
+sends the SNAPSHOT of that step (flag EVALUATE), so the log holds the weights each evaluation had
+(its row's `snapshot`). Rank 0 logs the evaluation when every worker has answered (`rank0.evals`).
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from mpi4py import MPI
 
 from mpiasgd.comms import Flag, Interval, Message, ProtocolError, SendSlots, Tag, check, wait, weights_digest
 from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, initial_buffers
-from mpiasgd.optim import LocalSGD, Schedule, StopRule, finite_square, fraction_done
+from mpiasgd.optim import EvalSchedule, LocalSGD, Schedule, StopRule, finite_square, fraction_done, snapshot_seconds
+from mpiasgd.rank0.evals import PeriodicEvals
 from mpiasgd.rank0.role import Role
 
 
@@ -81,6 +88,11 @@ class SyncMonitor(Role):
         self.replicas = Replicas()
         self.snapshot_inbox = Message(self.P + self.B)
         self.checkpoint_inbox: Message | None = None
+        self.eval_snapshots: dict[int, int] = {}  # step -> index of its SNAPSHOT (flag EVALUATE) in the log
+        batch = self.cfg.batch_size * len(self.workers)
+        self.periodic = PeriodicEvals(self.rec, self.cfg, self.workers, decided_by_workers=True,
+                                      samples_at=lambda version: float(version * batch),
+                                      snapshot_of=lambda version: self.eval_snapshots.pop(version, -1))
 
     def handlers(self) -> dict:
         return {Tag.REPORT: self.on_report, Tag.SNAPSHOT: self.on_snapshot, Tag.CHECKPOINT: self.on_checkpoint,
@@ -152,7 +164,7 @@ class SyncMonitor(Role):
         rec.push(worker=w, step=step, base_version=version - applied, version=version, staleness=0, loss=h["loss"],
                  correct=h["correct"], samples=h["samples"], epoch=h["epoch"], compute_s=h["compute_s"],
                  comm_s=h["comm_s"], wait_s=h["wait_s"], applied=applied, lr=h["lr"], rejected=nonfinite,
-                 digest=h["digest"])
+                 digest=h["digest"], data_s=h["data_s"])
         self.replicas.check(0, step, w, int(h["digest"]), len(self.workers))
         if nonfinite:
             rec.event("skip", f"step {step} skipped by every worker: worker rank {w} computed a non-finite gradient")
@@ -172,8 +184,14 @@ class SyncMonitor(Role):
             raise ProtocolError(f"rank 0: SNAPSHOT from worker rank {w}; only rank {self.workers[0]} sends them")
         self.params[:] = msg.payload[:self.P]
         self.buffers[:] = msg.payload[self.P:]
-        if not int(msg.header["flags"]) & Flag.FINAL:  # the final weights are logged by the loop's finish
-            self.rec.snapshot(self.params, self.buffers)
+        flags = int(msg.header["flags"])
+        if not flags & Flag.FINAL:  # the final weights are logged by the loop's finish
+            # of the step they come from (another worker's later REPORT may have arrived before them)
+            version = int(msg.header["version"])
+            index = self.rec.snapshot(self.params, self.buffers, version,
+                                      version * self.cfg.batch_size * len(self.workers))
+            if flags & Flag.EVALUATE:  # the weights of an evaluation during training: its row names this snapshot
+                self.eval_snapshots[int(msg.header["version"])] = index
 
 
 class SyncWorker(WorkerLoop):
@@ -206,9 +224,11 @@ class SyncWorker(WorkerLoop):
         ckpts = SendSlots([Message(2 * P + B)] if leader else [], "CHECKPOINT", rank, cfg.worker_timeout)
         ctrl = np.zeros(4, dtype=np.float64)  # [non-finite flag, elapsed seconds, preempt, halt], max-allreduced
         start = time.perf_counter() - self.elapsed
-        snapshots = Interval(cfg.snapshot_interval, self.elapsed)
+        snapshots = Interval(snapshot_seconds(cfg.snapshot_interval, P + B), self.elapsed)
         checkpoints = Interval(cfg.checkpoint_interval, self.elapsed)
         samples_per_step = cfg.batch_size * nworkers
+        evals = EvalSchedule.of(cfg, self.elapsed, applied * samples_per_step / self.num_train)
+        number = 0  # evaluations during training made by this job
         last = False
         while not last:
             t0 = time.perf_counter()
@@ -253,30 +273,42 @@ class SyncWorker(WorkerLoop):
             digest = replica_digest(ops.to_numpy(model.params), ops.to_numpy(self.buffers))  # rank 0 compares
             report.stamp(Tag.REPORT, rank, step=self.step, version=applied, samples=samples, epoch=epoch,
                          correct=correct, loss=loss, compute_s=t1 - t0, comm_s=t2 - t1 - wait_s, wait_s=wait_s,
-                         lr=lr, flags=flags, digest=digest, cursor=self.cursor)
+                         lr=lr, flags=flags, digest=digest, cursor=self.cursor, data_s=self.take_data_s())
             reports.send(self.comm, self.step, 0, int(Tag.REPORT))
-            if not leader:
-                continue
-            if snapshots.due(ctrl[1]) or last:
-                snapshots.restart(ctrl[1])
-                snap = snaps.take(0)
-                snap.payload[:P] = ops.to_numpy(model.params)
-                snap.payload[P:] = ops.to_numpy(self.buffers)
-                snap.stamp(Tag.SNAPSHOT, rank, step=self.step, version=applied, flags=Flag.FINAL if last else 0)
-                snaps.send(self.comm, 0, 0, int(Tag.SNAPSHOT))
-            if checkpoints.due(ctrl[1]) or last:
-                checkpoints.restart(ctrl[1])
-                ckpt = ckpts.take(0)
-                ckpt.payload[:P] = ops.to_numpy(model.params)
-                ckpt.payload[P:2 * P] = ops.to_numpy(local.velocity)
-                ckpt.payload[2 * P:] = ops.to_numpy(self.buffers)
-                ckpt.stamp(Tag.CHECKPOINT, rank, step=self.step, version=applied, cursor=self.cursor,
-                           elapsed=ctrl[1], flags=(Flag.FINAL if last else 0) | (Flag.PREEMPT if self.preempted else 0))
-                ckpts.send(self.comm, 0, 0, int(Tag.CHECKPOINT))
+            # --eval-interval: every worker decides alike (the allreduced clock, the steps applied)
+            evaluating = not last and evals.due(ctrl[1], applied * samples_per_step / self.num_train)
+            if leader:
+                self.send_duties(snaps, ckpts, snapshots, checkpoints, local, ctrl[1], applied, last, evaluating)
+            if evaluating:  # the weights after this step, on this worker's slice (a STOP or a signal abandons it)
+                number += 1
+                self.evaluate_during_training(number, applied, stop=lambda: self.stop_arrived(stop_req, stop))
         for slots in (reports, snaps, ckpts):
             slots.drain()
         wait(stop_req, "STOP from rank 0 after the last step", rank, cfg.worker_timeout)
         check(stop, Tag.STOP, 0, rank)
+
+    def send_duties(self, snaps: SendSlots, ckpts: SendSlots, snapshots: Interval, checkpoints: Interval,
+                    local: LocalSGD, elapsed: float, applied: int, last: bool, evaluating: bool) -> None:
+        """(the first worker) The SNAPSHOT (at its interval, at the last step, and at a step the workers
+        evaluate: flag EVALUATE) and the CHECKPOINT (at its interval and the last step) of this step."""
+        model, ops, rank, P = self.model, self.model.ops, self.rank, self.P
+        if snapshots.due(elapsed) or last or evaluating:
+            snapshots.restart(elapsed)
+            snap = snaps.take(0)
+            snap.payload[:P] = ops.to_numpy(model.params)
+            snap.payload[P:] = ops.to_numpy(self.buffers)
+            snap.stamp(Tag.SNAPSHOT, rank, step=self.step, version=applied,
+                       flags=Flag.FINAL if last else Flag.EVALUATE if evaluating else 0)
+            snaps.send(self.comm, 0, 0, int(Tag.SNAPSHOT))
+        if checkpoints.due(elapsed) or last:
+            checkpoints.restart(elapsed)
+            ckpt = ckpts.take(0)
+            ckpt.payload[:P] = ops.to_numpy(model.params)
+            ckpt.payload[P:2 * P] = ops.to_numpy(local.velocity)
+            ckpt.payload[2 * P:] = ops.to_numpy(self.buffers)
+            ckpt.stamp(Tag.CHECKPOINT, rank, step=self.step, version=applied, cursor=self.cursor,
+                       elapsed=elapsed, flags=(Flag.FINAL if last else 0) | (Flag.PREEMPT if self.preempted else 0))
+            ckpts.send(self.comm, 0, 0, int(Tag.CHECKPOINT))
 
 
 class SyncMode(Mode):

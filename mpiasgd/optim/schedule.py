@@ -1,4 +1,5 @@
-"""The learning-rate schedule and the stopping rule: one of each, used by every mode.
+"""The learning-rate schedule, the stopping rule, and the cadences of the evaluations during training
+and of the weight snapshots: one of each, used by every mode.
 
 Both are plain values built from the run's config (`Schedule.of(cfg)`, `StopRule.of(cfg)` take
 any object with the fields' names), so the optimizer side never sees the whole config. Rank 0
@@ -16,8 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+AUTO_SNAPSHOTS = -1.0       # --snapshot-interval's default: the interval follows the model's size
+SNAPSHOT_FLOOR_S = 5.0      # auto: never more often than this, seconds (a small model: as before the rule)
+SNAPSHOT_BYTES_PER_S = 1e6  # auto: at most this many bytes of weights per second into the run log
 
 
 def _pick(cls: type, source: Any) -> Any:
@@ -99,3 +104,58 @@ def learning_rate(schedule: Any, epoch: float, progress: float) -> float:
     if s.lr_schedule == "cosine":
         return 0.5 * s.lr * (1.0 + math.cos(math.pi * min(1.0, max(0.0, progress))))
     return s.lr
+
+
+def snapshot_seconds(interval: float, num_values: int) -> float:
+    """Seconds between weight snapshots for `--snapshot-interval` = `interval` and a model of `num_values`
+    float32 values (its parameters and buffers): `interval` itself when >= 0 (0: first and last only), or
+    for AUTO_SNAPSHOTS (-1, the default) max(5 s, model bytes / 1 MB/s), so a large model is not
+    written every 5 s: AlexNet's 61 M parameters (244 MB) every 244 s instead of 49 MB/s into the log,
+    while a model under 5 MB keeps 5 s."""
+    if interval >= 0:
+        return interval
+    return max(SNAPSHOT_FLOOR_S, 4 * num_values / SNAPSHOT_BYTES_PER_S)
+
+
+@dataclass
+class EvalSchedule:
+    """When the evaluations during training are due (--eval-interval): every `every` seconds of training
+    (`unit` "s") or epochs ("ep"); never when `every` is 0. The k-th is due once the clock reaches
+    k * every (a clock that jumps past several multiples gives one evaluation, at the first check past
+    them), so ranks that judge the same clock and epochs (the sync workers: the allreduced clock and the
+    step count) decide alike. `start(seconds, epochs)` places a resumed run after its last multiple.
+    """
+
+    every: float = 0.0
+    unit: str = ""
+    next: float = field(default=0.0)
+
+    @classmethod
+    def of(cls, cfg: Any, seconds: float = 0.0, epochs: float = 0.0) -> EvalSchedule:
+        """The schedule of `cfg.eval_every()`, started at `seconds` of training and `epochs` done."""
+        every, unit = cfg.eval_every()
+        schedule = cls(every, unit)
+        schedule.start(seconds, epochs)
+        return schedule
+
+    def _clock(self, seconds: float, epochs: float) -> float:
+        return seconds if self.unit == "s" else epochs
+
+    def _after(self, value: float) -> float:
+        """The first multiple of `every` past `value` (a value within 1e-9 relative of a multiple is on it)."""
+        return (math.floor(value / self.every * (1 + 1e-9)) + 1) * self.every
+
+    def start(self, seconds: float, epochs: float) -> None:
+        if self.every:
+            self.next = self._after(self._clock(seconds, epochs))
+
+    def due(self, seconds: float, epochs: float) -> bool:
+        """True once the clock (`seconds` of training, or `epochs` done) has reached the next multiple; the
+        one after the clock becomes the next."""
+        if not self.every:
+            return False
+        value = self._clock(seconds, epochs)
+        if value * (1 + 1e-9) < self.next:
+            return False
+        self.next = self._after(value)
+        return True

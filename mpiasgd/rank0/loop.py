@@ -169,7 +169,7 @@ class Rank0:
             rec.snapshot(role.params, role.current_buffers())
         if role.checkpoints_here and not rec.stop_reason and rec.checkpoints.due(rec.now()):
             rec.write_checkpoint(role.state("interval"))
-        rec.log.maybe_flush()
+        rec.maybe_flush()  # and the TensorBoard point of the training figures (--tensorboard)
         rec.show_progress()
 
     def finish(self) -> dict:
@@ -200,6 +200,13 @@ class Rank0:
                 f"busy); not counted as the workers' silence")
         self.rec.event("pause", text, at=now)
         print(f"mpiasgd: note: {text}", file=sys.stderr, flush=True)
+
+    def excuse(self, seconds: float) -> None:
+        """Rank 0 was busy with work of its own for `seconds` (the pipeline's evaluation during training): the
+        workers' messages waited meanwhile, so that time is not their silence, nor a pause of rank 0."""
+        for w in self.workers:
+            self.last_seen[w] = min(self.rec.now(), self.last_seen[w] + seconds)
+        self.last_tick = self.rec.now()
 
     def check_stalls(self) -> None:
         """CommTimeout naming the workers silent for more than --comm-timeout, longest first.

@@ -7,7 +7,12 @@ mode's rank-0 role reports to it; none of them touches the log.
 
 Clocks: `now()` is the run log's clock (seconds since the run's first start, a resume included);
 `train_time()` the training the state holds (the schedule's and --max-time's clock), up to the
-stop once there is one, so the final evaluation counts as no training.
+stop once there is one, so the final evaluation counts as no training. Evaluations during training
+(--eval-interval) are part of it: the run spends that time.
+
+With --tensorboard (`tensorboard`, set by `serve`) the same figures also go to TensorBoard event files
+(`mpiasgd.runlog.tensorboard`): the training metrics once per --flush-interval, each evaluation as it
+is logged.
 """
 
 from __future__ import annotations
@@ -23,12 +28,26 @@ import numpy as np
 from mpiasgd import checkpoint
 from mpiasgd.comms import Interval
 from mpiasgd.health import Finding, LossWatch
-from mpiasgd.optim import StopRule
-from mpiasgd.runlog import CheckpointRow, EvalRow, EventRow, PushRow, RunLog, SnapshotRow, UpdateRow
+from mpiasgd.optim import StopRule, snapshot_seconds
+from mpiasgd.runlog import CheckpointRow, EvalRow, EventRow, PeriodicEvalRow, PushRow, RunLog, SnapshotRow, UpdateRow
+from mpiasgd.runlog.tensorboard import TensorBoard
 
 
 class TrainingDiverged(RuntimeError):
     """A worker pushed `max_rejects` non-finite gradients in a row; the message names it and the steps."""
+
+
+class Window:
+    """The training figures since the last TensorBoard point: pushes (reports) with images, their loss and
+    accuracy, the updates' staleness, the workers' compute and data-wait seconds."""
+
+    def __init__(self, samples: int = 0, time: float = 0.0) -> None:
+        self.pushes = 0
+        self.loss = 0.0       # sum of the minibatch mean losses
+        self.correct = self.images = 0
+        self.staleness = self.updates = 0
+        self.compute_s = self.data_s = 0.0
+        self.samples, self.time = samples, time  # rank 0's count and clock at the window's start
 
 
 class Recorder:
@@ -62,10 +81,15 @@ class Recorder:
         self.checkpoint_error = ""            # why the last checkpoint could not be written
         self.last_written: float | None = None  # run time of the last checkpoint this process wrote
         self.resumed: checkpoint.Checkpoint | None = None
-        self.snapshots = Interval(cfg.snapshot_interval)
+        # --snapshot-interval -1 (auto): by the size of the weights (`optim.snapshot_seconds`)
+        self.snapshots = Interval(snapshot_seconds(cfg.snapshot_interval, log.snapshot_values()))
         self.checkpoints = Interval(cfg.checkpoint_interval)
         self.bar_refresh = Interval(0.5)
         self.stop_workers: Callable[[], None] = lambda: None
+        self.tensorboard: TensorBoard | None = None   # --tensorboard (`serve` opens it)
+        self.metrics = Interval(cfg.flush_interval)    # a TensorBoard point of the training figures
+        self.window = Window()
+        self.lr = float("nan")                         # the step size of the last update
 
     # --- clocks ---
     def now(self) -> float:
@@ -108,31 +132,74 @@ class Recorder:
 
     def push(self, *, worker: int, step: int, base_version: int, version: int, staleness: int, loss: float,
              correct: int, samples: int, epoch: int, compute_s: float, comm_s: float, wait_s: float,
-             applied: bool, lr: float, rejected: bool, held_s: float = 0.0, digest: int = 0) -> None:
-        """One row of the pushes table (see `mpiasgd.runlog`)."""
+             applied: bool, lr: float, rejected: bool, held_s: float = 0.0, digest: int = 0,
+             data_s: float = 0.0) -> None:
+        """One row of the pushes table (see `mpiasgd.runlog`); an applied one with images also counts in the
+        TensorBoard window (its loss and accuracy; every row its compute and data-wait seconds)."""
         self.log.add(PushRow(time=self.now(), worker=worker, step=step, base_version=base_version, version=version,
                              staleness=staleness, loss=loss, correct=correct, samples=samples, epoch=epoch,
                              compute_s=compute_s, comm_s=comm_s, wait_s=wait_s, applied=applied, lr=lr,
-                             rejected=rejected, held_s=held_s, digest=digest))
+                             rejected=rejected, held_s=held_s, digest=digest, data_s=data_s))
+        win = self.window
+        win.compute_s += float(compute_s)
+        win.data_s += float(data_s)
+        if applied and samples > 0:
+            win.pushes += 1
+            win.loss += float(loss)
+            win.correct += int(correct)
+            win.images += int(samples)
 
     def update(self, *, version: int, lr: float, grad_norm: float = float("nan")) -> None:
         """One row of the updates table at the current figures (`version` and `samples` set first)."""
+        self.lr = float(lr)
         self.log.add(UpdateRow(time=self.now(), version=version, lr=lr, grad_norm=grad_norm, samples=self.samples,
                                epoch=self.epoch))
 
-    def snapshot(self, params: np.ndarray, buffers: np.ndarray | None = None) -> None:
+    def snapshot(self, params: np.ndarray, buffers: np.ndarray | None = None, version: int | None = None,
+                 samples: int | None = None) -> int:
         """Store `params` (float32 (P,)) and the layers' `buffers` (float32 (B,), None or empty for a network
-        without any) as a snapshot of the current version."""
+        without any) as a snapshot of the current version and images (or of `version` and `samples`, where
+        the weights are not rank 0's latest: sync's first worker sends them); returns its index in
+        /snapshots/meta."""
         self.snapshots.restart(self.now())
-        self.log.add_snapshot(SnapshotRow(time=self.now(), version=self.version, samples=self.samples,
-                                          epoch=self.epoch), params,
+        index = self.log.rows("snapshots/meta")
+        version = self.version if version is None else version
+        samples = self.samples if samples is None else samples
+        self.log.add_snapshot(SnapshotRow(time=self.now(), version=version, samples=samples,
+                                          epoch=samples / self.num_train), params,
                               buffers if buffers is not None and buffers.size else None)
+        return index
+
+    def periodic_eval(self, *, taken: float, samples: float, versions: tuple[int, int], loss_sum: float,
+                      correct: int, correct5: int, count: int, seconds: float, snapshot: int = -1) -> None:
+        """One evaluation during training (--eval-interval), summed over the evaluators: a row of
+        /periodic_evals, a TensorBoard point (eval/...) and a line on the console. `taken` is the log time
+        of the weights evaluated, `samples` the images trained on at them, `versions` (oldest, newest)."""
+        loss, top1, top5 = loss_sum / count, correct / count, correct5 / count
+        self.log.add(PeriodicEvalRow(time=taken, samples=round(samples), epoch=samples / self.num_train,
+                                     version_min=versions[0], version_max=versions[1], count=count, loss=loss,
+                                     top1=top1, top5=top5, seconds=seconds, snapshot=snapshot))
+        if self.tensorboard is not None:
+            self.tensorboard.scalars({"eval/loss": loss, "eval/top1": top1, "eval/top5": top5}, round(samples))
+        span = f"{versions[0]}" if versions[0] == versions[1] else f"{versions[0]}..{versions[1]}"
+        self.say(f"mpiasgd: evaluation at epoch {samples / self.num_train:.2f} (version {span}): test top-1 "
+                 f"{100 * top1:.2f} %, top-5 {100 * top5:.2f} %, loss {loss:.4f} on {count:,} images "
+                 f"({seconds:.1f} s)")
+
+    def say(self, line: str) -> None:
+        """A line on the console, above the progress bar when there is one."""
+        if self.progress is not None:
+            self.progress.write(line)
+        else:
+            print(line, flush=True)
 
     # --- figures and rules ---
     def count_staleness(self, staleness: int) -> None:
         self.staleness_sum += staleness
         self.staleness_max = max(self.staleness_max, staleness)
         self.staleness_count += 1
+        self.window.staleness += staleness
+        self.window.updates += 1
 
     def training_loss(self, loss: float, correct: int, samples: int) -> None:
         """A minibatch's mean loss (nats), its correct count and images: the running level (progress bar)
@@ -237,6 +304,37 @@ class Recorder:
             self.rejected[int(row["rank"])] = int(row["rejected"])
         self.resumed = ckpt
 
+    # --- the log's flush and the TensorBoard points ---
+    def maybe_flush(self) -> None:
+        """Between messages: the log's flush (every --flush-interval) and, with --tensorboard, a point of the
+        training figures at the same pace."""
+        if self.tensorboard is not None and self.metrics.due(self.now()):
+            self.training_point()
+        self.log.maybe_flush()
+
+    def training_point(self) -> None:
+        """The TensorBoard point of the figures since the last one (train/...), then a new window."""
+        win, now = self.window, self.now()
+        nan = float("nan")
+        seconds = now - win.time
+        self.tensorboard.scalars({
+            "train/loss": win.loss / win.pushes if win.pushes else nan,
+            "train/accuracy": win.correct / win.images if win.images else nan,
+            "train/lr": self.lr,
+            "train/images_per_s": (self.samples - win.samples) / seconds if seconds > 0 else nan,
+            "train/staleness": win.staleness / win.updates if win.updates else nan,
+            "train/data_wait": win.data_s / win.compute_s if win.compute_s > 0 else nan,
+        }, self.samples)
+        self.tensorboard.flush()
+        self.window = Window(self.samples, now)
+
+    def close_tensorboard(self) -> None:
+        """The last TensorBoard point and the event files closed (at the end, however the run ends)."""
+        if self.tensorboard is not None:
+            if self.window.pushes:
+                self.training_point()
+            self.tensorboard.close()
+
     # --- progress and the end ---
     def show_progress(self, force: bool = False) -> None:
         """The progress bar's figures, about twice a second (`force`: now)."""
@@ -256,23 +354,30 @@ class Recorder:
     def summary(self, evals: dict, preempted: str) -> dict:
         """The evaluation row and end event, and the summary dict (also stored as log attributes).
 
-        `evals` maps a worker to (summed loss, correct, images) of its test slice; `preempted` is why a
-        signal ended the run ("" otherwise: then no evaluation row is written)."""
+        `evals` maps a worker to (summed loss, correct, images, top-5 correct) of its test slice (an
+        `mpiasgd.model.Evaluation` or a tuple in that order); `preempted` is why a signal ended the run
+        ("" otherwise: then no evaluation row is written)."""
         loss_sum = sum(e[0] for e in evals.values())
         correct = sum(e[1] for e in evals.values())
         count = sum(e[2] for e in evals.values())
+        correct5 = sum(e[3] for e in evals.values())
         accuracy = correct / count if count else float("nan")
+        top5 = correct5 / count if count else float("nan")
         test_loss = loss_sum / count if count else float("nan")
         if not preempted:  # no evaluation row for a run cut short: the resumed run will add one
             self.log.add(EvalRow(time=self.now(), version=self.version, epoch=self.epoch, snapshot=-1, loss=test_loss,
-                                 accuracy=accuracy, count=count))
+                                 accuracy=accuracy, count=count, top5=top5))
+            if self.tensorboard is not None:
+                self.tensorboard.scalars({"test/loss": test_loss, "test/top1": accuracy, "test/top5": top5},
+                                         self.samples)
         self.event("end", f"preempted ({preempted}): no final evaluation" if preempted
-                   else f"test accuracy {accuracy:.4f} on {count} images")
+                   else f"test accuracy {accuracy:.4f} (top-5 {top5:.4f}) on {count} images")
         train_time = self.train_time()  # time lost to a resume, or spent on the final evaluation, is not training
         return {
             "wall_time_s": self.now(),
             "train_time_s": train_time,
             "test_accuracy": accuracy,
+            "test_top5": top5,
             "test_loss": test_loss,
             "test_count": count,
             "version": self.version,

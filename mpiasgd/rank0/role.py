@@ -6,9 +6,10 @@ whether the run is over (`done`) and whom it still waits for, and for the state 
 when rank 0 holds it (`checkpoints_here`). The role reports everything it learns to the recorder
 (`self.rec`), never to the log itself.
 
-This base class holds what every role shares: the workers' EVALs at the end (`on_eval`), the
-header-only STOP of the modes whose workers decide their own steps (`send_stop`), and the
-optimizer state sent to resuming workers (`send_state`).
+This base class holds what every role shares: the workers' EVALs at the end (`on_eval`) and during
+training (`periodic`, --eval-interval: `mpiasgd.rank0.evals`), the header-only STOP of the modes
+whose workers decide their own steps (`send_stop`), and the optimizer state sent to resuming
+workers (`send_state`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from mpiasgd import checkpoint
 from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
+from mpiasgd.rank0.evals import PeriodicEvals
 
 
 class Role:
@@ -26,8 +28,9 @@ class Role:
 
     Attributes every role has: `params` (float32 (P,), the weights rank 0 snapshots), `buffers` (float32
     (B,), the layers' buffers it snapshots with them: `current_buffers`), `stopped`
-    (workers sent STOP), `evals` ({worker: (loss sum, correct, images)}), `last_step` and `cursor`
-    ({worker: int}: its last step and data position, for checkpoints).
+    (workers sent STOP), `evals` ({worker: (loss sum, correct, images, top-5 correct)}: the final
+    evaluation), `periodic` (the evaluations during training), `last_step` and `cursor` ({worker: int}:
+    its last step and data position, for checkpoints).
     """
 
     checkpoints_here = False  # rank 0 holds the whole training state (it writes checkpoints itself)
@@ -48,6 +51,7 @@ class Role:
         # one send slot per worker: its replies (or STOP), each posted once the previous one completed
         self.out = {w: SendSlots([None], f"send to worker rank {w}", 0, self.cfg.comm_timeout) for w in self.workers}
         self.state_slots = SendSlots([], "CHECKPOINT (optimizer state)", 0, self.cfg.comm_timeout)
+        self.periodic = PeriodicEvals(self.rec, self.cfg, self.workers)  # --eval-interval (rank 0 decides)
 
     # --- what the loop asks ---
     def current_buffers(self) -> np.ndarray:
@@ -111,7 +115,7 @@ class Role:
             self.last_step[w], self.cursor[w] = int(row["step"]), int(row["cursor"])
 
     def final_evals(self, preempted: str) -> dict:
-        """{worker: (loss sum, correct, images)} of the final evaluation."""
+        """{worker: (loss sum, correct, images, top-5 correct)} of the final evaluation."""
         return self.evals
 
     def pending_sends(self) -> list:
@@ -134,12 +138,16 @@ class Role:
         return step, base
 
     def on_eval(self, w: int, msg: Message) -> None:
+        """An EVAL: an evaluation during training (flag EVALUATE: `periodic`), or the final one (after STOP)."""
+        h = msg.header
+        if int(h["flags"]) & Flag.EVALUATE:
+            self.periodic.answer(w, h)
+            return
         if w not in self.stopped:
             raise ProtocolError(f"rank 0: EVAL from worker rank {w} before it was sent STOP")
         if w in self.evals:
             raise ProtocolError(f"rank 0: second EVAL from worker rank {w}")
-        h = msg.header
-        self.evals[w] = (float(h["loss"]), int(h["correct"]), int(h["samples"]))
+        self.evals[w] = (float(h["loss"]), int(h["correct"]), int(h["samples"]), int(h["correct5"]))
 
     def send_state(self, w: int, velocity: np.ndarray) -> None:
         """(resuming) Post the checkpoint's `velocity` (float32, the worker's share) to worker `w` as a

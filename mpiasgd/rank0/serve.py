@@ -104,6 +104,17 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
     from mpiasgd.rank0.recorder import Recorder
 
     model, dataset, ckpt = start.model, start.dataset, start.checkpoint
+    if cfg.tensorboard:  # before the log exists: an error like those of start-up, the job ends with status 2
+        from mpiasgd.runlog.tensorboard import TensorBoardUnavailable, require
+
+        try:
+            require()
+        except TensorBoardUnavailable as e:
+            start.release()
+            print(f"mpiasgd: error: {e}", file=sys.stderr, flush=True)
+            time.sleep(0.3)  # let the launcher forward the line before the abort tears the job down
+            me.comm.Abort(2)
+            return 2
     workers = me.comm.gather(None, root=0)[1:]  # each worker's WorkerInfo, in rank order
     announce(cfg, me, start, workers)
     log = start_log(cfg, me, start, workers)
@@ -118,6 +129,11 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
                        advice=start.mode.advice)
     rec = Recorder(cfg, log, range(1, me.num_workers + 1), dataset.train_y.size, bar, health)
     rec.model_spec = to_json(model.spec())
+    if cfg.tensorboard:  # RUN_DIR/NAME.tb/; a resume hides what the replaced segment wrote after its checkpoint
+        from mpiasgd.runlog.tensorboard import TensorBoard, tensorboard_dir
+
+        rec.tensorboard = TensorBoard(tensorboard_dir(start.path), purge_step=None if ckpt is None else ckpt.samples,
+                                      warn=rec.warn)
     hosts = {w.rank: w.host for w in workers}
     r0 = Rank0(me.comm, cfg, rec, lambda r0: start.mode.rank0(r0, params, model.decay_mult(), model, dataset,
                                                               start.layout),
@@ -142,6 +158,7 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
             text = (f"{stop.why}; {r0.resume_note()}; worker(s) {names} did not answer within {PREEMPT_GRACE:g} s: "
                     f"dead (a launcher ends the job with SIGTERM when a rank dies) or hung")
         rec.event(status, f"{text}:\n{stop.text}" if isinstance(stop, WorkerFailed) else text)
+        rec.close_tensorboard()  # before the abort below: the event files keep what was logged
         closed = f"run log '{start.path}' closed with status '{status}'"
         try:
             log.close(status)
@@ -169,6 +186,7 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
             print(f"mpiasgd: error: rank 0: {closing}; {log.outcome}", file=sys.stderr, flush=True)
         raise
     finally:
+        rec.close_tensorboard()
         if bar is not None:
             bar.close()
     if r0.preempted:

@@ -20,14 +20,22 @@ One file per run, `RUN_DIR/NAME.h5`:
                  wait_s = seconds in the allreduces; applied 0 on a step skipped by all workers,
                  rejected 1 on the worker whose own gradient was not finite). digest: sync and
                  pipeline modes, the CRC-32 of the worker's weights after the step (replicas must agree;
-                 rank 0 checks it as the rows arrive)
+                 rank 0 checks it as the rows arrive); data_s: seconds of compute_s the step waited for its
+                 minibatch (the input pipeline; `report` prints its share, "data wait")
     /updates     one row per server update (UPDATE_ROW): time, version, lr, gradient norm, samples, epoch
-    /snapshots/params  (S, P) float32 weights every `snapshot_interval` seconds, first and last included
+    /snapshots/params  (S, P) float32 weights every `snapshot_interval` seconds (default -1, auto: max(5 s,
+                       model bytes / 1 MB/s): `optim.snapshot_seconds`), first and last included; sync and
+                       pipeline also at every evaluation during training
     /snapshots/buffers (S, B) float32 the layers' buffers with each snapshot (BatchNorm's running statistics;
                        only for a network that has buffers): async/ssp/easgd: rank 0's average of the
                        workers' latest; sync: the replicas' common copy; pipeline: every module's
     /snapshots/meta    (S,) SNAPSHOT_ROW: time, version, samples, epoch
-    /evals       EVAL_ROW: time, version, epoch, snapshot (-1: the final weights), loss, accuracy, count
+    /evals       EVAL_ROW: time, version, epoch, snapshot (-1: the final weights), loss, accuracy (top-1),
+                 count, top5 (top-5 accuracy; 1.0 with 5 classes or fewer)
+    /periodic_evals  PERIODIC_EVAL_ROW, one per evaluation during training (--eval-interval): time (when the
+                 weights were taken), samples, epoch, version_min, version_max (async: the versions the
+                 workers got), count, loss, top1, top5, seconds (the slowest evaluator's), snapshot (the
+                 snapshot of the same weights in sync and pipeline mode, else -1)
     /events      EVENT_ROW: time, kind, text (start, stop reason, failures, preempt, resume; autotune:
                  a GPU worker's conv tiles chosen at start-up under --conv-algo autotune; pause: rank 0's
                  own loop did not run for a while, not counted as the workers' silence; diverged, dead,
@@ -42,7 +50,9 @@ A resumed run (`--resume`) continues the same file: status goes back to "running
 continue from the checkpoint's version and steps. Rows the previous segment logged after its last
 checkpoint stay (nothing logged is lost); their versions and steps are repeated by the new segment,
 and their time span is listed in the attribute `superseded` (JSON [[start, end], ...]): `report`
-leaves those pushes, updates and evaluations out of its counts.
+leaves those pushes, updates and evaluations out of its counts. A log written by an older version is
+upgraded when resumed: tables it lacks are created, and the columns added since (`records.ADDED`) are
+appended to its tables (nan: unknown); readers see them the same way.
 
 Times are seconds since the start of training. All tables are chunked and appendable. The file is
 written in SWMR mode (HDF5 single-writer/multiple-reader): rows are buffered and flushed every
@@ -65,14 +75,15 @@ reach the disk; the log then takes no more rows, and `abandon` (which `close` ca
 flush either way. Every flush first checks the free space (`ensure_free_space`: the buffered rows
 and snapshots + 5 % + 1 MiB), so a full disk is this error before HDF5 is called.
 
-Every table's row is a typed record (`records`: PushRow, UpdateRow, SnapshotRow, EvalRow, EventRow,
-CheckpointRow, WorkerRow) whose fields are its columns; `RunLog.add(record)` appends to the table of
+Every table's row is a typed record (`records`: PushRow, UpdateRow, SnapshotRow, EvalRow, PeriodicEvalRow,
+EventRow, CheckpointRow, WorkerRow) whose fields are its columns; `RunLog.add(record)` appends to the table of
 the record's type.
 
     records.py     the rows: one record class per table, its numpy dtype derived from it
     writer.py      RunLog (buffered SWMR writer), recover
     reader.py      open_log, open_run, load (a run log as a dict of attributes and tables)
     summary.py     summary_lines (the end of `mpiasgd train`) and the figures `mpiasgd report` shares
+    tensorboard.py TensorBoard: the metrics as TensorBoard event files (--tensorboard; tensorboardX)
     lock.py        WriterLock, writer_alive
     superblock.py  the superblock's consistency flags: clear_stale_flags, lookup3
     disk.py        RunLogError, ensure_free_space (a full disk)
@@ -85,6 +96,7 @@ from mpiasgd.runlog.records import (
     CHECKPOINT_ROW,
     EVAL_ROW,
     EVENT_ROW,
+    PERIODIC_EVAL_ROW,
     PUSH_ROW,
     SNAPSHOT_ROW,
     TABLES,
@@ -93,20 +105,23 @@ from mpiasgd.runlog.records import (
     CheckpointRow,
     EvalRow,
     EventRow,
+    PeriodicEvalRow,
     PushRow,
     Record,
     SnapshotRow,
     UpdateRow,
     WorkerRow,
+    upgrade,
 )
 from mpiasgd.runlog.summary import health_line, summary_lines
 from mpiasgd.runlog.superblock import SIGNATURE, SWMR_WRITE, clear_stale_flags, lookup3, superblock_flags
-from mpiasgd.runlog.writer import RunLog, append, recover
+from mpiasgd.runlog.writer import RunLog, append, recover, upgrade_tables
 
 __all__ = [
-    "CHECKPOINT_ROW", "EVAL_ROW", "EVENT_ROW", "FREE_MARGIN", "PUSH_ROW", "SIGNATURE", "SNAPSHOT_ROW", "SWMR_WRITE",
-    "TABLES", "UPDATE_ROW", "WORKER_ROW", "CheckpointRow", "EvalRow", "EventRow", "PushRow", "Record", "RunLog",
-    "RunLogError", "SnapshotRow", "TruncatedLogError", "UpdateRow", "WorkerRow", "WriterLock", "append",
-    "clear_stale_flags", "ensure_free_space", "health_line", "load", "lookup3", "open_log", "open_run", "os_error",
-    "recover", "summary_lines", "superblock_flags", "writer_alive",
+    "CHECKPOINT_ROW", "EVAL_ROW", "EVENT_ROW", "FREE_MARGIN", "PERIODIC_EVAL_ROW", "PUSH_ROW", "SIGNATURE",
+    "SNAPSHOT_ROW", "SWMR_WRITE", "TABLES", "UPDATE_ROW", "WORKER_ROW", "CheckpointRow", "EvalRow", "EventRow",
+    "PeriodicEvalRow", "PushRow", "Record", "RunLog", "RunLogError", "SnapshotRow", "TruncatedLogError", "UpdateRow",
+    "WorkerRow", "WriterLock", "append", "clear_stale_flags", "ensure_free_space", "health_line", "load", "lookup3",
+    "open_log", "open_run", "os_error", "recover", "summary_lines", "superblock_flags", "upgrade", "upgrade_tables",
+    "writer_alive",
 ]

@@ -15,6 +15,7 @@ import h5py
 import numpy as np
 
 from mpiasgd.runlog.lock import writer_alive
+from mpiasgd.runlog.records import upgrade
 from mpiasgd.runlog.superblock import SWMR_WRITE, clear_stale_flags, superblock_flags
 
 
@@ -96,15 +97,20 @@ def load(path: str) -> dict:
     attribute that is not JSON).
 
     The dict holds every file attribute (bytes decoded to str), "config" parsed from its JSON, "path",
-    the tables "pushes", "updates", "evals", "workers", "snapshots/meta", "events", "checkpoints" as
-    structured arrays of their dtypes (`mpiasgd.runlog.records`; None where the file has no such table),
-    rows of pushes, updates and evals a resumed run superseded left out, and "superseded_s" (seconds
-    of such spans). A log marked "running" whose writer is gone gets status "killed (...)".
+    the tables "pushes", "updates", "evals", "periodic_evals", "workers", "snapshots/meta", "events",
+    "checkpoints" as structured arrays of their dtypes (`mpiasgd.runlog.records`; a table of an older
+    version with the columns added since, nan: `records.upgrade`; None where the file has no such
+    table), rows of pushes, updates and evaluations a resumed run superseded left out, and
+    "superseded_s" (seconds of such spans). A log marked "running" whose writer is gone gets status
+    "killed (...)".
     """
     with open_run(path) as f:
         run = {key: _attr(f, key) for key in f.attrs}
-        for name in ("pushes", "updates", "evals", "workers", "snapshots/meta", "events", "checkpoints"):
+        for name in ("pushes", "updates", "evals", "periodic_evals", "workers", "snapshots/meta", "events",
+                     "checkpoints"):
             run[name] = f[name][()] if name in f else None
+            if run[name] is not None:
+                run[name] = upgrade(run[name], name)
     try:
         run["config"] = json.loads(run.get("config") or "{}")
     except ValueError as e:
@@ -114,7 +120,7 @@ def load(path: str) -> dict:
         spans = json.loads(run.get("superseded") or "[]")
     except ValueError:
         spans = []
-    for name in ("pushes", "updates", "evals"):
+    for name in ("pushes", "updates", "evals", "periodic_evals"):
         rows = run[name]
         if rows is not None and spans and len(rows):
             keep = np.ones(len(rows), bool)

@@ -7,7 +7,8 @@ Each record is a frozen dataclass whose fields are annotated with their column t
 table (`PushRow.dtype`, also `PUSH_ROW`) is derived from its record: the same field names, in the
 same order, with the same types, so the file format is the record class. Records take keyword
 arguments only and check nothing (rank 0 builds one per push); `row()` gives the values in column
-order, each looked up by its field name.
+order, each looked up by its field name. A column added to a table after its first version (`ADDED`)
+comes last, with the default nan (unknown), which is also what an older file's rows get for it.
 
 Strings: `Bytes16` and friends are fixed-width ASCII byte strings (b"stop"); `Text` is a
 variable-length UTF-8 str (HDF5 vlen). Times are seconds since the start of training.
@@ -16,6 +17,7 @@ variable-length UTF-8 str (HDF5 vlen). Times are seconds since the start of trai
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, TypeVar, get_type_hints
@@ -96,6 +98,8 @@ class PushRow(Record):
     rejected: Int8       # 1: a non-finite gradient, not applied
     held_s: Float32      # ssp: s the server held the reply to this worker's previous push
     digest: UInt32       # sync and pipeline: CRC-32 of the worker's weights after the step (replicas agree)
+    data_s: Float32 = math.nan  # s of compute_s the step waited for its minibatch (the input pipeline); nan:
+                                # unknown (a log written before the column existed)
 
 
 @_table("updates")
@@ -135,6 +139,29 @@ class EvalRow(Record):
     loss: Float64      # mean cross-entropy over the images, nats
     accuracy: Float64  # fraction correct, 0..1
     count: Int64       # images evaluated
+    top5: Float64 = math.nan  # fraction whose label is among the 5 largest logits (1.0 with <= 5 classes); nan:
+                              # unknown (a row written before the column existed)
+
+
+@_table("periodic_evals")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeriodicEvalRow(Record):
+    """One evaluation during training (--eval-interval) of the weights as the mode defines them: async,
+    ssp, easgd: the server's weights (easgd: the center) each worker got with a flagged reply, on its test
+    slice; sync: the replicas' weights after one step, on every worker's slice; pipeline: the whole-model
+    snapshot rank 0 assembled, on the whole test set (rank 0 evaluates it)."""
+
+    time: Float64        # s: when the weights evaluated were taken (the first worker's: answer less its seconds)
+    samples: Int64       # images trained on at those weights (mean over the workers when their versions differ)
+    epoch: Float64       # samples / training set size
+    version_min: Int64   # the oldest version evaluated (async: workers got different versions)
+    version_max: Int64   # the newest
+    count: Int64         # images evaluated (the whole test set)
+    loss: Float64        # mean cross-entropy, nats
+    top1: Float64        # fraction whose label is the argmax, 0..1
+    top5: Float64        # fraction whose label is among the 5 largest logits (1.0 with <= 5 classes)
+    seconds: Float32     # s the slowest evaluator took
+    snapshot: Int32      # index into /snapshots/meta of the same weights (sync, pipeline); -1: none
 
 
 @_table("events")
@@ -185,10 +212,36 @@ PUSH_ROW = PushRow.dtype
 UPDATE_ROW = UpdateRow.dtype
 SNAPSHOT_ROW = SnapshotRow.dtype
 EVAL_ROW = EvalRow.dtype
+PERIODIC_EVAL_ROW = PeriodicEvalRow.dtype
 EVENT_ROW = EventRow.dtype
 CHECKPOINT_ROW = CheckpointRow.dtype
 WORKER_ROW = WorkerRow.dtype
 
 # the appendable tables (buffered by RunLog, flushed together); /workers is written whole
-RECORDS: tuple[type[Record], ...] = (PushRow, UpdateRow, SnapshotRow, EvalRow, EventRow, CheckpointRow)
+RECORDS: tuple[type[Record], ...] = (PushRow, UpdateRow, SnapshotRow, EvalRow, PeriodicEvalRow, EventRow,
+                                     CheckpointRow)
 TABLES: dict[str, np.dtype] = {record.table: record.dtype for record in RECORDS}
+
+
+# columns added to a table since its first version, in order (all at its end): a log written before has
+# them added by `upgrade` (nan: unknown) when it is read or resumed
+ADDED: dict[str, tuple[str, ...]] = {"pushes": ("data_s",), "evals": ("top5",)}
+
+
+def upgrade(rows: np.ndarray, table: str) -> np.ndarray:
+    """`rows` of `table` as written by an older version, with the columns added since (`ADDED`) that it lacks
+    appended: nan for a float, 0 otherwise. Rows that lack none of them are returned as they are (also
+    rows that lack other columns: not a table this version wrote, which the reader then names)."""
+    names = rows.dtype.names or ()
+    missing = [name for name in ADDED.get(table, ()) if name not in names]
+    if not missing:
+        return rows
+    dtype = TABLES[table]
+    out = np.zeros(len(rows), dtype=np.dtype([*((n, rows.dtype[n]) for n in names),
+                                              *((n, dtype[n]) for n in missing)]))
+    for name in names:
+        out[name] = rows[name]
+    for name in missing:
+        if dtype[name].kind == "f":
+            out[name] = np.nan
+    return out

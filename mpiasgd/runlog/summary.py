@@ -19,6 +19,24 @@ def final_eval(run: dict) -> np.void | None:
     return final[-1] if len(final) else None
 
 
+def periodic_evals(run: dict) -> np.ndarray | None:
+    """The evaluations during training (/periodic_evals rows, in time order), None if there are none."""
+    rows = run.get("periodic_evals")
+    if rows is None or len(rows) == 0:
+        return None
+    return rows[np.argsort(rows["time"], kind="stable")]
+
+
+def data_wait_share(pushes: np.ndarray | None) -> float | None:
+    """Seconds the workers' steps waited for their minibatches / their compute seconds (the pushes table's
+    data_s and compute_s), over the rows that have data_s; None without any."""
+    if pushes is None or "data_s" not in (pushes.dtype.names or ()):
+        return None
+    known = pushes[np.isfinite(pushes["data_s"])]
+    compute = float(known["compute_s"].sum()) if len(known) else 0.0
+    return float(known["data_s"].sum()) / compute if compute > 0 else None
+
+
 def training_time(run: dict) -> float:
     """Seconds of training: the summary's (a run that ended), else the last push's time less the spans
     superseded by resumes (a running or killed run; its summary attributes may be a segment's)."""
@@ -62,13 +80,25 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
         lines.append(f"checkpoint       {checkpoint_path(path)}  (no final evaluation; continue with "
                      f"'--resume {checkpoint_path(path)}')")
     if final is not None:
+        top5 = final["top5"] if "top5" in (final.dtype.names or ()) else float("nan")
         lines.append(f"test accuracy    {100 * final['accuracy']:.2f} %  on {final['count']:,} images "
-                     f"(loss {final['loss']:.4f})")
+                     + (f"(top-5 {100 * top5:.2f} %, loss {final['loss']:.4f})" if np.isfinite(top5)
+                        else f"(loss {final['loss']:.4f})"))
+    during = periodic_evals(run)
+    if during is not None:
+        best = during[int(np.argmax(during["top1"]))]
+        lines.append(f"during training  {len(during)} evaluations (--eval-interval); best top-1 "
+                     f"{100 * best['top1']:.2f} % at epoch {best['epoch']:.2f}, last {100 * during['top1'][-1]:.2f} % "
+                     f"at epoch {during['epoch'][-1]:.2f}")
     lines.append(f"images/s         {images / train_time if train_time else 0:,.0f}  "
                  f"({images:,} images in {train_time:.1f} s of training, "
                  f"{images / max(1, int(run.get('num_train') or 1)):.2f} epochs)")
     if applied is not None and len(applied):
         lines.append(f"staleness        mean {applied['staleness'].mean():.2f}, max {applied['staleness'].max()}")
+    share = data_wait_share(pushes)
+    if share is not None:
+        lines.append(f"data wait        {100 * share:.1f} % of the step (the workers' compute time spent waiting "
+                     f"for minibatches)")
     if pushes is not None and "rejected" in (pushes.dtype.names or ()) and pushes["rejected"].any():
         bad = pushes[pushes["rejected"] == 1]
         per = ", ".join(f"rank {w}: {(bad['worker'] == w).sum()}" for w in sorted(set(bad["worker"].tolist())))

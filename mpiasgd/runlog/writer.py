@@ -20,7 +20,7 @@ import numpy as np
 from mpiasgd.runlog.disk import RunLogError, ensure_free_space
 from mpiasgd.runlog.lock import WriterLock, writer_alive
 from mpiasgd.runlog.reader import open_log
-from mpiasgd.runlog.records import TABLES, WORKER_ROW, Record, SnapshotRow, WorkerRow
+from mpiasgd.runlog.records import TABLES, WORKER_ROW, Record, SnapshotRow, WorkerRow, upgrade
 from mpiasgd.runlog.superblock import clear_stale_flags
 
 
@@ -57,6 +57,24 @@ def _close_quietly(f: h5py.File | None) -> None:
             f.close()
     except (OSError, RuntimeError):
         pass
+
+
+def upgrade_tables(f: h5py.File) -> list[str]:
+    """Rewrite every appendable table of `f` (open for writing, not in SWMR mode) whose columns are those of
+    an older version with the columns added since (`records.upgrade`: nan or 0), creating the tables it
+    lacks; returns the names rewritten. A resumed run appends rows of the current records to them."""
+    rewritten = []
+    for name, dtype in TABLES.items():
+        if name in f and f[name].dtype != dtype:
+            rows = upgrade(f[name][()], name)
+            if rows.dtype != dtype:  # not a table of an older version: left as it is
+                continue
+            del f[name]
+            f.create_dataset(name, data=rows, maxshape=(None,), chunks=(1024,))
+            rewritten.append(name)
+        elif name not in f:
+            f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
+    return rewritten
 
 
 def append(ds: h5py.Dataset, rows: np.ndarray) -> None:
@@ -141,7 +159,8 @@ class RunLog:
                resumed_at: float | None = None) -> RunLog:
         """Continue the log at `path` for a resumed run (caller holds `lock`): a log left by a killed writer
         is recovered first; status becomes "running"; the workers table is replaced by this job's
-        (pids and hosts change); tables added since the log was written are created. Rows after
+        (pids and hosts change); tables added since the log was written are created, and tables whose
+        columns are an older version's rewritten (`upgrade_tables`). Rows after
         `resumed_at` (the log time of the checkpoint resumed from) came from a segment that died
         after that checkpoint: their time span is appended to the attribute `superseded` (JSON list of
         [start, end]), which readers use to leave them out of counts. RunLogError if it cannot be
@@ -162,9 +181,7 @@ class RunLog:
                 f.attrs["superseded"] = json.dumps(spans)
             del f["workers"]
             f.create_dataset("workers", data=_worker_table(workers))
-            for name, dtype in TABLES.items():
-                if name not in f:
-                    f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
+            upgrade_tables(f)  # tables and columns added since the log was written
             f.swmr_mode = True
         except (OSError, RuntimeError) as e:  # RuntimeError: h5py's, when HDF5 fails to write
             _close_quietly(f)
@@ -175,10 +192,20 @@ class RunLog:
         """The latest time of any row in the file (0 for an empty log): where a resumed run's clock starts."""
         latest = 0.0
         for name in TABLES:
+            if name not in self.file:  # a table added since the log was written (created by `reopen`)
+                continue
             ds = self.file[name]
             if ds.shape[0]:
                 latest = max(latest, float(ds[ds.shape[0] - 1]["time"]))
         return latest
+
+    def rows(self, table: str) -> int:
+        """Rows of `table` (e.g. "snapshots/meta"), flushed and buffered: the index the next row will have."""
+        return self.file[table].shape[0] + len(self.pending[table])
+
+    def snapshot_values(self) -> int:
+        """float32 values in one weight snapshot: the parameters and the layers' buffers."""
+        return sum(self.file[name].shape[1] for name in ("snapshots/params", "snapshots/buffers") if name in self.file)
 
     # --- appending (server only; rows reach the file at the next flush; a broken log drops them) ---
     def add(self, record: Record) -> None:

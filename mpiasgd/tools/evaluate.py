@@ -3,7 +3,8 @@
     mpiasgd evaluate runs/NAME.h5      # accuracy of every weight snapshot, written into the log
 
 Snapshot evaluation happens after training, so accuracy against wall time comes from the log
-without slowing the run down.
+without slowing the run down (--eval-interval evaluates during the run instead: the log's
+/periodic_evals). Each row holds top-1 and top-5 accuracy (`snapshot_line` prints one).
 """
 
 from __future__ import annotations
@@ -14,14 +15,23 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mpiasgd.runlog import EVAL_ROW, EvalRow, append, open_log, open_run, recover, writer_alive
+from mpiasgd.runlog import EVAL_ROW, EvalRow, append, open_log, open_run, recover, upgrade, writer_alive
+
+SNAPSHOT_HEADER = "snapshot    time s   epoch   test acc   top-5 acc   test loss"
+
+
+def snapshot_line(r: np.void) -> str:
+    """One EVAL_ROW row as a line under SNAPSHOT_HEADER (top-5 "-" for a row written before it was kept)."""
+    top5 = f"{100 * r['top5']:>10.2f}%" if "top5" in (r.dtype.names or ()) and np.isfinite(r["top5"]) else f"{'-':>11}"
+    return (f"{r['snapshot']:>8} {r['time']:>8.1f} {r['epoch']:>7.2f} {100 * r['accuracy']:>9.2f}% {top5} "
+            f"{r['loss']:>11.4f}")
 
 
 def evaluate_snapshots(path: str, data_dir: str | None = None, batch_size: int = 1000,
                        every: int = 1, show: Callable[[np.void], None] | None = None) -> np.ndarray:
     """Evaluate every `every`-th weight snapshot (and the last) of the run log at `path` on the full test set.
 
-    Each result row (an EVAL_ROW row: `EvalRow` fields, loss in nats, accuracy a fraction) is passed to
+    Each result row (an EVAL_ROW row: `EvalRow` fields, loss in nats, accuracy and top5 fractions) is passed to
     `show` as soon as it is computed, then all are stored in the log's `/evals` table (column
     `snapshot` = its index), replacing earlier rows of the same snapshots; returns them, (S,) EVAL_ROW.
     The dataset and network are the run's own (the stored config and network definition, with each
@@ -30,7 +40,7 @@ def evaluate_snapshots(path: str, data_dir: str | None = None, batch_size: int =
     FileNotFoundError, ValueError (not an mpiasgd log, or no snapshots) or RuntimeError (the run is
     still being written).
     """
-    from mpiasgd.data import load_dataset  # late imports: the models pull in the ops backends
+    from mpiasgd.data.loader import open_data  # late imports: the models pull in the ops backends
     from mpiasgd.model import MODELS, build_model, evaluate
     from mpiasgd.model.spec import stored
 
@@ -45,7 +55,9 @@ def evaluate_snapshots(path: str, data_dir: str | None = None, batch_size: int =
         chosen = sorted(set(range(0, len(meta), every)) | {len(meta) - 1})
         snapshots = f["snapshots/params"][chosen]  # (S, P) float32
         buffers = f["snapshots/buffers"][chosen] if "snapshots/buffers" in f else None  # (S, B) float32
-    dataset = load_dataset(cfg["dataset"] or MODELS[cfg["model"]].dataset, data_dir or cfg["data_dir"] or None)
+    # the run's data: its file (and test file) or its named dataset, with its augmentation (the test crop)
+    name = cfg.get("data") or cfg["dataset"] or MODELS[cfg["model"]].dataset
+    dataset = open_data(name, data_dir or cfg["data_dir"] or None, cfg.get("test_data", ""), cfg.get("augment", ""))
     model = build_model(spec, "numpy")  # from the stored definition: data, never a model file
     if model.num_params != snapshots.shape[1]:  # (checked before anything of the network's size is allocated)
         raise ValueError(f"run log '{path}': its network definition has {model.num_params} parameters, the "
@@ -62,10 +74,10 @@ def evaluate_snapshots(path: str, data_dir: str | None = None, batch_size: int =
         weights[:] = snap
         if model.num_buffers:
             state[:] = buffers[k]
-        loss_sum, correct, count = evaluate(model, dataset, idx, batch_size)
+        loss_sum, correct, count, correct5 = evaluate(model, dataset, idx, batch_size)
         m = meta[i]
         rows[k] = EvalRow(time=m["time"], version=m["version"], epoch=m["epoch"], snapshot=i, loss=loss_sum / count,
-                          accuracy=correct / count, count=count).row()
+                          accuracy=correct / count, count=count, top5=correct5 / count).row()
         if show is not None:
             show(rows[k])
     try:
@@ -74,8 +86,11 @@ def evaluate_snapshots(path: str, data_dir: str | None = None, batch_size: int =
         recover(path)
         f = open_log(path, "r+")
     with f:
-        old = f["evals"][()]
+        old = upgrade(f["evals"][()], "evals")  # a log written before top5 was kept: the column added, nan
         keep = old[~np.isin(old["snapshot"], chosen)]
+        if f["evals"].dtype != EVAL_ROW:
+            del f["evals"]
+            f.create_dataset("evals", shape=(0,), maxshape=(None,), dtype=EVAL_ROW, chunks=(1024,))
         table = f["evals"]
         table.resize(0, axis=0)
         append(table, np.concatenate([keep, rows]))

@@ -1,7 +1,9 @@
 """`mpiasgd report RUN.h5 [RUN2.h5 ...] --plots DIR`: PNG plots of run logs (matplotlib, no display).
 
-    accuracy.png   test accuracy of the evaluated snapshots against training time and against epochs,
-                   runs overlaid (`mpiasgd evaluate RUN.h5` first; the final evaluation is marked)
+    accuracy.png   test accuracy against training time and against epochs, runs overlaid: the evaluations
+                   during training (--eval-interval: top-1 solid with dots, top-5 dashed), the evaluated
+                   snapshots (`mpiasgd evaluate RUN.h5`; dotted when both are there), the final evaluation
+                   marked (*)
     loss.png       training loss (mean over the applied pushes of each 1 % of the run) against
                    training time and against epochs, runs overlaid
     staleness.png  staleness histogram per worker, one panel per run
@@ -14,6 +16,8 @@ from __future__ import annotations
 import os
 
 import numpy as np
+
+from mpiasgd.runlog.summary import periodic_evals
 
 
 def _name(run: dict) -> str:
@@ -53,20 +57,36 @@ def plot_runs(runs: list[dict], out_dir: str) -> list[str]:
 
     fig, (by_time, by_epoch) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for run in runs:
+        color = None
+        during = periodic_evals(run)
+        if during is not None:  # --eval-interval: the curve the run logged as it trained
+            line, = by_time.plot(during["time"], 100 * during["top1"], marker="o", markersize=3,
+                                 label=f"{_name(run)} top-1")
+            color = line.get_color()
+            by_time.plot(during["time"], 100 * during["top5"], linestyle="--", color=color, alpha=0.6,
+                         label=f"{_name(run)} top-5")
+            by_epoch.plot(during["epoch"], 100 * during["top1"], marker="o", markersize=3, color=color)
+            by_epoch.plot(during["epoch"], 100 * during["top5"], linestyle="--", color=color, alpha=0.6)
         evals, meta = run["evals"], run["snapshots/meta"]
         if evals is None or meta is None:
             continue
         snaps = evals[evals["snapshot"] >= 0]
         snaps = snaps[np.argsort(snaps["snapshot"])]
         t = meta["time"][snaps["snapshot"]]
-        line, = by_time.plot(t, 100 * snaps["accuracy"], marker=".", label=_name(run))
-        by_epoch.plot(meta["epoch"][snaps["snapshot"]], 100 * snaps["accuracy"], marker=".", color=line.get_color())
+        if color is None or len(snaps):
+            line, = by_time.plot(t, 100 * snaps["accuracy"], marker=".", linestyle="-" if color is None else ":",
+                                 color=color, label=_name(run) if color is None else f"{_name(run)} snapshots")
+            color = line.get_color()
+            by_epoch.plot(meta["epoch"][snaps["snapshot"]], 100 * snaps["accuracy"], marker=".", color=color,
+                          linestyle=line.get_linestyle())
         final = evals[evals["snapshot"] == -1]
         if len(final):
             end = float(run.get("train_time_s") or (t.max() if len(t) else 0.0))
-            by_time.plot([end], [100 * final["accuracy"][-1]], marker="*", markersize=12, color=line.get_color())
+            by_time.plot([end], [100 * final["accuracy"][-1]], marker="*", markersize=12, color=color)
+            by_epoch.plot([float(final["epoch"][-1])], [100 * final["accuracy"][-1]], marker="*", markersize=12,
+                          color=color)
     by_time.set(xlabel="training time (s)", ylabel="test accuracy (%)", title="test accuracy")
-    by_epoch.set(xlabel="epoch", title="test accuracy (snapshots; * final)")
+    by_epoch.set(xlabel="epoch", title="test accuracy by epoch (* final)")
     by_time.legend()
     save(fig, "accuracy.png")
 

@@ -20,25 +20,39 @@ import numpy as np
 from mpiasgd.cli import DEFAULT_TARGET, FORMATS
 from mpiasgd.modes.registry import variant
 from mpiasgd.runlog import load
-from mpiasgd.runlog.summary import applied_pushes, final_eval, summary_lines, trained_images, training_time
+from mpiasgd.runlog.summary import (
+    applied_pushes,
+    data_wait_share,
+    final_eval,
+    periodic_evals,
+    summary_lines,
+    trained_images,
+    training_time,
+)
+from mpiasgd.tools.evaluate import SNAPSHOT_HEADER, snapshot_line
 
 
 def worker_table(run: dict) -> list[str]:
-    """Per-worker pushes, images/s, staleness (of applied pushes) and time split (compute / communicate / wait)."""
+    """Per-worker pushes, images/s, staleness (of applied pushes), time split (compute / communicate / wait)
+    and data wait (the share of its compute time the worker's steps waited for minibatches; "-" for a log
+    written before it was kept)."""
     pushes, train_time = run["pushes"], training_time(run)
-    lines = ["rank  host              pushes    images  images/s  stale mean  stale max   compute    comm    wait"]
+    lines = ["rank  host              pushes    images  images/s  stale mean  stale max   compute    comm    wait"
+             "  data wait"]
     hosts = {int(w["rank"]): w["host"].decode() for w in run["workers"]} if run["workers"] is not None else {}
     for rank in sorted(set(pushes["worker"].tolist())):
         p = pushes[pushes["worker"] == rank]
         stale = p["staleness"][p["applied"] == 1]  # applied pushes only (pipeline: no warm-up rows)
         images = int(p["samples"][p["applied"] == 1].sum())
         total = float(p["compute_s"].sum() + p["comm_s"].sum() + p["wait_s"].sum()) or 1.0
+        share = data_wait_share(p)
         lines.append(
             f"{rank:>4}  {hosts.get(rank, '?')[:16]:<16} {len(p):>7} {images:>9} "
             f"{images / train_time if train_time else 0:>9.0f} "
             f"{stale.mean() if stale.size else 0.0:>11.2f} {stale.max() if stale.size else 0:>10} "
             f"{100 * p['compute_s'].sum() / total:>8.1f}% "
-            f"{100 * p['comm_s'].sum() / total:>6.1f}% {100 * p['wait_s'].sum() / total:>6.1f}%")
+            f"{100 * p['comm_s'].sum() / total:>6.1f}% {100 * p['wait_s'].sum() / total:>6.1f}%"
+            + (f" {100 * share:>9.1f}%" if share is not None else f" {'-':>10}"))
     return lines
 
 
@@ -55,14 +69,27 @@ def staleness_histogram(pushes: np.ndarray, width: int = 40) -> list[str]:
 
 
 def snapshot_table(run: dict) -> list[str]:
+    """The evaluated weight snapshots (`mpiasgd evaluate`), one line each (top-1, top-5, loss)."""
     evals = run["evals"]
     rows = evals[evals["snapshot"] >= 0] if evals is not None else []
     if len(rows) == 0:
         return [f"(no snapshot evaluations: run 'mpiasgd evaluate {run['path']}')"]
-    lines = ["snapshot    time s   epoch   version   test acc   test loss"]
-    for r in sorted(rows, key=lambda r: r["snapshot"]):
-        lines.append(f"{r['snapshot']:>8} {r['time']:>8.1f} {r['epoch']:>7.2f} {r['version']:>9} "
-                     f"{100 * r['accuracy']:>9.2f}% {r['loss']:>11.4f}")
+    return [SNAPSHOT_HEADER, *(snapshot_line(r) for r in sorted(rows, key=lambda r: r["snapshot"]))]
+
+
+def periodic_table(run: dict) -> list[str]:
+    """The evaluations during training (--eval-interval), one line each; [] for a run without any."""
+    rows = periodic_evals(run)
+    if rows is None:
+        return []
+    lines = ["evaluations during training (--eval-interval):",
+             "  time s   epoch        versions   images    top-1    top-5   test loss  seconds  snapshot"]
+    for r in rows:
+        versions = (f"{r['version_min']}" if r["version_min"] == r["version_max"]
+                    else f"{r['version_min']}..{r['version_max']}")
+        lines.append(f"{r['time']:>8.1f} {r['epoch']:>7.2f} {versions:>15} {r['count']:>8} "
+                     f"{100 * r['top1']:>7.2f}% {100 * r['top5']:>7.2f}% {r['loss']:>11.4f} {r['seconds']:>8.1f} "
+                     f"{r['snapshot'] if r['snapshot'] >= 0 else '-':>9}")
     return lines
 
 
@@ -108,25 +135,32 @@ def run_section(run: dict) -> list[str]:
     if run["pushes"] is not None and len(run["pushes"]):
         out += ["", *worker_table(run), "", *staleness_histogram(run["pushes"])]
     tuned = autotune_lines(run["events"])
-    return [*out, *(["", *tuned] if tuned else []), "", *snapshot_table(run), ""]
+    during = periodic_table(run)
+    return [*out, *(["", *tuned] if tuned else []), *(["", *during] if during else []), "", *snapshot_table(run), ""]
 
 
 # --- comparison of several runs ---
 
 
 def time_to_accuracy(run: dict, target: float) -> float | None:
-    """Seconds of training at which the earliest evaluated weight snapshot had test accuracy >= `target`.
+    """Seconds of training at which the earliest evaluated weights had test accuracy >= `target`: a weight
+    snapshot evaluated after the run, or an evaluation during it (--eval-interval).
 
     `target` is a fraction (0.6 = 60 %). Snapshot evaluations are the evals rows with snapshot >= 0
     (written by `mpiasgd evaluate RUN.h5`); `snapshot` indexes /snapshots/meta, whose `time` is the
-    training time at which the weights were taken. None if no snapshot was evaluated or none reached
-    `target`. Raises IndexError if a row names a snapshot the log does not have.
+    training time at which the weights were taken; a /periodic_evals row's `time` is that of its weights.
+    None if nothing was evaluated or nothing reached `target`. Raises IndexError if a row names a
+    snapshot the log does not have.
     """
     evals, meta = run["evals"], run["snapshots/meta"]
-    if evals is None or meta is None:
-        return None
-    reached = evals["snapshot"][(evals["snapshot"] >= 0) & (evals["accuracy"] >= target)]
-    return float(meta["time"][reached].min()) if len(reached) else None
+    times = []
+    if evals is not None and meta is not None:
+        reached = evals["snapshot"][(evals["snapshot"] >= 0) & (evals["accuracy"] >= target)]
+        times += meta["time"][reached].tolist()
+    during = periodic_evals(run)
+    if during is not None:
+        times += during["time"][during["top1"] >= target].tolist()
+    return float(min(times)) if times else None
 
 
 def mode_options(cfg: dict) -> str:
@@ -243,7 +277,8 @@ def report(paths: list[str], target: float = DEFAULT_TARGET, fmt: str = "text") 
         return comparison_table(rows, target, fmt)
     if rows:
         sections += [f"== comparison of {len(rows)} runs", comparison_table(rows, target, "text"),
-                     f"time to {100 * target:g}%: seconds of training until an evaluated weight snapshot first had "
-                     f"{100 * target:g}% test accuracy ('-': none did, or none evaluated: mpiasgd evaluate RUN.h5)",
+                     f"time to {100 * target:g}%: seconds of training until evaluated weights (a snapshot, or an "
+                     f"evaluation during training) first had {100 * target:g}% test accuracy ('-': none did, or "
+                     f"none evaluated: mpiasgd evaluate RUN.h5, or --eval-interval)",
                      "staleness: over applied pushes; p99: the smallest value that 99% of them do not exceed", ""]
     return "\n".join(sections)

@@ -3,10 +3,12 @@
     python -m mpiasgd watch runs/c10.h5 --interval 5
 
 Each line: seconds of training (the newest row), epoch, applied pushes, mean training loss and
-images/s over the rows flushed since the previous line, mean staleness of those rows. Only the
-new rows are read each time, so following a long run costs little. The watch ends when the job's
-writer is gone (the log's lock is released): it prints the final status and test accuracy and
-exits 0 for a completed run, 1 otherwise (failed, preempted, killed).
+images/s over the rows flushed since the previous line, mean staleness of those rows. A run with
+--eval-interval also gets a line per evaluation during training: its top-1 and top-5 test accuracy
+and loss, and the top-1 curve so far (one bar per evaluation, lowest to highest, the range beside
+it). Only the new rows are read each time, so following a long run costs little. The watch ends when
+the job's writer is gone (the log's lock is released): it prints the final status and test accuracy
+and exits 0 for a completed run, 1 otherwise (failed, preempted, killed).
 """
 
 from __future__ import annotations
@@ -34,6 +36,42 @@ def progress_line(rows: np.ndarray, epoch: float, applied_total: int) -> str:
             f"staleness {stale}")
 
 
+BARS = "▁▂▃▄▅▆▇█"  # the curve's levels, low to high
+ASCII_BARS = "_.-:=+*#"  # where the console cannot print those
+CURVE_POINTS = 60      # the curve shows the latest this many evaluations
+
+
+def curve(values: list[float], bars: str = BARS) -> str:
+    """A one-line curve of `values`: one character per value (the last CURVE_POINTS), from the lowest level
+    at the smallest value to the highest at the largest (all alike: the middle level)."""
+    values = values[-CURVE_POINTS:]
+    low, high = min(values), max(values)
+    top = len(bars) - 1
+    if high - low <= 0:
+        return bars[top // 2] * len(values)
+    return "".join(bars[round(top * (v - low) / (high - low))] for v in values)
+
+
+def eval_line(row: np.void, history: list[float], bars: str = BARS) -> str:
+    """The line of one evaluation during training (a /periodic_evals row), with the top-1 curve of `history`
+    (every evaluation so far, this one included; fractions)."""
+    span = (f"{row['version_min']}" if row["version_min"] == row["version_max"]
+            else f"{row['version_min']}..{row['version_max']}")
+    return (f"{float(row['time']):>8.1f} s  epoch {float(row['epoch']):>7.2f}  evaluation: top-1 "
+            f"{100 * float(row['top1']):6.2f} %  top-5 {100 * float(row['top5']):6.2f} %  loss "
+            f"{float(row['loss']):.4f}  ({int(row['count']):,} images, version {span})  top-1 curve "
+            f"{curve(history, bars)} ({100 * min(history):.1f}..{100 * max(history):.1f} %)")
+
+
+def console_bars() -> str:
+    """BARS if standard output can print them, else ASCII_BARS."""
+    try:
+        BARS.encode(sys.stdout.encoding or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        return ASCII_BARS
+    return BARS
+
+
 def final_line(path: str) -> tuple[str, int]:
     """(the closing line, exit status) once the writer is gone."""
     with open_log(path) as f:
@@ -42,21 +80,26 @@ def final_line(path: str) -> tuple[str, int]:
     if status == "running":
         status = "killed (its writer is gone; rows up to the last flush)"
     health = attrs.get("diverged") or attrs.get("health")  # mpiasgd.health: how a dead network ended it
-    accuracy = attrs.get("test_accuracy")
+    accuracy, top5 = attrs.get("test_accuracy"), attrs.get("test_top5")
     acc = (f", test accuracy {100 * float(accuracy):.2f} %" if accuracy is not None and np.isfinite(float(accuracy))
            else "")
+    if acc and top5 is not None and np.isfinite(float(top5)):
+        acc += f" (top-5 {100 * float(top5):.2f} %)"
     return f"run ended: status {status}{acc}" + (f"; {health}" if health else ""), 0 if status == "completed" else 1
 
 
-def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[str], None] = print) -> int:
+def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[str], None] = print,
+          bars: str = BARS) -> int:
     """Follow the run log at `path` until its writer is gone; returns 0 if it completed, 1 otherwise.
 
     Waits up to `wait` seconds for the log to appear (a job still starting); FileNotFoundError
     after that, ValueError if the file is not a run log (or is still empty after `wait` seconds).
-    Prints a line every `interval` seconds when new rows were flushed.
+    Prints a line every `interval` seconds when new rows were flushed, and one per evaluation during
+    training (`eval_line`, its curve drawn with `bars`).
     """
     deadline = time.monotonic() + wait
     seen, applied_total, waiting = 0, 0, False
+    evals_seen, history = 0, []  # /periodic_evals rows printed; their top-1, in order
     while True:
         alive = writer_alive(path)
         try:  # opened afresh each time: a reader holding the file would be in the writer's way at its close
@@ -67,6 +110,9 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
                 count = pushes.shape[0]
                 rows = pushes[seen:count] if count > seen else None
                 epoch = float(updates[updates.shape[0] - 1]["epoch"]) if updates.shape[0] else 0.0
+                during = f["periodic_evals"] if "periodic_evals" in f else None  # (older logs have none)
+                new_evals = (during[evals_seen:during.shape[0]] if during is not None and during.shape[0] > evals_seen
+                             else None)
         except (FileNotFoundError, OSError):  # not there yet, or created but not yet in SWMR mode
             if os.path.isfile(path) and os.path.getsize(path) >= 8 and not h5py.is_hdf5(path):
                 raise ValueError(f"'{path}' is not an mpiasgd run log (not an HDF5 file)") from None
@@ -87,6 +133,11 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
             seen = count
             applied_total += int((rows["applied"] == 1).sum())
             out(progress_line(rows, epoch, applied_total))
+        if new_evals is not None:
+            evals_seen += len(new_evals)
+            for row in new_evals:
+                history.append(float(row["top1"]))
+                out(eval_line(row, history, bars))
         if not alive:
             break
         time.sleep(interval)
@@ -104,7 +155,7 @@ def main(path: str, interval: float, wait: float) -> int:
         print(f"mpiasgd watch: error: run log '{path}' not found", file=sys.stderr)
         return 2
     try:
-        return watch(path, interval, wait, lambda line: print(line, flush=True))
+        return watch(path, interval, wait, lambda line: print(line, flush=True), console_bars())
     except (FileNotFoundError, ValueError) as e:
         print(f"mpiasgd watch: error: {e}", file=sys.stderr)
         return 2

@@ -12,8 +12,8 @@ FAST = ["--model", "digits", "--batch-size", "16", "--snapshot-interval", "0.2",
 def read_log(path):
     with open_log(str(path)) as f:
         return ({k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()},
-                {name: f[name][()] for name in ("pushes", "updates", "evals", "workers", "snapshots/meta",
-                                                "events", "checkpoints") if name in f},
+                {name: f[name][()] for name in ("pushes", "updates", "evals", "periodic_evals", "workers",
+                                                "snapshots/meta", "events", "checkpoints") if name in f},
                 f["snapshots/params"][()])
 
 

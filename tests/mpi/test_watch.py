@@ -35,7 +35,7 @@ def test_watch_follows_a_run_to_its_end(tmp_path):
     times = [float(m.group(1)) for m in progress]
     pushes = [int(m.group(3).replace(",", "")) for m in progress]
     assert times == sorted(times) and pushes == sorted(pushes) and pushes[0] > 0, out
-    assert re.match(r"run ended: status completed, test accuracy \d+\.\d\d %$", lines[-1]), out
+    assert re.match(r"run ended: status completed, test accuracy \d+\.\d\d % \(top-5 \d+\.\d\d %\)$", lines[-1]), out
 
 
 def test_watch_reports_a_killed_run(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 
 from mpiasgd.config import FIELDS
 
-SUBCOMMANDS = ("train", "evaluate", "report", "watch", "trace")
+SUBCOMMANDS = ("train", "evaluate", "report", "watch", "trace", "export", "data")
 SCRIPT = shutil.which("mpiasgd", path=str(Path(sys.executable).parent))
 
 

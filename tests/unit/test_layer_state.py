@@ -82,7 +82,7 @@ def logged_buffers(path) -> np.ndarray:
 
 
 def by_hand(model: Model, digits, params: np.ndarray, buffers: np.ndarray, idx: np.ndarray) -> tuple:
-    """(loss sum, correct, images) of `params` with `buffers` on the test images `idx`."""
+    """(loss sum, correct, images, top-5 correct) of `params` with `buffers` on the test images `idx`."""
     model.bind(params.copy(), np.zeros_like(params), buffers.copy())
     return evaluate(model, digits, idx, 256)
 
@@ -220,8 +220,9 @@ def test_sync_replicas_hold_the_mean_buffers(tmp_path, digits, nworkers):
     np.testing.assert_array_equal(ckpt.buffers, held[0])
     np.testing.assert_array_equal(ckpt.params, server.params)
     for w in workers:
-        loss_sum, correct, count = by_hand(bn_net(), digits, server.params, held[0], slices[w - 1])
-        assert server.evals[w][1:] == (correct, count) and server.evals[w][0] == pytest.approx(loss_sum, rel=1e-5)
+        loss_sum, correct, count, correct5 = by_hand(bn_net(), digits, server.params, held[0], slices[w - 1])
+        assert server.evals[w][1:] == (correct, count, correct5)
+        assert server.evals[w][0] == pytest.approx(loss_sum, rel=1e-5)
 
 
 # --- pipeline ----------------------------------------------------------------------------------------------
@@ -393,8 +394,8 @@ def test_pipeline_buffers_follow_the_delayed_gradient_loop_by_hand(tmp_path, dig
     assert (ckpt.reason, ckpt.buffers.size) == ("end", Bn)
     np.testing.assert_array_equal(ckpt.buffers, server.r0.role.buffers)
     np.testing.assert_array_equal(ckpt.params, server.params)
-    loss_sum, correct, count = by_hand(model, digits, server.params, server.r0.role.buffers,
-                                       np.arange(digits.test_y.size))
+    loss_sum, correct, count, _ = by_hand(model, digits, server.params, server.r0.role.buffers,
+                                          np.arange(digits.test_y.size))
     assert summary["test_accuracy"] == correct / count
     assert summary["test_loss"] == pytest.approx(loss_sum / count, rel=1e-6)
 

@@ -61,8 +61,8 @@ def message(count: int, data: bytes) -> Message:
     return msg
 
 
-def final_evaluation(digits, params: np.ndarray, idx: np.ndarray) -> tuple[float, int, int]:
-    """(loss sum, correct, images) of the weights `params` on the test images `idx`, by hand."""
+def final_evaluation(digits, params: np.ndarray, idx: np.ndarray) -> tuple[float, int, int, int]:
+    """(loss sum, correct, images, top-5 correct) of the weights `params` on the test images `idx`, by hand."""
     model = build_model("digits")
     model.bind(params.copy(), np.zeros_like(params))
     return evaluate(model, digits, idx, 256)
@@ -142,9 +142,9 @@ def test_sync_run_in_process_equals_the_single_process_reference(tmp_path, digit
     assert summary["version"] == steps and summary["samples"] == steps * B * nworkers
     # every worker's EVAL reached rank 0: its slice of the test set, evaluated with the final weights
     for w in range(1, nworkers + 1):
-        loss_sum, correct, count = final_evaluation(digits, server.params, slices[w - 1])
+        loss_sum, correct, count, correct5 = final_evaluation(digits, server.params, slices[w - 1])
         got = server.evals[w]
-        assert got[1:] == (correct, count) and got[0] == pytest.approx(loss_sum, rel=1e-6), w
+        assert got[1:] == (correct, count, correct5) and got[0] == pytest.approx(loss_sum, rel=1e-6), w
     assert summary["test_count"] == digits.test_y.size == t["evals"]["count"][-1]
     assert summary["test_accuracy"] == pytest.approx(sum(e[1] for e in server.evals.values()) / digits.test_y.size)
     # the first worker's CHECKPOINT at the end: the weights and the velocity
@@ -323,7 +323,7 @@ def test_pipeline_run_in_process_equals_delayed_gradients_by_hand(tmp_path, digi
     assert summary["version"] == steps and summary["samples"] == steps * B * replicas
     assert summary["staleness_max"] == 2 * (K - 1)
     # rank 0 evaluated the final weights itself, on every test image
-    loss_sum, correct, count = final_evaluation(digits, server.params, np.arange(digits.test_y.size))
+    loss_sum, correct, count, _ = final_evaluation(digits, server.params, np.arange(digits.test_y.size))
     assert summary["test_count"] == count == digits.test_y.size
     assert summary["test_accuracy"] == correct / count
     assert summary["test_loss"] == pytest.approx(loss_sum / count, rel=1e-6)

@@ -165,10 +165,33 @@ def test_evaluate_sums_loss_and_is_independent_of_chunking(digits_batch):
     model = bound("digits")
     x, y = digits_batch
     mean_loss, correct = model.forward_backward(x, y)
-    loss_sum, correct_all = model.evaluate(x, y)
+    loss_sum, correct_all, correct5 = model.evaluate(x, y)
     assert loss_sum == pytest.approx(mean_loss * 64, rel=1e-5) and correct_all == correct
-    loss_chunked, correct_chunked = model.evaluate(x, y, batch_size=7)
+    loss_chunked, correct_chunked, correct5_chunked = model.evaluate(x, y, batch_size=7)
     assert loss_chunked == pytest.approx(loss_sum, rel=1e-5) and correct_chunked == correct
+    assert correct5_chunked == correct5 >= correct
+
+
+def test_top5_counts_the_label_among_the_five_largest_logits():
+    """Top-k by hand: the label's logit beaten by fewer than k others (a tie counts for the label); with k or
+    fewer classes every image is a hit; a NaN label logit never is."""
+    from mpiasgd.model.model import topk_correct
+
+    logits = np.array([[9, 8, 7, 6, 5, 4, 3],      # label 4: 4 logits above it -> top-5 hit
+                       [9, 8, 7, 6, 5, 4, 3],      # label 5: 5 above -> miss
+                       [1, 1, 1, 1, 1, 1, 1],      # all tied: a hit whatever the label
+                       [0, 0, np.nan, 0, 0, 0, 0]],  # NaN label logit: a miss
+                      dtype=np.float32)
+    labels = np.array([4, 5, 6, 2])
+    assert topk_correct(logits, labels, 5) == 2
+    assert topk_correct(logits, labels, 1) == 1           # only the all-tied row: its label is not beaten
+    assert topk_correct(logits[:2, :5], np.array([4, 3]), 5) == 2  # 5 classes: every image a top-5 hit
+    assert topk_correct(logits[:0], labels[:0], 5) == 0
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal((200, 10)).astype(np.float32)
+    y = rng.integers(0, 10, 200)
+    top5 = np.argsort(-big, axis=1)[:, :5]
+    assert topk_correct(big, y, 5) == int((top5 == y[:, None]).any(axis=1).sum())
 
 
 def test_sgd_steps_on_a_fixed_digits_batch_decrease_the_loss(digits_batch):
@@ -219,5 +242,6 @@ def test_digits_reaches_97_percent_test_accuracy_with_sgd():
             velocity *= np.float32(0.9)
             velocity += grads + decay * params
             params -= lr * velocity
-    _, correct = model.evaluate(test_x, test_y)
+    _, correct, correct5 = model.evaluate(test_x, test_y)
     assert correct / test_y.size >= 0.97, f"{correct}/{test_y.size} correct"
+    assert correct <= correct5 <= test_y.size and correct5 / test_y.size >= 0.99

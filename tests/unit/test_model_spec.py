@@ -93,7 +93,7 @@ def test_buffers_layout_init_and_train_eval_behaviour():
     np.testing.assert_allclose(buffers, np.concatenate([0.5 * mean, 0.5 + 0.5 * var]), rtol=1e-5)
     # evaluation uses the running statistics and leaves them alone; training uses the batch's
     before = buffers.copy()
-    loss_eval, _ = model.evaluate(x, y)
+    loss_eval, _, _ = model.evaluate(x, y)
     np.testing.assert_array_equal(buffers, before)
     loss_train, _ = model.forward_backward(x, y)
     assert loss_eval / 5 != pytest.approx(loss_train)

@@ -263,3 +263,71 @@ def test_report_rebuilds_the_network_from_the_stored_definition():
     bad = text.replace('"Residual"', '"__import__"', 1)
     assert network_lines({"model_spec": bad})[0].startswith(
         "network: the log's stored definition cannot be built (layers[3]: unknown layer type '__import__'")
+
+
+def log_with_evaluations(path) -> str:
+    """A completed log of 10 pushes (data_s a quarter of compute_s on worker 1, none on worker 2), three
+    evaluations during training and a final one."""
+    from mpiasgd.runlog import PeriodicEvalRow
+
+    log = RunLog.create(str(path), {"config": {"mode": "async"}, "num_workers": 2, "num_train": 1000}, [WORKER], 3,
+                        flush_interval=60.0)
+    for i in range(10):
+        w = 1 + i % 2
+        log.add(dataclasses.replace(push(0.1 * i, 0), worker=w, compute_s=0.4, data_s=0.1 if w == 1 else 0.0,
+                                    loss=2.0 - 0.1 * i))
+    for t, top1, top5 in ((1.0, 0.4, 0.8), (2.0, 0.65, 0.9), (3.0, 0.62, 0.95)):
+        log.add(PeriodicEvalRow(time=t, samples=int(100 * t), epoch=t / 10, version_min=int(10 * t) - 1,
+                                version_max=int(10 * t), count=360, loss=1.0 / t, top1=top1, top5=top5, seconds=0.5,
+                                snapshot=-1))
+    log.add(EvalRow(time=4.0, version=40, epoch=0.4, snapshot=-1, loss=0.2, accuracy=0.7, count=360, top5=0.97))
+    log.close("completed", {"train_time_s": 4.0, "test_accuracy": 0.7, "test_top5": 0.97})
+    return str(path)
+
+
+def test_report_prints_the_evaluations_during_training_and_the_data_wait(tmp_path):
+    """The evaluations during training are a table (versions, images, top-1, top-5); the final top-5 and the
+    workers' data wait (a share of their compute time) are in the summary; time to a target accuracy also
+    counts evaluations during training."""
+    from mpiasgd.runlog import summary_lines
+
+    path = log_with_evaluations(tmp_path / "ev.h5")
+    text = report([path]).splitlines()
+    at = text.index("evaluations during training (--eval-interval):")
+    assert text[at + 2].split() == ["1.0", "0.10", "9..10", "360", "40.00%", "80.00%", "1.0000", "0.5", "-"]
+    assert text[at + 4].split()[4:6] == ["62.00%", "95.00%"]
+    lines = summary_lines(path)
+    assert "test accuracy    70.00 %  on 360 images (top-5 97.00 %, loss 0.2000)" in lines
+    assert ("during training  3 evaluations (--eval-interval); best top-1 65.00 % at epoch 0.20, last 62.00 % at "
+            "epoch 0.30") in lines
+    assert "data wait        12.5 % of the step (the workers' compute time spent waiting for minibatches)" in lines
+    rank1 = next(line for line in text if line.startswith("   1  host"))
+    assert rank1.split()[-1] == "25.0%"  # worker 1's own share
+    run = load(path)
+    assert time_to_accuracy(run, 0.6) == 2.0 and time_to_accuracy(run, 0.7) is None
+    from mpiasgd.tools.plots import plot_runs
+
+    plain = write_log(tmp_path / "plain.h5", {"mode": "async"}, [dataclasses.replace(push(0.1, 0), loss=1.0)],
+                      final_accuracy=0.5)
+    paths = plot_runs([run, load(plain)], str(tmp_path / "plots"))
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["accuracy.png", "loss.png", "staleness.png", "time.png"]
+
+
+def test_an_older_log_reports_without_the_new_columns(tmp_path):
+    """A log whose tables lack data_s and top5 (an older version's): no data-wait line, "-" in its column,
+    the final accuracy without top-5."""
+    from mpiasgd.runlog import summary_lines
+
+    path = write_log(tmp_path / "old.h5", {"mode": "async"}, [push(0.1, 0), push(0.2, 0)], final_accuracy=0.5)
+    with h5py.File(path, "r+", libver="latest") as f:
+        for name, drop in (("pushes", "data_s"), ("evals", "top5")):
+            rows = f[name][()]
+            old = np.zeros(len(rows), dtype=[(n, rows.dtype[n]) for n in rows.dtype.names if n != drop])
+            for n in old.dtype.names:
+                old[n] = rows[n]
+            del f[name]
+            f.create_dataset(name, data=old, maxshape=(None,), chunks=(1024,))
+    lines = summary_lines(path)
+    assert "test accuracy    50.00 %  on 100 images (loss 1.0000)" in lines
+    assert not any(line.startswith("data wait") for line in lines)
+    assert next(line for line in report([path]).splitlines() if line.startswith("   1  host")).split()[-1] == "-"

@@ -51,3 +51,44 @@ def test_watch_says_an_empty_file_is_empty_and_refuses_a_directory(tmp_path):
                          text=True, timeout=60)
     assert res.returncode == 2 and time.monotonic() - t0 < 20
     assert f"'{tmp_path}' is a directory, expected a run log file" in res.stderr, res.stderr
+
+
+def test_the_curve_and_the_evaluation_line():
+    """One bar per evaluation from the lowest level (smallest value) to the highest; equal values the middle
+    level; the line carries top-1, top-5, loss, images, versions and the curve's range."""
+    import numpy as np
+
+    from mpiasgd.runlog import PERIODIC_EVAL_ROW
+    from mpiasgd.tools.watch import ASCII_BARS, BARS, curve, eval_line
+
+    assert curve([0.1, 0.5, 0.9]) == "▁▅█" and curve([0.5, 0.5]) == "▄▄"
+    assert curve([0.2, 0.4], ASCII_BARS) == "_#" and len(curve(list(range(100)))) == 60
+    row = np.zeros(1, PERIODIC_EVAL_ROW)[0]
+    row["time"], row["epoch"], row["version_min"], row["version_max"] = 12.5, 0.5, 40, 42
+    row["count"], row["loss"], row["top1"], row["top5"] = 360, 0.4567, 0.852, 0.991
+    assert eval_line(row, [0.5, 0.852]) == (
+        "    12.5 s  epoch    0.50  evaluation: top-1  85.20 %  top-5  99.10 %  loss 0.4567  (360 images, version "
+        f"40..42)  top-1 curve {BARS[0]}{BARS[-1]} (50.0..85.2 %)")
+
+
+def test_watch_prints_each_evaluation_during_training_of_an_ended_run(tmp_path):
+    """A run that has ended (no live writer): its progress, one line per evaluation with the curve so far, then
+    the final line with top-5."""
+    from mpiasgd.runlog import PeriodicEvalRow, RunLog
+    from mpiasgd.runlog.records import PushRow
+    from mpiasgd.tools.watch import watch
+
+    path = str(tmp_path / "w.h5")
+    log = RunLog.create(path, {"config": "{}"}, [], 3, flush_interval=60.0)
+    log.add(PushRow(**{**dict.fromkeys(PushRow.dtype.names, 0), "time": 1.0, "worker": 1, "applied": 1,
+                       "samples": 32, "loss": 2.0}))
+    for t, top1 in ((1.0, 0.5), (2.0, 0.7)):
+        log.add(PeriodicEvalRow(time=t, samples=32, epoch=t, version_min=1, version_max=1, count=360, loss=1.0,
+                                top1=top1, top5=0.9, seconds=0.1, snapshot=-1))
+    log.close("completed", {"test_accuracy": 0.75, "test_top5": 0.95})
+    lines = []
+    assert watch(path, interval=0.01, wait=1.0, out=lines.append) == 0
+    assert len(lines) == 4 and "pushes" in lines[0]
+    assert "top-1  50.00 %" in lines[1] and lines[1].endswith("top-1 curve ▄ (50.0..50.0 %)")
+    assert "top-1  70.00 %" in lines[2] and lines[2].endswith("top-1 curve ▁█ (50.0..70.0 %)")
+    assert lines[3] == "run ended: status completed, test accuracy 75.00 % (top-5 95.00 %)"

@@ -38,8 +38,9 @@ def test_worker_pushes_exact_gradients_and_evaluates(digits):
     ref = build_model("digits")
     w = p5.copy()
     ref.bind(w, np.zeros_like(w))
-    loss_sum, correct, count = evaluate(ref, digits, np.arange(20, dtype=np.int64), 256)
+    loss_sum, correct, count, correct5 = evaluate(ref, digits, np.arange(20, dtype=np.int64), 256)
     assert (result.header["samples"], result.header["correct"]) == (count, correct) == (20, correct)
+    assert result.header["correct5"] == correct5 >= correct
     assert float(result.header["loss"]) == pytest.approx(loss_sum, rel=1e-6)
     assert net.pending(0) == []  # nothing else was sent
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 
+from mpiasgd import signals
 from mpiasgd.comms import Flag, Message, ProtocolError, Tag
 from mpiasgd.model import evaluate
-from mpiasgd.modes.base import initial_buffers
+from mpiasgd.modes.base import EvaluationAbandoned, initial_buffers
 from mpiasgd.modes.sync import Replicas
 from mpiasgd.rank0.role import Role
 
@@ -23,6 +25,13 @@ class PipelineMonitor(Role):
     Checkpoints: replica 0's units send their module's weights and velocity after every drain
     (CHECKPOINT); once all K have arrived for the same drain, rank 0 writes the file. A signal
     (here, or flagged in a unit's REPORT) becomes a STOP with flag PREEMPT to every module 0.
+
+    Evaluation during training (--eval-interval): a unit holds one module only, so rank 0 evaluates the
+    whole model itself, numpy, on the whole test set: module 0 of replica 0 judges the interval on the
+    replicas' clock (seconds) or the minibatches started (epochs) and flags its next SNAPSHOT EVALUATE;
+    once every module's piece of that snapshot has arrived, rank 0 logs the snapshot and evaluates it
+    (its row's `snapshot`). Meanwhile rank 0 serves no messages (the units run on; their REPORTs queue);
+    that time is not counted as the units' silence (`Rank0.excuse`).
 
     Layer buffers (running statistics): each module owns its layers' slice of the model's buffer
     vector; the initial WEIGHTS carry it after the weights (rank 0's: initial, or the checkpoint's),
@@ -43,6 +52,7 @@ class PipelineMonitor(Role):
         self.branges = [model.buffer_range(bounds[k], bounds[k + 1]) for k in range(self.K)]
         self.inbox = {w: Message(self.size_of(w) + self.bsize_of(w)) for w in self.workers}
         self.pieces: dict[tuple, set] = {}      # snapshot (segment, iteration) -> modules received
+        self.to_evaluate: set[tuple] = set()    # snapshots (segment, iteration) module 0 flagged EVALUATE
         self.ended: set[int] = set()
         self.final: set[int] = set()
         self.ckpt_params, self.ckpt_momentum = np.zeros_like(params), np.zeros_like(params)
@@ -158,7 +168,7 @@ class PipelineMonitor(Role):
         rec.push(worker=w, step=t, base_version=version, version=t, staleness=staleness, loss=h["loss"],
                  correct=h["correct"], samples=h["samples"], epoch=h["epoch"], compute_s=h["compute_s"],
                  comm_s=h["comm_s"], wait_s=h["wait_s"], applied=applied, lr=h["lr"], rejected=nonfinite,
-                 digest=h["digest"])
+                 digest=h["digest"], data_s=h["data_s"])
         self.replicas.check(k, t, w, int(h["digest"]), self.N)
         if nonfinite:  # the module's replicas skipped this update together
             rec.event("skip", f"iteration {t}: module {k} (unit rank {w}) got a non-finite gradient for minibatch "
@@ -188,18 +198,54 @@ class PipelineMonitor(Role):
             self.final.add(k)
             return
         key = (int(msg.header["cursor"]), int(msg.header["step"]))  # (segment, iteration in it)
+        if int(msg.header["flags"]) & Flag.EVALUATE:
+            self.to_evaluate.add(key)
         got = self.pieces.setdefault(key, set())
         got.add(k)
         if len(got) == self.K:  # every module's weights after the same iteration: a whole-model snapshot
             del self.pieces[key]
-            self.rec.snapshot(self.params, self.buffers)
+            index = self.rec.snapshot(self.params, self.buffers)
+            if key in self.to_evaluate:
+                self.to_evaluate.discard(key)
+                self.evaluate_snapshot(index)
+
+    def evaluate_snapshot(self, index: int) -> None:
+        """--eval-interval: evaluate the whole-model snapshot just assembled (log index `index`) on every test
+        image, here (numpy), and log it as an evaluation during training; a signal abandons it (an event
+        says so), the loop then preempts."""
+        t0 = time.perf_counter()
+        taken = self.rec.now()
+
+        def interrupted() -> None:
+            if signals.received():
+                raise EvaluationAbandoned
+
+        try:
+            result = self.evaluate_whole(self.params, self.buffers, interrupted)
+        except EvaluationAbandoned:
+            result = None
+        seconds = time.perf_counter() - t0
+        self.r0.excuse(seconds)  # the units were not silent: rank 0 did not listen
+        rec = self.rec
+        if result is None:
+            rec.event("evaluation", f"the evaluation of snapshot {index} during training not logged: rank 0 "
+                                    f"abandoned it ({signals.received()} received)")
+            return
+        rec.periodic_eval(taken=taken, samples=float(rec.samples), versions=(rec.version, rec.version),
+                          loss_sum=result.loss_sum, correct=result.correct, correct5=result.correct5,
+                          count=result.count, seconds=seconds, snapshot=index)
+
+    def evaluate_whole(self, params: np.ndarray, buffers: np.ndarray, on_batch: Any = None) -> Any:
+        """`evaluate` (an `Evaluation`) of the whole model with copies of `params` and `buffers`, on every
+        test image (`on_batch()` after each batch)."""
+        weights = params.copy()
+        self.model.bind(weights, np.zeros_like(weights), buffers.copy())
+        idx = np.arange(self.dataset.test_y.size, dtype=np.int64)
+        return evaluate(self.model, self.dataset, idx, self.cfg.eval_batch_size, on_batch)
 
     def final_evals(self, preempted: str) -> dict:
         """Evaluate the final weights with the final buffers on the whole test set here (numpy; not when
         preempted)."""
         if preempted:
             return {}
-        weights = self.params.copy()
-        self.model.bind(weights, np.zeros_like(weights), self.buffers.copy())
-        idx = np.arange(self.dataset.test_y.size, dtype=np.int64)
-        return {1: evaluate(self.model, self.dataset, idx, self.cfg.eval_batch_size)}
+        return {1: self.evaluate_whole(self.params, self.buffers)}

@@ -45,7 +45,7 @@ from mpiasgd.data import MinibatchStream
 from mpiasgd.modes.base import WorkerJob, WorkerLoop
 from mpiasgd.modes.pipeline.partition import Module
 from mpiasgd.modes.sync import replica_digest
-from mpiasgd.optim import LocalSGD, Schedule, StopRule, finite_square, fraction_done
+from mpiasgd.optim import EvalSchedule, LocalSGD, Schedule, StopRule, finite_square, fraction_done, snapshot_seconds
 
 
 class Segment:
@@ -55,8 +55,11 @@ class Segment:
         k, K = unit.k, unit.K
         self.base = base
         self.ctrl = np.zeros(3, dtype=np.float64)  # [elapsed seconds, preempt, halt], max over the module's replicas
-        self.snapshots = Interval(unit.cfg.snapshot_interval, 0.0)
+        model = unit.job.model  # --snapshot-interval -1 (auto): by the size of the whole model's weights
+        self.snapshots = Interval(snapshot_seconds(unit.cfg.snapshot_interval, model.num_params + model.num_buffers),
+                                  0.0)
         self.snapshot_at = -1          # the iteration after which replica 0 sends a snapshot
+        self.evaluate_at = -1          # (module 0) that snapshot's weights are evaluated (--eval-interval)
         self.total: int | None = None  # minibatches done at the segment's end, once module 0 decided
         self.ending = 0                # Flag bits of the end: LAST (a drain), FINAL (the run ends), PREEMPT
         # (minibatch, input or None, stashed weights or None, layer caches or None), at most delay + 1
@@ -168,14 +171,18 @@ class PipelineUnit(WorkerLoop):
         self.stop = Message(0) if first else None
         self.stop_req = self.comm.Irecv(self.stop.buf, source=0, tag=int(Tag.STOP)) if first else None
         # module 0 draws the images (stream 1 + n: the replica's); the last module only the labels
-        self.stream = MinibatchStream(self.dataset, self.job.sampler, B, cfg.seed, 1 + self.n, base)
+        self.stream = MinibatchStream(self.dataset, self.job.sampler, B, cfg.seed, 1 + self.n, base,
+                                      prefetch=cfg.prefetch if k == 0 else 0)
         self.labels = (MinibatchStream(self.dataset, self.job.sampler, B, cfg.seed, 1 + self.n, base)
                        if module.is_last and k > 0 else self.stream)
         self.began = time.perf_counter() - elapsed
         self.checkpoints = Interval(cfg.checkpoint_interval, elapsed)
+        # (module 0 of replica 0) --eval-interval: on the replicas' clock and the minibatches started
+        self.evals = EvalSchedule.of(cfg, elapsed, base * B * self.N / self.num_train)
         final = False
         while not final:
             base, t_base, final = self.segment(base, t_base)
+        self.stream.close()  # module 0's prefetch thread
         for slots in (self.acts_out, self.grads_out, self.reports, self.snaps, self.ckpts):
             slots.drain()
         if k == 0:
@@ -218,7 +225,7 @@ class PipelineUnit(WorkerLoop):
             self.report(t_base + t, m_f, m_b if applied else -1, it.flags, it.loss, it.correct, applied,
                         time.perf_counter() - t0 - it.wait_s - it.comm_s, it.comm_s, it.wait_s, it.lr)
             if self.n == 0 and (t == seg.snapshot_at or finished):
-                self.send_snapshot(t, base, m_b + 1, finished)
+                self.send_snapshot(t, base, m_b + 1, finished, evaluate=t == seg.evaluate_at and not finished)
             if drained:
                 if self.n == 0:
                     self.send_checkpoint(t_base + t + 1, seg.total, seg.ending, seg.ctrl[0])
@@ -290,9 +297,14 @@ class PipelineUnit(WorkerLoop):
                 self.checkpoints.restart(ctrl[0])
                 if seg.ending & Flag.FINAL:  # rank 0 logs the stop now (and why); the drain follows
                     it.flags |= Flag.LAST | (seg.ending & Flag.PREEMPT)
-        if self.n == 0 and seg.snapshot_at < t and seg.total is None and seg.snapshots.due(ctrl[0]):
-            # every module has heard of it by then (full: module k at t + k; backward: at t)
-            seg.snapshot_at = t + (K - 1 if self.full else 0)
+        if self.n == 0 and seg.snapshot_at < t and seg.total is None:
+            snapshot = seg.snapshots.due(ctrl[0])
+            # --eval-interval: rank 0 evaluates the snapshot it assembles (module 0's SNAPSHOT says so)
+            evaluate = self.evals.due(ctrl[0], (m_f + 1) * self.cfg.batch_size * self.N / self.num_train)
+            if snapshot or evaluate:
+                # every module has heard of it by then (full: module k at t + k; backward: at t)
+                seg.snapshot_at = t + (K - 1 if self.full else 0)
+                seg.evaluate_at = seg.snapshot_at if evaluate else -1
 
     def take_activation(self, seg: Segment, it: Iteration, m_f: int) -> Any:
         """(module k > 0) The activation of minibatch m_f from module k-1 (a copy: the buffer is reused);
@@ -392,14 +404,16 @@ class PipelineUnit(WorkerLoop):
         else:
             it.flags |= Flag.NONFINITE | Flag.WARMUP
 
-    def send_snapshot(self, t: int, base: int, version: int, final: bool) -> None:
+    def send_snapshot(self, t: int, base: int, version: int, final: bool, evaluate: bool = False) -> None:
         """(replica 0) This module's weights after iteration t of the segment starting at minibatch `base`:
-        (cursor, step) = (base, t) are the same for every module, so rank 0 assembles a whole model."""
+        (cursor, step) = (base, t) are the same for every module, so rank 0 assembles a whole model.
+        `evaluate` (module 0, --eval-interval): flag EVALUATE, rank 0 evaluates the assembled snapshot."""
         snap = self.snaps.take(0)
         P = self.module.size
         snap.payload[:P] = self.ops.to_numpy(self.module.params)
         snap.payload[P:] = self.ops.to_numpy(self.module.buffers)
-        snap.stamp(Tag.SNAPSHOT, self.rank, step=t, cursor=base, version=version, flags=Flag.FINAL if final else 0)
+        snap.stamp(Tag.SNAPSHOT, self.rank, step=t, cursor=base, version=version,
+                   flags=Flag.FINAL if final else Flag.EVALUATE if evaluate else 0)
         self.snaps.send(self.comm, 0, 0, int(Tag.SNAPSHOT))
 
     def send_checkpoint(self, steps: int, total: int, ending: int, elapsed: float) -> None:
@@ -425,7 +439,7 @@ class PipelineUnit(WorkerLoop):
         digest = replica_digest(ops.to_numpy(module.params), ops.to_numpy(module.buffers)) if self.N > 1 else 0
         report.stamp(Tag.REPORT, self.rank, step=t, version=t - self.delay if m_b >= 0 else -1, epoch=m_b,
                      samples=samples, correct=correct, loss=loss, compute_s=compute_s, comm_s=comm_s, wait_s=wait_s,
-                     lr=lr, flags=flags, digest=digest)
+                     lr=lr, flags=flags, digest=digest, data_s=self.stream.data_s if self.k == 0 else 0.0)
         self.reports.send(self.comm, t, 0, int(Tag.REPORT))
 
 

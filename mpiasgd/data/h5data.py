@@ -1,0 +1,388 @@
+"""mpiasgd's dataset file: images and labels in HDF5, read a chunk at a time by the worker that owns them.
+
+Layout (format "mpiasgd.data/1"; `mpiasgd data info FILE` prints it for a file):
+
+    /                 attrs: format = "mpiasgd.data/1", name (str), classes (JSON list of K names,
+                      index = label), mean and std (float32 (C,): per-channel mean and population
+                      standard deviation of the train split in pixel units 0..255, std 1 where 0),
+                      pixel_cov (float64 (C, C): covariance of a pixel's channels over the train
+                      split, pixel units: AlexNet's PCA colour noise), source (what it was
+                      converted from), created (ISO 8601 UTC)
+    /train/images     uint8 (N, C, H, W), NCHW raw pixels; HDF5 chunks of (chunk, C, H, W) images,
+                      uncompressed, so one chunk is one contiguous read of `chunk` whole images
+    /train/labels     int64 (N,), 0..K-1
+    /test/images      uint8 (M, C, H, W), the held-out split (test or validation), same chunking
+    /test/labels      int64 (M,)
+
+A file holds train, test, or both (a training run needs a train split; its test split may come from
+a second file). The converters (`mpiasgd.data.convert`) shuffle the training images once, with a
+seed, before writing them, so that every chunk mixes the classes: a worker then reads whole chunks
+in a random order and shuffles within a window of them (`mpiasgd.data.sampler.ShardSampler` with
+`chunk` > 1) and still sees a well-mixed stream.
+
+Nothing in a file is executed: attributes are numbers and strings, `classes` is JSON text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from mpiasgd.data.dataset import DataError, Splits
+
+FORMAT = "mpiasgd.data/1"
+SPLITS = ("train", "test")
+CHUNK_BYTES = 1 << 20  # target bytes of one HDF5 chunk of images (`default_chunk`)
+
+
+def default_chunk(image_shape: tuple[int, ...]) -> int:
+    """Images per HDF5 chunk for images of `image_shape` (C, H, W): the largest power of two whose chunk
+    stays within CHUNK_BYTES (1 MiB), at least 1 and at most 1024 (CIFAR-10: 256, 64x64x3: 64, 224x224x3: 4)."""
+    per_image = int(np.prod(image_shape))
+    n = 1
+    while n * 2 * per_image <= CHUNK_BYTES and n < 1024:
+        n *= 2
+    return n
+
+
+class H5Writer:
+    """Writes an mpiasgd dataset file; `close()` moves it into place, so a killed conversion leaves no file
+    that looks complete (it writes PATH.partial first).
+
+        with H5Writer(path, "cifar10", classes, (3, 32, 32), source="...") as w:
+            w.create("train", 50000)
+            w.write("train", 0, images, labels)   # uint8 (n, C, H, W), int (n,), at offset 0
+            ...
+
+    mean/std are accumulated from the train split's writes (a 256-bin histogram per channel: exact).
+    Raises DataError for images of the wrong dtype or shape, labels out of range, or a split written
+    incompletely (at `close`).
+    """
+
+    def __init__(self, path: str, name: str, classes: tuple[str, ...] | list[str], image_shape: tuple[int, ...],
+                 source: str, chunk: int | None = None) -> None:
+        import h5py
+
+        if len(image_shape) != 3 or min(image_shape) < 1:
+            raise DataError(f"{path}: image shape must be (C, H, W) with positive sizes, got {image_shape}")
+        if not classes:
+            raise DataError(f"{path}: a dataset needs at least one class name")
+        self.path, self.partial = path, path + ".partial"
+        self.classes = tuple(str(c) for c in classes)
+        self.image_shape = tuple(int(d) for d in image_shape)
+        self.chunk = int(chunk or default_chunk(self.image_shape))
+        self.hist = np.zeros((self.image_shape[0], 256), dtype=np.int64)
+        self.moments = np.zeros((self.image_shape[0], self.image_shape[0]), dtype=np.float64)  # sum x_c x_d
+        self.sizes: dict[str, int] = {}
+        self.written: dict[str, int] = {}
+        try:
+            self.file = h5py.File(self.partial, "w")
+        except OSError as e:
+            raise DataError(f"{path}: cannot create the dataset file ({e})") from None
+        a = self.file.attrs
+        a["format"], a["name"], a["source"] = FORMAT, str(name), str(source)
+        a["classes"] = json.dumps(list(self.classes))
+        a["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+    def __enter__(self) -> H5Writer:
+        return self
+
+    def __exit__(self, kind: Any, *rest: Any) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+    def create(self, split: str, count: int) -> None:
+        """Make the datasets of `split` ("train" or "test") for `count` images."""
+        if split not in SPLITS:
+            raise DataError(f"{self.path}: split must be one of {SPLITS}, got {split!r}")
+        if count < 1:
+            raise DataError(f"{self.path}: split '{split}' needs at least one image, got {count}")
+        g = self.file.create_group(split)
+        g.create_dataset("images", shape=(count, *self.image_shape), dtype=np.uint8,
+                         chunks=(min(self.chunk, count), *self.image_shape))
+        g.create_dataset("labels", shape=(count,), dtype=np.int64)
+        self.sizes[split], self.written[split] = int(count), 0
+
+    def write(self, split: str, start: int, images: np.ndarray, labels: np.ndarray) -> None:
+        """Store images uint8 (n, C, H, W) and labels (n,) of `split` at rows start..start+n-1."""
+        images, labels = np.asarray(images), np.asarray(labels)
+        n = images.shape[0] if images.ndim else 0
+        if images.dtype != np.uint8 or images.shape[1:] != self.image_shape:
+            raise DataError(f"{self.path}: images must be uint8 (n, {', '.join(map(str, self.image_shape))}), "
+                            f"got {images.dtype} {images.shape}")
+        if labels.shape != (n,) or not np.issubdtype(labels.dtype, np.integer):
+            raise DataError(f"{self.path}: labels must be integers of shape ({n},), got {labels.dtype} {labels.shape}")
+        bad = np.flatnonzero((labels < 0) | (labels >= len(self.classes)))
+        if bad.size:
+            raise DataError(f"{self.path}: label {int(labels[bad[0]])} is outside 0..{len(self.classes) - 1}")
+        if split not in self.sizes or not 0 <= start <= self.sizes[split] - n:
+            raise DataError(f"{self.path}: rows {start}..{start + n - 1} do not fit split '{split}' "
+                            f"({self.sizes.get(split, 0)} images)")
+        g = self.file[split]
+        g["images"][start:start + n] = images
+        g["labels"][start:start + n] = labels
+        self.written[split] += n
+        if split == "train":
+            for c in range(self.image_shape[0]):
+                self.hist[c] += np.bincount(images[:, c].ravel(), minlength=256)
+            per = max(1, (1 << 20) // int(np.prod(self.image_shape[1:])))  # images per ~1 M float64 values
+            for s in range(0, n, per):
+                pixels = images[s:s + per].transpose(1, 0, 2, 3).reshape(self.image_shape[0], -1).astype(np.float64)
+                self.moments += pixels @ pixels.T  # (C, C)
+
+    def close(self) -> None:
+        """Write mean/std, check every split is complete, and move the file into place."""
+        short = [f"{s}: {self.written[s]} of {n}" for s, n in self.sizes.items() if self.written[s] < n]
+        if short:
+            self.abort()
+            raise DataError(f"{self.path}: splits written incompletely ({'; '.join(short)} images)")
+        if not self.sizes:
+            self.abort()
+            raise DataError(f"{self.path}: no split written")
+        values = np.arange(256, dtype=np.float64)
+        if self.hist.sum():
+            n = self.hist.sum(axis=1).astype(np.float64)
+            mean = self.hist @ values / n
+            std = np.sqrt(np.einsum("cv,cv->c", self.hist, (values[None] - mean[:, None]) ** 2) / n)
+            cov = self.moments / n[0] - np.outer(mean, mean)
+            std[std == 0] = 1.0
+        else:  # a test-only file: no statistics of its own (the training file's are used)
+            mean, std = np.zeros(self.image_shape[0]), np.ones(self.image_shape[0])
+            cov = np.eye(self.image_shape[0])
+        self.file.attrs["mean"] = mean.astype(np.float32)
+        self.file.attrs["std"] = std.astype(np.float32)
+        self.file.attrs["pixel_cov"] = cov
+        self.file.close()
+        try:
+            os.replace(self.partial, self.path)
+        except OSError as e:
+            os.remove(self.partial)
+            raise DataError(f"{self.path}: cannot move the written file into place ({e})") from None
+
+    def abort(self) -> None:
+        """Close and remove the partial file."""
+        try:
+            self.file.close()
+        finally:
+            if os.path.exists(self.partial):
+                os.remove(self.partial)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class ChunkCache:
+    """The most recently read chunks of one split's images (an LRU of `capacity` chunks), plus chunks pinned
+    in memory for good (`pin`: a worker's whole shard with --data-in-memory). Thread-safe."""
+
+    def __init__(self, images: Any, chunk: int, capacity: int) -> None:
+        self.images, self.chunk, self.capacity = images, chunk, max(1, capacity)
+        self.recent: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.pinned: dict[int, np.ndarray] = {}
+        self.reads = 0  # chunks read from the file
+        self.lock = threading.Lock()
+
+    def read(self, c: int) -> np.ndarray:
+        with self.lock:
+            got = self.pinned.get(c)
+            if got is None:
+                got = self.recent.get(c)
+                if got is None:
+                    got = self.images[c * self.chunk:(c + 1) * self.chunk]  # one HDF5 chunk, one read
+                    self.reads += 1
+                    self.recent[c] = got
+                    if len(self.recent) > self.capacity:
+                        self.recent.popitem(last=False)
+                else:
+                    self.recent.move_to_end(c)
+            return got
+
+    def pin(self, chunks: np.ndarray) -> None:
+        for c in np.unique(chunks):
+            self.pinned[int(c)] = self.read(int(c))
+        with self.lock:
+            self.recent.clear()
+
+    def gather(self, idx: np.ndarray) -> np.ndarray:
+        """uint8 (len(idx), C, H, W): the images at `idx`, chunk by chunk."""
+        out = np.empty((idx.size, *self.images.shape[1:]), dtype=np.uint8)
+        chunks = idx // self.chunk
+        for c in np.unique(chunks):
+            rows = np.flatnonzero(chunks == c)
+            out[rows] = self.read(int(c))[idx[rows] - c * self.chunk]
+        return out
+
+
+class H5Dataset(Splits):
+    """A dataset file (see the module doc) opened for training: labels, class names, mean and std in memory,
+    images read from disk on request a chunk at a time (`batch`). The same interface as the in-memory
+    `Dataset` (`image_shape`, `train_y`, `test_y`, `batch`), plus `chunk`, the images per chunk that the
+    sampler keeps together.
+
+    path: the file; test_path: another file whose test split to use (None: this file's). cache_chunks:
+    chunks of each split kept after reading (the shuffle window plus a little: each chunk is then read
+    once per epoch). Raises DataError naming the file for anything malformed or truncated.
+    """
+
+    def __init__(self, path: str, test_path: str | None = None, cache_chunks: int = 32,
+                 augmentation: Any = None) -> None:
+        self.path = path
+        info = self._open(path, need="train")
+        self.file, a = info
+        self.name = _text(a["name"])
+        self.classes = self._classes(path, a)
+        self.mean, self.std = self._stats(path, a)
+        cov = np.asarray(a.get("pixel_cov", np.eye(self.mean.size)), dtype=np.float64)
+        self.pixel_cov = cov if cov.shape == (self.mean.size, self.mean.size) and np.all(np.isfinite(cov)) else None
+        self.source = os.path.abspath(path)
+        train = self._split(path, self.file, "train", len(self.classes))
+        self.image_shape = tuple(int(d) for d in train[0].shape[1:])
+        if self.mean.shape != (self.image_shape[0],) or self.std.shape != (self.image_shape[0],):
+            raise DataError(f"{path}: attributes mean and std must be float (C,) = ({self.image_shape[0]},), "
+                            f"got {self.mean.shape} and {self.std.shape}")
+        if test_path:
+            tfile, ta = self._open(test_path, need="test")
+            tclasses = self._classes(test_path, ta)
+            if tclasses != self.classes:
+                raise DataError(f"{test_path}: its classes {list(tclasses[:5])}... differ from those of {path} "
+                                f"{list(self.classes[:5])}...")
+        else:
+            tfile, test_path = self.file, path
+        test = self._split(test_path, tfile, "test", len(self.classes)) if "test" in tfile else None
+        if test is not None and tuple(test[0].shape[1:]) != self.image_shape:
+            raise DataError(f"{test_path}: test images are {tuple(test[0].shape[1:])}, train images "
+                            f"{self.image_shape} ({path})")
+        self.train_y = train[1]
+        self.test_y = test[1] if test is not None else np.zeros(0, dtype=np.int64)
+        self.chunk = int(train[0].chunks[0])
+        self.caches = {"train": ChunkCache(train[0], self.chunk, cache_chunks)}
+        if test is not None:
+            self.caches["test"] = ChunkCache(test[0], int(test[0].chunks[0]), cache_chunks)
+        from mpiasgd.data.augment import Augmentation
+
+        self.augmentation = augmentation if augmentation is not None else Augmentation.default(self.image_shape)
+        self.augment = self.augmentation.random
+
+    @staticmethod
+    def _open(path: str, need: str) -> tuple[Any, Any]:
+        import h5py
+
+        if not os.path.isfile(path):
+            what = "is not a file" if os.path.exists(path) else "does not exist"
+            raise DataError(f"dataset file {path} {what}; expected an HDF5 file written by `mpiasgd data convert`")
+        try:
+            f = h5py.File(path, "r")
+        except OSError as e:
+            raise DataError(f"{path}: not a readable HDF5 file, truncated or not HDF5 ({e})") from None
+        a = f.attrs
+        fmt = _text(a.get("format", ""))
+        if fmt != FORMAT:
+            f.close()
+            raise DataError(f"{path}: attribute format is {fmt!r}, expected {FORMAT!r} (a file written by "
+                            "`mpiasgd data convert` or `mpiasgd data synth`)")
+        if need not in f:
+            holds = sorted(f)
+            f.close()
+            raise DataError(f"{path}: has no '{need}' split (it holds {holds}); expected /{need}/images and "
+                            f"/{need}/labels")
+        return f, a
+
+    @staticmethod
+    def _classes(path: str, a: Any) -> tuple[str, ...]:
+        try:
+            classes = json.loads(_text(a["classes"]))
+        except (KeyError, ValueError) as e:
+            raise DataError(f"{path}: attribute classes must be a JSON list of class names ({e})") from None
+        if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes):
+            raise DataError(f"{path}: attribute classes must be a non-empty JSON list of strings")
+        return tuple(classes)
+
+    @staticmethod
+    def _stats(path: str, a: Any) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            mean = np.asarray(a["mean"], dtype=np.float32).reshape(-1)
+            std = np.asarray(a["std"], dtype=np.float32).reshape(-1)
+        except (KeyError, ValueError, TypeError) as e:
+            raise DataError(f"{path}: attributes mean and std must be per-channel numbers ({e})") from None
+        if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(std)) and np.all(std > 0)):
+            raise DataError(f"{path}: attributes mean {mean} and std {std} must be finite, std > 0")
+        mean.setflags(write=False)
+        std.setflags(write=False)
+        return mean, std
+
+    @staticmethod
+    def _split(path: str, f: Any, split: str, num_classes: int) -> tuple[Any, np.ndarray]:
+        import h5py
+
+        g = f[split]
+        images, labels = g.get("images"), g.get("labels")
+        if not isinstance(images, h5py.Dataset) or not isinstance(labels, h5py.Dataset):
+            raise DataError(f"{path}: /{split} must hold the datasets images and labels")
+        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[0] == 0:
+            raise DataError(f"{path}: /{split}/images must be uint8 (N, C, H, W) with N > 0, got {images.dtype} "
+                            f"{images.shape}")
+        if images.chunks is None or images.chunks[1:] != images.shape[1:]:
+            raise DataError(f"{path}: /{split}/images must be chunked by whole images (chunks (n, C, H, W)), got "
+                            f"{images.chunks}")
+        if labels.shape != (images.shape[0],) or not np.issubdtype(labels.dtype, np.integer):
+            raise DataError(f"{path}: /{split}/labels must be integers ({images.shape[0]},), got {labels.dtype} "
+                            f"{labels.shape}")
+        try:
+            y = np.asarray(labels[...], dtype=np.int64)
+            images[images.shape[0] - 1]  # the last image: a truncated file fails here, not in training
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: /{split} cannot be read, the file is truncated or damaged ({e})") from None
+        bad = np.flatnonzero((y < 0) | (y >= num_classes))
+        if bad.size:
+            raise DataError(f"{path}: /{split}/labels[{int(bad[0])}] = {int(y[bad[0]])} is outside "
+                            f"0..{num_classes - 1} ({num_classes} classes)")
+        y.setflags(write=False)
+        return images, y
+
+    def with_augmentation(self, augmentation: Any) -> H5Dataset:
+        """Train with `augmentation` (`augment.Augmentation`) from now on; returns self. DataError if it cannot
+        apply to this file's images."""
+        try:
+            augmentation.check(self.image_shape, self.pixel_cov)
+        except DataError as e:
+            raise DataError(f"{self.path}: {e}") from None
+        self.augmentation, self.augment = augmentation, augmentation.random
+        return self
+
+    def keep_in_memory(self, idx: np.ndarray) -> None:
+        """Read the chunks of training images `idx` (a worker's shard) into memory for the whole run."""
+        self.caches["train"].pin(np.asarray(idx) // self.chunk)
+
+    def images(self, split: str, idx: np.ndarray) -> np.ndarray:
+        """Raw uint8 (len(idx), C, H, W) images of `split` at int indices `idx`, read a chunk at a time."""
+        if split not in self.caches:
+            raise ValueError(f"split must be one of {sorted(self.caches)}, got {split!r}")
+        idx = np.asarray(idx, dtype=np.int64)
+        try:
+            return self.caches[split].gather(idx)
+        except OSError as e:
+            raise DataError(f"{self.path}: reading /{split}/images failed ({e})") from None
+
+    def batch(self, split: str, idx: np.ndarray, rng: np.random.Generator | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """A minibatch: x float32 (B, C', H', W') augmented (train, with an rng) and normalised by the file's
+        mean and std, and y int64 (B,). See `Dataset.batch`; the augmentation is `self.augmentation`."""
+        ys = self.train_y if split == "train" else self.test_y
+        idx = np.asarray(idx, dtype=np.int64)
+        raw = self.images(split, idx)
+        if split == "train" and rng is not None:
+            return self.augmentation.train(raw, rng, self.mean, self.std, self.pixel_cov), ys[idx]
+        return self.augmentation.test(raw, self.mean, self.std), ys[idx]
+
+    def close(self) -> None:
+        self.file.close()
+

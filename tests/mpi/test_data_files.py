@@ -1,0 +1,84 @@
+"""Training from an mpiasgd dataset file under `mpiexec`: the same results with and without the prefetch
+thread and with the shard in memory, an exact resume, and one start-up error for each kind of bad input.
+
+Every job runs under a timeout (a hang fails the test).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from mpiasgd import checkpoint
+from mpiasgd.data.h5data import H5Writer
+
+CLASSES = tuple(f"c{i}" for i in range(10))
+COMMON = ["--model", "cifar10", "--batch-size", "8", "--snapshot-interval", "0", "--flush-interval", "0.2",
+          "--no-progress", "--comm-timeout", "60", "--mode", "sync", "--epochs", "0", "--lr", "0.02",
+          "--lr-schedule", "constant", "--shuffle-window", "2"]
+
+
+@pytest.fixture
+def cifar_file(tmp_path, tiny_cifar):
+    """tests' tiny CIFAR-10 (100 train, 10 test) as a dataset file with chunks of 8 images (13 chunks)."""
+    _, (train_x, train_y, test_x, test_y) = tiny_cifar
+    path = tmp_path / "tiny.h5"
+    with H5Writer(str(path), "tiny", CLASSES, (3, 32, 32), source="tests", chunk=8) as w:
+        w.create("train", len(train_x))
+        w.write("train", 0, train_x, train_y)
+        w.create("test", len(test_x))
+        w.write("test", 0, test_x, test_y)
+    return path
+
+
+def final(tmp_path, name):
+    return checkpoint.load(str(tmp_path / "runs" / f"{name}.ckpt.h5"))
+
+
+def test_file_training_is_exact_with_prefetch_in_memory_and_resumed(mpirun, tmp_path, cifar_file):
+    """Sync, 2 workers, 20 steps (3 epochs of each 48-52 image shard): the prefetch thread, the shard kept in
+    memory, and 10 steps + resume + 10 give the weights and momentum of the plain run, bit for bit."""
+    data = [*COMMON, "--data", str(cifar_file)]
+    runs = {"plain": ["--prefetch", "0"], "ahead": ["--prefetch", "3"], "memory": ["--data-in-memory"]}
+    for name, extra in runs.items():
+        res = mpirun(3, ["train", *data, *extra, "--max-pushes", "20", "--name", name], timeout=120)
+        assert res.returncode == 0, res.explain()
+        assert "dataset " + str(cifar_file) in res.stdout
+    res = mpirun(3, ["train", *data, "--max-pushes", "10", "--name", "split"], timeout=120)
+    assert res.returncode == 0, res.explain()
+    res = mpirun(3, ["train", "--resume", "runs/split.ckpt.h5", "--max-pushes", "20", "--no-progress"], timeout=120)
+    assert res.returncode == 0, res.explain()
+    want = final(tmp_path, "plain")
+    assert want.version == 20 and want.workers["cursor"].tolist() == [20, 20]
+    for name in ("ahead", "memory", "split"):
+        got = final(tmp_path, name)
+        np.testing.assert_array_equal(got.params, want.params, err_msg=name)
+        np.testing.assert_array_equal(got.momentum, want.momentum, err_msg=name)
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("truncated", r"error \(ranks 0, 1, 2\): .*cut\.h5: not a readable HDF5 file"),
+    ("missing", r"dataset file .*none\.h5 does not exist"),
+    ("crop", r"model 'cifar10' takes inputs \(3, 32, 32\), dataset '.*tiny\.h5' gives images \(3, 24, 24\) "
+             r"\(\(3, 32, 32\) after --augment inner-crop=24"),
+    ("chunks", r"more workers \(2\) than chunks \(1 of 100 images in the file\)"),
+    ("augment", r"error: config key 'augment' = 'crop=3': .*item 'crop=3' is unknown; valid items: pad-crop=P"),
+])
+def test_bad_data_gives_one_startup_error(mpirun, tmp_path, cifar_file, tiny_cifar, case, expected):
+    raw = cifar_file.read_bytes()
+    (tmp_path / "cut.h5").write_bytes(raw[: len(raw) // 3])
+    _, (train_x, train_y, test_x, test_y) = tiny_cifar
+    with H5Writer(str(tmp_path / "one.h5"), "one", CLASSES, (3, 32, 32), source="tests") as w:  # one chunk
+        w.create("train", 100)
+        w.write("train", 0, train_x, train_y)
+        w.create("test", 10)
+        w.write("test", 0, test_x, test_y)
+    data = {"truncated": ["--data", "cut.h5"], "missing": ["--data", "none.h5"],
+            "crop": ["--data", str(cifar_file), "--augment", "inner-crop=24"],
+            "chunks": ["--data", "one.h5"], "augment": ["--data", str(cifar_file), "--augment", "crop=3"]}[case]
+    res = mpirun(3, ["train", *COMMON, "--max-pushes", "2", *data], timeout=60)
+    assert res.returncode == 2, res.explain()
+    assert re.search(expected, res.stderr), res.explain()
+    assert "Traceback" not in res.stderr
