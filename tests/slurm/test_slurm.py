@@ -116,7 +116,7 @@ def jobs(slurm, tmp_path):
 def read_log(path: Path) -> tuple[dict, dict]:
     with open_log(str(path)) as f:
         attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
-        return attrs, {name: f[name][()] for name in ("pushes", "events", "workers")}
+        return attrs, {name: f[name][()] for name in ("pushes", "events", "workers", "periodic_evals") if name in f}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -174,6 +174,40 @@ def test_sweep_array(jobs):
         config = json.loads(attrs["config"])
         assert (attrs["mode"], config["nsync"]) == (mode, nsync)
         assert mode != "ssp" or config["staleness_bound"] == 2
+
+
+def colour_tree(root: Path, per_class: int, test_per_class: int) -> None:
+    """An image folder (train/<class>/*.png, val/<class>/*.png) of 10 classes, each a colour plus noise."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    colours = rng.integers(0, 256, (10, 3))
+    for split, n in (("train", per_class), ("val", test_per_class)):
+        for k, colour in enumerate(colours):
+            folder = root / split / f"class{k}"
+            folder.mkdir(parents=True)
+            for i in range(n):
+                pixels = np.clip(colour + rng.normal(0, 20, (24, 20, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i}.png")
+
+
+def test_dataset_file_converts_once_then_trains(jobs):
+    """SOURCE (an image folder) becomes DATA_FILE in the job, the run trains on it with evaluations during
+    training; a second job reuses the file. Sync mode: the accuracy does not depend on timing."""
+    colour_tree(jobs.workdir / "colours", per_class=32, test_per_class=8)
+    env = {"SOURCE": str(jobs.workdir / "colours"), "DATA_FILE": str(jobs.workdir / "colours.h5"), "SIZE": "32",
+           "MODEL": "cifar10", "EPOCHS": "10", "EVAL": "2ep", "EXTRA_ARGS": "--mode sync --batch-size 16 --lr 0.005"}
+    jobid = jobs.submit("dataset_file.sbatch", **env)
+    jobs.completed(jobid)
+    attrs = jobs.trained(f"cifar10-file-{jobid}", 3)
+    assert attrs["num_train"] == 320 and attrs["num_test"] == 80
+    _, t = read_log(jobs.workdir / "runs" / f"cifar10-file-{jobid}.h5")
+    evals = t["periodic_evals"]
+    assert len(evals) >= 3 and np.all(np.diff(evals["samples"]) > 0) and np.all(evals["count"] == 80)
+    assert "train    320 images" in jobs.output()
+    again = jobs.submit("dataset_file.sbatch", **{**env, "SOURCE": "/nonexistent", "EPOCHS": "1"})
+    jobs.completed(again)  # the file exists: SOURCE is not read
+    jobs.trained(f"cifar10-file-{again}", 3)
 
 
 def wait_for_pushes(jobs: Jobs, jobid: str, path: Path, timeout: float = 60) -> None:
