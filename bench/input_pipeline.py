@@ -36,6 +36,8 @@ import numpy as np
 from launch import run
 from trainrun import Trainer, add_benchmark_arguments, command_limit, cores, rounds, time_limited
 
+from mpiasgd.cli import positive
+
 WORKERS = 2
 BATCH = 64
 
@@ -66,6 +68,7 @@ def main() -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--data-dir", default=None, help="CIFAR-10 folder (default: $MPIASGD_DATA or ~/.cache/mpiasgd)")
     parser.add_argument("--file", default=None, help="the dataset file (default: $TMPDIR/mpiasgd-cifar10.h5)")
+    parser.add_argument("--batch-size", type=positive, default=BATCH, help="minibatch per worker, images")
     add_benchmark_arguments(parser, rounds=3, run_seconds=40.0)
     args = parser.parse_args()
     limit = command_limit(args)
@@ -73,11 +76,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(args.run_dir or tmp, limit)
         ensure_file(path, args.data_dir, limit, trainer.commands)
-        base = time_limited("cifar10", BATCH, args.data_dir, args.seconds)
+        base = time_limited("cifar10", args.batch_size, args.data_dir, args.seconds)
         configs = {
             "memory": lambda name: trainer.train(WORKERS, [*base, "--prefetch", "0"], name),
             "memory+prefetch": lambda name: trainer.train(WORKERS, base, name),
-            "file": lambda name: trainer.train(WORKERS, [*time_limited("cifar10", BATCH, None, args.seconds),
+            "file": lambda name: trainer.train(WORKERS, [*time_limited("cifar10", args.batch_size, None, args.seconds),
                                                          "--data", path], name),
         }
 
@@ -88,7 +91,7 @@ def main() -> int:
         logs = rounds(configs, args.rounds, show)
     ips = {label: statistics.median(log["images_per_s"] for log in runs) for label, runs in logs.items()}
     wait = {label: statistics.median(data_share(log) for log in runs) for label, runs in logs.items()}
-    print(f"\ncifar10 network, CIFAR-10, {WORKERS} async workers, batch {BATCH}, {args.seconds:g} s runs, "
+    print(f"\ncifar10 network, CIFAR-10, {WORKERS} async workers, batch {args.batch_size}, {args.seconds:g} s runs, "
           f"{args.rounds} rounds, {cores()} cores, {time.strftime('%Y-%m-%d')}; medians:\n")
     print("| configuration | images/s | vs memory | data wait, % of step |")
     print("| :-- | ---: | ---: | ---: |")

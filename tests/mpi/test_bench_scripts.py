@@ -57,3 +57,50 @@ def test_decoupling_script_runs_k1_and_k2_and_prints_the_table(tmp_path, tiny_ci
     assert all(0 <= r["test_accuracy"] <= 1 and r["epochs"] == 0.24 for r in out["rows"])  # 3 x 8 of 100 images
     assert out["goal"].startswith("K = 2 within 1.5 points of K = 1: ") and out["goal"] in done.stdout
     assert "--pipeline-activations store" in out["commands"][1] and "--cuts 7" in out["commands"][1]
+
+
+def tiny_file(path, arrays, chunk: int = 8) -> None:
+    """The tiny CIFAR-10 as a dataset file with chunks of `chunk` images (two workers need two chunks)."""
+    from mpiasgd.data.h5data import H5Writer
+
+    train_x, train_y, test_x, test_y = arrays
+    with H5Writer(str(path), "tiny", tuple(f"c{i}" for i in range(10)), (3, 32, 32), source="tests", chunk=chunk) as w:
+        w.create("train", len(train_x))
+        w.write("train", 0, train_x, train_y)
+        w.create("test", len(test_x))
+        w.write("test", 0, test_x, test_y)
+
+
+def test_data_memory_script_reports_every_rank(tmp_path):
+    """A 1,000-image synthetic file written by `mpiasgd data synth`, 5 pushes per run."""
+    done = run_script("data_memory.py", ["--count", "1000", "--pushes", "5", "--batch-size", "8",
+                                         "--file", str(tmp_path / "s.h5")], tmp_path, jobs=3)
+    assert "1,000 images 3x64x64" in done.stdout and "(written in" in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "MiB" not in line][2:]
+    assert [r.split(" | ")[1] for r in rows] == ["parameter server", "worker", "worker"]
+    for r in rows:
+        chunks, shard, whole = (float(v.replace(",", "")) for v in r.strip("| ").split(" | ")[2:])
+        assert 20 < chunks < 2000 and 20 < shard < 2000 and whole > 20
+    assert "every rank under 600 MiB: " in done.stdout
+
+
+def test_input_pipeline_script_compares_the_file_with_memory(tmp_path, tiny_cifar):
+    data_dir, arrays = tiny_cifar
+    tiny_file(tmp_path / "t.h5", arrays)
+    done = run_script("input_pipeline.py", ["--file", str(tmp_path / "t.h5"), "--data-dir", str(data_dir),
+                                            "--batch-size", "8", "--seconds", "2", "--rounds", "1"], tmp_path, jobs=3)
+    table = {line.split(" | ")[0][2:]: line for line in done.stdout.splitlines() if line.startswith("| ")}
+    assert {"memory", "memory+prefetch", "file"} <= set(table)
+    assert table["memory"].split(" | ")[2] == "1.000"
+    assert "file within 5 % of memory: " in done.stdout and "--data " + str(tmp_path / "t.h5") in done.stdout
+
+
+def test_data_accuracy_script_trains_both_sources_and_plots(tmp_path, tiny_cifar):
+    data_dir, arrays = tiny_cifar
+    tiny_file(tmp_path / "t.h5", arrays)
+    done = run_script("data_accuracy.py", ["--file", str(tmp_path / "t.h5"), "--data-dir", str(data_dir),
+                                           "--batch-size", "8", "--epochs", "1", "--seeds", "1", "--run-dir", "r"],
+                      tmp_path, jobs=2)
+    assert "| official | " in done.stdout and "| file | " in done.stdout
+    assert "within run-to-run noise: " in done.stdout
+    assert (tmp_path / "r" / "plots" / "accuracy.png").stat().st_size > 1000
