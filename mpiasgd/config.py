@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,7 +141,7 @@ class BaseConfig:
                               "Nep epochs (e.g. 300s, 0.5ep); the workers evaluate their slices; '' = only at the end")
     tensorboard: bool = _opt(False, "run log",
                              "rank 0 also writes the metrics as TensorBoard event files into RUN_DIR/NAME.tb/ "
-                             "(needs the tensorboard extra: pip install 'mpiasgd[tensorboard]')")
+                             '(needs the tensorboard extra: pip install -e ".[tensorboard]")')
     progress: bool = _opt(True, "run log", "progress bar on rank 0")
     show_config: bool = _opt(False, "run log",
                              "rank 0 prints the resolved config (every key) before training; it is stored in the "
@@ -392,8 +393,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # what a resumed run may not change: the state it continues would not fit
-FIXED_ON_RESUME = ("model", "dataset", "data", "augment", "shuffle_window", "mode", "seed", "batch_size", "name",
-                   "run_dir",
+# (`data` may change: a file moved; start-up checks that it is the same file by its fingerprint)
+FIXED_ON_RESUME = ("model", "dataset", "augment", "shuffle_window", "mode", "seed", "batch_size", "name", "run_dir",
                    *(o.name for o in OPTIONS if o.fixed_on_resume))
 
 
@@ -437,6 +438,9 @@ def resolve(args: argparse.Namespace) -> Config:
         if kind in ("float", "tuple") and not all(map(math.isfinite, value if kind == "tuple" else [value])):
             raise ConfigError(f"flag --{key.replace('_', '-')} = {value!r}: expected a finite number")
     cfg = dataclasses.replace(cfg, **flags)
+    # dataset files by absolute path: the config stored in the log and checkpoint works from any directory
+    cfg = dataclasses.replace(cfg, **{key: os.path.abspath(getattr(cfg, key)) for key in ("data", "test_data")
+                                      if getattr(cfg, key)})
     if cfg.resume:
         resume_overrides(base, cfg)  # raises for a key that may not change (before the mode's keys are judged)
     cfg = cfg.validate()

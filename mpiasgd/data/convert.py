@@ -95,9 +95,16 @@ def _class_folders(split_dir: str) -> list[str]:
 
 
 def _images_in(folder: str) -> list[str]:
-    """Paths of the image files under `folder`, recursively (symlinks followed, as ImageFolder), sorted."""
-    found = []
+    """Paths of the image files under `folder`, recursively, sorted (as ImageFolder). Symlinked folders are
+    followed once each: a folder reached again (a link to itself or to a parent) is skipped, so a loop
+    neither hangs the scan nor repeats images."""
+    found, seen = [], set()
     for root, dirs, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         found += [os.path.join(root, f) for f in sorted(files) if f.lower().endswith(IMAGE_EXTENSIONS)]
     return found
@@ -164,6 +171,10 @@ def load_image(path: str, size: int, resize: str = "crop") -> np.ndarray:
             im.draft(im.mode, (size, size))  # JPEG only (a no-op elsewhere): DCT scaling, never below size
             if im.mode == "P" and "transparency" in im.info:
                 im = im.convert("RGBA")  # Pillow's advice for palette transparency; alpha dropped next
+            if im.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):  # 16-bit grey: Pillow's convert would clip
+                deep = np.asarray(im, dtype=np.float64)
+                scale = 255 / 65535 if deep.max(initial=0) > 255 else 1.0  # mode "I" may hold 8-bit values
+                im = Image.fromarray(np.round(deep * scale).clip(0, 255).astype(np.uint8), "L")
             im = im.convert("RGB")
             w, h = im.size
             if resize == "crop":

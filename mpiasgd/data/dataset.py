@@ -96,6 +96,7 @@ class Dataset(Splits):
     source: str  # where it was read from: a folder, or "sklearn.datasets.load_digits"
     augmentation: Any = None  # an augment.Augmentation: "pad-crop=4,flip" if augment else "none" (from_arrays)
     chunk = 1  # samples the sampler keeps together: any sample is one read (in memory)
+    fingerprint = ""  # what identifies a dataset file's content (`h5data.H5Dataset`); a built-in set: none
 
     @classmethod
     def from_arrays(

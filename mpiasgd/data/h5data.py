@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
 from collections import OrderedDict
@@ -80,9 +81,12 @@ class H5Writer:
         self.hist = np.zeros((self.image_shape[0], 256), dtype=np.int64)
         self.moments = np.zeros((self.image_shape[0], self.image_shape[0]), dtype=np.float64)  # sum x_c x_d
         self.sizes: dict[str, int] = {}
+        self.planned = 0  # bytes of the datasets created so far (checked against the free space)
         self.written: dict[str, int] = {}
         try:
-            self.file = h5py.File(self.partial, "w")
+            # no chunk cache: a chunk goes to disk in its write, so a full disk fails there (HDF5 crashes when
+            # it cannot flush a cache at close)
+            self.file = h5py.File(self.partial, "w", rdcc_nbytes=0)
         except OSError as e:
             raise DataError(f"{path}: cannot create the dataset file ({e})") from None
         a = self.file.attrs
@@ -105,10 +109,19 @@ class H5Writer:
             raise DataError(f"{self.path}: split must be one of {SPLITS}, got {split!r}")
         if count < 1:
             raise DataError(f"{self.path}: split '{split}' needs at least one image, got {count}")
+        self.planned += count * (int(np.prod(self.image_shape)) + 8)
+        folder = os.path.dirname(os.path.abspath(self.partial))
+        free = shutil.disk_usage(folder).free
+        needed = self.planned - os.path.getsize(self.partial) + (1 << 20)
+        if free < needed:
+            self.abort()
+            raise DataError(f"{self.path}: not enough free space in {folder}: the file needs {needed / 1e9:.2f} GB "
+                            f"more, {free / 1e9:.2f} GB are free")
         g = self.file.create_group(split)
         g.create_dataset("images", shape=(count, *self.image_shape), dtype=np.uint8,
                          chunks=(min(self.chunk, count), *self.image_shape))
         g.create_dataset("labels", shape=(count,), dtype=np.int64)
+        self.file.flush()  # the metadata on disk now, so that a failed write leaves nothing to flush
         self.sizes[split], self.written[split] = int(count), 0
 
     def write(self, split: str, start: int, images: np.ndarray, labels: np.ndarray) -> None:
@@ -127,8 +140,13 @@ class H5Writer:
             raise DataError(f"{self.path}: rows {start}..{start + n - 1} do not fit split '{split}' "
                             f"({self.sizes.get(split, 0)} images)")
         g = self.file[split]
-        g["images"][start:start + n] = images
-        g["labels"][start:start + n] = labels
+        try:
+            g["images"][start:start + n] = images
+            g["labels"][start:start + n] = labels
+        except OSError as e:  # a full disk or quota, an I/O error: the partial file goes, one error names it
+            self.abort()
+            why = f"[Errno {e.errno}] {os.strerror(e.errno)}" if e.errno else str(e).splitlines()[0]
+            raise DataError(f"{self.path}: writing failed ({why}); the partial file was removed") from None
         self.written[split] += n
         if split == "train":
             for c in range(self.image_shape[0]):
@@ -168,24 +186,37 @@ class H5Writer:
             raise DataError(f"{self.path}: cannot move the written file into place ({e})") from None
 
     def abort(self) -> None:
-        """Close and remove the partial file."""
+        """Remove the partial file and close it (removed first: closing flushes, which fails on a full disk)."""
+        if os.path.exists(self.partial):
+            os.remove(self.partial)
         try:
             self.file.close()
-        finally:
-            if os.path.exists(self.partial):
-                os.remove(self.partial)
+        except (OSError, RuntimeError):
+            pass  # its buffers had nowhere to go; the file is gone anyway
 
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def identity(path: str) -> tuple[int, int, int]:
+    """(inode, size in bytes, modification time in ns) of the file at `path`: what changes when it is rewritten."""
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class ChunkCache:
     """The most recently read chunks of one split's images (an LRU of `capacity` chunks), plus chunks pinned
-    in memory for good (`pin`: a worker's whole shard with --data-in-memory). Thread-safe."""
+    in memory for good (`pin`: a worker's whole shard with --data-in-memory). Thread-safe.
 
-    def __init__(self, images: Any, chunk: int, capacity: int) -> None:
+    Before each read from the file it checks that the file at `path` is still the one opened (`identity`):
+    HDF5 reads zeros past the end of a file truncated under it, and another file at the same path would
+    mix two datasets. DataError naming the file then."""
+
+    def __init__(self, images: Any, chunk: int, capacity: int, path: str = "") -> None:
         self.images, self.chunk, self.capacity = images, chunk, max(1, capacity)
+        self.path = path
+        self.opened = identity(path) if path else None
         self.recent: OrderedDict[int, np.ndarray] = OrderedDict()
         self.pinned: dict[int, np.ndarray] = {}
         self.reads = 0  # chunks read from the file
@@ -197,6 +228,7 @@ class ChunkCache:
             if got is None:
                 got = self.recent.get(c)
                 if got is None:
+                    self.check()
                     got = self.images[c * self.chunk:(c + 1) * self.chunk]  # one HDF5 chunk, one read
                     self.reads += 1
                     self.recent[c] = got
@@ -205,6 +237,18 @@ class ChunkCache:
                 else:
                     self.recent.move_to_end(c)
             return got
+
+    def check(self) -> None:
+        """DataError unless the file at `path` is the one opened (not rewritten, truncated, replaced or gone)."""
+        if self.opened is None:
+            return
+        try:
+            now = identity(self.path)
+        except OSError as e:
+            raise DataError(f"{self.path}: the dataset file went away while the run reads it ({e.strerror})") from None
+        if now != self.opened:
+            raise DataError(f"{self.path}: the dataset file changed while the run reads it (size {self.opened[1]:,} -> "
+                            f"{now[1]:,} bytes, or rewritten or replaced); rerun, or --resume, once it is complete")
 
     def pin(self, chunks: np.ndarray) -> None:
         for c in np.unique(chunks):
@@ -264,9 +308,13 @@ class H5Dataset(Splits):
         self.train_y = train[1]
         self.test_y = test[1] if test is not None else np.zeros(0, dtype=np.int64)
         self.chunk = int(train[0].chunks[0])
-        self.caches = {"train": ChunkCache(train[0], self.chunk, cache_chunks)}
+        self.caches = {"train": ChunkCache(train[0], self.chunk, cache_chunks, path)}
         if test is not None:
-            self.caches["test"] = ChunkCache(test[0], int(test[0].chunks[0]), cache_chunks)
+            self.caches["test"] = ChunkCache(test[0], int(test[0].chunks[0]), cache_chunks, test_path)
+        # what identifies the file's content (a run log keeps it; a resume checks that the file is the same)
+        self.fingerprint = json.dumps({"name": self.name, "created": _text(a.get("created", "")),
+                                       "train": self.num_train, "test": self.num_test, "chunk": self.chunk,
+                                       "shape": list(self.image_shape), "classes": len(self.classes)})
         from mpiasgd.data.augment import Augmentation
 
         self.augmentation = augmentation if augmentation is not None else Augmentation.default(self.image_shape)

@@ -149,8 +149,14 @@ def load_data(cfg: Config) -> Any:
     """(every rank) The run's dataset: the file `cfg.data` (its test split, or `cfg.test_data`'s), else the
     named `cfg.dataset_name` from `cfg.data_dir` or the default directory, with the augmentation `cfg.augment`.
     Reads no training images (rank 0 calls it too; a file's images are read by the worker that owns them)."""
-    return open_data(cfg.dataset_name, cfg.data_dir or default_data_dir(), cfg.test_data, cfg.augment,
-                     cache_chunks=cfg.shuffle_window + 2)
+    try:
+        return open_data(cfg.dataset_name, cfg.data_dir or default_data_dir(), cfg.test_data, cfg.augment,
+                         cache_chunks=cfg.shuffle_window + 2)
+    except DataError as e:
+        if cfg.resume and cfg.data and not os.path.exists(cfg.data):
+            raise DataError(f"{e} (--resume: the checkpoint's config names it; if it moved, pass --data NEWPATH: "
+                            "the run continues if it is the same file)") from None
+        raise
 
 
 def definition_text(cfg: Config, dataset: Any, resumed: checkpoint.Checkpoint | None = None) -> str:
@@ -213,10 +219,14 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
     except ValueError as e:
         raise ConfigError(f"--model {cfg.model!r}: {e}") from None
     if tuple(dataset.input_shape) != tuple(model.input_shape):
-        crop = (f" ({tuple(dataset.image_shape)} after --augment {dataset.augmentation.describe()})"
+        crop = (f" (its {tuple(dataset.image_shape)} images after --augment {dataset.augmentation.describe()})"
                 if tuple(dataset.input_shape) != tuple(dataset.image_shape) else "")
+        c, h, w = model.input_shape
+        fits = (f"; --augment inner-crop={h} or resized-crop={h} gives {h}x{w} crops of these images"
+                if h == w and c == dataset.image_shape[0] and h < min(dataset.image_shape[1:]) else "")
         raise ConfigError(f"model '{cfg.model_label}' takes inputs {tuple(model.input_shape)}, dataset "
-                          f"'{cfg.dataset_name}' gives images {tuple(dataset.input_shape)}{crop}")
+                          f"'{cfg.dataset_name}' gives {tuple(dataset.input_shape)}{crop}: choose a network for "
+                          f"these images{fits}")
     if model.num_params == 0:
         raise ConfigError(f"model '{cfg.model_label}' has no parameters to train")
     if message_count(model) > MAX_MESSAGE_VALUES:
@@ -299,6 +309,12 @@ def open_run_log(cfg: Config, me: Rank, out: Startup, resumed: checkpoint.Checkp
         raise FileExistsError(f"run log '{out.path}' exists; choose another --name or pass --overwrite"
                               + (f" ({left})" if left else ""))
     if cfg.resume and os.path.exists(out.path):
+        trained_on = log_attr(out.path, "data_fingerprint")
+        if trained_on and trained_on != out.dataset.fingerprint:
+            out.lock.release()
+            raise ConfigError(f"--resume: the run in '{out.path}' trained on a dataset file {trained_on}; "
+                              f"'{cfg.dataset_name}' is another ({out.dataset.fingerprint or 'a built-in set'}): "
+                              "pass --data with the file it trained on")
         owner = run_id_of(out.path)
         if owner and out.checkpoint.run_id and owner != out.checkpoint.run_id:
             out.lock.release()
@@ -366,11 +382,16 @@ def left_behind(path: str, lock: WriterLock) -> str:
 
 def run_id_of(path: str) -> str:
     """The `run_id` attribute of the run log at `path` ("" for logs written before run ids, or unreadable)."""
+    return log_attr(path, "run_id")
+
+
+def log_attr(path: str, name: str) -> str:
+    """The text attribute `name` of the run log at `path` ("" when absent, or the log is unreadable)."""
     from mpiasgd.runlog import open_log
 
     try:
         with open_log(path) as f:
-            value = f.attrs.get("run_id", "")
+            value = f.attrs.get(name, "")
     except OSError:
         return ""
     return value.decode() if isinstance(value, bytes) else str(value)

@@ -59,7 +59,8 @@ def start_log(cfg: Any, me: Any, start: Any, workers: list) -> RunLog:
              "mode": cfg.mode, "num_workers": me.num_workers, "num_params": model.num_params,
              "num_buffers": model.num_buffers,
              "num_train": int(dataset.train_y.size), "num_test": int(dataset.test_y.size),
-             "data_source": dataset.source, "command": " ".join(sys.argv), **start.layout.attrs}
+             "data_source": dataset.source, "data_fingerprint": dataset.fingerprint, "command": " ".join(sys.argv),
+             **start.layout.attrs}
     rows = [w.row() for w in workers]
     if ckpt is not None and os.path.exists(start.path):
         log = RunLog.reopen(start.path, rows, cfg.flush_interval, start.lock, resumed_at=ckpt.log_time)

@@ -1,5 +1,5 @@
 """The run's metrics as TensorBoard event files (`--tensorboard`), written by rank 0 through tensorboardX
-(the optional extra: pip install 'mpiasgd[tensorboard]').
+(the optional extra: pip install -e ".[tensorboard]" in the checkout).
 
     RUN_DIR/NAME.tb/events.out.tfevents.*        tensorboard --logdir RUN_DIR    (every run of the folder)
 
@@ -29,7 +29,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-EXTRA = "pip install 'mpiasgd[tensorboard]'"
+EXTRA = "pip install -e \".[tensorboard]\" in the mpiasgd checkout (or pip install tensorboardX)"
 
 
 class TensorBoardUnavailable(ValueError):

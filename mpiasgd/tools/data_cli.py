@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from mpiasgd.cli import command, positive
@@ -69,9 +70,14 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run `mpiasgd data ACTION` for parsed args; returns the exit status (2: bad input, message on stderr)."""
+    """Run `mpiasgd data ACTION` for parsed args; returns the exit status (2: bad input, message on stderr;
+    130: interrupted by SIGINT or SIGTERM, the partial output removed)."""
     from mpiasgd.data import convert
 
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # unwinds through the writer, which removes OUT.partial
+
+    signal.signal(signal.SIGTERM, interrupt)  # scancel, a time limit: as Ctrl-C
     try:
         if args.action == "info":
             print(convert.info(args.file), flush=True)
@@ -86,6 +92,9 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:  # DataError is a ValueError
         print(f"mpiasgd data {args.action}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"mpiasgd data {args.action}: interrupted; no output file written", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -61,8 +61,8 @@ def test_file_training_is_exact_with_prefetch_in_memory_and_resumed(mpirun, tmp_
 @pytest.mark.parametrize("case,expected", [
     ("truncated", r"error \(ranks 0, 1, 2\): .*cut\.h5: not a readable HDF5 file"),
     ("missing", r"dataset file .*none\.h5 does not exist"),
-    ("crop", r"model 'cifar10' takes inputs \(3, 32, 32\), dataset '.*tiny\.h5' gives images \(3, 24, 24\) "
-             r"\(\(3, 32, 32\) after --augment inner-crop=24"),
+    ("crop", r"model 'cifar10' takes inputs \(3, 32, 32\), dataset '.*tiny\.h5' gives \(3, 24, 24\) "
+             r"\(its \(3, 32, 32\) images after --augment inner-crop=24\): choose a network for these images"),
     ("chunks", r"more workers \(2\) than chunks \(1 of 100 images in the file\)"),
     ("augment", r"error: config key 'augment' = 'crop=3': .*item 'crop=3' is unknown; valid items: pad-crop=P"),
 ])
@@ -82,3 +82,53 @@ def test_bad_data_gives_one_startup_error(mpirun, tmp_path, cifar_file, tiny_cif
     assert res.returncode == 2, res.explain()
     assert re.search(expected, res.stderr), res.explain()
     assert "Traceback" not in res.stderr
+
+
+def test_resume_follows_a_moved_file_and_refuses_another(mpirun, tmp_path, cifar_file, tiny_cifar):
+    """The config keeps the file's absolute path; a moved file is passed anew and the run continues exactly;
+    a different file at the old path (another dataset, rewritten) is refused."""
+    data = [*COMMON, "--data", "tiny.h5"]  # relative: stored as an absolute path
+    res = mpirun(3, ["train", *data, "--max-pushes", "20", "--name", "whole"], timeout=120)
+    assert res.returncode == 0, res.explain()
+    res = mpirun(3, ["train", *data, "--max-pushes", "10", "--name", "moved"], timeout=120)
+    assert res.returncode == 0, res.explain()
+    (tmp_path / "elsewhere").mkdir()
+    cifar_file.rename(tmp_path / "elsewhere" / "tiny.h5")
+    res = mpirun(3, ["train", "--resume", "runs/moved.ckpt.h5", "--max-pushes", "20", "--no-progress"], timeout=60)
+    assert res.returncode == 2 and f"dataset file {cifar_file} does not exist" in res.stderr, res.explain()
+    assert "if it moved, pass --data NEWPATH" in res.stderr
+    res = mpirun(3, ["train", "--resume", "runs/moved.ckpt.h5", "--max-pushes", "20", "--no-progress", "--data",
+                     "elsewhere/tiny.h5"], timeout=120)
+    assert res.returncode == 0, res.explain()
+    np.testing.assert_array_equal(final(tmp_path, "moved").params, final(tmp_path, "whole").params)
+    _, (train_x, train_y, test_x, test_y) = tiny_cifar
+    with H5Writer(str(cifar_file), "tiny", CLASSES, (3, 32, 32), source="tests", chunk=8) as w:  # rewritten
+        w.create("train", len(train_x))
+        w.write("train", 0, train_x[::-1], train_y[::-1])
+        w.create("test", len(test_x))
+        w.write("test", 0, test_x, test_y)
+    res = mpirun(3, ["train", "--resume", "runs/whole.ckpt.h5", "--max-pushes", "30", "--no-progress", "--data",
+                     str(cifar_file)], timeout=60)
+    assert res.returncode == 2, res.explain()
+    assert re.search(r"--resume: the run in '.*whole\.h5' trained on a dataset file \{.*\}; '.*tiny\.h5' is another",
+                     res.stderr), res.explain()
+
+
+def test_a_file_truncated_during_training_stops_the_run_naming_it(tmp_path, cifar_file):
+    """HDF5 would read zeros past the new end: the worker's next chunk read finds the file changed instead."""
+    from kit.launch import start_mpi, stop_group
+    from kit.runs import FAST, read_log, wait_for_pushes
+
+    proc = start_mpi(3, ["train", *FAST, "--model", "cifar10", "--batch-size", "8", "--data", str(cifar_file),
+                         "--shuffle-window", "1", "--epochs", "0", "--max-time", "120", "--name", "cut"], tmp_path)
+    try:
+        wait_for_pushes(tmp_path / "runs" / "cut.h5", proc, timeout=60)
+        with open(cifar_file, "r+b") as f:
+            f.truncate(cifar_file.stat().st_size // 2)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        stop_group(proc)
+    assert proc.returncode not in (0, None), err
+    assert f"{cifar_file}: the dataset file changed while the run reads it" in err, err
+    attrs, _, _ = read_log(tmp_path / "runs" / "cut.h5")
+    assert attrs["status"] == "failed"

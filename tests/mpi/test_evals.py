@@ -157,5 +157,5 @@ def test_tensorboard_without_tensorboardx_is_a_start_up_error(mpirun, tmp_path):
                  env={"PYTHONPATH": f"{fake}:{REPO}"})
     assert res.returncode == 2, res.explain()
     assert "mpiasgd: error: --tensorboard needs the tensorboardX package" in res.stderr, res.explain()
-    assert "pip install 'mpiasgd[tensorboard]'" in res.stderr and "Traceback" not in res.stderr, res.explain()
+    assert 'pip install -e ".[tensorboard]"' in res.stderr and "Traceback" not in res.stderr, res.explain()
     assert not (tmp_path / "runs" / "tb.h5").exists() and not (tmp_path / "runs" / "tb.h5.lock").exists()

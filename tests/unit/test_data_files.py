@@ -227,3 +227,34 @@ def test_keep_in_memory_reads_the_shard_once(toy):
     for epoch in range(2):
         ds.images("train", sampler.indices(epoch))
     assert ds.caches["train"].reads == reads  # nothing more read from the file
+
+
+def test_writer_refuses_a_file_the_disk_cannot_hold(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 10**9 - 50_000, 50_000))
+    with pytest.raises(DataError, match=r"big\.h5: not enough free space in .*: the file needs 0\.00 GB more, "
+                                        r"0\.00 GB are free"):
+        with H5Writer(str(tmp_path / "big.h5"), "toy", CLASSES, (3, 32, 32), source="t") as w:
+            w.create("train", 1000)  # 3 MB
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_disk_that_fills_while_writing_gives_one_error_and_no_file(small_disk, monkeypatch):
+    """A 3 MB tmpfs, the free-space check fooled (another process fills the disk after it): the failed write is
+    one DataError naming the file, and the partial file is removed."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**12, 0, 10**12))
+    tx, ty, _, _ = make_arrays(2000, 0)  # 6 MB
+    with pytest.raises(DataError, match=r"full\.h5: writing failed \(\[Errno 28\] No space left on device\); "
+                                        r"the partial file was removed"):
+        with H5Writer(str(small_disk / "full.h5"), "toy", CLASSES, (3, 32, 32), source="t") as w:
+            w.create("train", 2000)
+            for s in range(0, 2000, 250):
+                w.write("train", s, tx[s:s + 250], ty[s:s + 250])
+    assert list(small_disk.iterdir()) == []
