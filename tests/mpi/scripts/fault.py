@@ -37,17 +37,17 @@ if kind == "preempt" and rank == target:
     import os
     import signal
 
-    from mpiasgd.data import Dataset
+    from mpiasgd.data import MinibatchStream
 
-    original_batch, drawn = Dataset.batch, [0]
+    original_next, drawn = MinibatchStream.next, [0]
 
-    def signalled_batch(self, split, idx, rng=None):
-        drawn[0] += split == "train"
-        if drawn[0] == 10 and split == "train":
+    def signalled_next(self):  # the step takes its 10th minibatch (the prefetch thread read it before)
+        drawn[0] += 1
+        if drawn[0] == 10:
             os.kill(os.getpid(), signal.SIGUSR1)  # what `scancel --signal=USR1` delivers
-        return original_batch(self, split, idx, rng)
+        return original_next(self)
 
-    Dataset.batch = signalled_batch
+    MinibatchStream.next = signalled_next
 
 if kind == "sloweval" and rank == target:
     import time
