@@ -62,7 +62,7 @@ class ShardSampler:
         self.chunk = chunk
         self.window = window
         self.blocks = np.random.default_rng(seed).permutation(blocks)[shard::num_shards].astype(np.int64)
-        self.size = int(sum(min(chunk, num_samples - b * chunk) for b in self.blocks))
+        self.size = int(np.minimum(chunk, num_samples - self.blocks * chunk).sum())  # the last block may be short
 
     def shard_indices(self) -> np.ndarray:
         """This shard's sample indices, int64, in the fixed (epoch-independent) sharding order."""
