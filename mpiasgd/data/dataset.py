@@ -68,6 +68,11 @@ class Splits:
         return self.augmentation.output_shape(self.image_shape)
 
     @property
+    def augment(self) -> bool:
+        """Training minibatches are augmented (the augmentation draws anything from the rng)."""
+        return self.augmentation.random
+
+    @property
     def num_train(self) -> int:
         return int(self.train_y.size)
 
@@ -92,7 +97,6 @@ class Dataset(Splits):
     mean: np.ndarray = field(repr=False)  # float32 (C,), per-channel mean of train_x, pixel units
     std: np.ndarray = field(repr=False)  # float32 (C,), per-channel std of train_x, pixel units
     classes: tuple[str, ...]  # class names, index = label
-    augment: bool  # train batches get random crop (pad 4) + horizontal flip when an rng is given
     source: str  # where it was read from: a folder, or "sklearn.datasets.load_digits"
     augmentation: Any = None  # an augment.Augmentation: "pad-crop=4,flip" if augment else "none" (from_arrays)
     chunk = 1  # samples the sampler keeps together: any sample is one read (in memory)
@@ -156,7 +160,6 @@ class Dataset(Splits):
             mean=mean,
             std=std,
             classes=tuple(classes),
-            augment=bool(augment),
             source=source,
             augmentation=Augmentation.parse("pad-crop=4,flip" if augment else "none"),
         )
@@ -177,7 +180,7 @@ class Dataset(Splits):
         """The same data with another training augmentation (`augment.Augmentation`); DataError if it cannot
         apply to these images."""
         augmentation.check(self.image_shape, self.pixel_cov if augmentation.pca_noise > 0 else None)
-        return dataclasses.replace(self, augmentation=augmentation, augment=augmentation.random)
+        return dataclasses.replace(self, augmentation=augmentation)
 
     def batch(
         self, split: str, idx: np.ndarray, rng: np.random.Generator | None = None

@@ -318,7 +318,6 @@ class H5Dataset(Splits):
         from mpiasgd.data.augment import Augmentation
 
         self.augmentation = augmentation if augmentation is not None else Augmentation.default(self.image_shape)
-        self.augment = self.augmentation.random
 
     @staticmethod
     def _open(path: str, need: str) -> tuple[Any, Any]:
@@ -403,7 +402,7 @@ class H5Dataset(Splits):
             augmentation.check(self.image_shape, self.pixel_cov)
         except DataError as e:
             raise DataError(f"{self.path}: {e}") from None
-        self.augmentation, self.augment = augmentation, augmentation.random
+        self.augmentation = augmentation
         return self
 
     def keep_in_memory(self, idx: np.ndarray) -> None:

@@ -70,8 +70,9 @@ class MinibatchStream:
         """Continue after the first `cursor` minibatches (a resumed worker's data position)."""
         self.close()
         self.cursor = cursor
-        self.batches = minibatches(self.sampler, self.batch_size, cursor)
-        if self.prefetch:
+        if not self.prefetch:
+            self.batches = minibatches(self.sampler, self.batch_size, cursor)
+        else:  # the thread draws the indices
             self.queue: queue.Queue = queue.Queue(maxsize=self.prefetch)
             self.stopping = threading.Event()
             self.thread = threading.Thread(target=self._produce, args=(cursor, self.queue, self.stopping),

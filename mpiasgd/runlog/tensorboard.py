@@ -78,32 +78,30 @@ class TensorBoard:
     def on(self) -> bool:
         return self.writer is not None
 
+    def _guarded(self, action: Callable[[Any], None]) -> None:
+        """`action(writer)` unless the writer is off; a failure turns it off with one warning (`fail`), never
+        ends the run."""
+        if self.writer is None:
+            return
+        try:
+            action(self.writer)
+        except Exception as e:
+            self.fail(e)
+
     def scalars(self, values: dict[str, float], step: int) -> None:
         """Add each {tag: value} at `step` (images trained on); values that are not finite are left out."""
-        if self.writer is None:
-            return
-        try:
+        def add(writer: Any) -> None:
             for tag, value in values.items():
                 if value is not None and math.isfinite(value):
-                    self.writer.add_scalar(tag, float(value), int(step))
-        except Exception as e:  # never the end of the run
-            self.fail(e)
+                    writer.add_scalar(tag, float(value), int(step))
+
+        self._guarded(add)
 
     def flush(self) -> None:
-        if self.writer is None:
-            return
-        try:
-            self.writer.flush()
-        except Exception as e:
-            self.fail(e)
+        self._guarded(lambda writer: writer.flush())
 
     def close(self) -> None:
-        if self.writer is None:
-            return
-        try:
-            self.writer.close()
-        except Exception as e:
-            self.fail(e)
+        self._guarded(lambda writer: writer.close())
         self.writer = None
 
     def fail(self, error: BaseException) -> None:

@@ -43,3 +43,18 @@ def write_tiny_cifar(tmp_path: Path) -> tuple[Path, tuple[np.ndarray, ...]]:
     (py / "batches.meta").write_bytes(pickle.dumps({b"label_names": [n.encode() for n in names]}, protocol=2))
     (bn / "batches.meta.txt").write_text("\n".join(names) + "\n\n")
     return tmp_path, (train_x, train_y, test_x, test_y)
+
+
+def write_dataset_file(path: Path, train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray,
+                       chunk: int | None = None) -> Path:
+    """Images and labels of 10 classes as an mpiasgd dataset file (train and test splits), chunks of `chunk`
+    images (None: the format's default, 256 at 32x32: the tiny CIFAR-10 in one chunk). Returns the path."""
+    from mpiasgd.data.h5data import H5Writer
+
+    with H5Writer(str(path), "tiny", tuple(f"c{i}" for i in range(10)), train_x.shape[1:], source="tests",
+                  chunk=chunk) as w:
+        w.create("train", len(train_x))
+        w.write("train", 0, train_x, train_y)
+        w.create("test", len(test_x))
+        w.write("test", 0, test_x, test_y)
+    return path

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 from kit import REPO
+from kit.cifar import write_dataset_file
 from kit.launch import mpi_env
 
 TIMEOUT = 60.0  # seconds per mpiexec job (the scripts' --timeout); a run here takes a few seconds when idle
@@ -59,16 +60,9 @@ def test_decoupling_script_runs_k1_and_k2_and_prints_the_table(tmp_path, tiny_ci
     assert "--pipeline-activations store" in out["commands"][1] and "--cuts 7" in out["commands"][1]
 
 
-def tiny_file(path, arrays, chunk: int = 8) -> None:
-    """The tiny CIFAR-10 as a dataset file with chunks of `chunk` images (two workers need two chunks)."""
-    from mpiasgd.data.h5data import H5Writer
-
-    train_x, train_y, test_x, test_y = arrays
-    with H5Writer(str(path), "tiny", tuple(f"c{i}" for i in range(10)), (3, 32, 32), source="tests", chunk=chunk) as w:
-        w.create("train", len(train_x))
-        w.write("train", 0, train_x, train_y)
-        w.create("test", len(test_x))
-        w.write("test", 0, test_x, test_y)
+def tiny_file(path, arrays) -> None:
+    """The tiny CIFAR-10 as a dataset file with chunks of 8 images (two workers need two chunks)."""
+    write_dataset_file(path, *arrays, chunk=8)
 
 
 def test_data_memory_script_reports_every_rank(tmp_path):

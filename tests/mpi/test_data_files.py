@@ -10,11 +10,10 @@ import re
 
 import numpy as np
 import pytest
+from kit.cifar import write_dataset_file
 
 from mpiasgd import checkpoint
-from mpiasgd.data.h5data import H5Writer
 
-CLASSES = tuple(f"c{i}" for i in range(10))
 COMMON = ["--model", "cifar10", "--batch-size", "8", "--snapshot-interval", "0", "--flush-interval", "0.2",
           "--no-progress", "--comm-timeout", "60", "--mode", "sync", "--epochs", "0", "--lr", "0.02",
           "--lr-schedule", "constant", "--shuffle-window", "2"]
@@ -23,14 +22,8 @@ COMMON = ["--model", "cifar10", "--batch-size", "8", "--snapshot-interval", "0",
 @pytest.fixture
 def cifar_file(tmp_path, tiny_cifar):
     """tests' tiny CIFAR-10 (100 train, 10 test) as a dataset file with chunks of 8 images (13 chunks)."""
-    _, (train_x, train_y, test_x, test_y) = tiny_cifar
-    path = tmp_path / "tiny.h5"
-    with H5Writer(str(path), "tiny", CLASSES, (3, 32, 32), source="tests", chunk=8) as w:
-        w.create("train", len(train_x))
-        w.write("train", 0, train_x, train_y)
-        w.create("test", len(test_x))
-        w.write("test", 0, test_x, test_y)
-    return path
+    _, arrays = tiny_cifar
+    return write_dataset_file(tmp_path / "tiny.h5", *arrays, chunk=8)
 
 
 def final(tmp_path, name):
@@ -69,12 +62,8 @@ def test_file_training_is_exact_with_prefetch_in_memory_and_resumed(mpirun, tmp_
 def test_bad_data_gives_one_startup_error(mpirun, tmp_path, cifar_file, tiny_cifar, case, expected):
     raw = cifar_file.read_bytes()
     (tmp_path / "cut.h5").write_bytes(raw[: len(raw) // 3])
-    _, (train_x, train_y, test_x, test_y) = tiny_cifar
-    with H5Writer(str(tmp_path / "one.h5"), "one", CLASSES, (3, 32, 32), source="tests") as w:  # one chunk
-        w.create("train", 100)
-        w.write("train", 0, train_x, train_y)
-        w.create("test", 10)
-        w.write("test", 0, test_x, test_y)
+    _, arrays = tiny_cifar
+    write_dataset_file(tmp_path / "one.h5", *arrays)  # the default chunk: one chunk
     data = {"truncated": ["--data", "cut.h5"], "missing": ["--data", "none.h5"],
             "crop": ["--data", str(cifar_file), "--augment", "inner-crop=24"],
             "chunks": ["--data", "one.h5"], "augment": ["--data", str(cifar_file), "--augment", "crop=3"]}[case]
@@ -102,11 +91,7 @@ def test_resume_follows_a_moved_file_and_refuses_another(mpirun, tmp_path, cifar
     assert res.returncode == 0, res.explain()
     np.testing.assert_array_equal(final(tmp_path, "moved").params, final(tmp_path, "whole").params)
     _, (train_x, train_y, test_x, test_y) = tiny_cifar
-    with H5Writer(str(cifar_file), "tiny", CLASSES, (3, 32, 32), source="tests", chunk=8) as w:  # rewritten
-        w.create("train", len(train_x))
-        w.write("train", 0, train_x[::-1], train_y[::-1])
-        w.create("test", len(test_x))
-        w.write("test", 0, test_x, test_y)
+    write_dataset_file(cifar_file, train_x[::-1], train_y[::-1], test_x, test_y, chunk=8)  # rewritten
     res = mpirun(3, ["train", "--resume", "runs/whole.ckpt.h5", "--max-pushes", "30", "--no-progress", "--data",
                      str(cifar_file)], timeout=60)
     assert res.returncode == 2, res.explain()
