@@ -13,6 +13,13 @@ and answers with the new weights (WEIGHTS, carrying the step size for the worker
 so no worker ever waits for another. f is 1, or with `--staleness-lr inverse` 1 / max(1,
 staleness) (Zhang et al. 2016, arXiv 1511.05950; `sqrt`: 1 / sqrt(max(1, staleness))).
 
+Two more answers to staleness (`mpiasgd.optim.delay`): `--dc-lambda L` corrects a gradient g before
+it enters the step, g <- g + L g * g * (w - w_pulled) (DC-ASGD, Zheng et al. 2017; `--dc-adaptive M`:
+L per weight divided by the root of a running mean square of g), w_pulled being the weights the
+worker computed it on: those of its last reply, which its send buffer still holds (below); and
+`--async-momentum workers` lowers the server's momentum to max(0, momentum - (1 - 1/N)), since N
+asynchronous workers add about 1 - 1/N of momentum themselves (Mitliagkas et al. 2016).
+
 A worker (ranks 1..N):
 
     pull w (version v)  ->  nsync = 1: one gradient g on w;            push g (base version v)
@@ -58,10 +65,21 @@ from mpi4py import MPI
 from mpiasgd import checkpoint
 from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
 from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, initial_buffers, lr_scale, need, round_fits
-from mpiasgd.optim import SGD, LocalSGD, Schedule, apply_delta, finite_square, fraction_done, staleness_factor
+from mpiasgd.optim import (
+    SGD,
+    DelayCompensation,
+    LocalSGD,
+    Schedule,
+    apply_delta,
+    explicit_momentum,
+    finite_square,
+    fraction_done,
+    staleness_factor,
+)
 from mpiasgd.rank0.role import Role
 
 STALENESS_LR = ("none", "inverse", "sqrt")
+ASYNC_MOMENTUM = ("fixed", "workers")
 
 
 class AsgdServer(Role):
@@ -88,8 +106,11 @@ class AsgdServer(Role):
         self.inbox = {w: Message(P + B) for w in self.workers}
         self.outbox = {w: Message(P + B) for w in self.workers}
         self.weights = {w: self.outbox[w].payload[:P] for w in self.workers}  # where the master weights may live
-        self.optimizer = SGD(params, decay_mask, cfg.momentum, cfg.weight_decay, nesterov=cfg.nesterov,
+        momentum = explicit_momentum(cfg.momentum, cfg.async_momentum, len(self.workers))
+        self.optimizer = SGD(params, decay_mask, momentum, cfg.weight_decay, nesterov=cfg.nesterov and momentum > 0,
                              lr_scale=lr_scale)
+        # --dc-lambda: the weights worker w computed its push on are those of its last reply, in weights[w]
+        self.compensation = DelayCompensation(P, cfg.dc_lambda, cfg.dc_adaptive) if cfg.dc_lambda else None
         self.schedule = Schedule.of(cfg)
         self.started: set[int] = set()        # workers sent their first weights (--warm-start holds back some)
         self.held_s = dict.fromkeys(self.workers, 0.0)  # ssp: how long the last reply to each worker was held
@@ -233,6 +254,8 @@ class AsgdServer(Role):
                 lr = float(h["lr"]) * factor
                 self.params = self.optimizer.params = apply_delta(self.params, grad, factor, out=out)
             else:  # the staleness factor scales the gradient entering the momentum, not the velocity's step
+                if self.compensation is not None:  # DC-ASGD: g + lambda g g (w - w_pulled)
+                    self.compensation.correct(grad, self.params, out)
                 step_size = self.schedule(rec.epoch, rec.fraction_done())
                 self.params = self.optimizer.step(grad, step_size, out=out, grad_scale=factor)
                 lr = step_size * factor  # logged: the step this push's gradient enters with
@@ -351,6 +374,15 @@ class AsgdMode(Mode):
         need(cfg.nsync >= 1, cfg, "nsync", "an integer >= 1")
         need(math.isfinite(cfg.warm_start) and cfg.warm_start >= 0, cfg, "warm_start", "seconds >= 0")
         need(cfg.staleness_lr in STALENESS_LR, cfg, "staleness_lr", f"one of {STALENESS_LR}")
+        need(cfg.async_momentum in ASYNC_MOMENTUM, cfg, "async_momentum", f"one of {ASYNC_MOMENTUM}")
+        need(math.isfinite(cfg.dc_lambda) and cfg.dc_lambda >= 0, cfg, "dc_lambda", "a number >= 0 (0 = off)")
+        need(0 <= cfg.dc_adaptive < 1, cfg, "dc_adaptive", "a decay 0 <= m < 1 (0 = a constant lambda)")
+        need(not cfg.dc_adaptive or cfg.dc_lambda > 0, cfg, "dc_adaptive", "0 without --dc-lambda (it adapts lambda)")
+        if cfg.dc_lambda:  # the server has the weights a push was computed on only for one gradient per reply
+            need(cfg.nsync == 1, cfg, "dc_lambda", "0 with nsync > 1 (delay compensation corrects a gradient; "
+                 "an nsync push is an accumulated update)")
+            need(not cfg.overlap, cfg, "dc_lambda", "0 with --overlap (a push is then computed on the weights of "
+                 "the reply before the last, which the server no longer holds)")
 
     def layout(self, cfg: Any, model: Any, num_workers: int, num_train: int) -> Any:
         if cfg.nsync > 1:

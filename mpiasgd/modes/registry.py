@@ -91,6 +91,15 @@ OPTIONS: tuple[Option, ...] = (  # in the order report tables label a variant
            "others get their first weights (GPU A-SGD's warm start); seconds", PS_MODES, label="warm {:g}s"),
     Option("staleness_lr", "none", "str", "scale of a pushed gradient of staleness s as it enters the momentum: "
            "none = 1, inverse = 1/max(1,s), sqrt = 1/sqrt(max(1,s)) (Zhang et al. 2016)", PS_MODES, "optimizer"),
+    Option("dc_lambda", 0.0, "float", "delay compensation (DC-ASGD, Zheng et al. 2017): the server corrects a "
+           "pushed gradient g to g + lambda * g * g * (w - w_pulled), w_pulled the weights the worker computed it "
+           "on; 0 = off; needs nsync 1 and no --overlap", PS_MODES, "optimizer", label="dc={:g}"),
+    Option("dc_adaptive", 0.0, "float", "DC-ASGD-a: lambda divided by sqrt of a running mean square of g (per "
+           "weight) with this decay, 0 < m < 1 (0.95 in the paper); 0 = a constant lambda", PS_MODES, "optimizer",
+           label="dc-a={:g}"),
+    Option("async_momentum", "fixed", "str", "the server's momentum: fixed = --momentum | workers = max(0, "
+           "momentum - (1 - 1/N)) for N workers, since asynchrony itself adds about 1 - 1/N of momentum "
+           "(Mitliagkas et al. 2016)", PS_MODES, "optimizer", label="momentum={}"),
     Option("easgd_tau", 4, "int", "easgd: local steps between two exchanges with the center variable (tau in "
            "Zhang et al. 2015); steps", ("easgd",), "easgd", label="tau={}", always=True),
     Option("easgd_alpha", 0.0, "float", "easgd: the elastic moving rate alpha, 0 < alpha < 1 (each exchange moves "

@@ -211,7 +211,7 @@ class SyncWorker(WorkerLoop):
         P, B, ops = self.P, self.B, model.ops
         kept = ops.empty(B) if B else None  # the buffers before the step: a skipped step restores them
         local = LocalSGD(model, cfg.momentum, cfg.weight_decay, nesterov=cfg.nesterov)
-        schedule, rule = Schedule.of(cfg), StopRule.of(cfg)
+        schedule, rule = Schedule.of(cfg, nworkers), StopRule.of(cfg)
         applied = 0
         if int(staging.weights.header["flags"]) & Flag.RESUME:  # the velocity follows the weights
             applied = int(staging.weights.header["version"])

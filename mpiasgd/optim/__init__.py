@@ -2,10 +2,12 @@
 
     sgd       SGD (rank 0, host, cache-blocked), LocalSGD (a worker's, on its backend), apply_delta,
               staleness_factor, finite_square
+    delay     DelayCompensation (DC-ASGD), explicit_momentum (--async-momentum)
     schedule  Schedule (warm-up, constant/step/cosine), StopRule (epochs, max_pushes, max_time),
               EvalSchedule (--eval-interval), snapshot_seconds (--snapshot-interval's auto rule)
 """
 
+from mpiasgd.optim.delay import DelayCompensation, explicit_momentum
 from mpiasgd.optim.schedule import (
     AUTO_SNAPSHOTS,
     EvalSchedule,
@@ -17,5 +19,6 @@ from mpiasgd.optim.schedule import (
 )
 from mpiasgd.optim.sgd import CHUNK, SGD, LocalSGD, apply_delta, finite_square, run_blocks, staleness_factor
 
-__all__ = ["AUTO_SNAPSHOTS", "CHUNK", "SGD", "EvalSchedule", "LocalSGD", "Schedule", "StopRule", "apply_delta",
-           "finite_square", "fraction_done", "learning_rate", "run_blocks", "snapshot_seconds", "staleness_factor"]
+__all__ = ["AUTO_SNAPSHOTS", "CHUNK", "SGD", "DelayCompensation", "EvalSchedule", "LocalSGD", "Schedule",
+           "StopRule", "apply_delta", "explicit_momentum", "finite_square", "fraction_done", "learning_rate",
+           "run_blocks", "snapshot_seconds", "staleness_factor"]

@@ -86,8 +86,16 @@ class Schedule:
     lr_gamma: float = 0.1
 
     @classmethod
-    def of(cls, source: Any) -> Schedule:
-        return _pick(cls, source)
+    def of(cls, source: Any, minibatches: int = 1) -> Schedule:
+        """The schedule of config `source`; `minibatches` is how many workers' minibatches one update averages
+        (sync: the workers; the pipeline: its replicas; the asynchronous modes and easgd: 1). With
+        `source.lr_scaling` "linear" the peak step size is `source.lr * minibatches`: the linear scaling rule
+        of Goyal et al. 2017 (arXiv 1706.02677, section 2.1: a k times larger minibatch, a k times larger
+        step size, with warm-up), `--lr` being the step size of one worker's minibatch."""
+        schedule = _pick(cls, source)
+        if getattr(source, "lr_scaling", "none") == "linear" and minibatches != 1:
+            schedule = dataclasses.replace(schedule, lr=source.lr * minibatches)
+        return schedule
 
     def __call__(self, epoch: float, progress: float) -> float:
         return learning_rate(self, epoch, progress)

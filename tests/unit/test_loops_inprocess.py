@@ -30,7 +30,7 @@ from mpiasgd.modes.pipeline import MODE as PIPELINE
 from mpiasgd.modes.pipeline import Module, PipelineUnit
 from mpiasgd.modes.sync import SyncWorker
 from mpiasgd.ops import numpy_ops
-from mpiasgd.optim import fraction_done, learning_rate
+from mpiasgd.optim import Schedule, fraction_done, learning_rate
 from mpiasgd.runlog import RunLog
 
 B = 16
@@ -85,7 +85,7 @@ def sync_reference(cfg, digits, steps: int, nworkers: int) -> tuple[np.ndarray, 
         for worker in workers[1:]:
             mean += worker.model.grads
         mean *= np.float32(1 / nworkers)
-        lr = learning_rate(cfg, k * B * nworkers / digits.train_y.size, k / steps)
+        lr = learning_rate(Schedule.of(cfg, nworkers), k * B * nworkers / digits.train_y.size, k / steps)
         numpy_ops.sgd_momentum(w, velocity, mean, decay, cfg.momentum, lr)
     return w, velocity
 
@@ -103,12 +103,13 @@ def sync_worker(cfg, digits, net: Network, workers: Group, w: int, test_idx: np.
                                 comms=workers.comm(w - 1)))
 
 
-@pytest.mark.parametrize("nworkers", [2, 3])
-def test_sync_run_in_process_equals_the_single_process_reference(tmp_path, digits, nworkers):
+@pytest.mark.parametrize("nworkers,scaling", [(2, "none"), (3, "none"), (2, "linear")])
+def test_sync_run_in_process_equals_the_single_process_reference(tmp_path, digits, nworkers, scaling):
     """Rank 0 (SyncMonitor in the loop) and the workers (SyncWorker, allreducing over a fake workers'
     communicator) run 6 steps in threads: the final weights, the log's rows, the end checkpoint and
-    every worker's evaluation are those of the hand computation."""
-    cfg = sync_config()
+    every worker's evaluation are those of the hand computation (--lr-scaling linear: the step size
+    times the workers)."""
+    cfg = sync_config(lr_scaling=scaling)
     steps, num_train = cfg.max_pushes, digits.train_y.size
     model = build_model("digits")
     p0 = model.init_params(cfg.seed)

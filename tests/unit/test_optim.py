@@ -10,7 +10,7 @@ import pytest
 
 from mpiasgd.config import Config
 from mpiasgd.ops import numpy_ops
-from mpiasgd.optim import SGD, LocalSGD, apply_delta, learning_rate, run_blocks, staleness_factor
+from mpiasgd.optim import SGD, LocalSGD, Schedule, apply_delta, learning_rate, run_blocks, staleness_factor
 
 
 def test_sgd_momentum_weight_decay_matches_formula():
@@ -155,6 +155,16 @@ def test_warmup_then_constant():
     assert learning_rate(cfg, 1.0, 0.1) == pytest.approx(0.1)
     assert learning_rate(cfg, 2.0, 0.2) == pytest.approx(0.2)
     assert learning_rate(cfg, 50.0, 0.9) == pytest.approx(0.2)
+
+
+def test_linear_scaling_rule():
+    """--lr-scaling linear: the peak step size is --lr times the minibatches an update averages; warm-up ramps
+    to it (Goyal et al. 2017); none, or one minibatch, keeps --lr."""
+    cfg = Config(lr=0.1, warmup_epochs=1.0, lr_schedule="constant", lr_scaling="linear")
+    assert Schedule.of(cfg, 4)(0.5, 0.1) == pytest.approx(0.2)
+    assert Schedule.of(cfg, 4)(3.0, 0.5) == pytest.approx(0.4)
+    assert Schedule.of(cfg, 1)(3.0, 0.5) == pytest.approx(0.1)
+    assert Schedule.of(Config(lr=0.1, lr_schedule="constant"), 4)(3.0, 0.5) == pytest.approx(0.1)
 
 
 def test_step_schedule():

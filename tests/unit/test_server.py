@@ -276,6 +276,73 @@ def test_staleness_rule_scales_the_stale_gradient_not_the_velocity(tmp_path):
     np.testing.assert_allclose(rows["lr"], [0.5, 0.5, 0.25, 0.25, 0.5 / 3], rtol=1e-6)
 
 
+@pytest.mark.parametrize("adaptive", [0.0, 0.9])
+def test_delay_compensation_by_hand(tmp_path, adaptive):
+    """--dc-lambda 2 (and DC-ASGD-a, --dc-adaptive 0.9) with --staleness-lr inverse, momentum 0.9 and weight
+    decay: every push's gradient g is corrected to g + lambda_t g g (w - w_pulled), w_pulled the weights of
+    the worker's last reply, before the staleness factor scales it into the velocity (hand computation over
+    six pushes of three workers; the replies carry the weights each worker computes its next push on)."""
+    lam = 2.0
+    server, net, log = make_server(tmp_path, num_workers=3, staleness_lr="inverse", momentum=0.9, weight_decay=0.1,
+                                   dc_lambda=lam, dc_adaptive=adaptive)
+    server.start_workers()  # every worker pulls the initial weights (version 0)
+    w, v, ms = server.params.astype(np.float64), np.zeros(P), np.zeros(P)
+    pulled = {k: w.copy() for k in (1, 2, 3)}
+    rng = np.random.default_rng(3)
+    pushes = [(1, 1, 0), (2, 1, 0), (3, 1, 0), (1, 2, 1), (2, 2, 2), (1, 3, 4)]  # (worker, step, base version)
+    for k, (worker, step, base) in enumerate(pushes):
+        g = rng.standard_normal(P).astype(np.float32)
+        push(net, worker, step=step, version=base, grad=g)
+        serve_one(server)
+        g64 = g.astype(np.float64)
+        if adaptive:
+            ms = adaptive * ms + (1 - adaptive) * g64 * g64
+            scale = lam / np.sqrt(ms + 1e-7)
+        else:
+            scale = lam
+        corrected = g64 + scale * g64 * g64 * (w - pulled[worker])
+        v = 0.9 * v + corrected / max(1, k - base) + 0.1 * w
+        w = w - 0.5 * v
+        np.testing.assert_allclose(server.params, w, rtol=1e-5, atol=1e-5)
+        tag, header, payload = reply(net, worker)
+        assert tag == Tag.WEIGHTS and header["version"] == k + 1
+        pulled[worker] = payload.astype(np.float64)
+    assert any((w != p).any() for p in pulled.values())  # a correction was not zero
+    log.flush()
+    with open_log(log.path) as fh:
+        assert fh["pushes"]["staleness"].tolist() == [0, 1, 2, 2, 2, 1]
+
+
+def test_delay_compensation_is_exactly_plain_sgd_when_nothing_is_stale(tmp_path):
+    """One worker: every push has staleness 0, w - w_pulled = 0, and the weights equal a run without it bit
+    for bit."""
+    runs = []
+    for lam in (0.0, 5.0):
+        server, net, _ = make_server(tmp_path / str(lam), num_workers=1, momentum=0.9, dc_lambda=lam)
+        server.start_workers()
+        for step in range(1, 5):
+            push(net, 1, step=step, version=step - 1, grad=np.linspace(-2, 3, P).astype(np.float32) * step)
+            serve_one(server)
+        runs.append(server.params.copy())
+    np.testing.assert_array_equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("rule,workers,expected", [("fixed", 4, 0.9), ("workers", 1, 0.9), ("workers", 2, 0.4),
+                                                   ("workers", 4, 0.15), ("workers", 10, 0.0)])
+def test_async_momentum_rule(tmp_path, rule, workers, expected):
+    """--async-momentum workers: the server's momentum is max(0, 0.9 - (1 - 1/N)), and its steps use it."""
+    server, net, _ = make_server(tmp_path, num_workers=workers, momentum=0.9, async_momentum=rule)
+    assert float(server.optimizer.momentum) == pytest.approx(expected)
+    w, v = server.params.astype(np.float64), np.zeros(P)
+    for step in (1, 2, 3):
+        g = np.full(P, float(step), np.float32)
+        push(net, 1, step=step, version=step - 1, grad=g)
+        serve_one(server)
+        v = expected * v + g
+        w = w - 0.5 * v
+    np.testing.assert_allclose(server.params, w, rtol=1e-6)
+
+
 def test_a_pause_of_rank0_itself_is_not_worker_silence(tmp_path, monkeypatch, capsys):
     """Rank 0 stopped (SIGSTOP) for 20 s, then continued: its next tick takes the gap off every worker's
     silence and logs one "pause" event, not a stall warning; a worker silent for --stall-warning and

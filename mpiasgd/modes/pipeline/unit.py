@@ -107,7 +107,7 @@ class PipelineUnit(WorkerLoop):
         self.ops = job.model.ops
         self.full = cfg.decoupling == "full"
         self.delay = (2 if self.full else 1) * (self.K - 1 - self.k)
-        self.schedule, self.rule = Schedule.of(cfg), StopRule.of(cfg)
+        self.schedule, self.rule = Schedule.of(cfg, self.N), StopRule.of(cfg)
 
     def forward_minibatch(self, t: int) -> int:
         """The minibatch (counted from the segment's first) whose forward this unit runs at iteration t."""
