@@ -118,6 +118,9 @@ class BaseConfig:
                                           "pipeline: minibatches "
                                           "per replica (0 = no limit)")
     max_time: float = _opt(0.0, "stopping", "wall time of training, seconds (0 = no limit)")
+    stop_accuracy: float = _opt(0.0, "stopping",
+                                "stop once an evaluation during training (--eval-interval) reaches this test top-1 "
+                                "accuracy, a fraction (0.65 = 65 %); 0 = never")
     on_divergence: str = _opt("warn", "stopping",
                               "when the training loss spikes far above its running level, or the network is dead "
                               "(loss at ln(classes), chance accuracy, after the first epoch): warn (stderr and a "
@@ -221,6 +224,9 @@ class BaseConfig:
              "seconds >= 0 (0 = only at the end and on a signal)")
         need(self.eval_batch_size >= 1, "eval_batch_size", "an integer >= 1")
         self.eval_every()  # raises on a malformed interval
+        need(0 <= self.stop_accuracy <= 1, "stop_accuracy", "a fraction 0..1 (0 = never)")
+        need(not self.stop_accuracy or self.eval_every()[0] > 0, "stop_accuracy",
+             "0 without --eval-interval (it is judged on the evaluations during training)")
         need(not (self.data and self.dataset), "data", "'' with --dataset (a file replaces the named dataset)")
         need(not self.test_data or bool(self.data), "test_data", "'' without --data")
         need(self.model in MODELS or self.dataset != "" or self.data != "", "dataset",

@@ -185,6 +185,11 @@ class Recorder:
         self.say(f"mpiasgd: evaluation at epoch {samples / self.num_train:.2f} (version {span}): test top-1 "
                  f"{100 * top1:.2f} %, top-5 {100 * top5:.2f} %, loss {loss:.4f} on {count:,} images "
                  f"({seconds:.1f} s)")
+        target = self.cfg.stop_accuracy
+        if target and top1 >= target and not self.stop_reason:  # --stop-accuracy: a stopping rule of its own
+            self.stop(f"stop_accuracy: test top-1 {100 * top1:.2f} % >= {100 * target:g} % at epoch "
+                      f"{samples / self.num_train:.2f}")
+            self.stop_workers()  # the modes whose workers judge their own stop (sync, pipeline) are told
 
     def say(self, line: str) -> None:
         """A line on the console, above the progress bar when there is one."""

@@ -129,6 +129,40 @@ def test_async_rank0_asks_each_running_worker_once_and_logs_the_sum(tmp_path):
         serve_one(server)
 
 
+@pytest.mark.parametrize("correct,stops", [(40, False), (45, True)])
+def test_stop_accuracy_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_path, correct, stops):
+    """--stop-accuracy 0.85: an evaluation of 80 % leaves the run going; one of 90 % stops it (reason logged) and
+    the next reply is STOP. The other rules (max_pushes 100) are far off."""
+    server, net, _ = started_server(tmp_path, eval_interval="0.1ep", stop_accuracy=0.85)
+    g = np.full(P, 0.1, np.float32)
+    push(net, 1, step=1, version=0, grad=g)  # epoch 0.1: the evaluation is due
+    serve_one(server)
+    server.tick()
+    push(net, 2, step=1, version=0, grad=g)
+    serve_one(server)
+    assert int(reply(net, 2)[1]["flags"]) & Flag.EVALUATE
+    eval_answer(net, 2, 1, 2, samples=50, correct=correct, correct5=50, loss=10.0, seconds=0.5)
+    serve_one(server)
+    push(net, 1, step=2, version=1, grad=g)
+    serve_one(server)
+    assert int(reply(net, 1)[1]["flags"]) & Flag.EVALUATE
+    eval_answer(net, 1, 1, 3, samples=50, correct=correct, correct5=50, loss=10.0, seconds=0.5)
+    serve_one(server)
+    assert server.rec.stop_reason.startswith("stop_accuracy: test top-1 ") == stops, server.rec.stop_reason
+    push(net, 2, step=2, version=2, grad=g)
+    serve_one(server)
+    assert reply(net, 2)[0] == (Tag.STOP if stops else Tag.WEIGHTS)
+    if stops:
+        assert server.rec.stop_reason == "stop_accuracy: test top-1 90.00 % >= 85 % at epoch 0.25"
+
+
+def test_stop_accuracy_needs_evaluations():
+    with pytest.raises(ConfigError, match=r"'stop_accuracy' = 0.5: expected 0 without --eval-interval"):
+        Config(stop_accuracy=0.5).validate()
+    with pytest.raises(ConfigError, match=r"'stop_accuracy' = 1.5: expected a fraction 0..1"):
+        Config(stop_accuracy=1.5, eval_interval="1ep").validate()
+
+
 def test_async_answers_are_checked(tmp_path):
     """An answer to an evaluation the worker was not asked for, or a second one, is a ProtocolError."""
     server, net, _ = started_server(tmp_path, eval_interval="0.1ep")
