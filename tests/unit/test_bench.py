@@ -544,3 +544,18 @@ def test_decoupling_table_and_goal_line():
     assert decoupling.goal_line(rows[1:]) == "K = 2 within 1.5 points of K = 1: not assessed (no K = 1 row ran)"
     assert decoupling.goal_line([row("K1", 0.9), row("K3-b0.5-store", 0.9)]).endswith("(no K = 2 row ran)")
     assert decoupling.table_lines([row("K1", note="FAILED (see stderr)")])[2].endswith("| FAILED (see stderr) | | | |")
+
+
+def test_payoff_grid_marks_each_variants_best_and_an_edge_of_its_grid():
+    """bench/asgd_payoff.py: step sizes per variant parse; the summary gives each variant's best with its gap to
+    sync, flagging a best at the end of its grid."""
+    from asgd_payoff import grid_table, step_sizes
+
+    assert step_sizes("sync=0.02:0.04,0.01:0.02") == {"sync": [0.02, 0.04], "*": [0.01, 0.02]}
+    rows = [{"variant": v, "lr": lr, "accuracy": acc, "time_s": 300.0, "staleness": s}
+            for v, lr, acc, s in (("sync", 0.02, 0.74, 0.0), ("sync", 0.04, 0.76, 0.0), ("sync", 0.08, 0.75, 0.0),
+                                  ("async", 0.005, 0.70, 1.0), ("async", 0.01, 0.72, 1.0))]
+    table = grid_table(rows, "head")
+    assert "| sync | 0.04 | **76.00 %** | 300.0 | 0.00 |" in table
+    assert "| sync | 0.04 | 76.00 % | +0.00 |" in table
+    assert "| async | 0.01 (edge of the grid) | 72.00 % | -4.00 |" in table
