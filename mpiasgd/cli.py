@@ -1,6 +1,8 @@
-"""Command line: `mpiasgd train | evaluate | report | watch | trace | export | data` (also `python -m mpiasgd ...`).
+"""Command line: `mpiasgd train | simulate | evaluate | report | watch | trace | export | data` (also
+`python -m mpiasgd ...`).
 
     mpiexec -n 3 python -m mpiasgd train --model digits --epochs 30   # 1 parameter server + 2 workers
+    python -m mpiasgd simulate --workers 8 --compute-s 0.05           # 8 virtual workers, one process, no MPI
     python -m mpiasgd evaluate runs/NAME.h5                            # accuracy of every weight snapshot
     python -m mpiasgd report runs/NAME.h5 [runs/OTHER.h5 ...]          # summary tables, runs compared
     python -m mpiasgd watch runs/NAME.h5                               # follow a running job, a line per interval
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     sub.add_parser("train", help="train (run under mpiexec/srun: rank 0 server, ranks 1..N workers)",
                    add_help=False)
+    sub.add_parser("simulate", help="simulate N workers in one process on a virtual clock (no MPI; modes async, "
+                   "ssp): real gradients and server, modelled timing", add_help=False)
     ev = command(sub, "evaluate", "evaluate every weight snapshot of a run log on the test set")
     ev.add_argument("logs", nargs="+", metavar="RUN.h5", help="run logs written by mpiasgd train (runs/NAME.h5)")
     ev.add_argument("--data-dir", default=None, help="where the dataset is (default: the run's own)")
@@ -98,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "train":
         return _train(rest)
+    if args.command == "simulate":
+        from mpiasgd.sim.cli import main as simulate
+
+        return simulate(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "evaluate":

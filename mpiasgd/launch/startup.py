@@ -46,9 +46,10 @@ MAX_MESSAGE_VALUES = (2**31 - 1 - HEADER_BYTES) // 4  # float32 values in one me
 @dataclass
 class Startup:
     """What start-up leaves a rank. Every rank: `mode`, `dataset`, `model` (the server's: numpy),
-    `backend`, `device` (a DeviceInfo, or None), `layout`. Rank 0: `path` of the run log, `lock` (held
-    until the log is closed), `checkpoint` (resuming). A worker: `sampler`, `test_idx` (int64), its
-    `staging` and `make_staging()` for another like it, `autotune` (plans chosen at start-up)."""
+    `backend`, `device` (a DeviceInfo, or None), `layout`, `samplers` (every shard's ShardSampler, by shard
+    number). Rank 0: `path` of the run log, `lock` (held until the log is closed), `checkpoint` (resuming).
+    A worker: `sampler`, `test_idx` (int64), its `staging` and `make_staging()` for another like it,
+    `autotune` (plans chosen at start-up)."""
 
     mode: Mode
     dataset: Any
@@ -64,6 +65,7 @@ class Startup:
     staging: Staging | None = None
     make_staging: Any = None
     autotune: list[str] = field(default_factory=list)
+    samplers: list[ShardSampler] = field(default_factory=list)
     rank0: Any = None  # rank 0's loop once it runs (`mpiasgd.rank0.serve.log_unwritable` needs it)
 
     def release(self) -> None:
@@ -259,12 +261,12 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
     if cfg.batch_size > smallest_shard:
         raise ConfigError(f"config key 'batch_size' = {cfg.batch_size}: larger than the smallest worker shard "
                           f"({smallest_shard} images: {dataset.num_train} over {layout.shards} shards)")
-    out = Startup(mode, dataset, model, backend, device, layout)
+    out = Startup(mode, dataset, model, backend, device, layout, samplers=samplers)
     if me.is_server:
         open_run_log(cfg, me, out, resumed)
         return out
     out.sampler = samplers[layout.shard[me.rank]]
-    out.test_idx = np.array_split(np.arange(dataset.num_test, dtype=np.int64), me.num_workers)[me.rank - 1]
+    out.test_idx = test_slice(dataset.num_test, me.num_workers, me.rank)
     if cfg.data_in_memory and hasattr(dataset, "keep_in_memory"):
         dataset.keep_in_memory(out.sampler.shard_indices())  # a file's shard, read once (MemoryError: a start-up error)
     query = getattr(MPI, "Query_cuda_support", None)
@@ -275,6 +277,12 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
     out.staging = make_staging(backend, cuda_aware, count)  # buffers reused every step
     out.make_staging = lambda: make_staging(backend, cuda_aware, count)  # --overlap: a second one
     return out
+
+
+def test_slice(num_test: int, num_workers: int, rank: int) -> np.ndarray:
+    """The test images worker `rank` (1..num_workers) evaluates: int64 indices, a contiguous slice of the
+    `num_test` (the slices of all workers cover the test split once)."""
+    return np.array_split(np.arange(num_test, dtype=np.int64), num_workers)[rank - 1]
 
 
 def open_run_log(cfg: Config, me: Rank, out: Startup, resumed: checkpoint.Checkpoint | None = None) -> None:

@@ -45,8 +45,9 @@ def announce(cfg: Any, me: Any, start: Any, workers: list) -> None:
         print(lines, flush=True)
 
 
-def start_log(cfg: Any, me: Any, start: Any, workers: list) -> RunLog:
-    """Create the run log, or (resuming) continue it; logs the resume's config changes and autotune events."""
+def start_log(cfg: Any, me: Any, start: Any, workers: list, extra: dict | None = None) -> RunLog:
+    """Create the run log, or (resuming) continue it; logs the resume's config changes and autotune events.
+    `extra`: more attributes of a new log (`mpiasgd simulate`: that it is simulated, and how)."""
     from mpiasgd.config import from_mapping, resume_overrides
     from mpiasgd.launch.startup import versions
     from mpiasgd.optim import StopRule
@@ -60,7 +61,7 @@ def start_log(cfg: Any, me: Any, start: Any, workers: list) -> RunLog:
              "num_buffers": model.num_buffers,
              "num_train": int(dataset.train_y.size), "num_test": int(dataset.test_y.size),
              "data_source": dataset.source, "data_fingerprint": dataset.fingerprint, "command": " ".join(sys.argv),
-             **start.layout.attrs}
+             **start.layout.attrs, **(extra or {})}
     rows = [w.row() for w in workers]
     if ckpt is not None and os.path.exists(start.path):
         log = RunLog.reopen(start.path, rows, cfg.flush_interval, start.lock, resumed_at=ckpt.log_time)

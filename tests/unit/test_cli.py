@@ -1,5 +1,5 @@
 """The command line as a new user meets it first: every subcommand's --help renders (through
-`python -m mpiasgd` and the `mpiasgd` script), and train's lists every config key."""
+`python -m mpiasgd` and the `mpiasgd` script), and train's (and simulate's) lists every config key."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from mpiasgd.config import FIELDS
 
-SUBCOMMANDS = ("train", "evaluate", "report", "watch", "trace", "export", "data")
+SUBCOMMANDS = ("train", "simulate", "evaluate", "report", "watch", "trace", "export", "data")
 SCRIPT = shutil.which("mpiasgd", path=str(Path(sys.executable).parent))
 
 
@@ -23,7 +23,7 @@ def test_every_subcommand_help_renders(command, flag):
                          timeout=60)
     assert res.returncode == 0 and res.stderr == "", res.stderr
     assert res.stdout.startswith(f"usage: mpiasgd {command}"), res.stdout[:200]
-    if command == "train":  # one flag per config key, and the autotune help's '%' shown as itself
+    if command in ("train", "simulate"):  # one flag per config key, and the autotune help's '%' shown as itself
         missing = [key for key in FIELDS if f"--{key.replace('_', '-')}" not in res.stdout]
         assert missing == [], missing
         assert "> 3 % faster" in res.stdout

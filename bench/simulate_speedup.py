@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""How far does the speed-up go? GPU A-SGD's experiment (Paine et al. 2013, arXiv 1312.6186: the number of
+clients, nsync, cold and warm start) at the scale it asks for, with `mpiasgd simulate`: time to a target
+test accuracy and the speed-up over one worker, for N = 1, 2, 4, ..., 32 workers, nsync = 1, 10, 100, cold
+and warm start. One markdown table, one plot, every command.
+
+    python bench/simulate_speedup.py                                 # cifar10, the H200 profile, 33 simulations
+    python bench/simulate_speedup.py --workers 1,2,4 --nsync 1 --starts cold --model digits --target-accuracy 0.6 \\
+        --epochs 3 --eval-interval 0.5ep --options="--lr 0.05"      # ~1 min check of the script
+
+Each simulation is `python -m mpiasgd simulate --workers N --profile PROFILE --nsync K [--warm-start S]
+--stop-accuracy T --eval-interval I --epochs E OPTIONS`: real gradients of the real network on the real
+shards, the real parameter server, on a virtual clock from the profile (default
+bench/profiles/h200-cifar10.json: an H200 per worker, estimated, see its note). The run stops at the first
+evaluation (every `--eval-interval`, default 0.25 epochs) that reaches `--target-accuracy` (default 0.60),
+or after `--epochs` (10; the cosine schedule spans them). Time to target = the virtual seconds of training
+at the weights of that evaluation; speed-up = the time of one worker with nsync 1 (plain SGD on one GPU)
+over it. The warm start (GPU A-SGD's) lets worker 1 train alone for `--warm-start` virtual seconds
+(default: half an epoch of one worker under the profile) before the others get weights; N = 1 has none.
+
+Cost: each simulation computes every gradient for real, on this machine's CPU: about a minute per
+simulated epoch of cifar10 on one core, whatever N. `--jobs` (default 2) simulations run at once, each
+with one BLAS thread. Every command has a time limit (`--timeout`); a failed one is printed and marked in
+the table, the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from launch import add_run_arguments, run, run_dir
+
+from mpiasgd.cli import fraction
+from mpiasgd.runlog.reader import load
+from mpiasgd.runlog.summary import final_eval
+from mpiasgd.tools.report import time_to_accuracy
+
+HERE = Path(__file__).resolve().parent
+NUM_TRAIN = {"cifar10": 50_000, "digits": 1_437}  # training images of the built-in sets (the warm-start default)
+
+
+def ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def starts(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in ("cold", "warm") for v in values):
+        raise argparse.ArgumentTypeError(f"expected cold and/or warm, got {text!r}")
+    return values
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--profile", default=str(HERE / "profiles" / "h200-cifar10.json"), help="timing profile")
+    parser.add_argument("--model", default="cifar10", help="network and dataset")
+    parser.add_argument("--workers", type=ints, default=ints("1,2,4,8,16,32"), help="N, comma-separated")
+    parser.add_argument("--nsync", type=ints, default=ints("1,10,100"), help="nsync values, comma-separated")
+    parser.add_argument("--starts", type=starts, default=starts("cold,warm"), help="cold and/or warm")
+    parser.add_argument("--warm-start", type=float, default=None, help="virtual seconds worker 1 trains alone "
+                        "(default: half an epoch of one worker under the profile)")
+    parser.add_argument("--target-accuracy", type=fraction, default=0.60, metavar="FRACTION",
+                        help="test top-1 accuracy the time is measured to")
+    parser.add_argument("--epochs", type=float, default=10.0, help="the limit of a run that never reaches it")
+    parser.add_argument("--eval-interval", default="0.25ep", help="evaluations during training")
+    parser.add_argument("--batch-size", type=int, default=64, help="minibatch per worker")
+    parser.add_argument("--options", default="--lr 0.02", help="more `train` options for every simulation")
+    parser.add_argument("--jobs", type=int, default=2, help="simulations at once")
+    parser.add_argument("--plot", default=None, help="PNG of the speed-ups (default RUN_DIR/speedup.png)")
+    add_run_arguments(parser, "speedup")
+    args = parser.parse_args(argv)
+    args.run_dir = run_dir(args, "speedup")
+    return args
+
+
+def warm_seconds(args: argparse.Namespace) -> float:
+    """Half an epoch of one worker under the profile: minibatches x (compute + server + 2 latencies)."""
+    if args.warm_start is not None:
+        return args.warm_start
+    profile = json.loads(Path(args.profile).read_text())
+    step = profile["compute"].get("mean_s", 0.0) or sum(profile["compute"]["samples"]) / len(
+        profile["compute"]["samples"])
+    step += profile.get("server_s", 0.0) + 2 * profile.get("latency_s", 0.0)
+    return round(0.5 * NUM_TRAIN.get(args.model, 50_000) / args.batch_size * step, 6)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    os.makedirs(args.run_dir, exist_ok=True)
+    warm = warm_seconds(args)
+    python = [sys.executable, "-m", "mpiasgd"]
+    jobs = []
+    for k in args.nsync:
+        for n in args.workers:
+            for start in args.starts:
+                if start == "warm" and n == 1:
+                    continue  # one worker has no one to warm up for
+                name = f"n{n}-nsync{k}-{start}"
+                cmd = [*python, "simulate", "--workers", str(n), "--profile", args.profile, "--model", args.model,
+                       "--nsync", str(k), "--epochs", f"{args.epochs:g}", "--eval-interval", args.eval_interval,
+                       "--stop-accuracy", f"{args.target_accuracy:g}", "--batch-size", str(args.batch_size),
+                       "--threads", "1", "--snapshot-interval", "0", "--no-progress", "--run-dir", args.run_dir,
+                       "--name", name, "--overwrite", *(["--warm-start", f"{warm:g}"] if start == "warm" else []),
+                       *shlex.split(args.options)]
+                jobs.append(((n, k, start), cmd))
+
+    def one(job: tuple) -> tuple:
+        key, cmd = job
+        done = run(cmd, args.timeout)
+        print(f"{key}: {f'{done.seconds:.0f} s' if done.ok else 'FAILED'}", flush=True)
+        if not done.ok:
+            print(done.explain(args.timeout), file=sys.stderr, flush=True)
+        return key, done
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = dict(pool.map(one, jobs))
+    rows = {}
+    for (n, k, start), done in results.items():
+        if not done.ok:
+            rows[(n, k, start)] = None
+            continue
+        r = load(os.path.join(args.run_dir, f"n{n}-nsync{k}-{start}.h5"))
+        rows[(n, k, start)] = {"time": time_to_accuracy(r, args.target_accuracy),
+                               "accuracy": float(final_eval(r)["accuracy"]),
+                               "staleness": float(r.get("staleness_mean", float("nan"))),
+                               "epochs": float(r.get("epochs_done", float("nan")))}
+    print(f"\n{len(jobs)} simulations in {time.monotonic() - t0:.0f} s of this machine\n")
+    print(table(rows, args, warm))
+    plot = args.plot or os.path.join(args.run_dir, "speedup.png")
+    if draw(rows, args, plot):
+        print(f"\nplot: {plot}")
+    print("\nCommands (`python bench/simulate_speedup.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+          + "`):\n\n```bash\n" + "\n".join(shlex.join(cmd) for _, cmd in jobs) + "\n```")
+    return 0 if all(done.ok for done in results.values()) else 1
+
+
+def baseline(rows: dict) -> float | None:
+    base = rows.get((1, 1, "cold"))
+    return base["time"] if base else None
+
+
+def table(rows: dict, args: argparse.Namespace, warm: float) -> str:
+    target = f"{100 * args.target_accuracy:g} %"
+    note = json.loads(Path(args.profile).read_text()).get("note", "")
+    lines = [f"{args.model}, batch {args.batch_size} per worker, `{args.options}`, profile `{args.profile}`"
+             f"{' (' + note.split(':')[0] + ')' if note else ''}; warm start {warm:g} virtual s; "
+             f"{time.strftime('%Y-%m-%d')}. Time to {target} test accuracy in virtual seconds (speed-up over one "
+             f"worker, nsync 1), mean staleness, epochs trained to get there.", "",
+             "| N | " + " | ".join(f"nsync {k} {s}" for k in args.nsync for s in args.starts) + " |",
+             "|---:|" + "---:|" * (len(args.nsync) * len(args.starts))]
+    base = baseline(rows)
+    for n in args.workers:
+        cells = []
+        for k in args.nsync:
+            for s in args.starts:
+                if s == "warm" and n == 1:
+                    cells.append("-")
+                    continue
+                row = rows.get((n, k, s))
+                if row is None:
+                    cells.append("failed")
+                elif row["time"] is None:
+                    cells.append(f"not reached ({100 * row['accuracy']:.1f} % after {row['epochs']:.1f} ep)")
+                else:
+                    speed = f" ({base / row['time']:.2f}x)" if base else ""
+                    cells.append(f"{row['time']:.2f} s{speed}, s={row['staleness']:.1f}, {row['epochs']:.2f} ep")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def draw(rows: dict, args: argparse.Namespace, path: str) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = baseline(rows)
+    if not base:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for k in args.nsync:
+        for s in args.starts:
+            pts = [(n, base / rows[(n, k, s)]["time"]) for n in args.workers
+                   if rows.get((n, k, s)) and rows[(n, k, s)]["time"]]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), "o-" if s == "cold" else "s--", label=f"nsync {k}, {s}")
+    ax.plot(args.workers, args.workers, ":", color="gray", label="linear")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("workers N")
+    ax.set_ylabel(f"speed-up to {100 * args.target_accuracy:g} % (vs 1 worker)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""`mpiasgd simulate`: a cluster of N workers replayed in one process, without MPI, on a virtual clock.
+
+    python -m mpiasgd simulate --workers 8 --model digits --epochs 2 --compute-s 0.05 --latency-s 0.001
+    python -m mpiasgd simulate --workers 16 --fit runs/c10-4w.h5 --model cifar10 --epochs 10 \\
+        --save-profile c10.json                       # timing fitted from a real 4-worker run, 16 workers
+    python -m mpiasgd simulate --workers 32 --profile c10.json --model cifar10 --nsync 4 --warm-start 60
+
+Every `mpiasgd train` option applies (the same parser and config); seconds in them (--warm-start,
+--eval-interval, --max-time, --snapshot-interval, --checkpoint-interval) are virtual seconds, except
+--flush-interval (the log is written in real time). The timing model comes from --profile, --fit or the
+quick flags; quick flags given with --profile or --fit replace those figures of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130  # as a shell reports SIGINT
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """`mpiasgd train`'s parser (every config key) plus --workers and the timing model's flags."""
+    from mpiasgd.config import make_parser as train_parser
+
+    parser = train_parser("mpiasgd simulate")
+    parser.description = ("Simulate asynchronous SGD (modes async and ssp) with N virtual workers in one process, "
+                          "without MPI: real gradients and the real parameter server, on a virtual clock whose "
+                          "timing comes from a model (--compute-s ..., --profile or --fit). Writes a run log "
+                          "in virtual seconds.")
+    sim = parser.add_argument_group("simulation (virtual seconds)")
+    sim.add_argument("--workers", type=int, default=None, metavar="N", help="virtual workers (ranks 1..N), N >= 1")
+    sim.add_argument("--profile", metavar="FILE.json", default=None, help="timing model from this JSON profile "
+                     "(see mpiasgd.sim.timing; --save-profile writes one)")
+    sim.add_argument("--fit", metavar="RUN.h5", default=None, help="timing model fitted from this run log of an "
+                     "async or ssp run: each worker's measured compute times, the round trip's latency, the "
+                     "server's time per update")
+    sim.add_argument("--compute-s", type=float, default=None, metavar="SECONDS",
+                     help="compute seconds per minibatch of every worker (lognormal mean)")
+    sim.add_argument("--compute-cv", type=float, default=None, metavar="CV",
+                     help="coefficient of variation of the compute time (default 0: always --compute-s)")
+    sim.add_argument("--latency-s", type=float, default=None, metavar="SECONDS",
+                     help="seconds per message, one way (default 0)")
+    sim.add_argument("--bandwidth", type=float, default=None, metavar="BYTES_PER_S",
+                     help="bytes/s of each link (default 0 = infinite)")
+    sim.add_argument("--server-s", type=float, default=None, metavar="SECONDS",
+                     help="seconds the parameter server takes per applied push (default 0)")
+    sim.add_argument("--eval-s-per-image", type=float, default=None, metavar="SECONDS",
+                     help="seconds per test image evaluated (default: compute seconds / batch size / 3)")
+    sim.add_argument("--save-profile", metavar="FILE.json", default=None,
+                     help="write the timing model used (defaults filled in) to this JSON file")
+    return parser
+
+
+def timing_from(args: argparse.Namespace) -> Any:
+    """The TimingModel the flags give: --profile's or --fit's with any quick flag replacing that figure, or
+    the quick model. ProfileError (a ConfigError) naming the file or the flag when it is not valid."""
+    from mpiasgd.sim.timing import ProfileError, TimingModel, fit_run_log, load_profile
+
+    if args.profile and args.fit:
+        raise ProfileError("mpiasgd simulate: --profile and --fit: give one timing model")
+    if args.compute_cv is not None and args.compute_s is None:
+        raise ProfileError("mpiasgd simulate: --compute-cv needs --compute-s (the mean it varies around)")
+    if not (args.profile or args.fit):
+        if args.compute_s is None:
+            raise ProfileError("mpiasgd simulate: no timing model: give --compute-s SECONDS (with --compute-cv, "
+                               "--latency-s, --bandwidth, --server-s as needed), --profile FILE.json or --fit RUN.h5")
+        return TimingModel.quick(args.compute_s, args.compute_cv or 0.0, args.latency_s or 0.0, args.bandwidth or 0.0,
+                                 args.server_s or 0.0, args.eval_s_per_image)
+    base = load_profile(args.profile) if args.profile else fit_run_log(args.fit)
+    values = base.to_dict()
+    if args.compute_s is not None:  # every worker's compute time, theirs included
+        values["compute"] = {"mean_s": args.compute_s, "cv": args.compute_cv or 0.0}
+        values.pop("workers", None)
+    for key in ("latency_s", "bandwidth", "server_s", "eval_s_per_image"):
+        if getattr(args, key) is not None:
+            values[key] = getattr(args, key)
+    return TimingModel.from_dict(values, f"{'--profile' if args.profile else '--fit'} with the timing flags")
+
+
+def main(argv: list[str]) -> int:
+    """`mpiasgd simulate ARGV`; returns the exit status (2: bad input, one line on stderr)."""
+    import mpi4py
+
+    # no MPI here: mpiasgd's modules import mpi4py.MPI (for its constants), which must not initialise MPI
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = False
+    from mpiasgd.config import ConfigError, resolve
+
+    parser = make_parser()
+    if "-h" in argv or "--help" in argv:
+        parser.print_help()
+        return 0
+    from mpiasgd.launch.startup import STARTUP_ERRORS
+    from mpiasgd.rank0.recorder import TrainingDiverged
+    from mpiasgd.sim.run import simulate
+    from mpiasgd.sim.timing import save_profile
+
+    try:
+        args = parser.parse_args(argv)
+        cfg = resolve(args)
+        if args.workers is None:
+            raise ConfigError("mpiasgd simulate: --workers N is required (the virtual workers, ranks 1..N)")
+        from mpiasgd.sim.engine import check_simulated
+
+        check_simulated(cfg, args.workers)
+        timing = timing_from(args)
+        if args.save_profile:
+            save_profile(timing.resolved(cfg.batch_size), args.save_profile)
+            print(f"mpiasgd simulate: timing model written to '{args.save_profile}'", flush=True)
+        if timing.batch_size and timing.batch_size != cfg.batch_size:
+            print(f"mpiasgd simulate: warning: the timing model's compute times are for minibatches of "
+                  f"{timing.batch_size} images; this run's are {cfg.batch_size} (--batch-size)", file=sys.stderr,
+                  flush=True)
+        return simulate(cfg, args.workers, timing)
+    except STARTUP_ERRORS as e:  # bad input, or the log could not be written (disk full): one line
+        print(f"mpiasgd simulate: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except TrainingDiverged as e:  # --max-rejects: the log is closed 'failed' and says so
+        print(f"mpiasgd simulate: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    except KeyboardInterrupt:  # Ctrl-C: the log (if it was created) is closed 'failed'
+        print("mpiasgd simulate: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED

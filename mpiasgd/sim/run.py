@@ -1,0 +1,118 @@
+"""One `mpiasgd simulate` run: start-up with `mpiasgd train`'s own functions (data, network, rank 0's
+model, layout, shards, test slices, run log), the engine on a virtual clock, and the end as rank 0's
+`serve` ends a run (the log closed with the summary, the summary lines printed).
+
+The run log is a run log like any: `mpiasgd report`, `evaluate`, `watch`, `trace` and the plots read it.
+Its attributes say it is simulated (`simulated`: the timing model as JSON; `clock` = "virtual"); its
+/workers rows have host "simulated" and pid 0; every time in it is in virtual seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+from mpiasgd.sim.engine import Simulation, VirtualRecorder, check_simulated
+from mpiasgd.sim.timing import TimingModel
+
+EXIT_DIVERGED = 3  # as `mpiasgd train`: --on-divergence stop ended the run (log status 'diverged')
+
+
+def simulate(cfg: Any, num_workers: int, timing: TimingModel) -> int:
+    """Simulate run `cfg` (mode async or ssp) with `num_workers` virtual workers under `timing`; write its run
+    log, print the start lines and the summary as `mpiasgd train` does. Returns 0, or EXIT_DIVERGED when
+    --on-divergence stop ended it.
+
+    Raises, before any log is written, one of `launch.startup.STARTUP_ERRORS` for bad input (ConfigError for
+    what is not simulated: `check_simulated`); once the log exists, RunLogError (it cannot be written) or
+    TrainingDiverged (--max-rejects), the log closed with status "failed".
+    """
+    from tqdm import tqdm
+
+    from mpiasgd.health import LossWatch
+    from mpiasgd.launch.ranks import Rank
+    from mpiasgd.launch.records import WorkerInfo
+    from mpiasgd.launch.startup import definition_text, load_data, setup, shared_definition, test_slice
+    from mpiasgd.model.spec import to_json
+    from mpiasgd.modes.registry import load
+    from mpiasgd.rank0.serve import announce, start_log
+    from mpiasgd.runlog import RunLogError, summary_lines
+
+    check_simulated(cfg, num_workers)
+    if cfg.tensorboard:  # before the log exists, as `train`
+        from mpiasgd.runlog.tensorboard import require
+
+        require()
+    mode = load(cfg.mode)
+    me = Rank(None, 0, num_workers + 1, socket.gethostname())  # rank 0 of a job of 1 + N ranks, none of them MPI
+    dataset = load_data(cfg)
+    start = setup(cfg, me, mode, dataset, shared_definition(definition_text(cfg, dataset)))  # takes the log's lock
+    model, layout = start.model, start.layout
+    try:
+        timing = timing.resolved(cfg.batch_size)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        workers = [WorkerInfo(rank=w, host="simulated", pid=0, threads=cfg.threads or cores, backend="numpy",
+                              shard_size=len(start.samplers[layout.shard[w]])) for w in range(1, num_workers + 1)]
+        if cfg.data_in_memory and hasattr(dataset, "keep_in_memory"):  # every worker's shard: the whole set
+            for w in range(1, num_workers + 1):
+                dataset.keep_in_memory(start.samplers[layout.shard[w]].shard_indices())
+        announce(cfg, me, start, workers)
+        print(f"simulated: {num_workers} virtual worker{'s' * (num_workers != 1)} in one process on a virtual clock "
+              f"(no MPI); {timing.describe()}", flush=True)
+        log = start_log(cfg, me, start, workers, extra={"simulated": timing.to_json(), "clock": "virtual"})
+    except BaseException:
+        start.release()
+        raise
+    bar = None
+    if cfg.progress:
+        total = cfg.epochs * dataset.train_y.size if cfg.epochs else None
+        bar = tqdm(total=int(total) if total and total < 2**53 else None, unit="img", unit_scale=True,
+                   dynamic_ncols=True, mininterval=0.5, desc="simulating", file=sys.stderr)
+    health = LossWatch(len(dataset.classes), num_workers, asynchronous=mode.asynchronous, advice=mode.advice)
+    rec = VirtualRecorder(cfg, log, range(1, num_workers + 1), dataset.train_y.size, bar, health)
+    rec.model_spec = to_json(model.spec())
+    if cfg.tensorboard:
+        from mpiasgd.runlog.tensorboard import TensorBoard, tensorboard_dir
+
+        rec.tensorboard = TensorBoard(tensorboard_dir(start.path), warn=rec.warn)
+    sim = Simulation(cfg, mode, model, dataset, layout, start.samplers,
+                     {w: test_slice(dataset.num_test, num_workers, w) for w in range(1, num_workers + 1)},
+                     timing, rec, model.init_params(cfg.seed))
+    began = time.perf_counter()
+    try:
+        summary = _limited(cfg.threads, sim.run)
+    except BaseException as e:
+        if not isinstance(e, RunLogError):
+            rec.event("failed", traceback.format_exc())
+        try:
+            log.close("failed")
+        except RunLogError as closing:
+            print(f"mpiasgd simulate: error: {closing}; {log.outcome}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        rec.close_tensorboard()
+        if bar is not None:
+            bar.close()
+    real = time.perf_counter() - began
+    log.close("diverged" if rec.diverged else "completed", summary)
+    print("\n".join(summary_lines(start.path)), flush=True)
+    print(f"simulated        {summary['wall_time_s']:.1f} virtual s in {real:.1f} s of real time (all times above "
+          "are virtual)", flush=True)
+    if rec.diverged:
+        print(f"mpiasgd: error: run stopped (--on-divergence stop): {rec.diverged}", file=sys.stderr, flush=True)
+        return EXIT_DIVERGED
+    return 0
+
+
+def _limited(threads: int, call: Any) -> Any:
+    """`call()` with BLAS limited to `threads` threads (0: as many as it likes: the simulator is one process)."""
+    if not threads:
+        return call()
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=threads, user_api="blas"):
+        return call()

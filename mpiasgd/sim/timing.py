@@ -1,0 +1,349 @@
+"""The timing model of `mpiasgd simulate`: how long each virtual worker computes, how long a message
+travels, how long the parameter server takes per update (GPU A-SGD, Paine et al. 2013, arXiv 1312.6186:
+the experiments over the number of clients, nsync and warm start, replayed on a virtual clock).
+
+    compute    seconds per minibatch of each worker: lognormal with a mean and a coefficient of
+               variation (cv 0: always the mean), or an empirical list of measured seconds drawn by
+               bootstrap (with replacement); one distribution for every worker and, optionally, one of
+               a worker's own (`workers`). `--straggler RANK:FACTOR` multiplies that worker's draws.
+    latency_s  seconds one message takes one way, whatever its size
+    bandwidth  bytes/s of each link (0 = infinite): a message of n bytes takes latency_s + n / bandwidth.
+               Links are independent (no contention at the server's link).
+    server_s   seconds the parameter server takes per applied push (it serves one message at a time,
+               first come first served; an EVAL costs nothing)
+    eval_s_per_image  seconds per test image of a forward-only evaluation (--eval-interval and the final
+               evaluation); default: the mean compute seconds / batch size / 3 (a forward pass is about a
+               third of forward + backward)
+
+Three sources: a JSON profile (`load_profile`, strict: one error naming the file, the key and what was
+expected), a real run log (`fit_run_log`), or the command line's quick model (`TimingModel.quick`).
+A profile looks like
+
+    {"compute": {"mean_s": 0.05, "cv": 0.1},               or {"samples": [0.049, 0.052, ...]}
+     "workers": {"3": {"mean_s": 0.15, "cv": 0.1}},         optional: a worker's own distribution
+     "latency_s": 0.0005, "bandwidth": 1.25e9, "server_s": 0.002,
+     "eval_s_per_image": 0.0004,                            optional (null: the default above)
+     "batch_size": 32,                                      optional: images per minibatch measured (0: unknown)
+     "note": "fitted from runs/c10.h5"}                     optional free text
+
+Draws come from numpy Generators seeded by (the run's --seed, the worker's rank), one per worker, so a
+simulation is deterministic and a worker's compute times do not depend on what the others do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mpiasgd.config import ConfigError
+
+
+class ProfileError(ConfigError):
+    """A timing profile (or the run log it is fitted from) is malformed; the message names the file, the key
+    and what was expected."""
+
+
+@dataclass(frozen=True)
+class ComputeTime:
+    """Seconds one worker takes per minibatch (data, forward, backward): lognormal of mean `mean_s` (> 0 s)
+    and coefficient of variation `cv` (>= 0; 0: always `mean_s`), or, when `samples` is non-empty, a draw
+    with replacement from those measured seconds (each > 0)."""
+
+    mean_s: float = 0.0
+    cv: float = 0.0
+    samples: tuple[float, ...] = ()
+
+    @property
+    def mean(self) -> float:
+        """The distribution's mean, seconds."""
+        return float(np.mean(self.samples)) if self.samples else self.mean_s
+
+    def draw(self, rng: np.random.Generator) -> float:
+        """One minibatch's seconds."""
+        if self.samples:
+            return float(self.samples[int(rng.integers(len(self.samples)))])
+        if self.cv == 0:
+            return self.mean_s
+        sigma2 = math.log1p(self.cv * self.cv)  # lognormal with E = mean_s, sd / E = cv
+        return float(rng.lognormal(math.log(self.mean_s) - sigma2 / 2, math.sqrt(sigma2)))
+
+    def to_dict(self) -> dict:
+        return {"samples": list(self.samples)} if self.samples else {"mean_s": self.mean_s, "cv": self.cv}
+
+    def describe(self) -> str:
+        if self.samples:
+            return f"empirical ({len(self.samples)} samples, mean {self.mean:.4g} s)"
+        return f"{self.mean_s:.4g} s" + (f" (lognormal, cv {self.cv:g})" if self.cv else "")
+
+
+@dataclass(frozen=True)
+class TimingModel:
+    """A cluster's timing (see the module docstring); frozen, round-trips through JSON (`to_json`,
+    `from_json`). `workers` maps a worker rank to its own ComputeTime (others use `compute`; entries for
+    ranks the run does not have are unused)."""
+
+    compute: ComputeTime
+    latency_s: float = 0.0                  # s, one way, per message
+    bandwidth: float = 0.0                  # bytes/s per link; 0 = infinite
+    server_s: float = 0.0                   # s per applied push at the parameter server
+    eval_s_per_image: float | None = None   # s per test image evaluated; None: from the compute time
+    workers: dict[int, ComputeTime] = field(default_factory=dict)
+    batch_size: int = 0                     # images per minibatch the compute times are for; 0 = unknown
+    note: str = ""                          # where the model comes from, for a person
+
+    @classmethod
+    def quick(cls, compute_s: float, cv: float = 0.0, latency_s: float = 0.0, bandwidth: float = 0.0,
+              server_s: float = 0.0, eval_s_per_image: float | None = None) -> TimingModel:
+        """The command line's model: one lognormal for every worker. ProfileError on a value out of range."""
+        values = {"compute": {"mean_s": compute_s, "cv": cv}, "latency_s": latency_s, "bandwidth": bandwidth,
+                  "server_s": server_s, "eval_s_per_image": eval_s_per_image}
+        return cls.from_dict(values, "the command line's timing flags")
+
+    def compute_for(self, rank: int) -> ComputeTime:
+        """Worker `rank`'s compute distribution."""
+        return self.workers.get(rank, self.compute)
+
+    def transfer_s(self, nbytes: int) -> float:
+        """Seconds a message of `nbytes` takes one way: latency_s + nbytes / bandwidth."""
+        return self.latency_s + (nbytes / self.bandwidth if self.bandwidth else 0.0)
+
+    def eval_seconds(self, images: int, batch_size: int) -> float:
+        """Seconds a worker takes to evaluate `images` test images (forward only)."""
+        per_image = self.eval_s_per_image
+        if per_image is None:
+            per_image = self.compute.mean / max(1, self.batch_size or batch_size) / 3
+        return per_image * images
+
+    def resolved(self, batch_size: int) -> TimingModel:
+        """This model with eval_s_per_image and batch_size filled in (the defaults made explicit), for a run of
+        minibatches of `batch_size` images."""
+        size = self.batch_size or batch_size
+        return dataclasses.replace(self, batch_size=size, eval_s_per_image=self.eval_seconds(1, size))
+
+    def describe(self) -> str:
+        """One line: the model's figures."""
+        own = "".join(f"; worker {w}: {c.describe()}" for w, c in sorted(self.workers.items()))
+        bw = f"{self.bandwidth:.4g} bytes/s" if self.bandwidth else "infinite"
+        per_image = "from compute" if self.eval_s_per_image is None else f"{self.eval_s_per_image:.3g} s"
+        return (f"compute {self.compute.describe()} per minibatch{own}; latency {self.latency_s:.4g} s, bandwidth "
+                f"{bw}, server {self.server_s:.4g} s per update, evaluation {per_image} per image")
+
+    # --- JSON ---
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {"compute": self.compute.to_dict(), "latency_s": self.latency_s,
+                               "bandwidth": self.bandwidth, "server_s": self.server_s,
+                               "eval_s_per_image": self.eval_s_per_image}
+        if self.workers:
+            out["workers"] = {str(w): c.to_dict() for w, c in sorted(self.workers.items())}
+        if self.batch_size:
+            out["batch_size"] = self.batch_size
+        if self.note:
+            out["note"] = self.note
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "timing profile") -> TimingModel:
+        """Parse JSON text (no NaN or Infinity); ProfileError naming `source` when it is not valid JSON or
+        not a valid model."""
+        def refuse(constant: str) -> None:
+            raise ValueError(f"{constant} is not a number here")
+
+        try:
+            values = json.loads(text, parse_constant=refuse)
+        except ValueError as e:  # json.JSONDecodeError is one
+            raise ProfileError(f"{source}: not valid JSON ({e})") from None
+        return cls.from_dict(values, source)
+
+    @classmethod
+    def from_dict(cls, values: Any, source: str = "timing profile") -> TimingModel:
+        """A model from parsed JSON `values`; ProfileError "SOURCE: key 'K' = V: expected E" for the first
+        key missing, unknown, of the wrong type or out of range."""
+        if not isinstance(values, dict):
+            raise ProfileError(f"{source}: expected a JSON object of keys {sorted(PROFILE_KEYS)}, got "
+                               f"{type(values).__name__}")
+        unknown = sorted(set(values) - set(PROFILE_KEYS))
+        if unknown:
+            raise ProfileError(f"{source}: unknown key(s) {unknown}; valid keys: {sorted(PROFILE_KEYS)}")
+        missing = [k for k in REQUIRED_KEYS if k not in values]
+        if missing:
+            raise ProfileError(f"{source}: key '{missing[0]}' is missing: expected {PROFILE_KEYS[missing[0]]}")
+        workers = values.get("workers") or {}
+        if not isinstance(workers, dict):
+            raise ProfileError(f"{source}: key 'workers' = {workers!r}: expected {PROFILE_KEYS['workers']}")
+        own = {}
+        for key, spec in workers.items():
+            if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
+                raise ProfileError(f"{source}: key 'workers' has entry {key!r}: expected a worker rank >= 1")
+            own[int(key)] = _compute(spec, f"workers.{key}", source)
+        per_image = values.get("eval_s_per_image")
+        batch_size = values.get("batch_size", 0)
+        if not (isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 0):
+            raise ProfileError(f"{source}: key 'batch_size' = {batch_size!r}: expected {PROFILE_KEYS['batch_size']}")
+        note = values.get("note", "")
+        if not isinstance(note, str):
+            raise ProfileError(f"{source}: key 'note' = {note!r}: expected {PROFILE_KEYS['note']}")
+        return cls(compute=_compute(values["compute"], "compute", source),
+                   latency_s=_number(values, "latency_s", source), bandwidth=_number(values, "bandwidth", source),
+                   server_s=_number(values, "server_s", source),
+                   eval_s_per_image=None if per_image is None else _number(values, "eval_s_per_image", source),
+                   workers=own, batch_size=batch_size, note=note)
+
+
+# key -> what it must be (the errors say it)
+PROFILE_KEYS = {
+    "compute": 'an object {"mean_s": seconds > 0, "cv": number >= 0} or {"samples": [seconds > 0, ...]}',
+    "latency_s": "seconds >= 0 (one way, per message)",
+    "bandwidth": "bytes/s >= 0 (0 = infinite)",
+    "server_s": "seconds >= 0 (per applied push)",
+    "eval_s_per_image": "seconds >= 0, or null (from the compute time)",
+    "workers": 'an object {"RANK": compute object, ...}',
+    "batch_size": "an integer >= 0 (images per minibatch measured; 0 = unknown)",
+    "note": "a string",
+}
+REQUIRED_KEYS = ("compute", "latency_s", "bandwidth", "server_s")
+
+
+def _number(values: dict, key: str, source: str, positive: bool = False, what: str = "") -> float:
+    """values[key] as a finite float >= 0 (> 0 with `positive`); ProfileError naming `source` and the key."""
+    value = values.get(key)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > 0 if positive else value >= 0)
+    if not ok:
+        raise ProfileError(f"{source}: key '{what or key}' = {value!r}: expected "
+                           f"{'seconds > 0' if positive else PROFILE_KEYS.get(key, 'a number >= 0')}")
+    return float(value)
+
+
+def _compute(spec: Any, key: str, source: str) -> ComputeTime:
+    """A ComputeTime from its JSON object under `key`; ProfileError naming the key."""
+    if not isinstance(spec, dict) or not spec:
+        raise ProfileError(f"{source}: key '{key}' = {spec!r}: expected {PROFILE_KEYS['compute']}")
+    if "samples" in spec:
+        extra = sorted(set(spec) - {"samples"})
+        samples = spec["samples"]
+        if extra:
+            raise ProfileError(f"{source}: key '{key}' has {extra} beside 'samples': expected one or the other of "
+                               f"{PROFILE_KEYS['compute']}")
+        if not isinstance(samples, list) or not samples:
+            raise ProfileError(f"{source}: key '{key}.samples' = {samples!r}: expected a non-empty list of "
+                               "seconds > 0")
+        for i, value in enumerate(samples):
+            _number({"s": value}, "s", source, positive=True, what=f"{key}.samples[{i}]")
+        return ComputeTime(samples=tuple(float(v) for v in samples))
+    extra = sorted(set(spec) - {"mean_s", "cv"})
+    if extra:
+        raise ProfileError(f"{source}: key '{key}' has unknown key(s) {extra}: expected {PROFILE_KEYS['compute']}")
+    if "mean_s" not in spec:
+        raise ProfileError(f"{source}: key '{key}.mean_s' is missing: expected seconds > 0")
+    mean = _number(spec, "mean_s", source, positive=True, what=f"{key}.mean_s")
+    cv = _number(spec, "cv", source, what=f"{key}.cv") if "cv" in spec else 0.0
+    return ComputeTime(mean_s=mean, cv=cv)
+
+
+def load_profile(path: str) -> TimingModel:
+    """The TimingModel in JSON file `path` (`TimingModel.from_json`); ProfileError naming the file when it
+    cannot be read or is not a valid model."""
+    source = f"timing profile '{path}'"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ProfileError(f"{source} not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ProfileError(f"{source} cannot be read ({e})") from None
+    return TimingModel.from_json(text, source)
+
+
+def save_profile(model: TimingModel, path: str) -> None:
+    """Write `model` as JSON to `path` (indented; `load_profile` reads it back). ProfileError if it cannot."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(model.to_dict(), f, indent=1, sort_keys=True)
+            f.write("\n")
+    except OSError as e:
+        raise ProfileError(f"--save-profile '{path}': cannot write it ({e.strerror})") from None
+
+
+def fit_run_log(path: str) -> TimingModel:
+    """A TimingModel fitted from the run log at `path` of an async or ssp run (real or simulated).
+
+    compute    each worker's empirical distribution: the compute_s of its pushes (data + forward + backward
+               of the push's nsync minibatches), divided by the run's nsync and by that worker's --straggler
+               factor (the device's own speed; --straggler in the simulation applies its own); `compute`
+               pools every worker's samples, `workers` keeps each one's
+    server_s   the shortest gap between two consecutive updates (the updates table): the server cannot apply
+               two pushes faster than it takes per push, and with 2+ workers some pushes arrive while it is
+               busy, so the shortest gap is one push's whole handling (receive, update, log, reply); 0 for a
+               run of one worker (folded into the latency then)
+    latency_s  (median over pushes after each worker's first of (wait_s + comm_s - held_s) - server_s) / 2:
+               a push's round-trip overhead is 2 transfers + the server's time (+ queueing, which the median
+               mostly leaves out); ssp's hold (held_s) is no part of it. The transfers' size-dependent part
+               is folded in: bandwidth = 0 (infinite)
+    eval_s_per_image  from the run's evaluations during training when it has any (the slowest worker's seconds
+               over its slice's images, median), else None (from the compute time)
+
+    A run with --overlap hides part of its wait behind compute: its latency comes out too low. Raises
+    ProfileError naming the file when it is not a run log, not of an async/ssp run, or has too few pushes.
+    """
+    from mpiasgd.modes.registry import PS_MODES
+    from mpiasgd.runlog import load
+
+    source = f"--fit '{path}'"
+    try:
+        run = load(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ProfileError(f"{source}: {e}") from None
+    cfg = run["config"]
+    mode = run.get("mode") or cfg.get("mode")
+    if mode not in PS_MODES:
+        raise ProfileError(f"{source}: a '{mode}' run; a timing model is fitted from an async or ssp run (its "
+                           "pushes are request/reply round trips to the parameter server)")
+    pushes = run["pushes"]
+    if pushes is None or len(pushes) < 2:
+        raise ProfileError(f"{source}: {0 if pushes is None else len(pushes)} pushes; at least 2 are needed to fit "
+                           "a timing model")
+    pushes = pushes[pushes["samples"] > 0]
+    nsync = max(1, int(cfg.get("nsync", 1) or 1))
+    from mpiasgd.config import Config
+
+    slow = Config(straggler=str(cfg.get("straggler", "") or "")).stragglers()
+    own = {}
+    for w in sorted(set(pushes["worker"].tolist())):
+        seconds = pushes["compute_s"][pushes["worker"] == w].astype(np.float64) / nsync / slow.get(int(w), 1.0)
+        seconds = seconds[np.isfinite(seconds) & (seconds > 0)]
+        if len(seconds):
+            own[int(w)] = ComputeTime(samples=tuple(float(s) for s in seconds))
+    if not own:
+        raise ProfileError(f"{source}: no push with a compute time > 0 to fit from")
+    pooled = ComputeTime(samples=tuple(s for c in own.values() for s in c.samples))
+    updates = run["updates"]
+    server_s = 0.0
+    if int(run.get("num_workers") or len(own)) >= 2 and updates is not None and len(updates) >= 2:
+        gaps = np.diff(np.sort(updates["time"].astype(np.float64)))
+        gaps = gaps[gaps > 0]
+        server_s = float(gaps.min()) if len(gaps) else 0.0
+    later = pushes[pushes["step"] >= 2]  # a worker's first wait is its start-up (and a warm start's hold)
+    overhead = (later["wait_s"].astype(np.float64) + later["comm_s"] - later["held_s"]) if len(later) else np.zeros(0)
+    overhead = overhead[np.isfinite(overhead)]
+    median = float(np.median(overhead)) if len(overhead) else server_s
+    if median < server_s:  # the round trip is shorter than the gap estimate: the server was never the queue
+        server_s = median
+    latency = max(0.0, (median - server_s) / 2)
+    per_image = None
+    evals = run.get("periodic_evals")
+    workers = max(1, int(run.get("num_workers") or len(own)))
+    if evals is not None and len(evals):
+        ok = evals[(evals["count"] > 0) & np.isfinite(evals["seconds"])]
+        if len(ok):
+            per_image = float(np.median(ok["seconds"].astype(np.float64) / (ok["count"] / workers)))
+    return TimingModel(compute=pooled, latency_s=latency, bandwidth=0.0, server_s=server_s,
+                       eval_s_per_image=per_image, workers=own, batch_size=int(cfg.get("batch_size", 0) or 0),
+                       note=f"fitted from run log '{path}' ({len(pushes)} pushes, {len(own)} workers)")

@@ -1,0 +1,262 @@
+"""`mpiasgd simulate`: the asynchronous protocol with virtual workers on a virtual clock, in-process.
+
+The event order is checked against timings worked out by hand; the update against a serial SGD by hand;
+the run log against `mpiasgd report` and `evaluate`; the timing model's sources (a profile, a fit) and
+their errors. Every run is a short digits run (batch 16), a second or two.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from kit.runs import read_log
+
+from mpiasgd.data import MinibatchStream, ShardSampler
+from mpiasgd.data.loader import open_data
+from mpiasgd.model import build_model
+from mpiasgd.optim import SGD
+from mpiasgd.sim import ComputeTime, ProfileError, TimingModel, fit_run_log, load_profile
+from mpiasgd.sim.cli import main
+
+B = 16
+
+
+def simulate(tmp_path, *flags: str, name: str = "run", workers: int = 2):
+    """Run `mpiasgd simulate` in-process on digits; returns the log as (attributes, tables, snapshot params)."""
+    argv = ["--workers", str(workers), "--model", "digits", "--batch-size", str(B), "--no-progress",
+            "--run-dir", str(tmp_path), "--name", name, "--flush-interval", "60", *flags]
+    assert main(argv) == 0
+    return read_log(tmp_path / f"{name}.h5")
+
+
+def profile(tmp_path, values: dict, name: str = "timing.json") -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(values))
+    return str(path)
+
+
+def rows(pushes, *columns):
+    return [tuple(r[c].item() for c in columns) for r in pushes]
+
+
+# --- the event order ------------------------------------------------------------------------------------
+
+def test_event_order_matches_a_hand_worked_timing(tmp_path):
+    """Worker 1 computes 1.0 s per minibatch, worker 2 3.0 s; 0.1 s per message; the server 0.05 s per push.
+
+    t=0     the initial weights leave; both have them at 0.1
+    1.2     w1's push (base 0) arrives; served until 1.25: version 1; reply at w1 1.35, next push 2.35 -> 2.45
+    2.5     w1's push 2 (base 1) applied: version 2, staleness 0; reply 2.6 -> push 3.6 -> 3.7
+    3.25    w2's push 1 (sent 3.1, arrived 3.2, base 0) applied at version 2: staleness 2, version 3; w2's
+            reply 3.35 -> push 6.35 -> 6.45
+    3.75    w1's push 3 (base 2) at version 3: staleness 1, version 4; reply 3.85 -> 4.85 -> 4.95
+    5.0     w1 push 4 (base 4): staleness 0, v5; 6.25 w1 push 5 (base 5): staleness 0, v6
+    6.5     w2 push 2 (base 3) at version 6: staleness 3, v7; its reply 6.6 -> push 9.6 -> 9.7
+    7.5     w1 push 6 (base 6, arrived 7.45) at 7: staleness 1, v8 = --max-pushes: STOP to w1
+    9.75    w2 push 3 (base 7) drained: not applied, staleness 1; STOP to w2 at 9.75, its EVAL after
+            1.8 s of evaluation (180 images x 0.01 s) + 0.1: the run ends at 11.75
+    wait_s: the first push's is the initial weights' 0.1, every other 0.1 + 0.05 + 0.1.
+    """
+    path = profile(tmp_path, {"compute": {"mean_s": 1.0}, "workers": {"2": {"mean_s": 3.0}}, "latency_s": 0.1,
+                              "bandwidth": 0, "server_s": 0.05, "eval_s_per_image": 0.01})
+    attrs, t, _ = simulate(tmp_path, "--profile", path, "--max-pushes", "8", "--epochs", "0")
+    p = t["pushes"]
+    assert rows(p, "worker", "step", "base_version", "staleness", "version", "applied") == [
+        (1, 1, 0, 0, 1, 1), (1, 2, 1, 0, 2, 1), (2, 1, 0, 2, 3, 1), (1, 3, 2, 1, 4, 1),
+        (1, 4, 4, 0, 5, 1), (1, 5, 5, 0, 6, 1), (2, 2, 3, 3, 7, 1), (1, 6, 6, 1, 8, 1), (2, 3, 7, 1, 8, 0)]
+    np.testing.assert_allclose(p["time"], [1.25, 2.5, 3.25, 3.75, 5.0, 6.25, 6.5, 7.5, 9.75], atol=1e-9)
+    np.testing.assert_allclose(p["compute_s"], [1, 1, 3, 1, 1, 1, 3, 1, 3])
+    np.testing.assert_allclose(p["wait_s"], [0.1, 0.25, 0.1, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25], rtol=1e-5)
+    assert (p["comm_s"] == 0).all() and (p["data_s"] == 0).all()
+    np.testing.assert_allclose(t["updates"]["time"], p["time"][:8], atol=1e-9)
+    assert float(attrs["wall_time_s"]) == pytest.approx(11.75)
+    assert t["evals"]["time"][-1] == pytest.approx(11.75) and t["evals"]["count"][-1] == 360
+    assert attrs["clock"] == "virtual" and json.loads(attrs["simulated"])["server_s"] == 0.05
+    assert [r["host"] for r in t["workers"]] == [b"simulated"] * 2 and (t["workers"]["pid"] == 0).all()
+
+
+def test_equal_workers_take_turns_with_staleness_n_minus_1(tmp_path):
+    """Zero latency and server time, equal deterministic workers: all pushes of a round arrive at the same
+    time and the lower rank is served first, so the order is round-robin and every push after the first
+    round was computed N - 1 updates ago."""
+    _, t, _ = simulate(tmp_path, "--compute-s", "1.0", "--max-pushes", "12", "--epochs", "0", workers=3)
+    p = t["pushes"][:12]
+    assert p["worker"].tolist() == [1, 2, 3] * 4
+    assert p["staleness"].tolist() == [0, 1, 2] + [2] * 9
+    assert p["time"].tolist() == [1.0] * 3 + [2.0] * 3 + [3.0] * 3 + [4.0] * 3
+
+
+def test_ssp_bound_zero_is_lockstep(tmp_path):
+    """ssp with --staleness-bound 0: the faster worker 1 is held until worker 2 has pushed the same step; the
+    hold shows as held_s on its next push (first: 1.25 -> 3.25)."""
+    path = profile(tmp_path, {"compute": {"mean_s": 1.0}, "workers": {"2": {"mean_s": 3.0}}, "latency_s": 0.1,
+                              "bandwidth": 0, "server_s": 0.05})
+    _, t, _ = simulate(tmp_path, "--profile", path, "--mode", "ssp", "--staleness-bound", "0", "--max-pushes", "8",
+                       "--epochs", "0")
+    p = t["pushes"][:8]
+    assert p["worker"].tolist() == [1, 2] * 4
+    assert p["step"].tolist() == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert p["held_s"][2] == pytest.approx(2.0)
+
+
+def test_the_same_seed_gives_the_same_run(tmp_path):
+    flags = ("--compute-s", "0.1", "--compute-cv", "0.5", "--latency-s", "0.01", "--server-s", "0.002",
+             "--max-pushes", "30", "--epochs", "0")
+    _, first, w1 = simulate(tmp_path, *flags, name="a", workers=3)
+    _, second, w2 = simulate(tmp_path, *flags, name="b", workers=3)
+    assert first["pushes"].tobytes() == second["pushes"].tobytes()
+    np.testing.assert_array_equal(w1[-1], w2[-1])
+    assert len(set(first["pushes"]["compute_s"].tolist())) > 10  # the draws do vary
+    _, other, _ = simulate(tmp_path, *flags, "--seed", "1", name="c", workers=3)
+    assert other["pushes"]["compute_s"].tolist() != first["pushes"]["compute_s"].tolist()
+
+
+# --- the update is the real one ---------------------------------------------------------------------------
+
+def test_one_worker_equals_serial_sgd(tmp_path):
+    """One worker, no latency: every push is applied at once by the server's SGD, so the final weights are
+    those of serial momentum SGD over the worker's minibatches, computed here by hand."""
+    steps = 6
+    _, t, snapshots = simulate(tmp_path, "--compute-s", "0.1", "--max-pushes", str(steps), "--epochs", "0",
+                               "--lr-schedule", "constant", "--warmup-epochs", "0", "--lr", "0.05", workers=1)
+    assert (t["pushes"]["staleness"] == 0).all() and len(t["updates"]) == steps
+    digits = open_data("digits")
+    model = build_model("digits")
+    w, g = model.init_params(0), np.zeros(model.num_params, np.float32)
+    sgd = SGD(w, model.decay_mult(), 0.9, 5e-4, lr_scale=model.lr_mult())
+    stream = MinibatchStream(digits, ShardSampler(digits.num_train, 1, 0, 0, digits.chunk, 16), B, 0, 1)
+    for _ in range(steps):
+        model.bind(w, g)
+        x, y, _ = stream.next()
+        model.forward_backward(x, y, minibatch=stream.cursor)
+        w = sgd.step(g, 0.05)
+    np.testing.assert_allclose(snapshots[-1], w, rtol=1e-6, atol=1e-7)
+
+
+def test_a_straggler_pushes_a_third_as_often(tmp_path):
+    _, t, _ = simulate(tmp_path, "--compute-s", "0.1", "--straggler", "2:3", "--max-pushes", "40", "--epochs", "0")
+    p = t["pushes"][t["pushes"]["applied"] == 1]
+    ones, twos = (p["worker"] == 1).sum(), (p["worker"] == 2).sum()
+    assert twos / ones == pytest.approx(1 / 3, abs=0.05)
+    np.testing.assert_allclose(p["compute_s"][p["worker"] == 2], 0.3, rtol=1e-6)
+
+
+def test_warm_start_trains_worker_1_alone_first(tmp_path):
+    _, t, _ = simulate(tmp_path, "--compute-s", "0.1", "--warm-start", "1.0", "--max-pushes", "30", "--epochs", "0")
+    p = t["pushes"]
+    assert set(p["worker"][p["time"] < 1.0].tolist()) == {1} and (p["time"] < 1.0).sum() >= 9
+    assert p["time"][p["worker"] == 2].min() == pytest.approx(1.1)  # its weights left at 1.0, 0.1 s of compute
+    assert b"warm_start_end" in t["events"]["kind"].tolist()
+
+
+def test_nsync_pushes_accumulated_updates_that_the_server_applies(tmp_path):
+    _, t, snapshots = simulate(tmp_path, "--compute-s", "0.1", "--nsync", "2", "--max-pushes", "10", "--epochs", "0")
+    p = t["pushes"][t["pushes"]["applied"] == 1]
+    assert len(p) == 10 and (p["samples"] == 2 * B).all()
+    np.testing.assert_allclose(p["compute_s"], 0.2)
+    assert (p["lr"] > 0).all() and len(t["updates"]) == 10
+    assert not np.array_equal(snapshots[0], snapshots[-1])
+
+
+# --- the run log ----------------------------------------------------------------------------------------
+
+def test_report_and_evaluate_read_the_log(tmp_path):
+    from mpiasgd.tools.evaluate import evaluate_snapshots
+    from mpiasgd.tools.report import report
+
+    _, t, _ = simulate(tmp_path, "--compute-s", "0.05", "--latency-s", "0.001", "--epochs", "1", "--eval-interval",
+                       "0.5s", "--snapshot-interval", "0.5", workers=4)
+    path = str(tmp_path / "run.h5")
+    assert len(t["periodic_evals"]) >= 2 and (t["periodic_evals"]["count"] == 360).all()
+    text = report([path])
+    assert "mode async, 4 workers" in text and "test accuracy" in text
+    evaluated = evaluate_snapshots(path, batch_size=256)
+    assert len(evaluated) == len(t["snapshots/meta"]) >= 3
+    np.testing.assert_allclose(evaluated["time"], t["snapshots/meta"]["time"])
+
+
+def test_no_mpi_is_initialised(tmp_path):
+    code = ("import sys; from mpiasgd.cli import main; status = main(sys.argv[1:]); from mpi4py import MPI; "
+            "print('mpi initialised', MPI.Is_initialized()); sys.exit(status)")
+    res = subprocess.run([sys.executable, "-c", code, "simulate", "--workers", "2", "--model", "digits",
+                          "--max-pushes", "4", "--epochs", "0", "--compute-s", "0.1", "--no-progress",
+                          "--run-dir", str(tmp_path), "--name", "x"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "mpi initialised False" in res.stdout and "status: completed" in res.stdout
+
+
+# --- the timing model -----------------------------------------------------------------------------------
+
+def test_a_timing_model_round_trips_through_json(tmp_path):
+    model = TimingModel(ComputeTime(0.2, 0.1), latency_s=0.01, bandwidth=1e9, server_s=0.003,
+                        workers={3: ComputeTime(samples=(0.5, 0.6))}, batch_size=32, note="x")
+    assert TimingModel.from_json(model.to_json()) == model
+    path = tmp_path / "t.json"
+    from mpiasgd.sim import save_profile
+
+    save_profile(model.resolved(32), str(path))
+    assert load_profile(str(path)) == model.resolved(32)
+    assert model.transfer_s(1000) == pytest.approx(0.01 + 1e-6)
+
+
+@pytest.mark.parametrize(("values", "key"), [
+    ({"compute": {"mean_s": 0.1}, "bandwidth": 0, "server_s": 0}, "latency_s"),
+    ({"compute": {"mean_s": 0.1}, "latency_s": 0, "bandwidth": 0, "server_s": -1}, "server_s"),
+    ({"compute": {"mean_s": -0.1}, "latency_s": 0, "bandwidth": 0, "server_s": 0}, "compute.mean_s"),
+    ({"compute": {"samples": [0.1, "x"]}, "latency_s": 0, "bandwidth": 0, "server_s": 0}, "compute.samples[1]"),
+    ({"compute": {"mean_s": 0.1}, "latency_s": 0, "bandwidth": 0, "server_s": 0, "lag": 1}, "lag"),
+])
+def test_a_bad_profile_is_one_error_naming_the_file_and_the_key(tmp_path, capsys, values, key):
+    path = profile(tmp_path, values)
+    assert main(["--workers", "2", "--profile", path, "--run-dir", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and path in err and f"'{key}'" in err, err
+    assert not list(tmp_path.glob("*.h5"))
+
+
+def test_a_profile_that_is_not_json_is_named(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text('{"compute": {"mean_s": NaN}}')
+    with pytest.raises(ProfileError, match=r"t\.json.*not valid JSON"):
+        load_profile(str(path))
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--overlap"], "--overlap is not modelled"),
+    (["--mode", "sync"], "--mode sync is not simulated"),
+    (["--mode", "easgd"], "--mode easgd is not simulated"),
+    ([], "no timing model"),
+])
+def test_what_is_not_simulated_is_one_clear_error(tmp_path, capsys, flags, says):
+    timing = [] if says == "no timing model" else ["--compute-s", "0.1"]
+    assert main(["--workers", "2", *timing, *flags, "--run-dir", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+
+
+def test_fit_refuses_a_file_that_is_not_a_run_log(tmp_path, capsys):
+    bad = tmp_path / "notes.h5"
+    bad.write_text("not hdf5")
+    assert main(["--workers", "2", "--fit", str(bad), "--run-dir", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--fit '{bad}'" in err and "not" in err, err
+
+
+def test_fit_recovers_the_timing_a_simulation_ran_with(tmp_path):
+    """Simulate 4 workers with a known model, fit a model from that log: compute mean, latency and server
+    time within 10 %; then simulate from the fit and its saved profile."""
+    simulate(tmp_path, "--compute-s", "0.02", "--compute-cv", "0.3", "--latency-s", "0.01", "--server-s", "0.004",
+             "--epochs", "2", name="known", workers=4)
+    fitted = fit_run_log(str(tmp_path / "known.h5"))
+    assert fitted.compute.mean == pytest.approx(0.02, rel=0.1)
+    assert fitted.latency_s == pytest.approx(0.01, rel=0.1)
+    assert fitted.server_s == pytest.approx(0.004, rel=0.1)
+    assert sorted(fitted.workers) == [1, 2, 3, 4] and fitted.batch_size == B
+    saved = str(tmp_path / "fit.json")
+    _, t, _ = simulate(tmp_path, "--fit", str(tmp_path / "known.h5"), "--save-profile", saved, "--max-pushes", "20",
+                       "--epochs", "0", name="refit", workers=8)
+    assert len(t["pushes"]) >= 20 and load_profile(saved).latency_s == pytest.approx(fitted.latency_s)
