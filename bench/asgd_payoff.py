@@ -46,7 +46,7 @@ import shlex
 import sys
 import time
 
-from launch import add_run_arguments, launcher, run, run_dir
+from launch import add_run_arguments, launcher, run_dir, run_steps
 
 from mpiasgd.cli import fraction, positive
 from mpiasgd.runlog.reader import load
@@ -150,14 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                                "--lr", f"{lr:g}", "--name", name])]
         if args.what == "straggler":
             steps.append(("evaluating the snapshots", [*python, "evaluate", log, *data]))
-        for what, cmd in steps:
-            print(f"[{i}/{len(jobs)}] {name}: {what} ...", end=" ", flush=True)
-            done = run(cmd, args.timeout)
-            commands.append(cmd)
-            print(f"{done.seconds:.0f} s" if done.ok else "FAILED", flush=True)
-            if not done.ok:
-                print(done.explain(args.timeout), file=sys.stderr, flush=True)
-                return 1
+        if not run_steps(f"[{i}/{len(jobs)}] {name}", steps, args.timeout, commands):
+            return 1
         r = load(log)
         final = final_eval(r)
         rows.append({"variant": variant, "lr": lr, "accuracy": float(final["accuracy"]),

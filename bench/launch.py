@@ -82,6 +82,21 @@ def run(cmd: list[str], limit: float) -> Finished:
         return Finished(cmd, returncode, time.monotonic() - start, out.read(), err.read())
 
 
+def run_steps(label: str, steps: list[tuple[str, list[str]]], limit: float, commands: list) -> bool:
+    """Run each (what, command) of `steps` in order under `limit` seconds each, printing "LABEL: WHAT ... N s"
+    and appending every command to `commands`; on a failure print its explanation to stderr and return
+    False (the later steps are not run)."""
+    for what, cmd in steps:
+        print(f"{label}: {what} ...", end=" ", flush=True)
+        done = run(cmd, limit)
+        commands.append(cmd)
+        print(f"{done.seconds:.0f} s" if done.ok else "FAILED", flush=True)
+        if not done.ok:
+            print(done.explain(limit), file=sys.stderr, flush=True)
+            return False
+    return True
+
+
 def seconds(text: str) -> float:
     """argparse type: a number of seconds > 0."""
     value = float(text)

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Does `mpiasgd simulate` reproduce a real run? Real asynchronous runs with 1 parameter server + 2 workers,
+then for each a simulation whose timing model is fitted from that run's own log (`--fit`): the staleness
+distribution (mean, p99, the share of each value) and the final test accuracy, side by side.
+
+    python bench/simulate_validate.py                                  # cifar10, 3 epochs, seeds 0,1,2
+    python bench/simulate_validate.py --options="--straggler 2:3 --lr 0.01"   # an uneven pair of workers
+    python bench/simulate_validate.py --model digits --epochs 2 --seeds 0,1   # ~30 s check of the script
+
+For every seed: `mpiexec -n 3 python -m mpiasgd train --seed S ...` (the real run), then `python -m mpiasgd
+simulate --workers 2 --fit REAL.h5 --seed S ...` with the same options. The fit (`mpiasgd.sim.timing
+.fit_run_log`) takes each worker's measured compute seconds per minibatch as an empirical distribution
+(drawn with replacement), the server's seconds per update as the shortest gap between two updates, and the
+one-way latency as (median of wait_s + comm_s - held_s - server_s) / 2. Goals (issue 20): the simulated
+mean and p99 staleness within 10 % of the real run's, and the simulated final accuracy within the real
+runs' run-to-run spread (their range over the seeds). The mean alone says little: while every worker
+always has one push in flight it is N - 1 in any arrival order (each of the N pushes in flight sees the
+other N - 1 applied), so the table also gives the shares of each staleness and their total variation
+distance (half the sum of the absolute differences of the shares: 0 = the same distribution).
+
+Every command has a time limit (`--timeout`); a failure prints the command and its output and stops the
+script with exit status 1.
+
+Run as root? Set OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (Open MPI refuses otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import time
+
+import numpy as np
+from launch import add_run_arguments, launcher, run_dir, run_steps
+
+from mpiasgd.runlog.reader import load
+from mpiasgd.runlog.summary import final_eval
+
+WORKERS = 2
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="cifar10", help="network and dataset")
+    parser.add_argument("--epochs", type=float, default=3.0, help="epochs of every run")
+    parser.add_argument("--batch-size", type=int, default=64, help="minibatch per worker")
+    parser.add_argument("--seeds", default="0,1,2", help="one real and one simulated run per seed")
+    parser.add_argument("--options", default="--lr 0.01", help="more `train` options for every run")
+    add_run_arguments(parser, "validate")
+    args = parser.parse_args(argv)
+    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    args.run_dir = run_dir(args, "validate")
+    return args
+
+
+def staleness(path: str) -> dict:
+    """Staleness of the applied pushes of the run log at `path`: mean, p99 (the smallest value at least 99 % of
+    the pushes do not exceed: staleness is an integer), the share of 0, 1, 2 and >= 3, and the final test
+    accuracy."""
+    r = load(path)
+    p = r["pushes"]
+    s = p["staleness"][p["applied"].astype(bool)].astype(np.float64)
+    return {"mean": float(s.mean()), "p99": float(np.percentile(s, 99, method="inverted_cdf")),
+            "share": [float((s == k).mean()) for k in (0, 1, 2)] + [float((s >= 3).mean())],
+            "accuracy": float(final_eval(r)["accuracy"]), "pushes": int(s.size)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    mpiexec = launcher()
+    python = [sys.executable, "-m", "mpiasgd"]
+    shared = ["--model", args.model, "--epochs", f"{args.epochs:g}", "--batch-size", str(args.batch_size),
+              "--run-dir", args.run_dir, "--no-progress", "--threads", "1", "--snapshot-interval", "0",
+              "--overwrite", *shlex.split(args.options)]
+    commands, rows = [], []
+    for seed in args.seeds:
+        real = os.path.join(args.run_dir, f"real-{seed}.h5")
+        steps = [("real run", [*mpiexec, "-n", str(1 + WORKERS), *python, "train", *shared, "--seed", str(seed),
+                               "--name", f"real-{seed}"]),
+                 ("simulated run", [*python, "simulate", "--workers", str(WORKERS), "--fit", real, *shared,
+                                    "--seed", str(seed), "--name", f"sim-{seed}"])]
+        if not run_steps(f"seed {seed}", steps, args.timeout, commands):
+            return 1
+        rows.append((seed, staleness(real), staleness(os.path.join(args.run_dir, f"sim-{seed}.h5"))))
+    print(f"\n{args.model}, {args.epochs:g} epochs, batch {args.batch_size} per worker, 1 server + {WORKERS} workers, "
+          f"`{args.options}`, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}. Staleness of the applied pushes; "
+          f"share of staleness 0 / 1 / 2 / >= 3.\n")
+    print("| seed | run | pushes | mean staleness | p99 | shares 0 / 1 / 2 / >=3 | test accuracy |")
+    print("|---:|---|---:|---:|---:|---|---:|")
+    for seed, real, sim in rows:
+        for name, s in (("real", real), ("simulated", sim)):
+            shares = " / ".join(f"{100 * x:.1f} %" for x in s["share"])
+            print(f"| {seed} | {name} | {s['pushes']:,} | {s['mean']:.3f} | {s['p99']:.2f} | {shares} | "
+                  f"{100 * s['accuracy']:.2f} % |")
+    real_acc = [r["accuracy"] for _, r, _ in rows]
+    sim_acc = [s["accuracy"] for _, _, s in rows]
+    mean_err = [abs(s["mean"] - r["mean"]) / r["mean"] for _, r, s in rows if r["mean"]]
+    p99_err = [abs(s["p99"] - r["p99"]) / r["p99"] for _, r, s in rows if r["p99"]]
+    tv = [0.5 * sum(abs(a - b) for a, b in zip(r["share"], s["share"], strict=True)) for _, r, s in rows]
+    print(f"\nmean staleness: simulated vs real, relative difference per seed "
+          f"{', '.join(f'{100 * e:.1f} %' for e in mean_err)} (goal <= 10 %)")
+    print(f"p99 staleness: relative difference per seed {', '.join(f'{100 * e:.1f} %' for e in p99_err)} "
+          f"(goal <= 10 %)")
+    print(f"staleness distributions: total variation distance per seed {', '.join(f'{d:.3f}' for d in tv)}")
+    spread = max(real_acc) - min(real_acc)
+    print(f"final accuracy: real {100 * statistics.fmean(real_acc):.2f} % (range {100 * min(real_acc):.2f}.."
+          f"{100 * max(real_acc):.2f}, spread {100 * spread:.2f} points), simulated "
+          f"{100 * statistics.fmean(sim_acc):.2f} % ({', '.join(f'{100 * a:.2f}' for a in sim_acc)}); mean "
+          f"difference {100 * (statistics.fmean(sim_acc) - statistics.fmean(real_acc)):+.2f} points")
+    print("\nCommands (`python bench/simulate_validate.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+          + "`):\n\n```bash\n" + "\n".join(shlex.join(cmd) for cmd in commands) + "\n```")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
