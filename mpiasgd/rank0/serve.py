@@ -92,16 +92,41 @@ def start_log(cfg: Any, me: Any, start: Any, workers: list, extra: dict | None =
     return log
 
 
+def make_recorder(cfg: Any, start: Any, log: RunLog, num_workers: int, kind: type, desc: str = "training") -> Any:
+    """Rank 0's recorder of class `kind` (a Recorder) on `log` for `num_workers` workers: with the progress bar
+    (--progress, labelled `desc`), the divergence watch of the mode, the network's definition for the
+    checkpoints and, with --tensorboard, the event files (a resume hides what the replaced segment wrote after
+    its checkpoint). `start` is the Startup (model, dataset, mode, checkpoint, path)."""
+    from tqdm import tqdm
+
+    from mpiasgd.health import LossWatch
+    from mpiasgd.model.spec import to_json
+
+    dataset, ckpt = start.dataset, start.checkpoint
+    bar = None
+    if cfg.progress:
+        total = cfg.epochs * dataset.train_y.size if cfg.epochs else None
+        total = int(total) if total and total < 2**53 else None  # a huge --epochs: a bar without a total
+        bar = tqdm(total=total, unit="img", unit_scale=True, dynamic_ncols=True, mininterval=0.5, desc=desc,
+                   file=sys.stderr)
+    health = LossWatch(len(dataset.classes), num_workers, asynchronous=start.mode.asynchronous,
+                       advice=start.mode.advice)
+    rec = kind(cfg, log, range(1, num_workers + 1), dataset.train_y.size, bar, health)
+    rec.model_spec = to_json(start.model.spec())
+    if cfg.tensorboard:  # RUN_DIR/NAME.tb/
+        from mpiasgd.runlog.tensorboard import TensorBoard, tensorboard_dir
+
+        rec.tensorboard = TensorBoard(tensorboard_dir(start.path), purge_step=None if ckpt is None else ckpt.samples,
+                                      warn=rec.warn)
+    return rec
+
+
 def serve(cfg: Any, me: Any, start: Any) -> int:
     """(rank 0) Create (or, resuming, continue) the run log, serve, close the log, print the summary.
 
     Returns 0, EXIT_PREEMPTED when a signal ended the run (the checkpoint is written), or EXIT_DIVERGED when
     --on-divergence stop ended it.
     """
-    from tqdm import tqdm
-
-    from mpiasgd.health import LossWatch
-    from mpiasgd.model.spec import to_json
     from mpiasgd.rank0.loop import PREEMPT_GRACE, Preempted, Rank0, WorkerFailed
     from mpiasgd.rank0.recorder import Recorder
 
@@ -121,21 +146,8 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
     announce(cfg, me, start, workers)
     log = start_log(cfg, me, start, workers)
     params = model.init_params(cfg.seed)
-    bar = None
-    if cfg.progress:
-        total = cfg.epochs * dataset.train_y.size if cfg.epochs else None
-        total = int(total) if total and total < 2**53 else None  # a huge --epochs: a bar without a total
-        bar = tqdm(total=total, unit="img", unit_scale=True, dynamic_ncols=True, mininterval=0.5,
-                   desc="training", file=sys.stderr)
-    health = LossWatch(len(dataset.classes), me.num_workers, asynchronous=start.mode.asynchronous,
-                       advice=start.mode.advice)
-    rec = Recorder(cfg, log, range(1, me.num_workers + 1), dataset.train_y.size, bar, health)
-    rec.model_spec = to_json(model.spec())
-    if cfg.tensorboard:  # RUN_DIR/NAME.tb/; a resume hides what the replaced segment wrote after its checkpoint
-        from mpiasgd.runlog.tensorboard import TensorBoard, tensorboard_dir
-
-        rec.tensorboard = TensorBoard(tensorboard_dir(start.path), purge_step=None if ckpt is None else ckpt.samples,
-                                      warn=rec.warn)
+    rec = make_recorder(cfg, start, log, me.num_workers, Recorder)
+    bar = rec.progress
     hosts = {w.rank: w.host for w in workers}
     r0 = Rank0(me.comm, cfg, rec, lambda r0: start.mode.rank0(r0, params, model.decay_mult(), model, dataset,
                                                               start.layout),

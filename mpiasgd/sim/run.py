@@ -31,15 +31,12 @@ def simulate(cfg: Any, num_workers: int, timing: TimingModel) -> int:
     what is not simulated: `check_simulated`); once the log exists, RunLogError (it cannot be written) or
     TrainingDiverged (--max-rejects), the log closed with status "failed".
     """
-    from tqdm import tqdm
 
-    from mpiasgd.health import LossWatch
     from mpiasgd.launch.ranks import Rank
     from mpiasgd.launch.records import WorkerInfo
     from mpiasgd.launch.startup import definition_text, load_data, setup, shared_definition, test_slice
-    from mpiasgd.model.spec import to_json
     from mpiasgd.modes.registry import load
-    from mpiasgd.rank0.serve import announce, start_log
+    from mpiasgd.rank0.serve import announce, make_recorder, start_log
     from mpiasgd.runlog import RunLogError, summary_lines
 
     check_simulated(cfg, num_workers)
@@ -67,18 +64,8 @@ def simulate(cfg: Any, num_workers: int, timing: TimingModel) -> int:
     except BaseException:
         start.release()
         raise
-    bar = None
-    if cfg.progress:
-        total = cfg.epochs * dataset.train_y.size if cfg.epochs else None
-        bar = tqdm(total=int(total) if total and total < 2**53 else None, unit="img", unit_scale=True,
-                   dynamic_ncols=True, mininterval=0.5, desc="simulating", file=sys.stderr)
-    health = LossWatch(len(dataset.classes), num_workers, asynchronous=mode.asynchronous, advice=mode.advice)
-    rec = VirtualRecorder(cfg, log, range(1, num_workers + 1), dataset.train_y.size, bar, health)
-    rec.model_spec = to_json(model.spec())
-    if cfg.tensorboard:
-        from mpiasgd.runlog.tensorboard import TensorBoard, tensorboard_dir
-
-        rec.tensorboard = TensorBoard(tensorboard_dir(start.path), warn=rec.warn)
+    rec = make_recorder(cfg, start, log, num_workers, VirtualRecorder, desc="simulating")
+    bar = rec.progress
     sim = Simulation(cfg, mode, model, dataset, layout, start.samplers,
                      {w: test_slice(dataset.num_test, num_workers, w) for w in range(1, num_workers + 1)},
                      timing, rec, model.init_params(cfg.seed))
