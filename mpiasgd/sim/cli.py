@@ -38,6 +38,8 @@ def make_parser() -> argparse.ArgumentParser:
     sim.add_argument("--fit", metavar="RUN.h5", default=None, help="timing model fitted from this run log of an "
                      "async or ssp run: each worker's measured compute times, the round trip's latency, the "
                      "server's time per update")
+    sim.add_argument("--fit-replay", action="store_true", help="with --fit: each worker replays its measured "
+                     "compute times in their order (a trace-driven simulation) instead of drawing them at random")
     sim.add_argument("--compute-s", type=float, default=None, metavar="SECONDS",
                      help="compute seconds per minibatch of every worker (lognormal mean)")
     sim.add_argument("--compute-cv", type=float, default=None, metavar="CV",
@@ -60,6 +62,8 @@ def timing_from(args: argparse.Namespace) -> Any:
     the quick model. ProfileError (a ConfigError) naming the file or the flag when it is not valid."""
     from mpiasgd.sim.timing import ProfileError, TimingModel, fit_run_log, load_profile
 
+    if args.fit_replay and not args.fit:
+        raise ProfileError("mpiasgd simulate: --fit-replay needs --fit RUN.h5 (the measured times it replays)")
     if args.profile and args.fit:
         raise ProfileError("mpiasgd simulate: --profile and --fit: give one timing model")
     if args.compute_cv is not None and args.compute_s is None:
@@ -70,7 +74,7 @@ def timing_from(args: argparse.Namespace) -> Any:
                                "--latency-s, --bandwidth, --server-s as needed), --profile FILE.json or --fit RUN.h5")
         return TimingModel.quick(args.compute_s, args.compute_cv or 0.0, args.latency_s or 0.0, args.bandwidth or 0.0,
                                  args.server_s or 0.0, args.eval_s_per_image)
-    base = load_profile(args.profile) if args.profile else fit_run_log(args.fit)
+    base = load_profile(args.profile) if args.profile else fit_run_log(args.fit, replay=args.fit_replay)
     values = base.to_dict()
     if args.compute_s is not None:  # every worker's compute time, theirs included
         values["compute"] = {"mean_s": args.compute_s, "cv": args.compute_cv or 0.0}

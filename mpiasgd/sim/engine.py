@@ -120,6 +120,8 @@ class VirtualWorker:
     posted: float = 0.0             # virtual time its receive was posted: when its last push left (0 at start)
     began: float | None = None      # when its first weights arrived (its local steps' --max-time clock)
     eval_s: float = 0.0             # virtual seconds of its evaluation in progress (the EVAL's compute_s)
+    draws: int = 0                  # compute times drawn so far (+ `offset`: its place in a replayed trace)
+    offset: int = 0
 
 
 @dataclass(order=True)
@@ -180,8 +182,11 @@ class Simulation:
                             self.test_idx[w], layout=self.layout)
             loop = self.mode.worker(job)
             local = LocalSGD(model, cfg.momentum, cfg.weight_decay, nesterov=cfg.nesterov) if cfg.nsync > 1 else None
-            self.workers[w] = VirtualWorker(w, loop, comm, self.timing.compute_for(w), slow.get(w, 1.0),
-                                            np.random.default_rng([cfg.seed, 7, w]), local)
+            compute = self.timing.compute_for(w)
+            rng = np.random.default_rng([cfg.seed, 7, w])
+            # a replayed trace that is not this worker's own (the pooled one): from a place of its own in it
+            offset = int(rng.integers(len(compute.samples))) if compute.replay and w not in self.timing.workers else 0
+            self.workers[w] = VirtualWorker(w, loop, comm, compute, slow.get(w, 1.0), rng, local, offset=offset)
         if cfg.nsync > 1:
             self.pulled = model.ops.empty(model.num_params)
         self.r0 = r0
@@ -317,7 +322,8 @@ class Simulation:
         drawn = 0.0  # compute seconds of this round's minibatches, before the --straggler factor
         for _ in range(cfg.nsync):
             batch_loss, batch_correct, batch_samples, epoch = loop.gradient()
-            drawn += vw.compute.draw(vw.rng)
+            drawn += vw.compute.draw(vw.rng, vw.offset + vw.draws)
+            vw.draws += 1
             loss += batch_loss * batch_samples
             correct += batch_correct
             samples += batch_samples

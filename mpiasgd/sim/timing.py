@@ -57,14 +57,18 @@ class ComputeTime:
     mean_s: float = 0.0
     cv: float = 0.0
     samples: tuple[float, ...] = ()
+    replay: bool = False  # with samples: take them in their order (a trace), from the worker's offset, cycling
 
     @property
     def mean(self) -> float:
         """The distribution's mean, seconds."""
         return float(np.mean(self.samples)) if self.samples else self.mean_s
 
-    def draw(self, rng: np.random.Generator) -> float:
-        """One minibatch's seconds."""
+    def draw(self, rng: np.random.Generator, index: int = 0) -> float:
+        """One minibatch's seconds: the `index`-th (a worker's count of draws plus its offset) of a replayed
+        trace, else a random draw from `rng`."""
+        if self.replay:
+            return float(self.samples[index % len(self.samples)])
         if self.samples:
             return float(self.samples[int(rng.integers(len(self.samples)))])
         if self.cv == 0:
@@ -73,11 +77,14 @@ class ComputeTime:
         return float(rng.lognormal(math.log(self.mean_s) - sigma2 / 2, math.sqrt(sigma2)))
 
     def to_dict(self) -> dict:
-        return {"samples": list(self.samples)} if self.samples else {"mean_s": self.mean_s, "cv": self.cv}
+        if self.samples:
+            return {"samples": list(self.samples), **({"replay": True} if self.replay else {})}
+        return {"mean_s": self.mean_s, "cv": self.cv}
 
     def describe(self) -> str:
         if self.samples:
-            return f"empirical ({len(self.samples)} samples, mean {self.mean:.4g} s)"
+            how = "replayed in order" if self.replay else "drawn with replacement"
+            return f"empirical ({len(self.samples)} samples {how}, mean {self.mean:.4g} s)"
         return f"{self.mean_s:.4g} s" + (f" (lognormal, cv {self.cv:g})" if self.cv else "")
 
 
@@ -199,7 +206,8 @@ class TimingModel:
 
 # key -> what it must be (the errors say it)
 PROFILE_KEYS = {
-    "compute": 'an object {"mean_s": seconds > 0, "cv": number >= 0} or {"samples": [seconds > 0, ...]}',
+    "compute": 'an object {"mean_s": seconds > 0, "cv": number >= 0} or {"samples": [seconds > 0, ...], '
+               '"replay": false}',
     "latency_s": "seconds >= 0 (one way, per message)",
     "bandwidth": "bytes/s >= 0 (0 = infinite)",
     "server_s": "seconds >= 0 (per applied push)",
@@ -227,8 +235,11 @@ def _compute(spec: Any, key: str, source: str) -> ComputeTime:
     if not isinstance(spec, dict) or not spec:
         raise ProfileError(f"{source}: key '{key}' = {spec!r}: expected {PROFILE_KEYS['compute']}")
     if "samples" in spec:
-        extra = sorted(set(spec) - {"samples"})
+        extra = sorted(set(spec) - {"samples", "replay"})
         samples = spec["samples"]
+        replay = spec.get("replay", False)
+        if not isinstance(replay, bool):
+            raise ProfileError(f"{source}: key '{key}.replay' = {replay!r}: expected true or false")
         if extra:
             raise ProfileError(f"{source}: key '{key}' has {extra} beside 'samples': expected one or the other of "
                                f"{PROFILE_KEYS['compute']}")
@@ -237,7 +248,7 @@ def _compute(spec: Any, key: str, source: str) -> ComputeTime:
                                "seconds > 0")
         for i, value in enumerate(samples):
             _number({"s": value}, "s", source, positive=True, what=f"{key}.samples[{i}]")
-        return ComputeTime(samples=tuple(float(v) for v in samples))
+        return ComputeTime(samples=tuple(float(v) for v in samples), replay=replay)
     extra = sorted(set(spec) - {"mean_s", "cv"})
     if extra:
         raise ProfileError(f"{source}: key '{key}' has unknown key(s) {extra}: expected {PROFILE_KEYS['compute']}")
@@ -272,13 +283,15 @@ def save_profile(model: TimingModel, path: str) -> None:
         raise ProfileError(f"--save-profile '{path}': cannot write it ({e.strerror})") from None
 
 
-def fit_run_log(path: str) -> TimingModel:
+def fit_run_log(path: str, replay: bool = False) -> TimingModel:
     """A TimingModel fitted from the run log at `path` of an async or ssp run (real or simulated).
 
     compute    each worker's empirical distribution: the compute_s of its pushes (data + forward + backward
                of the push's nsync minibatches), divided by the run's nsync and by that worker's --straggler
                factor (the device's own speed; --straggler in the simulation applies its own); `compute`
-               pools every worker's samples, `workers` keeps each one's
+               pools every worker's samples, `workers` keeps each one's. `replay`: the samples are taken in
+               their order (each worker replays its own trace; workers the log does not have replay the
+               pooled one from an offset of their own), else drawn with replacement
     server_s   the shortest gap between two consecutive updates (the updates table): the server cannot apply
                two pushes faster than it takes per push, and with 2+ workers some pushes arrive while it is
                busy, so the shortest gap is one push's whole handling (receive, update, log, reply); 0 for a
@@ -320,10 +333,10 @@ def fit_run_log(path: str) -> TimingModel:
         seconds = pushes["compute_s"][pushes["worker"] == w].astype(np.float64) / nsync / slow.get(int(w), 1.0)
         seconds = seconds[np.isfinite(seconds) & (seconds > 0)]
         if len(seconds):
-            own[int(w)] = ComputeTime(samples=tuple(float(s) for s in seconds))
+            own[int(w)] = ComputeTime(samples=tuple(float(s) for s in seconds), replay=replay)
     if not own:
         raise ProfileError(f"{source}: no push with a compute time > 0 to fit from")
-    pooled = ComputeTime(samples=tuple(s for c in own.values() for s in c.samples))
+    pooled = ComputeTime(samples=tuple(s for c in own.values() for s in c.samples), replay=replay)
     updates = run["updates"]
     server_s = 0.0
     if int(run.get("num_workers") or len(own)) >= 2 and updates is not None and len(updates) >= 2:

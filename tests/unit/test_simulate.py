@@ -260,3 +260,29 @@ def test_fit_recovers_the_timing_a_simulation_ran_with(tmp_path):
     _, t, _ = simulate(tmp_path, "--fit", str(tmp_path / "known.h5"), "--save-profile", saved, "--max-pushes", "20",
                        "--epochs", "0", name="refit", workers=8)
     assert len(t["pushes"]) >= 20 and load_profile(saved).latency_s == pytest.approx(fitted.latency_s)
+
+
+def test_fit_replay_replays_each_workers_measured_compute_times_in_order(tmp_path):
+    """--fit-replay: worker w's pushes in the new simulation carry the compute times of worker w's pushes in the
+    fitted log, in the same order (cycling past its end); a worker the log lacks replays the pooled trace."""
+    simulate(tmp_path, "--compute-s", "0.02", "--compute-cv", "0.5", "--latency-s", "0.001", "--max-pushes", "12",
+             "--epochs", "0", name="measured")
+    _, t, _ = simulate(tmp_path, "--fit", str(tmp_path / "measured.h5"), "--fit-replay", "--max-pushes", "30",
+                       "--epochs", "0", name="replayed", workers=3)
+    _, measured, _ = read_log(tmp_path / "measured.h5")
+    for w in (1, 2):
+        trace = measured["pushes"]["compute_s"][measured["pushes"]["worker"] == w].tolist()
+        got = t["pushes"]["compute_s"][t["pushes"]["worker"] == w].tolist()
+        assert len(got) > len(trace) >= 3
+        assert got == pytest.approx([trace[i % len(trace)] for i in range(len(got))], rel=1e-6)
+    # the pooled trace: worker 1's times, then worker 2's; worker 3 takes it in order from an offset of its own
+    p = measured["pushes"]
+    pooled = [x for w in (1, 2) for x in p["compute_s"][(p["worker"] == w) & (p["samples"] > 0)].tolist()]
+    third = t["pushes"]["compute_s"][t["pushes"]["worker"] == 3].tolist()
+    assert len(third) >= 3 and any(
+        third == pytest.approx([pooled[(k + i) % len(pooled)] for i in range(len(third))], rel=1e-6)
+        for k in range(len(pooled)))
+    with pytest.raises(ProfileError, match="--fit-replay needs --fit"):
+        from mpiasgd.sim.cli import make_parser, timing_from
+
+        timing_from(make_parser().parse_args(["--compute-s", "0.1", "--fit-replay"]))
