@@ -107,6 +107,12 @@ class AsgdServer(Role):
         self.outbox = {w: Message(P + B) for w in self.workers}
         self.weights = {w: self.outbox[w].payload[:P] for w in self.workers}  # where the master weights may live
         momentum = explicit_momentum(cfg.momentum, cfg.async_momentum, len(self.workers))
+        if cfg.async_momentum != "fixed":  # said once, on the console and in the log's events
+            off = " (Nesterov off: it needs a momentum > 0)" if cfg.nesterov and not momentum else ""
+            text = (f"the server's momentum is {momentum:g} (--momentum {cfg.momentum:g}, --async-momentum "
+                    f"{cfg.async_momentum}, {len(self.workers)} workers){off}")
+            self.rec.event("momentum", text, at=0.0)
+            print(f"mpiasgd: {text}", flush=True)
         self.optimizer = SGD(params, decay_mask, momentum, cfg.weight_decay, nesterov=cfg.nesterov and momentum > 0,
                              lr_scale=lr_scale)
         # --dc-lambda: the weights worker w computed its push on are those of its last reply, in weights[w]
@@ -239,6 +245,13 @@ class AsgdServer(Role):
         staleness = rec.version - base
         grad = msg.payload[:self.P]
         finite, square = finite_square(grad)
+        advice = "lower --lr"
+        if finite and self.compensation is not None and not rec.stop_reason:
+            # DC-ASGD: g + lambda g g (w - w_pulled), w_pulled = the weights of w's last reply (in its send buffer)
+            self.compensation.correct(grad, self.params, self.weights[w])
+            finite, square = finite_square(grad)
+            if not finite:
+                advice = "delay compensation made finite gradients non-finite: lower --dc-lambda (or --lr)"
         rejected = not finite
         applied = not rejected and not rec.stop_reason  # after the stop decision pushes are drained
         if applied:  # (not after the stop: the mean the STOPs carry is the final snapshot's)
@@ -254,8 +267,6 @@ class AsgdServer(Role):
                 lr = float(h["lr"]) * factor
                 self.params = self.optimizer.params = apply_delta(self.params, grad, factor, out=out)
             else:  # the staleness factor scales the gradient entering the momentum, not the velocity's step
-                if self.compensation is not None:  # DC-ASGD: g + lambda g g (w - w_pulled)
-                    self.compensation.correct(grad, self.params, out)
                 step_size = self.schedule(rec.epoch, rec.fraction_done())
                 self.params = self.optimizer.step(grad, step_size, out=out, grad_scale=factor)
                 lr = step_size * factor  # logged: the step this push's gradient enters with
@@ -272,7 +283,7 @@ class AsgdServer(Role):
                  held_s=self.held_s[w], data_s=h["data_s"])
         if rejected:
             self.cursor[w] = int(h["cursor"])
-            rec.reject(w, step)  # after its row is logged: may stop the run
+            rec.reject(w, step, advice=advice)  # after its row is logged: may stop the run
         else:
             rec.accept(w)
         self.held_s[w] = 0.0
@@ -375,7 +386,7 @@ class AsgdMode(Mode):
         need(math.isfinite(cfg.warm_start) and cfg.warm_start >= 0, cfg, "warm_start", "seconds >= 0")
         need(cfg.staleness_lr in STALENESS_LR, cfg, "staleness_lr", f"one of {STALENESS_LR}")
         need(cfg.async_momentum in ASYNC_MOMENTUM, cfg, "async_momentum", f"one of {ASYNC_MOMENTUM}")
-        need(math.isfinite(cfg.dc_lambda) and cfg.dc_lambda >= 0, cfg, "dc_lambda", "a number >= 0 (0 = off)")
+        need(0 <= cfg.dc_lambda <= 1e6, cfg, "dc_lambda", "a number from 0 to 1e6 (0 = off)")
         need(0 <= cfg.dc_adaptive < 1, cfg, "dc_adaptive", "a decay 0 <= m < 1 (0 = a constant lambda)")
         need(not cfg.dc_adaptive or cfg.dc_lambda > 0, cfg, "dc_adaptive", "0 without --dc-lambda (it adapts lambda)")
         if cfg.dc_lambda:  # the server has the weights a push was computed on only for one gradient per reply

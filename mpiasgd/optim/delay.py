@@ -58,6 +58,12 @@ class DelayCompensation:
             _check(name, a, self.size)
         one_minus = np.float32(1) - self.decay
         ms = self.mean_square
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is a non-finite result: checked after
+            self._correct(grad, weights, pulled, one_minus, ms)
+        return grad
+
+    def _correct(self, grad: np.ndarray, weights: np.ndarray, pulled: np.ndarray, one_minus: np.float32,
+                 ms: np.ndarray | None) -> None:
         for a in range(0, self.size, self.chunk):
             b = min(a + self.chunk, self.size)
             gb = grad[a:b]
@@ -76,7 +82,6 @@ class DelayCompensation:
                 sq *= moved
             sq *= self.lam
             gb += sq                                       # g + lambda g g (w - w_pulled)
-        return grad
 
 
 def explicit_momentum(momentum: float, rule: str, num_workers: int) -> float:

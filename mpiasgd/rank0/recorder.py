@@ -244,9 +244,9 @@ class Recorder:
         self.stop(f"diverged ({finding.kind}; --on-divergence stop)")
         self.stop_workers()
 
-    def reject(self, w: int, step: int, what: str = "gradient") -> None:
+    def reject(self, w: int, step: int, what: str = "gradient", advice: str = "lower --lr") -> None:
         """Count a non-finite `what` (a gradient; easgd: weights) of worker `w` at `step`; TrainingDiverged
-        after `max_rejects` in a row."""
+        after `max_rejects` in a row, ending with `advice`."""
         self.rejected[w] += 1
         self.rejects_in_row[w] += 1
         if self.rejected[w] == 1:
@@ -255,7 +255,7 @@ class Recorder:
             raise TrainingDiverged(
                 f"rank 0: worker rank {w} pushed {self.rejects_in_row[w]} non-finite {what}s in a row "
                 f"(steps {step - self.rejects_in_row[w] + 1}..{step}; --max-rejects {self.cfg.max_rejects}): "
-                f"training has diverged; lower --lr")
+                f"training has diverged; {advice}")
 
     def accept(self, w: int) -> None:
         """Worker `w`'s gradient was finite: its run of rejects is over."""

@@ -74,6 +74,9 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
     train_time = training_time(run)
     images = trained_images(run)
     lines = [f"run log          {path}  (status: {run.get('status')})"]
+    if run.get("clock") == "virtual":
+        lines.append("simulated        by `mpiasgd simulate`: every time below is virtual seconds (the timing model is "
+                     "the log's attribute 'simulated')")
     if run.get("status") == "preempted":
         from mpiasgd.checkpoint import checkpoint_path
 
@@ -108,6 +111,8 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
         lines.append(f"health           {health}")
     if run.get("diverged"):
         lines.append(f"stopped by       --on-divergence stop: {run['diverged']}")
+    elif run.get("stop_reason"):
+        lines.append(f"stopped by       {run['stop_reason']}")
     if run.get("wall_time_s") is not None:
         lines.append(f"wall time        {float(run['wall_time_s']):.1f} s (server, start to end)")
     return lines

@@ -14,12 +14,38 @@ quick flags; quick flags given with --profile or --fit replace those figures of 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from typing import Any
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130  # as a shell reports SIGINT
+EXIT_TERMINATED = 143  # as a shell reports SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached the simulation: it ends as on Ctrl-C (the log closed 'failed'), with status 143."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+def check_profile_path(path: str, fitted: str | None, overwrite: bool) -> None:
+    """ProfileError unless `path` may take --save-profile's JSON: never the --fit run log or another HDF5 file
+    (a run log), and an existing file only with --overwrite."""
+    from mpiasgd.sim.timing import ProfileError
+
+    if fitted and os.path.exists(fitted) and os.path.exists(path) and os.path.samefile(path, fitted):
+        raise ProfileError(f"--save-profile '{path}' is the run log --fit reads: give another file")
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            if f.read(8) == b"\x89HDF\r\n\x1a\n":
+                raise ProfileError(f"--save-profile '{path}' is an HDF5 file (a run log?): it is not replaced")
+        if not overwrite:
+            raise ProfileError(f"--save-profile '{path}' exists: give another file, or --overwrite to replace it")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -63,14 +89,14 @@ def timing_from(args: argparse.Namespace) -> Any:
     from mpiasgd.sim.timing import ProfileError, TimingModel, fit_run_log, load_profile
 
     if args.fit_replay and not args.fit:
-        raise ProfileError("mpiasgd simulate: --fit-replay needs --fit RUN.h5 (the measured times it replays)")
+        raise ProfileError("--fit-replay needs --fit RUN.h5 (the measured times it replays)")
     if args.profile and args.fit:
-        raise ProfileError("mpiasgd simulate: --profile and --fit: give one timing model")
+        raise ProfileError("--profile and --fit: give one timing model")
     if args.compute_cv is not None and args.compute_s is None:
-        raise ProfileError("mpiasgd simulate: --compute-cv needs --compute-s (the mean it varies around)")
+        raise ProfileError("--compute-cv needs --compute-s (the mean it varies around)")
     if not (args.profile or args.fit):
         if args.compute_s is None:
-            raise ProfileError("mpiasgd simulate: no timing model: give --compute-s SECONDS (with --compute-cv, "
+            raise ProfileError("no timing model: give --compute-s SECONDS (with --compute-cv, "
                                "--latency-s, --bandwidth, --server-s as needed), --profile FILE.json or --fit RUN.h5")
         return TimingModel.quick(args.compute_s, args.compute_cv or 0.0, args.latency_s or 0.0, args.bandwidth or 0.0,
                                  args.server_s or 0.0, args.eval_s_per_image)
@@ -100,19 +126,22 @@ def main(argv: list[str]) -> int:
         return 0
     from mpiasgd.launch.startup import STARTUP_ERRORS
     from mpiasgd.rank0.recorder import TrainingDiverged
+    from mpiasgd.runlog import RunLogError
     from mpiasgd.sim.run import simulate
     from mpiasgd.sim.timing import save_profile
 
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         args = parser.parse_args(argv)
         cfg = resolve(args)
         if args.workers is None:
-            raise ConfigError("mpiasgd simulate: --workers N is required (the virtual workers, ranks 1..N)")
+            raise ConfigError("--workers N is required (the virtual workers, ranks 1..N)")
         from mpiasgd.sim.engine import check_simulated
 
         check_simulated(cfg, args.workers)
         timing = timing_from(args)
         if args.save_profile:
+            check_profile_path(args.save_profile, args.fit, cfg.overwrite)
             save_profile(timing.resolved(cfg.batch_size), args.save_profile)
             print(f"mpiasgd simulate: timing model written to '{args.save_profile}'", flush=True)
         if timing.batch_size and timing.batch_size != cfg.batch_size:
@@ -120,12 +149,22 @@ def main(argv: list[str]) -> int:
                   f"{timing.batch_size} images; this run's are {cfg.batch_size} (--batch-size)", file=sys.stderr,
                   flush=True)
         return simulate(cfg, args.workers, timing)
-    except STARTUP_ERRORS as e:  # bad input, or the log could not be written (disk full): one line
+    except RunLogError as e:  # the log cannot be written (disk full): one line, the log ended as far as it can be
+        outcome = getattr(e, "outcome", "")
+        print(f"mpiasgd simulate: error: {e}{'; ' + outcome if outcome else ''}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    except STARTUP_ERRORS as e:  # bad input: one line
         print(f"mpiasgd simulate: error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except TrainingDiverged as e:  # --max-rejects: the log is closed 'failed' and says so
         print(f"mpiasgd simulate: error: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+    except Terminated:  # SIGTERM (kill, a scheduler): as Ctrl-C
+        print("mpiasgd simulate: terminated (SIGTERM); the run log is closed with status 'failed'", file=sys.stderr,
+              flush=True)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:  # Ctrl-C: the log (if it was created) is closed 'failed'
         print("mpiasgd simulate: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)

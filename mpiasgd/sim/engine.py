@@ -61,17 +61,17 @@ def check_simulated(cfg: Any, num_workers: int) -> None:
     """ConfigError naming what `mpiasgd simulate` does not do: a mode other than async/ssp, --overlap,
     --resume, --backend cupy, fewer than 1 worker."""
     if num_workers < 1:
-        raise ConfigError(f"mpiasgd simulate: --workers {num_workers}: expected an integer >= 1")
+        raise ConfigError(f"--workers {num_workers}: expected an integer >= 1")
     if cfg.mode not in SIMULATED_MODES:
-        raise ConfigError(f"mpiasgd simulate: --mode {cfg.mode} is not simulated; it simulates the parameter-server "
+        raise ConfigError(f"--mode {cfg.mode} is not simulated; it simulates the parameter-server "
                           f"modes {' and '.join(SIMULATED_MODES)} (A-SGD and SSP)")
     if cfg.overlap:
-        raise ConfigError("mpiasgd simulate: --overlap is not modelled (a worker computing while its pull is in "
+        raise ConfigError("--overlap is not modelled (a worker computing while its pull is in "
                           "flight); simulate without it")
     if cfg.resume:
-        raise ConfigError("mpiasgd simulate: --resume is not simulated; a simulation starts from the initial weights")
+        raise ConfigError("--resume is not simulated; a simulation starts from the initial weights")
     if cfg.backend == "cupy":
-        raise ConfigError("mpiasgd simulate: --backend cupy: the simulator computes on the numpy backend (the "
+        raise ConfigError("--backend cupy: the simulator computes on the numpy backend (the "
                           "timing model stands for the devices); leave --backend at auto or numpy")
 
 

@@ -73,8 +73,10 @@ def simulate(cfg: Any, num_workers: int, timing: TimingModel) -> int:
     try:
         summary = _limited(cfg.threads, sim.run)
     except BaseException as e:
-        if not isinstance(e, RunLogError):
-            rec.event("failed", traceback.format_exc())
+        if isinstance(e, RunLogError):  # the disk is full: end the log as far as it can be; the caller says how
+            e.outcome = log.abandon()
+            raise
+        rec.event("failed", traceback.format_exc())
         try:
             log.close("failed")
         except RunLogError as closing:

@@ -163,10 +163,17 @@ class TimingModel:
         def refuse(constant: str) -> None:
             raise ValueError(f"{constant} is not a number here")
 
+        def unique(pairs: list) -> dict:
+            keys = [k for k, _ in pairs]
+            twice = sorted({k for k in keys if keys.count(k) > 1})
+            if twice:
+                raise ValueError(f"key(s) {twice} given twice")
+            return dict(pairs)
+
         try:
-            values = json.loads(text, parse_constant=refuse)
-        except ValueError as e:  # json.JSONDecodeError is one
-            raise ProfileError(f"{source}: not valid JSON ({e})") from None
+            values = json.loads(text, parse_constant=refuse, object_pairs_hook=unique)
+        except (ValueError, RecursionError) as e:  # json.JSONDecodeError is a ValueError; RecursionError: nesting
+            raise ProfileError(f"{source}: not valid JSON ({str(e) or 'nested too deeply'})") from None
         return cls.from_dict(values, source)
 
     @classmethod
@@ -187,18 +194,18 @@ class TimingModel:
             raise ProfileError(f"{source}: key 'workers' = {workers!r}: expected {PROFILE_KEYS['workers']}")
         own = {}
         for key, spec in workers.items():
-            if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
+            if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) >= 1):
                 raise ProfileError(f"{source}: key 'workers' has entry {key!r}: expected a worker rank >= 1")
             own[int(key)] = _compute(spec, f"workers.{key}", source)
         per_image = values.get("eval_s_per_image")
         batch_size = values.get("batch_size", 0)
-        if not (isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 0):
+        if not (isinstance(batch_size, int) and not isinstance(batch_size, bool) and 0 <= batch_size <= 10**6):
             raise ProfileError(f"{source}: key 'batch_size' = {batch_size!r}: expected {PROFILE_KEYS['batch_size']}")
         note = values.get("note", "")
         if not isinstance(note, str):
             raise ProfileError(f"{source}: key 'note' = {note!r}: expected {PROFILE_KEYS['note']}")
         return cls(compute=_compute(values["compute"], "compute", source),
-                   latency_s=_number(values, "latency_s", source), bandwidth=_number(values, "bandwidth", source),
+                   latency_s=_number(values, "latency_s", source), bandwidth=_bandwidth(values, source),
                    server_s=_number(values, "server_s", source),
                    eval_s_per_image=None if per_image is None else _number(values, "eval_s_per_image", source),
                    workers=own, batch_size=batch_size, note=note)
@@ -213,21 +220,42 @@ PROFILE_KEYS = {
     "server_s": "seconds >= 0 (per applied push)",
     "eval_s_per_image": "seconds >= 0, or null (from the compute time)",
     "workers": 'an object {"RANK": compute object, ...}',
-    "batch_size": "an integer >= 0 (images per minibatch measured; 0 = unknown)",
+    "batch_size": "an integer 0..1000000 (images per minibatch measured; 0 = unknown)",
     "note": "a string",
 }
 REQUIRED_KEYS = ("compute", "latency_s", "bandwidth", "server_s")
 
 
-def _number(values: dict, key: str, source: str, positive: bool = False, what: str = "") -> float:
-    """values[key] as a finite float >= 0 (> 0 with `positive`); ProfileError naming `source` and the key."""
+MAX_SECONDS = 1e6   # no time in a profile is longer (11.6 days a minibatch, message or update)
+MIN_COMPUTE_S = 1e-6  # nor is a minibatch shorter (a simulation would take ~forever to reach its stop)
+
+
+def _number(values: dict, key: str, source: str, positive: bool = False, what: str = "",
+            most: float = MAX_SECONDS) -> float:
+    """values[key] as a float >= 0 (>= MIN_COMPUTE_S with `positive`) and <= `most`; ProfileError naming `source`
+    and the key."""
     value = values.get(key)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > 0 if positive else value >= 0)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    try:
+        ok = ok and math.isfinite(float(value))
+    except OverflowError:  # an integer too large for a float
+        ok = False
+    ok = ok and (value >= MIN_COMPUTE_S if positive else value >= 0) and value <= most
     if not ok:
-        raise ProfileError(f"{source}: key '{what or key}' = {value!r}: expected "
-                           f"{'seconds > 0' if positive else PROFILE_KEYS.get(key, 'a number >= 0')}")
+        expected = (f"seconds from {MIN_COMPUTE_S:g} to {most:g}" if positive
+                    else f"{PROFILE_KEYS.get(key, 'a number >= 0')}, at most {most:g}")
+        huge = isinstance(value, int) and abs(value) >= 10**20
+        shown = f"an integer of {value.bit_length()} bits" if huge else value
+        raise ProfileError(f"{source}: key '{what or key}' = {shown!r}: expected {expected}")
     return float(value)
+
+
+def _bandwidth(values: dict, source: str) -> float:
+    """values["bandwidth"]: 0 (infinite) or 1e3 to 1e15 bytes/s; ProfileError naming `source` otherwise."""
+    value = _number(values, "bandwidth", source, most=1e15)
+    if 0 < value < 1e3:
+        raise ProfileError(f"{source}: key 'bandwidth' = {value!r}: expected 0 (infinite) or 1e3 to 1e15 bytes/s")
+    return value
 
 
 def _compute(spec: Any, key: str, source: str) -> ComputeTime:
@@ -255,7 +283,7 @@ def _compute(spec: Any, key: str, source: str) -> ComputeTime:
     if "mean_s" not in spec:
         raise ProfileError(f"{source}: key '{key}.mean_s' is missing: expected seconds > 0")
     mean = _number(spec, "mean_s", source, positive=True, what=f"{key}.mean_s")
-    cv = _number(spec, "cv", source, what=f"{key}.cv") if "cv" in spec else 0.0
+    cv = _number(spec, "cv", source, what=f"{key}.cv", most=100.0) if "cv" in spec else 0.0
     return ComputeTime(mean_s=mean, cv=cv)
 
 

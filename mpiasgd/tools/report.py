@@ -189,7 +189,7 @@ def comparison_row(run: dict, target: float) -> dict:
     return {
         "run": name[:-3] if name.endswith(".h5") else name,
         "status": str(run.get("status") or "unknown").split()[0],  # "killed (its writer is gone ...)" -> killed
-        "mode": run.get("mode") or cfg.get("mode"),
+        "mode": (run.get("mode") or cfg.get("mode")) + (" (simulated)" if run.get("clock") == "virtual" else ""),
         "options": mode_options(cfg),
         "workers": None if workers is None else int(workers),
         "nsync": int(cfg.get("nsync", 1)),

@@ -327,6 +327,21 @@ def test_delay_compensation_is_exactly_plain_sgd_when_nothing_is_stale(tmp_path)
     np.testing.assert_array_equal(runs[0], runs[1])
 
 
+def test_a_gradient_that_delay_compensation_makes_non_finite_is_rejected(tmp_path):
+    """A finite gradient whose correction overflows float32 (lambda g g (w - w_pulled) > 3.4e38) is rejected like a
+    non-finite push, and the error names --dc-lambda."""
+    server, net, _ = make_server(tmp_path, num_workers=2, dc_lambda=1e6, max_rejects=1)
+    server.start_workers()
+    push(net, 1, step=1, version=0, grad=np.ones(P, np.float32))
+    serve_one(server)  # version 1: worker 2's weights are now 0.5 behind
+    before = server.params.copy()
+    push(net, 2, step=1, version=0, grad=np.full(P, 1e17, np.float32))
+    with pytest.raises(TrainingDiverged, match=r"non-finite gradients in a row .*delay compensation made finite "
+                                               r"gradients non-finite: lower --dc-lambda \(or --lr\)"):
+        serve_one(server)
+    np.testing.assert_array_equal(server.params, before)
+
+
 @pytest.mark.parametrize("rule,workers,expected", [("fixed", 4, 0.9), ("workers", 1, 0.9), ("workers", 2, 0.4),
                                                    ("workers", 4, 0.15), ("workers", 10, 0.0)])
 def test_async_momentum_rule(tmp_path, rule, workers, expected):

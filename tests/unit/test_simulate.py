@@ -174,6 +174,9 @@ def test_report_and_evaluate_read_the_log(tmp_path):
     assert len(t["periodic_evals"]) >= 2 and (t["periodic_evals"]["count"] == 360).all()
     text = report([path])
     assert "mode async, 4 workers" in text and "test accuracy" in text
+    assert "simulated        by `mpiasgd simulate`: every time below is virtual seconds" in text
+    assert "stopped by       epochs: 1.00 >= 1" in text
+    assert "async (simulated)" in report([path, path])  # the comparison table marks it
     evaluated = evaluate_snapshots(path, batch_size=256)
     assert len(evaluated) == len(t["snapshots/meta"]) >= 3
     np.testing.assert_allclose(evaluated["time"], t["snapshots/meta"]["time"])
@@ -209,6 +212,12 @@ def test_a_timing_model_round_trips_through_json(tmp_path):
     ({"compute": {"mean_s": -0.1}, "latency_s": 0, "bandwidth": 0, "server_s": 0}, "compute.mean_s"),
     ({"compute": {"samples": [0.1, "x"]}, "latency_s": 0, "bandwidth": 0, "server_s": 0}, "compute.samples[1]"),
     ({"compute": {"mean_s": 0.1}, "latency_s": 0, "bandwidth": 0, "server_s": 0, "lag": 1}, "lag"),
+    ({"compute": {"mean_s": 0.1}, "latency_s": 10**300, "bandwidth": 0, "server_s": 0}, "latency_s"),
+    ({"compute": {"mean_s": 1e300}, "latency_s": 0, "bandwidth": 0, "server_s": 0}, "compute.mean_s"),
+    ({"compute": {"mean_s": 1e-9}, "latency_s": 0, "bandwidth": 0, "server_s": 0}, "compute.mean_s"),
+    ({"compute": {"mean_s": 0.1}, "latency_s": 0, "bandwidth": 1e-300, "server_s": 0}, "bandwidth"),
+    ({"compute": {"mean_s": 0.1}, "latency_s": 0, "bandwidth": 0, "server_s": 0, "workers": {"\u00b2": {}}},
+     "workers"),
 ])
 def test_a_bad_profile_is_one_error_naming_the_file_and_the_key(tmp_path, capsys, values, key):
     path = profile(tmp_path, values)
@@ -218,11 +227,59 @@ def test_a_bad_profile_is_one_error_naming_the_file_and_the_key(tmp_path, capsys
     assert not list(tmp_path.glob("*.h5"))
 
 
-def test_a_profile_that_is_not_json_is_named(tmp_path):
+@pytest.mark.parametrize("text", ['{"compute": {"mean_s": NaN}}', "[" * 100_000,
+                                  '{"latency_s": 1, "latency_s": 2, "compute": {"mean_s": 1}}'])
+def test_a_profile_that_is_not_json_is_named(tmp_path, text):
+    """NaN, nesting deeper than the parser goes, a key given twice: one error naming the file."""
     path = tmp_path / "t.json"
-    path.write_text('{"compute": {"mean_s": NaN}}')
+    path.write_text(text)
     with pytest.raises(ProfileError, match=r"t\.json.*not valid JSON"):
         load_profile(str(path))
+
+
+def test_save_profile_never_replaces_a_run_log_or_an_existing_file_unasked(tmp_path, capsys):
+    """--save-profile onto the --fit log, onto another run log, or onto an existing file without --overwrite: one
+    error, the file untouched, no run."""
+    simulate(tmp_path, "--compute-s", "0.01", "--max-pushes", "6", "--epochs", "0", name="measured")
+    log = tmp_path / "measured.h5"
+    before = log.read_bytes()
+    other = tmp_path / "other.json"
+    other.write_text("{}")
+    for target, extra, says in ((log, [], "is the run log --fit reads"), (log, ["--overwrite"], "is the run log"),
+                                (other, [], "exists: give another file, or --overwrite")):
+        argv = ["--workers", "2", "--model", "digits", "--fit", str(log), "--save-profile", str(target),
+                "--run-dir", str(tmp_path), "--name", "again", "--no-progress", *extra]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err, err
+    assert log.read_bytes() == before and other.read_text() == "{}" and not (tmp_path / "again.h5").exists()
+
+
+def test_sigterm_closes_the_log_and_exits_143(tmp_path):
+    """SIGTERM mid-simulation: one line, exit status 143, the log closed 'failed' and readable, no lock left."""
+    import signal
+    import time
+
+    from mpiasgd.runlog import load
+
+    proc = subprocess.Popen([sys.executable, "-m", "mpiasgd", "simulate", "--workers", "4", "--model", "digits",
+                             "--epochs", "100000", "--compute-s", "0.01", "--no-progress", "--run-dir", str(tmp_path),
+                             "--name", "long", "--flush-interval", "0.2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        log = tmp_path / "long.h5"
+        deadline = time.monotonic() + 60
+        while not (log.exists() and (time.monotonic() > deadline or load(str(log))["pushes"] is not None
+                                     and len(load(str(log))["pushes"]) > 20)):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, (out, err)
+    assert "terminated (SIGTERM)" in err and len(err.strip().splitlines()) == 1, err
+    assert load(str(log))["status"] == "failed" and not (tmp_path / "long.h5.lock").exists()
 
 
 @pytest.mark.parametrize(("flags", "says"), [
