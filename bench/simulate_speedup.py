@@ -6,17 +6,22 @@ and warm start. One markdown table, one plot, every command.
 
     python bench/simulate_speedup.py                                 # cifar10, the H200 profile, 33 simulations
     python bench/simulate_speedup.py --workers 1,2,4 --nsync 1 --starts cold --model digits --target-accuracy 0.6 \\
-        --epochs 3 --eval-interval 0.5ep --options="--lr 0.05"      # ~1 min check of the script
+        --epochs 3 --eval-interval 0.5ep --lr 0.05                  # ~1 min check of the script
 
 Each simulation is `python -m mpiasgd simulate --workers N --profile PROFILE --nsync K [--warm-start S]
---stop-accuracy T --eval-interval I --epochs E OPTIONS`: real gradients of the real network on the real
-shards, the real parameter server, on a virtual clock from the profile (default
-bench/profiles/h200-cifar10.json: an H200 per worker, estimated, see its note). The run stops at the first
-evaluation (every `--eval-interval`, default 0.25 epochs) that reaches `--target-accuracy` (default 0.60),
-or after `--epochs` (10; the cosine schedule spans them). Time to target = the virtual seconds of training
-at the weights of that evaluation; speed-up = the time of one worker with nsync 1 (plain SGD on one GPU)
-over it. The warm start (GPU A-SGD's) lets worker 1 train alone for `--warm-start` virtual seconds
+--stop-accuracy T --eval-interval I --epochs E --lr LR(N) OPTIONS`: real gradients of the real network
+on the real shards, the real parameter server, on a virtual clock from the profile (default
+bench/profiles/h200-cifar10.json: an H200 per worker, estimated, see its note). The run stops at the
+first evaluation (every `--eval-interval`, default 0.25 epochs) that reaches `--target-accuracy`
+(default 0.60), or after `--epochs` (10; the cosine schedule spans them). The evaluations cost no
+virtual time (`--eval-s-per-image 0`, as snapshots evaluated after a run: the workers do not pause).
+Time to target = the virtual seconds of training at the weights of that evaluation; speed-up = the
+time of one worker with nsync 1 (plain SGD on one GPU) over it. The warm start (GPU A-SGD's) lets
+worker 1 train alone for `--warm-start` virtual seconds
 (default: half an epoch of one worker under the profile) before the others get weights; N = 1 has none.
+The step size follows the README's rule for asynchronous workers (`--lr-rule halve`: `--lr` up to 2
+workers, halved each time N doubles after that) with `--async-momentum workers` (the default
+`--options`).
 
 Cost: each simulation computes every gradient for real, on this machine's CPU: about a minute per
 simulated epoch of cifar10 on one core, whatever N. `--jobs` (default 2) simulations run at once, each
@@ -78,7 +83,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=float, default=10.0, help="the limit of a run that never reaches it")
     parser.add_argument("--eval-interval", default="0.25ep", help="evaluations during training")
     parser.add_argument("--batch-size", type=int, default=64, help="minibatch per worker")
-    parser.add_argument("--options", default="--lr 0.02", help="more `train` options for every simulation")
+    parser.add_argument("--lr", type=float, default=0.02, help="step size (of N <= 2 workers under --lr-rule halve)")
+    parser.add_argument("--lr-rule", choices=("fixed", "halve"), default="halve",
+                        help="fixed: --lr at every N; halve: --lr x min(1, 2/N), the README's rule for async")
+    parser.add_argument("--options", default="--async-momentum workers",
+                        help="more `train` options for every simulation")
     parser.add_argument("--jobs", type=int, default=2, help="simulations at once")
     parser.add_argument("--plot", default=None, help="PNG of the speed-ups (default RUN_DIR/speedup.png)")
     add_run_arguments(parser, "speedup")
@@ -98,6 +107,11 @@ def warm_seconds(args: argparse.Namespace) -> float:
     return round(0.5 * NUM_TRAIN.get(args.model, 50_000) / args.batch_size * step, 6)
 
 
+def step_size(args: argparse.Namespace, workers: int) -> float:
+    """The step size of a simulation of `workers` workers under --lr-rule."""
+    return args.lr * min(1.0, 2.0 / workers) if args.lr_rule == "halve" else args.lr
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     os.makedirs(args.run_dir, exist_ok=True)
@@ -114,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                        "--nsync", str(k), "--epochs", f"{args.epochs:g}", "--eval-interval", args.eval_interval,
                        "--stop-accuracy", f"{args.target_accuracy:g}", "--batch-size", str(args.batch_size),
                        "--threads", "1", "--snapshot-interval", "0", "--no-progress", "--run-dir", args.run_dir,
+                       "--eval-s-per-image", "0",  # the evaluations cost no virtual time (as evaluated offline)
                        "--name", name, "--overwrite", *(["--warm-start", f"{warm:g}"] if start == "warm" else []),
-                       *shlex.split(args.options)]
+                       "--lr", f"{step_size(args, n):g}", *shlex.split(args.options)]
                 jobs.append(((n, k, start), cmd))
 
     def one(job: tuple) -> tuple:
@@ -157,7 +172,8 @@ def baseline(rows: dict) -> float | None:
 def table(rows: dict, args: argparse.Namespace, warm: float) -> str:
     target = f"{100 * args.target_accuracy:g} %"
     note = json.loads(Path(args.profile).read_text()).get("note", "")
-    lines = [f"{args.model}, batch {args.batch_size} per worker, `{args.options}`, profile `{args.profile}`"
+    rule = (f"lr {args.lr:g} x min(1, 2/N)" if args.lr_rule == "halve" else f"lr {args.lr:g}")
+    lines = [f"{args.model}, batch {args.batch_size} per worker, {rule}, `{args.options}`, profile `{args.profile}`"
              f"{' (' + note.split(':')[0] + ')' if note else ''}; warm start {warm:g} virtual s; "
              f"{time.strftime('%Y-%m-%d')}. Time to {target} test accuracy in virtual seconds (speed-up over one "
              f"worker, nsync 1), mean staleness, epochs trained to get there.", "",
