@@ -112,6 +112,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target-accuracy", type=fraction, default=0.65, metavar="FRACTION",
                         help="straggler: test accuracy of the 'time to' column")
     parser.add_argument("--snapshot-interval", type=float, default=10.0, help="straggler: seconds between snapshots")
+    parser.add_argument("--reuse", action="store_true", help="take a run whose log in RUN_DIR is complete instead "
+                        "of training it again (a grid continued, or extended with more step sizes)")
     parser.add_argument("--data-dir", default=None, help="CIFAR-10 folder (default: $MPIASGD_DATA or ~/.cache/mpiasgd)")
     add_run_arguments(parser, "payoff")
     args = parser.parse_args(argv)
@@ -128,6 +130,23 @@ def lrs_of(table: dict[str, list[float]], variant: str) -> list[float]:
     if lrs is None:
         sys.exit(f"asgd_payoff.py: no step size for variant {variant!r}")
     return lrs
+
+
+def reusable(log: str, args: argparse.Namespace, variant: str, lr: float) -> bool:
+    """--reuse: the run log `log` exists, completed, from the same workload (model, epochs, batch size, mode, step
+    size; straggler: and its snapshots evaluated); SystemExit naming the log when it is another run's."""
+    if not os.path.exists(log):
+        return False
+    r = load(log)
+    cfg = r["config"]
+    want = {"model": args.model, "epochs": args.epochs, "batch_size": args.batch_size, "lr": lr,
+            "mode": VARIANTS[variant][1]}
+    differ = {k: (cfg.get(k), v) for k, v in want.items() if cfg.get(k) != v}
+    if differ:
+        sys.exit(f"asgd_payoff.py: --reuse: run log '{log}' is of another workload ({differ}); remove it or use "
+                 "another --run-dir")
+    evaluated = r["evals"] is not None and bool((r["evals"]["snapshot"] >= 0).any())
+    return r.get("status") == "completed" and (args.what == "grid" or evaluated)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
                                "--lr", f"{lr:g}", "--name", name])]
         if args.what == "straggler":
             steps.append(("evaluating the snapshots", [*python, "evaluate", log, *data]))
-        if not run_steps(f"[{i}/{len(jobs)}] {name}", steps, args.timeout, commands):
+        if args.reuse and reusable(log, args, variant, lr):
+            print(f"[{i}/{len(jobs)}] {name}: reused (its log is complete)", flush=True)
+            commands += [cmd for _, cmd in steps]
+        elif not run_steps(f"[{i}/{len(jobs)}] {name}", steps, args.timeout, commands):
             return 1
         r = load(log)
         final = final_eval(r)
