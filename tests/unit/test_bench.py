@@ -559,3 +559,23 @@ def test_payoff_grid_marks_each_variants_best_and_an_edge_of_its_grid():
     assert "| sync | 0.04 | **76.00 %** | 300.0 | 0.00 |" in table
     assert "| sync | 0.04 | 76.00 % | +0.00 |" in table
     assert "| async | 0.01 (edge of the grid) | 72.00 % | -4.00 |" in table
+
+
+def test_speedup_table_gives_each_cell_its_time_and_the_speedup_over_one_worker(tmp_path):
+    """bench/simulate_speedup.py: the step-size rule halves past 2 workers; a cell is the time to target with the
+    speed-up over N = 1, nsync 1, cold; a run that never got there says so; N = 1 has no warm start."""
+    import argparse
+
+    from simulate_speedup import step_size, table
+
+    args = argparse.Namespace(lr=0.02, lr_rule="halve", nsync=[1, 10], starts=["cold", "warm"], workers=[1, 2, 4],
+                              model="cifar10", batch_size=64, options="", profile=str(tmp_path / "p.json"),
+                              target_accuracy=0.6)
+    (tmp_path / "p.json").write_text('{"note": "ESTIMATE: x"}')
+    assert [step_size(args, n) for n in (1, 2, 4, 8)] == [0.02, 0.02, 0.01, 0.005]
+    rows = {(1, 1, "cold"): {"time": 10.0, "accuracy": 0.61, "staleness": 0.0, "epochs": 2.0},
+            (2, 1, "cold"): {"time": 4.0, "accuracy": 0.61, "staleness": 1.0, "epochs": 2.5},
+            (2, 10, "warm"): {"time": None, "accuracy": 0.41, "staleness": 3.0, "epochs": 10.0}}
+    text = table(rows, args, 0.5)
+    assert "| 1 | 10.00 s (1.00x), s=0.0, 2.00 ep | - | failed | - |" in text
+    assert "| 2 | 4.00 s (2.50x), s=1.0, 2.50 ep | failed | failed | not reached (41.0 % after 10.0 ep) |" in text

@@ -269,8 +269,12 @@ def test_sigterm_closes_the_log_and_exits_143(tmp_path):
     try:
         log = tmp_path / "long.h5"
         deadline = time.monotonic() + 60
-        while not (log.exists() and (time.monotonic() > deadline or load(str(log))["pushes"] is not None
-                                     and len(load(str(log))["pushes"]) > 20)):
+
+        def training() -> bool:  # the log has more than 20 pushes flushed
+            pushes = load(str(log))["pushes"] if log.exists() else None
+            return pushes is not None and len(pushes) > 20
+
+        while not training():
             assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
