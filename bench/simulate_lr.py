@@ -3,7 +3,7 @@
 run with `mpiasgd simulate` (equal workers on a virtual clock: real gradients, the real server), reporting
 each (variant, N)'s best step size and its accuracy: the evidence for the learning-rate rule of the README.
 
-    python bench/simulate_lr.py                                       # digits, N = 1..16, 5 step sizes, 2 variants
+    python bench/simulate_lr.py                                       # digits, N = 1..16, 6 step sizes, 2 variants
     python bench/simulate_lr.py --model cifar10 --epochs 3 --workers 1,2,4 --lrs 0.005,0.01,0.02,0.04
 
 Variants (`--variants`): fixed (`--async-momentum fixed`, momentum 0.9 at every N) and workers
@@ -49,7 +49,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=float, default=10.0, help="epochs of every run")
     parser.add_argument("--batch-size", type=int, default=32, help="minibatch per worker")
     parser.add_argument("--workers", type=numbers(int), default=numbers(int)("1,2,4,8,16"), help="N values")
-    parser.add_argument("--lrs", type=numbers(float), default=numbers(float)("0.0025,0.005,0.01,0.02,0.04"),
+    parser.add_argument("--lrs", type=numbers(float), default=numbers(float)("0.0025,0.005,0.01,0.02,0.04,0.08"),
                         help="step sizes")
     parser.add_argument("--variants", default="fixed,workers", help=f"from {', '.join(VARIANTS)}")
     parser.add_argument("--compute-s", type=float, default=0.01, help="virtual seconds per minibatch")
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                      for a in row]
             best_lr = args.lrs[row.index(best)] if best is not None else None
             edge = " (edge)" if best_lr in (args.lrs[0], args.lrs[-1]) else ""
-            print(f"| {v} | {n} | " + " | ".join(cells) + f" | {best_lr:g}{edge} |" if best_lr else " | - |")
+            print(f"| {v} | {n} | " + " | ".join(cells) + (f" | {best_lr:g}{edge} |" if best_lr else " | - |"))
     return 0 if all(a is not None for a in acc.values()) else 1
 
 

@@ -99,9 +99,9 @@ class BaseConfig:
     # --- optimizer (applied by the parameter server) ---
     lr: float = _opt(0.01, "optimizer", "peak learning rate (SGD step size)")
     lr_scaling: str = _opt("none", "optimizer",
-                           "none | linear: the peak lr is --lr times the minibatches one update averages (sync: "
-                           "the workers; pipeline: the replicas; async, ssp, easgd: 1), the linear scaling rule "
-                           "of Goyal et al. 2017 (use it with --warmup-epochs)")
+                           "none | linear (sync, pipeline): the peak lr is --lr times the minibatches one update "
+                           "averages (sync: the workers; pipeline: the replicas), the linear scaling rule of Goyal "
+                           "et al. 2017 (use it with --warmup-epochs)")
     momentum: float = _opt(0.9, "optimizer", "momentum, 0 <= m < 1 (heavy ball unless --nesterov)")
     nesterov: bool = _opt(False, "optimizer", "Nesterov momentum (torch.optim.SGD's form) instead of heavy-ball; "
                           "needs momentum > 0")
@@ -200,6 +200,9 @@ class BaseConfig:
         need(math.isfinite(self.stall_warning) and self.stall_warning >= 0, "stall_warning", "seconds >= 0")
         need(math.isfinite(self.lr) and self.lr > 0, "lr", "a finite number > 0")
         need(self.lr_scaling in LR_SCALINGS, "lr_scaling", f"one of {LR_SCALINGS}")
+        need(self.lr_scaling == "none" or self.mode in ("sync", "pipeline"), "lr_scaling",
+             f"'none' in mode '{self.mode}' (an update there is one worker's minibatch: the linear rule would "
+             f"multiply by 1; see the README's 'Step size and momentum for N workers')")
         need(0 <= self.momentum < 1, "momentum", "0 <= momentum < 1")
         need(not (self.nesterov and self.momentum == 0), "nesterov",
              "False with momentum 0 (Nesterov momentum needs a momentum > 0)")

@@ -107,12 +107,6 @@ class AsgdServer(Role):
         self.outbox = {w: Message(P + B) for w in self.workers}
         self.weights = {w: self.outbox[w].payload[:P] for w in self.workers}  # where the master weights may live
         momentum = explicit_momentum(cfg.momentum, cfg.async_momentum, len(self.workers))
-        if cfg.async_momentum != "fixed":  # said once, on the console and in the log's events
-            off = " (Nesterov off: it needs a momentum > 0)" if cfg.nesterov and not momentum else ""
-            text = (f"the server's momentum is {momentum:g} (--momentum {cfg.momentum:g}, --async-momentum "
-                    f"{cfg.async_momentum}, {len(self.workers)} workers){off}")
-            self.rec.event("momentum", text, at=0.0)
-            print(f"mpiasgd: {text}", flush=True)
         self.optimizer = SGD(params, decay_mask, momentum, cfg.weight_decay, nesterov=cfg.nesterov and momentum > 0,
                              lr_scale=lr_scale)
         # --dc-lambda: the weights worker w computed its push on are those of its last reply, in weights[w]
@@ -130,6 +124,14 @@ class AsgdServer(Role):
 
     def begin(self) -> None:
         """Send the first weights: to every worker, or (--warm-start, not on a resume) to the first one only."""
+        cfg = self.cfg
+        if cfg.async_momentum != "fixed":  # said once, on the console and in the log's events
+            momentum = float(self.optimizer.momentum)
+            off = " (Nesterov off: it needs a momentum > 0)" if cfg.nesterov and not momentum else ""
+            text = (f"the server's momentum is {momentum:g} (--momentum {cfg.momentum:g}, --async-momentum "
+                    f"{cfg.async_momentum}, {len(self.workers)} workers){off}")
+            self.rec.event("momentum", text)
+            print(f"mpiasgd: {text}", flush=True)
         if self.cfg.warm_start > 0 and len(self.workers) > 1 and self.rec.resumed is None:
             first = self.workers[0]
             self.started.add(first)
@@ -386,6 +388,8 @@ class AsgdMode(Mode):
         need(math.isfinite(cfg.warm_start) and cfg.warm_start >= 0, cfg, "warm_start", "seconds >= 0")
         need(cfg.staleness_lr in STALENESS_LR, cfg, "staleness_lr", f"one of {STALENESS_LR}")
         need(cfg.async_momentum in ASYNC_MOMENTUM, cfg, "async_momentum", f"one of {ASYNC_MOMENTUM}")
+        need(cfg.async_momentum == "fixed" or cfg.nsync == 1, cfg, "async_momentum", "'fixed' with nsync > 1 (the "
+             "server then adds updates without momentum; the workers' local steps are not asynchronous)")
         need(0 <= cfg.dc_lambda <= 1e6, cfg, "dc_lambda", "a number from 0 to 1e6 (0 = off)")
         need(0 <= cfg.dc_adaptive < 1, cfg, "dc_adaptive", "a decay 0 <= m < 1 (0 = a constant lambda)")
         need(not cfg.dc_adaptive or cfg.dc_lambda > 0, cfg, "dc_adaptive", "0 without --dc-lambda (it adapts lambda)")

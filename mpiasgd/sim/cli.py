@@ -75,7 +75,7 @@ def make_parser() -> argparse.ArgumentParser:
     sim.add_argument("--bandwidth", type=float, default=None, metavar="BYTES_PER_S",
                      help="bytes/s of each link (default 0 = infinite)")
     sim.add_argument("--server-s", type=float, default=None, metavar="SECONDS",
-                     help="seconds the parameter server takes per applied push (default 0)")
+                     help="seconds the parameter server takes per push it serves (default 0)")
     sim.add_argument("--eval-s-per-image", type=float, default=None, metavar="SECONDS",
                      help="seconds per test image evaluated (default: compute seconds / batch size / 3)")
     sim.add_argument("--save-profile", metavar="FILE.json", default=None,

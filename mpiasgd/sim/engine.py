@@ -237,7 +237,7 @@ class Simulation:
                 self.busy = False
                 self.handle(event.time, event.rank, event.tag, event.data)
                 self.serve(event.time)
-            if not self.busy:  # rank 0 is idle: its clock duties at this time ("timer" comes here only)
+            if not self.busy or event.kind == "timer":  # rank 0's clock duties (the warm start's end: on time)
                 self.tick(event.time)
         return r0.finish()
 
@@ -255,12 +255,11 @@ class Simulation:
                 self.handle(t, source, tag, data)
 
     def handle(self, t: float, source: int, tag: int, data: bytes) -> None:
-        """Rank 0 takes message `data` from `source` at `t`: the loop's own checks and dispatch, then its tick."""
+        """Rank 0 takes message `data` from `source` at `t`: the loop's own checks and dispatch (its tick follows,
+        in `run`, once the server is idle)."""
         r0 = self.r0
         self.tick_clock(t)
         r0.handle(Arrived(data), Envelope(source, tag, len(data)))
-        r0.last_seen[source] = t
-        r0.tick()
 
     def tick(self, t: float) -> None:
         self.tick_clock(t)

@@ -9,8 +9,8 @@ the experiments over the number of clients, nsync and warm start, replayed on a 
     latency_s  seconds one message takes one way, whatever its size
     bandwidth  bytes/s of each link (0 = infinite): a message of n bytes takes latency_s + n / bandwidth.
                Links are independent (no contention at the server's link).
-    server_s   seconds the parameter server takes per applied push (it serves one message at a time,
-               first come first served; an EVAL costs nothing)
+    server_s   seconds the parameter server takes per push it serves (applied, rejected or drained after the
+               stop; one message at a time, first come first served; an EVAL costs nothing)
     eval_s_per_image  seconds per test image of a forward-only evaluation (--eval-interval and the final
                evaluation); default: the mean compute seconds / batch size / 3 (a forward pass is about a
                third of forward + backward)
@@ -97,7 +97,7 @@ class TimingModel:
     compute: ComputeTime
     latency_s: float = 0.0                  # s, one way, per message
     bandwidth: float = 0.0                  # bytes/s per link; 0 = infinite
-    server_s: float = 0.0                   # s per applied push at the parameter server
+    server_s: float = 0.0                   # s per push the parameter server serves
     eval_s_per_image: float | None = None   # s per test image evaluated; None: from the compute time
     workers: dict[int, ComputeTime] = field(default_factory=dict)
     batch_size: int = 0                     # images per minibatch the compute times are for; 0 = unknown
@@ -217,7 +217,7 @@ PROFILE_KEYS = {
                '"replay": false}',
     "latency_s": "seconds >= 0 (one way, per message)",
     "bandwidth": "bytes/s >= 0 (0 = infinite)",
-    "server_s": "seconds >= 0 (per applied push)",
+    "server_s": "seconds >= 0 (per push served)",
     "eval_s_per_image": "seconds >= 0, or null (from the compute time)",
     "workers": 'an object {"RANK": compute object, ...}',
     "batch_size": "an integer 0..1000000 (images per minibatch measured; 0 = unknown)",

@@ -172,6 +172,12 @@ def mode_options(cfg: dict) -> str:
     return " ".join(parts)
 
 
+def mode_label(run: dict) -> str | None:
+    """The run's mode (None for a log that names none), marked "(simulated)" for a log of `mpiasgd simulate`."""
+    mode = run.get("mode") or run["config"].get("mode")
+    return f"{mode} (simulated)" if mode and run.get("clock") == "virtual" else mode
+
+
 def comparison_row(run: dict, target: float) -> dict:
     """One row of the comparison table, raw values (None where the log has none), keys as `CSV_COLUMNS`.
 
@@ -189,7 +195,7 @@ def comparison_row(run: dict, target: float) -> dict:
     return {
         "run": name[:-3] if name.endswith(".h5") else name,
         "status": str(run.get("status") or "unknown").split()[0],  # "killed (its writer is gone ...)" -> killed
-        "mode": (run.get("mode") or cfg.get("mode")) + (" (simulated)" if run.get("clock") == "virtual" else ""),
+        "mode": mode_label(run),
         "options": mode_options(cfg),
         "workers": None if workers is None else int(workers),
         "nsync": int(cfg.get("nsync", 1)),

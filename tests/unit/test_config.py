@@ -93,6 +93,8 @@ def test_missing_toml_file():
     ({"async_momentum": "auto"}, r"'async_momentum' = 'auto': expected one of \('fixed', 'workers'\)"),
     ({"mode": "easgd", "async_momentum": "workers"}, r"'async_momentum' = 'workers': expected 'fixed' in mode"),
     ({"lr_scaling": "sqrt"}, r"'lr_scaling' = 'sqrt': expected one of \('none', 'linear'\)"),
+    ({"lr_scaling": "linear"}, r"'lr_scaling' = 'linear': expected 'none' in mode 'async'"),
+    ({"async_momentum": "workers", "nsync": 4}, r"'async_momentum' = 'workers': expected 'fixed' with nsync > 1"),
     ({"epochs": 0}, "no stopping rule"),
     ({"lr_milestones": (5.0, 2.0)}, "increasing epochs"),
     ({"name": "a/b"}, "'name'"),

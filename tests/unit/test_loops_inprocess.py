@@ -9,6 +9,7 @@ ProtocolError that names them. Every thread is joined under a timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -30,7 +31,7 @@ from mpiasgd.modes.pipeline import MODE as PIPELINE
 from mpiasgd.modes.pipeline import Module, PipelineUnit
 from mpiasgd.modes.sync import SyncWorker
 from mpiasgd.ops import numpy_ops
-from mpiasgd.optim import Schedule, fraction_done, learning_rate
+from mpiasgd.optim import fraction_done, learning_rate
 from mpiasgd.runlog import RunLog
 
 B = 16
@@ -85,7 +86,8 @@ def sync_reference(cfg, digits, steps: int, nworkers: int) -> tuple[np.ndarray, 
         for worker in workers[1:]:
             mean += worker.model.grads
         mean *= np.float32(1 / nworkers)
-        lr = learning_rate(Schedule.of(cfg, nworkers), k * B * nworkers / digits.train_y.size, k / steps)
+        peak = cfg.lr * nworkers if cfg.lr_scaling == "linear" else cfg.lr  # Goyal et al.'s linear scaling rule
+        lr = learning_rate(dataclasses.replace(cfg, lr=peak), k * B * nworkers / digits.train_y.size, k / steps)
         numpy_ops.sgd_momentum(w, velocity, mean, decay, cfg.momentum, lr)
     return w, velocity
 
