@@ -113,7 +113,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="straggler: test accuracy of the 'time to' column")
     parser.add_argument("--snapshot-interval", type=float, default=10.0, help="straggler: seconds between snapshots")
     parser.add_argument("--reuse", action="store_true", help="take a run whose log in RUN_DIR is complete instead "
-                        "of training it again (a grid continued, or extended with more step sizes)")
+                        "of training it again (a grid continued, or extended with more step sizes); without it, "
+                        "and for a log left incomplete, the run is trained again over its log (--overwrite)")
     parser.add_argument("--data-dir", default=None, help="CIFAR-10 folder (default: $MPIASGD_DATA or ~/.cache/mpiasgd)")
     add_run_arguments(parser, "payoff")
     args = parser.parse_args(argv)
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     python = [sys.executable, "-m", "mpiasgd"]
     data = ["--data-dir", args.data_dir] if args.data_dir else []
     shared = ["--model", args.model, *data, "--epochs", f"{args.epochs:g}", "--batch-size", str(args.batch_size),
-              "--run-dir", args.run_dir, "--no-progress", "--threads", "1"]
+              "--run-dir", args.run_dir, "--no-progress", "--threads", "1", "--overwrite"]
     if args.what == "straggler":
         shared += ["--straggler", args.straggler, "--snapshot-interval", f"{args.snapshot_interval:g}"]
     else:
