@@ -165,6 +165,12 @@ class Rank0:
         role.tick()
         if self.stall_check.due(rec.now()):
             self.check_stalls()
+        self.duties()
+
+    def duties(self) -> None:
+        """The recorder's interval duties: snapshots and checkpoints where rank 0 holds the state, the log's
+        flush, the progress bar."""
+        rec, role = self.rec, self.role
         if role.snapshots_here and not rec.stop_reason and rec.snapshots.due(rec.now()):
             rec.snapshot(role.params, role.current_buffers())
         if role.checkpoints_here and not rec.stop_reason and rec.checkpoints.due(rec.now()):

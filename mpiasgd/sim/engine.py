@@ -94,14 +94,8 @@ class VirtualRank0(Rank0):
     no handlers: Ctrl-C ends it with the log closed 'failed')."""
 
     def tick(self) -> None:
-        rec, role = self.rec, self.role
-        role.tick()
-        if role.snapshots_here and not rec.stop_reason and rec.snapshots.due(rec.now()):
-            rec.snapshot(role.params, role.current_buffers())
-        if role.checkpoints_here and not rec.stop_reason and rec.checkpoints.due(rec.now()):
-            rec.write_checkpoint(role.state("interval"))
-        rec.maybe_flush()
-        rec.show_progress()
+        self.role.tick()
+        self.duties()
 
 
 @dataclass
