@@ -33,6 +33,7 @@ the table, the others go on.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -40,7 +41,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from launch import add_run_arguments, run, run_dir
+from launch import Finished, add_run_arguments, run, run_dir
 
 from mpiasgd.cli import fraction
 from mpiasgd.runlog.reader import load
@@ -89,6 +90,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="fixed: --lr at every N; halve: --lr x min(1, 2/N), the README's rule for async")
     parser.add_argument("--options", default="", help="more `train` options for every simulation")
     parser.add_argument("--jobs", type=int, default=2, help="simulations at once")
+    parser.add_argument("--reuse", action="store_true",
+                        help="take a simulation whose log in RUN_DIR is complete and of the same settings instead of "
+                        "running it again (a table built over several invocations, or extended)")
     parser.add_argument("--plot", default=None, help="PNG of the speed-ups (default RUN_DIR/speedup.png)")
     add_run_arguments(parser, "speedup")
     args = parser.parse_args(argv)
@@ -134,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(job: tuple) -> tuple:
         key, cmd = job
+        if args.reuse and reusable(args, *key, warm):
+            print(f"{key}: reused (its log is complete)", flush=True)
+            return key, Finished(cmd, 0, 0.0, "", "")
         done = run(cmd, args.timeout)
         print(f"{key}: {f'{done.seconds:.0f} s' if done.ok else 'FAILED'}", flush=True)
         if not done.ok:
@@ -149,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[(n, k, start)] = None
             continue
         r = load(os.path.join(args.run_dir, f"n{n}-nsync{k}-{start}.h5"))
-        rows[(n, k, start)] = {"time": time_to_accuracy(r, args.target_accuracy),
+        rows[(n, k, start)] = {"time": time_to_target(r, args.target_accuracy),
                                "accuracy": float(final_eval(r)["accuracy"]),
                                "staleness": float(r.get("staleness_mean", float("nan"))),
                                "epochs": float(r.get("epochs_done", float("nan")))}
@@ -161,6 +168,45 @@ def main(argv: list[str] | None = None) -> int:
     print("\nCommands (`python bench/simulate_speedup.py " + shlex.join(sys.argv[1:] if argv is None else argv)
           + "`):\n\n```bash\n" + "\n".join(shlex.join(cmd) for _, cmd in jobs) + "\n```")
     return 0 if all(done.ok for done in results.values()) else 1
+
+
+def time_to_target(r: dict, target: float) -> float | None:
+    """Virtual seconds of training to the first evaluation during training that reached `target`; failing
+    that, the training time of the final weights if their evaluation did (the last evaluation during
+    training comes before the run's end); None if neither did."""
+    t = time_to_accuracy(r, target)
+    final = final_eval(r)
+    if t is None and final is not None and final["accuracy"] >= target:
+        t = float(r["train_time_s"])
+    return t
+
+
+def reusable(args: argparse.Namespace, n: int, k: int, start: str, warm: float) -> bool:
+    """--reuse: the log of simulation (n, k, start) exists, completed, with the settings this invocation would
+    give it (profile, model, nsync, workers, step size, epochs, target, evaluations, warm start); SystemExit
+    naming the log when it holds another one."""
+    log = os.path.join(args.run_dir, f"n{n}-nsync{k}-{start}.h5")
+    if not os.path.exists(log):
+        return False
+    r = load(log)
+    cfg = r["config"]
+    def given(x: float) -> float:  # as the command line gives it
+        return float(f"{x:g}")
+
+    want = {"model": args.model, "nsync": k, "epochs": given(args.epochs), "batch_size": args.batch_size,
+            "lr": given(step_size(args, n)), "stop_accuracy": given(args.target_accuracy),
+            "eval_interval": args.eval_interval, "warm_start": given(warm) if start == "warm" else 0.0}
+    differ = {key: (cfg.get(key), v) for key, v in want.items() if cfg.get(key) != v}
+    if int(r.get("num_workers", -1)) != n:
+        differ["workers"] = (r.get("num_workers"), n)
+    timing = ("compute", "latency_s", "bandwidth", "server_s")  # the profile's (the script sets the evaluations')
+    used, given = json.loads(r.get("simulated") or "{}"), json.loads(load_profile(args.profile).to_json())
+    if any(used.get(key) != given.get(key) for key in timing):
+        differ["profile"] = "another timing model"
+    if differ:
+        sys.exit(f"simulate_speedup.py: --reuse: run log '{log}' is of other settings ({differ}); remove it or use "
+                 "another --run-dir")
+    return r.get("status") == "completed"
 
 
 def baseline(rows: dict) -> float | None:

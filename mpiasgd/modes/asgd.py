@@ -57,6 +57,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -295,6 +296,34 @@ class AsgdServer(Role):
 class AsgdWorker(WorkerLoop):
     """(workers) Push gradients (or nsync-step updates) and pull weights until rank 0 says STOP."""
 
+    def compute_round(self, local: LocalSGD | None, pulled: Any, lr: float,
+                      after_minibatch: Callable[[], bool]) -> tuple[float, int, int, int]:
+        """One push's work on the bound weights and grads (GPU A-SGD's nsync, Paine et al. 2013): nsync 1, the
+        gradient of one minibatch; nsync > 1 (`local` steps at `lr`), nsync local steps, after which the grads
+        hold the accumulated update, the weights now minus `pulled` (a (P,) float32 array this copies the
+        weights at the start of the round into). `after_minibatch()` is called after every minibatch (and
+        its local step); True ends the round early (a signal, --max-time), the push carrying what it has.
+        Returns (mean loss over the round's samples, correct, samples, epoch of the last minibatch). The
+        real worker (`train`) and the simulator's virtual workers (`mpiasgd.sim.engine`) both compute here."""
+        model = self.model
+        if local is not None:
+            pulled[...] = model.params
+        loss = 0.0
+        correct = samples = epoch = 0
+        for _ in range(self.cfg.nsync):
+            batch_loss, batch_correct, batch_samples, epoch = self.gradient()
+            loss += batch_loss * batch_samples
+            correct += batch_correct
+            samples += batch_samples
+            if local is not None:
+                local.step(lr)
+            if after_minibatch():
+                break
+        if local is not None:  # the accumulated update: the weights now minus the weights at the start
+            model.grads[...] = model.params
+            model.grads -= pulled
+        return loss / samples, correct, samples, epoch
+
     def train(self) -> None:
         cfg, model, rank = self.cfg, self.model, self.rank
         ops = model.ops
@@ -328,21 +357,9 @@ class AsgdWorker(WorkerLoop):
             if int(pulled_header["flags"]) & Flag.EVALUATE:  # --eval-interval: these weights first (rank 0's buffers)
                 self.evaluate_during_training(int(pulled_header["epoch"]), version, stagings[cur].params)
                 t0 = time.perf_counter()  # the evaluation is no part of this push's compute time
-            if local is not None:
-                pulled[...] = model.params
-            loss = correct = samples = epoch = 0
-            for _ in range(cfg.nsync):
-                batch_loss, batch_correct, batch_samples, epoch = self.gradient()
-                loss += batch_loss * batch_samples
-                correct += batch_correct
-                samples += batch_samples
-                if local is not None:
-                    local.step(lr)
-                    if self.signalled() or (cfg.max_time and time.perf_counter() - began >= cfg.max_time):
-                        break  # a signal, --max-time: push what this round has, the server then stops the run
-            if local is not None:  # the accumulated update: the weights now minus the weights at the start
-                model.grads[...] = model.params
-                model.grads -= pulled
+            loss, correct, samples, epoch = self.compute_round(  # a signal, --max-time: push what it has
+                local, pulled, lr, lambda: self.signalled() or bool(
+                    cfg.max_time and time.perf_counter() - began >= cfg.max_time))
             self.buffers_into(stagings[out].grads)  # the push carries this worker's buffers after the gradient
             stagings[out].finish_compute()  # cupy: device sync point
             self.straggle(t0)
@@ -357,7 +374,7 @@ class AsgdWorker(WorkerLoop):
             t2 = time.perf_counter()
             self.step += 1
             stagings[out].push.stamp(Tag.PUSH, rank, step=self.step, version=version, samples=samples, epoch=epoch,
-                                     correct=correct, loss=loss / samples, compute_s=t1 - t0, comm_s=comm_s,
+                                     correct=correct, loss=loss, compute_s=t1 - t0, comm_s=comm_s,
                                      wait_s=wait_s, lr=lr, cursor=self.cursor, data_s=self.take_data_s(),
                                      flags=(Flag.DELTA if local is not None else 0)
                                      | (Flag.PREEMPT if self.signalled() else 0))

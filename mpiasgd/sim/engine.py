@@ -298,7 +298,7 @@ class Simulation:
     def push(self, vw: VirtualWorker, t: float, wait_s: float) -> None:
         """Worker `vw` got WEIGHTS at `t`: (flag EVALUATE: evaluate them first), compute its gradient or nsync
         local steps, and send the PUSH when its drawn compute time has passed."""
-        cfg, model, loop, staging = self.cfg, self.model, vw.loop, vw.loop.staging
+        cfg, loop, staging = self.cfg, vw.loop, vw.loop.staging
         self.bind(vw)
         header = staging.weights.header
         start = t
@@ -307,33 +307,22 @@ class Simulation:
             vw.comm.send_time = start = t + vw.eval_s
             loop.evaluate_during_training(int(header["epoch"]), loop.version, staging.params)
         lr = float(header["lr"])  # step size of local steps (nsync > 1)
-        local = vw.local
-        if local is not None:
-            self.pulled[...] = model.params
-        loss = 0.0
-        correct = samples = epoch = 0
         drawn = 0.0  # compute seconds of this round's minibatches, before the --straggler factor
-        for _ in range(cfg.nsync):
-            batch_loss, batch_correct, batch_samples, epoch = loop.gradient()
+
+        def after_minibatch() -> bool:  # its compute time drawn; --max-time: push what this round has
+            nonlocal drawn
             drawn += vw.compute.draw(vw.rng, vw.offset + vw.draws)
             vw.draws += 1
-            loss += batch_loss * batch_samples
-            correct += batch_correct
-            samples += batch_samples
-            if local is not None:
-                local.step(lr)
-                if cfg.max_time and start + drawn - vw.began >= cfg.max_time:
-                    break  # --max-time: push what this round has, the server then stops the run
-        if local is not None:  # the accumulated update: the weights now minus the weights at the start
-            model.grads[...] = model.params
-            model.grads -= self.pulled
+            return bool(cfg.max_time and start + drawn - vw.began >= cfg.max_time)
+
+        loss, correct, samples, epoch = loop.compute_round(vw.local, self.pulled, lr, after_minibatch)
         loop.buffers_into(staging.grads)  # the push carries this worker's buffers after the gradient
         loop.take_data_s()  # real seconds spent reading: not virtual ones
         compute_s = drawn * vw.slowdown
         loop.step += 1
         staging.push.stamp(Tag.PUSH, vw.rank, step=loop.step, version=loop.version, samples=samples, epoch=epoch,
-                           correct=correct, loss=loss / samples, compute_s=compute_s, comm_s=0.0, wait_s=wait_s,
-                           lr=lr, cursor=loop.cursor, data_s=0.0, flags=Flag.DELTA if local is not None else 0)
+                           correct=correct, loss=loss, compute_s=compute_s, comm_s=0.0, wait_s=wait_s,
+                           lr=lr, cursor=loop.cursor, data_s=0.0, flags=Flag.DELTA if vw.local is not None else 0)
         vw.posted = vw.comm.send_time = start + compute_s
         vw.comm.Isend(staging.send_buf, dest=0, tag=int(Tag.PUSH))
 

@@ -580,3 +580,27 @@ def test_speedup_table_gives_each_cell_its_time_and_the_speedup_over_one_worker(
     text = table(rows, args, 0.5)
     assert "| 1 | 10.00 s (1.00x), s=0.0, 2.00 ep | - | failed | - |" in text
     assert "| 2 | 4.00 s (2.50x), s=1.0, 2.50 ep | failed | failed | not reached (41.0 % after 10.0 ep) |" in text
+
+
+def test_speedup_script_runs_simulations_and_reuses_their_logs(tmp_path, capsys):
+    """bench/simulate_speedup.py end to end on digits (two short simulations): the table has both rows; run
+    again with --reuse it takes both complete logs and prints the same table; with another step size, --reuse
+    stops, naming the log that holds other settings."""
+    import simulate_speedup
+
+    profile = tmp_path / "p.json"
+    profile.write_text('{"compute": {"mean_s": 0.01}, "latency_s": 0.0001, "bandwidth": 0, "server_s": 0.001}')
+    argv = ["--model", "digits", "--workers", "1,2", "--nsync", "1", "--starts", "cold", "--epochs", "1",
+            "--eval-interval", "0.5ep", "--target-accuracy", "0.3", "--lr", "0.05", "--jobs", "1", "--profile",
+            str(profile), "--run-dir", str(tmp_path / "runs"), "--timeout", "120"]
+    assert simulate_speedup.main(argv) == 0
+    first = capsys.readouterr().out
+    rows = [line for line in first.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(rows) == 2 and all(" s (" in row and "x), s=" in row for row in rows), first
+    assert rows[0].split("|")[2].strip().split(" s (")[1].startswith("1.00x")  # N = 1 is its own baseline
+    assert simulate_speedup.main([*argv, "--reuse"]) == 0
+    again = capsys.readouterr().out
+    assert again.count("reused (its log is complete)") == 2
+    assert [line for line in again.splitlines() if line.startswith(("| 1 |", "| 2 |"))] == rows
+    with pytest.raises(SystemExit, match=r"n1-nsync1-cold\.h5' is of other settings .*'lr'"):
+        simulate_speedup.main([*("0.02" if a == "0.05" else a for a in argv), "--reuse"])
