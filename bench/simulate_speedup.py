@@ -23,6 +23,16 @@ The step size follows the README's rule for asynchronous workers (`--lr-rule hal
 workers, halved each time N doubles after that), with `--async-momentum workers` at nsync 1 (with
 nsync > 1 the server adds updates without momentum, and the workers keep theirs).
 
+Every command is read up front as `mpiasgd simulate` reads it, so a bad value stops the script (one line,
+exit status 2) before anything runs. `--options` (more `mpiasgd simulate` flags for every simulation, e.g.
+`--momentum 0.0 --seed 7`) may not give a flag the script sets itself (--workers, --lr, --nsync, --threads, ...:
+the row would not be what the table says); use this script's flag instead. `--reuse` takes a complete log of
+a simulation's name in RUN_DIR only if it holds that very simulation: the config the command resolves to
+(--options included; keys of bookkeeping and speed aside, see NOT_COMPARED), the number of workers and the
+timing model; a log of other settings stops the script naming the keys that differ (and a directory of its
+name), a log that cannot be read is moved to NAME.h5.unreadable and simulated again. Times in the table have
+3 significant digits, speed-ups 2 decimals.
+
 Cost: each simulation computes every gradient for real, on this machine's CPU, whatever N: for cifar10
 0.075 to 0.12 s per minibatch of 64 on one core (1 to 1.5 min per simulated epoch), and about 10 s per
 evaluation of the 10,000 test images. `--jobs` (default 2) simulations run at once, each
@@ -37,20 +47,56 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from launch import Finished, add_run_arguments, run, run_dir
 
 from mpiasgd.cli import fraction
+from mpiasgd.config import FIELDS, ConfigError
 from mpiasgd.runlog.reader import load
 from mpiasgd.runlog.summary import final_eval
-from mpiasgd.sim import load_profile
+from mpiasgd.sim import ProfileError, load_profile
 from mpiasgd.tools.report import time_to_accuracy
 
 HERE = Path(__file__).resolve().parent
 NUM_TRAIN = {"cifar10": 50_000, "digits": 1_437}  # training images of the built-in sets (the warm-start default)
+PROG = "simulate_speedup.py"
+
+# `mpiasgd simulate` options every simulation gets from this script, by their argparse dest: --options may not
+# give them (else a row would silently not be what the table says). The value: this script's flag to use
+# instead, or what the script sets the option to.
+SET_HERE = {"workers": "use this script's --workers", "profile": "use this script's --profile",
+            "model": "use this script's --model", "nsync": "use this script's --nsync",
+            "epochs": "use this script's --epochs", "eval_interval": "use this script's --eval-interval",
+            "stop_accuracy": "use this script's --target-accuracy", "batch_size": "use this script's --batch-size",
+            "run_dir": "use this script's --run-dir", "lr": "use this script's --lr and --lr-rule",
+            "warm_start": "use this script's --warm-start and --starts",
+            "async_momentum": "the script sets 'workers' at nsync 1 and leaves the default otherwise",
+            "threads": "the script sets 1 (one BLAS thread per simulation; --jobs of them at once)",
+            "snapshot_interval": "the script sets 0 (no snapshots)", "progress": "the script sets --no-progress",
+            "eval_s_per_image": "the script sets 0 (evaluations cost no virtual time)",
+            "name": "the script names each log n{N}-nsync{K}-{cold|warm}", "overwrite": "the script sets it"}
+
+# Config keys --reuse does not compare: they do not change what a simulation computes, only where and how its log
+# is written or how fast it runs. Bookkeeping of the log: name and run_dir (the log's path, checked by its file
+# name), overwrite, progress and show_config (printing), flush_interval (real-time flushes),
+# tensorboard (a copy of the metrics), snapshot_interval and checkpoint_interval (saved weights; neither feeds
+# the table's evaluations nor changes training), eval_batch_size (images per forward pass of an evaluation).
+# Speed only: threads (BLAS threads), prefetch and data_in_memory (data loading; the simulator reads every
+# minibatch when it is computed), data_dir (where the built-in datasets are kept, not which). Not used by the
+# simulator: backend, cuda_aware, conv_algo, share_devices (it always computes on the numpy backend; the timing
+# model stands for the devices), comm_timeout and stall_warning (real-time watchdogs; its messages are virtual).
+NOT_COMPARED = ("name", "run_dir", "overwrite", "progress", "show_config", "flush_interval", "tensorboard",
+                "snapshot_interval", "checkpoint_interval", "eval_batch_size", "threads", "prefetch",
+                "data_in_memory", "data_dir", "backend", "cuda_aware", "conv_algo", "share_devices",
+                "comm_timeout", "stall_warning")
+# The timing model's figures compared with the log's attribute `simulated` (eval_s_per_image: this script sets
+# it; batch_size and note: labels of the profile)
+TIMING_KEYS = ("compute", "workers", "latency_s", "bandwidth", "server_s")
 
 
 def ints(text: str) -> list[int]:
@@ -60,18 +106,34 @@ def ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"expected distinct integers, got {text!r} ({', '.join(map(str, twice))} "
+                                         "more than once)")
     return values
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def starts(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
     if not values or any(v not in ("cold", "warm") for v in values):
         raise argparse.ArgumentTypeError(f"expected cold and/or warm, got {text!r}")
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected cold and/or warm, each once, got {text!r}")
     return values
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--profile", default=str(HERE / "profiles" / "h200-cifar10.json"), help="timing profile")
     parser.add_argument("--model", default="cifar10", help="network and dataset")
@@ -84,20 +146,83 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="test top-1 accuracy the time is measured to")
     parser.add_argument("--epochs", type=float, default=10.0, help="the limit of a run that never reaches it")
     parser.add_argument("--eval-interval", default="0.25ep", help="evaluations during training")
-    parser.add_argument("--batch-size", type=int, default=64, help="minibatch per worker")
+    parser.add_argument("--batch-size", type=positive, default=64, help="minibatch per worker")
     parser.add_argument("--lr", type=float, default=0.02, help="step size (of N <= 2 workers under --lr-rule halve)")
     parser.add_argument("--lr-rule", choices=("fixed", "halve"), default="halve",
                         help="fixed: --lr at every N; halve: --lr x min(1, 2/N), the README's rule for async")
-    parser.add_argument("--options", default="", help="more `train` options for every simulation")
-    parser.add_argument("--jobs", type=int, default=2, help="simulations at once")
+    parser.add_argument("--options", default="", help="more `mpiasgd simulate` options for every simulation, as "
+                        "--options='--momentum 0.0 --seed 7' (not those this script sets: --workers, --lr, ...)")
+    parser.add_argument("--jobs", type=positive, default=2, help="simulations at once")
     parser.add_argument("--reuse", action="store_true",
                         help="take a simulation whose log in RUN_DIR is complete and of the same settings instead of "
                         "running it again (a table built over several invocations, or extended)")
     parser.add_argument("--plot", default=None, help="PNG of the speed-ups (default RUN_DIR/speedup.png)")
     add_run_arguments(parser, "speedup")
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The flags, checked up front (one line and exit status 2 for a bad one): the profile, --options (nothing
+    the script sets itself), RUN_DIR and the plot's folder writable."""
     args = parser.parse_args(argv)
     args.run_dir = run_dir(args, "speedup")
+    try:
+        load_profile(args.profile)
+    except ProfileError as e:
+        parser.error(f"--profile: {e}")
+    args.extra = option_list(parser, args.options)
+    try:
+        os.makedirs(args.run_dir, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--run-dir '{args.run_dir}': cannot create the folder ({e.strerror})")
+    writable(parser, "--run-dir", args.run_dir)
+    if args.plot is not None:
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if os.path.isdir(args.plot):
+            parser.error(f"--plot '{args.plot}' is a directory, expected a PNG file name")
+        if not os.path.isdir(folder):
+            parser.error(f"--plot '{args.plot}': folder '{folder}' does not exist")
+        writable(parser, "--plot", folder)
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kind = os.path.splitext(args.plot)[1].lstrip(".").lower() or "png"
+        if kind not in FigureCanvasBase.get_supported_filetypes():
+            parser.error(f"--plot '{args.plot}': expected a file name ending in .png (or another image format of "
+                         f"matplotlib: {', '.join(sorted(FigureCanvasBase.get_supported_filetypes()))})")
     return args
+
+
+def writable(parser: argparse.ArgumentParser, flag: str, folder: str) -> None:
+    """parser.error unless a file can be created in `folder` (tried, not judged from the mode bits)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        parser.error(f"{flag}: cannot write in folder '{folder}' ({e.strerror or e})")
+
+
+def option_list(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """--options split as a shell does, read by `mpiasgd simulate`'s own parser; parser.error for one it does not
+    know, and for one this script sets itself (SET_HERE) in any form (--flag value, --flag=value, a prefix)."""
+    from mpiasgd.sim.cli import make_parser as simulate_parser
+
+    try:
+        tokens = shlex.split(text)
+    except ValueError as e:
+        parser.error(f"--options {text!r}: {e}")
+    for token in tokens:
+        if token == "-h" or (len(token) > 2 and "--help".startswith(token)):
+            parser.error(f"--options: {token} (help) is not an option of a simulation; see python -m mpiasgd "
+                         "simulate --help")
+    try:
+        given = simulate_parser().parse_args(tokens)
+    except ConfigError as e:
+        parser.error(f"--options {text!r}: {str(e).removeprefix('mpiasgd simulate: ')}")
+    for dest, instead in SET_HERE.items():
+        if getattr(given, dest, None) is not None:
+            flag = "--progress/--no-progress" if dest == "progress" else "--" + dest.replace("_", "-")
+            parser.error(f"--options: {flag} is set by this script for every simulation ({instead})")
+    return tokens
 
 
 def warm_seconds(args: argparse.Namespace) -> float:
@@ -114,10 +239,8 @@ def step_size(args: argparse.Namespace, workers: int) -> float:
     return args.lr * min(1.0, 2.0 / workers) if args.lr_rule == "halve" else args.lr
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    os.makedirs(args.run_dir, exist_ok=True)
-    warm = warm_seconds(args)
+def simulations(args: argparse.Namespace, warm: float) -> list[tuple[tuple[int, int, str], list[str]]]:
+    """((N, nsync, start), command) of every simulation of the sweep, in the table's order."""
     python = [sys.executable, "-m", "mpiasgd"]
     jobs = []
     for k in args.nsync:
@@ -125,20 +248,62 @@ def main(argv: list[str] | None = None) -> int:
             for start in args.starts:
                 if start == "warm" and n == 1:
                     continue  # one worker has no one to warm up for
-                name = f"n{n}-nsync{k}-{start}"
                 cmd = [*python, "simulate", "--workers", str(n), "--profile", args.profile, "--model", args.model,
                        "--nsync", str(k), "--epochs", f"{args.epochs:g}", "--eval-interval", args.eval_interval,
                        "--stop-accuracy", f"{args.target_accuracy:g}", "--batch-size", str(args.batch_size),
                        "--threads", "1", "--snapshot-interval", "0", "--no-progress", "--run-dir", args.run_dir,
                        "--eval-s-per-image", "0",  # the evaluations cost no virtual time (as evaluated offline)
-                       "--name", name, "--overwrite", *(["--warm-start", f"{warm:g}"] if start == "warm" else []),
+                       "--name", log_name(n, k, start), "--overwrite",
+                       *(["--warm-start", f"{warm:g}"] if start == "warm" else []),
                        "--lr", f"{step_size(args, n):g}", *(["--async-momentum", "workers"] if k == 1 else []),
-                       *shlex.split(args.options)]
+                       *args.extra]
                 jobs.append(((n, k, start), cmd))
+    return jobs
+
+
+def log_name(n: int, k: int, start: str) -> str:
+    return f"n{n}-nsync{k}-{start}"
+
+
+def settings(cmd: list[str]) -> tuple[Any, Any]:
+    """(Config, TimingModel) of simulation command `cmd` (`python -m mpiasgd simulate ...`) as `mpiasgd
+    simulate` resolves them; ConfigError (ProfileError) naming the bad value."""
+    from mpiasgd.config import resolve
+    from mpiasgd.sim.cli import make_parser as simulate_parser
+    from mpiasgd.sim.cli import timing_from
+    from mpiasgd.sim.engine import check_simulated
+
+    given = simulate_parser().parse_args(cmd[cmd.index("simulate") + 1:])
+    cfg = resolve(given)
+    check_simulated(cfg, given.workers)
+    return cfg, timing_from(given)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parse(parser, argv)
+    warm = warm_seconds(args)
+    jobs = simulations(args, warm)
+    if not jobs:
+        parser.error(f"no simulations: --workers {','.join(map(str, args.workers))} with --starts "
+                     f"{','.join(args.starts)} (a warm start needs N >= 2)")
+    planned = {}
+    for key, cmd in jobs:  # every command as `mpiasgd simulate` reads it, before any runs
+        try:
+            planned[key] = settings(cmd)
+        except ConfigError as e:
+            parser.error(f"simulation {log_name(*key)}: {str(e).removeprefix('mpiasgd simulate: ')}")
+    reused = set()
+    if args.reuse:  # every log judged before any simulation runs (a log of other settings stops the script)
+        for key, _ in jobs:
+            log = os.path.join(args.run_dir, log_name(*key) + ".h5")
+            cfg, timing = planned[key]
+            if reusable(log, cfg, key[0], timing):
+                reused.add(key)
 
     def one(job: tuple) -> tuple:
         key, cmd = job
-        if args.reuse and reusable(args, *key, warm):
+        if key in reused:
             print(f"{key}: reused (its log is complete)", flush=True)
             return key, Finished(cmd, 0, 0.0, "", "")
         done = run(cmd, args.timeout)
@@ -148,14 +313,14 @@ def main(argv: list[str] | None = None) -> int:
         return key, done
 
     t0 = time.monotonic()
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = dict(pool.map(one, jobs))
     rows = {}
     for (n, k, start), done in results.items():
         if not done.ok:
             rows[(n, k, start)] = None
             continue
-        r = load(os.path.join(args.run_dir, f"n{n}-nsync{k}-{start}.h5"))
+        r = load(os.path.join(args.run_dir, log_name(n, k, start) + ".h5"))
         rows[(n, k, start)] = {"time": time_to_target(r, args.target_accuracy),
                                "accuracy": float(final_eval(r)["accuracy"]),
                                "staleness": float(r.get("staleness_mean", float("nan"))),
@@ -181,37 +346,61 @@ def time_to_target(r: dict, target: float) -> float | None:
     return t
 
 
-def reusable(args: argparse.Namespace, n: int, k: int, start: str, warm: float) -> bool:
-    """--reuse: the log of simulation (n, k, start) exists, completed, with the settings this invocation would
-    give it (profile, model, nsync, workers, step size, epochs, target, evaluations, warm start); SystemExit
-    naming the log when it holds another one."""
-    log = os.path.join(args.run_dir, f"n{n}-nsync{k}-{start}.h5")
-    if not os.path.exists(log):
+def reusable(log: str, cfg: Any, workers: int, timing: Any) -> bool:
+    """--reuse: True if the run log `log` is complete and of the simulation this invocation would run: the same
+    config (`cfg`, the command as `mpiasgd simulate` resolves it, --options included; every key but those in
+    NOT_COMPARED; a key a log predates counts as its default), number of workers and timing model (TIMING_KEYS
+    of `timing`). False if there is no such file, or if it is not a readable run log (one line says so; it is
+    moved to LOG.unreadable and the simulation runs again). SystemExit naming the log and the keys (its value,
+    the wanted value) when it holds another simulation, and for a directory of that name."""
+    if not os.path.lexists(log):
         return False
-    r = load(log)
-    cfg = r["config"]
-    def given(x: float) -> float:  # as the command line gives it
-        return float(f"{x:g}")
-
-    want = {"model": args.model, "nsync": k, "epochs": given(args.epochs), "batch_size": args.batch_size,
-            "lr": given(step_size(args, n)), "stop_accuracy": given(args.target_accuracy),
-            "eval_interval": args.eval_interval, "warm_start": given(warm) if start == "warm" else 0.0}
-    differ = {key: (cfg.get(key), v) for key, v in want.items() if cfg.get(key) != v}
-    if int(r.get("num_workers", -1)) != n:
-        differ["workers"] = (r.get("num_workers"), n)
-    timing = ("compute", "latency_s", "bandwidth", "server_s")  # the profile's (the script sets the evaluations')
-    used, given = json.loads(r.get("simulated") or "{}"), json.loads(load_profile(args.profile).to_json())
-    if any(used.get(key) != given.get(key) for key in timing):
-        differ["profile"] = "another timing model"
-    if differ:
-        sys.exit(f"simulate_speedup.py: --reuse: run log '{log}' is of other settings ({differ}); remove it or use "
+    if os.path.isdir(log):
+        sys.exit(f"{PROG}: --reuse: '{log}' is a directory, expected a run log file (or none); remove it or use "
                  "another --run-dir")
+    try:
+        r = load(log)
+        logged, used = r["config"], json.loads(r.get("simulated") or "{}")
+        if not isinstance(logged, dict) or not isinstance(used, dict):
+            raise ValueError("its 'config' or 'simulated' attribute is not a JSON object")
+    except Exception as e:  # a truncated, corrupt or foreign file (h5py raises many kinds): simulated again
+        why = " ".join(str(e).split()) or type(e).__name__
+        aside = log + ".unreadable"  # kept, and out of the way: `mpiasgd simulate` can hang on a truncated log
+        try:
+            os.replace(log, aside)
+        except OSError as moving:
+            sys.exit(f"{PROG}: --reuse: run log '{log}' is unreadable ({why}) and cannot be moved aside "
+                     f"({moving.strerror}); remove it")
+        print(f"{PROG}: --reuse: run log '{log}' is unreadable ({why}); moved to '{aside}', the simulation runs "
+              "again", flush=True)
+        return False
+    wanted = json.loads(cfg.to_json())
+    differ = {}
+    for key, value in wanted.items():
+        have = logged.get(key, json.loads(json.dumps(FIELDS[key].default)) if key in FIELDS else None)
+        if key not in NOT_COMPARED and have != value:
+            differ[key] = (have, value)
+    num_workers = r.get("num_workers")
+    if num_workers is None or int(num_workers) != workers:
+        differ["workers"] = (None if num_workers is None else int(num_workers), workers)
+    given = json.loads(json.dumps(timing.to_dict()))
+    for key in TIMING_KEYS:
+        if used.get(key) != given.get(key):
+            differ[f"timing {key}"] = (used.get(key), given.get(key))
+    if differ:
+        sys.exit(f"{PROG}: --reuse: run log '{log}' is of other settings {differ} (key: (the log's, wanted)); "
+                 "remove it or use another --run-dir")
     return r.get("status") == "completed"
 
 
 def baseline(rows: dict) -> float | None:
     base = rows.get((1, 1, "cold"))
     return base["time"] if base else None
+
+
+def seconds3(t: float) -> str:
+    """Seconds to 3 significant digits (0.0234, 4.00, 12.3), whole seconds from 100 on (1234, not 1.23e+03)."""
+    return f"{t:.0f}" if t >= 99.95 else f"{t:#.3g}"
 
 
 def table(rows: dict, args: argparse.Namespace, warm: float) -> str:
@@ -239,7 +428,7 @@ def table(rows: dict, args: argparse.Namespace, warm: float) -> str:
                     cells.append(f"not reached ({100 * row['accuracy']:.1f} % after {row['epochs']:.1f} ep)")
                 else:
                     speed = f" ({base / row['time']:.2f}x)" if base else ""
-                    cells.append(f"{row['time']:.2f} s{speed}, s={row['staleness']:.1f}, {row['epochs']:.2f} ep")
+                    cells.append(f"{seconds3(row['time'])} s{speed}, s={row['staleness']:.1f}, {row['epochs']:.2f} ep")
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -274,4 +463,10 @@ def draw(rows: dict, args: argparse.Namespace, path: str) -> bool:
 
 
 if __name__ == "__main__":
+    import mpi4py
+
+    # no MPI in this process: reading the commands as `mpiasgd simulate` does imports mpi4py.MPI (for its
+    # constants), which must not initialise MPI (as in mpiasgd/sim/cli.py)
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = False
     sys.exit(main())

@@ -44,19 +44,34 @@ from mpiasgd.runlog.summary import final_eval
 WORKERS = 2
 
 
+def seeds(text: str) -> list[int]:
+    """argparse type: comma-separated distinct integers >= 0, at least one."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, e.g. 0,1,2; got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected at least one integer >= 0, e.g. 0,1,2; got {text!r}")
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"expected distinct seeds, got {text!r} ({', '.join(map(str, twice))} "
+                                         "more than once)")
+    return values
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="simulate_validate.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default="cifar10", help="network and dataset")
     parser.add_argument("--epochs", type=float, default=3.0, help="epochs of every run")
     parser.add_argument("--batch-size", type=int, default=64, help="minibatch per worker")
-    parser.add_argument("--seeds", default="0,1,2", help="one real and one simulated run per seed")
+    parser.add_argument("--seeds", type=seeds, default=seeds("0,1,2"), help="one real and one simulated run per "
+                        "seed (comma-separated, distinct, >= 0)")
     parser.add_argument("--options", default="--lr 0.01", help="more `train` options for every run")
     parser.add_argument("--fits", default="draw,replay", help="how the simulations take the fitted compute times: "
                         "draw (at random, with replacement) and/or replay (in their order: --fit-replay)")
     add_run_arguments(parser, "validate")
     args = parser.parse_args(argv)
-    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     args.fits = [f.strip() for f in args.fits.split(",") if f.strip()]
     if not args.fits or any(f not in ("draw", "replay") for f in args.fits):
         parser.error(f"--fits: expected draw and/or replay, got {args.fits}")

@@ -371,7 +371,7 @@ def left_behind(path: str, lock: WriterLock) -> str:
     parts = []
     try:
         clear_stale_flags(path, check_writer=False)  # its writer was killed with the file open (we hold the lock)
-        with open_log(path) as f:
+        with open_log(path, hold_lock=True) as f:  # never a SWMR read: it waits minutes on a truncated file
             status = f.attrs.get("status", "")
     except OSError:  # no log (or not one): nothing to say about it
         status = ""
@@ -389,16 +389,18 @@ def left_behind(path: str, lock: WriterLock) -> str:
 
 
 def run_id_of(path: str) -> str:
-    """The `run_id` attribute of the run log at `path` ("" for logs written before run ids, or unreadable)."""
+    """(holding the writer lock) The `run_id` attribute of the run log at `path` ("" for logs written before run
+    ids, or unreadable)."""
     return log_attr(path, "run_id")
 
 
 def log_attr(path: str, name: str) -> str:
-    """The text attribute `name` of the run log at `path` ("" when absent, or the log is unreadable)."""
+    """(server only, holding the log's writer lock) The text attribute `name` of the run log at `path` (""
+    when absent, or the log is unreadable)."""
     from mpiasgd.runlog import open_log
 
     try:
-        with open_log(path) as f:
+        with open_log(path, hold_lock=True) as f:
             value = f.attrs.get(name, "")
     except OSError:
         return ""

@@ -23,11 +23,12 @@ class TruncatedLogError(OSError):
     """The run log is shorter than its superblock says (cut short): the message names the file and both sizes."""
 
 
-def open_log(path: str, mode: str = "r") -> h5py.File:
+def open_log(path: str, mode: str = "r", hold_lock: bool = False) -> h5py.File:
     """Open a run log for reading (`mode` "r"), also while it is being written or after its writer was killed;
     other modes ("r+") open it for writing, flags a killed writer left cleared first (`clear_stale_flags`).
 
-    Reading: while a live job holds the writer lock, in SWMR mode. Otherwise without SWMR first, so that a
+    Reading: while a live job holds the writer lock, in SWMR mode (unless `hold_lock`: the caller holds that
+    lock itself and has not opened the file, so no one is writing it). Otherwise without SWMR first, so that a
     damaged file fails at once (HDF5's SWMR reader retries a truncated file for many minutes): a truncated
     file is a TruncatedLogError ("'x.h5' is truncated (5000 bytes, the file says 378542): ..."); a file
     a killed SWMR writer left open for writing is read in SWMR mode (every row up to its last flush);
@@ -39,7 +40,7 @@ def open_log(path: str, mode: str = "r") -> h5py.File:
         if flags and not flags & SWMR_WRITE:
             clear_stale_flags(path)
         return h5py.File(path, mode, libver="latest")
-    if writer_alive(path):
+    if not hold_lock and writer_alive(path):
         return h5py.File(path, "r", libver="latest", swmr=True)
     try:
         return h5py.File(path, "r", libver="latest")

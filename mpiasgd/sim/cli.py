@@ -33,11 +33,15 @@ def _terminate(signum: int, frame: Any) -> None:
     raise Terminated
 
 
-def check_profile_path(path: str, fitted: str | None, overwrite: bool) -> None:
-    """ProfileError unless `path` may take --save-profile's JSON: never the --fit run log or another HDF5 file
-    (a run log), and an existing file only with --overwrite."""
+def check_profile_path(path: str, fitted: str | None, overwrite: bool, run_log: str | None = None) -> None:
+    """ProfileError unless `path` may take --save-profile's JSON: never the --fit run log, this run's own log
+    or checkpoint (`run_log`, once known) or another HDF5 file (a run log), and an existing file only with
+    --overwrite."""
+    from mpiasgd.checkpoint import checkpoint_path
     from mpiasgd.sim.timing import ProfileError
 
+    if run_log and os.path.abspath(path) in (os.path.abspath(run_log), os.path.abspath(checkpoint_path(run_log))):
+        raise ProfileError(f"--save-profile '{path}' is this run's own log or checkpoint: give another file")
     if fitted and os.path.exists(fitted) and os.path.exists(path) and os.path.samefile(path, fitted):
         raise ProfileError(f"--save-profile '{path}' is the run log --fit reads: give another file")
     if os.path.exists(path):
@@ -128,7 +132,6 @@ def main(argv: list[str]) -> int:
     from mpiasgd.rank0.recorder import TrainingDiverged
     from mpiasgd.runlog import RunLogError
     from mpiasgd.sim.run import simulate
-    from mpiasgd.sim.timing import save_profile
 
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
@@ -140,15 +143,13 @@ def main(argv: list[str]) -> int:
 
         check_simulated(cfg, args.workers)
         timing = timing_from(args)
-        if args.save_profile:
+        if args.save_profile:  # refused here; written once the run has started (every other check passed)
             check_profile_path(args.save_profile, args.fit, cfg.overwrite)
-            save_profile(timing.resolved(cfg.batch_size), args.save_profile)
-            print(f"mpiasgd simulate: timing model written to '{args.save_profile}'", flush=True)
         if timing.batch_size and timing.batch_size != cfg.batch_size:
             print(f"mpiasgd simulate: warning: the timing model's compute times are for minibatches of "
                   f"{timing.batch_size} images; this run's are {cfg.batch_size} (--batch-size)", file=sys.stderr,
                   flush=True)
-        return simulate(cfg, args.workers, timing)
+        return simulate(cfg, args.workers, timing, save_profile=args.save_profile)
     except RunLogError as e:  # the log cannot be written (disk full): one line, the log ended as far as it can be
         outcome = getattr(e, "outcome", "")
         print(f"mpiasgd simulate: error: {e}{'; ' + outcome if outcome else ''}", file=sys.stderr, flush=True)
@@ -160,11 +161,12 @@ def main(argv: list[str]) -> int:
         print(f"mpiasgd simulate: error: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     except Terminated:  # SIGTERM (kill, a scheduler): as Ctrl-C
-        print("mpiasgd simulate: terminated (SIGTERM); the run log is closed with status 'failed'", file=sys.stderr,
-              flush=True)
+        print("mpiasgd simulate: terminated (SIGTERM); the run log (if it was created) is closed with status "
+              "'failed'", file=sys.stderr, flush=True)
         return EXIT_TERMINATED
     except KeyboardInterrupt:  # Ctrl-C: the log (if it was created) is closed 'failed'
-        print("mpiasgd simulate: interrupted", file=sys.stderr, flush=True)
+        print("mpiasgd simulate: interrupted (Ctrl-C); the run log (if it was created) is closed with status "
+              "'failed'", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -16,16 +16,19 @@ import time
 import traceback
 from typing import Any
 
+from mpiasgd.sim.cli import Terminated, check_profile_path
 from mpiasgd.sim.engine import Simulation, VirtualRecorder, check_simulated
 from mpiasgd.sim.timing import TimingModel
+from mpiasgd.sim.timing import save_profile as save_timing
 
 EXIT_DIVERGED = 3  # as `mpiasgd train`: --on-divergence stop ended the run (log status 'diverged')
 
 
-def simulate(cfg: Any, num_workers: int, timing: TimingModel) -> int:
+def simulate(cfg: Any, num_workers: int, timing: TimingModel, save_profile: str | None = None) -> int:
     """Simulate run `cfg` (mode async or ssp) with `num_workers` virtual workers under `timing`; write its run
     log, print the start lines and the summary as `mpiasgd train` does. Returns 0, or EXIT_DIVERGED when
-    --on-divergence stop ended it.
+    --on-divergence stop ended it. `save_profile`: a JSON file to write the timing model used to, once every
+    start-up check has passed (never this run's own log or checkpoint: ProfileError).
 
     Raises, before any log is written, one of `launch.startup.STARTUP_ERRORS` for bad input (ConfigError for
     what is not simulated: `check_simulated`); once the log exists, RunLogError (it cannot be written) or
@@ -51,6 +54,10 @@ def simulate(cfg: Any, num_workers: int, timing: TimingModel) -> int:
     model, layout = start.model, start.layout
     try:
         timing = timing.resolved(cfg.batch_size)
+        if save_profile:
+            check_profile_path(save_profile, None, cfg.overwrite, start.path)
+            save_timing(timing, save_profile)
+            print(f"mpiasgd simulate: timing model written to '{save_profile}'", flush=True)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         workers = [WorkerInfo(rank=w, host="simulated", pid=0, threads=cfg.threads or cores, backend="numpy",
                               shard_size=len(start.samplers[layout.shard[w]])) for w in range(1, num_workers + 1)]
@@ -76,7 +83,9 @@ def simulate(cfg: Any, num_workers: int, timing: TimingModel) -> int:
         if isinstance(e, RunLogError):  # the disk is full: end the log as far as it can be; the caller says how
             e.outcome = log.abandon()
             raise
-        rec.event("failed", traceback.format_exc())
+        interrupted = isinstance(e, KeyboardInterrupt)  # Ctrl-C, SIGTERM: no traceback, it is no failure of ours
+        rec.event("failed", ("terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted (Ctrl-C)")
+                  if interrupted else traceback.format_exc())
         try:
             log.close("failed")
         except RunLogError as closing:

@@ -562,11 +562,12 @@ def test_payoff_grid_marks_each_variants_best_and_an_edge_of_its_grid():
 
 
 def test_speedup_table_gives_each_cell_its_time_and_the_speedup_over_one_worker(tmp_path):
-    """bench/simulate_speedup.py: the step-size rule halves past 2 workers; a cell is the time to target with the
-    speed-up over N = 1, nsync 1, cold; a run that never got there says so; N = 1 has no warm start."""
+    """bench/simulate_speedup.py: the step-size rule halves past 2 workers; a cell is the time to target (3
+    significant digits) with the speed-up over N = 1, nsync 1, cold; a run that never got there says so; N = 1
+    has no warm start."""
     import argparse
 
-    from simulate_speedup import step_size, table
+    from simulate_speedup import seconds3, step_size, table
 
     args = argparse.Namespace(lr=0.02, lr_rule="halve", nsync=[1, 10], starts=["cold", "warm"], workers=[1, 2, 4],
                               model="cifar10", batch_size=64, options="", profile=str(tmp_path / "p.json"),
@@ -578,29 +579,219 @@ def test_speedup_table_gives_each_cell_its_time_and_the_speedup_over_one_worker(
             (2, 1, "cold"): {"time": 4.0, "accuracy": 0.61, "staleness": 1.0, "epochs": 2.5},
             (2, 10, "warm"): {"time": None, "accuracy": 0.41, "staleness": 3.0, "epochs": 10.0}}
     text = table(rows, args, 0.5)
-    assert "| 1 | 10.00 s (1.00x), s=0.0, 2.00 ep | - | failed | - |" in text
+    assert "| 1 | 10.0 s (1.00x), s=0.0, 2.00 ep | - | failed | - |" in text
     assert "| 2 | 4.00 s (2.50x), s=1.0, 2.50 ep | failed | failed | not reached (41.0 % after 10.0 ep) |" in text
+    assert [seconds3(t) for t in (0.0234, 0.0171, 4.0, 12.345, 99.94, 99.96, 1234.4)] == [
+        "0.0234", "0.0171", "4.00", "12.3", "99.9", "100", "1234"]
 
 
-def test_speedup_script_runs_simulations_and_reuses_their_logs(tmp_path, capsys):
+def _speedup_argv(profile: Path, runs: Path) -> list[str]:
+    """bench/simulate_speedup.py on digits: two short simulations (N = 1, 2; nsync 1; cold), a few seconds."""
+    return ["--model", "digits", "--workers", "1,2", "--nsync", "1", "--starts", "cold", "--epochs", "1",
+            "--eval-interval", "0.5ep", "--target-accuracy", "0.3", "--lr", "0.05", "--jobs", "1", "--profile",
+            str(profile), "--run-dir", str(runs), "--timeout", "120"]
+
+
+@pytest.fixture(scope="module")
+def speedup_run(tmp_path_factory):
+    """One run of bench/simulate_speedup.py (`_speedup_argv`), shared by the tests of --reuse: its folder, argv,
+    output and the table's two rows. A test that changes the logs works on a copy (`_speedup_copy`)."""
+    import contextlib
+    import io
+
+    import simulate_speedup
+
+    folder = tmp_path_factory.mktemp("speedup")
+    profile = folder / "p.json"
+    profile.write_text('{"compute": {"mean_s": 0.01}, "latency_s": 0.0001, "bandwidth": 0, "server_s": 0.001}')
+    argv = _speedup_argv(profile, folder / "runs")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = simulate_speedup.main(argv)
+    assert status == 0, out.getvalue()
+    rows = [line for line in out.getvalue().splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    return {"folder": folder, "argv": argv, "out": out.getvalue(), "rows": rows}
+
+
+def _speedup_copy(speedup_run, tmp_path) -> list[str]:
+    """argv of `speedup_run` over a copy of its run logs in tmp_path/runs (the copy may be changed)."""
+    import shutil
+
+    shutil.copytree(speedup_run["folder"] / "runs", tmp_path / "runs")
+    return _speedup_argv(speedup_run["folder"] / "p.json", tmp_path / "runs")
+
+
+def _rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+
+
+def test_speedup_script_runs_simulations_and_reuses_their_logs(speedup_run, capsys):
     """bench/simulate_speedup.py end to end on digits (two short simulations): the table has both rows; run
     again with --reuse it takes both complete logs and prints the same table; with another step size, --reuse
     stops, naming the log that holds other settings."""
     import simulate_speedup
 
-    profile = tmp_path / "p.json"
-    profile.write_text('{"compute": {"mean_s": 0.01}, "latency_s": 0.0001, "bandwidth": 0, "server_s": 0.001}')
-    argv = ["--model", "digits", "--workers", "1,2", "--nsync", "1", "--starts", "cold", "--epochs", "1",
-            "--eval-interval", "0.5ep", "--target-accuracy", "0.3", "--lr", "0.05", "--jobs", "1", "--profile",
-            str(profile), "--run-dir", str(tmp_path / "runs"), "--timeout", "120"]
-    assert simulate_speedup.main(argv) == 0
-    first = capsys.readouterr().out
-    rows = [line for line in first.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
-    assert len(rows) == 2 and all(" s (" in row and "x), s=" in row for row in rows), first
+    argv, rows = speedup_run["argv"], speedup_run["rows"]
+    assert len(rows) == 2 and all(" s (" in row and "x), s=" in row for row in rows), speedup_run["out"]
     assert rows[0].split("|")[2].strip().split(" s (")[1].startswith("1.00x")  # N = 1 is its own baseline
     assert simulate_speedup.main([*argv, "--reuse"]) == 0
     again = capsys.readouterr().out
     assert again.count("reused (its log is complete)") == 2
-    assert [line for line in again.splitlines() if line.startswith(("| 1 |", "| 2 |"))] == rows
+    assert _rows(again) == rows
     with pytest.raises(SystemExit, match=r"n1-nsync1-cold\.h5' is of other settings .*'lr'"):
         simulate_speedup.main([*("0.02" if a == "0.05" else a for a in argv), "--reuse"])
+
+
+def test_speedup_reuse_compares_the_options_the_workers_and_the_timing_model(speedup_run, tmp_path, capsys):
+    """--reuse compares the whole config the command resolves to (--options included), the number of workers
+    and the timing model with the log's, naming each key that differs with (the log's value, the wanted one);
+    keys that change nothing computed (--flush-interval, --eval-batch-size) do not count."""
+    import shutil
+
+    import simulate_speedup
+
+    argv = speedup_run["argv"]
+    with pytest.raises(SystemExit) as stop:
+        simulate_speedup.main([*argv, "--reuse", "--options=--momentum 0.0 --seed 7"])
+    message = str(stop.value)
+    assert message.startswith("simulate_speedup.py: --reuse: run log '") and "\n" not in message
+    assert "n1-nsync1-cold.h5' is of other settings" in message
+    assert "'momentum': (0.9, 0.0)" in message and "'seed': (0, 7)" in message
+    assert "'lr'" not in message and "'workers'" not in message  # only what differs
+    profile = tmp_path / "p2.json"
+    profile.write_text('{"compute": {"mean_s": 0.01}, "latency_s": 0.0002, "bandwidth": 0, "server_s": 0.001}')
+    with pytest.raises(SystemExit, match=r"'timing latency_s': \(0\.0001, 0\.0002\)\}"):
+        simulate_speedup.main([*(str(profile) if a.endswith("p.json") else a for a in argv), "--reuse"])
+    copy = _speedup_copy(speedup_run, tmp_path)  # the log of 2 workers under the name of 1 (same lr: 0.05)
+    shutil.copy(tmp_path / "runs" / "n2-nsync1-cold.h5", tmp_path / "runs" / "n1-nsync1-cold.h5")
+    with pytest.raises(SystemExit, match=r"is of other settings \{'workers': \(2, 1\)\}"):
+        simulate_speedup.main([*copy, "--reuse"])
+    capsys.readouterr()
+    assert simulate_speedup.main([*argv, "--reuse", "--options=--flush-interval 5 --eval-batch-size 100"]) == 0
+    again = capsys.readouterr().out
+    assert again.count("reused (its log is complete)") == 2 and _rows(again) == speedup_run["rows"]
+
+
+def test_speedup_reuse_runs_an_unreadable_log_again_and_refuses_a_directory(speedup_run, tmp_path, capsys):
+    """--reuse over a truncated, empty or foreign file of a simulation's name says it is unreadable, moves it to
+    NAME.h5.unreadable and simulates it again (the same row as the first run); a directory of that name stops the
+    script with one line."""
+    import simulate_speedup
+
+    argv = _speedup_copy(speedup_run, tmp_path)
+    log = tmp_path / "runs" / "n2-nsync1-cold.h5"
+    data = log.read_bytes()
+    log.write_bytes(data[: len(data) // 2])
+    assert simulate_speedup.main([*argv, "--reuse"]) == 0
+    out = capsys.readouterr().out
+    assert f"--reuse: run log '{log}' is unreadable (" in out
+    assert "is truncated" in out and f"); moved to '{log}.unreadable', the simulation runs again\n" in out
+    assert (tmp_path / "runs" / "n2-nsync1-cold.h5.unreadable").read_bytes() == data[: len(data) // 2]
+    assert "(1, 1, 'cold'): reused (its log is complete)" in out and "(2, 1, 'cold'): reused" not in out
+    assert _rows(out) == speedup_run["rows"]  # simulated again, the same as the first time
+    assert simulate_speedup.load(str(log))["status"] == "completed"
+    from mpiasgd.sim import load_profile
+
+    cfg, timing = simulate_speedup.settings(["python", "-m", "mpiasgd", "simulate", "--workers", "1", "--profile",
+                                             str(speedup_run["folder"] / "p.json"), "--model", "digits"])
+    (tmp_path / "empty.h5").write_bytes(b"")
+    (tmp_path / "text.h5").write_text("not a run log")
+    for name in ("empty.h5", "text.h5"):
+        assert simulate_speedup.reusable(str(tmp_path / name), cfg, 1, timing) is False
+        line = capsys.readouterr().out
+        assert line.count("\n") == 1 and f"'{tmp_path / name}' is unreadable (" in line, line
+        assert not (tmp_path / name).exists() and (tmp_path / f"{name}.unreadable").exists()
+    assert timing.latency_s == load_profile(str(speedup_run["folder"] / "p.json")).latency_s == 0.0001
+    (tmp_path / "runs" / "n1-nsync1-cold.h5").unlink()
+    (tmp_path / "runs" / "n1-nsync1-cold.h5").mkdir()
+    with pytest.raises(SystemExit) as stop:
+        simulate_speedup.main([*argv, "--reuse"])
+    assert str(stop.value) == (f"simulate_speedup.py: --reuse: '{tmp_path / 'runs' / 'n1-nsync1-cold.h5'}' is a "
+                               "directory, expected a run log file (or none); remove it or use another --run-dir")
+
+
+def _speedup_error(argv: list[str], capsys) -> str:
+    """The one line of error of bench/simulate_speedup.py ARGV (exit status 2, nothing run)."""
+    import simulate_speedup
+
+    with pytest.raises(SystemExit) as stop:
+        simulate_speedup.main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("usage: simulate_speedup.py") and err[-1].startswith("simulate_speedup.py: error: ")
+    return err[-1].removeprefix("simulate_speedup.py: error: ")
+
+
+@pytest.mark.parametrize(("options", "expected"), [
+    ("--workers 3", "--options: --workers is set by this script for every simulation (use this script's --workers)"),
+    ("--workers=3", "--options: --workers is set by this script for every simulation (use this script's --workers)"),
+    ("--work 3", "--options: --workers is set by this script for every simulation (use this script's --workers)"),
+    ("--seed 1 --lr=0.1", "--options: --lr is set by this script for every simulation (use this script's --lr and "
+                          "--lr-rule)"),
+    ("--stop-accuracy 0.5", "--options: --stop-accuracy is set by this script for every simulation (use this "
+                            "script's --target-accuracy)"),
+    ("--progress", "--options: --progress/--no-progress is set by this script for every simulation (the script sets "
+                   "--no-progress)"),
+    ("--threads 4", "--options: --threads is set by this script for every simulation (the script sets 1 (one BLAS "
+                    "thread per simulation; --jobs of them at once))"),
+    ("--async-momentum=fixed", "--options: --async-momentum is set by this script for every simulation (the script "
+                               "sets 'workers' at nsync 1 and leaves the default otherwise)"),
+    ("--warm-start 5", "--options: --warm-start is set by this script for every simulation (use this script's "
+                       "--warm-start and --starts)"),
+    ("--bogus 1", "--options '--bogus 1': unrecognized arguments: --bogus 1"),
+    ("--momentum 2", "simulation n1-nsync1-cold: config key 'momentum' = 2.0: expected 0 <= momentum < 1"),
+])
+def test_speedup_options_may_not_set_what_the_script_sets(tmp_path, capsys, options, expected):
+    """--options giving a flag the script sets (any form: --flag value, --flag=value, a prefix) is refused up
+    front naming it and the script's flag to use; an unknown flag or a bad value too (read as `mpiasgd simulate`
+    reads it), before any simulation runs."""
+    profile = tmp_path / "p.json"
+    profile.write_text('{"compute": {"mean_s": 0.01}, "latency_s": 0.0001, "bandwidth": 0, "server_s": 0.001}')
+    assert _speedup_error([*_speedup_argv(profile, tmp_path / "runs"), f"--options={options}"], capsys) == expected
+    assert list((tmp_path / "runs").glob("*")) == []  # no log: nothing ran
+
+
+def test_speedup_refuses_a_missing_or_invalid_profile(tmp_path, capsys):
+    """--profile is loaded up front: a missing file or one that is not a timing profile is one line."""
+    missing = tmp_path / "nope.json"
+    argv = _speedup_argv(missing, tmp_path / "runs")
+    assert _speedup_error(argv, capsys) == f"--profile: timing profile '{missing}' not found"
+    missing.write_text("{")
+    assert _speedup_error(argv, capsys).startswith(f"--profile: timing profile '{missing}': not valid JSON")
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    (["--workers", "1,2,1"], "argument --workers: expected distinct integers, got '1,2,1' (1 more than once)"),
+    (["--nsync", "10,10"], "argument --nsync: expected distinct integers, got '10,10' (10 more than once)"),
+    (["--starts", "cold,cold"], "argument --starts: expected cold and/or warm, each once, got 'cold,cold'"),
+    (["--jobs", "0"], "argument --jobs: expected an integer >= 1, got '0'"),
+    (["--workers", "1", "--starts", "warm"], "no simulations: --workers 1 with --starts warm (a warm start needs "
+                                             "N >= 2)"),
+    (["--plot", "/nonexistent-folder/x.png"], "--plot '/nonexistent-folder/x.png': folder '/nonexistent-folder' "
+                                              "does not exist"),
+])
+def test_speedup_refuses_duplicates_no_jobs_an_empty_sweep_and_an_unwritable_plot(tmp_path, capsys, extra, expected):
+    """Duplicate N or nsync, --jobs < 1, a sweep of no simulations, a plot that cannot be written: one line, before
+    anything runs."""
+    profile = tmp_path / "p.json"
+    profile.write_text('{"compute": {"mean_s": 0.01}, "latency_s": 0.0001, "bandwidth": 0, "server_s": 0.001}')
+    assert _speedup_error([*_speedup_argv(profile, tmp_path / "runs"), *extra], capsys) == expected
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("a", "expected comma-separated integers >= 0, e.g. 0,1,2; got 'a'"),
+    ("", "expected at least one integer >= 0, e.g. 0,1,2; got ''"),
+    ("0,-1", "expected at least one integer >= 0, e.g. 0,1,2; got '0,-1'"),
+    ("0,1,0", "expected distinct seeds, got '0,1,0' (0 more than once)"),
+])
+def test_validate_seeds_are_distinct_integers(capsys, text, expected):
+    """bench/simulate_validate.py --seeds: at least one integer >= 0, none twice; else one line, exit status 2."""
+    import simulate_validate
+
+    assert simulate_validate.parse(["--seeds", "3, 1"]).seeds == [3, 1]
+    assert simulate_validate.parse([]).seeds == [0, 1, 2]
+    with pytest.raises(SystemExit) as stop:
+        simulate_validate.parse(["--seeds", text])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"simulate_validate.py: error: argument --seeds: {expected}"

@@ -255,6 +255,41 @@ def test_save_profile_never_replaces_a_run_log_or_an_existing_file_unasked(tmp_p
     assert log.read_bytes() == before and other.read_text() == "{}" and not (tmp_path / "again.h5").exists()
 
 
+def test_save_profile_is_written_only_once_the_run_starts_and_never_onto_its_own_log(tmp_path, capsys):
+    """--save-profile with a bad option: refused before the profile is written (the corrected command can then
+    write it); onto this run's own log or checkpoint path: one error, nothing written."""
+    target = tmp_path / "t.json"
+    argv = ["--workers", "2", "--model", "digits", "--compute-s", "0.01", "--max-pushes", "4", "--epochs", "0",
+            "--run-dir", str(tmp_path), "--name", "r", "--no-progress", "--save-profile", str(target)]
+    assert main([*argv, "--nsync", "100000", "--epochs", "1"]) == 2  # a round longer than the run
+    assert "nsync" in capsys.readouterr().err and not target.exists()
+    for own in ("r.h5", "r.ckpt.h5"):
+        assert main([*argv[:-1], str(tmp_path / own)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "is this run's own log or checkpoint" in err, err
+        assert not (tmp_path / "r.ckpt.h5").exists()
+    assert main(argv) == 0
+    assert json.loads(target.read_text())["compute"]["mean_s"] == 0.01
+
+
+def test_overwrite_replaces_a_truncated_log_at_once(tmp_path):
+    """A run log cut short (a copy, a full disk) under the run's name: --overwrite replaces it within seconds
+    (start-up reads it holding the writer lock, never in HDF5's SWMR mode, which retries a truncated file for
+    minutes), and the new log is complete. `train` starts up through the same code."""
+    from mpiasgd.runlog import load
+
+    simulate(tmp_path, "--compute-s", "0.01", "--max-pushes", "6", "--epochs", "0", name="cut")
+    log = tmp_path / "cut.h5"
+    pushes = len(load(str(log))["pushes"])
+    log.write_bytes(log.read_bytes()[:5000])
+    res = subprocess.run([sys.executable, "-m", "mpiasgd", "simulate", "--workers", "2", "--model", "digits",
+                          "--compute-s", "0.01", "--max-pushes", "6", "--epochs", "0", "--no-progress", "--run-dir",
+                          str(tmp_path), "--name", "cut", "--overwrite"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    run = load(str(log))
+    assert run["status"] == "completed" and len(run["pushes"]) == pushes >= 6
+
+
 def test_sigterm_closes_the_log_and_exits_143(tmp_path):
     """SIGTERM mid-simulation: one line, exit status 143, the log closed 'failed' and readable, no lock left."""
     import signal
@@ -284,6 +319,12 @@ def test_sigterm_closes_the_log_and_exits_143(tmp_path):
     assert proc.returncode == 143, (out, err)
     assert "terminated (SIGTERM)" in err and len(err.strip().splitlines()) == 1, err
     assert load(str(log))["status"] == "failed" and not (tmp_path / "long.h5.lock").exists()
+    from mpiasgd.runlog.reader import open_log
+
+    with open_log(str(log)) as f:  # the event says why, without a traceback: the user stopped it
+        kinds, texts = f["events"]["kind"], f["events"]["text"]
+        events = [(kind.decode(), text.decode()) for kind, text in zip(kinds, texts, strict=True)]
+    assert ("failed", "terminated (SIGTERM)") in events, events
 
 
 @pytest.mark.parametrize(("flags", "says"), [
