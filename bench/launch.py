@@ -115,3 +115,21 @@ def add_run_arguments(parser: argparse.ArgumentParser | Any, prefix: str) -> Non
 def run_dir(args: argparse.Namespace, prefix: str) -> str:
     """`args.run_dir`, or runs/PREFIX-MODEL-TIMESTAMP."""
     return args.run_dir or os.path.join("runs", f"{prefix}-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def distinct_ints(text: str, minimum: int, example: str = "1,2,4") -> list[int]:
+    """argparse type: comma-separated distinct integers >= `minimum`, at least one (ArgumentTypeError naming the
+    text otherwise)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= {minimum}, e.g. {example}; "
+                                         f"got {text!r}") from None
+    if not values or min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"expected at least one integer, each >= {minimum}, e.g. {example}; "
+                                         f"got {text!r}")
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"expected distinct integers, got {text!r} ({', '.join(map(str, twice))} "
+                                         "more than once)")
+    return values

@@ -53,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from launch import Finished, add_run_arguments, run, run_dir
+from launch import Finished, add_run_arguments, distinct_ints, run, run_dir
 
 from mpiasgd.cli import fraction
 from mpiasgd.config import FIELDS, ConfigError
@@ -100,17 +100,8 @@ TIMING_KEYS = ("compute", "workers", "latency_s", "bandwidth", "server_s")
 
 
 def ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    twice = sorted({v for v in values if values.count(v) > 1})
-    if twice:
-        raise argparse.ArgumentTypeError(f"expected distinct integers, got {text!r} ({', '.join(map(str, twice))} "
-                                         "more than once)")
-    return values
+    """argparse type: comma-separated distinct integers >= 1, at least one."""
+    return distinct_ints(text, 1)
 
 
 def positive(text: str) -> int:

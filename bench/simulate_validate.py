@@ -36,7 +36,7 @@ import sys
 import time
 
 import numpy as np
-from launch import add_run_arguments, launcher, run_dir, run_steps
+from launch import add_run_arguments, distinct_ints, launcher, run_dir, run_steps
 
 from mpiasgd.runlog.reader import load
 from mpiasgd.runlog.summary import final_eval
@@ -46,17 +46,7 @@ WORKERS = 2
 
 def seeds(text: str) -> list[int]:
     """argparse type: comma-separated distinct integers >= 0, at least one."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, e.g. 0,1,2; got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected at least one integer >= 0, e.g. 0,1,2; got {text!r}")
-    twice = sorted({v for v in values if values.count(v) > 1})
-    if twice:
-        raise argparse.ArgumentTypeError(f"expected distinct seeds, got {text!r} ({', '.join(map(str, twice))} "
-                                         "more than once)")
-    return values
+    return distinct_ints(text, 0, "0,1,2")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

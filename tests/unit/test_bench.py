@@ -780,9 +780,9 @@ def test_speedup_refuses_duplicates_no_jobs_an_empty_sweep_and_an_unwritable_plo
 
 @pytest.mark.parametrize(("text", "expected"), [
     ("a", "expected comma-separated integers >= 0, e.g. 0,1,2; got 'a'"),
-    ("", "expected at least one integer >= 0, e.g. 0,1,2; got ''"),
-    ("0,-1", "expected at least one integer >= 0, e.g. 0,1,2; got '0,-1'"),
-    ("0,1,0", "expected distinct seeds, got '0,1,0' (0 more than once)"),
+    ("", "expected at least one integer, each >= 0, e.g. 0,1,2; got ''"),
+    ("0,-1", "expected at least one integer, each >= 0, e.g. 0,1,2; got '0,-1'"),
+    ("0,1,0", "expected distinct integers, got '0,1,0' (0 more than once)"),
 ])
 def test_validate_seeds_are_distinct_integers(capsys, text, expected):
     """bench/simulate_validate.py --seeds: at least one integer >= 0, none twice; else one line, exit status 2."""
