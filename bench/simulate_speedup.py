@@ -239,6 +239,8 @@ def simulations(args: argparse.Namespace, warm: float) -> list[tuple[tuple[int, 
             for start in args.starts:
                 if start == "warm" and n == 1:
                     continue  # one worker has no one to warm up for
+                if not round_fits(args, n, k):
+                    continue  # refused by `simulate` (and `train`): marked in the table, not run
                 cmd = [*python, "simulate", "--workers", str(n), "--profile", args.profile, "--model", args.model,
                        "--nsync", str(k), "--epochs", f"{args.epochs:g}", "--eval-interval", args.eval_interval,
                        "--stop-accuracy", f"{args.target_accuracy:g}", "--batch-size", str(args.batch_size),
@@ -250,6 +252,21 @@ def simulations(args: argparse.Namespace, warm: float) -> list[tuple[tuple[int, 
                        *args.extra]
                 jobs.append(((n, k, start), cmd))
     return jobs
+
+
+def round_fits(args: argparse.Namespace, n: int, k: int) -> bool:
+    """False when one round of nsync `k` minibatches by each of `n` workers is longer than the run (`--epochs`
+    of a built-in set's training images): `mpiasgd simulate` refuses it (mpiasgd.modes.base.round_fits)."""
+    from mpiasgd.config import ConfigError
+    from mpiasgd.modes.base import round_fits as fits
+
+    if args.model not in NUM_TRAIN:
+        return True  # a dataset file: `simulate` judges it
+    try:
+        fits(args, "nsync", k, n, NUM_TRAIN[args.model])
+    except ConfigError:
+        return False
+    return True
 
 
 def log_name(n: int, k: int, start: str) -> str:
@@ -413,7 +430,9 @@ def table(rows: dict, args: argparse.Namespace, warm: float) -> str:
                     cells.append("-")
                     continue
                 row = rows.get((n, k, s))
-                if row is None:
+                if not round_fits(args, n, k):
+                    cells.append("- (one round is longer than the run)")
+                elif row is None:
                     cells.append("failed")
                 elif row["time"] is None:
                     cells.append(f"not reached ({100 * row['accuracy']:.1f} % after {row['epochs']:.1f} ep)")

@@ -567,11 +567,12 @@ def test_speedup_table_gives_each_cell_its_time_and_the_speedup_over_one_worker(
     has no warm start."""
     import argparse
 
-    from simulate_speedup import seconds3, step_size, table
+    from simulate_speedup import seconds3, simulations, step_size, table
 
     args = argparse.Namespace(lr=0.02, lr_rule="halve", nsync=[1, 10], starts=["cold", "warm"], workers=[1, 2, 4],
                               model="cifar10", batch_size=64, options="", profile=str(tmp_path / "p.json"),
-                              target_accuracy=0.6)
+                              target_accuracy=0.6, epochs=10.0, eval_interval="0.25ep", run_dir=str(tmp_path),
+                              extra=[])
     (tmp_path / "p.json").write_text('{"compute": {"mean_s": 0.001}, "latency_s": 0, "bandwidth": 0, "server_s": 0, '
                                      '"note": "ESTIMATE: x"}')
     assert [step_size(args, n) for n in (1, 2, 4, 8)] == [0.02, 0.02, 0.01, 0.005]
@@ -581,6 +582,10 @@ def test_speedup_table_gives_each_cell_its_time_and_the_speedup_over_one_worker(
     text = table(rows, args, 0.5)
     assert "| 1 | 10.0 s (1.00x), s=0.0, 2.00 ep | - | failed | - |" in text
     assert "| 2 | 4.00 s (2.50x), s=1.0, 2.50 ep | failed | failed | not reached (41.0 % after 10.0 ep) |" in text
+    # a round of nsync 1000 by 8 workers (512,000 images) is longer than 10 epochs of CIFAR-10: marked, never run
+    wide = argparse.Namespace(**{**vars(args), "nsync": [1000], "workers": [1, 8], "starts": ["cold"]})
+    assert "| 8 | - (one round is longer than the run) |" in table({}, wide, 0.5)
+    assert [key for key, _ in simulations(wide, 0.5)] == [(1, 1000, "cold")]
     assert [seconds3(t) for t in (0.0234, 0.0171, 4.0, 12.345, 99.94, 99.96, 1234.4)] == [
         "0.0234", "0.0171", "4.00", "12.3", "99.9", "100", "1234"]
 
