@@ -158,7 +158,7 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     args = parser.parse_args(argv)
     args.run_dir = run_dir(args, "speedup")
     try:
-        load_profile(args.profile)
+        args.timing = load_profile(args.profile)  # read once: the warm start and the table's heading use it
     except ProfileError as e:
         parser.error(f"--profile: {e}")
     args.extra = option_list(parser, args.options)
@@ -220,7 +220,7 @@ def warm_seconds(args: argparse.Namespace) -> float:
     """Half an epoch of one worker under the profile: minibatches x (compute + server + 2 latencies)."""
     if args.warm_start is not None:
         return args.warm_start
-    timing = load_profile(args.profile)
+    timing = args.timing
     step = timing.compute.mean + timing.server_s + 2 * timing.transfer_s(0)
     return round(0.5 * NUM_TRAIN.get(args.model, 50_000) / args.batch_size * step, 6)
 
@@ -413,7 +413,7 @@ def seconds3(t: float) -> str:
 
 def table(rows: dict, args: argparse.Namespace, warm: float) -> str:
     target = f"{100 * args.target_accuracy:g} %"
-    note = load_profile(args.profile).note
+    note = args.timing.note
     rule = (f"lr {args.lr:g} x min(1, 2/N)" if args.lr_rule == "halve" else f"lr {args.lr:g}")
     lines = [f"{args.model}, batch {args.batch_size} per worker, {rule}, `{args.options}`, profile `{args.profile}`"
              f"{' (' + note.split(':')[0] + ')' if note else ''}; warm start {warm:g} virtual s; "

@@ -575,6 +575,9 @@ def test_speedup_table_gives_each_cell_its_time_and_the_speedup_over_one_worker(
                               extra=[])
     (tmp_path / "p.json").write_text('{"compute": {"mean_s": 0.001}, "latency_s": 0, "bandwidth": 0, "server_s": 0, '
                                      '"note": "ESTIMATE: x"}')
+    from mpiasgd.sim import load_profile
+
+    args.timing = load_profile(args.profile)
     assert [step_size(args, n) for n in (1, 2, 4, 8)] == [0.02, 0.02, 0.01, 0.005]
     rows = {(1, 1, "cold"): {"time": 10.0, "accuracy": 0.61, "staleness": 0.0, "epochs": 2.0},
             (2, 1, "cold"): {"time": 4.0, "accuracy": 0.61, "staleness": 1.0, "epochs": 2.5},
