@@ -2,6 +2,7 @@
 send slots, intervals, and staging between the model's arrays and the MPI buffers.
 
     protocol   message layout (header + float32 payload), tags, flags, checks (`mpiasgd.comms.protocol`)
+    wire       --wire fp16|bf16: the 16-bit payload codecs (numpy and cupy) and error feedback
     waits      wait / wait_all / probe without burning a core, CommTimeout, Deadline, Backoff, Interval
     slots      SendSlots: buffers reused only after their send completed
     staging    Staging (host, pinned, device): how weights and gradients meet MPI

@@ -4,6 +4,10 @@ Every message is ONE contiguous byte buffer sent with buffer-based MPI (never pi
 
     [ header: HEADER, HEADER_BYTES = 160 bytes ][ payload: `count` float32 values ]
 
+(`--wire fp16|bf16`, async and ssp: the payloads of PUSH, WEIGHTS and STOP carry their `count` values
+in 2 bytes each, float16 or bfloat16 (`mpiasgd.comms.wire`); the header is the same. Both sides know
+the format from the config, and a message's size is checked against it on arrival.)
+
 The header makes each message self-describing: kind, sender, step, the weight version, loss,
 sample count and timings travel in the same message as the gradient or weights they describe, so a
 push can never be matched with another sender's figures. `check()` verifies every arrival: magic,
@@ -67,6 +71,9 @@ from enum import IntEnum
 
 import numpy as np
 
+from mpiasgd.comms.wire import NAMES as WIRE_NAMES
+from mpiasgd.comms.wire import wire_dtype
+
 MAGIC = 0x41534744  # "ASGD"
 
 
@@ -123,7 +130,7 @@ HEADER = np.dtype([
     ("epoch", "<i8"),       # PUSH: the worker's epoch over its shard; WEIGHTS with flag EVALUATE: the evaluation's
                             # number
     ("correct", "<i8"),     # PUSH: correct predictions in the minibatch; EVAL: over the slice
-    ("count", "<i8"),       # float32 values in the payload
+    ("count", "<i8"),       # values in the payload (float32; 16-bit ones with --wire fp16|bf16)
     ("loss", "<f8"),        # PUSH: minibatch mean loss; EVAL: summed loss
     ("compute_s", "<f8"),   # PUSH: seconds of data + forward + backward for this gradient
     ("comm_s", "<f8"),      # PUSH: seconds spent posting and completing MPI calls for the previous pull
@@ -141,16 +148,20 @@ HEADER_BYTES = -(-HEADER.itemsize // 16) * 16  # 160: rounded up to 16 bytes so 
 
 
 class Message:
-    """A send or receive buffer: `buf` (uint8, what MPI sees), `header` (HEADER view), `payload` (float32 view).
+    """A send or receive buffer: `buf` (uint8, what MPI sees), `header` (HEADER view), `payload` (a view of
+    `count` values in wire format `wire`: float32 by default; float16, or uint16 holding bfloat16, with
+    --wire fp16|bf16, see `mpiasgd.comms.wire`). ValueError for an unknown `wire`.
 
     The buffer belongs to MPI while a request on it is pending: fill it before posting the send,
     read it only after the receive completed.
     """
 
-    def __init__(self, count: int) -> None:
-        self.buf = np.zeros(HEADER_BYTES + 4 * count, dtype=np.uint8)
+    def __init__(self, count: int, wire: str = "fp32") -> None:
+        dtype = wire_dtype(wire)
+        self.wire = wire
+        self.buf = np.zeros(HEADER_BYTES + dtype.itemsize * count, dtype=np.uint8)
         self.header = self.buf[: HEADER.itemsize].view(HEADER)[0]
-        self.payload = self.buf[HEADER_BYTES:].view(np.float32)
+        self.payload = self.buf[HEADER_BYTES:].view(dtype)
         self.header["magic"] = MAGIC
         self.header["count"] = count
 
@@ -167,9 +178,10 @@ class Message:
         return self
 
 
-def message_bytes(count: int) -> int:
-    """Size in bytes of a message carrying `count` float32 values."""
-    return HEADER_BYTES + 4 * count
+def message_bytes(count: int, wire: str = "fp32") -> int:
+    """Size in bytes of a message carrying `count` values in wire format `wire` (4 bytes each for fp32, 2 for
+    fp16 and bf16)."""
+    return HEADER_BYTES + wire_dtype(wire).itemsize * count
 
 
 def parse_tag(tag: int, source: int, rank: int) -> Tag:
@@ -182,13 +194,14 @@ def parse_tag(tag: int, source: int, rank: int) -> Tag:
             f"known tags: {', '.join(f'{t.name}={t.value}' for t in Tag)}") from None
 
 
-def check_size(tag: Tag, source: int, rank: int, nbytes: int, count: int) -> None:
-    """Raise ProtocolError unless a message of `nbytes` carries exactly `count` float32 values."""
-    expected = message_bytes(count)
+def check_size(tag: Tag, source: int, rank: int, nbytes: int, count: int, wire: str = "fp32") -> None:
+    """Raise ProtocolError unless a message of `nbytes` carries exactly `count` values in wire format `wire`."""
+    expected = message_bytes(count, wire)
     if nbytes != expected:
         raise ProtocolError(
             f"rank {rank}: {tag.name} message from rank {source} is {nbytes} bytes, expected {expected} "
-            f"({HEADER_BYTES}-byte header + {count} float32 values)")
+            f"({HEADER_BYTES}-byte header + {count} {WIRE_NAMES[wire]} values"
+            f"{'' if wire == 'fp32' else f': --wire {wire}'})")
 
 
 def check(msg: Message, tag: Tag, source: int, rank: int) -> None:

@@ -12,6 +12,14 @@ Staging (one object per worker, chosen once; the worker loop calls the same thre
 Every loop that moves model data through MPI uses these objects: the A-SGD and EASGD workers (one
 `Staging` per exchange buffer), sync mode's allreduce (`grads_to_mpi`), and the pipeline units
 (`module_staging`: the module's weights and velocity for snapshots and checkpoints).
+
+With a 16-bit wire format (`--wire fp16|bf16`, async and ssp; `mpiasgd.comms.wire`) the model still
+computes in float32, so params and grads are float32 arrays of their own on every staging (the host
+one too): after_receive decodes the received payload into params, before_send encodes grads into the
+send payload (through the worker's `ErrorFeedback` with --wire-error-feedback). The pinned staging
+does both on the device, so each host <-> device copy moves the 16-bit payload, half the bytes; the
+device staging decodes from and encodes into its device message buffers. With fp32 every staging is
+as described above: the host one copies nothing.
 """
 
 from __future__ import annotations
@@ -23,20 +31,21 @@ from typing import Any
 import numpy as np
 
 from mpiasgd.comms.protocol import HEADER, HEADER_BYTES, Message, message_bytes
+from mpiasgd.comms.wire import ErrorFeedback, decode, encode, wire_dtype
 
 
-def message_in(buf: np.ndarray, count: int) -> Message:
-    """A protocol Message of `count` values whose buffer is `buf` (uint8, message_bytes(count) long,
-    e.g. pinned host memory) instead of a fresh numpy allocation."""
-    if buf.dtype != np.uint8 or buf.shape != (message_bytes(count),) or not buf.flags.c_contiguous:
-        raise ValueError(f"message_in: buf must be contiguous uint8 of {message_bytes(count)} bytes, "
-                         f"got {buf.dtype} {buf.shape}")
-    msg = Message(0)  # header fields set; then rehomed onto `buf`
+def message_in(buf: np.ndarray, count: int, wire: str = "fp32") -> Message:
+    """A protocol Message of `count` values in wire format `wire` whose buffer is `buf` (uint8,
+    message_bytes(count, wire) long, e.g. pinned host memory) instead of a fresh numpy allocation."""
+    nbytes = message_bytes(count, wire)
+    if buf.dtype != np.uint8 or buf.shape != (nbytes,) or not buf.flags.c_contiguous:
+        raise ValueError(f"message_in: buf must be contiguous uint8 of {nbytes} bytes, got {buf.dtype} {buf.shape}")
+    msg = Message(0, wire)  # header fields set; then rehomed onto `buf`
     buf[:] = 0
     buf[:HEADER_BYTES] = msg.buf[:HEADER_BYTES]
     msg.buf = buf
     msg.header = buf[:HEADER.itemsize].view(HEADER)[0]
-    msg.payload = buf[HEADER_BYTES:].view(np.float32)
+    msg.payload = buf[HEADER_BYTES:].view(wire_dtype(wire))
     msg.header["count"] = count
     return msg
 
@@ -80,35 +89,54 @@ def cupy_transfers() -> Transfers:
 class Staging:
     """How a worker's weights and gradient meet MPI. Kind "host" (numpy backend): no copies at all.
 
-    Attributes: `weights` and `push` (protocol Messages whose headers the worker reads and stamps),
-    `recv_buf` / `send_buf` (what MPI receives into / sends from), `params` / `grads` (what the
-    model binds). The worker calls, every step, in this order:
+    Attributes: `weights` and `push` (protocol Messages of `count` values in wire format `wire`, whose
+    headers the worker reads and stamps), `recv_buf` / `send_buf` (what MPI receives into / sends from),
+    `params` / `grads` (float32 (count,): what the model binds). The worker calls, every step, in this order:
 
         after_receive()    the receive into recv_buf completed: make weights.header and params current
         finish_compute()   backward was launched: wait until the gradient exists (device sync point)
         before_send()      push is stamped: make send_buf hold header and gradient
 
-    Here params ARE weights.payload and grads ARE push.payload, so all three do nothing.
+    fp32: params ARE weights.payload and grads ARE push.payload, so all three do nothing. fp16, bf16:
+    params and grads are float32 arrays; after_receive decodes the payload into params, before_send
+    encodes grads into the push payload, the first P values through `feedback` (the worker's
+    ErrorFeedback, shared by its stagings; None: plain rounding). ValueError for `feedback` with fp32.
     """
 
     kind = "host"
 
-    def __init__(self, count: int) -> None:
-        self.weights, self.push = Message(count), Message(count)
+    def __init__(self, count: int, wire: str = "fp32", feedback: ErrorFeedback | None = None) -> None:
+        if feedback is not None and wire == "fp32":
+            raise ValueError("error feedback needs a 16-bit wire format (fp16 or bf16), the wire is fp32")
+        self.wire, self.feedback = wire, feedback
+        self.weights, self.push = Message(count, wire), Message(count, wire)
         self.recv_buf, self.send_buf = self.weights.buf, self.push.buf
-        self.params, self.grads = self.weights.payload, self.push.payload
+        if wire == "fp32":  # the model computes in the message buffers themselves
+            self.params, self.grads = self.weights.payload, self.push.payload
+        else:               # the model computes in float32: decoded from, encoded into the 16-bit payloads
+            self.params, self.grads = np.zeros(count, np.float32), np.zeros(count, np.float32)
 
     def after_receive(self) -> None:
-        pass
+        if self.wire != "fp32":
+            decode(self.wire, self.weights.payload, self.params)
 
     def finish_compute(self) -> None:
         pass
 
     def before_send(self) -> None:
-        pass
+        if self.wire != "fp32":
+            self.encode_grads(self.push.payload)
+
+    def encode_grads(self, out: Any) -> None:
+        """(16-bit wire) grads encoded into `out` (the payload, or its device copy), through the error feedback."""
+        if self.feedback is not None:
+            self.feedback.encode(self.grads, out)
+        else:
+            encode(self.wire, self.grads, out)
 
     def grads_to_mpi(self) -> Any:
-        """(sync mode) After finish_compute: the array an allreduce of the gradient works on."""
+        """(sync mode, whose wire is always fp32) After finish_compute: the array an allreduce of the gradient
+        works on."""
         return self.grads
 
     def grads_from_mpi(self) -> None:
@@ -120,25 +148,40 @@ class PinnedStaging(Staging):
 
     after_receive: weights payload host->device into params. finish_compute: stream sync.
     before_send: grads device->host into the push payload. Buffers are allocated once and reused.
+    16-bit wire: `coded` (device, `count` values of the wire's dtype) is where the payload is copied to
+    and decoded from on the device, and where grads are encoded into before the copy back: each copy
+    moves 2 bytes a value.
     """
 
     kind = "pinned"
 
-    def __init__(self, count: int, dev: Transfers) -> None:
-        self.dev = dev
-        self.weights = message_in(dev.pinned(message_bytes(count)), count)
-        self.push = message_in(dev.pinned(message_bytes(count)), count)
+    def __init__(self, count: int, dev: Transfers, wire: str = "fp32", feedback: ErrorFeedback | None = None) -> None:
+        if feedback is not None and wire == "fp32":
+            raise ValueError("error feedback needs a 16-bit wire format (fp16 or bf16), the wire is fp32")
+        self.dev, self.wire, self.feedback = dev, wire, feedback
+        self.weights = message_in(dev.pinned(message_bytes(count, wire)), count, wire)
+        self.push = message_in(dev.pinned(message_bytes(count, wire)), count, wire)
         self.recv_buf, self.send_buf = self.weights.buf, self.push.buf
         self.params, self.grads = dev.empty(count), dev.empty(count)
+        dtype = wire_dtype(wire)
+        self.coded = None if wire == "fp32" else dev.empty_bytes(count * dtype.itemsize).view(dtype)
 
     def after_receive(self) -> None:
-        self.dev.to_device(self.params, self.weights.payload)  # pinned -> device; done before MPI reuses it
+        if self.coded is None:
+            self.dev.to_device(self.params, self.weights.payload)  # pinned -> device; done before MPI reuses it
+        else:
+            self.dev.to_device(self.coded, self.weights.payload)   # the 16-bit payload: half the bytes
+            decode(self.wire, self.coded, self.params)              # on the device
 
     def finish_compute(self) -> None:
         self.dev.synchronize()  # device sync point: the gradient is complete before it is copied
 
     def before_send(self) -> None:
-        self.dev.to_host(self.push.payload, self.grads)  # device -> pinned; MPI sends it next
+        if self.coded is None:
+            self.dev.to_host(self.push.payload, self.grads)  # device -> pinned; MPI sends it next
+        else:
+            self.encode_grads(self.coded)                    # on the device, then the 16-bit copy
+            self.dev.to_host(self.push.payload, self.coded)
 
     def grads_to_mpi(self) -> Any:
         self.dev.to_host(self.push.payload, self.grads)  # the allreduce runs on the pinned host copy
@@ -155,25 +198,38 @@ class DeviceStaging(Staging):
     device->host (HEADER_BYTES), before_send the stamped header host->device, then syncs the stream,
     so MPI never reads device memory a kernel or copy is still writing. The sync-mode gradient
     allreduce still runs on a host copy (`push.payload`): Open MPI lists MPI_Iallreduce among the
-    calls that do not take device buffers, with or without UCX.
+    calls that do not take device buffers, with or without UCX. 16-bit wire: params and grads are float32
+    device arrays of their own, decoded from and encoded into the payloads of the device buffers.
     """
 
     kind = "device"
 
-    def __init__(self, count: int, dev: Transfers) -> None:
-        self.dev = dev
-        self.weights, self.push = Message(count), Message(count)
-        self.recv_buf, self.send_buf = dev.empty_bytes(message_bytes(count)), dev.empty_bytes(message_bytes(count))
-        self.params = self.recv_buf[HEADER_BYTES:].view(np.float32)
-        self.grads = self.send_buf[HEADER_BYTES:].view(np.float32)
+    def __init__(self, count: int, dev: Transfers, wire: str = "fp32", feedback: ErrorFeedback | None = None) -> None:
+        if feedback is not None and wire == "fp32":
+            raise ValueError("error feedback needs a 16-bit wire format (fp16 or bf16), the wire is fp32")
+        self.dev, self.wire, self.feedback = dev, wire, feedback
+        self.weights, self.push = Message(count, wire), Message(count, wire)
+        nbytes = message_bytes(count, wire)
+        self.recv_buf, self.send_buf = dev.empty_bytes(nbytes), dev.empty_bytes(nbytes)
+        dtype = wire_dtype(wire)
+        self.received = self.recv_buf[HEADER_BYTES:].view(dtype)  # the device payloads
+        self.sending = self.send_buf[HEADER_BYTES:].view(dtype)
+        if wire == "fp32":
+            self.params, self.grads = self.received, self.sending
+        else:  # decoded from / encoded into the device payloads (16-bit wire)
+            self.params, self.grads = dev.empty(count), dev.empty(count)
 
     def after_receive(self) -> None:
         self.dev.to_host(self.weights.buf[:HEADER_BYTES], self.recv_buf[:HEADER_BYTES])
+        if self.wire != "fp32":
+            decode(self.wire, self.received, self.params)  # on the device (done before before_send's sync)
 
     def finish_compute(self) -> None:
         self.dev.synchronize()  # device sync point
 
     def before_send(self) -> None:
+        if self.wire != "fp32":
+            self.encode_grads(self.sending)  # on the device; the sync below completes it before MPI reads it
         self.dev.to_device(self.send_buf[:HEADER_BYTES], self.push.buf[:HEADER_BYTES])
         self.dev.synchronize()  # the header copy is complete before MPI reads send_buf
 
@@ -185,12 +241,14 @@ class DeviceStaging(Staging):
         self.dev.to_device(self.grads, self.push.payload)
 
 
-def make_staging(backend: str, cuda_aware: bool, count: int, dev: Transfers | None = None) -> Staging:
-    """The staging of a worker with `count` parameters: host (numpy), pinned or device (cupy).
+def make_staging(backend: str, cuda_aware: bool, count: int, dev: Transfers | None = None, wire: str = "fp32",
+                 feedback: ErrorFeedback | None = None) -> Staging:
+    """The staging of a worker with `count` values per message: host (numpy), pinned or device (cupy), in wire
+    format `wire` with the worker's error `feedback` (None: none; it needs fp16 or bf16, else ValueError).
 
     `dev` defaults to `cupy_transfers()` for the cupy backend.
     """
     if backend == "numpy":
-        return Staging(count)
+        return Staging(count, wire, feedback)
     dev = dev or cupy_transfers()
-    return DeviceStaging(count, dev) if cuda_aware else PinnedStaging(count, dev)
+    return (DeviceStaging if cuda_aware else PinnedStaging)(count, dev, wire, feedback)

@@ -35,7 +35,7 @@ from mpiasgd.device import (
 )
 from mpiasgd.launch.ranks import Rank
 from mpiasgd.launch.records import WorkerInfo
-from mpiasgd.modes.base import Layout, Mode, message_count
+from mpiasgd.modes.base import Layout, Mode, message_count, worker_feedback
 from mpiasgd.ops import BackendUnavailable, cuda_probe, get_backend
 from mpiasgd.runlog import WriterLock
 
@@ -274,8 +274,10 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
         query = mpix_cuda_support()  # mpi4py's PyPI wheels lack Query_cuda_support: ask libmpi itself
     cuda_aware = backend == "cupy" and resolve_cuda_aware(cfg.cuda_aware, query)
     count = message_count(model)  # weights or gradient, then the layers' buffers
-    out.staging = make_staging(backend, cuda_aware, count)  # buffers reused every step
-    out.make_staging = lambda: make_staging(backend, cuda_aware, count)  # --overlap: a second one
+    feedback = worker_feedback(cfg, model)  # --wire-error-feedback: one residual, shared by both stagings
+    out.staging = make_staging(backend, cuda_aware, count, wire=cfg.wire, feedback=feedback)  # reused every step
+    out.make_staging = lambda: make_staging(backend, cuda_aware, count, wire=cfg.wire,
+                                            feedback=feedback)  # --overlap: a second one
     return out
 
 

@@ -50,6 +50,18 @@ flat parameter vector IS the payload of a receive buffer and its flat gradient v
 of a send buffer (numpy backend; a GPU worker's `Staging` moves them). A receive is posted before the
 push it answers is sent; a buffer is written only after its send completed and read only after its
 receive completed. With `--overlap` there are two of each.
+
+`--wire fp16|bf16` (`mpiasgd.comms.wire`): PUSH, WEIGHTS and STOP carry their P + B values in 2 bytes
+each, rounded to nearest even. Rank 0 keeps the master weights, the momentum and all other state in
+float32: it decodes a push into one float32 buffer (`decoded`) before the finite check, DC-ASGD and the
+update, updates the master weights in place (they no longer move between send buffers, which now hold
+16-bit copies), and encodes each reply (WEIGHTS, STOP, the initial weights) into the worker's send
+buffer. The weights a worker computed on are decode(encode(w)): DC-ASGD's w_pulled is decoded from the
+last reply still in its send buffer, so the correction uses exactly those. The layer buffers travel in
+the same format. A worker decodes a reply into its float32 weights and encodes its gradient into its
+send buffer (`mpiasgd.comms.staging`), with `--wire-error-feedback` through its `ErrorFeedback`. Rank 0
+counts the bytes of every PUSH it receives and every WEIGHTS or STOP it sends (the summary's
+`wire_bytes_pushed` and `wire_bytes_pulled`, in every wire format).
 """
 
 from __future__ import annotations
@@ -65,6 +77,7 @@ from mpi4py import MPI
 
 from mpiasgd import checkpoint
 from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
+from mpiasgd.comms.wire import WIRES, decode, encode
 from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, initial_buffers, lr_scale, need, round_fits
 from mpiasgd.optim import (
     SGD,
@@ -93,7 +106,11 @@ class AsgdServer(Role):
     rank 0 keeps every worker's latest and snapshots and checkpoints their mean (`current_buffers`).
     A worker starts from the buffers of its first WEIGHTS (the initial ones, or a resumed run's), keeps
     its own while it trains (replies carry a tail it does not read), and evaluates the final weights
-    with the mean its STOP carries: the final evaluation and the last snapshot use the same state."""
+    with the mean its STOP carries: the final evaluation and the last snapshot use the same state.
+
+    Wire format `cfg.wire` (module docstring): fp32, the master weights live in the send buffers
+    (`weights[w]`, the payload views); fp16 or bf16, `params` is updated in place, a push is decoded into
+    `decoded` (float32 (P + B,)) and the replies are encoded into `outbox`."""
 
     checkpoints_here = True
     snapshots_here = True
@@ -104,9 +121,16 @@ class AsgdServer(Role):
         cfg = self.cfg
         P, B = params.size, self.buffers.size
         self.P = P
-        self.inbox = {w: Message(P + B) for w in self.workers}
-        self.outbox = {w: Message(P + B) for w in self.workers}
-        self.weights = {w: self.outbox[w].payload[:P] for w in self.workers}  # where the master weights may live
+        self.wire = cfg.wire
+        self.inbox = {w: Message(P + B, self.wire) for w in self.workers}
+        self.outbox = {w: Message(P + B, self.wire) for w in self.workers}
+        if self.wire == "fp32":  # where the master weights may live: the send buffers' payloads
+            self.weights = {w: self.outbox[w].payload[:P] for w in self.workers}
+            self.decoded = None
+        else:  # 16-bit payloads: the master weights stay in `params` (float32); a push is decoded here
+            self.weights = {}
+            self.decoded = np.empty(P + B, np.float32)
+            self.pulled_buf = np.empty(P, np.float32) if cfg.dc_lambda else None  # DC-ASGD's w_pulled, decoded
         momentum = explicit_momentum(cfg.momentum, cfg.async_momentum, len(self.workers))
         self.optimizer = SGD(params, decay_mask, momentum, cfg.weight_decay, nesterov=cfg.nesterov and momentum > 0,
                              lr_scale=lr_scale)
@@ -178,15 +202,19 @@ class AsgdServer(Role):
         The master weights move between the send buffers: an update writes them into the buffer of
         the worker it answers, so a reply costs no copy. A buffer is written only after its previous
         send completed; the master weights are only read while a send from their buffer is in flight.
+        16-bit wire: the weights (and buffers) are encoded into the send buffer, every reply.
         """
         self.out[w].take(0)
         out = self.outbox[w]
-        if self.weights[w] is not self.params:
+        if self.wire != "fp32":  # 16-bit wire: the float32 master weights encoded into the send buffer
+            encode(self.wire, self.params, out.payload[:self.P])
+        elif self.weights[w] is not self.params:
             self.weights[w][:] = self.params
         # --eval-interval: this reply asks for evaluation `number` of the weights it carries
         number = self.periodic.flag(w, self.rec.version) if tag == Tag.WEIGHTS and not initial else 0
         if self.buffers.size:  # the mean buffers go with weights the worker evaluates (STOP, EVALUATE)
-            out.payload[self.P:] = self.current_buffers() if initial or tag == Tag.STOP or number else self.buffers
+            encode(self.wire, self.current_buffers() if initial or tag == Tag.STOP or number else self.buffers,
+                   out.payload[self.P:])  # (fp32: a copy)
         flags = Flag.PREEMPT if tag == Tag.STOP and self.r0.preempted else 0
         if initial and self.rec.resumed is not None:  # the worker continues its step count and data position
             flags |= Flag.RESUME
@@ -195,6 +223,7 @@ class AsgdServer(Role):
         out.stamp(tag, self.rank, step=step, version=self.rec.version, flags=flags, cursor=self.cursor[w],
                   elapsed=self.rec.train_time(), lr=self.local_lr() if self.cfg.nsync > 1 else 0.0, epoch=number)
         self.post(w, out, tag)
+        self.rec.count_wire(pulled=out.buf.nbytes)
 
     def start_workers(self) -> None:
         """Send the first weights to every worker not started yet (at start-up, or when the warm start ends)."""
@@ -246,26 +275,28 @@ class AsgdServer(Role):
         if int(h["flags"]) & Flag.PREEMPT:
             self.r0.signal_from(f"a signal received by worker rank {w}")
         staleness = rec.version - base
-        grad = msg.payload[:self.P]
-        finite, square = finite_square(grad)
+        rec.count_wire(pushed=msg.buf.nbytes)
+        values = msg.payload if self.decoded is None else decode(self.wire, msg.payload, self.decoded)  # (P + B,)
+        grad = values[:self.P]
+        finite, square = finite_square(grad)  # (an fp16 value beyond its range arrived as inf: rejected here)
         advice = "lower --lr"
         if finite and self.compensation is not None and not rec.stop_reason:
             # DC-ASGD: g + lambda g g (w - w_pulled), w_pulled = the weights of w's last reply (in its send buffer)
-            self.compensation.correct(grad, self.params, self.weights[w])
+            self.compensation.correct(grad, self.params, self.pulled(w))
             finite, square = finite_square(grad)
             if not finite:
                 advice = "delay compensation made finite gradients non-finite: lower --dc-lambda (or --lr)"
         rejected = not finite
         applied = not rejected and not rec.stop_reason  # after the stop decision pushes are drained
         if applied:  # (not after the stop: the mean the STOPs carry is the final snapshot's)
-            self.take_buffers(w, msg.payload[self.P:])
+            self.take_buffers(w, values[self.P:])
         lr = 0.0
         if applied:
             factor = staleness_factor(cfg.staleness_lr, staleness)
-            # the new weights are written straight into w's send buffer (its previous send has completed:
+            # fp32: the new weights are written straight into w's send buffer (its previous send has completed:
             # w pushed after receiving it), which then holds the master weights until the next update
             self.out[w].take(0)
-            out = self.weights[w]
+            out = self.weights[w] if self.wire == "fp32" else self.params  # 16-bit wire: in place
             if delta:  # already scaled by the worker's own step size: added, scaled by the staleness rule only
                 lr = float(h["lr"]) * factor
                 self.params = self.optimizer.params = apply_delta(self.params, grad, factor, out=out)
@@ -291,6 +322,13 @@ class AsgdServer(Role):
             rec.accept(w)
         self.held_s[w] = 0.0
         self.answer(w, step)
+
+    def pulled(self, w: int) -> np.ndarray:
+        """The weights worker `w` computed its push on (float32 (P,)): those of its last reply, in its send
+        buffer (fp32: a view; 16-bit wire: decoded, as the worker did, into a buffer of its own)."""
+        if self.wire == "fp32":
+            return self.weights[w]
+        return decode(self.wire, self.outbox[w].payload[:self.P], self.pulled_buf)
 
 
 class AsgdWorker(WorkerLoop):
@@ -410,6 +448,10 @@ class AsgdMode(Mode):
         need(0 <= cfg.dc_lambda <= 1e6, cfg, "dc_lambda", "a number from 0 to 1e6 (0 = off)")
         need(0 <= cfg.dc_adaptive < 1, cfg, "dc_adaptive", "a decay 0 <= m < 1 (0 = a constant lambda)")
         need(not cfg.dc_adaptive or cfg.dc_lambda > 0, cfg, "dc_adaptive", "0 without --dc-lambda (it adapts lambda)")
+        need(cfg.wire in WIRES, cfg, "wire", f"one of {WIRES}")
+        need(not cfg.wire_error_feedback or cfg.wire != "fp32", cfg, "wire_error_feedback",
+             "False with --wire fp32 (error feedback carries what a 16-bit wire format rounds away: --wire fp16 "
+             "or bf16)")
         if cfg.dc_lambda:  # the server has the weights a push was computed on only for one gradient per reply
             need(cfg.nsync == 1, cfg, "dc_lambda", "0 with nsync > 1 (delay compensation corrects a gradient; "
                  "an nsync push is an accumulated update)")

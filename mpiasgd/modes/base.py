@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from mpiasgd import signals
 from mpiasgd.comms import Flag, Message, ProtocolError, Staging, Tag, check, check_size, parse_tag, wait
+from mpiasgd.comms.wire import ErrorFeedback
 from mpiasgd.config import ConfigError
 from mpiasgd.data import MinibatchStream, ShardSampler
 from mpiasgd.model import Evaluation, evaluate
@@ -122,6 +123,12 @@ def message_count(model: Any) -> int:
     return model.num_params + model.num_buffers
 
 
+def worker_feedback(cfg: Any, model: Any) -> ErrorFeedback | None:
+    """A worker's error feedback for its pushes (--wire-error-feedback; on the model's P parameters, not its
+    buffers), None without it."""
+    return ErrorFeedback(cfg.wire, model.num_params) if cfg.wire_error_feedback else None
+
+
 def lr_scale(model: Any) -> np.ndarray | None:
     """The model's per-parameter learning-rate multipliers (float32 (P,); `optim.SGD` takes all 1 as its default
     path), None without a model."""
@@ -185,8 +192,10 @@ class WorkerLoop:
         self.rank = job.rank
         self.num_train = job.dataset.train_y.size
         self.P, self.B = job.model.num_params, job.model.num_buffers
-        self.staging = job.staging or Staging(message_count(job.model))
-        self.make_staging = job.make_staging or (lambda: Staging(message_count(job.model)))
+        count, wire = message_count(job.model), self.cfg.wire
+        feedback = worker_feedback(self.cfg, job.model)  # shared by both stagings with --overlap
+        self.staging = job.staging or Staging(count, wire, feedback)
+        self.make_staging = job.make_staging or (lambda: Staging(count, wire, feedback))
         # the layers' buffers (running statistics): this worker's own, updated by every training forward
         self.buffers = job.model.ops.asarray(job.model.init_buffers())
         job.model.ctx.seed = dropout_seed(self.cfg.seed, self.rank)
@@ -258,7 +267,7 @@ class WorkerLoop:
         tag = parse_tag(status.Get_tag(), status.Get_source(), self.rank)
         if tag not in (Tag.WEIGHTS, Tag.STOP):
             raise ProtocolError(f"rank {self.rank}: expected WEIGHTS or STOP from rank 0, got {tag.name}")
-        check_size(tag, 0, self.rank, status.Get_count(MPI.BYTE), weights.count)
+        check_size(tag, 0, self.rank, status.Get_count(MPI.BYTE), weights.count, weights.wire)
         check(weights, tag, 0, self.rank)
         version, step = int(weights.header["version"]), int(weights.header["step"])
         flags = int(weights.header["flags"])

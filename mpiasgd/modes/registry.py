@@ -100,6 +100,13 @@ OPTIONS: tuple[Option, ...] = (  # in the order report tables label a variant
     Option("async_momentum", "fixed", "str", "the server's momentum: fixed = --momentum | workers = max(0, "
            "momentum - (1 - 1/N)) for N workers, since asynchrony itself adds about 1 - 1/N of momentum "
            "(Mitliagkas et al. 2016)", PS_MODES, "optimizer", label="momentum={}"),
+    Option("wire", "fp32", "str", "async/ssp: how pushes and the server's replies carry the weights, gradients "
+           "and layer buffers: fp32 | fp16 | bf16 (2 bytes a value, half the bytes; rounded to nearest even, "
+           "relative error <= 2^-11 | 2^-8; the server keeps float32 weights and state; an fp16 value beyond "
+           "65504 becomes inf and its push is rejected as non-finite)", PS_MODES, label="wire={}"),
+    Option("wire_error_feedback", False, "bool", "async/ssp with --wire fp16|bf16: each worker adds what the "
+           "rounding of its last push lost to its next push (error feedback, Seide et al. 2014; "
+           "Karimireddy et al. 2019); the residual is not checkpointed", PS_MODES, label="EF"),
     Option("easgd_tau", 4, "int", "easgd: local steps between two exchanges with the center variable (tau in "
            "Zhang et al. 2015); steps", ("easgd",), "easgd", label="tau={}", always=True),
     Option("easgd_alpha", 0.0, "float", "easgd: the elastic moving rate alpha, 0 < alpha < 1 (each exchange moves "

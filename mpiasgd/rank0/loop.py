@@ -149,7 +149,7 @@ class Rank0:
             raise ProtocolError(f"rank 0: unexpected {tag.name} message from rank {source} (in mode "
                                 f"'{self.cfg.mode}' rank 0 receives {', '.join(t.name for t in handlers)} and ERROR)")
         msg = self.role.buffer_for(tag, source) or self.header_only
-        protocol.check_size(tag, source, self.rank, nbytes, msg.count)
+        protocol.check_size(tag, source, self.rank, nbytes, msg.count, msg.wire)
         message.Recv(msg.buf)
         protocol.check(msg, tag, source, self.rank)
         handlers[tag](source, msg)

@@ -90,6 +90,7 @@ class Recorder:
         self.metrics = Interval(cfg.flush_interval)    # a TensorBoard point of the training figures
         self.window = Window()
         self.lr = float("nan")                         # the step size of the last update
+        self.wire_bytes: dict[str, int] | None = None  # parameter-server modes: bytes pushed and pulled (count_wire)
 
     # --- clocks ---
     def now(self) -> float:
@@ -205,6 +206,16 @@ class Recorder:
         self.staleness_count += 1
         self.window.staleness += staleness
         self.window.updates += 1
+
+    def count_wire(self, pushed: int = 0, pulled: int = 0) -> None:
+        """(parameter-server modes) Count the bytes of the messages of the exchange, header included: `pushed`,
+        of a PUSH rank 0 received (applied, rejected or drained); `pulled`, of a WEIGHTS or STOP it sent (the
+        initial weights too). They are the summary's `wire_bytes_pushed` and `wire_bytes_pulled`, over this
+        job (a resumed run counts from its resume); modes that never call this have no such entries."""
+        if self.wire_bytes is None:
+            self.wire_bytes = {"pushed": 0, "pulled": 0}
+        self.wire_bytes["pushed"] += pushed
+        self.wire_bytes["pulled"] += pulled
 
     def training_loss(self, loss: float, correct: int, samples: int) -> None:
         """A minibatch's mean loss (nats), its correct count and images: the running level (progress bar)
@@ -397,4 +408,5 @@ class Recorder:
             "preempted": preempted,
             "health": self.health.final_state() if self.health is not None else "",
             "diverged": self.diverged,
+            **{f"wire_bytes_{kind}": n for kind, n in (self.wire_bytes or {}).items()},
         }

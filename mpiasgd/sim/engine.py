@@ -6,6 +6,9 @@ shard and stream, with its own buffers, step count and dropout seed; nsync > 1: 
 evaluations, and all of rank 0 (the mode's role with its update rule, staleness rules, warm start, ssp
 gate, periodic evaluations, recorder, snapshots and checkpoints; `Rank0.handle` checks every message).
 What is modelled (`TimingModel`): how long each of those takes, and so the order in which pushes arrive.
+`--wire fp16|bf16` is real too: the virtual workers' stagings decode each reply and encode each push
+(with --wire-error-feedback, each worker's own residual) and rank 0 decodes and encodes as it does under
+MPI, so the numerics are a real run's; a message's size, and so its bandwidth term, is its wire size.
 
 Events, in a heap keyed by (virtual time, rank, sequence): at equal times the event of the lower worker
 rank comes first (rank 0's timers before any worker's), then the one scheduled first.
@@ -272,8 +275,9 @@ class Simulation:
         kind = parse_tag(tag, 0, vw.rank)
         if kind not in (Tag.WEIGHTS, Tag.STOP):
             raise ProtocolError(f"rank {vw.rank}: expected WEIGHTS or STOP from rank 0, got {kind.name}")
-        check_size(kind, 0, vw.rank, len(data), staging.weights.count)
+        check_size(kind, 0, vw.rank, len(data), staging.weights.count, staging.weights.wire)
         staging.recv_buf[:] = np.frombuffer(data, np.uint8)  # the receive completes: the worker's own copy
+        staging.after_receive()  # --wire fp16|bf16: decoded into the worker's float32 weights (fp32: nothing)
         check(staging.weights, kind, 0, vw.rank)
         header = staging.weights.header
         version, step = int(header["version"]), int(header["step"])
@@ -323,6 +327,7 @@ class Simulation:
         staging.push.stamp(Tag.PUSH, vw.rank, step=loop.step, version=loop.version, samples=samples, epoch=epoch,
                            correct=correct, loss=loss, compute_s=compute_s, comm_s=0.0, wait_s=wait_s,
                            lr=lr, cursor=loop.cursor, data_s=0.0, flags=Flag.DELTA if vw.local is not None else 0)
+        staging.before_send()  # --wire fp16|bf16: encoded (with the worker's error feedback) as a real worker does
         vw.posted = vw.comm.send_time = start + compute_s
         vw.comm.Isend(staging.send_buf, dest=0, tag=int(Tag.PUSH))
 

@@ -7,7 +7,8 @@ the experiments over the number of clients, nsync and warm start, replayed on a 
                bootstrap (with replacement); one distribution for every worker and, optionally, one of
                a worker's own (`workers`). `--straggler RANK:FACTOR` multiplies that worker's draws.
     latency_s  seconds one message takes one way, whatever its size
-    bandwidth  bytes/s of each link (0 = infinite): a message of n bytes takes latency_s + n / bandwidth.
+    bandwidth  bytes/s of each link (0 = infinite): a message of n bytes takes latency_s + n / bandwidth
+               (n: the message as sent, 160-byte header + 4 or, with --wire fp16|bf16, 2 bytes a value).
                Links are independent (no contention at the server's link).
     server_s   seconds the parameter server takes per push it serves (applied, rejected or drained after the
                stop; one message at a time, first come first served; an EVAL costs nothing)

@@ -483,3 +483,49 @@ def test_staging_on_the_device():
         sent = cupy.asnumpy(s.send_buf) if cuda_aware else s.send_buf
         assert np.array_equal(sent[HEADER_BYTES:].view(np.float32), -host)
         assert np.array_equal(sent[:HEADER_BYTES], s.push.buf[:HEADER_BYTES])
+
+
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
+def test_wire_codec_on_the_device_matches_numpy_bit_for_bit(wire):
+    """mpiasgd.comms.wire on cupy arrays (the same array operations; fp16 through CUDA's round-to-nearest-even
+    cast) gives the numpy path's bits, specials and error feedback included; the pinned and CUDA-aware
+    stagings decode and encode on the device."""
+    import cupy
+
+    from mpiasgd.comms.protocol import Tag
+    from mpiasgd.comms.staging import make_staging
+    from mpiasgd.comms.wire import ErrorFeedback, decode, encode, wire_dtype
+
+    rng = np.random.default_rng(0)
+    x = (np.exp2(rng.uniform(-149, 128, 1 << 20)) * rng.choice([-1.0, 1.0], 1 << 20)).astype(np.float32)
+    x[:6] = [np.nan, -np.inf, np.inf, 0.0, -0.0, 65520.0]
+    x[6:8] = np.array([0x7F800001, 0xFFFFFFFF], np.uint32).view(np.float32)  # NaNs the rounding would break
+    dt = wire_dtype(wire)
+    ref = encode(wire, x, np.empty(x.size, dt))
+    got = encode(wire, cupy.asarray(x), cupy.empty(x.size, dt))
+    assert np.array_equal(cupy.asnumpy(got).view(np.uint16), ref.view(np.uint16))
+    back = decode(wire, got, cupy.empty(x.size, cupy.float32))
+    assert np.array_equal(cupy.asnumpy(back).view(np.uint32), decode(wire, ref, np.empty(x.size, np.float32))
+                          .view(np.uint32))
+    g = (rng.standard_normal(1000) * 1e-3).astype(np.float32)
+    host, device = ErrorFeedback(wire, 900), ErrorFeedback(wire, 900)
+    for _ in range(3):
+        a = host.encode(g, np.empty(1000, dt))
+        b = device.encode(cupy.asarray(g), cupy.empty(1000, dt))
+        assert np.array_equal(cupy.asnumpy(b).view(np.uint16), a.view(np.uint16))
+    assert np.array_equal(cupy.asnumpy(device.residual), host.residual)
+    for cuda_aware in (False, True):
+        s = make_staging("cupy", cuda_aware, 1000, wire=wire)
+        coded = encode(wire, g, np.empty(1000, dt))
+        if cuda_aware:
+            s.recv_buf[HEADER_BYTES:].view(dt)[...] = cupy.asarray(coded)
+        else:
+            s.weights.payload[:] = coded
+        s.after_receive()
+        assert np.array_equal(cupy.asnumpy(s.params), decode(wire, coded, np.empty(1000, np.float32)))
+        s.grads[...] = cupy.asarray(g)
+        s.finish_compute()
+        s.push.stamp(Tag.PUSH, 1, step=1)
+        s.before_send()
+        sent = cupy.asnumpy(s.send_buf) if cuda_aware else s.send_buf
+        assert np.array_equal(sent[HEADER_BYTES:].view(np.uint16), coded.view(np.uint16))

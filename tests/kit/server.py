@@ -8,6 +8,7 @@ import numpy as np
 from kit.fakempi import Network, rank0
 from mpiasgd.comms import Backoff, probe
 from mpiasgd.comms.protocol import HEADER_BYTES, Message, Tag
+from mpiasgd.comms.wire import encode, wire_dtype
 from mpiasgd.config import Config
 from mpiasgd.runlog import RunLog
 
@@ -25,10 +26,11 @@ def make_server(tmp_path, num_workers=2, **overrides):
     return server, net, log
 
 
-def push(net, worker, step, version, grad, samples=10, loss=1.0, **fields):
-    msg = Message(len(grad)).stamp(Tag.PUSH, worker, step=step, version=version, samples=samples,
-                                   loss=loss, **fields)
-    msg.payload[:] = grad
+def push(net, worker, step, version, grad, samples=10, loss=1.0, wire="fp32", **fields):
+    """Post a PUSH of float32 `grad` from `worker`, in wire format `wire` (encoded: --wire fp16|bf16)."""
+    msg = Message(len(grad), wire).stamp(Tag.PUSH, worker, step=step, version=version, samples=samples,
+                                         loss=loss, **fields)
+    encode(wire, np.ascontiguousarray(grad, np.float32), msg.payload)
     net.post(worker, 0, Tag.PUSH, msg.buf)
     return msg
 
@@ -37,10 +39,11 @@ def serve_one(server):
     server.handle(*probe(server.comm, 0, 1.0, "test message", Backoff()))
 
 
-def reply(net, worker):
-    """The last message the server sent to `worker`: (tag, header, payload)."""
+def reply(net, worker, wire="fp32"):
+    """The last message the server sent to `worker`: (tag, header, payload), the payload as it travelled
+    (16-bit values with --wire fp16|bf16: decode it for the weights)."""
     source, tag, data = net.pending(worker)[-1]
     assert source == 0
-    msg = Message((len(data) - HEADER_BYTES) // 4)
+    msg = Message((len(data) - HEADER_BYTES) // wire_dtype(wire).itemsize, wire)
     msg.buf[:] = np.frombuffer(data, np.uint8)
     return Tag(tag), msg.header, msg.payload.copy()

@@ -11,6 +11,7 @@ import numpy as np
 from kit.fakempi import Network
 from kit.runs import B
 from mpiasgd.comms.protocol import Message
+from mpiasgd.comms.wire import encode
 from mpiasgd.config import Config
 from mpiasgd.data import ShardSampler
 from mpiasgd.model import build_model
@@ -40,18 +41,20 @@ def start_worker(digits, timeout=5.0, **overrides):
     return net, sampler, thread, outcome
 
 
-def send(net, tag, params, version, step, sender=0):
-    msg = Message(params.size).stamp(tag, sender, version=version, step=step)
-    msg.payload[:] = params
+def send(net, tag, params, version, step, sender=0, wire="fp32"):
+    """Post float32 `params` to worker 1 as rank 0 does, in wire format `wire` (encoded: --wire fp16|bf16)."""
+    msg = Message(params.size, wire).stamp(tag, sender, version=version, step=step)
+    encode(wire, np.ascontiguousarray(params, np.float32), msg.payload)
     net.post(sender, 1, tag, msg.buf)
 
 
-def receive(net, tag, count, timeout=10.0):
+def receive(net, tag, count, timeout=10.0, wire="fp32"):
+    """The next `tag` message worker 1 sent rank 0, as a Message of `count` values in wire format `wire`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = net.take(0, 1, tag)
         if got is not None:
-            msg = Message(count)
+            msg = Message(count, wire)
             msg.buf[:] = np.frombuffer(got[2], np.uint8)
             return msg
         time.sleep(0.001)

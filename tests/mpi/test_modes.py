@@ -1,5 +1,6 @@
 """Training modes under `mpiexec`: sync (allreduce), ssp (staleness bound), overlap, warm start, a hung
-worker. Each job runs under a timeout; the checks read its run log (tests/unit/test_modes.py: in-process).
+worker, a 16-bit wire. Each job runs under a timeout; the checks read its run log (tests/unit/test_modes.py:
+in-process).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import pytest
 from kit.runs import FAST, B, read_log
 from kit.worker import worker_pair
 
+from mpiasgd.comms.protocol import message_bytes
 from mpiasgd.config import Config
 from mpiasgd.model import build_model
 from mpiasgd.ops import numpy_ops
@@ -158,3 +160,27 @@ def test_a_final_evaluation_longer_than_the_comm_timeout_completes(mpirun, tmp_p
     assert "has sent nothing" not in res.stderr, res.explain()
     attrs, _, _ = read_log(tmp_path / "runs" / "ev.h5")
     assert attrs["status"] == "completed" and attrs["test_count"] == 360  # every worker evaluated its slice
+
+
+@pytest.mark.parametrize("wire,flags", [("bf16", []), ("fp16", ["--wire-error-feedback"])])
+def test_a_16_bit_wire_run_completes_and_counts_its_bytes_exactly(mpirun, tmp_path, wire, flags):
+    """2 workers, --wire bf16 (fp16 with error feedback), 20 pushes: the run completes; its config says the
+    format; rank 0 counted every push at the 16-bit message size (160-byte header + 2 bytes a value) and
+    every reply plus each worker's initial weights at the same size."""
+    import json
+
+    res = mpirun(3, ["train", *FAST, "--wire", wire, *flags, "--epochs", "0", "--max-pushes", "20",
+                     "--name", wire], timeout=90)
+    assert res.returncode == 0, res.explain()
+    attrs, t, params = read_log(tmp_path / "runs" / f"{wire}.h5")
+    cfg = json.loads(attrs["config"])
+    assert attrs["status"] == "completed" and (cfg["wire"], cfg["wire_error_feedback"]) == (wire, bool(flags))
+    model = build_model("digits")
+    nbytes = message_bytes(model.num_params + model.num_buffers, wire)
+    assert nbytes == 160 + 2 * model.num_params
+    pushes = len(t["pushes"])  # every push rank 0 received has a row: 20 applied, then one drained per worker
+    assert pushes >= 20 and attrs["version"] == 20 and t["pushes"]["applied"].sum() == 20
+    assert int(attrs["wire_bytes_pushed"]) == pushes * nbytes
+    assert int(attrs["wire_bytes_pulled"]) == (pushes + 2) * nbytes
+    assert np.isfinite(params).all() and not np.array_equal(params[-1], params[0])
+    assert attrs["test_count"] == 360

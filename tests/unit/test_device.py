@@ -21,6 +21,7 @@ from kit.worker import receive, reference_grad, send
 
 from mpiasgd.comms.protocol import HEADER_BYTES, Message, Tag, message_bytes
 from mpiasgd.comms.staging import DeviceStaging, PinnedStaging, Staging, Transfers, make_staging, message_in
+from mpiasgd.comms.wire import ErrorFeedback, encode, roundtrip, wire_dtype
 from mpiasgd.config import Config, ConfigError, from_mapping
 from mpiasgd.data import ShardSampler, load_dataset
 from mpiasgd.device import (
@@ -40,7 +41,7 @@ from mpiasgd.device import (
 from mpiasgd.launch import startup as train
 from mpiasgd.model import build_model
 from mpiasgd.modes.asgd import AsgdWorker
-from mpiasgd.modes.base import Layout, WorkerJob
+from mpiasgd.modes.base import Layout, WorkerJob, worker_feedback
 from mpiasgd.ops import BackendUnavailable
 
 # ----------------------------------------------------------------------------------------------
@@ -495,11 +496,13 @@ def run_scripted_worker(kind, **overrides):
     cfg = Config(batch_size=16, comm_timeout=5.0, seed=3, **overrides)
     model = build_model("digits")
     dev = FakeDevice()
+    feedback = worker_feedback(cfg, model)  # --wire-error-feedback: one residual for both stagings
 
     def new_staging():
         if kind == "host":
-            return make_staging("numpy", False, model.num_params)
-        return make_staging("cupy", kind == "device", model.num_params, dev.transfers())
+            return make_staging("numpy", False, model.num_params, wire=cfg.wire, feedback=feedback)
+        return make_staging("cupy", kind == "device", model.num_params, dev.transfers(), wire=cfg.wire,
+                            feedback=feedback)
 
     net = Network(3)
     sampler = ShardSampler(digits.train_y.size, 2, 0, cfg.seed)
@@ -510,14 +513,14 @@ def run_scripted_worker(kind, **overrides):
     p0 = model.init_params(0)
 
     def reply(tag, params, version):  # lr: the step size of local steps (nsync > 1)
-        msg = Message(params.size).stamp(tag, 0, version=version, step=version, lr=0.05)
-        msg.payload[:] = params
+        msg = Message(params.size, cfg.wire).stamp(tag, 0, version=version, step=version, lr=0.05)
+        encode(cfg.wire, params, msg.payload)
         net.post(0, 1, tag, msg.buf)
 
     reply(Tag.WEIGHTS, p0, 0)
-    pushes = [receive(net, Tag.PUSH, model.num_params)]
+    pushes = [receive(net, Tag.PUSH, model.num_params, wire=cfg.wire)]
     reply(Tag.WEIGHTS, p0 * np.float32(0.9), 1)
-    pushes.append(receive(net, Tag.PUSH, model.num_params))
+    pushes.append(receive(net, Tag.PUSH, model.num_params, wire=cfg.wire))
     reply(Tag.STOP, p0 * np.float32(0.8), 2)
     result = receive(net, Tag.EVAL, 0)
     thread.join(5)
@@ -540,6 +543,62 @@ def test_overlap_and_nsync_push_the_same_through_every_staging(options):
         for a, b in zip(payloads, other[0], strict=True):
             np.testing.assert_array_equal(a, b)
         assert other[1:] == (headers, result)
+
+
+@pytest.mark.parametrize("options", [{"wire": "fp16"}, {"wire": "bf16", "wire_error_feedback": True},
+                                     {"wire": "fp16", "wire_error_feedback": True, "overlap": True, "nsync": 2}])
+def test_a_16_bit_wire_pushes_the_same_through_every_staging(options):
+    """--wire fp16|bf16 (with error feedback, --overlap, --nsync): the host, pinned and device stagings push
+    bit-identical 16-bit payloads, which are not plain float32 (the numpy backend standing in for the device)."""
+    payloads, headers, result = run_scripted_worker("host", **options)
+    assert all(p.dtype == wire_dtype(options["wire"]) and np.abs(p.astype(np.float32)).max() > 0 for p in payloads)
+    for kind in ("pinned", "device"):
+        other = run_scripted_worker(kind, **options)
+        for a, b in zip(payloads, other[0], strict=True):
+            np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+        assert other[1:] == (headers, result)
+
+
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
+def test_16_bit_staging_decodes_after_receive_and_encodes_before_send(wire):
+    """Host: params and grads are float32 arrays of their own, no longer the payloads. Pinned: each copy
+    between pinned memory and the device moves 2 bytes a value (encoded and decoded on the device).
+    Device: still only the header crosses; the payloads are decoded from and encoded into device memory."""
+    x = np.array([0.1, -2.5, 3e-3, 7.0, 1e4, -0.3], np.float32)
+    coded = encode(wire, x, np.empty(6, wire_dtype(wire)))
+    host = make_staging("numpy", False, 6, wire=wire)
+    assert host.params is not host.weights.payload and host.params.dtype == np.float32
+    dev = FakeDevice()
+    pinned = make_staging("cupy", False, 6, dev.transfers(), wire=wire)
+    assert dev.pinned_sizes == [message_bytes(6, wire)] * 2 == [HEADER_BYTES + 12] * 2
+    for s in (host, pinned):
+        s.weights.payload[:] = coded
+        s.after_receive()
+        np.testing.assert_array_equal(s.params, roundtrip(wire, x))
+        s.grads[:] = -x
+        s.finish_compute()
+        s.before_send()
+        np.testing.assert_array_equal(s.push.payload.view(np.uint16),
+                                      encode(wire, -x, np.empty(6, wire_dtype(wire))).view(np.uint16))
+    assert dev.calls == [("to_device", 12), ("sync", 0), ("to_host", 12)]
+    dev = FakeDevice()
+    s = make_staging("cupy", True, 6, dev.transfers(), wire=wire)
+    assert s.recv_buf.nbytes == s.send_buf.nbytes == message_bytes(6, wire) and dev.pinned_sizes == []
+    incoming = Message(6, wire).stamp(Tag.WEIGHTS, 0, version=4, step=0)
+    incoming.payload[:] = coded
+    s.recv_buf[:] = incoming.buf  # what a CUDA-aware MPI receive writes
+    s.after_receive()
+    assert int(s.weights.header["version"]) == 4
+    np.testing.assert_array_equal(s.params, roundtrip(wire, x))
+    s.grads[:] = x
+    s.finish_compute()
+    s.push.stamp(Tag.PUSH, 1, step=1)
+    s.before_send()
+    assert np.array_equal(s.send_buf[:HEADER_BYTES], s.push.buf[:HEADER_BYTES])
+    np.testing.assert_array_equal(s.send_buf[HEADER_BYTES:].view(np.uint16), coded.view(np.uint16))
+    assert dev.calls == [("to_host", HEADER_BYTES), ("sync", 0), ("to_device", HEADER_BYTES), ("sync", 0)]
+    with pytest.raises(ValueError, match="error feedback needs a 16-bit wire format"):
+        make_staging("numpy", False, 6, feedback=ErrorFeedback("fp16", 6))
 
 
 def test_device_staging_allreduces_a_host_copy_of_the_grads():
