@@ -28,6 +28,8 @@ Variants (`--variants`, comma-separated):
     async-momentum --mode async --async-momentum workers               (Mitliagkas et al. 2016)
     async-dca      --mode async --dc-lambda 2 --dc-adaptive 0.95       (DC-ASGD-a, Zheng et al. 2017)
     async-dca-mom  --mode async --dc-lambda 2 --dc-adaptive 0.95 --async-momentum workers
+    async-lookahead --mode async --lookahead -1                      (DANA's look-ahead, Hakimi et al. 2019)
+    async-nesterov --mode async --nesterov
     ssp            --mode ssp --staleness-bound 2
 
 Shared: cifar10 network, batch 64 per worker, momentum 0.9, weight decay 5e-4, cosine schedule with
@@ -61,6 +63,8 @@ VARIANTS = {
     "async-momentum": ["--mode", "async", "--async-momentum", "workers"],
     "async-dca": ["--mode", "async", "--dc-lambda", "2", "--dc-adaptive", "0.95"],
     "async-dca-mom": ["--mode", "async", "--dc-lambda", "2", "--dc-adaptive", "0.95", "--async-momentum", "workers"],
+    "async-lookahead": ["--mode", "async", "--lookahead", "-1"],
+    "async-nesterov": ["--mode", "async", "--nesterov"],
     "ssp": ["--mode", "ssp", "--staleness-bound", "2"],
 }
 DEFAULT_VARIANTS = "sync,async,async-momentum,async-dca,async-dca-mom"

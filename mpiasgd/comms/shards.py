@@ -1,6 +1,8 @@
 """The cut of the flat parameter vector into parameter-server shards (`--servers S`).
 
-Ranks 0..S-1 are the shards; shard s owns the contiguous slice [start_s, stop_s) of the P
+Shard 0 is rank 0; shard s >= 1 is rank N + s, after the N workers (ranks 1..N), so that worker ranks,
+and everything that names them (`--straggler`, the run log's rows, reports), are the same for every S.
+Shard s owns the contiguous slice [start_s, stop_s) of the P
 parameters and applies the pushes to it with its own optimizer state and version counter (as the
 server shards of Downpour SGD, ps-lite and MXNet's kvstore). Shard 0 (rank 0) also carries the
 B layer buffers (BatchNorm's running statistics) at the end of its messages, and stays the only
@@ -85,6 +87,21 @@ class ShardCut:
     def count(self, s: int) -> int:
         """Values in shard `s`'s PUSH and WEIGHTS payloads: its parameters, then (shard 0) the B buffers."""
         return self.size(s) + (self.num_buffers if s == 0 else 0)
+
+    def rank(self, s: int, num_workers: int) -> int:
+        """The MPI rank of shard `s` in a job of `num_workers` workers: 0, then N + 1 .. N + S - 1."""
+        return 0 if s == 0 else num_workers + s
+
+    def ranks(self, num_workers: int) -> list[int]:
+        """The ranks of every shard, shard 0 first."""
+        return [self.rank(s, num_workers) for s in range(self.shards)]
+
+    def shard_of(self, rank: int, num_workers: int) -> int:
+        """The shard rank `rank` holds (ValueError for a worker's rank or one past the job)."""
+        s = 0 if rank == 0 else rank - num_workers
+        if not 0 <= s < self.shards or (rank and s == 0):
+            raise ValueError(f"rank {rank} is no parameter-server shard (shards: ranks {self.ranks(num_workers)})")
+        return s
 
     def attrs(self) -> dict:
         """What the run log records of the cut: the bounds and each shard's parameter count."""

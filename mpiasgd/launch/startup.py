@@ -212,6 +212,9 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
     from mpiasgd.model import build_model
     from mpiasgd.model.layers import BatchNorm2d, walk
 
+    if cfg.servers > 1:  # the shards exchange through MPI from the next change on; in-process they work
+        raise ConfigError(f"config key 'servers' = {cfg.servers}: expected 1 (sharded parameter servers are not "
+                          "launched by mpiasgd train yet)")
     if me.size < 2:
         raise ConfigError(f"mpiasgd train needs at least 2 MPI ranks (1 parameter server + workers), got {me.size}; "
                           "launch it with e.g. 'mpiexec -n 3 python -m mpiasgd train'")

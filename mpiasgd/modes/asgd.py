@@ -18,7 +18,9 @@ it enters the step, g <- g + L g * g * (w - w_pulled) (DC-ASGD, Zheng et al. 201
 L per weight divided by the root of a running mean square of g), w_pulled being the weights the
 worker computed it on: those of its last reply, which its send buffer still holds (below); and
 `--async-momentum workers` lowers the server's momentum to max(0, momentum - (1 - 1/N)), since N
-asynchronous workers add about 1 - 1/N of momentum themselves (Mitliagkas et al. 2016).
+asynchronous workers add about 1 - 1/N of momentum themselves (Mitliagkas et al. 2016); and
+`--lookahead K` replies with the weights K momentum-only updates ahead, w - lr c v (`optim.LookAhead`;
+DANA, Hakimi et al. 2019), so that a push of staleness K is computed near the weights it meets.
 
 A worker (ranks 1..N):
 
@@ -77,17 +79,20 @@ from mpi4py import MPI
 
 from mpiasgd import checkpoint
 from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
+from mpiasgd.comms.shards import ShardCut
 from mpiasgd.comms.wire import WIRES, decode, encode
 from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, initial_buffers, lr_scale, need, round_fits
 from mpiasgd.optim import (
     SGD,
     DelayCompensation,
     LocalSGD,
+    LookAhead,
     Schedule,
     apply_delta,
     explicit_momentum,
     finite_square,
     fraction_done,
+    lookahead_steps,
     staleness_factor,
 )
 from mpiasgd.rank0.role import Role
@@ -121,19 +126,23 @@ class AsgdServer(Role):
         cfg = self.cfg
         P, B = params.size, self.buffers.size
         self.P = P
+        self.cut, self.shard = ShardCut((0, P), B), 0  # the whole vector; `AsgdMode.rank0` sets a shard's
         self.wire = cfg.wire
         self.inbox = {w: Message(P + B, self.wire) for w in self.workers}
         self.outbox = {w: Message(P + B, self.wire) for w in self.workers}
-        if self.wire == "fp32":  # where the master weights may live: the send buffers' payloads
-            self.weights = {w: self.outbox[w].payload[:P] for w in self.workers}
-            self.decoded = None
-        else:  # 16-bit payloads: the master weights stay in `params` (float32); a push is decoded here
-            self.weights = {}
-            self.decoded = np.empty(P + B, np.float32)
-            self.pulled_buf = np.empty(P, np.float32) if cfg.dc_lambda else None  # DC-ASGD's w_pulled, decoded
         momentum = explicit_momentum(cfg.momentum, cfg.async_momentum, len(self.workers))
         self.optimizer = SGD(params, decay_mask, momentum, cfg.weight_decay, nesterov=cfg.nesterov and momentum > 0,
                              lr_scale=lr_scale)
+        # --lookahead: the replies carry the weights K momentum-only updates ahead (DANA), not the master weights
+        steps = lookahead_steps(cfg.lookahead, len(self.workers))
+        self.lookahead = LookAhead(P, momentum, steps, lr_scale) if steps and momentum else None
+        self.decoded = None if self.wire == "fp32" else np.empty(P + B, np.float32)  # a 16-bit push, decoded
+        # fp32 replies of the master weights themselves: the master weights live in the send buffers' payloads;
+        # otherwise (16-bit wire, look-ahead) they stay in `params`, updated in place, and replies are written
+        self.weights = ({w: self.outbox[w].payload[:P] for w in self.workers}
+                        if self.wire == "fp32" and self.lookahead is None else {})
+        self.reply_buf = np.empty(P, np.float32) if self.wire != "fp32" and self.lookahead else None
+        self.pulled_buf = np.empty(P, np.float32) if cfg.dc_lambda and self.wire != "fp32" else None  # DC's w_pulled
         # --dc-lambda: the weights worker w computed its push on are those of its last reply, in weights[w]
         self.compensation = DelayCompensation(P, cfg.dc_lambda, cfg.dc_adaptive) if cfg.dc_lambda else None
         self.schedule = Schedule.of(cfg)
@@ -206,7 +215,14 @@ class AsgdServer(Role):
         """
         self.out[w].take(0)
         out = self.outbox[w]
-        if self.wire != "fp32":  # 16-bit wire: the float32 master weights encoded into the send buffer
+        if self.lookahead is not None:  # --lookahead: w - lr * lr_mult * c * v, then (16-bit wire) encoded
+            lr = self.schedule(self.rec.epoch, self.rec.fraction_done())
+            if self.reply_buf is None:
+                self.lookahead.reply(self.params, self.optimizer.velocity, lr, out.payload[:self.P])
+            else:
+                encode(self.wire, self.lookahead.reply(self.params, self.optimizer.velocity, lr, self.reply_buf),
+                       out.payload[:self.P])
+        elif self.wire != "fp32":  # 16-bit wire: the float32 master weights encoded into the send buffer
             encode(self.wire, self.params, out.payload[:self.P])
         elif self.weights[w] is not self.params:
             self.weights[w][:] = self.params
@@ -296,7 +312,7 @@ class AsgdServer(Role):
             # fp32: the new weights are written straight into w's send buffer (its previous send has completed:
             # w pushed after receiving it), which then holds the master weights until the next update
             self.out[w].take(0)
-            out = self.weights[w] if self.wire == "fp32" else self.params  # 16-bit wire: in place
+            out = self.weights.get(w, self.params)  # 16-bit wire, look-ahead: in place
             if delta:  # already scaled by the worker's own step size: added, scaled by the staleness rule only
                 lr = float(h["lr"]) * factor
                 self.params = self.optimizer.params = apply_delta(self.params, grad, factor, out=out)
@@ -327,7 +343,7 @@ class AsgdServer(Role):
         """The weights worker `w` computed its push on (float32 (P,)): those of its last reply, in its send
         buffer (fp32: a view; 16-bit wire: decoded, as the worker did, into a buffer of its own)."""
         if self.wire == "fp32":
-            return self.weights[w]
+            return self.outbox[w].payload[:self.P]
         return decode(self.wire, self.outbox[w].payload[:self.P], self.pulled_buf)
 
 
@@ -448,6 +464,13 @@ class AsgdMode(Mode):
         need(0 <= cfg.dc_lambda <= 1e6, cfg, "dc_lambda", "a number from 0 to 1e6 (0 = off)")
         need(0 <= cfg.dc_adaptive < 1, cfg, "dc_adaptive", "a decay 0 <= m < 1 (0 = a constant lambda)")
         need(not cfg.dc_adaptive or cfg.dc_lambda > 0, cfg, "dc_adaptive", "0 without --dc-lambda (it adapts lambda)")
+        need(cfg.servers >= 1, cfg, "servers", "an integer >= 1 (parameter-server shards)")
+        need(cfg.lookahead == -1 or 0 <= cfg.lookahead <= 1e3, cfg, "lookahead", "updates from 0 (off) to 1000, or "
+             "-1 (auto: the other workers, N - 1)")
+        if cfg.lookahead:
+            need(cfg.momentum > 0, cfg, "lookahead", "0 with momentum 0 (the reply looks ahead along the momentum)")
+            need(cfg.nsync == 1, cfg, "lookahead", "0 with nsync > 1 (the server adds accumulated updates without "
+                 "momentum: there is nothing to look ahead along)")
         need(cfg.wire in WIRES, cfg, "wire", f"one of {WIRES}")
         need(not cfg.wire_error_feedback or cfg.wire != "fp32", cfg, "wire_error_feedback",
              "False with --wire fp32 (error feedback carries what a 16-bit wire format rounds away: --wire fp16 "
@@ -463,9 +486,21 @@ class AsgdMode(Mode):
             round_fits(cfg, "nsync", cfg.nsync, num_workers, num_train)
         return super().layout(cfg, model, num_workers, num_train)
 
+    server = AsgdServer  # the rank-0 role (ssp: its own)
+
     def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,
               layout: Any) -> AsgdServer:
-        return AsgdServer(r0, params, decay_mask, lr_scale(model), initial_buffers(model))
+        """The parameter server of rank `r0.rank`: the whole vector, or (--servers S) the shard that rank holds,
+        on its slice of `params`, `decay_mask` and the learning-rate multipliers, with the layer buffers on
+        shard 0 only (`mpiasgd.comms.shards`)."""
+        scale, buffers = lr_scale(model), initial_buffers(model)
+        cut = ShardCut.balanced(params.size, 0 if buffers is None else buffers.size, r0.cfg.servers)
+        s = cut.shard_of(r0.rank, len(r0.workers))
+        a, b = cut.slice(s)
+        server = self.server(r0, params[a:b], decay_mask[a:b], None if scale is None else scale[a:b],
+                             buffers if s == 0 else None)
+        server.cut, server.shard = cut, s
+        return server
 
     def worker(self, job: WorkerJob) -> AsgdWorker:
         return AsgdWorker(job)

@@ -82,6 +82,10 @@ OPTIONS: tuple[Option, ...] = (  # in the order report tables label a variant
            "forward's activations: recompute (keep the input, re-run the forward before the backward: the "
            "activations of the weights then) | store (keep every layer's activations of the forward, FDG's; more "
            "memory, no extra forward)", ("pipeline",), "pipeline", label="activations={}"),
+    Option("servers", 1, "int", "async/ssp: S parameter-server shards, each owning a contiguous slice of the "
+           "parameters (balanced by bytes): rank 0 and ranks N+1..N+S-1 after the N workers (launch N + S ranks); "
+           "each applies its slice with its own version counter; 1 = one server", PS_MODES, fixed_on_resume=True,
+           label="S={}"),
     Option("nsync", 1, "int", "async/ssp: local optimizer steps between exchanges; a worker pushes the accumulated "
            "update (its weights minus the weights it pulled) every NSYNC minibatches (n_push = n_fetch = NSYNC, "
            "GPU A-SGD / Downpour); 1 = push every gradient", PS_MODES),
@@ -100,6 +104,10 @@ OPTIONS: tuple[Option, ...] = (  # in the order report tables label a variant
     Option("async_momentum", "fixed", "str", "the server's momentum: fixed = --momentum | workers = max(0, "
            "momentum - (1 - 1/N)) for N workers, since asynchrony itself adds about 1 - 1/N of momentum "
            "(Mitliagkas et al. 2016)", PS_MODES, "optimizer", label="momentum={}"),
+    Option("lookahead", 0.0, "float", "async/ssp: the server replies with the weights K momentum-only updates ahead, "
+           "w - lr * c * v with c = m (1 - m^K) / (1 - m), where a push computed on them will most likely be applied "
+           "(DANA, Hakimi et al. 2019); the master weights are not changed; K in updates, 0 = off, -1 = auto: N - 1 "
+           "for N workers; needs momentum > 0 and nsync 1", PS_MODES, "optimizer", label="lookahead={:g}"),
     Option("wire", "fp32", "str", "async/ssp: how pushes and the server's replies carry the weights, gradients "
            "and layer buffers: fp32 | fp16 | bf16 (2 bytes a value, half the bytes; rounded to nearest even, "
            "relative error <= 2^-11 | 2^-8; the server keeps float32 weights and state; an fp16 value beyond "

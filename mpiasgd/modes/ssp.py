@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from mpiasgd.modes.asgd import AsgdMode, AsgdServer
-from mpiasgd.modes.base import initial_buffers, lr_scale, need
+from mpiasgd.modes.base import need
 
 
 class SspServer(AsgdServer):
@@ -74,9 +74,7 @@ class SspMode(AsgdMode):
         super().check_config(cfg)
         need(cfg.staleness_bound >= 0, cfg, "staleness_bound", "an integer >= 0")
 
-    def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,
-              layout: Any) -> SspServer:
-        return SspServer(r0, params, decay_mask, lr_scale(model), initial_buffers(model))
+    server = SspServer
 
 
 MODE = SspMode()

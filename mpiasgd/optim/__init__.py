@@ -2,12 +2,12 @@
 
     sgd       SGD (rank 0, host, cache-blocked), LocalSGD (a worker's, on its backend), apply_delta,
               staleness_factor, finite_square
-    delay     DelayCompensation (DC-ASGD), explicit_momentum (--async-momentum)
+    delay     DelayCompensation (DC-ASGD), LookAhead (--lookahead, DANA), explicit_momentum (--async-momentum)
     schedule  Schedule (warm-up, constant/step/cosine), StopRule (epochs, max_pushes, max_time),
               EvalSchedule (--eval-interval), snapshot_seconds (--snapshot-interval's auto rule)
 """
 
-from mpiasgd.optim.delay import DelayCompensation, explicit_momentum
+from mpiasgd.optim.delay import DelayCompensation, LookAhead, explicit_momentum, lookahead_steps
 from mpiasgd.optim.schedule import (
     AUTO_SNAPSHOTS,
     EvalSchedule,
@@ -19,6 +19,6 @@ from mpiasgd.optim.schedule import (
 )
 from mpiasgd.optim.sgd import CHUNK, SGD, LocalSGD, apply_delta, finite_square, run_blocks, staleness_factor
 
-__all__ = ["AUTO_SNAPSHOTS", "CHUNK", "SGD", "DelayCompensation", "EvalSchedule", "LocalSGD", "Schedule",
+__all__ = ["AUTO_SNAPSHOTS", "CHUNK", "SGD", "DelayCompensation", "EvalSchedule", "LocalSGD", "LookAhead", "Schedule",
            "StopRule", "apply_delta", "explicit_momentum", "finite_square", "fraction_done", "learning_rate",
-           "run_blocks", "snapshot_seconds", "staleness_factor"]
+           "lookahead_steps", "run_blocks", "snapshot_seconds", "staleness_factor"]

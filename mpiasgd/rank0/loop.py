@@ -75,7 +75,7 @@ class Rank0:
 
     def __init__(self, comm: Any, cfg: Any, rec: Recorder, make_role: Any, pids: dict | None = None) -> None:
         self.comm, self.cfg, self.rec = comm, cfg, rec
-        self.rank = 0
+        self.rank = comm.Get_rank() if comm is not None else 0  # 0, or a parameter-server shard's (--servers)
         self.workers = rec.workers
         self.pids: dict[int, tuple[str, int]] = pids or {}
         self.host = socket.gethostname()

@@ -38,7 +38,7 @@ class Role:
 
     def __init__(self, r0: Any, params: np.ndarray, buffers: np.ndarray | None = None) -> None:
         self.r0, self.rec, self.comm, self.cfg = r0, r0.rec, r0.comm, r0.cfg
-        self.rank = 0
+        self.rank = r0.rank  # 0, or a parameter-server shard's (--servers)
         self.workers = r0.workers
         self.params = params
         self.buffers = np.zeros(0, np.float32) if buffers is None else buffers

@@ -62,7 +62,7 @@ SIMULATED_MODES = ("async", "ssp")  # the parameter-server modes whose workers A
 
 def check_simulated(cfg: Any, num_workers: int) -> None:
     """ConfigError naming what `mpiasgd simulate` does not do: a mode other than async/ssp, --overlap,
-    --resume, --backend cupy, fewer than 1 worker."""
+    --resume, --backend cupy, --servers > 1, fewer than 1 worker."""
     if num_workers < 1:
         raise ConfigError(f"--workers {num_workers}: expected an integer >= 1")
     if cfg.mode not in SIMULATED_MODES:
@@ -73,6 +73,9 @@ def check_simulated(cfg: Any, num_workers: int) -> None:
                           "flight); simulate without it")
     if cfg.resume:
         raise ConfigError("--resume is not simulated; a simulation starts from the initial weights")
+    if cfg.servers > 1:
+        raise ConfigError(f"--servers {cfg.servers}: the simulator models one parameter server (its --server-s is "
+                          "the time of one update); simulate with --servers 1")
     if cfg.backend == "cupy":
         raise ConfigError("--backend cupy: the simulator computes on the numpy backend (the "
                           "timing model stands for the devices); leave --backend at auto or numpy")

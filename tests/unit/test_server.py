@@ -442,3 +442,47 @@ def test_a_pause_of_this_process_does_not_time_out_a_wait(monkeypatch):
 
     clock[0] = 0.0
     assert comms.wait(Request(), "WEIGHTS from rank 0", 1, 8.0) > 11
+
+
+@pytest.mark.parametrize("wire", ["fp32", "bf16"])
+def test_lookahead_replies_by_hand(tmp_path, wire):
+    """--lookahead 1 with momentum 0.9 and weight decay: the master weights follow plain SGD with momentum exactly,
+    and every reply carries w - lr * 0.9 * v (bf16: encoded), the point one momentum-only update ahead."""
+    from mpiasgd.comms.wire import decode
+
+    server, net, _ = make_server(tmp_path, momentum=0.9, weight_decay=0.1, lookahead=1.0, wire=wire)
+    assert server.lookahead is not None and server.lookahead.factor == pytest.approx(0.9)
+    server.start_workers()
+    w, v = server.params.astype(np.float64), np.zeros(P)
+    rng = np.random.default_rng(5)
+    for worker, step, base in [(1, 1, 0), (2, 1, 0), (1, 2, 1), (2, 2, 2)]:
+        g = rng.standard_normal(P).astype(np.float32)
+        push(net, worker, step=step, version=base, grad=g, wire=wire)
+        serve_one(server)
+        if wire != "fp32":
+            g = decode(wire, encode_for_test(wire, g), np.empty(P, np.float32))
+        v = 0.9 * v + g + 0.1 * w
+        w = w - 0.5 * v
+        np.testing.assert_allclose(server.params, w, rtol=1e-5, atol=1e-5)
+        tag, header, payload = reply(net, worker, wire=wire)
+        assert header["version"] == server.rec.version
+        got = payload if wire == "fp32" else decode(wire, payload, np.empty(P, np.float32))
+        bound = 1e-5 if wire == "fp32" else 2.0 ** -8
+        np.testing.assert_allclose(got, w - 0.5 * 0.9 * v, rtol=bound, atol=1e-5)
+        assert tag == Tag.WEIGHTS and not np.allclose(got, w, rtol=1e-3)  # it is not the master weights
+
+
+def encode_for_test(wire, values):
+    from mpiasgd.comms.wire import encode, wire_dtype
+
+    out = np.empty(values.size, wire_dtype(wire))
+    return encode(wire, values, out)
+
+
+def test_lookahead_auto_is_the_other_workers_and_off_without_momentum(tmp_path):
+    server, _, _ = make_server(tmp_path / "a", num_workers=3, momentum=0.9, lookahead=-1.0)
+    assert server.lookahead.factor == pytest.approx(0.9 + 0.81)
+    server, _, _ = make_server(tmp_path / "b", num_workers=2, momentum=0.9, lookahead=-1.0, async_momentum="workers")
+    assert server.lookahead.factor == pytest.approx(0.4)  # the lowered momentum 0.9 - 0.5
+    server, _, _ = make_server(tmp_path / "c", num_workers=1, momentum=0.9, lookahead=-1.0)
+    assert server.lookahead is None  # one worker: nothing is stale
