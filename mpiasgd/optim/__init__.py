@@ -1,7 +1,8 @@
 """Optimizers and schedules (no config: each takes the values it needs).
 
-    sgd       SGD (rank 0, host, cache-blocked), LocalSGD (a worker's, on its backend), apply_delta,
-              staleness_factor, finite_square
+    sgd       SGD (rank 0, host, one compiled loop), NumpySGD (its numpy reference, cache-blocked),
+              LocalSGD (a worker's, on its backend), apply_delta, staleness_factor, finite_square
+    compiled  the loops of SGD and apply_delta (numba; imported by their first update)
     delay     DelayCompensation (DC-ASGD), LookAhead (--lookahead, DANA), explicit_momentum (--async-momentum)
     schedule  Schedule (warm-up, constant/step/cosine), StopRule (epochs, max_pushes, max_time),
               EvalSchedule (--eval-interval), snapshot_seconds (--snapshot-interval's auto rule)
@@ -17,8 +18,17 @@ from mpiasgd.optim.schedule import (
     learning_rate,
     snapshot_seconds,
 )
-from mpiasgd.optim.sgd import CHUNK, SGD, LocalSGD, apply_delta, finite_square, run_blocks, staleness_factor
+from mpiasgd.optim.sgd import (
+    CHUNK,
+    SGD,
+    LocalSGD,
+    NumpySGD,
+    apply_delta,
+    finite_square,
+    run_blocks,
+    staleness_factor,
+)
 
-__all__ = ["AUTO_SNAPSHOTS", "CHUNK", "SGD", "DelayCompensation", "EvalSchedule", "LocalSGD", "LookAhead", "Schedule",
-           "StopRule", "apply_delta", "explicit_momentum", "finite_square", "fraction_done", "learning_rate",
-           "lookahead_steps", "run_blocks", "snapshot_seconds", "staleness_factor"]
+__all__ = ["AUTO_SNAPSHOTS", "CHUNK", "SGD", "DelayCompensation", "EvalSchedule", "LocalSGD", "LookAhead", "NumpySGD",
+           "Schedule", "StopRule", "apply_delta", "explicit_momentum", "finite_square", "fraction_done",
+           "learning_rate", "lookahead_steps", "run_blocks", "snapshot_seconds", "staleness_factor"]

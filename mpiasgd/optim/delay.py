@@ -34,7 +34,7 @@ class DelayCompensation:
     anyway; the adaptive form keeps one more float32 (P,) vector, the mean square (`mean_square`). It is not
     in the checkpoint: a resumed run starts it from zero again (the first push sets it to (1 - m) g * g).
 
-    Cost: cache-blocked like `SGD.step`, about four passes over each block in L2 (six adaptive).
+    Cost: cache-blocked like `NumpySGD.step`, about four passes over each block in L2 (six adaptive).
     """
 
     def __init__(self, size: int, lam: float, adaptive: float = 0.0, chunk: int = CHUNK) -> None:

@@ -1,13 +1,18 @@
-"""SGD with momentum and weight decay: the parameter server's (host, cache-blocked), a worker's own
-(`LocalSGD`, on the model's backend), the update by a pushed weight difference (nsync > 1), and the
-staleness rule.
+"""SGD with momentum and weight decay: the parameter server's (`SGD`, one compiled loop, and
+`NumpySGD`, its numpy reference), a worker's own (`LocalSGD`, on the model's backend), the update by
+a pushed weight difference (`apply_delta`, nsync > 1), and the staleness rule.
 
-Both updates are memory-bound: a 4M-parameter SGD step moves 80 MB. They run cache-blocked: all
-the operations of the update are applied to one block of `CHUNK` values while it sits in L2, so
-each array is read from memory once and each result written once, instead of once per numpy
-operation. The float32 operations and their order are those of the whole-vector formula, so the
-results are equal to it bit for bit (skipping a term that is zero, momentum 0 or a bias's weight
-decay, could only change the sign of a zero result or the NaN of an infinite weight).
+The server's updates are memory-bound: a 4M-parameter SGD step must move 80 MB (gradient, weights
+and velocity read, velocity and new weights written). `SGD` and `apply_delta` are one compiled loop
+each (`mpiasgd.optim.compiled`, numba) that reads and writes every array once. `NumpySGD`, the
+readable reference, runs cache-blocked: all the numpy operations of the update are applied to one
+block of `CHUNK` values while it sits in L2, so each array is read from memory once and each result
+written once, instead of once per numpy operation; numpy still makes six passes over each block in
+L2, which costs it 1.7-2x the compiled loop's time (see `SGD`). The float32 operations and their
+order are those of the whole-vector formula, so the results are equal to it bit for bit (skipping a
+term that is zero, momentum 0 or a bias's weight decay, could only change the sign of a zero result
+or the NaN of an infinite weight); `SGD` does the same operations and skips the same terms, so it
+equals `NumpySGD` bit for bit in every case, infinities and NaN included.
 """
 
 from __future__ import annotations
@@ -74,9 +79,10 @@ def _multipliers(name: str, values: Any, size: int) -> np.ndarray:
     return out
 
 
-class SGD:
+class NumpySGD:
     """SGD with momentum on one flat float32 parameter vector (P,), in PyTorch's form
-    (`torch.optim.SGD`, dampening 0), heavy-ball or Nesterov:
+    (`torch.optim.SGD`, dampening 0), heavy-ball or Nesterov, in numpy: the readable reference of
+    `SGD`, the server's (the same update as one compiled loop, equal to this bit for bit):
 
         d <- s_g * g + weight_decay * decay_mult * w
         v <- momentum * v + d
@@ -114,19 +120,18 @@ class SGD:
     decay multipliers made of contiguous runs, never read a (P,) decay vector, and lr multipliers made
     of runs never read a (P,) vector either (see `run_blocks`); a vector of lr multipliers all 1 is
     dropped (`lr_scale` None). Nesterov adds two passes over each block in L2, lr multipliers read
-    as an array one pass and one (P,) read (minimum over 60 interleaved steps on a loaded machine,
-    momentum + decay runs: 2.8 ms; lr multiplier runs 2.8; nesterov 3.5; lr multipliers read as an
-    array 3.6). Blocks of `chunk` values (default `CHUNK`), measured on one AMD EPYC core (L2 1 MiB) shared with other
-    jobs, P = 4M, out of place, ms per step (`python bench/server.py --sweep`):
+    as an array one pass and one (P,) read. Blocks of `chunk` values (default `CHUNK`), measured on
+    one core of an otherwise quiet 2-core AMD EPYC VM (L2 1 MiB, L3 32 MiB), P = 4M, ms per step out
+    of place / in place, medians of 21 interleaved steps (`python bench/server.py --sweep`, copy
+    bandwidth 32 GB/s):
 
-        block                    16K   32K   64K  128K  256K  none (whole vector)
-        momentum + decay         3.5   3.1   3.1   3.3   3.1   3.6-4.4
-        momentum 0, decay 0      1.8   1.6   1.5   1.5   1.5   1.4
-        apply_delta              1.9   1.6   1.4   1.4   1.4   1.4
+        block                  8K       16K      32K      64K      128K     256K     none (whole vector)
+        momentum + decay runs  5.8/5.6  4.6/4.2  4.2/3.9  3.8/3.6  3.9/3.8  3.8/3.5  4.4/4.5
+        decay as an array      5.4/5.4  5.0/4.7  4.5/4.3  4.2/3.8  4.4/4.3  4.6/3.9  5.8/5.6
+        momentum 0, decay 0    2.7/2.7  2.4/2.4  1.9/2.0  1.9/1.8  1.9/1.8  1.9/1.7  2.2/2.1
 
-    for comparison a 16 MB copy takes 0.6 ms, and a compiled single loop doing the same float32
-    operations 1.4 (in place) to 1.7 ms (the memory-bound floor; numpy pays for six passes over
-    each block in L2). Two threads (numpy releases the GIL) were no faster on the idle 2-core
+    against 2.3/1.9, 2.9/2.4 and 1.5/1.1 for the compiled loop of `SGD` in the same run (its table
+    has the other variants). Two threads (numpy releases the GIL) were no faster on the idle 2-core
     machine (2.7 vs 2.7 ms) and gained only by taking cores from other processes when they ran
     (4.3 vs 6.6 ms with two busy processes): the server has none, its workers need the cores.
     """
@@ -156,6 +161,16 @@ class SGD:
         read_lr = any(block[3] is None for block in self.blocks)
         self.lr_scratch = np.empty(n, np.float32) if read_lr else None  # lr * lr_scale[a:b]
 
+    def _target(self, grad: np.ndarray, out: np.ndarray | None) -> tuple[np.ndarray, bool]:
+        """(`out`, defaulting to `params`; True if it is `params` or `grad`) after the checks `step` states."""
+        size = self.params.size
+        out = self.params if out is None else out
+        _check("grad", grad, size)
+        in_place = _scratch_needed(out, (self.params, grad), size)
+        if self.velocity is not None and np.may_share_memory(out, self.velocity):
+            raise ValueError("out must not be the optimizer's velocity")
+        return out, in_place
+
     def step(self, grad: np.ndarray, lr: float, out: np.ndarray | None = None, grad_scale: float = 1.0) -> np.ndarray:
         """Apply one update with step size `lr` for gradient `grad` scaled by `grad_scale`; returns the
         new weights.
@@ -171,11 +186,7 @@ class SGD:
         dtype or layout, and for an `out` that partly overlaps `params` or `grad`, or is the velocity.
         """
         w, size = self.params, self.params.size
-        out = w if out is None else out
-        _check("grad", grad, size)
-        in_place = _scratch_needed(out, (w, grad), size)
-        if self.velocity is not None and np.may_share_memory(out, self.velocity):
-            raise ValueError("out must not be the optimizer's velocity")
+        out, in_place = self._target(grad, out)
         lr32, m, v = np.float32(lr), self.momentum, self.velocity
         scale = np.float32(grad_scale)
         if scale != 1 and self.scratch2 is None:
@@ -220,27 +231,92 @@ class SGD:
         return out
 
 
-def apply_delta(params: np.ndarray, delta: np.ndarray, scale: float, out: np.ndarray | None = None,
-                chunk: int = CHUNK) -> np.ndarray:
-    """out = params + scale * delta in float32, cache-blocked; returns `out`.
+
+class SGD(NumpySGD):
+    """`NumpySGD`'s update as one compiled loop (`mpiasgd.optim.compiled`, numba): the parameter
+    server's optimizer. Same constructor, fields, arguments and errors; the new weights and velocity
+    are equal to `NumpySGD`'s bit for bit (the same float32 operations in the same order, no FMA).
+
+    Each element is read and written once: 20 bytes per parameter with momentum (gradient, weights
+    and velocity read, velocity and new weights written), 12 with momentum 0, 4 more for each
+    multiplier vector read as an array; numpy makes six passes over each block in L2. The roofline
+    is those bytes at the machine's copy bandwidth (STREAM's count: bytes read + written, the
+    write-allocate read of a destination not counted; a copy has one per two streams counted, this
+    loop one per five, none in place, so it can beat the roofline). One core of an otherwise quiet
+    2-core AMD EPYC VM, P = 4M, ms per step out of place / in place, medians of interleaved steps,
+    two runs (A: `python bench/server.py --sweep`, 21 steps, copy bandwidth 30 GB/s; B: the other
+    variants, now columns of `--sweep` too, 31 steps, 34 GB/s):
+
+                                      SGD       NumpySGD (64K blocks)  roofline  roofline / SGD (out)
+        A  momentum + decay runs      2.3/1.9   3.8/3.6                2.7       1.16
+           decay as an array          2.9/2.4   4.2/3.8                3.2       1.10
+           momentum 0, decay 0        1.5/1.1   1.9/1.8                1.6       1.08
+           apply_delta                1.5/1.1   2.3/1.9 (whole vector) 1.6       1.08
+        B  momentum + decay runs      1.9/1.6   3.5/3.2                2.3       1.21
+           nesterov                   1.9/1.7   4.4/4.0                2.3       1.23
+           lr multipliers in runs     1.8/1.6   3.6/3.2                2.3       1.27
+           lr multipliers as array    3.3/3.2   4.8/4.4                2.8       0.84
+
+    In the server (`python bench/server.py`, 2 workers, quiet) the update takes 2.3 ms a push against
+    4.1 for `NumpySGD` in the same run, and a push's whole handling reaches 0.77-0.91 of the roofline
+    of rank 0's core over four runs (0.54 with `NumpySGD`; see the bench). Not done: fusing the
+    server's finite check (`finite_square`, 0.5-0.6 ms a push) into this loop. A non-finite push must
+    leave the weights and the velocity as they were, and the loop cannot know that before it has read
+    the whole gradient: it would have to write the new velocity into a second buffer (+1.1 ms a step
+    for that buffer's write-allocate reads, more than the check's read) and could not update in place
+    at all (one worker: the reply buffer holds the weights). No threads (see `NumpySGD`).
+
+    A process's first updates import numba and load the machine code an earlier process cached: 0.4-0.5
+    s in all (0.6-0.8 on a loaded machine). With no cache, compiling what a server runs (SGD and
+    apply_delta, out of place and in place) makes it 2.5-3.3 s, once per machine and version of
+    `compiled.py` (numba keys its cache on the file's modification time).
+    """
+
+    def __init__(self, params: np.ndarray, decay_mult: np.ndarray, momentum: float, weight_decay: float,
+                 chunk: int = CHUNK, nesterov: bool = False, lr_scale: np.ndarray | None = None) -> None:
+        super().__init__(params, decay_mult, momentum, weight_decay, chunk, nesterov, lr_scale)
+        blocks = self.blocks
+        # the blocks as the loop takes them: (K,) starts, stops, decay coefficients, lr multipliers
+        self.starts = np.array([block[0] for block in blocks], np.int64)
+        self.stops = np.array([block[1] for block in blocks], np.int64)
+        self.coefs = np.array([0 if block[2] is None else block[2] for block in blocks], np.float32)
+        self.mults = np.array([1 if block[3] is None else block[3] for block in blocks], np.float32)
+        self.read_decay = any(block[2] is None for block in blocks)  # (all or none)
+        self.read_lr = any(block[3] is None for block in blocks)
+
+    def step(self, grad: np.ndarray, lr: float, out: np.ndarray | None = None, grad_scale: float = 1.0) -> np.ndarray:
+        """As `NumpySGD.step`: same arguments, result and errors."""
+        from mpiasgd.optim import compiled  # numba: loaded by the first step, not with mpiasgd.optim
+
+        w = self.params
+        out, _ = self._target(grad, out)
+        compiled.sgd_blocks(w, grad, None if out is w else out, self.velocity,
+                            self.decay if self.read_decay else None, self.lr_scale if self.read_lr else None,
+                            self.starts, self.stops, self.coefs, self.mults, self.momentum, self.nesterov,
+                            np.float32(lr), np.float32(grad_scale))
+        self.params = out
+        return out
+
+
+def apply_delta(params: np.ndarray, delta: np.ndarray, scale: float, out: np.ndarray | None = None) -> np.ndarray:
+    """out = params + scale * delta in float32 (float32(scale) * delta first, as numpy would), one
+    compiled loop (`mpiasgd.optim.compiled`); returns `out`.
 
     The server's update for an accumulated push (nsync > 1): `delta` (float32 (P,)) is the change of
     the worker's weights since its last pull, already scaled by its own learning rate. `out`
     (default: `params`, in place) may also be a separate buffer; `params` is then left unchanged.
     ValueError for a wrong shape, dtype or layout, and for an `out` that partly overlaps an input.
+    12 bytes per parameter (params and delta read, out written); numpy's two passes over blocks in L2
+    took 1.5x as long (see `SGD`).
     """
+    from mpiasgd.optim import compiled  # numba: loaded by the first update, not with mpiasgd.optim
+
     size = params.size
     _check("params", params, size)
     _check("delta", delta, size)
     out = params if out is None else out
-    in_place = _scratch_needed(out, (params, delta), size)
-    scratch = np.empty(min(chunk, size), np.float32) if in_place else None
-    scale32 = np.float32(scale)
-    for a in range(0, size, chunk):
-        b = min(a + chunk, size)
-        t = scratch[: b - a] if in_place else out[a:b]
-        np.multiply(delta[a:b], scale32, out=t)
-        np.add(params[a:b], t, out=out[a:b])
+    _scratch_needed(out, (params, delta), size)  # the overlap check
+    compiled.add_scaled(params, delta, np.float32(scale), None if out is params else out)
     return out
 
 

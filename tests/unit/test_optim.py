@@ -1,5 +1,6 @@
-"""The server's optimizer and learning-rate schedule against hand computations; the cache-blocked
-updates against the whole-vector float32 formula, value for value."""
+"""The server's optimizer and learning-rate schedule against hand computations; the updates (numpy's
+cache-blocked `NumpySGD`, the compiled `SGD` and `apply_delta`) against the whole-vector float32
+formula and against each other, bit for bit."""
 
 from __future__ import annotations
 
@@ -10,7 +11,17 @@ import pytest
 
 from mpiasgd.config import Config
 from mpiasgd.ops import numpy_ops
-from mpiasgd.optim import SGD, LocalSGD, Schedule, apply_delta, learning_rate, run_blocks, staleness_factor
+from mpiasgd.optim import (
+    SGD,
+    LocalSGD,
+    NumpySGD,
+    Schedule,
+    apply_delta,
+    finite_square,
+    learning_rate,
+    run_blocks,
+    staleness_factor,
+)
 
 
 def test_sgd_momentum_weight_decay_matches_formula():
@@ -53,12 +64,13 @@ MASKS = {
 @pytest.mark.parametrize("mask_kind", sorted(MASKS))
 @pytest.mark.parametrize(("momentum", "weight_decay"), [(0.9, 5e-4), (0.0, 5e-4), (0.9, 0.0), (0.0, 0.0)])
 @pytest.mark.parametrize("in_place", [True, False])
-def test_blocked_step_equals_whole_vector_formula(mask_kind, momentum, weight_decay, in_place):
+@pytest.mark.parametrize("cls", [NumpySGD, SGD])
+def test_blocked_step_equals_whole_vector_formula(mask_kind, momentum, weight_decay, in_place, cls):
     mask = MASKS[mask_kind]
     P = mask.size  # not a multiple of the block size
     rng = np.random.default_rng(2)
     w = rng.standard_normal(P, dtype=np.float32)
-    opt = SGD(w.copy(), mask, momentum=momentum, weight_decay=weight_decay, chunk=4096)
+    opt = cls(w.copy(), mask, momentum=momentum, weight_decay=weight_decay, chunk=4096)
     if mask_kind == "runs" and weight_decay:
         assert all(coef is not None for _, _, coef, _ in opt.blocks)  # the (P,) decay vector is never read
     assert (opt.velocity is None) == (momentum == 0)
@@ -85,13 +97,14 @@ def test_blocked_step_equals_whole_vector_formula(mask_kind, momentum, weight_de
             np.testing.assert_array_equal(opt.velocity.view(np.uint32), ref_v.view(np.uint32))
 
 
-def test_in_place_and_out_of_place_agree_over_many_steps():
+@pytest.mark.parametrize("cls", [NumpySGD, SGD])
+def test_in_place_and_out_of_place_agree_over_many_steps(cls):
     P = 10_007
     mask = layer_mask([3000, 16, 6975, 16])
     rng = np.random.default_rng(3)
     w = rng.standard_normal(P, dtype=np.float32)
-    a = SGD(w.copy(), mask, 0.9, 5e-4, chunk=1000)
-    b = SGD(w.copy(), mask, 0.9, 5e-4, chunk=1000)
+    a = cls(w.copy(), mask, 0.9, 5e-4, chunk=1000)
+    b = cls(w.copy(), mask, 0.9, 5e-4, chunk=1000)
     buffers = [b.params, np.empty(P, np.float32), np.empty(P, np.float32)]
     for k in range(10):
         g = rng.standard_normal(P, dtype=np.float32)
@@ -112,12 +125,15 @@ def test_blocks_follow_the_mask_runs():
     assert [(a, b, c) for a, b, c in run_blocks([decay], chunk=16)] == [(0, 16, None), (16, 32, None), (32, 38, None)]
 
 
-def test_step_rejects_bad_buffers():
+@pytest.mark.parametrize("cls", [NumpySGD, SGD])
+def test_step_rejects_bad_buffers(cls):
     P = 100
-    opt = SGD(np.zeros(P, np.float32), np.ones(P, np.float32), 0.9, 5e-4)
+    opt = cls(np.zeros(P, np.float32), np.ones(P, np.float32), 0.9, 5e-4)
     g = np.ones(P, np.float32)
     with pytest.raises(ValueError, match="grad"):
         opt.step(np.ones(P, np.float64), 0.1)
+    with pytest.raises(ValueError, match="grad"):
+        opt.step(np.ones(2 * P, np.float32)[::2], 0.1)  # not contiguous
     with pytest.raises(ValueError, match="out"):
         opt.step(g, 0.1, out=np.empty(P + 1, np.float32))
     with pytest.raises(ValueError, match="overlaps"):
@@ -138,7 +154,7 @@ def test_apply_delta(where):
     expected = w + np.float32(0.25) * delta
     w_before, delta_before = w.copy(), delta.copy()
     out = {"in place": None, "separate": np.empty(P, np.float32), "into delta": delta}[where]
-    result = apply_delta(w, delta, 0.25, out=out, chunk=1000)
+    result = apply_delta(w, delta, 0.25, out=out)
     np.testing.assert_array_equal(result.view(np.uint32), expected.view(np.uint32))
     assert result is (w if out is None else out)
     if where == "separate":
@@ -147,6 +163,8 @@ def test_apply_delta(where):
     buf = np.zeros(P + 1, np.float32)
     with pytest.raises(ValueError, match="overlaps"):
         apply_delta(buf[:P], delta, 0.5, out=buf[1:])
+    with pytest.raises(ValueError, match="delta"):
+        apply_delta(w, delta[:-1], 0.5)
 
 
 def test_warmup_then_constant():
@@ -188,14 +206,15 @@ def test_staleness_factor_rules():
 
 @pytest.mark.parametrize("mask_kind", sorted(MASKS))
 @pytest.mark.parametrize("in_place", [True, False])
-def test_grad_scale_scales_the_gradient_entering_the_velocity(mask_kind, in_place):
+@pytest.mark.parametrize("cls", [NumpySGD, SGD])
+def test_grad_scale_scales_the_gradient_entering_the_velocity(mask_kind, in_place, cls):
     """step(grad_scale=s): v <- m v + (s g + wd mask w); w <- w - lr v, over steps with varying s (float64
     hand computation); the decay term is not scaled, and the gradient is left as it was."""
     mask = MASKS[mask_kind]
     P = mask.size
     rng = np.random.default_rng(4)
     w = rng.standard_normal(P, dtype=np.float32)
-    opt = SGD(w.copy(), mask, momentum=0.9, weight_decay=5e-3, chunk=4096)
+    opt = cls(w.copy(), mask, momentum=0.9, weight_decay=5e-3, chunk=4096)
     ref_w, ref_v = w.astype(np.float64), np.zeros(P)
     spare = np.empty(P, np.float32)
     for k, s in enumerate([1.0, 0.5, 1 / 8, 1.0, 1 / 3]):
@@ -275,14 +294,15 @@ MOMENTA = {"momentum 0": (0.0, False), "heavy ball": (0.9, False), "nesterov": (
 @pytest.mark.parametrize("momentum_kind", list(MOMENTA))
 @pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("grad_scale", [1.0, 0.5])
+@pytest.mark.parametrize("cls", [NumpySGD, SGD])
 def test_every_variant_equals_the_whole_vector_formula_bit_for_bit(decay_kind, lr_kind, momentum_kind, in_place,
-                                                                    grad_scale):
+                                                                    grad_scale, cls):
     decay_mult, lr_scale = DECAYS[decay_kind], LR_SCALES[lr_kind]
     momentum, nesterov = MOMENTA[momentum_kind]
     P = decay_mult.size
     rng = np.random.default_rng(6)
     w = rng.standard_normal(P, dtype=np.float32)
-    opt = SGD(w.copy(), decay_mult, momentum, 5e-4, chunk=4096, nesterov=nesterov, lr_scale=lr_scale)
+    opt = cls(w.copy(), decay_mult, momentum, 5e-4, chunk=4096, nesterov=nesterov, lr_scale=lr_scale)
     if decay_kind != "array":
         assert all(block[2] is not None for block in opt.blocks)  # the decay vector is never read
     assert all((block[3] is None) == (lr_kind == "array") for block in opt.blocks)
@@ -302,6 +322,113 @@ def test_every_variant_equals_the_whole_vector_formula_bit_for_bit(decay_kind, l
         if momentum:
             np.testing.assert_array_equal(opt.velocity.view(np.uint32), ref_v.view(np.uint32))
 
+
+
+# ----------------------------------------------------------------------------------------------
+# the compiled update (SGD, apply_delta) against numpy's (NumpySGD, the formula), bit for bit
+
+
+def awkward(rng, P, big):
+    """float32 (P,) normal values and, every few hundred, the values a compiled loop could round
+    differently from numpy: signed zeros, subnormals, huge values; `big` at 10, 20, .., 90."""
+    x = rng.standard_normal(P, dtype=np.float32)
+    special = np.array([0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38, 1e19], np.float32)
+    x[::331] = special[np.arange(x[::331].size) % special.size]
+    x[10:100:10] = big
+    return x
+
+
+DECAYS_AND_NONE = {**DECAYS, "weight decay 0": None}
+
+
+@pytest.mark.parametrize("decay_kind", list(DECAYS_AND_NONE))
+@pytest.mark.parametrize("lr_kind", list(LR_SCALES))
+@pytest.mark.parametrize("momentum_kind", list(MOMENTA))
+@pytest.mark.parametrize("grad_scale", [1.0, 0.37])
+@pytest.mark.parametrize("where", ["in place", "out of place", "into grad"])
+def test_compiled_step_equals_numpy_sgd_bit_for_bit(decay_kind, lr_kind, momentum_kind, grad_scale, where):
+    """SGD (one compiled loop) against NumpySGD (numpy, cache-blocked) over three steps, every bit of the
+    weights and the velocity, on inputs with signed zeros, subnormals and weights that overflow to inf
+    and then NaN (w = 3.4e38 pushed by g = -3.4e38); P (77,106) is not a multiple of the block (4,096)."""
+    decay_mult = DECAYS_AND_NONE[decay_kind]
+    weight_decay = 0.0 if decay_mult is None else 5e-4
+    decay_mult = MASKS["runs"] if decay_mult is None else decay_mult
+    lr_scale = LR_SCALES[lr_kind]
+    momentum, nesterov = MOMENTA[momentum_kind]
+    P = decay_mult.size
+    rng = np.random.default_rng(12)
+    w = awkward(rng, P, 3.4e38)
+    ref = NumpySGD(w.copy(), decay_mult, momentum, weight_decay, chunk=4096, nesterov=nesterov, lr_scale=lr_scale)
+    fast = SGD(w.copy(), decay_mult, momentum, weight_decay, chunk=4096, nesterov=nesterov, lr_scale=lr_scale)
+    spares = [np.empty(P, np.float32), np.empty(P, np.float32)]
+    for k in range(3):
+        g = awkward(rng, P, -3.4e38)
+        g_ref, g_fast = g.copy(), g.copy()
+        prev = fast.params
+        prev_before = prev.copy()
+        outs = {"in place": (None, None), "out of place": tuple(spares), "into grad": (g_ref, g_fast)}[where]
+        with np.errstate(over="ignore", invalid="ignore"):
+            a = ref.step(g_ref, 0.1 * (k + 1), out=outs[0], grad_scale=grad_scale)
+        b = fast.step(g_fast, 0.1 * (k + 1), out=outs[1], grad_scale=grad_scale)
+        assert b is fast.params and b is (fast.params if where == "in place" else outs[1])
+        assert not np.isfinite(a[:100]).all()  # the overflow happened
+        np.testing.assert_array_equal(b.view(np.uint32), a.view(np.uint32))
+        if momentum:
+            np.testing.assert_array_equal(fast.velocity.view(np.uint32), ref.velocity.view(np.uint32))
+        if where == "out of place":  # the old weights are left as they were; next step into fresh buffers
+            np.testing.assert_array_equal(prev.view(np.uint32), prev_before.view(np.uint32))
+            spares = [np.empty(P, np.float32), np.empty(P, np.float32)]
+        if where != "into grad":
+            np.testing.assert_array_equal(g_fast.view(np.uint32), g.view(np.uint32))  # the push is not modified
+
+
+def test_compiled_step_on_tiny_and_odd_sizes():
+    """P below one block, of one value, and one past a block: the loop's remainder paths."""
+    rng = np.random.default_rng(13)
+    for P in (1, 7, 31, 4097):
+        mask = (rng.random(P) < 0.7).astype(np.float32)
+        w = rng.standard_normal(P, dtype=np.float32)
+        ref = NumpySGD(w.copy(), mask, 0.9, 5e-4, chunk=4096, nesterov=True)
+        fast = SGD(w.copy(), mask, 0.9, 5e-4, chunk=4096, nesterov=True)
+        for _ in range(2):
+            g = rng.standard_normal(P, dtype=np.float32)
+            out = np.empty(P, np.float32)
+            ref.step(g, 0.05, out=out.copy(), grad_scale=0.5)
+            fast.step(g, 0.05, out=out, grad_scale=0.5)
+            np.testing.assert_array_equal(fast.params.view(np.uint32), ref.params.view(np.uint32))
+            np.testing.assert_array_equal(fast.velocity.view(np.uint32), ref.velocity.view(np.uint32))
+
+
+def test_compiled_step_leaves_the_old_weights_and_the_push_as_they_were():
+    """Out of place (the server's double buffering) the old weight vector and the gradient are untouched."""
+    P = 77106
+    rng = np.random.default_rng(14)
+    w = rng.standard_normal(P, dtype=np.float32)
+    opt = SGD(w, DECAYS["multiplier runs"], 0.9, 5e-4, lr_scale=LR_SCALES["array"])
+    w_before = w.copy()
+    g = rng.standard_normal(P, dtype=np.float32)
+    g_before = g.copy()
+    new = opt.step(g, 0.1, out=np.empty(P, np.float32))
+    assert opt.params is new and new is not w
+    np.testing.assert_array_equal(w, w_before)
+    np.testing.assert_array_equal(g, g_before)
+
+
+def test_finite_square_flags_every_non_finite_push_and_sums_the_squares():
+    """The server's check before the update (`AsgdServer.on_push`): a NaN or an infinity anywhere makes the push
+    non-finite; a huge finite gradient whose float32 sum of squares overflows is still finite; the sum of squares
+    is the gradient's own (its square root is the logged grad_norm)."""
+    rng = np.random.default_rng(15)
+    g = rng.standard_normal(100_003, dtype=np.float32)
+    finite, square = finite_square(g)
+    assert finite and square == pytest.approx(float(np.sum(g.astype(np.float64) ** 2)), rel=1e-5)
+    for bad in (np.nan, np.inf, -np.inf):
+        for where in (0, 50_000, 100_002):
+            h = g.copy()
+            h[where] = bad
+            assert finite_square(h)[0] is False
+    huge = np.full(1000, 1e30, np.float32)
+    assert finite_square(huge) == (True, math.inf)
 
 def test_the_reference_is_the_old_formula_on_the_default_path():
     """reference_update with nesterov off and no lr_scale takes the exact passes of reference_step."""
