@@ -112,6 +112,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lrs", type=step_sizes, default=step_sizes("0.01:0.02:0.04"),
                         help="grid: step sizes, ':'-separated, per variant as NAME=A:B:C")
     parser.add_argument("--lr", type=step_sizes, default=None, help="straggler: VARIANT=LR,... (each its best)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every run (weights, data order); runs of a "
+                        "seed other than 0 are named VARIANT-lrLR-sSEED")
     parser.add_argument("--straggler", default="2:3", help="straggler: --straggler of the runs")
     parser.add_argument("--target-accuracy", type=fraction, default=0.65, metavar="FRACTION",
                         help="straggler: test accuracy of the 'time to' column")
@@ -145,7 +147,7 @@ def reusable(log: str, args: argparse.Namespace, variant: str, lr: float) -> boo
     r = load(log)
     cfg = r["config"]
     want = {"model": args.model, "epochs": args.epochs, "batch_size": args.batch_size, "lr": lr,
-            "mode": VARIANTS[variant][1]}
+            "mode": VARIANTS[variant][1], "seed": args.seed}
     differ = {k: (cfg.get(k), v) for k, v in want.items() if cfg.get(k) != v}
     if differ:
         sys.exit(f"asgd_payoff.py: --reuse: run log '{log}' is of another workload ({differ}); remove it or use "
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     python = [sys.executable, "-m", "mpiasgd"]
     data = ["--data-dir", args.data_dir] if args.data_dir else []
     shared = ["--model", args.model, *data, "--epochs", f"{args.epochs:g}", "--batch-size", str(args.batch_size),
-              "--run-dir", args.run_dir, "--no-progress", "--threads", "1", "--overwrite"]
+              "--run-dir", args.run_dir, "--no-progress", "--threads", "1", "--overwrite", "--seed", str(args.seed)]
     if args.what == "straggler":
         shared += ["--straggler", args.straggler, "--snapshot-interval", f"{args.snapshot_interval:g}"]
     else:
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(v, lr) for v in args.variants for lr in lrs_of(args.lrs if args.what == "grid" else args.lr, v)]
     commands, rows = [], []
     for i, (variant, lr) in enumerate(jobs, 1):
-        name = f"{variant}-lr{lr:g}"
+        name = f"{variant}-lr{lr:g}" + (f"-s{args.seed}" if args.seed else "")
         log = os.path.join(args.run_dir, name + ".h5")
         steps = [("training", [*mpiexec, "-n", str(1 + WORKERS), *python, "train", *shared, *VARIANTS[variant],
                                "--lr", f"{lr:g}", "--name", name])]
@@ -187,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                      "staleness": float(r.get("staleness_mean", float("nan")))})
         print(f"    test accuracy {100 * rows[-1]['accuracy']:.2f} %", flush=True)
     print()
-    head = (f"{args.model}, {args.epochs:g} epochs, batch {args.batch_size} per worker, 1 server + {WORKERS} workers, "
+    head = (f"{args.model}, {args.epochs:g} epochs, batch {args.batch_size} per worker, seed {args.seed}, 1 server + "
+            f"{WORKERS} workers, "
             f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}")
     if args.what == "grid":
         print(grid_table(rows, head))
