@@ -6,8 +6,9 @@ each (variant, N)'s best step size and its accuracy: the evidence for the learni
     python bench/simulate_lr.py                                       # digits, N = 1..16, 6 step sizes, 2 variants
     python bench/simulate_lr.py --model cifar10 --epochs 3 --workers 1,2,4 --lrs 0.005,0.01,0.02,0.04
 
-Variants (`--variants`): fixed (`--async-momentum fixed`, momentum 0.9 at every N) and workers
-(`--async-momentum workers`: max(0, 0.9 - (1 - 1/N))). Every run: `--epochs` (default 10), batch
+Variants (`--variants`): fixed (`--async-momentum fixed`, momentum 0.9 at every N), workers
+(`--async-momentum workers`: max(0, 0.9 - (1 - 1/N))) and lookahead (momentum 0.9, `--lookahead -1`: the
+replies look N - 1 momentum-only updates ahead, DANA). Every run: `--epochs` (default 10), batch
 `--batch-size` per worker, the cosine schedule, seed 0, equal workers computing `--compute-s` virtual
 seconds per minibatch with a coefficient of variation of 0.2 (the order of arrivals varies as on a real
 cluster), no latency. The table gives the final test accuracy of every run and marks each row's best; a
@@ -27,7 +28,8 @@ from launch import add_run_arguments, run, run_dir
 from mpiasgd.runlog.reader import load
 from mpiasgd.runlog.summary import final_eval
 
-VARIANTS = {"fixed": ["--async-momentum", "fixed"], "workers": ["--async-momentum", "workers"]}
+VARIANTS = {"fixed": ["--async-momentum", "fixed"], "workers": ["--async-momentum", "workers"],
+            "lookahead": ["--async-momentum", "fixed", "--lookahead", "-1"]}
 
 
 def numbers(kind: type):
