@@ -12,6 +12,11 @@
     workers      WORKER_STATE (W,): each worker's rank, step (pushes or sync steps made, or pipeline
                                 iterations), cursor (minibatches it drew from its shard: its data
                                 position), rejected (non-finite pushes)
+    shard_versions int64 (S,)   --servers S > 1 only: every parameter-server shard's version, shard 0's
+                                (= `version`) first; params and momentum are then every shard's slice,
+                                assembled (each as that shard had it when rank 0 asked). A resume sends
+                                each shard its slice and version; DC-ASGD's running mean square
+                                (--dc-adaptive) is not kept, with one server or many
     attrs        format, mode, model, num_workers, num_params, version (server updates / sync steps /
                  pipeline minibatches), samples, elapsed (seconds of training the state holds: the
                  schedule's clock), log_time (the run log's clock when it was written), reason,
@@ -68,7 +73,8 @@ SCALARS = ("mode", "model", "config", "log", "reason", "run_id", "version", "sam
 def crc32(ckpt: Checkpoint) -> int:
     """CRC-32 of the arrays' bytes and of the scalar fields (as JSON): what `load` checks."""
     crc = 0
-    arrays = (ckpt.params, ckpt.momentum, ckpt.workers) + ((ckpt.buffers,) if ckpt.buffers.size else ())
+    arrays = (ckpt.params, ckpt.momentum, ckpt.workers) + ((ckpt.buffers,) if ckpt.buffers.size else ()) \
+        + ((ckpt.shard_versions,) if ckpt.shard_versions.size else ())
     for a in arrays:
         crc = zlib.crc32(np.ascontiguousarray(a).view(np.uint8), crc)
     scalars = [getattr(ckpt, key) for key in SCALARS] + ([ckpt.model_spec] if ckpt.model_spec else [])
@@ -98,6 +104,7 @@ class Checkpoint:
     path: str = ""
     buffers: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     model_spec: str = ""  # JSON text; "" in checkpoints written before networks had stored definitions
+    shard_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # (S,), --servers S > 1
 
     @property
     def num_workers(self) -> int:
@@ -131,6 +138,9 @@ def write(path: str, ckpt: Checkpoint) -> float:
             f.create_dataset("workers", data=ckpt.workers.astype(WORKER_STATE, copy=False))
             if ckpt.buffers.size:
                 f.create_dataset("buffers", data=ckpt.buffers.astype(np.float32, copy=False))
+            if ckpt.shard_versions.size:
+                ckpt.shard_versions = ckpt.shard_versions.astype(np.int64, copy=False)
+                f.create_dataset("shard_versions", data=ckpt.shard_versions)
             a = f.attrs
             if ckpt.model_spec:
                 a["model_spec"] = ckpt.model_spec
@@ -240,7 +250,8 @@ def load(path: str) -> Checkpoint:
             staleness_sum=int(a["staleness_sum"]), staleness_max=int(a["staleness_max"]),
             staleness_count=int(a["staleness_count"]), path=path,
             buffers=f["buffers"][()] if "buffers" in f else np.zeros(0, np.float32),
-            model_spec=str(a.get("model_spec", "")))
+            model_spec=str(a.get("model_spec", "")),
+            shard_versions=f["shard_versions"][()] if "shard_versions" in f else np.zeros(0, np.int64))
         stored = int(a["crc32"])
     if crc32(ckpt) != stored:
         raise CheckpointError(f"checkpoint '{path}' is corrupt: its contents do not match the CRC-32 stored with them")
@@ -259,6 +270,11 @@ def check_values(ckpt: Checkpoint) -> str:
         return "non-finite weights or momentum"
     if ckpt.buffers.dtype != np.float32 or ckpt.buffers.ndim != 1 or not np.isfinite(ckpt.buffers).all():
         return f"buffers {ckpt.buffers.dtype}{ckpt.buffers.shape} (expected finite float32 (B,))"
+    sv = ckpt.shard_versions
+    if sv.dtype != np.int64 or sv.ndim != 1 or sv.size == 1 or (sv < 0).any():
+        return f"shard_versions {sv.dtype}{sv.shape} {sv.tolist()} (expected none, or S >= 2 versions >= 0)"
+    if sv.size and int(sv[0]) != ckpt.version:
+        return f"shard_versions[0] = {int(sv[0])}, but version = {ckpt.version} (shard 0's)"
     if w.dtype != WORKER_STATE or w.ndim != 1 or w.size < 1:
         return f"workers table {w.dtype} {w.shape}"
     if (w["rank"] < 1).any() or np.unique(w["rank"]).size != w.size:

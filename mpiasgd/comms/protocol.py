@@ -32,6 +32,41 @@ Message flow, async and ssp modes (GPU A-SGD of Paine et al. 2013, n_fetch = n_p
     worker -> server  ERROR    (UTF-8 traceback)             a worker failed; the server logs, acks
     server -> worker  ERROR_ACK                              log closed, the job may now abort
 
+Sharded parameter server (`--servers S`, async and ssp; `mpiasgd.comms.shards`): shard 0 is rank 0, shard
+s >= 1 is rank N + s. Every shard exchanges WEIGHTS, PUSH and STOP with every worker as above, on its own
+slice of count_s values (shard 0's messages also carry the B layer buffers) and with its own version
+counter: a push to shard s carries the version of shard s's slice it was computed from. A worker posts its
+S receives, then its S pushes, and waits for all S replies. EVAL, ALIVE (worker -> server) and ERROR go
+to rank 0 only. Besides:
+
+    worker -> shard s  FINISH     (header only, step)           the reply to this step was STOP from some
+                                                                 shard and WEIGHTS from s: s answers STOP with
+                                                                 its final slice once it has stopped applying
+    rank 0 -> shard    SHARD_STOP (header only; flag PREEMPT)   rank 0 decided the run stops (only rank 0
+                                                                 decides): the shard stops applying, and
+                                                                 answers every later push or FINISH with STOP
+    rank 0 -> shard    FETCH      (step = request number)       send your slice now (snapshot, checkpoint)
+    shard -> rank 0    SLICE      (step = request number,       its params then its velocity (zeros without
+                                   version, samples; 2 x size    momentum), always float32
+                                   values)
+    shard -> rank 0    SHARD_ROWS (step = rows, version,        its push rows (ShardPushRow bytes) every
+                                   samples, elapsed = its clock  --flush-interval and at least every
+                                   at the send; flags PREEMPT,   --comm-timeout / 4; PREEMPT: a signal reached
+                                   FINAL)                        the shard; FINAL: its last batch (after END)
+    rank 0 -> shard    ALIVE      (header only)                 every --comm-timeout / 4: rank 0 lives (the
+                                                                 shard's own wait for messages times out)
+    rank 0 -> shard    RESTORE    (version, samples, elapsed;   --resume, before the shard starts: its slice
+                                   params, velocity, then the    of the checkpoint's params and velocity, its
+                                   workers' WORKER_STATE rows)   version, every worker's step and cursor
+    rank 0 -> shard    END        (header only)                 after the final snapshot and checkpoint: the
+                                                                 shard sends its last SHARD_ROWS and ends
+    shard -> rank 0    ERROR      as a worker's                 the shard failed; rank 0 logs, acks, aborts
+
+A shard applies the pushes that reach it until it hears SHARD_STOP: a push that arrives at shard s after
+rank 0 decided to stop but before s heard it is applied on shard s only (rank 0 and the shards that heard
+already answer it with STOP). Every worker still evaluates the same final weights: each shard's STOP
+carries its slice as it stopped, and a shard stops once.
+
 Sync mode (workers allreduce among themselves; rank 0 only logs): after the initial WEIGHTS,
 
     worker -> server  REPORT   (step, loss, timings, flags)  header only, one per worker per step
@@ -91,7 +126,15 @@ class Tag(IntEnum):
     ACTIVATION = 19
     GRADIENT = 20
     CHECKPOINT = 21
-    ALIVE = 22  # header only, worker -> rank 0: busy evaluating (final or --eval-interval; resets the stall watch)
+    ALIVE = 22  # header only, worker -> rank 0: busy evaluating (final or --eval-interval; resets the stall watch);
+                # rank 0 -> a parameter-server shard (--servers): rank 0 lives
+    FINISH = 23      # header only, worker -> shard: my final slice, please (the reply to this step was STOP elsewhere)
+    SHARD_STOP = 24  # header only, rank 0 -> shard: the run stops, apply no more pushes
+    FETCH = 25       # header only, rank 0 -> shard: send your slice (SLICE)
+    SLICE = 26       # shard -> rank 0: its params and velocity
+    SHARD_ROWS = 27  # shard -> rank 0: a batch of its push rows
+    RESTORE = 28     # rank 0 -> shard (--resume): its slice of the checkpoint
+    END = 29         # header only, rank 0 -> shard: send your last rows and end
 
 
 class Flag(IntEnum):
@@ -100,7 +143,8 @@ class Flag(IntEnum):
     SKIPPED = 1      # REPORT: the step was skipped by every worker (a non-finite gradient somewhere)
     NONFINITE = 2    # REPORT: this worker's own gradient was not finite
     LAST = 4         # REPORT: the workers' last step (the stopping rule fired)
-    FINAL = 8        # SNAPSHOT: the final weights (stored, not logged as an interval snapshot)
+    FINAL = 8        # SNAPSHOT: the final weights (stored, not logged as an interval snapshot); SHARD_ROWS: the
+                     # shard's last batch
     DELTA = 16       # PUSH: the payload is an accumulated update (nsync > 1), not a gradient
     WARMUP = 32      # REPORT (pipeline): no delayed gradient has reached this module yet, no update
     END = 64         # REPORT (pipeline): this unit's last iteration
@@ -108,7 +152,8 @@ class Flag(IntEnum):
                      # a CHECKPOINT with the optimizer state follows)
     PREEMPT = 256    # PUSH: a signal reached this worker; REPORT: the run ends on a signal (sync: every
                      # worker's last step; pipeline: module 0's stop and each unit's end; a unit's own signal);
-                     # STOP and CHECKPOINT: the run ends on a signal, skip the final evaluation, exit 75
+                     # STOP and CHECKPOINT: the run ends on a signal, skip the final evaluation, exit 75;
+                     # SHARD_ROWS: a signal reached this shard; SHARD_STOP: the run ends on a signal
     EVALUATE = 512   # WEIGHTS (async, ssp, easgd): evaluate these weights on the test slice before the next
                      # local steps (--eval-interval), header `epoch` = the evaluation's number; EVAL: the result
                      # of such a periodic evaluation (not the final one); SNAPSHOT (sync: the weights the workers
@@ -124,9 +169,12 @@ HEADER = np.dtype([
     ("tag", "<u4"),
     ("sender", "<i8"),      # rank of the sender
     ("step", "<i8"),        # PUSH: worker's step (1, 2, ...); WEIGHTS/STOP: step of the push answered;
-                            # EVAL with flag EVALUATE: the evaluation's number
-    ("version", "<i8"),     # PUSH: version the gradient was computed from; WEIGHTS/STOP: version sent
-    ("samples", "<i8"),     # PUSH: minibatch size; EVAL: images evaluated
+                            # EVAL with flag EVALUATE: the evaluation's number; FINISH: the worker's step;
+                            # FETCH/SLICE: the request's number; SHARD_ROWS: rows in the payload
+    ("version", "<i8"),     # PUSH: version the gradient was computed from; WEIGHTS/STOP: version sent;
+                            # SLICE, SHARD_ROWS, RESTORE: the shard's version
+    ("samples", "<i8"),     # PUSH: minibatch size; EVAL: images evaluated; SLICE, SHARD_ROWS, RESTORE: images
+                            # the shard has applied (its schedule's clock)
     ("epoch", "<i8"),       # PUSH: the worker's epoch over its shard; WEIGHTS with flag EVALUATE: the evaluation's
                             # number
     ("correct", "<i8"),     # PUSH: correct predictions in the minibatch; EVAL: over the slice
@@ -140,7 +188,8 @@ HEADER = np.dtype([
     ("digest", "<u8"),      # REPORT (sync, pipeline): CRC-32 of the worker's weights after the step
     ("cursor", "<i8"),      # PUSH/REPORT/CHECKPOINT: minibatches the worker has drawn from its shard (its data
                             # position); initial WEIGHTS of a resumed run: where to continue
-    ("elapsed", "<f8"),     # CHECKPOINT: training seconds at the step; initial WEIGHTS: seconds already trained
+    ("elapsed", "<f8"),     # CHECKPOINT: training seconds at the step; initial WEIGHTS: seconds already trained;
+                            # RESTORE: the same; SHARD_ROWS: the shard's clock when it sent them
     ("data_s", "<f8"),      # PUSH/REPORT: seconds of compute_s the step waited for its minibatch (input pipeline)
     ("correct5", "<i8"),    # EVAL: images whose label is among the 5 largest logits (top-5)
 ])
@@ -194,14 +243,15 @@ def parse_tag(tag: int, source: int, rank: int) -> Tag:
             f"known tags: {', '.join(f'{t.name}={t.value}' for t in Tag)}") from None
 
 
-def check_size(tag: Tag, source: int, rank: int, nbytes: int, count: int, wire: str = "fp32") -> None:
-    """Raise ProtocolError unless a message of `nbytes` carries exactly `count` values in wire format `wire`."""
+def check_size(tag: Tag, source: int, rank: int, nbytes: int, count: int, wire: str = "fp32", whose: str = "") -> None:
+    """Raise ProtocolError unless a message of `nbytes` carries exactly `count` values in wire format `wire`;
+    `whose` (e.g. " for parameter-server shard 1 of 2 (parameters [192, 1000))") ends the message."""
     expected = message_bytes(count, wire)
     if nbytes != expected:
         raise ProtocolError(
             f"rank {rank}: {tag.name} message from rank {source} is {nbytes} bytes, expected {expected} "
             f"({HEADER_BYTES}-byte header + {count} {WIRE_NAMES[wire]} values"
-            f"{'' if wire == 'fp32' else f': --wire {wire}'})")
+            f"{'' if wire == 'fp32' else f': --wire {wire}'}){whose}")
 
 
 def check(msg: Message, tag: Tag, source: int, rank: int) -> None:
@@ -237,3 +287,23 @@ def error_text(msg: Message) -> str:
 def weights_digest(weights: np.ndarray) -> int:
     """CRC-32 of a host float32 weight vector: the REPORT `digest` by which rank 0 checks replicas agree."""
     return zlib.crc32(np.ascontiguousarray(weights))
+
+
+def rows_message(tag: Tag, sender: int, rows: np.ndarray, **fields: float) -> Message:
+    """A message whose payload carries `rows` (a structured array) as bytes, padded to whole float32 values;
+    header `step` = the number of rows, plus `fields`. `rows_of` reads them back."""
+    data = np.ascontiguousarray(rows).view(np.uint8).reshape(-1)
+    msg = Message(-(-data.size // 4)).stamp(tag, sender, step=len(rows), **fields)
+    msg.buf[HEADER_BYTES : HEADER_BYTES + data.size] = data
+    return msg
+
+
+def rows_of(msg: Message, dtype: np.dtype, source: int, rank: int) -> np.ndarray:
+    """The rows of `dtype` a `rows_message` carries (a copy); ProtocolError when its size does not hold the
+    `step` rows its header declares."""
+    n = int(msg.header["step"])
+    nbytes = n * dtype.itemsize
+    if n < 0 or -(-nbytes // 4) != msg.count:
+        raise ProtocolError(f"rank {rank}: {Tag(int(msg.header['tag'])).name} message from rank {source} declares "
+                            f"{n} rows of {dtype.itemsize} bytes in {msg.count * 4} payload bytes")
+    return msg.buf[HEADER_BYTES : HEADER_BYTES + nbytes].copy().view(dtype)

@@ -108,9 +108,12 @@ class ShardCut:
         return {"servers": self.shards, "shard_bounds": list(self.bounds),
                 "shard_params": [self.size(s) for s in range(self.shards)]}
 
-    def describe(self) -> str:
-        """One line for the console: each shard's rank, slice and share of the message bytes."""
+    def describe(self, num_workers: int | None = None) -> str:
+        """One line for the console: each shard's slice and share of the message bytes, and its MPI rank in a
+        job of `num_workers` workers (None: the shard numbers only)."""
         total = self.num_params + self.num_buffers
-        parts = [f"rank {s} [{a:,}, {b:,}) {100 * self.count(s) / total:.1f} %"
-                 for s, (a, b) in enumerate(pairwise(self.bounds))]
+        names = [f"rank {s}" if num_workers is None else f"shard {s} (rank {self.rank(s, num_workers)})"
+                 for s in range(self.shards)]
+        parts = [f"{name} [{a:,}, {b:,}) {100 * self.count(s) / total:.1f} %"
+                 for s, (name, (a, b)) in enumerate(zip(names, pairwise(self.bounds), strict=True))]
         return f"{self.shards} parameter-server shards: " + "; ".join(parts)

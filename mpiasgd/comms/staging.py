@@ -9,6 +9,15 @@ Staging (one object per worker, chosen once; the worker loop calls the same thre
               grads are views into them; only the 160-byte header crosses to and from the host
               (and sync mode's gradient: Open MPI's MPI_Iallreduce takes no device buffers)
 
+ShardedStaging (`--servers S > 1`, async and ssp): one message each way per parameter-server shard
+(`mpiasgd.comms.shards`). The model still binds one contiguous float32 vector (P + B: the parameters,
+then the layer buffers), so the worker copies: after its S replies arrived, each payload into its slice
+of params (shard 0's payload is its slice, then the B buffers); before its S pushes, each slice of grads
+into that shard's push payload. A 16-bit wire decodes the whole vector after the copies in and encodes it
+(through the error feedback, as with one server) before the copies out, so the rounding is that of one
+server's. On a GPU worker (cupy) the messages live in pinned host memory and each slice crosses on its
+own (the CUDA-aware staging is not used with S > 1: the same copies go through pinned memory).
+
 Every loop that moves model data through MPI uses these objects: the A-SGD and EASGD workers (one
 `Staging` per exchange buffer), sync mode's allreduce (`grads_to_mpi`), and the pipeline units
 (`module_staging`: the module's weights and velocity for snapshots and checkpoints).
@@ -241,6 +250,89 @@ class DeviceStaging(Staging):
         self.dev.to_device(self.grads, self.push.payload)
 
 
+class ShardedStaging:
+    """(--servers S > 1) How a worker's weights and gradient meet the S messages of the parameter-server shards
+    of `cut` (a ShardCut). Kind "host" (`dev` None: numpy) or "pinned" (cupy: messages in pinned host memory,
+    `dev` the Transfers).
+
+    Attributes: `weights[s]` and `push[s]` (protocol Messages of `cut.count(s)` values in wire format `wire`),
+    `recv_bufs[s]` / `send_bufs[s]` (their buffers, what MPI receives into / sends from), `params` / `grads`
+    (float32 (P + B,): what the model binds, on the device for cupy). The worker calls, as on a `Staging`:
+
+        after_receive()    every shard's reply has arrived: params <- the S payloads (decoded)
+        finish_compute()   backward was launched: wait until the gradient exists (device sync point)
+        before_send()      the S pushes are stamped: each push payload <- its slice of grads (encoded)
+
+    `feedback` is the worker's ErrorFeedback over the P parameters (None: plain rounding); ValueError for
+    `feedback` with fp32.
+    """
+
+    def __init__(self, cut: Any, wire: str = "fp32", feedback: ErrorFeedback | None = None,
+                 dev: Transfers | None = None) -> None:
+        if feedback is not None and wire == "fp32":
+            raise ValueError("error feedback needs a 16-bit wire format (fp16 or bf16), the wire is fp32")
+        self.cut, self.wire, self.feedback, self.dev = cut, wire, feedback, dev
+        self.kind = "host" if dev is None else "pinned"
+        counts = [cut.count(s) for s in range(cut.shards)]
+        n = cut.num_params + cut.num_buffers
+        dtype = wire_dtype(wire)
+        if dev is None:
+            self.weights = [Message(c, wire) for c in counts]
+            self.push = [Message(c, wire) for c in counts]
+            self.params, self.grads = np.zeros(n, np.float32), np.zeros(n, np.float32)
+        else:
+            self.weights = [message_in(dev.pinned(message_bytes(c, wire)), c, wire) for c in counts]
+            self.push = [message_in(dev.pinned(message_bytes(c, wire)), c, wire) for c in counts]
+            self.params, self.grads = dev.empty(n), dev.empty(n)
+        # 16-bit wire: the whole vector in wire format, decoded from (received) and encoded into (sent) at once
+        self.received = self.sending = None
+        if wire != "fp32":
+            self.received, self.sending = (np.zeros(n, dtype) if dev is None else
+                                           dev.empty_bytes(n * dtype.itemsize).view(dtype) for _ in range(2))
+        self.recv_bufs = [m.buf for m in self.weights]
+        self.send_bufs = [m.buf for m in self.push]
+
+    def pieces(self, s: int) -> list[tuple[int, int, int]]:
+        """(start, stop, offset) of each piece of shard `s`'s payload: vector[start:stop] is
+        payload[offset:offset + stop - start] (shard 0: its parameters, then the buffers)."""
+        a, b = self.cut.slice(s)
+        out = [(a, b, 0)]
+        if s == 0 and self.cut.num_buffers:
+            P = self.cut.num_params
+            out.append((P, P + self.cut.num_buffers, b - a))
+        return out
+
+    def after_receive(self) -> None:
+        into = self.params if self.received is None else self.received
+        for s, msg in enumerate(self.weights):
+            for a, b, o in self.pieces(s):
+                if self.dev is None:
+                    into[a:b] = msg.payload[o:o + b - a]
+                else:
+                    self.dev.to_device(into[a:b], msg.payload[o:o + b - a])  # pinned -> device, slice by slice
+        if self.received is not None:
+            decode(self.wire, self.received, self.params)  # (on the device for cupy)
+
+    def finish_compute(self) -> None:
+        if self.dev is not None:
+            self.dev.synchronize()  # device sync point: the gradient is complete before it is copied
+
+    def before_send(self) -> None:
+        out = self.grads
+        if self.sending is not None:  # as one server's: the whole vector encoded, through the error feedback
+            out = self.sending
+            if self.feedback is not None:
+                self.feedback.encode(self.grads, out)
+            else:
+                encode(self.wire, self.grads, out)
+        for s, msg in enumerate(self.push):
+            for a, b, o in self.pieces(s):
+                if self.dev is None:
+                    msg.payload[o:o + b - a] = out[a:b]
+                else:
+                    self.dev.to_host(msg.payload[o:o + b - a], out[a:b])  # device -> pinned; MPI sends it next
+
+
 def make_staging(backend: str, cuda_aware: bool, count: int, dev: Transfers | None = None, wire: str = "fp32",
                  feedback: ErrorFeedback | None = None) -> Staging:
     """The staging of a worker with `count` values per message: host (numpy), pinned or device (cupy), in wire
@@ -252,3 +344,12 @@ def make_staging(backend: str, cuda_aware: bool, count: int, dev: Transfers | No
         return Staging(count, wire, feedback)
     dev = dev or cupy_transfers()
     return (DeviceStaging if cuda_aware else PinnedStaging)(count, dev, wire, feedback)
+
+
+def make_sharded_staging(backend: str, cut: Any, dev: Transfers | None = None, wire: str = "fp32",
+                         feedback: ErrorFeedback | None = None) -> ShardedStaging:
+    """(--servers S > 1) The ShardedStaging of a worker for the shards of `cut`: host (numpy) or pinned (cupy,
+    CUDA-aware MPI or not; `dev` defaults to `cupy_transfers()`)."""
+    if backend == "numpy":
+        return ShardedStaging(cut, wire, feedback)
+    return ShardedStaging(cut, wire, feedback, dev or cupy_transfers())

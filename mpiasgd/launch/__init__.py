@@ -5,6 +5,10 @@ Run it with one parameter server and N workers, e.g. 1 + 2 on one machine:
     mpiexec -n 3 python -m mpiasgd train --model digits --epochs 30 --name demo
     mpiexec -n 3 python -m mpiasgd train --model cifar10 --epochs 10 --data-dir ~/data
 
+or (async, ssp) with S parameter-server shards: N + S ranks, rank 0 and ranks N+1..N+S-1 the shards:
+
+    mpiexec -n 4 python -m mpiasgd train --model digits --servers 2 --epochs 30 --name sharded
+
 Start-up (config, data, model, run log) is collective (`mpiasgd.launch.startup`): if any rank fails
 there, rank 0 prints one message naming the ranks and what went wrong, and every rank exits with
 status 2. After start-up, an exception on any rank prints that rank's traceback and aborts the whole
@@ -46,7 +50,7 @@ from mpiasgd.launch.startup import (
 )
 from mpiasgd.modes.base import WorkerJob
 from mpiasgd.modes.registry import load
-from mpiasgd.rank0.serve import ABORT_CODE, EXIT_DIVERGED, EXIT_PREEMPTED, log_unwritable, serve
+from mpiasgd.rank0.serve import ABORT_CODE, EXIT_DIVERGED, EXIT_PREEMPTED, log_unwritable, serve, serve_shard
 from mpiasgd.runlog import RunLogError
 
 EXIT_BAD_INPUT = 2
@@ -63,7 +67,8 @@ def abort(me: Rank, text: str) -> None:
 
 
 def worker_failed(me: Rank, text: str, timeout: float = 5.0) -> None:
-    """(all workers) Tell rank 0 about this rank's exception, wait briefly for it to close the log, abort."""
+    """(all workers, and the parameter-server shards of rank >= 1) Tell rank 0 about this rank's exception, wait
+    briefly for it to close the log, abort."""
     try:
         sending = me.comm.Isend(error_message(me.rank, text).buf, dest=0, tag=int(Tag.ERROR))
         ack = Message(0)
@@ -78,7 +83,7 @@ def worker_failed(me: Rank, text: str, timeout: float = 5.0) -> None:
 def train(cfg: Config, comm: Any = None) -> int:
     """Run `mpiasgd train` on every rank of `comm` (default MPI.COMM_WORLD); returns the exit status."""
     comm = comm or MPI.COMM_WORLD
-    me = Rank(comm, comm.Get_rank(), comm.Get_size(), socket.gethostname())
+    me = Rank(comm, comm.Get_rank(), comm.Get_size(), socket.gethostname(), cfg.servers)
     mode = load(cfg.mode)
     # start-up (all ranks): collective, so bad input gives one message and a clean exit
     # (every failure of a rank is caught here, a user's model file's SystemExit included: no rank may leave
@@ -88,7 +93,7 @@ def train(cfg: Config, comm: Any = None) -> int:
         workers_here, local_rank = node_workers(me)
         threads = blas_threads(me, cfg.threads, workers_here)
         dataset = load_data(cfg)
-        if me.is_server:
+        if me.is_rank0:
             resumed = checkpoint.load(cfg.resume) if cfg.resume else None  # read once: here and for the log
             text = definition_text(cfg, dataset, resumed)
     except BaseException as e:
@@ -106,7 +111,7 @@ def train(cfg: Config, comm: Any = None) -> int:
         return EXIT_BAD_INPUT
     # (all ranks) two workers on one GPU: every rank judges the same gathered list
     devices = comm.allgather(start.device)
-    shared = None if me.is_server else sharing_error(devices, me.rank, cfg.share_devices)
+    shared = None if not me.is_worker else sharing_error(devices, me.rank, cfg.share_devices)
     # (every rank sees the same answers, so all skip the tuning rounds alike)
     if report_startup_errors(me, shared) or (cfg.conv_algo == "autotune" and
                                               tune_convs(cfg, me, start, tuning_turns(devices))):
@@ -116,12 +121,14 @@ def train(cfg: Config, comm: Any = None) -> int:
     from threadpoolctl import threadpool_limits
 
     comms = mode.communicators(cfg, comm, me.rank, start.layout)  # collective: the mode's own
-    signals.set_rank(None if me.is_server else me.rank)  # the signals were routed by cli._train
+    signals.set_rank(None if me.is_rank0 else me.rank)  # the signals were routed by cli._train
     status = 0
     try:
         with threadpool_limits(limits=threads, user_api="blas"):
-            if me.is_server:
+            if me.is_rank0:
                 status = serve(cfg, me, start)
+            elif me.is_shard:  # --servers S > 1: a shard of rank >= 1 serves its slice, rank 0 keeps the log
+                status = serve_shard(cfg, me, start)
             else:
                 comm.gather(worker_info(me, start, threads), root=0)
                 job = WorkerJob(comm, cfg, start.model, start.dataset, start.sampler, me.rank, start.test_idx,
@@ -134,8 +141,8 @@ def train(cfg: Config, comm: Any = None) -> int:
     except BaseException as e:
         # a timeout or a protocol violation says all in its message (naming the rank); anything else: traceback
         text = str(e) if isinstance(e, (CommTimeout, ProtocolError)) else traceback.format_exc()
-        if me.is_server:
+        if me.is_rank0:
             abort(me, text)
-        else:
+        else:  # a worker, or a shard: rank 0 logs it first
             worker_failed(me, text)
     return status

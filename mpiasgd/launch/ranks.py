@@ -13,32 +13,46 @@ from mpiasgd.device import local_worker_rank
 
 @dataclass
 class Rank:
-    """Who this process is: `rank` in `comm` of `size`; rank 0 is the parameter server."""
+    """Who this process is: `rank` in `comm` of `size`, in a job of `servers` parameter-server shards
+    (--servers S) and size - S workers. Rank 0 is the parameter server (shard 0) and the only writer of the
+    run log; workers are ranks 1..N; shard s >= 1 is rank N + s (`mpiasgd.comms.shards`)."""
 
     comm: Any
     rank: int
     size: int
     host: str
-
-    @property
-    def is_server(self) -> bool:
-        return self.rank == 0
+    servers: int = 1
 
     @property
     def num_workers(self) -> int:
-        return self.size - 1
+        return self.size - self.servers
+
+    @property
+    def is_rank0(self) -> bool:
+        """Rank 0: the parameter server (shard 0), the run log's writer, the one who prints start-up errors."""
+        return self.rank == 0
+
+    @property
+    def is_shard(self) -> bool:
+        """A parameter-server shard of rank >= 1 (--servers S > 1): ranks N + 1 .. N + S - 1."""
+        return self.rank > self.num_workers
+
+    @property
+    def is_worker(self) -> bool:
+        return 1 <= self.rank <= self.num_workers
 
 
 def node_workers(me: Rank) -> tuple[int, int]:
-    """Collective: (workers on this rank's node, this worker's index among them; -1 on the server).
+    """Collective: (workers on this rank's node, this worker's index among them; -1 on a server rank).
 
-    The index is the local rank used to pick a GPU; the parameter server takes none, so it is not counted.
+    The index is the local rank used to pick a GPU; the parameter-server ranks (rank 0 and the shards) take
+    none, so they are not counted.
     """
     node = me.comm.Split_type(MPI.COMM_TYPE_SHARED)  # collective: every rank calls it
-    is_worker = node.allgather(not me.is_server)
+    is_worker = node.allgather(me.is_worker)
     node_rank = node.Get_rank()
     node.Free()
-    if me.is_server:
+    if not me.is_worker:
         return sum(is_worker), -1
     index, count = local_worker_rank(is_worker, node_rank)
     return count, index
@@ -47,10 +61,10 @@ def node_workers(me: Rank) -> tuple[int, int]:
 def blas_threads(me: Rank, requested: int, workers_here: int) -> int:
     """BLAS threads for this rank: `requested`, or (0) the cores this rank may use / workers sharing them.
 
-    The server gets 1 (it only runs vector updates). Workers on one node split the node's cores, so
-    ranks never oversubscribe them: 2 workers on 2 cores get 1 thread each.
+    The server ranks (rank 0 and the shards) get 1 (they only run vector updates). Workers on one node split
+    the node's cores, so ranks never oversubscribe them: 2 workers on 2 cores get 1 thread each.
     """
-    if me.is_server:
+    if not me.is_worker:
         return 1
     if requested:
         return requested

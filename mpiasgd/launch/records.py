@@ -1,4 +1,5 @@
-"""The typed records of start-up: what every worker tells rank 0 before training."""
+"""The typed records of start-up: what every worker (and every parameter-server shard) tells rank 0 before
+training."""
 
 from __future__ import annotations
 
@@ -43,3 +44,14 @@ class WorkerInfo:
             return ""
         return (f"worker rank {self.rank} on {self.host}: conv tiles chosen by timing (ms per call of each "
                 "tile):\n" + "\n".join(self.autotune))
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One parameter-server shard of rank >= 1 as it starts (--servers S > 1; gathered by rank 0 with the
+    workers' records): `shard` its number, and its process, by which rank 0 names it when it dies."""
+
+    rank: int
+    shard: int
+    host: str
+    pid: int

@@ -21,6 +21,8 @@ from mpi4py import MPI
 from mpiasgd import __version__, checkpoint
 from mpiasgd.comms import Staging, make_staging
 from mpiasgd.comms.protocol import HEADER_BYTES
+from mpiasgd.comms.shards import ShardCut
+from mpiasgd.comms.staging import make_sharded_staging
 from mpiasgd.config import Config, ConfigError
 from mpiasgd.data import DataError, ShardSampler, default_data_dir
 from mpiasgd.data.loader import open_data
@@ -45,11 +47,13 @@ MAX_MESSAGE_VALUES = (2**31 - 1 - HEADER_BYTES) // 4  # float32 values in one me
 
 @dataclass
 class Startup:
-    """What start-up leaves a rank. Every rank: `mode`, `dataset`, `model` (the server's: numpy),
-    `backend`, `device` (a DeviceInfo, or None), `layout`, `samplers` (every shard's ShardSampler, by shard
-    number). Rank 0: `path` of the run log, `lock` (held until the log is closed), `checkpoint` (resuming).
-    A worker: `sampler`, `test_idx` (int64), its `staging` and `make_staging()` for another like it,
-    `autotune` (plans chosen at start-up)."""
+    """What start-up leaves a rank. Every rank: `mode`, `dataset`, `model` (the server ranks': numpy),
+    `backend`, `device` (a DeviceInfo, or None), `layout`, `samplers` (every data shard's ShardSampler, by
+    shard number), `cut` (--servers S > 1: the parameter-server shards' ShardCut; None with one server).
+    Rank 0: `path` of the run log, `lock` (held until the log is closed), `checkpoint` (resuming).
+    A worker: `sampler`, `test_idx` (int64), its `staging` (with S > 1 a ShardedStaging) and `make_staging()`
+    for another like it (None with S > 1), `autotune` (plans chosen at start-up). A shard of rank >= 1 keeps
+    only what every rank has."""
 
     mode: Mode
     dataset: Any
@@ -66,6 +70,7 @@ class Startup:
     make_staging: Any = None
     autotune: list[str] = field(default_factory=list)
     samplers: list[ShardSampler] = field(default_factory=list)
+    cut: ShardCut | None = None
     rank0: Any = None  # rank 0's loop once it runs (`mpiasgd.rank0.serve.log_unwritable` needs it)
 
     def release(self) -> None:
@@ -212,13 +217,16 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
     from mpiasgd.model import build_model
     from mpiasgd.model.layers import BatchNorm2d, walk
 
-    if cfg.servers > 1:  # the shards exchange through MPI from the next change on; in-process they work
-        raise ConfigError(f"config key 'servers' = {cfg.servers}: expected 1 (sharded parameter servers are not "
-                          "launched by mpiasgd train yet)")
     if me.size < 2:
         raise ConfigError(f"mpiasgd train needs at least 2 MPI ranks (1 parameter server + workers), got {me.size}; "
                           "launch it with e.g. 'mpiexec -n 3 python -m mpiasgd train'")
-    backend, device = ("numpy", None) if me.is_server else worker_backend(cfg, me, local_rank)
+    if me.num_workers < 1:
+        S = cfg.servers
+        raise ConfigError(f"mpiasgd train --servers {S} needs at least {S + 1} MPI ranks ({S} parameter-server "
+                          f"shards + workers), got {me.size}; launch it with e.g. 'mpiexec -n {S + 2} python -m "
+                          f"mpiasgd train --servers {S}' (2 workers)")
+    # the server ranks (rank 0 and the shards) keep host weights: always numpy, no GPU
+    backend, device = ("numpy", None) if not me.is_worker else worker_backend(cfg, me, local_rank)
     try:
         model = build_model(spec, backend)  # the server keeps host weights: always numpy
     except ValueError as e:
@@ -264,9 +272,13 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
     if cfg.batch_size > smallest_shard:
         raise ConfigError(f"config key 'batch_size' = {cfg.batch_size}: larger than the smallest worker shard "
                           f"({smallest_shard} images: {dataset.num_train} over {layout.shards} shards)")
-    out = Startup(mode, dataset, model, backend, device, layout, samplers=samplers)
-    if me.is_server:
+    # --servers S > 1: the slices of the shards (ShardError, a ValueError, for a model too small to cut)
+    cut = ShardCut.balanced(model.num_params, model.num_buffers, cfg.servers) if cfg.servers > 1 else None
+    out = Startup(mode, dataset, model, backend, device, layout, samplers=samplers, cut=cut)
+    if me.is_rank0:
         open_run_log(cfg, me, out, resumed)
+        return out
+    if me.is_shard:  # (shards of rank >= 1) the dataset's size, the model's initial weights: nothing more
         return out
     out.sampler = samplers[layout.shard[me.rank]]
     out.test_idx = test_slice(dataset.num_test, me.num_workers, me.rank)
@@ -278,6 +290,9 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
     cuda_aware = backend == "cupy" and resolve_cuda_aware(cfg.cuda_aware, query)
     count = message_count(model)  # weights or gradient, then the layers' buffers
     feedback = worker_feedback(cfg, model)  # --wire-error-feedback: one residual, shared by both stagings
+    if cut is not None:  # one message per shard each way (no --overlap: one staging)
+        out.staging = make_sharded_staging(backend, cut, wire=cfg.wire, feedback=feedback)
+        return out
     out.staging = make_staging(backend, cuda_aware, count, wire=cfg.wire, feedback=feedback)  # reused every step
     out.make_staging = lambda: make_staging(backend, cuda_aware, count, wire=cfg.wire,
                                             feedback=feedback)  # --overlap: a second one
@@ -298,7 +313,8 @@ def open_run_log(cfg: Config, me: Rank, out: Startup, resumed: checkpoint.Checkp
         ckpt = out.checkpoint = resumed if resumed is not None else checkpoint.load(cfg.resume)
         if ckpt.num_workers != me.num_workers:
             raise ConfigError(f"--resume: checkpoint '{cfg.resume}' was written by a run with {ckpt.num_workers} "
-                              f"workers; this job has {me.num_workers} (launch {1 + ckpt.num_workers} ranks)")
+                              f"workers; this job has {me.num_workers} (launch {me.servers + ckpt.num_workers} "
+                              "ranks)")
         # the log lives next to its checkpoint, wherever the job is started from
         out.path = os.path.join(os.path.dirname(os.path.abspath(cfg.resume)), os.path.basename(ckpt.log))
         check_fits(ckpt, cfg, me, out.model)
@@ -362,6 +378,10 @@ def check_fits(ckpt: checkpoint.Checkpoint, cfg: Config, me: Rank, model: Any) -
     ranks = sorted(int(r) for r in ckpt.workers["rank"])
     if ranks != list(range(1, me.num_workers + 1)):
         raise ConfigError(f"{where} holds workers {ranks}, this job has workers 1..{me.num_workers}")
+    shards = ckpt.shard_versions.size or 1
+    if shards != cfg.servers:  # (the config refuses a change first: 'servers' is fixed on resume)
+        raise ConfigError(f"{where} holds the state of {shards} parameter-server shard(s); this job has "
+                          f"--servers {cfg.servers} (a resumed run keeps its shards)")
     if not ckpt.log.endswith(".h5"):
         raise ConfigError(f"{where} names its run log {ckpt.log!r}, expected NAME.h5")
 def left_behind(path: str, lock: WriterLock) -> str:
@@ -436,7 +456,7 @@ def report_startup_errors(me: Rank, error: str | None) -> bool:
     errors = me.comm.allgather(error)
     if not any(errors):
         return False
-    if me.is_server:
+    if me.is_rank0:
         by_text: dict[str, list[int]] = {}
         for r, text in enumerate(errors):
             if text:

@@ -53,6 +53,18 @@ of a send buffer (numpy backend; a GPU worker's `Staging` moves them). A receive
 push it answers is sent; a buffer is written only after its send completed and read only after its
 receive completed. With `--overlap` there are two of each.
 
+`--servers S` (`mpiasgd.comms.shards`): S parameter-server shards, rank 0 and ranks N+1..N+S-1, each an
+AsgdServer (or SspServer) on its contiguous slice of the parameters (shard 0 also carries the layer
+buffers), with its own optimizer state and version counter; `AsgdMode.rank0` gives each rank its slice. Every
+rule above applies per shard: the staleness of a push is counted on each shard's own versions, DC-ASGD
+corrects each slice with that shard's w_pulled, --lookahead looks ahead along each shard's velocity, ssp
+holds replies on each shard's clocks. A worker (`train_sharded`) posts its S receives, then its S pushes
+(each carrying the version of that shard's slice it was computed from), and waits for all S replies; the
+step size, flags and buffers come from shard 0. Only rank 0 decides when the run stops (the other shards
+hear it, `mpiasgd.rank0.shards`); a worker that gets STOP from one shard and WEIGHTS from another sends the
+latter FINISH and waits for its STOP, so all evaluate the same final weights. With S = 1 nothing of this
+runs. --overlap is refused with S > 1.
+
 `--wire fp16|bf16` (`mpiasgd.comms.wire`): PUSH, WEIGHTS and STOP carry their P + B values in 2 bytes
 each, rounded to nearest even. Rank 0 keeps the master weights, the momentum and all other state in
 float32: it decodes a push into one float32 buffer (`decoded`) before the finite check, DC-ASGD and the
@@ -78,7 +90,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpiasgd import checkpoint
-from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
+from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag, check, check_size, parse_tag, wait, wait_all
 from mpiasgd.comms.shards import ShardCut
 from mpiasgd.comms.wire import WIRES, decode, encode
 from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, initial_buffers, lr_scale, need, round_fits
@@ -147,19 +159,31 @@ class AsgdServer(Role):
         self.compensation = DelayCompensation(P, cfg.dc_lambda, cfg.dc_adaptive) if cfg.dc_lambda else None
         self.schedule = Schedule.of(cfg)
         self.started: set[int] = set()        # workers sent their first weights (--warm-start holds back some)
+        self.finishing: set[int] = set()      # --servers: workers that sent FINISH before this shard stopped
         self.held_s = dict.fromkeys(self.workers, 0.0)  # ssp: how long the last reply to each worker was held
 
     # --- the loop's questions ---
     def handlers(self) -> dict:
-        return {Tag.PUSH: self.on_push, Tag.EVAL: self.on_eval}
+        if self.cut.shards == 1:
+            return {Tag.PUSH: self.on_push, Tag.EVAL: self.on_eval}
+        if self.shard == 0:  # --servers: rank 0 also takes the EVALs
+            return {Tag.PUSH: self.on_push, Tag.FINISH: self.on_finish, Tag.EVAL: self.on_eval}
+        return {Tag.PUSH: self.on_push, Tag.FINISH: self.on_finish}
 
     def buffer_for(self, tag: Tag, source: int) -> Message | None:
         return self.inbox[source] if tag == Tag.PUSH else None
 
+    def whose(self, tag: Tag) -> str:
+        if self.cut.shards == 1 or tag != Tag.PUSH:
+            return ""
+        a, b = self.cut.slice(self.shard)
+        tail = f" and the {self.buffers.size} layer buffers" if self.buffers.size else ""
+        return f" for parameter-server shard {self.shard} of {self.cut.shards} (parameters [{a:,}, {b:,}){tail})"
+
     def begin(self) -> None:
         """Send the first weights: to every worker, or (--warm-start, not on a resume) to the first one only."""
         cfg = self.cfg
-        if cfg.async_momentum != "fixed":  # said once, on the console and in the log's events
+        if cfg.async_momentum != "fixed" and self.shard == 0:  # said once, on the console and in the log's events
             momentum = float(self.optimizer.momentum)
             off = " (Nesterov off: it needs a momentum > 0)" if cfg.nesterov and not momentum else ""
             text = (f"the server's momentum is {momentum:g} (--momentum {cfg.momentum:g}, --async-momentum "
@@ -178,18 +202,33 @@ class AsgdServer(Role):
         self.rec.check_stop()
         if len(self.started) < len(self.workers) and (self.rec.now() >= self.cfg.warm_start or self.rec.stop_reason):
             self.start_workers()
+        self.answer_finishing()
         if self.periodic.due():  # --eval-interval: the workers running now evaluate their next reply's weights
             self.periodic.ask([w for w in self.workers if w in self.started and w not in self.stopped])
+
+    def answer_finishing(self) -> None:
+        """(--servers) Once this shard has stopped: STOP, with its final slice, to each worker that sent FINISH."""
+        if self.finishing and self.rec.stop_reason:
+            for w in sorted(self.finishing):
+                self.stopped.add(w)
+                self.periodic.withdraw(w)
+                self.send(w, Tag.STOP, self.last_step[w])
+            self.finishing.clear()
 
     def waits_for_rank0(self, w: int) -> bool:
         return w not in self.started
 
     def state(self, reason: str) -> checkpoint.Checkpoint:
-        """The training state now: rank 0 holds all of it."""
+        """The training state now: rank 0 holds all of it (--servers S > 1: it asks the other shards for their
+        slices, `mpiasgd.rank0.shards.ShardHub.assemble`)."""
         velocity = self.optimizer.velocity
-        return self.rec.checkpoint(self.params, np.zeros_like(self.params) if velocity is None else velocity,
-                                   reason, {w: (self.last_step[w], self.cursor[w]) for w in self.workers},
-                                   self.rec.train_time(), self.current_buffers())
+        params, momentum = self.params, np.zeros_like(self.params) if velocity is None else velocity
+        versions = None
+        if self.cut.shards > 1:
+            params, momentum, versions = self.r0.link.assemble(params, momentum)
+        return self.rec.checkpoint(params, momentum, reason,
+                                   {w: (self.last_step[w], self.cursor[w]) for w in self.workers},
+                                   self.rec.train_time(), self.current_buffers(), versions)
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
         super().restore(ckpt)
@@ -231,7 +270,7 @@ class AsgdServer(Role):
         if self.buffers.size:  # the mean buffers go with weights the worker evaluates (STOP, EVALUATE)
             encode(self.wire, self.current_buffers() if initial or tag == Tag.STOP or number else self.buffers,
                    out.payload[self.P:])  # (fp32: a copy)
-        flags = Flag.PREEMPT if tag == Tag.STOP and self.r0.preempted else 0
+        flags = Flag.PREEMPT if tag == Tag.STOP and self.r0.stops_on_signal else 0
         if initial and self.rec.resumed is not None:  # the worker continues its step count and data position
             flags |= Flag.RESUME
         if number:
@@ -249,7 +288,7 @@ class AsgdServer(Role):
             text = (f"the run stopped before the warm start ended: workers {late} never trained" if rec.stop_reason
                     else f"the other workers start at version {rec.version}")
             rec.event("warm_start_end", text)
-            if rec.stop_reason:
+            if rec.stop_reason and self.shard == 0:
                 print(f"mpiasgd: warning: {text} (--warm-start {self.cfg.warm_start:g} s)", file=sys.stderr,
                       flush=True)
         self.on_start(late)
@@ -276,6 +315,22 @@ class AsgdServer(Role):
     def answer(self, w: int, step: int) -> None:
         """How a push is answered: at once (ssp may hold it)."""
         self.reply(w, step)
+
+    def on_finish(self, w: int, msg: Message) -> None:
+        """(--servers S > 1) FINISH from worker `w`: another shard answered its last push with STOP, this one
+        with WEIGHTS. Answered with STOP and this shard's final slice now if it has stopped applying, else
+        once it has (`tick`, after rank 0's SHARD_STOP). ProtocolError for a FINISH out of turn."""
+        step = int(msg.header["step"])
+        where = f"rank {self.rank} (parameter-server shard {self.shard})"
+        if w in self.stopped or w in self.finishing or w not in self.started:
+            why = "it was sent STOP" if w in self.stopped else "its FINISH" if w in self.finishing else \
+                "before its first weights"
+            raise ProtocolError(f"{where}: FINISH step {step} from worker rank {w} after {why}")
+        if step != self.last_step[w]:
+            raise ProtocolError(f"{where}: FINISH from worker rank {w} has step {step}, expected {self.last_step[w]} "
+                                f"(its last push, answered with WEIGHTS)")
+        self.finishing.add(w)
+        self.answer_finishing()  # at once if this shard has stopped
 
     # --- a push ---
     def on_push(self, w: int, msg: Message) -> None:
@@ -379,6 +434,9 @@ class AsgdWorker(WorkerLoop):
         return loss / samples, correct, samples, epoch
 
     def train(self) -> None:
+        if self.cfg.servers > 1:
+            self.train_sharded()
+            return
         cfg, model, rank = self.cfg, self.model, self.rank
         ops = model.ops
         # one staging, or two with --overlap: the weights of one reply are in use while the next arrives
@@ -449,6 +507,128 @@ class AsgdWorker(WorkerLoop):
             self.buffers_from(stagings[cur].params)
         self.bind(stagings[cur].params, stagings[cur].grads)
 
+    # --- --servers S > 1: one message per shard each way ---
+    def train_sharded(self) -> None:
+        """The loop of `train` with S parameter-server shards (`mpiasgd.comms.shards`): after each round the S
+        pushes (the push to shard s carries its slice of the gradient and the version of shard s's slice it
+        was computed from) are posted together, after the S receives of their replies, and the next round
+        starts once all S replies arrived. `self.staging` is a ShardedStaging. The replies' flags, step size
+        and buffers come from shard 0 (rank 0). When one shard answers STOP, every shard that answered the
+        same push with WEIGHTS is sent FINISH and answers with STOP and its final slice (`finish_shards`)."""
+        cfg, model, rank = self.cfg, self.model, self.rank
+        st = self.staging
+        ranks = st.cut.ranks(self.comm.Get_size() - cfg.servers)
+        S = len(ranks)
+        pushes = SendSlots(list(range(S)), "push", rank, cfg.worker_timeout)  # slot s: the push to shard s
+        versions = [-1] * S  # the version of each shard's slice the weights in use came with
+        receives = self.post_replies(ranks)
+        tags, wait_s = self.receive_replies(receives, ranks, versions, "initial weights",
+                                            cfg.worker_timeout + cfg.warm_start, initial=True)
+        self.buffers_from(st.params)  # rank 0's buffers to start from; this worker's own after
+        began = time.perf_counter() - self.elapsed
+        local = LocalSGD(model, cfg.momentum, cfg.weight_decay, nesterov=cfg.nesterov) if cfg.nsync > 1 else None
+        pulled = model.ops.empty(model.num_params) if local else None  # the weights at the start of this round
+        comm_s = 0.0
+        self.bind(st.params, st.grads)
+        while Tag.STOP not in tags:
+            head = st.weights[0].header  # rank 0's: the step size, the flags
+            lr = float(head["lr"])
+            t = time.perf_counter()
+            for s in range(S):
+                pushes.take(s)
+            t0 = time.perf_counter()
+            comm_s += t0 - t
+            if int(head["flags"]) & Flag.EVALUATE:  # --eval-interval: these weights first (rank 0's buffers)
+                self.evaluate_during_training(int(head["epoch"]), versions[0], st.params)
+                t0 = time.perf_counter()
+            loss, correct, samples, epoch = self.compute_round(
+                local, pulled, lr, lambda: self.signalled() or bool(
+                    cfg.max_time and time.perf_counter() - began >= cfg.max_time))
+            self.buffers_into(st.grads)
+            st.finish_compute()  # cupy: device sync point
+            self.straggle(t0)
+            t1 = time.perf_counter()
+            self.step += 1
+            flags = (Flag.DELTA if local is not None else 0) | (Flag.PREEMPT if self.signalled() else 0)
+            data_s = self.take_data_s()
+            for s in range(S):
+                st.push[s].stamp(Tag.PUSH, rank, step=self.step, version=versions[s], samples=samples, epoch=epoch,
+                                 correct=correct, loss=loss, compute_s=t1 - t0, comm_s=comm_s, wait_s=wait_s,
+                                 lr=lr, cursor=self.cursor, data_s=data_s, flags=flags)
+            st.before_send()  # each slice of the gradient into its shard's push (encoded: 16-bit wire)
+            receives = self.post_replies(ranks)  # every receive is posted before its push is sent
+            for s in range(S):
+                pushes.post(s, self.comm.Isend(st.send_bufs[s], dest=ranks[s], tag=int(Tag.PUSH)))
+            comm_s = time.perf_counter() - t1
+            tags, wait_s = self.receive_replies(receives, ranks, versions, f"reply to push step {self.step}")
+        pushes.drain()
+        self.finish_shards(tags, ranks, versions)
+        self.buffers_from(st.params)  # the final weights, and rank 0's mean buffers: what the snapshot holds
+        self.bind(st.params, st.grads)
+
+    def post_replies(self, ranks: list[int]) -> list:
+        """Post the receive of each shard's next reply (WEIGHTS or STOP) into its buffer; the requests."""
+        return [self.comm.Irecv(buf, source=r, tag=MPI.ANY_TAG) for buf, r in zip(self.staging.recv_bufs, ranks,
+                                                                                  strict=True)]
+
+    def receive_replies(self, receives: list, ranks: list[int], versions: list[int], what: str,
+                        timeout: float = 0.0, initial: bool = False) -> tuple[list[Tag], float]:
+        """Wait for every shard's reply (each within `timeout`, default the worker's: CommTimeout naming the
+        shard and its rank), check each (`check_reply`), then copy them into the bound weights; returns
+        (their tags, seconds waited)."""
+        t = time.perf_counter()
+        tags = []
+        for s, (request, r) in enumerate(zip(receives, ranks, strict=True)):
+            status = MPI.Status()
+            wait(request, f"{what} from parameter-server shard {s} (rank {r})", self.rank,
+                 timeout or self.cfg.worker_timeout, status)
+            tags.append(self.check_reply(s, r, status, versions, initial))
+        self.staging.after_receive()
+        return tags, time.perf_counter() - t
+
+    def check_reply(self, s: int, r: int, status: Any, versions: list[int], initial: bool = False) -> Tag:
+        """The tag of shard `s`'s reply (from rank `r`), after the checks of `receive_weights` against that
+        shard's last version (`versions[s]`, updated); a resumed run's initial weights from shard 0 set this
+        worker's step, data position and clock. ProtocolError naming the shard."""
+        msg = self.staging.weights[s]
+        tag = parse_tag(status.Get_tag(), status.Get_source(), self.rank)
+        shard = f"parameter-server shard {s} (rank {r})"
+        if tag not in (Tag.WEIGHTS, Tag.STOP):
+            raise ProtocolError(f"rank {self.rank}: expected WEIGHTS or STOP from {shard}, got {tag.name}")
+        check_size(tag, r, self.rank, status.Get_count(MPI.BYTE), msg.count, msg.wire, f" from {shard}")
+        check(msg, tag, r, self.rank)
+        version, step, flags = int(msg.header["version"]), int(msg.header["step"]), int(msg.header["flags"])
+        if initial and s == 0 and flags & Flag.RESUME:
+            self.resume(msg.header)
+        if tag == Tag.STOP and flags & Flag.PREEMPT:
+            self.preempted = True
+        if step != self.step or version < versions[s]:
+            raise ProtocolError(f"rank {self.rank}: {tag.name} from {shard} answers step {step} at version {version}; "
+                                f"expected step {self.step} at version >= {versions[s]}")
+        versions[s] = version
+        if s == 0:
+            self.version = version
+        return tag
+
+    def finish_shards(self, tags: list[Tag], ranks: list[int], versions: list[int]) -> None:
+        """Some shard answered STOP: ask each shard that answered WEIGHTS for its final slice (FINISH) and wait
+        for its STOP; the bound weights are then every shard's final slice."""
+        open_ = [s for s, tag in enumerate(tags) if tag == Tag.WEIGHTS]
+        if not open_:
+            return
+        ask = Message(0).stamp(Tag.FINISH, self.rank, step=self.step)  # read by every send, written by none
+        receives = {s: self.comm.Irecv(self.staging.recv_bufs[s], source=ranks[s], tag=MPI.ANY_TAG) for s in open_}
+        sends = [self.comm.Isend(ask.buf, dest=ranks[s], tag=int(Tag.FINISH)) for s in open_]
+        for s in open_:
+            status = MPI.Status()
+            wait(receives[s], f"final weights (STOP, after FINISH step {self.step}) from parameter-server shard {s} "
+                 f"(rank {ranks[s]})", self.rank, self.cfg.worker_timeout, status)
+            if self.check_reply(s, ranks[s], status, versions) != Tag.STOP:
+                raise ProtocolError(f"rank {self.rank}: parameter-server shard {s} (rank {ranks[s]}) answered FINISH "
+                                    f"with WEIGHTS, expected STOP")
+        wait_all(sends, "completion of the FINISH sends", self.rank, self.cfg.worker_timeout)
+        self.staging.after_receive()
+
 
 class AsgdMode(Mode):
     name = "async"
@@ -465,6 +645,8 @@ class AsgdMode(Mode):
         need(0 <= cfg.dc_adaptive < 1, cfg, "dc_adaptive", "a decay 0 <= m < 1 (0 = a constant lambda)")
         need(not cfg.dc_adaptive or cfg.dc_lambda > 0, cfg, "dc_adaptive", "0 without --dc-lambda (it adapts lambda)")
         need(cfg.servers >= 1, cfg, "servers", "an integer >= 1 (parameter-server shards)")
+        need(cfg.servers == 1 or not cfg.overlap, cfg, "overlap", "False with --servers > 1 (a worker exchanges "
+             "with every shard at once; overlapping that with compute is not built)")
         need(cfg.lookahead == -1 or 0 <= cfg.lookahead <= 1e3, cfg, "lookahead", "updates from 0 (off) to 1000, or "
              "-1 (auto: the other workers, N - 1)")
         if cfg.lookahead:

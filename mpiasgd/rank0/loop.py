@@ -13,6 +13,13 @@ the figures. The loop itself:
              rank 0's own process) ends the run naming it; --stall-warning warns first
     preempt  a signal (here, or flagged by a worker): stop, checkpoint where rank 0 holds the state,
              end within PREEMPT_GRACE seconds (Preempted naming the workers that did not answer)
+
+With `--servers S > 1` every parameter-server shard runs this loop with its role (the mode's server on its
+slice), and a `link` (`mpiasgd.rank0.shards`) joins them: on rank 0 the ShardHub (the other shards' rows,
+their slices for snapshots and checkpoints, the stop decision told to them, their silence watched), on a
+shard of rank >= 1 the HubLink (rank 0's messages; its rows sent; a signal reported to rank 0, which alone
+decides). The link names which ranks may send which message (`senders`). A shard keeps no log: its
+recorder (`mpiasgd.rank0.shard_recorder`) writes nothing, and it ends when rank 0 says END.
 """
 
 from __future__ import annotations
@@ -44,12 +51,14 @@ PREEMPT_GRACE = 5.0  # seconds the workers have to answer after a preemption sig
 
 
 class WorkerFailed(RuntimeError):
-    """A worker reported an exception (ERROR message); `rank` and `text` (its traceback) are kept."""
+    """A worker (or, `--servers`, a parameter-server shard: `who` = "parameter-server shard") reported an
+    exception (ERROR message); `rank`, `who` and `text` (its traceback) are kept."""
 
-    def __init__(self, rank: int, text: str) -> None:
-        super().__init__(f"worker rank {rank} failed:\n{text}")
+    def __init__(self, rank: int, text: str, who: str = "worker") -> None:
+        super().__init__(f"{who} rank {rank} failed:\n{text}")
         self.rank = rank
         self.text = text
+        self.who = who
 
 
 class Preempted(RuntimeError):
@@ -69,11 +78,13 @@ class Rank0:
     """Rank 0 of a run: serves the workers 1..len(workers) over `comm` with `role` (built by
     `make_role(rank0)`, a mode's rank-0 part) and records into `rec` (a Recorder).
 
-    `cfg` gives comm_timeout and stall_warning (seconds). `pids` ({worker: (host, pid)}) names dead
-    workers on this host when a signal comes.
+    `cfg` gives comm_timeout and stall_warning (seconds). `pids` ({rank: (host, pid)} of the workers and the
+    other shards) names dead ones on this host when a signal comes. `make_link(rank0)` (--servers S > 1) makes
+    the link to the other shards (module docstring); None: one server.
     """
 
-    def __init__(self, comm: Any, cfg: Any, rec: Recorder, make_role: Any, pids: dict | None = None) -> None:
+    def __init__(self, comm: Any, cfg: Any, rec: Recorder, make_role: Any, pids: dict | None = None,
+                 make_link: Any = None) -> None:
         self.comm, self.cfg, self.rec = comm, cfg, rec
         self.rank = comm.Get_rank() if comm is not None else 0  # 0, or a parameter-server shard's (--servers)
         self.workers = rec.workers
@@ -88,29 +99,53 @@ class Rank0:
         self.late_signal = ""                 # a signal that came while the run was already ending
         self.preempt_time: float | None = None
         self.preempt_deadline = 0.0
+        self.lost_state: list[int] = []       # --servers: shards that died (their slices could not be saved)
         self.header_only = Message(0)         # EVAL, REPORT: received and handled one at a time
         self.role = make_role(self)
+        self.link = make_link(self) if make_link is not None else None
         rec.stop_workers = self.role.stop_workers
 
     # --- the loop ---
+    @property
+    def decides(self) -> bool:
+        """This rank decides the run (rank 0: it stops it, preempts it, snapshots and checkpoints it); False
+        on a parameter-server shard of rank >= 1."""
+        return self.link is None or self.link.decides
+
     def run(self) -> dict:
         """Serve until the role is done; returns the summary dict."""
         self.rec.begin()
-        self.rec.snapshot(self.role.params, self.role.current_buffers())
+        if self.decides:
+            self.rec.snapshot(*self.weights())
         self.role.begin()
         self.serve()
         return self.finish()
 
+    def done(self) -> bool:
+        """The loop's end: the role's (every worker's EVAL); a shard of rank >= 1: rank 0's END."""
+        return self.role.done() if self.link is None else self.link.done()
+
+    def weights(self) -> tuple:
+        """(params (P,), buffers (B,)) float32 of a snapshot: the role's, or (--servers) every shard's slice."""
+        if self.link is None:
+            return self.role.params, self.role.current_buffers()
+        return self.link.weights()
+
     def serve(self) -> None:
-        """Handle messages until `role.done()`, then complete every send."""
+        """Handle messages until `done()`, then complete every send."""
         backoff = Backoff()
-        while not self.role.done():
+        while not self.done():
             self.check_grace()
             try:
                 timeout = PREEMPT_GRACE if self.preempted or self.late_signal else self.cfg.comm_timeout
-                message, status = probe(self.comm, self.rank, timeout, "message from any worker", backoff,
-                                        idle=self.tick)
+                if not self.decides:  # a shard waits as a worker does; rank 0 sends ALIVE meanwhile
+                    timeout = self.cfg.worker_timeout
+                message, status = probe(self.comm, self.rank, timeout, "message from any worker" if self.decides
+                                        else "message from rank 0 or any worker", backoff, idle=self.tick)
             except CommTimeout as e:
+                if not self.decides:
+                    raise CommTimeout(f"{e} (parameter-server shard rank {self.rank}: rank 0 sends one at least "
+                                      f"every {self.cfg.comm_timeout / 4:g} s; it is hung or gone)") from None
                 if self.preempted or self.late_signal:
                     self.end_late()
                     raise Preempted(self.preempted, self.role.waiting_for()) from None
@@ -125,20 +160,33 @@ class Rank0:
             self.handle(message, status)
             self.last_seen[status.Get_source()] = self.rec.now()
             self.tick()
-        wait_all(self.role.pending_sends(), "completion of the final sends", self.rank, self.cfg.comm_timeout)
+        pending = self.role.pending_sends() + (self.link.pending_sends() if self.link is not None else [])
+        wait_all(pending, "completion of the final sends", self.rank, self.cfg.comm_timeout)
 
     def handle(self, message: Any, status: Any) -> None:
-        """Receive one probed message and hand it to the role; ProtocolError on anything outside the protocol."""
+        """Receive one probed message and hand it to the role (or the link); ProtocolError on anything outside
+        the protocol."""
         source = status.Get_source()
         tag = protocol.parse_tag(status.Get_tag(), source, self.rank)
         nbytes = status.Get_count(MPI.BYTE)
-        if source not in self.workers:
-            raise ProtocolError(f"rank 0: {tag.name} message from rank {source}, which is not a worker "
-                                f"(workers are ranks 1..{len(self.workers)})")
+        if self.link is None:  # one server: every message comes from a worker
+            if source not in self.workers:
+                raise ProtocolError(f"rank 0: {tag.name} message from rank {source}, which is not a worker "
+                                    f"(workers are ranks 1..{len(self.workers)})")
+        else:  # --servers: the link names who may send what (workers, rank 0, the other shards)
+            senders = self.link.senders(tag)
+            if source not in senders:
+                raise ProtocolError(f"rank {self.rank}: {tag.name} message from rank {source}, which may not send it "
+                                    f"here (from ranks {', '.join(map(str, senders)) or 'none'}; workers are "
+                                    f"ranks 1..{len(self.workers)})")
+            if tag in self.link.tags:
+                self.link.receive(tag, source, message, nbytes)
+                return
         if tag == Tag.ERROR:
             msg = Message(max(0, nbytes - protocol.HEADER_BYTES) // 4)
             message.Recv(msg.buf[:nbytes])
-            raise WorkerFailed(source, protocol.error_text(msg))
+            raise WorkerFailed(source, protocol.error_text(msg),
+                               "worker" if source in self.workers else "parameter-server shard")
         if tag == Tag.ALIVE:  # a worker busy evaluating: only its silence clock restarts (in `serve`)
             protocol.check_size(tag, source, self.rank, nbytes, 0)
             message.Recv(self.header_only.buf)
@@ -149,7 +197,8 @@ class Rank0:
             raise ProtocolError(f"rank 0: unexpected {tag.name} message from rank {source} (in mode "
                                 f"'{self.cfg.mode}' rank 0 receives {', '.join(t.name for t in handlers)} and ERROR)")
         msg = self.role.buffer_for(tag, source) or self.header_only
-        protocol.check_size(tag, source, self.rank, nbytes, msg.count, msg.wire)
+        protocol.check_size(tag, source, self.rank, nbytes, msg.count, msg.wire,
+                            self.role.whose(tag) if msg is not self.header_only else "")
         message.Recv(msg.buf)
         protocol.check(msg, tag, source, self.rank)
         handlers[tag](source, msg)
@@ -160,10 +209,15 @@ class Rank0:
         rec, role = self.rec, self.role
         self.skip_pause()
         if signals.received() and not self.preempted and not self.late_signal:
-            self.preempt(f"{signals.received()} received by rank 0")
+            if self.decides:
+                self.preempt(f"{signals.received()} received by rank 0")
+            else:  # a shard: rank 0 decides (once)
+                self.link.signalled(signals.received())
         self.check_grace()  # also while the probe for the next message waits
         role.tick()
-        if self.stall_check.due(rec.now()):
+        if self.link is not None:
+            self.link.tick()
+        if self.decides and self.stall_check.due(rec.now()):
             self.check_stalls()
         self.duties()
 
@@ -172,19 +226,25 @@ class Rank0:
         flush, the progress bar."""
         rec, role = self.rec, self.role
         if role.snapshots_here and not rec.stop_reason and rec.snapshots.due(rec.now()):
-            rec.snapshot(role.params, role.current_buffers())
+            rec.snapshot(*self.weights())
         if role.checkpoints_here and not rec.stop_reason and rec.checkpoints.due(rec.now()):
             rec.write_checkpoint(role.state("interval"))
         rec.maybe_flush()  # and the TensorBoard point of the training figures (--tensorboard)
         rec.show_progress()
 
     def finish(self) -> dict:
-        """Final snapshot, checkpoint and evaluation rows; returns the summary (also stored as log attributes)."""
+        """Final snapshot, checkpoint and evaluation rows; returns the summary (also stored as log attributes).
+        A shard of rank >= 1 sends its last rows instead (and returns {})."""
+        if not self.decides:
+            self.link.finish()
+            return {}
         evals = self.role.final_evals(self.preempted)
         self.rec.finish_watch()
-        self.rec.snapshot(self.role.params, self.role.current_buffers())
+        self.rec.snapshot(*self.weights())
         if self.role.checkpoints_here and not self.preempted:  # a preempted run checkpointed when the signal came
             self.rec.write_checkpoint(self.role.state("end"))
+        if self.link is not None:  # the shards' last rows: their figures are complete for the summary
+            self.link.finish()
         self.rec.show_progress(force=True)  # the bar's last figures
         return self.rec.summary(evals, self.preempted)
 
@@ -200,7 +260,7 @@ class Rank0:
         self.last_tick = now
         if gap <= PAUSE_GAP:
             return
-        for w in self.workers:
+        for w in self.last_seen:  # the workers (and, --servers, the other shards)
             self.last_seen[w] = min(now, self.last_seen[w] + gap)
         text = (f"rank 0 was paused for {gap:.1f} s (its loop did not run: the process was stopped, starved or "
                 f"busy); not counted as the workers' silence")
@@ -210,7 +270,7 @@ class Rank0:
     def excuse(self, seconds: float) -> None:
         """Rank 0 was busy with work of its own for `seconds` (the pipeline's evaluation during training): the
         workers' messages waited meanwhile, so that time is not their silence, nor a pause of rank 0."""
-        for w in self.workers:
+        for w in self.last_seen:
             self.last_seen[w] = min(self.rec.now(), self.last_seen[w] + seconds)
         self.last_tick = self.rec.now()
 
@@ -236,6 +296,8 @@ class Rank0:
             names = ", ".join(f"rank {w} ({s:.1f} s)" for s, w in silent if s > limit)
             raise CommTimeout(f"rank 0: worker rank {silent[0][1]} has sent nothing for {silent[0][0]:.1f} s "
                               f"(--comm-timeout {limit:g} s): hung or very slow; silent longer than that: {names}")
+        if self.link is not None:  # the other shards send their rows at least every --comm-timeout / 4
+            self.link.check_silence(now, limit)
 
     # --- preemption ---
     def preempt(self, why: str) -> None:
@@ -244,7 +306,7 @@ class Rank0:
         rec = self.rec
         gone = self.exited_workers()
         if gone:  # a launcher sends SIGTERM to the other ranks when one dies: say which
-            why += "; " + ", ".join(f"worker rank {w} (pid {pid} on {host}) has exited" for w, host, pid in gone)
+            why += "; " + ", ".join(f"{self.name_of(w)} (pid {pid} on {host}) has exited" for w, host, pid in gone)
         elif rec.stop_reason:  # the run is already ending (final evaluation): let it, within the grace
             self.late_signal = why
             self.preempt_deadline = time.perf_counter() + PREEMPT_GRACE
@@ -258,7 +320,8 @@ class Rank0:
         self.preempt_reason = "failure" if gone else "preempt"
         self.preempt_deadline = time.perf_counter() + PREEMPT_GRACE
         rec.event("preempt", why)
-        checkpoints = self.role.checkpoints_here
+        self.lost_state = [w for w, _, _ in gone if w not in self.workers]  # --servers: a dead shard's slice
+        checkpoints = self.role.checkpoints_here and not self.lost_state  # (a lost slice: the last one is kept)
         doing = "ending the run" if gone and not checkpoints else "checkpointing and ending the run"
         print(f"mpiasgd: {why}: {doing}", file=sys.stderr, flush=True)
         rec.stop(f"{'failed' if gone else 'preempted'}: {why}")  # gone: a worker died
@@ -269,6 +332,21 @@ class Rank0:
         if gone:  # no use waiting for them: end now, before the launcher's SIGKILL, with the log closed
             raise Preempted(why, [w for w, _, _ in gone], dead=True)
 
+    def shard_died(self, gone: list[tuple[int, str, int]]) -> Preempted:
+        """(--servers) A parameter-server shard in `gone` ((rank, host, pid): its process exited) was found dead
+        while rank 0 waited for it: the run ends as when a worker dies (`preempt`), without a checkpoint (that
+        shard's slice is lost); returns the Preempted to raise."""
+        if not self.preempted:
+            try:
+                self.preempt(f"{signals.received()} received by rank 0" if signals.received() else
+                             "rank 0 waited for a parameter-server shard")
+            except Preempted as dead:
+                return dead
+        self.lost_state = [w for w, _, _ in gone]
+        why = f"{self.preempted}; " + ", ".join(f"{self.name_of(w)} (pid {pid} on {host}) has exited"
+                                                  for w, host, pid in gone)
+        return Preempted(why, self.lost_state, dead=True)
+
     def check_grace(self) -> None:
         """Preempted once PREEMPT_GRACE seconds have passed since a signal and the workers have not all
         answered (naming them); a signal that came while the run was ending first checkpoints (`end_late`)."""
@@ -277,9 +355,15 @@ class Rank0:
             raise Preempted(self.preempted, self.role.waiting_for())
 
     def signal_from(self, why: str) -> None:
-        """A worker's message flagged a signal (PREEMPT): preempt, unless the run already is."""
-        if not self.preempted and not self.late_signal:
+        """A worker's message flagged a signal (PREEMPT): preempt, unless the run already is (or this is a shard
+        of rank >= 1: the worker's push to rank 0 carries the same flag)."""
+        if not self.preempted and not self.late_signal and self.decides:
             self.preempt(why)
+
+    @property
+    def stops_on_signal(self) -> bool:
+        """The run ends on a signal: rank 0 preempted it (on a shard of rank >= 1: rank 0's SHARD_STOP said so)."""
+        return bool(self.preempted) or (self.link is not None and self.link.preempted)
 
     def end_late(self) -> None:
         """A signal came while the run was ending and the grace has passed: it ends as preempted, from a
@@ -290,8 +374,13 @@ class Rank0:
             if self.role.checkpoints_here:
                 self.rec.write_checkpoint(self.role.state("preempt"))
 
+    def name_of(self, rank: int) -> str:
+        """"worker rank R", or (--servers) "parameter-server shard rank R"."""
+        return f"worker rank {rank}" if rank in self.workers else f"parameter-server shard rank {rank}"
+
     def exited_workers(self) -> list[tuple[int, str, int]]:
-        """(rank, host, pid) of the workers on this rank's host whose process has exited (or is a zombie)."""
+        """(rank, host, pid) of the workers (and the other parameter-server shards) on this rank's host whose
+        process has exited (or is a zombie)."""
         gone = []
         for w, (host, pid) in self.pids.items():
             if host != self.host or not pid:
@@ -312,6 +401,11 @@ class Rank0:
         path, rec = self.rec.checkpoint_path, self.rec
         if rec.last_written is not None and self.preempt_time is not None and rec.last_written >= self.preempt_time:
             return f"checkpoint '{path}' written, continue with --resume"
+        if self.lost_state:
+            lost = ", ".join(map(str, self.lost_state))
+            return (f"no checkpoint written now (the slice of parameter-server shard rank {lost} is lost); " +
+                    (f"the last one, '{path}', is kept: continue from it with --resume" if os.path.isfile(path)
+                     else "there is no earlier one to resume from (see --checkpoint-interval)"))
         if os.path.isfile(path):
             return (f"no checkpoint written now (the state is on the workers); the last one, '{path}', is kept: "
                     f"continue from it with --resume")

@@ -29,7 +29,17 @@ from mpiasgd import checkpoint
 from mpiasgd.comms import Interval
 from mpiasgd.health import Finding, LossWatch
 from mpiasgd.optim import StopRule, snapshot_seconds
-from mpiasgd.runlog import CheckpointRow, EvalRow, EventRow, PeriodicEvalRow, PushRow, RunLog, SnapshotRow, UpdateRow
+from mpiasgd.runlog import (
+    CheckpointRow,
+    EvalRow,
+    EventRow,
+    PeriodicEvalRow,
+    PushRow,
+    RunLog,
+    ShardPushRow,
+    SnapshotRow,
+    UpdateRow,
+)
 from mpiasgd.runlog.tensorboard import TensorBoard
 
 
@@ -50,6 +60,30 @@ class Window:
         self.samples, self.time = samples, time  # rank 0's count and clock at the window's start
 
 
+class ShardFigures:
+    """(rank 0, --servers S > 1) Each parameter-server shard's figures, from the push rows it logged (shard 0)
+    or sent (the others): its version, and the staleness of the pushes it applied in this job (a resumed
+    run counts from its resume)."""
+
+    def __init__(self, shards: int) -> None:
+        self.versions = [0] * shards
+        self.staleness_sum = [0] * shards
+        self.staleness_max = [0] * shards
+        self.applied = [0] * shards
+
+    def count(self, shard: int, staleness: int, applied: bool) -> None:
+        if applied:
+            self.staleness_sum[shard] += int(staleness)
+            self.staleness_max[shard] = max(self.staleness_max[shard], int(staleness))
+            self.applied[shard] += 1
+
+    def summary(self) -> dict:
+        """The summary's per-shard entries (lists, shard 0 first)."""
+        return {"shard_versions": list(self.versions),
+                "shard_staleness_mean": [t / max(1, n) for t, n in zip(self.staleness_sum, self.applied, strict=True)],
+                "shard_staleness_max": list(self.staleness_max)}
+
+
 class Recorder:
     """Rank 0's account of the run, written to `log` (a RunLog).
 
@@ -57,7 +91,11 @@ class Recorder:
     on_divergence and the checkpoint's config; `workers` are the worker ranks; `num_train` the
     training images (one epoch); `progress` a tqdm bar or None; `health` the divergence watch.
     `stop_workers()` (set by the loop) tells the workers to stop when the watch ends the run.
+    With --servers S > 1 (`shards`, a ShardFigures) it also logs every shard's push rows (/shard_pushes).
     """
+
+    keeps_log = True   # it writes the run log, snapshots and checkpoints (a shard's recorder does not)
+    who = "rank 0"     # how its errors name the process
 
     def __init__(self, cfg: Any, log: RunLog, workers: range, num_train: int, progress: Any = None,
                  health: LossWatch | None = None) -> None:
@@ -76,14 +114,15 @@ class Recorder:
         self.rejects_in_row = dict.fromkeys(workers, 0)
         self.held_total = dict.fromkeys(workers, 0.0)   # ssp: seconds each worker's replies were held
         self.diverged = ""                    # --on-divergence stop: the symptom that ended the run
-        self.checkpoint_path = checkpoint.checkpoint_path(log.path)
+        self.checkpoint_path = checkpoint.checkpoint_path(log.path) if log is not None else ""
         self.model_spec = ""                  # the network's definition (JSON), stored with each checkpoint
         self.checkpoint_error = ""            # why the last checkpoint could not be written
         self.last_written: float | None = None  # run time of the last checkpoint this process wrote
         self.resumed: checkpoint.Checkpoint | None = None
         # --snapshot-interval -1 (auto): by the size of the weights (`optim.snapshot_seconds`)
-        self.snapshots = Interval(snapshot_seconds(cfg.snapshot_interval, log.snapshot_values()))
-        self.checkpoints = Interval(cfg.checkpoint_interval)
+        self.snapshots = Interval(snapshot_seconds(cfg.snapshot_interval, log.snapshot_values()) if log is not None
+                                  else 0.0)
+        self.checkpoints = Interval(cfg.checkpoint_interval if log is not None else 0.0)
         self.bar_refresh = Interval(0.5)
         self.stop_workers: Callable[[], None] = lambda: None
         self.tensorboard: TensorBoard | None = None   # --tensorboard (`serve` opens it)
@@ -91,6 +130,7 @@ class Recorder:
         self.window = Window()
         self.lr = float("nan")                         # the step size of the last update
         self.wire_bytes: dict[str, int] | None = None  # parameter-server modes: bytes pushed and pulled (count_wire)
+        self.shards: ShardFigures | None = None        # --servers S > 1: every shard's figures (`shard_push`)
 
     # --- clocks ---
     def now(self) -> float:
@@ -141,6 +181,9 @@ class Recorder:
                              staleness=staleness, loss=loss, correct=correct, samples=samples, epoch=epoch,
                              compute_s=compute_s, comm_s=comm_s, wait_s=wait_s, applied=applied, lr=lr,
                              rejected=rejected, held_s=held_s, digest=digest, data_s=data_s))
+        if self.shards is not None:  # shard 0's own row of the push
+            self.shard_push(shard=0, time=self.now(), worker=worker, step=step, base_version=base_version,
+                            version=version, staleness=staleness, applied=applied)
         win = self.window
         win.compute_s += float(compute_s)
         win.data_s += float(data_s)
@@ -149,6 +192,14 @@ class Recorder:
             win.loss += float(loss)
             win.correct += int(correct)
             win.images += int(samples)
+
+    def shard_push(self, *, shard: int, time: float, worker: int, step: int, base_version: int, version: int,
+                   staleness: int, applied: bool) -> None:
+        """(--servers S > 1) One row of /shard_pushes: a push as shard `shard` saw it, at `time` (rank 0's
+        clock); counted in that shard's figures (`shards`)."""
+        self.log.add(ShardPushRow(time=time, shard=shard, worker=worker, step=step, base_version=base_version,
+                                  version=version, staleness=staleness, applied=applied))
+        self.shards.count(shard, staleness, bool(applied))
 
     def update(self, *, version: int, lr: float, grad_norm: float = float("nan")) -> None:
         """One row of the updates table at the current figures (`version` and `samples` set first)."""
@@ -211,7 +262,8 @@ class Recorder:
         """(parameter-server modes) Count the bytes of the messages of the exchange, header included: `pushed`,
         of a PUSH rank 0 received (applied, rejected or drained); `pulled`, of a WEIGHTS or STOP it sent (the
         initial weights too). They are the summary's `wire_bytes_pushed` and `wire_bytes_pulled`, over this
-        job (a resumed run counts from its resume); modes that never call this have no such entries."""
+        job (a resumed run counts from its resume); modes that never call this have no such entries. With
+        --servers S > 1 they count rank 0's (shard 0's) messages only, about 1/S of the bytes moved."""
         if self.wire_bytes is None:
             self.wire_bytes = {"pushed": 0, "pulled": 0}
         self.wire_bytes["pushed"] += pushed
@@ -264,7 +316,7 @@ class Recorder:
             self.warn(f"worker rank {w} pushed a non-finite {what} at step {step}: rejected (not applied)")
         if self.rejects_in_row[w] >= self.cfg.max_rejects:
             raise TrainingDiverged(
-                f"rank 0: worker rank {w} pushed {self.rejects_in_row[w]} non-finite {what}s in a row "
+                f"{self.who}: worker rank {w} pushed {self.rejects_in_row[w]} non-finite {what}s in a row "
                 f"(steps {step - self.rejects_in_row[w] + 1}..{step}; --max-rejects {self.cfg.max_rejects}): "
                 f"training has diverged; {advice}")
 
@@ -274,9 +326,11 @@ class Recorder:
 
     # --- checkpoints ---
     def checkpoint(self, params: np.ndarray, momentum: np.ndarray, reason: str, steps: dict,
-                   elapsed: float, buffers: np.ndarray | None = None) -> checkpoint.Checkpoint:
+                   elapsed: float, buffers: np.ndarray | None = None,
+                   shard_versions: list[int] | None = None) -> checkpoint.Checkpoint:
         """A Checkpoint of `params`, `momentum` (float32 (P,)), the layers' `buffers` (float32 (B,)) and
-        `steps` ({worker: (step, cursor)}) with the run's figures; `elapsed` training seconds."""
+        `steps` ({worker: (step, cursor)}) with the run's figures; `elapsed` training seconds;
+        `shard_versions` (--servers S > 1) every shard's version, shard 0's (rank 0's) first."""
         rows = np.array([(w, steps[w][0], steps[w][1], self.rejected[w]) for w in self.workers],
                         dtype=checkpoint.WORKER_STATE)
         return checkpoint.Checkpoint(
@@ -286,7 +340,8 @@ class Recorder:
             staleness_sum=self.staleness_sum, staleness_max=self.staleness_max,
             staleness_count=self.staleness_count,
             buffers=np.zeros(0, np.float32) if buffers is None else np.array(buffers, np.float32),
-            model_spec=self.model_spec)
+            model_spec=self.model_spec,
+            shard_versions=np.array(shard_versions or [], np.int64))
 
     def write_checkpoint(self, ckpt: checkpoint.Checkpoint) -> bool:
         """Write `ckpt` atomically and log it (the checkpoints table); a failed write is a warning, not the
@@ -389,6 +444,8 @@ class Recorder:
         self.event("end", f"preempted ({preempted}): no final evaluation" if preempted
                    else f"test accuracy {accuracy:.4f} (top-5 {top5:.4f}) on {count} images")
         train_time = self.train_time()  # time lost to a resume, or spent on the final evaluation, is not training
+        if self.shards is not None:
+            self.shards.versions[0] = self.version
         return {
             "wall_time_s": self.now(),
             "train_time_s": train_time,
@@ -409,4 +466,5 @@ class Recorder:
             "health": self.health.final_state() if self.health is not None else "",
             "diverged": self.diverged,
             **{f"wire_bytes_{kind}": n for kind, n in (self.wire_bytes or {}).items()},
+            **(self.shards.summary() if self.shards is not None else {}),
         }

@@ -75,6 +75,11 @@ class Role:
         loop's header-only buffer."""
         return None
 
+    def whose(self, tag: Tag) -> str:
+        """What a size error of a `tag` message adds about the receiver ("": nothing; a parameter-server shard
+        names its slice)."""
+        return ""
+
     def begin(self) -> None:
         """The first sends (initial weights)."""
 

@@ -1,4 +1,5 @@
-"""Rank 0 of `mpiasgd train`: create (or continue) the run log, serve, close the log, say how it ended.
+"""Rank 0 of `mpiasgd train`: create (or continue) the run log, serve, close the log, say how it ended; and
+(`serve_shard`, --servers S > 1) the other parameter-server shards, which serve their slices and keep no log.
 
 Exit statuses: 0, EXIT_PREEMPTED (75) when a signal ended the run (the checkpoint is written),
 EXIT_DIVERGED (3) when --on-divergence stop ended it; a failed worker or a worker that died ends
@@ -25,7 +26,8 @@ ABORT_CODE = 1
 
 
 def announce(cfg: Any, me: Any, start: Any, workers: list) -> None:
-    """The first lines rank 0 prints: workers and their kind, model, dataset, the mode's layout."""
+    """The first lines rank 0 prints: workers and their kind, model, dataset, the mode's layout, and (--servers
+    S > 1) the shards' cut."""
     from mpiasgd import __version__
 
     model, dataset = start.model, start.dataset
@@ -43,11 +45,15 @@ def announce(cfg: Any, me: Any, start: Any, workers: list) -> None:
     lines = start.mode.describe(cfg, model, start.layout, me.num_workers)
     if lines:
         print(lines, flush=True)
+    if start.cut is not None:
+        print(start.cut.describe(me.num_workers), flush=True)
 
 
-def start_log(cfg: Any, me: Any, start: Any, workers: list, extra: dict | None = None) -> RunLog:
+def start_log(cfg: Any, me: Any, start: Any, workers: list, extra: dict | None = None,
+              shards: list | None = None) -> RunLog:
     """Create the run log, or (resuming) continue it; logs the resume's config changes and autotune events.
-    `extra`: more attributes of a new log (`mpiasgd simulate`: that it is simulated, and how)."""
+    `extra`: more attributes of a new log (`mpiasgd simulate`: that it is simulated, and how). `shards`
+    (--servers S > 1): the other shards' ShardInfo records; the cut and their processes become attributes."""
     from mpiasgd.config import from_mapping, resume_overrides
     from mpiasgd.launch.startup import versions
     from mpiasgd.optim import StopRule
@@ -62,6 +68,10 @@ def start_log(cfg: Any, me: Any, start: Any, workers: list, extra: dict | None =
              "num_train": int(dataset.train_y.size), "num_test": int(dataset.test_y.size),
              "data_source": dataset.source, "data_fingerprint": dataset.fingerprint, "command": " ".join(sys.argv),
              **start.layout.attrs, **(extra or {})}
+    sharded = {}
+    if start.cut is not None:
+        sharded = {**start.cut.attrs(), "shard_processes": [[i.rank, i.host, i.pid] for i in shards or []]}
+        attrs.update(sharded)
     rows = [w.row() for w in workers]
     if ckpt is not None and os.path.exists(start.path):
         log = RunLog.reopen(start.path, rows, cfg.flush_interval, start.lock, resumed_at=ckpt.log_time)
@@ -78,6 +88,8 @@ def start_log(cfg: Any, me: Any, start: Any, workers: list, extra: dict | None =
         log.add(EventRow(time=max(ckpt.log_time, log.last_time()), kind=b"overrides",
                          text=f"resumed with config changes: {text}; command: {' '.join(sys.argv)}"))
         log.file.attrs["config"] = cfg.to_json()
+        for key, value in sharded.items():  # this job's shard processes (the cut is the same: fixed on resume)
+            log.file.attrs[key] = value if isinstance(value, (str, int, float)) else json.dumps(value)
         epochs = ckpt.samples / dataset.train_y.size
         if StopRule.of(cfg).fraction(epochs, ckpt.version, ckpt.elapsed) >= 1:
             print(f"mpiasgd: warning: checkpoint '{ckpt.path}' already meets the stopping rule (version "
@@ -142,30 +154,35 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
             time.sleep(0.3)  # let the launcher forward the line before the abort tears the job down
             me.comm.Abort(2)
             return 2
-    workers = me.comm.gather(None, root=0)[1:]  # each worker's WorkerInfo, in rank order
+    gathered = me.comm.gather(None, root=0)
+    workers = gathered[1:me.num_workers + 1]  # each worker's WorkerInfo, in rank order
+    shards = gathered[me.num_workers + 1:]    # --servers S > 1: the other shards' ShardInfo
     announce(cfg, me, start, workers)
-    log = start_log(cfg, me, start, workers)
+    log = start_log(cfg, me, start, workers, shards=shards)
     params = model.init_params(cfg.seed)
     rec = make_recorder(cfg, start, log, me.num_workers, Recorder)
     bar = rec.progress
-    hosts = {w.rank: w.host for w in workers}
+    hosts = {w.rank: w.host for w in [*workers, *shards]}
+    from mpiasgd.rank0.shards import ShardHub
+
     r0 = Rank0(me.comm, cfg, rec, lambda r0: start.mode.rank0(r0, params, model.decay_mult(), model, dataset,
                                                               start.layout),
-               pids={w.rank: (w.host, w.pid) for w in workers})
+               pids={w.rank: (w.host, w.pid) for w in [*workers, *shards]},
+               make_link=ShardHub if start.cut is not None else None)
     if ckpt is not None:
         rec.restore(ckpt)
-        r0.role.restore(ckpt)
+        r0.role.restore(ckpt if r0.link is None else r0.link.restore(ckpt))  # (the other shards: their slices)
     start.rank0 = r0  # for `log_unwritable`, should the log fail
     try:
         summary = r0.run()
     except (Preempted, WorkerFailed) as stop:
         # close the log first, so nothing already logged is lost, then end the whole job
         if isinstance(stop, WorkerFailed):
-            status, code, text = "failed", ABORT_CODE, f"worker rank {stop.rank} on {hosts[stop.rank]} failed"
-        elif stop.dead:  # the launcher's SIGTERM after a worker died
-            names = ", ".join(f"rank {w} on {hosts[w]}" for w in stop.waiting)
+            status, code, text = "failed", ABORT_CODE, f"{stop.who} rank {stop.rank} on {hosts[stop.rank]} failed"
+        elif stop.dead:  # the launcher's SIGTERM after a worker (or a shard) died
+            names = ", ".join(f"{r0.name_of(w)} on {hosts[w]}" for w in stop.waiting)
             status, code = "failed", ABORT_CODE
-            text = f"worker {names} died (its process exited; the launcher ended the job); {r0.resume_note()}"
+            text = f"{names} died (its process exited; the launcher ended the job); {r0.resume_note()}"
         else:  # a signal, and some workers did not answer: hung, or dead on another host
             names = ", ".join(f"rank {w} on {hosts[w]}" for w in stop.waiting)
             status, code = "preempted", EXIT_PREEMPTED
@@ -192,7 +209,10 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
         if isinstance(e, RunLogError):
             raise  # the log cannot be written (disk full): `train` reports it in one line (`log_unwritable`)
         if isinstance(e, CommTimeout) and r0.role.checkpoints_here:  # a hung worker: the state on rank 0 is sound
-            rec.write_checkpoint(r0.role.state("failure"))
+            try:
+                rec.write_checkpoint(r0.role.state("failure"))
+            except CommTimeout as silent:  # --servers: a hung shard cannot send its slice: the last one is kept
+                rec.warn(f"no checkpoint written at the failure: {silent}")
         rec.event("failed", traceback.format_exc())
         try:
             log.close("failed")
@@ -253,3 +273,27 @@ def log_unwritable(me: Any, start: Any, error: RunLogError) -> None:
     finally:
         time.sleep(0.3)  # let the launcher forward these lines before the abort tears the job down
         me.comm.Abort(ABORT_CODE)
+
+
+def serve_shard(cfg: Any, me: Any, start: Any) -> int:
+    """(a parameter-server shard of rank >= 1, --servers S > 1) Join the start-up gather (a ShardInfo), take
+    rank 0's RESTORE when resuming, then serve this shard's slice with the mode's server in rank 0's loop,
+    linked to rank 0 (`mpiasgd.rank0.shards.HubLink`), until rank 0 says END. Returns 0, or EXIT_PREEMPTED
+    when a signal ended the run. Raises what the loop raises (the caller reports it to rank 0)."""
+    from mpiasgd.launch.records import ShardInfo
+    from mpiasgd.rank0.loop import Rank0
+    from mpiasgd.rank0.shard_recorder import ShardRecorder
+    from mpiasgd.rank0.shards import HubLink
+
+    shard = start.cut.shard_of(me.rank, me.num_workers)
+    me.comm.gather(ShardInfo(rank=me.rank, shard=shard, host=me.host, pid=os.getpid()), root=0)
+    model, dataset = start.model, start.dataset
+    params = model.init_params(cfg.seed)  # rank 0's seed: the same initial weights; its slice is this shard's
+    rec = ShardRecorder(cfg, range(1, me.num_workers + 1), dataset.train_y.size, shard, me.rank)
+    r0 = Rank0(me.comm, cfg, rec, lambda r0: start.mode.rank0(r0, params, model.decay_mult(), model, dataset,
+                                                              start.layout), make_link=HubLink)
+    r0.role.periodic.on = False  # rank 0 asks for the evaluations during training
+    if cfg.resume:
+        r0.link.restore()
+    r0.run()
+    return EXIT_PREEMPTED if r0.link.preempted else 0

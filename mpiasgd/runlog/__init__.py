@@ -22,6 +22,11 @@ One file per run, `RUN_DIR/NAME.h5`:
                  pipeline modes, the CRC-32 of the worker's weights after the step (replicas must agree;
                  rank 0 checks it as the rows arrive); data_s: seconds of compute_s the step waited for its
                  minibatch (the input pipeline; `report` prints its share, "data wait")
+    /shard_pushes  (--servers S > 1; empty otherwise) SHARD_PUSH_ROW, one row per push per parameter-server
+                 shard: time, shard, worker, step, base_version, version, staleness (each shard's own
+                 versions), applied; the log's attributes then also hold the cut (servers, shard_bounds,
+                 shard_params), the shards' processes (shard_processes: JSON [[rank, host, pid], ...]) and, at
+                 the end, shard_versions, shard_staleness_mean and shard_staleness_max (this job's pushes)
     /updates     one row per server update (UPDATE_ROW): time, version, lr, gradient norm, samples, epoch
     /snapshots/params  (S, P) float32 weights every `snapshot_interval` seconds (default -1, auto: max(5 s,
                        model bytes / 1 MB/s): `optim.snapshot_seconds`), first and last included; sync and
@@ -98,6 +103,7 @@ from mpiasgd.runlog.records import (
     EVENT_ROW,
     PERIODIC_EVAL_ROW,
     PUSH_ROW,
+    SHARD_PUSH_ROW,
     SNAPSHOT_ROW,
     TABLES,
     UPDATE_ROW,
@@ -108,6 +114,7 @@ from mpiasgd.runlog.records import (
     PeriodicEvalRow,
     PushRow,
     Record,
+    ShardPushRow,
     SnapshotRow,
     UpdateRow,
     WorkerRow,
@@ -118,10 +125,10 @@ from mpiasgd.runlog.superblock import SIGNATURE, SWMR_WRITE, clear_stale_flags, 
 from mpiasgd.runlog.writer import RunLog, append, recover, upgrade_tables
 
 __all__ = [
-    "CHECKPOINT_ROW", "EVAL_ROW", "EVENT_ROW", "FREE_MARGIN", "PERIODIC_EVAL_ROW", "PUSH_ROW", "SIGNATURE",
-    "SNAPSHOT_ROW", "SWMR_WRITE", "TABLES", "UPDATE_ROW", "WORKER_ROW", "CheckpointRow", "EvalRow", "EventRow",
-    "PeriodicEvalRow", "PushRow", "Record", "RunLog", "RunLogError", "SnapshotRow", "TruncatedLogError", "UpdateRow",
-    "WorkerRow", "WriterLock", "append", "clear_stale_flags", "ensure_free_space", "health_line", "load", "lookup3",
-    "open_log", "open_run", "os_error", "recover", "summary_lines", "superblock_flags", "upgrade", "upgrade_tables",
-    "writer_alive",
+    "CHECKPOINT_ROW", "EVAL_ROW", "EVENT_ROW", "FREE_MARGIN", "PERIODIC_EVAL_ROW", "PUSH_ROW", "SHARD_PUSH_ROW",
+    "SIGNATURE", "SNAPSHOT_ROW", "SWMR_WRITE", "TABLES", "UPDATE_ROW", "WORKER_ROW", "CheckpointRow", "EvalRow",
+    "EventRow", "PeriodicEvalRow", "PushRow", "Record", "RunLog", "RunLogError", "ShardPushRow", "SnapshotRow",
+    "TruncatedLogError", "UpdateRow", "WorkerRow", "WriterLock", "append", "clear_stale_flags", "ensure_free_space",
+    "health_line", "load", "lookup3", "open_log", "open_run", "os_error", "recover", "summary_lines",
+    "superblock_flags", "upgrade", "upgrade_tables", "writer_alive",
 ]

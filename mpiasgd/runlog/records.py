@@ -188,6 +188,23 @@ class CheckpointRow(Record):
     reason: Bytes16   # b"interval" | b"end" | b"preempt" | b"failure" (a worker died)
 
 
+@_table("shard_pushes")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardPushRow(Record):
+    """One push as one parameter-server shard saw it (--servers S > 1; empty with one server): each shard
+    applies its slice of every push with its own version counter, so each has its own staleness. Shard 0's
+    rows are rank 0's; the other shards send theirs in batches (`mpiasgd.rank0.shards`)."""
+
+    time: Float64        # s, when the shard received it (rank 0's clock; a batch's rows are mapped onto it)
+    shard: Int32         # the shard (0 = rank 0; s >= 1 = rank N + s)
+    worker: Int32        # the worker's rank
+    step: Int64          # the worker's step
+    base_version: Int64  # the shard's version the push was computed from
+    version: Int64       # the shard's version after it was applied
+    staleness: Int64     # the shard's version when applied - base_version
+    applied: Int8        # 1 if the shard applied it (0: rejected as non-finite, or after the shard stopped)
+
+
 @_table("workers")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerRow(Record):
@@ -210,6 +227,7 @@ class WorkerRow(Record):
 # the tables' dtypes under their historical names
 PUSH_ROW = PushRow.dtype
 UPDATE_ROW = UpdateRow.dtype
+SHARD_PUSH_ROW = ShardPushRow.dtype
 SNAPSHOT_ROW = SnapshotRow.dtype
 EVAL_ROW = EvalRow.dtype
 PERIODIC_EVAL_ROW = PeriodicEvalRow.dtype
@@ -219,7 +237,7 @@ WORKER_ROW = WorkerRow.dtype
 
 # the appendable tables (buffered by RunLog, flushed together); /workers is written whole
 RECORDS: tuple[type[Record], ...] = (PushRow, UpdateRow, SnapshotRow, EvalRow, PeriodicEvalRow, EventRow,
-                                     CheckpointRow)
+                                     CheckpointRow, ShardPushRow)
 TABLES: dict[str, np.dtype] = {record.table: record.dtype for record in RECORDS}
 
 

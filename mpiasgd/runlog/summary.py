@@ -98,6 +98,13 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
                  f"{images / max(1, int(run.get('num_train') or 1)):.2f} epochs)")
     if applied is not None and len(applied):
         lines.append(f"staleness        mean {applied['staleness'].mean():.2f}, max {applied['staleness'].max()}")
+    if int(run.get("servers") or 1) > 1 and run.get("shard_versions") is not None:  # --servers S > 1
+        versions, means = list(run["shard_versions"]), list(run.get("shard_staleness_mean", []))
+        maxima = list(run.get("shard_staleness_max", []))
+        parts = "; ".join(f"shard {s}: version {int(v)}" + (f", staleness mean {means[s]:.2f} max {int(maxima[s])}"
+                                                           if s < len(means) and s < len(maxima) else "")
+                          for s, v in enumerate(versions))
+        lines.append(f"shards           {parts}")
     share = data_wait_share(pushes)
     if share is not None:
         lines.append(f"data wait        {100 * share:.1f} % of the step (the workers' compute time spent waiting "

@@ -13,7 +13,8 @@ def read_log(path):
     with open_log(str(path)) as f:
         return ({k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()},
                 {name: f[name][()] for name in ("pushes", "updates", "evals", "periodic_evals", "workers",
-                                                "snapshots/meta", "events", "checkpoints") if name in f},
+                                                "snapshots/meta", "events", "checkpoints", "shard_pushes")
+                 if name in f},
                 f["snapshots/params"][()])
 
 

@@ -86,6 +86,30 @@ def test_out_of_range_values_are_refused_even_with_a_valid_crc(tmp_path, field, 
         checkpoint.load(path)
 
 
+def test_shard_versions_round_trip_and_are_checked(tmp_path):
+    """--servers S > 1: every shard's version is kept (shard 0's is `version`), under the CRC; one server's
+    checkpoint has none (its file is as before)."""
+    import h5py
+
+    path = str(tmp_path / "x.ckpt.h5")
+    checkpoint.write(path, make_ckpt())
+    with h5py.File(path) as f:
+        assert "shard_versions" not in f
+    assert checkpoint.load(path).shard_versions.tolist() == []
+    ck = make_ckpt()
+    ck.shard_versions = np.array([7, 9], np.int64)
+    checkpoint.write(path, ck)
+    assert checkpoint.load(path).shard_versions.tolist() == [7, 9]
+    with h5py.File(path, "r+") as f:
+        f["shard_versions"][1] = 10
+    with pytest.raises(CheckpointError, match="do not match the CRC-32"):
+        checkpoint.load(path)
+    ck.shard_versions = np.array([6, 9], np.int64)
+    checkpoint.write(path, ck)
+    with pytest.raises(CheckpointError, match=r"shard_versions\[0\] = 6, but version = 7"):
+        checkpoint.load(path)
+
+
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "x.ckpt.h5")
     checkpoint.write(path, make_ckpt(seed=1, version=1))

@@ -130,3 +130,199 @@ def test_each_shard_logs_its_own_staleness(tmp_path):
             staleness.append(fh["pushes"]["staleness"].tolist())
     assert staleness == [[0, 0, 2], [0, 1, 0]]
     assert a.rec.version == b.rec.version == 3
+
+
+# --- the shards' links over the fake network: a shard of rank >= 1 (HubLink) and rank 0 (ShardHub) ---------------
+
+def linked(tmp_path, servers=2, **overrides):
+    """Rank 0 (with its ShardHub and a log) and shard 1 (rank WORKERS + 1, with its HubLink and a ShardRecorder)
+    of one job over one fake network, as `mpiasgd.rank0.serve` builds them: (hub's loop, shard's loop, net, cut)."""
+    from mpiasgd.modes.registry import load
+    from mpiasgd.rank0.loop import Rank0
+    from mpiasgd.rank0.recorder import Recorder
+    from mpiasgd.rank0.shard_recorder import ShardRecorder
+    from mpiasgd.rank0.shards import HubLink, ShardHub
+
+    cfg = Config(**{"lr": 0.1, "momentum": 0.9, "epochs": 0, "max_pushes": 4, "snapshot_interval": 0,
+                    "progress": False, "comm_timeout": 2.0, "servers": servers, **overrides})
+    mode = load(cfg.mode)
+    net = Network(WORKERS + servers)
+    params = np.linspace(-1, 1, P, dtype=np.float32)
+    decay = np.ones(P, np.float32)
+    cut = ShardCut.balanced(P, 0, servers)
+
+    def role(r0):
+        return mode.rank0(r0, params.copy(), decay, None, None, None)
+
+    log = RunLog.create(str(tmp_path / "run.h5"), {"config": cfg.to_json()}, [], P, flush_interval=60)
+    hub = Rank0(net.comm(0), cfg, Recorder(cfg, log, range(1, WORKERS + 1), NUM_TRAIN), role, make_link=ShardHub)
+    rank = cut.rank(1, WORKERS)
+    shard = Rank0(net.comm(rank), cfg, ShardRecorder(cfg, range(1, WORKERS + 1), NUM_TRAIN, 1, rank), role,
+                  make_link=HubLink)
+    hub.rec.begin()
+    shard.rec.begin()
+    return hub, shard, net, cut
+
+
+def serve(loop):
+    from mpiasgd.comms import Backoff, probe
+
+    loop.handle(*probe(loop.comm, loop.rank, 1.0, "test message", Backoff()))
+    loop.tick()
+
+
+def test_a_push_of_the_wrong_size_names_the_shard_and_the_size_expected(tmp_path):
+    from mpiasgd.comms import ProtocolError, message_bytes
+
+    _, shard, net, cut = linked(tmp_path)
+    rank = cut.rank(1, WORKERS)
+    msg = Message(cut.count(1) + 3).stamp(Tag.PUSH, 2, step=1, version=0, samples=32)
+    net.post(2, rank, Tag.PUSH, msg.buf)
+    a, b = cut.slice(1)
+    with pytest.raises(ProtocolError, match=(
+            rf"rank {rank}: PUSH message from rank 2 is {message_bytes(cut.count(1) + 3)} bytes, expected "
+            rf"{message_bytes(cut.count(1))} \(160-byte header \+ {cut.count(1)} float32 values\) for "
+            rf"parameter-server shard 1 of 2 \(parameters \[{a:,}, {b:,}\)\)")):
+        serve(shard)
+
+
+def test_only_rank_0_may_control_a_shard_and_only_shards_send_rank_0_rows(tmp_path):
+    from mpiasgd.comms import ProtocolError
+
+    hub, shard, net, cut = linked(tmp_path)
+    rank = cut.rank(1, WORKERS)
+    net.post(1, rank, Tag.SHARD_STOP, Message(0).stamp(Tag.SHARD_STOP, 1).buf)  # a worker cannot stop a shard
+    with pytest.raises(ProtocolError, match=rf"rank {rank}: SHARD_STOP message from rank 1, which may not send it "
+                                            r"here \(from ranks 0;"):
+        serve(shard)
+    net.post(2, 0, Tag.SHARD_ROWS, Message(0).stamp(Tag.SHARD_ROWS, 2).buf)
+    with pytest.raises(ProtocolError, match=rf"SHARD_ROWS message from rank 2, which may not send it here \(from "
+                                            rf"ranks {rank};"):
+        serve(hub)
+    net.post(1, rank, Tag.EVAL, Message(0).stamp(Tag.EVAL, 1).buf)  # EVAL goes to rank 0 only
+    with pytest.raises(ProtocolError, match=r"EVAL message from rank 1, which may not send it here"):
+        serve(shard)
+
+
+def test_a_shard_stops_on_rank_0s_word_and_finishes_its_workers(tmp_path):
+    """Shard 1 keeps applying pushes past --max-pushes (only rank 0 decides); after SHARD_STOP (flag PREEMPT) it
+    answers a waiting FINISH and every later push with STOP (flag PREEMPT) and its final slice; FETCH gets its
+    slice and velocity; END before every worker got STOP is refused; its rows reach rank 0's log."""
+    from mpiasgd.comms import Flag, ProtocolError
+    from mpiasgd.runlog import open_log
+
+    hub, shard, net, cut = linked(tmp_path, max_pushes=2)
+    rank = cut.rank(1, WORKERS)
+    role = shard.role
+    role.start_workers()
+    for w in (1, 2):
+        net.take(w)  # the initial weights
+    rng = np.random.default_rng(3)
+    grads = [rng.standard_normal(P).astype(np.float32) for _ in range(4)]
+    for i, w in enumerate((1, 2, 1)):  # three pushes: past --max-pushes 2, still applied here
+        push_to(net, cut, 1, rank, w, 1 + (i == 2), role.rec.version, grads[i])
+        serve(shard)
+        assert Tag(net.pending(w)[-1][1]) == Tag.WEIGHTS
+        net.take(w)
+    assert role.rec.version == 3 and not role.rec.stop_reason
+    net.post(2, rank, Tag.FINISH, Message(0).stamp(Tag.FINISH, 2, step=1).buf)  # worker 2: rank 0 said STOP
+    serve(shard)
+    assert net.pending(2) == []  # held until this shard stops
+    net.post(0, rank, Tag.SHARD_STOP, Message(0).stamp(Tag.SHARD_STOP, 0, flags=Flag.PREEMPT).buf)
+    serve(shard)
+    final = role.params.copy()
+    stop = reply_of_tag(net, 2, rank, cut.count(1))
+    assert stop[0] == Tag.STOP and int(stop[1]["flags"]) & Flag.PREEMPT and int(stop[1]["step"]) == 1
+    np.testing.assert_array_equal(stop[2], final)
+    push_to(net, cut, 1, rank, 1, 3, 3, grads[3])  # drained, not applied
+    serve(shard)
+    assert reply_of_tag(net, 1, rank, cut.count(1))[0] == Tag.STOP and role.rec.version == 3
+    np.testing.assert_array_equal(role.params, final)
+    net.post(0, rank, Tag.FETCH, Message(0).stamp(Tag.FETCH, 0, step=7).buf)
+    serve(shard)
+    got = net.take(0, rank, Tag.SLICE)
+    msg = Message(2 * cut.size(1))
+    msg.buf[:] = np.frombuffer(got[2], np.uint8)
+    assert (int(msg.header["step"]), int(msg.header["version"])) == (7, 3)
+    np.testing.assert_array_equal(msg.payload[:cut.size(1)], final)
+    np.testing.assert_array_equal(msg.payload[cut.size(1):], role.optimizer.velocity)
+    net.post(1, rank, Tag.FINISH, Message(0).stamp(Tag.FINISH, 1, step=3).buf)  # after its STOP: refused
+    with pytest.raises(ProtocolError, match=r"FINISH step 3 from worker rank 1 after it was sent STOP"):
+        serve(shard)
+    net.post(0, rank, Tag.END, Message(0).stamp(Tag.END, 0).buf)
+    with pytest.raises(ProtocolError, match=r"END from rank 0 before workers \[3\] were sent STOP"):
+        serve(shard)
+    net.post(3, rank, Tag.FINISH, Message(0).stamp(Tag.FINISH, 3, step=0).buf)  # it never pushed: step 0
+    serve(shard)
+    assert reply_of_tag(net, 3, rank, cut.count(1))[0] == Tag.STOP
+    net.post(0, rank, Tag.END, Message(0).stamp(Tag.END, 0).buf)
+    serve(shard)
+    assert shard.done() and shard.link.preempted
+    shard.finish()  # its last rows, flag FINAL
+    while net.pending(0):
+        serve(hub)
+    hub.rec.log.flush()
+    with open_log(hub.rec.log.path) as f:
+        rows = f["shard_pushes"][()]
+    assert rows["shard"].tolist() == [1] * 4 and rows["applied"].tolist() == [1, 1, 1, 0]
+    assert rows["version"].tolist() == [1, 2, 3, 3] and rank in hub.link.ended
+    assert hub.rec.shards.versions[1] == 3
+
+
+def push_to(net, cut, s, rank, worker, step, version, grad):
+    """Worker `worker`'s push to shard `s` (rank `rank`): its slice of `grad`."""
+    a, b = cut.slice(s)
+    msg = Message(b - a).stamp(Tag.PUSH, worker, step=step, version=version, samples=32, loss=2.0)
+    msg.payload[:] = grad[a:b]
+    net.post(worker, rank, Tag.PUSH, msg.buf)
+
+
+def reply_of_tag(net, worker, source, count):
+    """(tag, header, payload) of the last message `source` sent `worker` (taken off the network)."""
+    got = [(s, t, d) for s, t, d in net.pending(worker) if s == source][-1]
+    net.take(worker, source)
+    msg = Message(count)
+    msg.buf[:] = np.frombuffer(got[2], np.uint8)
+    return Tag(got[1]), msg.header, msg.payload.copy()
+
+
+def test_rank_0_assembles_every_shards_slice(tmp_path):
+    """ShardHub.assemble: SHARD_STOP first once the run stops, then FETCH; the answers go where the cut says."""
+    hub, _, net, cut = linked(tmp_path)
+    rank = cut.rank(1, WORKERS)
+    a, b = cut.slice(1)
+    answer = Message(2 * (b - a)).stamp(Tag.SLICE, rank, step=1, version=9)
+    answer.payload[:b - a] = 5.0
+    answer.payload[b - a:] = -1.0
+    net.post(rank, 0, Tag.SLICE, answer.buf)  # already there: the hub's receive takes it
+    hub.rec.stop("test")
+    params, velocity, versions = hub.link.assemble(np.zeros(cut.size(0), np.float32), np.ones(cut.size(0),
+                                                                                                np.float32))
+    assert [Tag(t) for _, t, _ in net.pending(rank)] == [Tag.SHARD_STOP, Tag.FETCH]
+    assert params[:a].tolist() == [0.0] * a and params[a:].tolist() == [5.0] * (b - a)
+    assert velocity[:a].tolist() == [1.0] * a and velocity[a:].tolist() == [-1.0] * (b - a)
+    assert versions == [0, 9]
+
+
+def test_a_shards_recorder_keeps_rows_for_rank_0_and_decides_nothing(tmp_path):
+    from mpiasgd.rank0.recorder import TrainingDiverged
+    from mpiasgd.rank0.shard_recorder import ShardRecorder
+
+    cfg = Config(epochs=0, max_pushes=1, max_rejects=2, progress=False, servers=2)
+    rec = ShardRecorder(cfg, range(1, 3), NUM_TRAIN, 1, 4)
+    assert not rec.keeps_log and rec.snapshots.seconds == 0 and rec.checkpoints.seconds == 0
+    rec.begin()
+    rec.version = 5
+    rec.check_stop()  # past --max-pushes 1: only rank 0 decides
+    assert not rec.stop_reason
+    rec.push(worker=2, step=3, base_version=3, version=5, staleness=1, applied=True, loss=2.0, samples=32)
+    rows = rec.take_rows()
+    assert rows[["shard", "worker", "step", "base_version", "version", "staleness", "applied"]].tolist() == [
+        (1, 2, 3, 3, 5, 1, 1)]
+    assert len(rec.take_rows()) == 0 and rec.snapshot(np.zeros(3, np.float32)) == -1
+    rec.reject(1, 4)
+    with pytest.raises(TrainingDiverged, match=r"rank 4 \(parameter-server shard 1\): worker rank 1 pushed 2 "
+                                               r"non-finite gradients in a row"):
+        rec.reject(1, 5)
+    rec.stop("rank 0 stopped the run")
+    assert rec.stop_reason and rec.summary({}, "") == {}

@@ -4,7 +4,8 @@
 
 KIND: raise      rank RANK (a worker) raises RuntimeError("injected failure") in its 5th minibatch
       hang       rank RANK (a worker) hangs (sleeps for an hour) in its 20th minibatch
-      server     rank 0 raises RuntimeError("injected server failure") at its 5th push
+      server     parameter-server rank RANK (0, or a shard's: --servers) raises RuntimeError("injected server
+                 failure") at its 5th push
       badtag     worker RANK sends a message with unknown tag 99 instead of training
       badsize    worker RANK sends a PUSH 8 bytes too short instead of training
       nan        worker RANK pushes NaN gradients from its 3rd step on
@@ -133,7 +134,7 @@ if kind in ("raise", "hang") and rank == target:
 
     Dataset.batch = failing_batch
 
-if kind == "server" and rank == 0:
+if kind == "server" and rank == target:
     from mpiasgd.modes.asgd import AsgdServer
 
     original_push = AsgdServer.on_push

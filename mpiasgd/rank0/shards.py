@@ -1,0 +1,392 @@
+"""Rank 0 and the other parameter-server shards (`--servers S > 1`): the ShardHub on rank 0, a HubLink on each
+shard of rank >= 1 (the messages: `mpiasgd.comms.protocol`; the cut: `mpiasgd.comms.shards`).
+
+Every shard runs rank 0's loop (`mpiasgd.rank0.loop.Rank0`) with its mode's server on its slice; the loop
+hands the messages between the shards to its link and asks it what only rank 0 may do:
+
+    rank 0 (ShardHub)                          a shard of rank >= 1 (HubLink)
+    decides: the stop rule, signals,           decides nothing: a signal it gets goes to rank 0 (its
+      divergence; tells the shards (SHARD_STOP)  next SHARD_ROWS, flag PREEMPT); it stops on SHARD_STOP
+    logs every shard's push rows               sends its rows every --flush-interval (and at least every
+      (/shard_pushes), their versions            --comm-timeout / 4: rank 0 watches its silence)
+    snapshots and checkpoints the whole        answers FETCH with SLICE: its params and velocity now
+      vector: asks every shard (`assemble`)
+    sends ALIVE every --comm-timeout / 4       times out after --comm-timeout x 2 without any message
+    --resume: sends each shard its RESTORE     waits for its RESTORE before it starts
+    after the final snapshot and checkpoint:   on END: sends its last rows (flag FINAL), ends
+      END, then waits for the last rows
+
+The stop: rank 0's decision reaches shard s with SHARD_STOP; a push that reaches shard s before that is
+applied there (on that shard only: rank 0 answered it with STOP already). From then on s answers every
+push, and every FINISH of a worker whose other shard said STOP first, with STOP and its final slice. So
+every worker evaluates the same final weights, and the final snapshot (rank 0 asks after every EVAL,
+when every shard has stopped) is those weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpiasgd import checkpoint, signals
+from mpiasgd.comms import (
+    Backoff,
+    CommTimeout,
+    Deadline,
+    Flag,
+    Interval,
+    Message,
+    ProtocolError,
+    SendSlots,
+    Tag,
+    protocol,
+    wait,
+)
+from mpiasgd.comms.protocol import HEADER_BYTES, rows_message, rows_of
+from mpiasgd.rank0.recorder import ShardFigures
+from mpiasgd.runlog import SHARD_PUSH_ROW
+
+
+def restore_count(size: int, num_workers: int) -> int:
+    """float32 values in the RESTORE of a shard of `size` parameters: its params, its velocity, then the
+    `num_workers` WORKER_STATE rows as bytes (padded to whole values)."""
+    return 2 * size + -(-num_workers * checkpoint.WORKER_STATE.itemsize // 4)
+
+
+class ShardHub:
+    """(rank 0, --servers S > 1) Rank 0's side of the other shards: see the module docstring. `r0` is rank 0's
+    loop (its role holds shard 0's slice and the cut); the recorder gets a ShardFigures (`rec.shards`)."""
+
+    decides = True
+    preempted = False      # (a shard's HubLink learns it from rank 0; rank 0's loop knows it itself)
+    tags = frozenset({Tag.SHARD_ROWS})
+
+    def __init__(self, r0: Any) -> None:
+        self.r0, self.comm, self.cfg, self.rec = r0, r0.comm, r0.cfg, r0.rec
+        self.cut = r0.role.cut
+        n = len(r0.workers)
+        self.shards = {self.cut.rank(s, n): s for s in range(1, self.cut.shards)}  # rank -> shard
+        self.stop_told = False
+        self.sends: list[tuple[Any, Message]] = []  # (request, its buffer) until the send completed
+        self.requests = 0                            # FETCHes sent (the number each SLICE answers)
+        self.slices = {r: Message(2 * self.cut.size(s)) for r, s in self.shards.items()}
+        self.alive = Interval(self.cfg.comm_timeout / 4)
+        self.ended: set[int] = set()                 # shards whose last rows (flag FINAL) arrived
+        self.offsets: dict[int, float] = {}          # rank 0's clock minus each shard's (`receive`)
+        self.rec.shards = ShardFigures(self.cut.shards)
+        for r in self.shards:
+            r0.last_seen[r] = 0.0
+
+    def name(self, r: int) -> str:
+        return f"parameter-server shard {self.shards[r]} (rank {r})"
+
+    # --- what the loop asks ---
+    def senders(self, tag: Tag) -> list[int]:
+        """The ranks a `tag` message may come from on rank 0."""
+        workers = list(self.r0.workers)
+        if tag == Tag.SHARD_ROWS:
+            return list(self.shards)
+        if tag == Tag.ERROR:
+            return workers + list(self.shards)
+        if tag in (Tag.PUSH, Tag.EVAL, Tag.ALIVE, Tag.FINISH):
+            return workers
+        return []  # SLICE: received only by `assemble`
+
+    def done(self) -> bool:
+        return self.r0.role.done()
+
+    def receive(self, tag: Tag, source: int, message: Any, nbytes: int) -> None:
+        """A SHARD_ROWS from shard rank `source`: its rows logged, its version kept, a signal it reports acted on."""
+        if nbytes < HEADER_BYTES or (nbytes - HEADER_BYTES) % 4:
+            raise ProtocolError(f"rank 0: {tag.name} message from rank {source} is {nbytes} bytes, expected the "
+                                f"{HEADER_BYTES}-byte header and whole float32 values")
+        msg = Message((nbytes - HEADER_BYTES) // 4)
+        message.Recv(msg.buf)
+        protocol.check(msg, tag, source, 0)
+        s, h = self.shards[source], msg.header
+        rows = rows_of(msg, SHARD_PUSH_ROW, source, 0)
+        if len(rows) and (rows["shard"] != s).any():
+            raise ProtocolError(f"rank 0: SHARD_ROWS from rank {source} (shard {s}) holds rows of shards "
+                                f"{sorted(set(rows['shard'].tolist()))}")
+        # the shard's clock onto rank 0's: the offset seen with the quickest delivery so far (a batch that waited
+        # for rank 0 would place its rows late by that wait)
+        offset = self.offsets[source] = min(self.offsets.get(source, np.inf), self.rec.now() - float(h["elapsed"]))
+        for row in rows:
+            self.rec.shard_push(shard=s, time=max(0.0, float(row["time"]) + offset), worker=int(row["worker"]),
+                                step=int(row["step"]), base_version=int(row["base_version"]),
+                                version=int(row["version"]), staleness=int(row["staleness"]),
+                                applied=bool(row["applied"]))
+        self.rec.shards.versions[s] = int(h["version"])
+        flags = int(h["flags"])
+        if flags & Flag.PREEMPT:
+            self.r0.signal_from(f"a signal received by parameter-server shard rank {source}")
+        if flags & Flag.FINAL:
+            self.ended.add(source)
+
+    def tick(self) -> None:
+        """The stop decision told to the shards once; ALIVE every --comm-timeout / 4; completed sends let go."""
+        if self.rec.stop_reason and not self.stop_told:
+            self.tell_stop()
+        if self.alive.due(self.rec.now()):
+            for r in self.shards:
+                self.post(r, Message(0).stamp(Tag.ALIVE, 0), Tag.ALIVE)
+        self.sends = [(req, msg) for req, msg in self.sends if not req.Test()]
+
+    def check_silence(self, now: float, limit: float) -> None:
+        """CommTimeout naming a shard that has sent nothing for more than `limit` seconds (it sends its rows at
+        least every limit / 4)."""
+        for r in self.shards:
+            quiet = now - self.r0.last_seen[r]
+            if r not in self.ended and quiet > limit:
+                raise CommTimeout(f"rank 0: {self.name(r)} has sent nothing for {quiet:.1f} s (--comm-timeout "
+                                  f"{limit:g} s; a shard sends its rows at least every {limit / 4:g} s): hung or "
+                                  f"very slow")
+
+    def pending_sends(self) -> list:
+        return [req for req, _ in self.sends]
+
+    # --- sends ---
+    def post(self, r: int, msg: Message, tag: Tag) -> None:
+        """Send `msg` to shard rank `r`; the message is kept until its send completed."""
+        self.sends.append((self.comm.Isend(msg.buf, dest=r, tag=int(tag)), msg))
+
+    def tell_stop(self) -> None:
+        """SHARD_STOP to every shard (flag PREEMPT when a signal ends the run): they apply no more pushes."""
+        if self.stop_told:
+            return
+        self.stop_told = True
+        flags = Flag.PREEMPT if self.r0.preempted else 0
+        for r in self.shards:
+            self.post(r, Message(0).stamp(Tag.SHARD_STOP, 0, flags=flags), Tag.SHARD_STOP)
+
+    # --- the whole vector ---
+    def assemble(self, params0: np.ndarray, velocity0: np.ndarray | None = None) -> tuple:
+        """(params (P,), velocity (P,) or None, versions [S]) float32: shard 0's slice `params0` (and `velocity0`)
+        with every other shard's as it answers FETCH now (after SHARD_STOP when the run is stopping, so that
+        a stopped shard's slice is its final one). CommTimeout naming a shard that does not answer within
+        --comm-timeout; ProtocolError for an answer of the wrong size or request."""
+        if self.rec.stop_reason:
+            self.tell_stop()
+        if self.ended:
+            raise CommTimeout(f"rank 0: parameter-server shard rank(s) {sorted(self.ended)} have ended: their "
+                              "slices cannot be asked for")
+        self.requests += 1
+        number, P = self.requests, self.cut.num_params
+        params = np.empty(P, np.float32)
+        velocity = None if velocity0 is None else np.empty(P, np.float32)
+        a, b = self.cut.slice(0)
+        params[a:b] = params0
+        if velocity is not None:
+            velocity[a:b] = velocity0
+        versions = [self.rec.version] + [0] * len(self.shards)
+        receives = {r: self.comm.Irecv(self.slices[r].buf, source=r, tag=int(Tag.SLICE)) for r in self.shards}
+        for r in self.shards:
+            self.post(r, Message(0).stamp(Tag.FETCH, 0, step=number), Tag.FETCH)
+        for r, s in self.shards.items():
+            status = MPI.Status()
+            msg = self.slices[r]
+            self.await_shard(r, f"SLICE (its weights) from {self.name(r)}", partial(receives[r].Test, status))
+            protocol.check_size(Tag.SLICE, r, 0, status.Get_count(MPI.BYTE), msg.count)
+            protocol.check(msg, Tag.SLICE, r, 0)
+            if int(msg.header["step"]) != number:
+                raise ProtocolError(f"rank 0: SLICE from rank {r} answers request {int(msg.header['step'])}, "
+                                    f"expected {number}")
+            a, b = self.cut.slice(s)
+            params[a:b] = msg.payload[:b - a]
+            if velocity is not None:
+                velocity[a:b] = msg.payload[b - a:]
+            versions[s] = self.rec.shards.versions[s] = int(msg.header["version"])
+            self.r0.last_seen[r] = self.rec.now()
+        return params, velocity, versions
+
+    def await_shard(self, r: int, what: str, poll: Any) -> Any:
+        """Call `poll()` until it returns something (not None or False), within --comm-timeout (CommTimeout
+        "rank 0: no WHAT after T s"); returns that.
+        Meanwhile: an ERROR from that shard is raised as the loop raises it (WorkerFailed); and (after a signal,
+        and every second) whether shard rank `r`'s process has exited: a launcher ends the job when a rank
+        dies, and rank 0 must close the log before it does (`Rank0.shard_died` gives the Preempted raised,
+        naming it)."""
+        from mpiasgd.rank0.loop import WorkerFailed
+
+        deadline, backoff, look = Deadline(self.cfg.comm_timeout), Backoff(), Interval(1.0, self.rec.now())
+        status = MPI.Status()
+        while not (got := poll()):
+            failed = self.comm.Improbe(r, int(Tag.ERROR), status)
+            if failed is not None:  # it failed instead of answering: its traceback, as the loop takes it
+                msg = Message(max(0, status.Get_count(MPI.BYTE) - HEADER_BYTES) // 4)
+                failed.Recv(msg.buf[:status.Get_count(MPI.BYTE)])
+                raise WorkerFailed(r, protocol.error_text(msg), "parameter-server shard")
+            if signals.received() or look.due(self.rec.now()):
+                gone = [g for g in self.r0.exited_workers() if g[0] == r]
+                if gone:
+                    raise self.r0.shard_died(gone)
+            if deadline.expired():
+                raise CommTimeout(f"rank 0: no {what} after {self.cfg.comm_timeout:.0f} s")
+            backoff.pause()
+        return got
+
+    def weights(self) -> tuple:
+        """(params (P,), buffers (B,)) of a snapshot: every shard's slice now, and rank 0's mean buffers."""
+        role = self.r0.role
+        params, _, _ = self.assemble(role.params)
+        return params, role.current_buffers()
+
+    def restore(self, ckpt: checkpoint.Checkpoint) -> checkpoint.Checkpoint:
+        """(--resume) Send every other shard its RESTORE from `ckpt` (the whole run's: its slice of params and
+        velocity, its version, the workers' rows); returns shard 0's slice of `ckpt` for rank 0's role."""
+        for r, s in self.shards.items():
+            a, b = self.cut.slice(s)
+            msg = Message(restore_count(b - a, len(self.r0.workers)))
+            msg.payload[:b - a] = ckpt.params[a:b]
+            msg.payload[b - a:2 * (b - a)] = ckpt.momentum[a:b]
+            rows = np.ascontiguousarray(ckpt.workers.astype(checkpoint.WORKER_STATE)).view(np.uint8).reshape(-1)
+            start = HEADER_BYTES + 8 * (b - a)
+            msg.buf[start:start + rows.size] = rows
+            msg.stamp(Tag.RESTORE, 0, version=int(ckpt.shard_versions[s]), samples=ckpt.samples,
+                      elapsed=ckpt.elapsed)
+            self.post(r, msg, Tag.RESTORE)
+        a, b = self.cut.slice(0)
+        return dataclasses.replace(ckpt, params=ckpt.params[a:b], momentum=ckpt.momentum[a:b])
+
+    def finish(self) -> None:
+        """After the final snapshot and checkpoint: END to every shard, then its last rows (flag FINAL), each
+        within --comm-timeout (CommTimeout naming a shard that sends none)."""
+        self.tell_stop()
+        for r in self.shards:
+            self.post(r, Message(0).stamp(Tag.END, 0), Tag.END)
+        status = MPI.Status()
+        for r in self.shards:
+            while r not in self.ended:
+                message = self.await_shard(r, f"last rows (SHARD_ROWS, flag FINAL) from {self.name(r)}",
+                                           partial(self.comm.Improbe, r, int(Tag.SHARD_ROWS), status))
+                self.receive(Tag.SHARD_ROWS, r, message, status.Get_count(MPI.BYTE))
+        for req, _ in self.sends:
+            wait(req, "completion of a send to a parameter-server shard", 0, self.cfg.comm_timeout)
+        self.sends = []
+
+
+class HubLink:
+    """(a parameter-server shard of rank >= 1, --servers S > 1) The shard's side of rank 0: see the module
+    docstring. `r0` is the shard's loop: its role (the server on this shard's slice) and its recorder (a
+    ShardRecorder)."""
+
+    decides = False
+    tags = frozenset({Tag.SHARD_STOP, Tag.FETCH, Tag.END})
+
+    def __init__(self, r0: Any) -> None:
+        self.r0, self.comm, self.cfg, self.rec, self.role = r0, r0.comm, r0.cfg, r0.rec, r0.role
+        self.rank = r0.rank
+        self.size = self.role.params.size
+        self.preempted = False   # rank 0's SHARD_STOP said a signal ends the run
+        self.ended = False       # rank 0 said END
+        self.told = False        # a signal received here was reported to rank 0
+        self.sends: list[tuple[Any, Message]] = []
+        self.slice = SendSlots([Message(2 * self.size)], "SLICE to rank 0", self.rank, self.cfg.comm_timeout)
+        self.rows_due = Interval(self.cfg.flush_interval)
+        self.last_sent = 0.0
+
+    def name(self) -> str:
+        return f"rank {self.rank} (parameter-server shard {self.role.shard})"
+
+    # --- what the loop asks ---
+    def senders(self, tag: Tag) -> list[int]:
+        """The ranks a `tag` message may come from on this shard."""
+        if tag in (Tag.SHARD_STOP, Tag.FETCH, Tag.END, Tag.ALIVE):
+            return [0]
+        if tag in (Tag.PUSH, Tag.FINISH):
+            return list(self.r0.workers)
+        return []
+
+    def done(self) -> bool:
+        return self.ended
+
+    def receive(self, tag: Tag, source: int, message: Any, nbytes: int) -> None:
+        """SHARD_STOP, FETCH or END from rank 0 (header only)."""
+        msg = self.r0.header_only
+        protocol.check_size(tag, source, self.rank, nbytes, 0)
+        message.Recv(msg.buf)
+        protocol.check(msg, tag, source, self.rank)
+        if tag == Tag.SHARD_STOP:
+            if self.rec.stop_reason:
+                raise ProtocolError(f"{self.name()}: a second SHARD_STOP from rank 0")
+            self.preempted = bool(int(msg.header["flags"]) & Flag.PREEMPT)
+            self.rec.stop("rank 0 stopped the run")  # the role answers every push and FINISH from now on with STOP
+        elif tag == Tag.FETCH:
+            self.send_slice(int(msg.header["step"]))
+        else:  # END
+            waiting = [w for w in self.r0.workers if w not in self.role.stopped]
+            if not self.rec.stop_reason or waiting:
+                raise ProtocolError(f"{self.name()}: END from rank 0 before " + (
+                    f"workers {waiting} were sent STOP" if self.rec.stop_reason else "SHARD_STOP"))
+            self.ended = True
+
+    def tick(self) -> None:
+        """Rows to rank 0 every --flush-interval when there are any, and at least every --comm-timeout / 4."""
+        now = self.rec.now()
+        if (self.rows_due.due(now) and self.rec.rows) or now - self.last_sent >= self.cfg.comm_timeout / 4:
+            self.send_rows()
+        self.sends = [(req, msg) for req, msg in self.sends if not req.Test()]
+
+    def signalled(self, name: str) -> None:
+        """A signal reached this shard: rank 0 is told at once (its rows, flag PREEMPT); rank 0 decides."""
+        if not self.told:
+            self.told = True
+            self.send_rows(Flag.PREEMPT)
+
+    def check_silence(self, now: float, limit: float) -> None:
+        """Nothing: a shard's wait for any message has its own timeout (the loop's)."""
+
+    def pending_sends(self) -> list:
+        return [req for req, _ in self.sends] + self.slice.pending()
+
+    def weights(self) -> tuple:
+        return self.role.params, self.role.current_buffers()
+
+    # --- sends ---
+    def send_rows(self, flags: int = 0) -> None:
+        rows = self.rec.take_rows()
+        msg = rows_message(Tag.SHARD_ROWS, self.rank, rows, version=self.rec.version, samples=self.rec.samples,
+                           elapsed=self.rec.now(), flags=flags)
+        self.sends.append((self.comm.Isend(msg.buf, dest=0, tag=int(Tag.SHARD_ROWS)), msg))
+        self.last_sent = self.rec.now()
+
+    def send_slice(self, number: int) -> None:
+        """SLICE: this shard's params and velocity now (zeros without momentum), answering FETCH `number`."""
+        msg = self.slice.take(0)
+        msg.payload[:self.size] = self.role.params
+        velocity = self.role.optimizer.velocity
+        msg.payload[self.size:] = 0.0 if velocity is None else velocity
+        msg.stamp(Tag.SLICE, self.rank, step=number, version=self.rec.version, samples=self.rec.samples)
+        self.slice.send(self.comm, 0, 0, int(Tag.SLICE))
+
+    def finish(self) -> None:
+        """The last rows (flag FINAL), and every send completed."""
+        self.send_rows(Flag.FINAL)
+        for req, _ in self.sends:
+            wait(req, "completion of a send to rank 0", self.rank, self.cfg.comm_timeout)
+        self.sends = []
+        self.slice.drain()
+
+    def restore(self) -> None:
+        """(--resume, before the loop starts) Rank 0's RESTORE: this shard's slice of the checkpoint, its version
+        and every worker's step, into the recorder and the role. CommTimeout after --comm-timeout x 2."""
+        workers = len(self.r0.workers)
+        msg = Message(restore_count(self.size, workers))
+        status = MPI.Status()
+        wait(self.comm.Irecv(msg.buf, source=0, tag=int(Tag.RESTORE)), "RESTORE (its slice of the checkpoint) from "
+             "rank 0", self.rank, self.cfg.worker_timeout, status)
+        protocol.check_size(Tag.RESTORE, 0, self.rank, status.Get_count(MPI.BYTE), msg.count)
+        protocol.check(msg, Tag.RESTORE, 0, self.rank)
+        h, n = msg.header, self.size
+        start = HEADER_BYTES + 8 * n
+        rows = msg.buf[start:start + workers * checkpoint.WORKER_STATE.itemsize].copy().view(checkpoint.WORKER_STATE)
+        ckpt = checkpoint.Checkpoint(params=msg.payload[:n].copy(), momentum=msg.payload[n:2 * n].copy(),
+                                     workers=rows, version=int(h["version"]), samples=int(h["samples"]),
+                                     elapsed=float(h["elapsed"]), log_time=0.0, config="", log="",
+                                     mode=self.cfg.mode, model=self.cfg.model, reason="resume")
+        self.rec.restore(ckpt)
+        self.role.restore(ckpt)

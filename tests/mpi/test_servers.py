@@ -1,0 +1,246 @@
+"""Parameter-server shards (`--servers S`) under `mpiexec`: N workers + S shards (rank 0 and ranks N+1..N+S-1).
+Each job runs under a timeout (a hang fails the test); the checks read the run log and the checkpoint. The
+shards' arithmetic is checked in-process in tests/unit/test_sharded_server.py (S shards end with one server's
+weights, bit for bit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from kit.launch import run_mpi, start_mpi, stop_group
+from kit.runs import FAST, read_log, wait_for_pushes
+
+from mpiasgd import checkpoint
+from mpiasgd.comms.shards import ShardCut
+from mpiasgd.model import build_model
+
+WORKERS, SERVERS = 2, 2
+RANKS = WORKERS + SERVERS
+SHARD_RANK = WORKERS + 1  # shard 1
+PREEMPTED = 75
+
+
+def shard_rows(t, s):
+    rows = t["shard_pushes"]
+    return rows[rows["shard"] == s]
+
+
+def check_shards(attrs, t, model="digits", resumed_from=None):
+    """What every sharded run's log holds: the cut, each shard's rows (consecutive versions from 1, or from the
+    checkpoint's `resumed_from` versions), final versions equal to the pushes each applied."""
+    net = build_model(model)
+    cut = ShardCut.balanced(net.num_params, net.num_buffers, SERVERS)
+    assert attrs["servers"] == SERVERS
+    assert json.loads(attrs["shard_bounds"]) == list(cut.bounds)
+    assert json.loads(attrs["shard_params"]) == [cut.size(s) for s in range(SERVERS)]
+    assert [r for r, _, _ in json.loads(attrs["shard_processes"])] == [SHARD_RANK]
+    versions = list(attrs["shard_versions"])
+    assert versions[0] == attrs["version"]
+    for s in range(SERVERS):
+        rows = shard_rows(t, s)
+        applied = rows[rows["applied"] == 1]
+        first = 0 if resumed_from is None else int(resumed_from[s])
+        assert len(applied) > 0 and sorted(set(rows["worker"].tolist())) == list(range(1, WORKERS + 1))
+        if resumed_from is None:  # a resumed log also holds the first segment's rows
+            assert applied["version"].tolist() == list(range(first + 1, versions[s] + 1))
+        assert (applied["staleness"] == applied["version"] - 1 - applied["base_version"]).all()
+        assert applied["staleness"].min() >= 0
+        assert attrs["shard_staleness_max"][s] == applied["staleness"].max() or resumed_from is not None
+        for w in range(1, WORKERS + 1):  # every shard saw every push of every worker, in step order
+            steps = rows["step"][rows["worker"] == w].tolist()
+            assert steps == list(range(steps[0], steps[0] + len(steps)))
+    # a shard applies the pushes that reach it before it hears rank 0's stop: at most one more per worker
+    assert 0 <= versions[1] - versions[0] <= WORKERS or resumed_from is not None
+    return versions
+
+
+def test_two_shards_train_digits(mpirun, tmp_path):
+    res = mpirun(RANKS, ["train", *FAST, "--servers", str(SERVERS), "--epochs", "3", "--name", "s"], timeout=180)
+    assert res.returncode == 0, res.explain()
+    assert f"shard 1 (rank {SHARD_RANK})" in res.stdout, res.explain()
+    attrs, t, params = read_log(tmp_path / "runs" / "s.h5")
+    assert attrs["status"] == "completed" and attrs["num_workers"] == WORKERS
+    check_shards(attrs, t)
+    assert t["workers"]["rank"].tolist() == list(range(1, WORKERS + 1))
+    meta = t["snapshots/meta"]
+    assert meta["version"][0] == 0 and meta["version"][-1] == attrs["version"]
+    assert np.isfinite(params).all() and not np.array_equal(params[0], params[-1])
+    assert attrs["test_accuracy"] > 0.5 and attrs["test_count"] == 360  # chance: 0.1
+    ck = checkpoint.load(str(tmp_path / "runs" / "s.ckpt.h5"))  # the final weights, assembled
+    np.testing.assert_array_equal(ck.params, params[-1])
+    assert ck.shard_versions.tolist() == list(attrs["shard_versions"])
+
+
+@pytest.mark.parametrize("flags", [
+    ["--wire", "bf16", "--wire-error-feedback"],
+    ["--nsync", "2"],
+    ["--mode", "ssp", "--staleness-bound", "1"],
+    ["--dc-lambda", "0.5", "--dc-adaptive", "0.9"],
+    ["--lookahead", "-1", "--staleness-lr", "inverse", "--eval-interval", "0.5ep"],
+], ids=["bf16", "nsync2", "ssp", "dc-asgd", "lookahead-evals"])
+def test_two_shards_in_every_server_option(mpirun, tmp_path, flags):
+    res = mpirun(RANKS, ["train", *FAST, "--servers", str(SERVERS), *flags, "--epochs", "2", "--name", "o"],
+                 timeout=180)
+    assert res.returncode == 0, res.explain()
+    attrs, t, params = read_log(tmp_path / "runs" / "o.h5")
+    assert attrs["status"] == "completed"
+    check_shards(attrs, t)
+    assert np.isfinite(params).all() and attrs["test_accuracy"] > 0.3, res.explain()
+    if "--eval-interval" in flags:
+        assert len(t["periodic_evals"]) >= 2 and (t["periodic_evals"]["count"] == 360).all()
+    if "ssp" in flags:  # each shard held the fast worker's replies on its own clock; the log has rank 0's
+        assert attrs["held_s"] >= 0
+
+
+def test_two_shards_resume_continues_every_shards_versions(mpirun, tmp_path):
+    common = [*FAST, "--servers", str(SERVERS), "--epochs", "0", "--lr-schedule", "constant"]
+    res = mpirun(RANKS, ["train", *common, "--max-pushes", "60", "--name", "r"], timeout=120)
+    assert res.returncode == 0, res.explain()
+    first = checkpoint.load(str(tmp_path / "runs" / "r.ckpt.h5"))
+    assert first.version == 60 and first.shard_versions[0] == 60 and first.shard_versions[1] >= 60
+    res = run_mpi(RANKS, ["train", "--resume", "runs/r.ckpt.h5", "--max-pushes", "120", "--no-progress"], 120,
+                  tmp_path)
+    assert res.returncode == 0, res.explain()
+    attrs, t, _ = read_log(tmp_path / "runs" / "r.h5")
+    assert attrs["status"] == "completed" and attrs["version"] == 120
+    versions = check_shards(attrs, t, resumed_from=first.shard_versions)
+    resume = float(t["events"]["time"][t["events"]["kind"] == b"resume"][0])
+    for s in range(SERVERS):  # after the resume every shard counts on from its checkpointed version
+        rows = shard_rows(t, s)
+        later = rows[(rows["time"] >= resume) & (rows["applied"] == 1)]
+        assert later["version"].tolist() == list(range(int(first.shard_versions[s]) + 1, versions[s] + 1))
+    for w in (1, 2):  # and every worker's steps continue
+        steps = t["pushes"]["step"][t["pushes"]["worker"] == w].tolist()
+        assert steps == list(range(1, len(steps) + 1)), steps
+    final = checkpoint.load(str(tmp_path / "runs" / "r.ckpt.h5"))
+    assert final.shard_versions.tolist() == versions
+    # a different --servers is refused: the checkpoint holds two shards' state
+    res = run_mpi(3, ["train", "--resume", "runs/r.ckpt.h5", "--servers", "1", "--max-pushes", "200"], 60, tmp_path)
+    assert res.returncode == 2 and "config key 'servers' = 1: a resumed run keeps 2" in res.stderr, res.explain()
+
+
+def shard_pid(runs, name):
+    attrs, _, _ = read_log(runs / f"{name}.h5")
+    return int(json.loads(attrs["shard_processes"])[0][2])
+
+
+def test_killed_shard_ends_the_job_naming_it(tmp_path):
+    proc = start_mpi(RANKS, ["train", *FAST, "--servers", str(SERVERS), "--epochs", "0", "--max-time", "120",
+                             "--checkpoint-interval", "0.5", "--name", "k"], tmp_path)
+    runs = tmp_path / "runs"
+    try:
+        wait_for_pushes(runs / "k.h5", proc)
+        deadline = time.monotonic() + 60
+        while not (runs / "k.ckpt.h5").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        start = time.monotonic()
+        pid = shard_pid(runs, "k")
+        os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        stop_group(proc)
+    assert proc.returncode != 0 and elapsed < 30, (proc.returncode, elapsed, err)
+    # the launcher's SIGTERM reaches rank 0 (between messages, or while it waits for that shard's slice: it
+    # looks for dead shards then too), which names the shard and closes the log before the launcher's SIGKILL
+    assert f"parameter-server shard rank {SHARD_RANK} (pid {pid}" in err, err
+    attrs, t, _ = read_log(runs / "k.h5")
+    assert attrs["status"] == "failed", err
+    failed = [e["text"].decode() for e in t["events"] if e["kind"] == b"failed"]
+    assert failed and failed[-1].startswith(f"parameter-server shard rank {SHARD_RANK} on "), failed
+    assert "(the slice of parameter-server shard rank" in failed[-1]  # no checkpoint of a lost slice
+    ck = checkpoint.load(str(runs / "k.ckpt.h5"))  # the last interval checkpoint: intact, every shard's version
+    assert ck.reason == "interval" and ck.shard_versions.size == SERVERS
+
+
+def test_signal_on_a_shard_checkpoints_and_the_run_resumes(tmp_path):
+    proc = start_mpi(RANKS, ["train", *FAST, "--servers", str(SERVERS), "--epochs", "0", "--max-time", "120",
+                             "--name", "p"], tmp_path)
+    runs = tmp_path / "runs"
+    try:
+        wait_for_pushes(runs / "p.h5", proc)
+        time.sleep(0.5)
+        start = time.monotonic()
+        os.kill(shard_pid(runs, "p"), signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        stop_group(proc)
+    assert proc.returncode == PREEMPTED and elapsed < 10, (proc.returncode, elapsed, err)
+    assert f"rank {SHARD_RANK}: SIGTERM received" in err, err
+    attrs, t, _ = read_log(runs / "p.h5")
+    assert attrs["status"] == "preempted" and not (t["evals"]["snapshot"] == -1).any()
+    preempt = [e["text"].decode() for e in t["events"] if e["kind"] == b"preempt"]
+    assert preempt == [f"a signal received by parameter-server shard rank {SHARD_RANK}"], preempt
+    ck = checkpoint.load(str(runs / "p.ckpt.h5"))
+    assert ck.reason == "preempt" and ck.shard_versions.size == SERVERS and ck.version > 0
+    res = run_mpi(RANKS, ["train", "--resume", "runs/p.ckpt.h5", "--max-time", str(ck.elapsed + 1.0),
+                          "--no-progress"], 120, tmp_path)
+    assert res.returncode == 0, res.explain()
+    attrs, t, _ = read_log(runs / "p.h5")
+    assert attrs["status"] == "completed" and attrs["shard_versions"][1] > ck.shard_versions[1]
+
+
+def test_shard_exception_aborts_the_job_naming_it(mpirun, tmp_path):
+    res = mpirun(RANKS, ["server", str(SHARD_RANK), *FAST, "--servers", str(SERVERS), "--epochs", "50",
+                         "--name", "x"], timeout=90, script="fault.py")
+    assert res.returncode != 0 and res.seconds < 60, res.explain()
+    assert "injected server failure" in res.stderr, res.explain()
+    assert f"parameter-server shard rank {SHARD_RANK} on" in res.stderr, res.explain()
+    attrs, t, _ = read_log(tmp_path / "runs" / "x.h5")
+    assert attrs["status"] == "failed"
+    failed = [e["text"].decode() for e in t["events"] if e["kind"] == b"failed"]
+    assert failed and "injected server failure" in failed[0]
+
+
+def test_hung_shard_is_named_and_the_job_ends(tmp_path):
+    proc = start_mpi(RANKS, ["train", *FAST, "--servers", str(SERVERS), "--epochs", "0", "--max-time", "120",
+                             "--comm-timeout", "3", "--checkpoint-interval", "0", "--name", "h"], tmp_path)
+    runs = tmp_path / "runs"
+    try:
+        wait_for_pushes(runs / "h.h5", proc)
+        pid = shard_pid(runs, "h")
+        os.kill(pid, signal.SIGSTOP)  # hung: alive, silent
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop_group(proc)
+    assert proc.returncode != 0, err
+    assert f"parameter-server shard 1 (rank {SHARD_RANK}) has sent nothing" in err or \
+        f"from parameter-server shard 1 (rank {SHARD_RANK}) after" in err, err
+    attrs, _, _ = read_log(runs / "h.h5")
+    assert attrs["status"] == "failed"
+
+
+def test_too_few_ranks_for_the_shards_is_one_error(mpirun):
+    res = mpirun(2, ["train", *FAST, "--servers", "2", "--epochs", "1"], timeout=60)
+    assert res.returncode == 2, res.explain()
+    assert "mpiasgd train --servers 2 needs at least 3 MPI ranks" in res.stderr, res.explain()
+    res = mpirun(3, ["train", *FAST, "--servers", "2", "--overlap", "--epochs", "1"], timeout=60)
+    assert res.returncode == 2 and "'overlap' = True: expected False with --servers > 1" in res.stderr, res.explain()
+
+
+def test_two_shards_with_layer_buffers(mpirun, tmp_path):
+    """A network with BatchNorm (tests/mpi/nets/small_bn.py): shard 0 carries the layer buffers; the final
+    snapshot and the checkpoint hold the same assembled weights and buffers (--wire fp16 on every message)."""
+    from kit.launch import REPO
+
+    net = str(REPO / "tests" / "mpi" / "nets" / "small_bn.py") + ":build"
+    res = mpirun(RANKS, ["train", *FAST, "--model", net, "--dataset", "digits", "--servers", str(SERVERS),
+                         "--wire", "fp16", "--epochs", "0", "--max-pushes", "60", "--name", "bn"], timeout=180)
+    assert res.returncode == 0, res.explain()
+    from mpiasgd.runlog import open_log
+
+    with open_log(str(tmp_path / "runs" / "bn.h5")) as f:
+        attrs, params, buffers = dict(f.attrs), f["snapshots/params"][()], f["snapshots/buffers"][()]
+    assert attrs["num_buffers"] > 0 and json.loads(attrs["shard_bounds"])[-1] == attrs["num_params"]
+    assert np.isfinite(buffers).all() and not np.array_equal(buffers[0], buffers[-1])
+    ck = checkpoint.load(str(tmp_path / "runs" / "bn.ckpt.h5"))
+    np.testing.assert_array_equal(ck.params, params[-1])
+    np.testing.assert_array_equal(ck.buffers, buffers[-1])
+    assert list(attrs["shard_versions"]) == ck.shard_versions.tolist() and ck.version == 60
