@@ -2,10 +2,11 @@
 """The parameter server's push-processing rate against the raw MPI bandwidth between two ranks, and
 against the roofline of its one core: the machine's copy bandwidth over the bytes a push must move.
 
-    python bench/server.py                     # P = 4M float32; 1, 2, 3 workers; 3 rounds (about 50 s)
+    python bench/server.py                     # P = 4M float32; 1, 2, 3 workers; 3 rounds (about 100 s)
     python bench/server.py --workers 1,2 --rounds 5 --pushes 400
     python bench/server.py --sweep             # the optimizer alone, one process: numpy's block sizes,
                                                # the compiled loops, the roofline (about 40 s)
+    python bench/server.py --workers 1,2 --sharded-workers 2 --rounds 5   # S = 2 against S = 1 only, 5 rounds
 
 One mpiexec job (this script starts it) measures, alternating, in rounds:
 
@@ -24,6 +25,15 @@ One mpiexec job (this script starts it) measures, alternating, in rounds:
           a gradient the moment the reply to its last push has arrived, under the full protocol
           (stamped headers, STOP, EVAL). Rate = (gradient bytes in + weights bytes out) per second,
           over the applied pushes after a warm-up of 10 per worker.
+
+  sharded the parameter server cut into S = `--servers` shards (default 2; `mpiasgd.comms.shards`): rank 0 and
+          rank K + 1 (the job's last rank, asleep during the other runs) each run rank 0's loop with the async
+          role on its half of the vector, rank 0 with its ShardHub, the other shard as `serve_shard`
+          (mpiasgd.rank0.serve) builds it, with its HubLink and ShardRecorder; the K fake workers (K in
+          `--sharded-workers`, default 1 and 2) speak the protocol of `AsgdWorker.train_sharded`: one PUSH per
+          shard (its slice, and the version of that shard's slice it was computed on), then both replies; FINISH
+          to a shard that answered WEIGHTS when the other said STOP; EVAL to rank 0. Run right after the
+          one-server run with as many workers ('server, K workers'), in the same round.
 
 Every server run is bracketed by raw and copy measurements (the machine may be shared: its load
 drifts), and its ratios are taken against the mean of the two. It prints the median of each rate, the
@@ -59,6 +69,22 @@ machine cannot always keep it fed for). The goal (issue 21) is busy push/s >= 0.
 The update alone is set against its own roofline (its 20P or 12P at the copy bandwidth), in
 isolation and inside the server.
 
+Sharding (issue 21, second goal). The machine is small and shared (2 cores: the fake workers and the
+shards oversubscribe them), so a server's wall time says more about the scheduler than about the server;
+its CPU time does not: each server process's CPU seconds (time.process_time: user + system, every thread;
+the CMA copy of a push into the inbox is a system call of the receiver, so it counts) over the measured
+window (the applied pushes after the warm-up, as above), divided by the pushes it applied. Shard s of S = 2
+receives, checks and updates half the bytes, so its figure would be 0.5 of the one server's if a push cost
+bytes only; the per-message costs (probe, header checks, a log row, the reply's header), which each shard
+pays in full, and rank 0's extra duties (it also takes the EVALs, the other shard's rows and watches it)
+push the busiest shard's above that, and so do two shards copying at once (every push reaches both together)
+where they share a memory bus. It prints, per K: the one server's CPU ms per push, each shard's, the busiest
+shard's, and the ratio busiest (S = 2) / one server (S = 1), each round's taken against the one-server run of
+the same round, median over rounds (goal <= 0.55 with 2 workers); for information, push/s of the whole sharded
+server (rank 0's applied pushes per wall second: a worker's push is done when both shards answered) against
+S = 1; then the CPU per push by part, as the wall-time table splits it (receive, check, update, send, other,
+idle = polling for the next message), each shard's over the one server's: which parts halve and which do not.
+
 Run as root? Set OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (Open MPI refuses otherwise).
 """
 
@@ -86,6 +112,7 @@ WARMUP = 10          # applied pushes per worker left out of the rate (first tou
 # tens of ms without a pause loses whole time slices to the other jobs mid-timing (4-8 ms steps against 2
 # ms); the server too sleeps between pushes
 PAUSE = 0.002
+RESULT_TAG = 900  # (sharded runs) a shard's figures to rank 0 after the run: no tag of the protocol (mpiasgd Tag)
 
 
 def layer_mask(size: int) -> np.ndarray:
@@ -98,10 +125,19 @@ def layer_mask(size: int) -> np.ndarray:
                            for w, b in zip(weights, biases, strict=True) for n, value in ((w, 1.0), (b, 0.0))])
 
 
+def plural(k: int) -> str:
+    return f"{k} worker{'s' if k > 1 else ''}"
+
+
 def runs(args: argparse.Namespace) -> list[tuple[str, int, dict, bool]]:
     """The server configurations of one round: (label, workers, Config overrides, numpy update: the server runs
-    the numpy reference `NumpySGD` instead of the compiled `SGD`)."""
-    out = [(f"server, {k} worker{'s' if k > 1 else ''}", k, {}, False) for k in args.workers]
+    the numpy reference `NumpySGD` instead of the compiled `SGD`). A sharded run (`servers` > 1) follows the
+    one-server run of as many workers."""
+    out = []
+    for k in args.workers:
+        out.append((f"server, {plural(k)}", k, {}, False))
+        if args.servers > 1 and k in args.sharded_workers:
+            out.append((f"  S = {args.servers} shards, {plural(k)}", k, {"servers": args.servers}, False))
     k = min(2, max(args.workers))
     out.append((f"  {k} workers, numpy update (NumpySGD)", k, {}, True))
     out.append((f"  {k} workers, momentum 0, weight decay 0", k, {"momentum": 0.0, "weight_decay": 0.0}, False))
@@ -306,51 +342,85 @@ def raw_exchange(comm: Any, P: int, exchanges: int) -> float:
 
 
 def fake_worker(comm: Any, cfg: Config, P: int) -> None:
-    """(workers) Push a fixed finite gradient the moment each reply arrives, until STOP; then EVAL."""
+    """(workers) Push a fixed finite gradient the moment the reply to the last push has arrived, until STOP; then
+    EVAL to rank 0. With S = `cfg.servers` > 1 shards, the exchange of `AsgdWorker.train_sharded`: the S receives
+    posted, then one PUSH per shard (its slice of the gradient, the version of that shard's slice it was computed
+    on), then every reply; when some shard answers STOP, FINISH to each that answered WEIGHTS and its STOP."""
     from mpi4py import MPI
 
-    from mpiasgd.comms import protocol, wait
+    from mpiasgd.comms import protocol, wait, wait_all
     from mpiasgd.comms.protocol import HEADER, Message, ProtocolError, Tag
+    from mpiasgd.comms.shards import ShardCut
 
     rank = comm.Get_rank()
-    weights, push = Message(P), Message(P)
-    push.payload[:] = np.random.default_rng(rank).standard_normal(P, dtype=np.float32) * np.float32(1e-3)
+    cut = ShardCut.balanced(P, 0, cfg.servers)
+    S, ranks = cut.shards, cut.ranks(comm.Get_size() - cfg.servers)
+    replies, pushes = [Message(cut.count(s)) for s in range(S)], [Message(cut.count(s)) for s in range(S)]
+    grad = np.random.default_rng(rank).standard_normal(P, dtype=np.float32) * np.float32(1e-3)
+    for s, push in enumerate(pushes):
+        push.payload[:] = grad[slice(*cut.slice(s))]
     delta = getattr(cfg, "nsync", 1) > 1
-    status = MPI.Status()
-    request = comm.Irecv(weights.buf, source=0, tag=MPI.ANY_TAG)
-    sending, step = None, 0
-    while True:
-        wait(request, f"reply to push step {step} from rank 0", rank, cfg.comm_timeout, status)
-        tag = protocol.parse_tag(status.Get_tag(), 0, rank)
-        protocol.check_size(tag, 0, rank, status.Get_count(MPI.BYTE), P)
-        protocol.check(weights, tag, 0, rank)
-        wait(sending, f"completion of push step {step}", rank, cfg.comm_timeout)
-        if tag == Tag.STOP:
-            break
-        if tag != Tag.WEIGHTS or int(weights.header["step"]) != step:
-            raise ProtocolError(f"rank {rank}: expected WEIGHTS for step {step}, got {tag.name} for step "
-                                f"{int(weights.header['step'])}")
+    if S > 1:  # start-up: rank 0 gathers the workers' and the shards' records (serve_shard joins it)
+        comm.gather(None, root=0)
+    versions, step = [-1] * S, 0  # the version of each shard's slice the last replies carried
+
+    def post(shards: list[int]) -> list:
+        return [comm.Irecv(replies[s].buf, source=ranks[s], tag=MPI.ANY_TAG) for s in shards]
+
+    def receive(requests: list, shards: list[int], what: str) -> list[Tag]:
+        """Each shard's reply, checked as `AsgdWorker.check_reply` does; their tags."""
+        tags = []
+        for s, request in zip(shards, requests, strict=True):
+            status = MPI.Status()
+            wait(request, f"{what} from shard {s} (rank {ranks[s]})", rank, cfg.comm_timeout, status)
+            tag = protocol.parse_tag(status.Get_tag(), ranks[s], rank)
+            protocol.check_size(tag, ranks[s], rank, status.Get_count(MPI.BYTE), replies[s].count)
+            protocol.check(replies[s], tag, ranks[s], rank)
+            h = replies[s].header
+            if tag not in (Tag.WEIGHTS, Tag.STOP) or int(h["step"]) != step or int(h["version"]) < versions[s]:
+                raise ProtocolError(f"rank {rank}: expected WEIGHTS or STOP for step {step} at version >= "
+                                    f"{versions[s]} from shard {s} (rank {ranks[s]}), got {tag.name} for step "
+                                    f"{int(h['step'])} at version {int(h['version'])}")
+            versions[s] = int(h["version"])
+            tags.append(tag)
+        return tags
+
+    every = list(range(S))
+    tags = receive(post(every), every, "initial weights")
+    while Tag.STOP not in tags:
         step += 1
-        fields = {"step": step, "version": int(weights.header["version"]), "samples": BATCH, "epoch": 0,
-                  "loss": 1.0, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
+        fields = {"step": step, "samples": BATCH, "epoch": 0, "loss": 1.0, "compute_s": 0.0, "comm_s": 0.0,
+                  "wait_s": 0.0}
         if "flags" in HEADER.names:  # the protocol as it is: a delta push carries the DELTA flag and its lr
-            fields.update(flags=int(protocol.Flag.DELTA) if delta else 0, lr=float(weights.header["lr"]))
-        push.stamp(Tag.PUSH, rank, **fields)
-        request = comm.Irecv(weights.buf, source=0, tag=MPI.ANY_TAG)  # posted before the push is sent
-        sending = comm.Isend(push.buf, dest=0, tag=int(Tag.PUSH))
+            fields.update(flags=int(protocol.Flag.DELTA) if delta else 0, lr=float(replies[0].header["lr"]))
+        for s, push in enumerate(pushes):
+            push.stamp(Tag.PUSH, rank, version=versions[s], **fields)
+        requests = post(every)  # posted before the pushes are sent
+        sending = [comm.Isend(push.buf, dest=r, tag=int(Tag.PUSH)) for push, r in zip(pushes, ranks, strict=True)]
+        tags = receive(requests, every, f"reply to push step {step}")
+        wait_all(sending, f"completion of push step {step}", rank, cfg.comm_timeout)
+    open_ = [s for s, tag in enumerate(tags) if tag == Tag.WEIGHTS]
+    if open_:  # (S > 1) another shard said STOP: these send their final slices
+        ask = Message(0).stamp(Tag.FINISH, rank, step=step)
+        requests = post(open_)
+        sending = [comm.Isend(ask.buf, dest=ranks[s], tag=int(Tag.FINISH)) for s in open_]
+        if Tag.WEIGHTS in receive(requests, open_, f"STOP after FINISH step {step}"):
+            raise ProtocolError(f"rank {rank}: a shard answered FINISH step {step} with WEIGHTS, expected STOP")
+        wait_all(sending, "completion of the FINISH sends", rank, cfg.comm_timeout)
     result = Message(0).stamp(Tag.EVAL, rank, samples=0, correct=0, loss=0.0)
     wait(comm.Isend(result.buf, dest=0, tag=int(Tag.EVAL)), "completion of the EVAL send", rank, cfg.comm_timeout)
 
 
 class Timers:
-    """Wraps the server's methods with timers (the server is not changed): records (kind, end, seconds)."""
+    """Wraps the methods of a server (the loop `r0` and its role `role`; neither is changed) with timers: records
+    (kind, end, seconds, CPU seconds) of every call, and (end, process CPU seconds) of every applied push."""
 
-    def __init__(self, r0: Any) -> None:
+    def __init__(self, r0: Any, role: Any) -> None:
         import mpiasgd.modes.asgd
 
-        role, rec = r0.role, r0.rec
-        self.calls: list[tuple[str, float, float]] = []
-        self.applied: list[float] = []  # end time of each on_push that applied the push
+        rec = r0.rec
+        self.calls: list[tuple[str, float, float, float]] = []
+        self.applied: list[tuple[float, float]] = []  # (end time, process_time) of each on_push that applied
         r0.handle = self.wrap("handle", r0.handle)
         role.send = self.wrap("send", role.send)
         role.optimizer.step = self.wrap("update", role.optimizer.step)
@@ -360,7 +430,7 @@ class Timers:
             version = rec.version
             result = on_push(*args, **kwargs)
             if rec.version > version:
-                self.applied.append(self.calls[-1][1])
+                self.applied.append((self.calls[-1][1], time.process_time()))
             return result
 
         role.on_push = counted  # the role's handlers() looks it up at every message
@@ -372,12 +442,12 @@ class Timers:
 
     def wrap(self, kind: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 end = time.perf_counter()
-                self.calls.append((kind, end, end - t))
+                self.calls.append((kind, end, end - t, time.process_time() - c))
         return timed
 
     def restore(self) -> None:
@@ -385,52 +455,132 @@ class Timers:
         self.module.finite_square = self.module_check
 
     def result(self, skip: int, message_bytes: int) -> dict:
-        """Rate and per-push split over the applied pushes after the first `skip`."""
+        """Rate, per-push split and CPU seconds per push over the applied pushes after the first `skip`, for
+        messages of `message_bytes` each way."""
         if len(self.applied) < skip + 10:
             raise RuntimeError(f"only {len(self.applied)} pushes applied; raise --pushes above {skip + 10}")
-        start, end = self.applied[skip - 1], self.applied[-1]
+        (start, cpu_start), (end, cpu_end) = self.applied[skip - 1], self.applied[-1]
         n = len(self.applied) - skip
-        total = dict.fromkeys(("handle", "on_push", "check", "update", "send"), 0.0)
-        for kind, t, seconds in self.calls:
+        kinds = ("handle", "on_push", "check", "update", "send")
+        total, cpu = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)  # wall and CPU seconds in the window
+        for kind, t, seconds, cpu_seconds in self.calls:
             if start < t <= end:
                 total[kind] += seconds
-        split = {"receive": total["handle"] - total["on_push"], "check": total["check"], "update": total["update"],
-                 "send": total["send"], "other": total["on_push"] - total["check"] - total["update"] - total["send"],
-                 "idle": end - start - total["handle"]}
+                cpu[kind] += cpu_seconds
+
+        def parts(t: dict, between: float) -> dict:
+            return {"receive": t["handle"] - t["on_push"], "check": t["check"], "update": t["update"],
+                    "send": t["send"], "other": t["on_push"] - t["check"] - t["update"] - t["send"],
+                    "idle": between - t["handle"]}
+
         return {"rate": 2 * n * message_bytes / (end - start), "pushes_s": n / (end - start),
-                "busy_pushes_s": n / total["handle"], "split_ms": {k: 1e3 * v / n for k, v in split.items()}}
+                "busy_pushes_s": n / total["handle"],
+                "split_ms": {k: 1e3 * v / n for k, v in parts(total, end - start).items()},
+                "cpu_s": (cpu_end - cpu_start) / n,  # the process's CPU seconds per push; by part ("idle": polling)
+                "cpu_split_ms": {k: 1e3 * v / n for k, v in parts(cpu, cpu_end - cpu_start).items()}}
+
+
+class ServerModel:
+    """What the servers read of a model (`AsgdMode.rank0`, `serve_shard`): P parameters, all zero, decayed as
+    `layer_mask`'s 4 layers; learning-rate multipliers all 1 (None: SGD's default path, which a real model's
+    all-ones multipliers take too); no layer buffers."""
+
+    def __init__(self, P: int) -> None:
+        self.num_params, self.num_buffers = P, 0
+
+    def init_params(self, seed: int) -> np.ndarray:
+        return np.zeros(self.num_params, np.float32)
+
+    def decay_mult(self) -> np.ndarray:
+        return layer_mask(self.num_params)
+
+    def lr_mult(self) -> None:
+        return None
+
+    def init_buffers(self) -> None:
+        return None
+
+
+class TimedMode:
+    """The async mode whose server is timed: `rank0` builds the mode's role (`AsgdMode.rank0`: the whole vector,
+    or the shard of `r0.rank`), then wraps it (`Timers`, kept in `timers`). `numpy_update`: its optimizer is the
+    numpy reference `NumpySGD` (for comparison)."""
+
+    def __init__(self, numpy_update: bool = False) -> None:
+        self.numpy_update = numpy_update
+        self.timers: Timers | None = None
+
+    def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,
+              layout: Any) -> Any:
+        from mpiasgd.modes.asgd import MODE
+        from mpiasgd.optim import NumpySGD
+
+        role = MODE.rank0(r0, params, decay_mask, model, dataset, layout)
+        if self.numpy_update:
+            opt = role.optimizer
+            a, b = role.cut.slice(role.shard)
+            role.optimizer = NumpySGD(opt.params, decay_mask[a:b], float(opt.momentum), r0.cfg.weight_decay,
+                                      nesterov=opt.nesterov)
+        self.timers = Timers(r0, role)
+        return role
 
 
 def serve(comm: Any, cfg: Config, P: int, workers: int, path: str, numpy_update: bool = False) -> dict:
-    """(server only) One run of the real parameter server (rank 0's loop with the async role); its rate and
-    per-push split. `numpy_update`: its optimizer is the numpy reference `NumpySGD` (for comparison)."""
+    """(server only) One run of the real parameter server (rank 0's loop with the async role); its rate, per-push
+    split and CPU seconds per push. `numpy_update`: its optimizer is the numpy reference `NumpySGD`. With
+    `cfg.servers` S > 1, rank 0 is shard 0 (with its ShardHub) and the result's "shards" holds every shard's
+    figures, shard 0's first (each other shard sends its own after the run: `shard`)."""
     from mpiasgd.comms import protocol
-    from mpiasgd.modes.asgd import AsgdServer
-    from mpiasgd.optim import NumpySGD
+    from mpiasgd.comms.shards import ShardCut
     from mpiasgd.rank0.loop import Rank0
     from mpiasgd.rank0.recorder import Recorder
+    from mpiasgd.rank0.shards import ShardHub
     from mpiasgd.runlog import RunLog
 
+    cut, model, mode = ShardCut.balanced(P, 0, cfg.servers), ServerModel(P), TimedMode(numpy_update)
     log = RunLog.create(path, {"config": cfg.to_json()}, [], P, cfg.flush_interval)
     rec = Recorder(cfg, log, range(1, workers + 1), NUM_TRAIN)
-    def make_role(r0: Any) -> AsgdServer:
-        role = AsgdServer(r0, np.zeros(P, np.float32), layer_mask(P))
-        if numpy_update:
-            opt = role.optimizer
-            role.optimizer = NumpySGD(opt.params, layer_mask(P), float(opt.momentum), cfg.weight_decay,
-                                      nesterov=opt.nesterov)
-        return role
-
-    r0 = Rank0(comm, cfg, rec, make_role)
-    timers = Timers(r0)
+    if cut.shards > 1:  # start-up, as mpiasgd.rank0.serve.serve: the workers' records and the shards' (ShardInfo)
+        comm.gather(None, root=0)
+    r0 = Rank0(comm, cfg, rec, lambda r0: mode.rank0(r0, model.init_params(cfg.seed), model.decay_mult(), model,
+                                                     None, None),
+               make_link=ShardHub if cut.shards > 1 else None)
     try:
         summary = r0.run()
     finally:
-        timers.restore()
+        mode.timers.restore()
         log.close("done")
     if summary["rejected"]:
         raise RuntimeError(f"the server rejected {summary['rejected']} pushes")
-    return timers.result(WARMUP * workers, protocol.message_bytes(P))
+    result = mode.timers.result(WARMUP * workers, protocol.message_bytes(cut.count(0)))
+    if cut.shards > 1:
+        result["shards"] = [result] + [comm.recv(source=cut.rank(s, workers), tag=RESULT_TAG)
+                                       for s in range(1, cut.shards)]
+    return result
+
+
+def shard(comm: Any, cfg: Config, P: int, workers: int) -> None:
+    """(a shard of rank >= 1, sharded runs) Serve this rank's slice as `mpiasgd.rank0.serve.serve_shard` does (its
+    loop with a HubLink and a ShardRecorder), its server timed; then send rank 0 its figures (`Timers.result`)."""
+    import socket
+    from types import SimpleNamespace
+
+    from mpiasgd.comms import protocol
+    from mpiasgd.comms.shards import ShardCut
+    from mpiasgd.launch.ranks import Rank
+    from mpiasgd.rank0.serve import serve_shard
+
+    cut, mode = ShardCut.balanced(P, 0, cfg.servers), TimedMode()
+    me = Rank(comm, comm.Get_rank(), comm.Get_size(), socket.gethostname(), cfg.servers)
+    # what serve_shard reads of the start-up (mpiasgd.launch.startup.Startup): the cut, model, data size, mode
+    start = SimpleNamespace(cut=cut, model=ServerModel(P), dataset=SimpleNamespace(train_y=np.zeros(NUM_TRAIN)),
+                            mode=mode, layout=None)
+    try:
+        serve_shard(cfg, me, start)
+    finally:
+        mode.timers.restore()
+    s = cut.shard_of(me.rank, workers)
+    comm.send(mode.timers.result(WARMUP * workers, protocol.message_bytes(cut.count(s))), dest=0, tag=RESULT_TAG)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -440,12 +590,18 @@ def child(args: argparse.Namespace) -> None:
     comm = MPI.COMM_WORLD
     rank, P = comm.Get_rank(), args.params
     is_server = rank == 0
+    W = max(args.workers)  # ranks 1..W: fake workers; W + 1 .. W + S - 1: the other shards of the sharded runs
     base = Config(lr=0.01, lr_schedule="constant", warmup_epochs=0.0, epochs=0, max_pushes=args.pushes,
                   max_time=120.0, batch_size=BATCH, snapshot_interval=0, flush_interval=600.0, progress=False,
                   comm_timeout=60.0)
     plan = [(label, k, dataclasses.replace(base, **overrides).validate(), numpy_update)
             for label, k, overrides, numpy_update in runs(args)]
-    comms = {k: comm.Split(0 if rank <= k else MPI.UNDEFINED, rank) for k in sorted({k for _, k, _, _ in plan})}
+    # one communicator per (workers K, shards S): rank 0, workers 1..K, then the shards (key = rank: their ranks
+    # become K + 1 .. K + S - 1, the ranks `ShardCut.rank` gives them in a job of K workers)
+    comms = {}
+    for k, S in sorted({(k, cfg.servers) for _, k, cfg, _ in plan}):
+        member = rank <= k or W < rank < W + S
+        comms[k, S] = comm.Split(0 if member else MPI.UNDEFINED, rank)
     rates: dict[str, list[dict]] = {label: [] for label, *_ in plan}
     raw: list[float] = []  # (rank 0) every raw measurement, in order: one before each server run, one at the end
     copies: list[float] = []  # (rank 0) copy bandwidth, bytes/s, measured right after each raw measurement
@@ -464,21 +620,30 @@ def child(args: argparse.Namespace) -> None:
             for i, (label, k, cfg, numpy_update) in enumerate(plan):
                 measure_raw()
                 idle_wait(comm.Ibarrier(), f"start of run '{label}'", rank, 120.0)
+                sub = comms[k, cfg.servers]
                 if is_server:
                     alone = roof.update_alone(cfg, numpy_update)
-                    result = serve(comms[k], cfg, P, k, os.path.join(workdir, f"r{r}-{i}.h5"), numpy_update)
+                    result = serve(sub, cfg, P, k, os.path.join(workdir, f"r{r}-{i}.h5"), numpy_update)
                     rates[label].append({**result, "raw_index": len(raw) - 1, "alone_s": alone})
                 elif rank <= k:
-                    fake_worker(comms[k], cfg, P)
+                    fake_worker(sub, cfg, P)
+                elif W < rank < W + cfg.servers:
+                    shard(sub, cfg, P, k)
             if is_server:
+                single = [(label, k) for label, k, cfg, _ in plan if cfg.servers == 1]
+                sharded = [(label, k) for label, k, cfg, _ in plan if cfg.servers > 1]
                 print(f"round {r + 1}: raw " + " ".join(f"{x / 1e9:.1f}" for x in raw[-len(plan):]) + " GB/s; copy "
                       + " ".join(f"{x / 1e9:.1f}" for x in copies[-len(plan):]) + " GB/s; server "
-                      + ", ".join(f"{k}w {rates[label][-1]['rate'] / 1e9:.2f}" for label, k, *_ in plan) + " GB/s",
-                      flush=True)
+                      + ", ".join(f"{k}w {rates[label][-1]['rate'] / 1e9:.2f}" for label, k in single) + " GB/s"
+                      + "".join(f"; S = {args.servers}, {k}w: busiest shard / one server, CPU per push "
+                                f"{shard_ratios(rates[label][-1:], rates[base_label(k)][-1:])[0]:.2f}"
+                                for label, k in sharded), flush=True)
         measure_raw()  # after the last run: every run has a raw and a copy measurement on each side
     if is_server:
-        table(args, raw, plan, rates)
-        roofline_table(args, copies, plan, rates, roof.src.nbytes, first_step_s)
+        single = [p for p in plan if p[2].servers == 1]
+        table(args, raw, single, rates)
+        roofline_table(args, copies, single, rates, roof.src.nbytes, first_step_s)
+        shard_table(args, [p for p in plan if p[2].servers > 1], rates, comm.Get_size())
 
 
 def ratios(results: list[dict], raw: list[float]) -> list[float]:
@@ -550,8 +715,66 @@ def roofline_table(args: argparse.Namespace, copies: list[float], plan: list, ra
             for x, b in zip(rates[label], bracketed(rates[label], copies), strict=True))
         for label, _, cfg, _ in plan))
     print("goal: busy push/s / roofline >= 0.80 (one shard; the 'server, K workers' rows)")
-    # issue 21, second line: S = 2 shards against S = 1 goes here, measured in these same rounds, once sharding exists
-    print("S = 2 shards / S = 1: not measured (no sharding yet)")
+
+
+def base_label(k: int) -> str:
+    """The label of the one-server run of `k` workers with the default config (`runs`)."""
+    return f"server, {plural(k)}"
+
+
+def shard_ratios(sharded: list[dict], single: list[dict]) -> list[float]:
+    """Per round: the busiest shard's CPU seconds per push in the sharded run over the one server's in the
+    one-server run of the same round (each result's "cpu_s"; a sharded result lists its shards' in "shards")."""
+    return [max(x["cpu_s"] for x in many["shards"]) / one["cpu_s"] for many, one in zip(sharded, single, strict=True)]
+
+
+def shard_table(args: argparse.Namespace, plan: list, rates: dict[str, list[dict]], nranks: int) -> None:
+    """The sharded runs against the one-server runs of as many workers: CPU seconds per push of each server
+    process, the busiest shard's over the one server's, (for information) push/s; then the CPU split by part."""
+    from mpiasgd.comms.shards import ShardCut
+
+    if not plan:
+        return
+    S, med = args.servers, statistics.median
+    cut = ShardCut.balanced(args.params, 0, S)
+    share = max(cut.count(s) for s in range(S)) / args.params
+    print(f"\nS = {S} parameter-server shards against one server (issue 21): CPU seconds, not wall time: the {nranks} "
+          f"ranks of the job oversubscribe the {os.cpu_count()} cores (other jobs may run too), so a server's wall "
+          f"time is the scheduler's as much as its own")
+    print("CPU ms/push = the server process's CPU time (time.process_time: user + system, every thread; the CMA copy "
+          "of a push is a system call of the receiver) over the measured window / the pushes it applied; ratio = "
+          "median over rounds of busiest shard / one server, each against the one-server run of its round (ideal "
+          f"{share:.2f}: the busiest shard's share of the bytes); push/s: rank 0's applied pushes per wall second")
+    shards = " ".join(f"{'shard ' + str(s):>7}" for s in range(S))
+    print(f"{'':28} | CPU ms/push: {'S = 1':>6} {shards} {'busiest':>7} {'ratio':>5} | push/s: {'S = 1':>6} "
+          f"{f'S = {S}':>6} {'ratio':>5}")
+    for label, k, _, _ in plan:
+        one, many = rates[base_label(k)], rates[label]
+        cpu = [med(x["shards"][s]["cpu_s"] for x in many) for s in range(S)]
+        busiest = med(max(y["cpu_s"] for y in x["shards"]) for x in many)
+        speed = med(x["pushes_s"] / y["pushes_s"] for x, y in zip(many, one, strict=True))
+        print(f"{label.strip():28} | {'':13}{1e3 * med(x['cpu_s'] for x in one):6.2f} "
+              + " ".join(f"{1e3 * c:7.2f}" for c in cpu)
+              + f" {1e3 * busiest:7.2f} {med(shard_ratios(many, one)):5.2f} | {'':8}"
+              f"{med(x['pushes_s'] for x in one):6.1f} {med(x['pushes_s'] for x in many):6.1f} {speed:5.2f}")
+    print("per-round busiest / one server: " + "; ".join(
+        f"{label.strip()}: " + " ".join(f"{q:.2f}" for q in shard_ratios(rates[label], rates[base_label(k)]))
+        for label, k, _, _ in plan))
+    print(f"goal: busiest shard (S = 2) / one server (S = 1), CPU seconds per push, <= 0.55 with 2 workers (the "
+          f"'S = 2 shards, 2 workers' row{'' if S == 2 else f'; this run has S = {S}'}); push/s is information (the "
+          f"fake workers share the cores with the shards)")
+    names = ("receive", "check", "update", "send", "other", "idle")
+    print("CPU ms per push by part, median over rounds (the parts of the wall-time table above, in CPU seconds; "
+          "receive includes the few other messages, idle = polling for the next message); ratio = shard / one server")
+    print(f"{'':28} | " + " ".join(f"{n:>7}" for n in names))
+    for label, k, _, _ in plan:
+        one, many = rates[base_label(k)], rates[label]
+        ref = {n: med(x["cpu_split_ms"][n] for x in one) for n in names}
+        print(f"{'S = 1, ' + plural(k):28} | " + " ".join(f"{ref[n]:7.2f}" for n in names))
+        for s in range(S):
+            part = {n: med(x["shards"][s]["cpu_split_ms"][n] for x in many) for n in names}
+            print(f"{f'  shard {s}':28} | " + " ".join(f"{part[n]:7.2f}" for n in names))
+            print(f"{'    ratio':28} | " + " ".join(f"{part[n] / ref[n]:7.2f}" for n in names))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -564,6 +787,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of every measurement")
     parser.add_argument("--pushes", type=int, default=250, help="pushes applied per server run")
     parser.add_argument("--exchanges", type=int, default=60, help="round trips per raw measurement")
+    parser.add_argument("--servers", type=int, default=2, help="shards S of the sharded runs (1: none)")
+    parser.add_argument("--sharded-workers", type=lambda s: [int(k) for k in s.split(",")], default=[1, 2],
+                        help="worker counts of the sharded runs, each also in --workers (default 1,2)")
     parser.add_argument("--sweep", action="store_true", help="time the optimizer alone (no MPI) and exit")
     parser.add_argument("--chunks", type=lambda s: [int(c) for c in s.split(",")],
                         default=[8192, 16384, 32768, 65536, 131072, 262144], help="--sweep: block sizes")
@@ -583,9 +809,13 @@ def main() -> None:
             MPI.COMM_WORLD.Abort(1)  # the other ranks would wait for their timeouts
     if min(args.workers) < 1 or args.pushes < WARMUP * max(args.workers) + 10:
         parser.error(f"--workers must be >= 1 and --pushes >= {WARMUP * max(args.workers) + 10}")
+    if args.servers < 1 or (args.servers > 1 and not set(args.sharded_workers) <= set(args.workers)):
+        parser.error("--servers must be >= 1 and --sharded-workers among --workers (each sharded run is set against "
+                     "the one-server run of as many workers)")
     from launch import launcher, run  # bench/launch.py, beside this file
 
-    nranks = 1 + max(args.workers)
+    # rank 0, the workers, then the other shards of the sharded runs (asleep during the other runs)
+    nranks = 1 + max(args.workers) + (args.servers - 1 if args.servers > 1 and args.sharded_workers else 0)
     cmd = [*launcher(), "-n", str(nranks), sys.executable, os.path.abspath(__file__), "--child", *sys.argv[1:]]
     print(f"one mpiexec job of {nranks} ranks, {args.rounds} rounds ...", flush=True)
     limit = 120.0 + 20.0 * args.rounds * len(runs(args)) * args.pushes / 250

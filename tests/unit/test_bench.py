@@ -11,6 +11,9 @@ work the PyTorch side is given (minibatches, augmentation, step sizes: against a
 in-process; initial weights under PyTorch's names, param groups, BatchNorm settings), FDG's cuts, and
 their tables and goal lines (no PyTorch: the script imports it only to train).
 
+bench/server.py: the order of its runs (each sharded run right after the one-server run it is set against) and
+the sharding goal's figure, the busiest shard's CPU per push over the one server's, round by round.
+
 bench/kernels.py: the conv layers it times (from the cifar10 model), the implicit GEMM shape and
 FLOP count of each pass, the FP32 peak from (compute capability, SMs, clock), the error and ratio
 columns of its table and the goal lines; and its exit status 2 on a machine without a GPU.
@@ -803,3 +806,22 @@ def test_validate_seeds_are_distinct_integers(capsys, text, expected):
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"simulate_validate.py: error: argument --seeds: {expected}"
+
+
+def test_server_bench_pairs_each_sharded_run_with_a_one_server_run_and_takes_the_busiest_shard():
+    """bench/server.py: a sharded run follows the one-server run of as many workers (same round, next run); the
+    goal's figure is, per round, the busiest shard's CPU seconds per push over the one server's."""
+    import argparse
+
+    from server import base_label, runs, shard_ratios
+
+    args = argparse.Namespace(workers=[1, 2, 3], servers=2, sharded_workers=[2])
+    plan = runs(args)
+    labels = [label for label, *_ in plan]
+    i = labels.index("  S = 2 shards, 2 workers")
+    assert labels[i - 1] == base_label(2) == "server, 2 workers" and plan[i][1:3] == (2, {"servers": 2})
+    assert sum(1 for _, _, overrides, _ in plan if overrides.get("servers")) == 1
+    assert not any(o.get("servers") for _, _, o, _ in runs(argparse.Namespace(**{**vars(args), "servers": 1})))
+    sharded = [{"shards": [{"cpu_s": 3.0}, {"cpu_s": 2.5}]}, {"shards": [{"cpu_s": 2.0}, {"cpu_s": 2.6}]}]
+    single = [{"cpu_s": 5.0}, {"cpu_s": 4.0}]
+    assert shard_ratios(sharded, single) == pytest.approx([0.6, 0.65])  # shard 0 busiest, then shard 1
