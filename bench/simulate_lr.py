@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}, {args.epochs:g} epochs, batch {args.batch_size} per worker, simulated equal workers; "
           f"{len(jobs)} simulations in {time.monotonic() - t0:.0f} s, {time.strftime('%Y-%m-%d')}. Final test "
           f"accuracy; **bold**: the row's best step size.\n")
-    print("| --async-momentum | N | " + " | ".join(f"lr {lr:g}" for lr in args.lrs) + " | best lr |")
+    print("| variant | N | " + " | ".join(f"lr {lr:g}" for lr in args.lrs) + " | best lr |")
     print("|---|---:|" + "---:|" * (len(args.lrs) + 1))
     for v in args.variants:
         for n in args.workers:

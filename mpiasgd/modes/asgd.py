@@ -146,8 +146,9 @@ class AsgdServer(Role):
         self.optimizer = SGD(params, decay_mask, momentum, cfg.weight_decay, nesterov=cfg.nesterov and momentum > 0,
                              lr_scale=lr_scale)
         # --lookahead: the replies carry the weights K momentum-only updates ahead (DANA), not the master weights
-        steps = lookahead_steps(cfg.lookahead, len(self.workers))
-        self.lookahead = LookAhead(P, momentum, steps, lr_scale) if steps and momentum else None
+        steps = lookahead_steps(cfg.lookahead, len(self.workers), cfg.overlap)
+        self.lookahead = (LookAhead(P, momentum, steps, lr_scale, nesterov=cfg.nesterov) if steps and momentum
+                          else None)
         self.decoded = None if self.wire == "fp32" else np.empty(P + B, np.float32)  # a 16-bit push, decoded
         # fp32 replies of the master weights themselves: the master weights live in the send buffers' payloads;
         # otherwise (16-bit wire, look-ahead) they stay in `params`, updated in place, and replies are written
@@ -189,6 +190,16 @@ class AsgdServer(Role):
             text = (f"the server's momentum is {momentum:g} (--momentum {cfg.momentum:g}, --async-momentum "
                     f"{cfg.async_momentum}, {len(self.workers)} workers){off}")
             self.rec.event("momentum", text)
+            print(f"mpiasgd: {text}", flush=True)
+        if cfg.lookahead and self.shard == 0:  # what --lookahead resolved to, once
+            steps = lookahead_steps(cfg.lookahead, len(self.workers), cfg.overlap)
+            if self.lookahead is not None:
+                text = (f"the replies look {steps:g} update{'s' * (steps != 1)} ahead (--lookahead {cfg.lookahead:g}, "
+                        f"{len(self.workers)} workers): w - lr * {self.lookahead.factor:.4g} * v")
+            else:
+                why = "the server's momentum is 0" if steps else "with 1 worker nothing is stale"
+                text = f"--lookahead {cfg.lookahead:g} is off: {why}"
+            self.rec.event("lookahead", text)
             print(f"mpiasgd: {text}", flush=True)
         if self.cfg.warm_start > 0 and len(self.workers) > 1 and self.rec.resumed is None:
             first = self.workers[0]
@@ -254,19 +265,20 @@ class AsgdServer(Role):
         """
         self.out[w].take(0)
         out = self.outbox[w]
-        if self.lookahead is not None:  # --lookahead: w - lr * lr_mult * c * v, then (16-bit wire) encoded
-            lr = self.schedule(self.rec.epoch, self.rec.fraction_done())
-            if self.reply_buf is None:
-                self.lookahead.reply(self.params, self.optimizer.velocity, lr, out.payload[:self.P])
-            else:
-                encode(self.wire, self.lookahead.reply(self.params, self.optimizer.velocity, lr, self.reply_buf),
-                       out.payload[:self.P])
-        elif self.wire != "fp32":  # 16-bit wire: the float32 master weights encoded into the send buffer
-            encode(self.wire, self.params, out.payload[:self.P])
-        elif self.weights[w] is not self.params:
-            self.weights[w][:] = self.params
         # --eval-interval: this reply asks for evaluation `number` of the weights it carries
         number = self.periodic.flag(w, self.rec.version) if tag == Tag.WEIGHTS and not initial else 0
+        if self.lookahead is not None and tag == Tag.WEIGHTS and not number and not initial:
+            # --lookahead: w - lr * lr_mult * c * v (then encoded, 16-bit wire); the weights a worker evaluates
+            # (STOP, EVALUATE) and the first ones are the master weights themselves
+            lr = self.schedule(self.rec.epoch, self.rec.fraction_done())
+            ahead = self.lookahead.reply(self.params, self.optimizer.velocity, lr,
+                                         out.payload[:self.P] if self.reply_buf is None else self.reply_buf)
+            if self.reply_buf is not None:
+                encode(self.wire, ahead, out.payload[:self.P])
+        elif self.wire != "fp32":  # 16-bit wire: the float32 master weights encoded into the send buffer
+            encode(self.wire, self.params, out.payload[:self.P])
+        elif self.weights.get(w) is not self.params:  # (look-ahead: the master weights live in `params`)
+            out.payload[:self.P] = self.params
         if self.buffers.size:  # the mean buffers go with weights the worker evaluates (STOP, EVALUATE)
             encode(self.wire, self.current_buffers() if initial or tag == Tag.STOP or number else self.buffers,
                    out.payload[self.P:])  # (fp32: a copy)

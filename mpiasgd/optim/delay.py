@@ -100,11 +100,12 @@ def explicit_momentum(momentum: float, rule: str, num_workers: int) -> float:
     return momentum
 
 
-def lookahead_steps(setting: float, num_workers: int) -> float:
+def lookahead_steps(setting: float, num_workers: int, overlap: bool = False) -> float:
     """The updates K a reply looks ahead under `--lookahead` = `setting`: the setting itself when it is > 0,
-    and for -1 ("auto") N - 1 with `num_workers` = N: with N equal workers every push meets the other
-    N - 1 workers' pushes between its pull and its update (staleness N - 1). 0: no look-ahead."""
-    return float(max(0, num_workers - 1)) if setting < 0 else float(setting)
+    and for -1 ("auto") N - 1 with `num_workers` = N, N with `overlap` (--overlap): with N equal workers
+    every push meets the other N - 1 workers' pushes between its pull and its update (staleness N - 1),
+    and computing on the weights of the reply before the last adds one. 0: no look-ahead."""
+    return float(max(0, num_workers - 1) + bool(overlap)) if setting < 0 else float(setting)
 
 
 class LookAhead:
@@ -120,10 +121,14 @@ class LookAhead:
         reply = w - lr * lr_mult * c * v,    c = momentum * (1 - momentum^K) / (1 - momentum)
 
     (c = momentum * K for momentum 1, c = 0 for K = 0 or momentum 0). K need not be whole: the
-    expected staleness. The gradient is then computed near the weights it will be applied to: a push of
-    staleness 1 is off by one gradient's step only, instead of that step plus the momentum's
-    lr * momentum * v. The master weights and the optimizer are untouched: the look-ahead only changes
-    what the workers compute on (and what DC-ASGD, which corrects for the move from there, starts from).
+    expected staleness. With Nesterov momentum (`nesterov`, `optim.SGD`'s form, w <- w - lr * lr_mult *
+    (d + momentum * v)) an update with no new gradient moves the weights by lr * lr_mult * momentum^2 * v,
+    so c gains a factor momentum: c = momentum^2 (1 - momentum^K) / (1 - momentum). The gradient is then
+    computed near the weights it will be applied to: a push of staleness 1 is off by one gradient's step
+    only, instead of that step plus the momentum's lr * momentum * v. The master weights and the
+    optimizer are untouched: the look-ahead only changes what the workers compute on (and what DC-ASGD,
+    which corrects for the move from there, starts from). The server sends the master weights where a
+    worker evaluates them (STOP, an --eval-interval reply) and as the first weights.
 
     `lr_scale` (float32 (P,), None: 1 everywhere) are the learning-rate multipliers; all arrays float32 (P,).
     Cost: one pass over w and v writing the reply (cache-blocked, three numpy operations per block):
@@ -131,11 +136,13 @@ class LookAhead:
     """
 
     def __init__(self, size: int, momentum: float, steps: float, lr_scale: np.ndarray | None = None,
-                 chunk: int = CHUNK) -> None:
+                 chunk: int = CHUNK, nesterov: bool = False) -> None:
         if not steps >= 0 or not 0 <= momentum <= 1:
             raise ValueError(f"look-ahead: steps must be >= 0 and momentum in [0, 1], got {steps!r}, {momentum!r}")
         m = float(momentum)
         self.factor = m * steps if m == 1 else m * (1 - m ** steps) / (1 - m)  # c
+        if nesterov:
+            self.factor *= m
         self.size, self.chunk = size, chunk
         self.scale = None if lr_scale is None else (lr_scale * np.float32(self.factor)).astype(np.float32)
         self.scratch = np.empty(min(chunk, size), np.float32)

@@ -57,3 +57,27 @@ def test_bad_arguments_are_errors():
         look.reply(w, np.zeros(4, np.float32), 0.1, w)
     with pytest.raises(ValueError, match="weights must be a C-contiguous float32 array of shape"):
         look.reply(np.zeros(5, np.float32), np.zeros(4, np.float32), 0.1, np.zeros(4, np.float32))
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_reply_lands_where_k_updates_of_the_real_optimizer_without_gradient_do(nesterov):
+    """The reply equals K steps of the server's own optimizer (heavy ball, or Nesterov with its extra factor
+    momentum) fed zero gradients without weight decay, from the same weights and velocity."""
+    from mpiasgd.optim import NumpySGD
+
+    size, lr, m, k = 1000, 0.05, 0.9, 3
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal(size).astype(np.float32)
+    v = rng.standard_normal(size).astype(np.float32)
+    opt = NumpySGD(w.copy(), np.zeros(size, np.float32), m, 0.0, nesterov=nesterov)
+    opt.velocity[:] = v
+    for _ in range(k):
+        opt.step(np.zeros(size, np.float32), lr)
+    out = LookAhead(size, m, k, nesterov=nesterov).reply(w, v, lr, np.empty_like(w))
+    np.testing.assert_allclose(out, opt.params, rtol=1e-5, atol=1e-6)
+
+
+def test_overlap_adds_one_update_of_staleness():
+    assert lookahead_steps(-1, 2, overlap=True) == 2.0
+    assert lookahead_steps(-1, 1, overlap=True) == 1.0
+    assert lookahead_steps(1.5, 4, overlap=True) == 1.5

@@ -486,3 +486,37 @@ def test_lookahead_auto_is_the_other_workers_and_off_without_momentum(tmp_path):
     assert server.lookahead.factor == pytest.approx(0.4)  # the lowered momentum 0.9 - 0.5
     server, _, _ = make_server(tmp_path / "c", num_workers=1, momentum=0.9, lookahead=-1.0)
     assert server.lookahead is None  # one worker: nothing is stale
+
+
+def test_lookahead_stop_and_first_weights_are_the_master_weights(tmp_path, capsys):
+    """--lookahead: the weights a worker evaluates (STOP) and its first ones are the master weights, not the
+    look-ahead point; what the option resolved to is printed and logged once."""
+    server, net, log = make_server(tmp_path, momentum=0.9, lookahead=-1.0, max_pushes=3)
+    server.r0.role.begin()
+    assert "the replies look 1 update ahead (--lookahead -1, 2 workers): w - lr * 0.9 * v" in capsys.readouterr().out
+    for worker in (1, 2):
+        tag, _, payload = reply(net, worker)
+        assert tag == Tag.WEIGHTS
+        np.testing.assert_array_equal(payload, server.params)
+    rng = np.random.default_rng(8)
+    for worker, step, base in [(1, 1, 0), (2, 1, 0), (1, 2, 1)]:
+        push(net, worker, step=step, version=base, grad=rng.standard_normal(P).astype(np.float32))
+        serve_one(server)
+    tag, _, payload = reply(net, 2)
+    assert tag == Tag.WEIGHTS and not np.array_equal(payload, server.params)  # a look-ahead reply
+    tag, _, payload = reply(net, 1)
+    assert tag == Tag.STOP  # the third push reached --max-pushes
+    np.testing.assert_array_equal(payload, server.params)
+    log.flush()
+    with open_log(log.path) as fh:
+        kinds = [k.decode() if isinstance(k, bytes) else k for k in fh["events"]["kind"]]
+    assert kinds.count("lookahead") == 1
+
+
+def test_lookahead_off_is_said(tmp_path, capsys):
+    server, _, _ = make_server(tmp_path, num_workers=1, momentum=0.9, lookahead=-1.0)
+    server.r0.role.begin()
+    assert "--lookahead -1 is off: with 1 worker nothing is stale" in capsys.readouterr().out
+    server, _, _ = make_server(tmp_path / "b", num_workers=10, momentum=0.9, lookahead=2.0, async_momentum="workers")
+    server.r0.role.begin()
+    assert "--lookahead 2 is off: the server's momentum is 0" in capsys.readouterr().out
