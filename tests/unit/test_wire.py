@@ -357,3 +357,30 @@ def test_a_simulated_fp16_run_has_a_real_runs_numerics_and_bytes(tmp_path):
     transfer = nbytes / bandwidth
     np.testing.assert_allclose(t["pushes"]["wait_s"], [transfer] + [2 * transfer] * (steps - 1), rtol=1e-6)
     assert attrs["wire_bytes_pushed"] == steps * nbytes and attrs["wire_bytes_pulled"] == (steps + 1) * nbytes
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-4, 1e-6])
+def test_numpy_fp16_equals_the_cast_bit_for_bit_where_it_avoids_it(scale):
+    """The numpy fp16 path computes fp16's subnormal range (|x| < 2^-14) itself, with few (scale 1) or many
+    (1e-6) values there: every float32 bit pattern class (all exponents, both signs, specials, ties) and
+    gradients of the given scale encode to the bits numpy's cast gives, and every fp16 pattern decodes to
+    the float32 the cast gives."""
+    rng = np.random.default_rng(13)
+    n = 200_000
+    patterns = ((rng.integers(0, 2, n).astype(np.uint32) << 31) | (rng.integers(0, 256, n).astype(np.uint32) << 23)
+                | rng.integers(0, 2**23, n).astype(np.uint32)).view(np.float32)
+    ties = np.array([2**-24, 2**-25, 3 * 2**-26, -3 * 2**-26, 5 * 2**-26, 2**-14 * (1 - 2**-12), 0.0, -0.0, np.inf,
+                     -np.inf, 65504, 65519.99, 65520], np.float32)
+    x = np.concatenate([patterns, ties, (rng.standard_normal(3 * n) * scale).astype(np.float32)])
+    with np.errstate(over="ignore"):
+        cast = x.astype(np.float16)
+    got = encode("fp16", x, np.empty(x.size, np.float16))
+    real = ~np.isnan(x)
+    np.testing.assert_array_equal(got.view(np.uint16)[real], cast.view(np.uint16)[real])
+    assert np.isnan(got[~real]).all()
+    codes = np.concatenate([np.arange(65536, dtype=np.uint16), cast.view(np.uint16)]).view(np.float16)
+    back = decode("fp16", codes, np.empty(codes.size, np.float32))
+    want = codes.astype(np.float32)
+    real = ~np.isnan(want)
+    np.testing.assert_array_equal(back.view(np.uint32)[real], want.view(np.uint32)[real])
+    assert np.isnan(back[~real]).all()
