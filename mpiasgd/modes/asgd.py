@@ -146,7 +146,7 @@ class AsgdServer(Role):
         self.optimizer = SGD(params, decay_mask, momentum, cfg.weight_decay, nesterov=cfg.nesterov and momentum > 0,
                              lr_scale=lr_scale)
         # --lookahead: the replies carry the weights K momentum-only updates ahead (DANA), not the master weights
-        steps = lookahead_steps(cfg.lookahead, len(self.workers), cfg.overlap)
+        self.lookahead_k = steps = lookahead_steps(cfg.lookahead, len(self.workers), cfg.overlap)  # K (0: off)
         self.lookahead = (LookAhead(P, momentum, steps, lr_scale, nesterov=cfg.nesterov) if steps and momentum
                           else None)
         self.decoded = None if self.wire == "fp32" else np.empty(P + B, np.float32)  # a 16-bit push, decoded
@@ -192,7 +192,7 @@ class AsgdServer(Role):
             self.rec.event("momentum", text)
             print(f"mpiasgd: {text}", flush=True)
         if cfg.lookahead and self.shard == 0:  # what --lookahead resolved to, once
-            steps = lookahead_steps(cfg.lookahead, len(self.workers), cfg.overlap)
+            steps = self.lookahead_k
             if self.lookahead is not None:
                 text = (f"the replies look {steps:g} update{'s' * (steps != 1)} ahead (--lookahead {cfg.lookahead:g}, "
                         f"{len(self.workers)} workers): w - lr * {self.lookahead.factor:.4g} * v")
