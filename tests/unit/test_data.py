@@ -44,6 +44,34 @@ def test_digits_shapes_and_dtypes(digits):
     assert digits.std.dtype == np.float32 and digits.std.shape == (1,)
 
 
+def test_digits_split_is_cached_and_read_back_without_sklearn(tmp_path, monkeypatch):
+    """The first load writes the split to the cache; a later one reads it (scikit-learn not imported) and is
+    equal to scikit-learn's split, array for array; a corrupt or unwritable cache falls back to it."""
+    from mpiasgd.data import digits as digits_mod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = digits_mod.cache_path()
+    assert path.startswith(str(tmp_path / "cache" / "mpiasgd")) and not os.path.exists(path)
+    reference = digits_mod._split_with_sklearn()
+    first = digits_mod.load_digits()
+    assert os.path.exists(path)
+    monkeypatch.setattr(digits_mod, "_split_with_sklearn", lambda: pytest.fail("imported scikit-learn again"))
+    second = digits_mod.load_digits()
+    for k in digits_mod.ARRAYS:
+        np.testing.assert_array_equal(getattr(first, k), reference[k])
+        np.testing.assert_array_equal(getattr(second, k), reference[k])
+        assert getattr(second, k).dtype == reference[k].dtype
+    assert second.classes == first.classes and second.source == first.source
+    monkeypatch.setattr(digits_mod, "_split_with_sklearn", lambda: reference)
+    with open(path, "wb") as f:  # torn or foreign: rebuilt
+        f.write(b"not an npz")
+    np.testing.assert_array_equal(digits_mod.load_digits().test_x, reference["test_x"])
+    assert digits_mod._read_cache(path) is not None
+    (tmp_path / "ro").write_text("a file where the cache folder should be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "ro"))
+    np.testing.assert_array_equal(digits_mod.load_digits().train_y, reference["train_y"])
+
+
 def test_digits_split_is_stratified_and_a_partition(digits):
     from sklearn.datasets import load_digits
 
