@@ -31,15 +31,16 @@ class DeviceError(RuntimeError):
 
 
 def resolve_backend(requested: str, device_count: int) -> str:
-    """The backend a worker runs: "auto" is "cupy" when `device_count` > 0, else "numpy".
+    """The backend a worker runs: "auto" is "cupy" when `device_count` > 0, else "cpu" (the numpy
+    reference with faster convolutions, `mpiasgd.ops.cpu_ops`).
 
-    "numpy" and "cupy" are returned as given; whether cupy can run is checked when its ops module
+    "numpy", "cpu" and "cupy" are returned as given; whether cupy can run is checked when its ops module
     is loaded (`mpiasgd.ops.get_backend` raises BackendUnavailable naming what is missing).
     """
     if requested == "auto":
-        return "cupy" if device_count > 0 else "numpy"
-    if requested not in ("numpy", "cupy"):
-        raise ValueError(f"unknown backend {requested!r}; expected auto, numpy or cupy")
+        return "cupy" if device_count > 0 else "cpu"
+    if requested not in ("numpy", "cpu", "cupy"):
+        raise ValueError(f"unknown backend {requested!r}; expected auto, numpy, cpu or cupy")
     return requested
 
 

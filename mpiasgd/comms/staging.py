@@ -340,7 +340,7 @@ def make_staging(backend: str, cuda_aware: bool, count: int, dev: Transfers | No
 
     `dev` defaults to `cupy_transfers()` for the cupy backend.
     """
-    if backend == "numpy":
+    if backend != "cupy":  # numpy, cpu: host arrays
         return Staging(count, wire, feedback)
     dev = dev or cupy_transfers()
     return (DeviceStaging if cuda_aware else PinnedStaging)(count, dev, wire, feedback)
@@ -350,6 +350,6 @@ def make_sharded_staging(backend: str, cut: Any, dev: Transfers | None = None, w
                          feedback: ErrorFeedback | None = None) -> ShardedStaging:
     """(--servers S > 1) The ShardedStaging of a worker for the shards of `cut`: host (numpy) or pinned (cupy,
     CUDA-aware MPI or not; `dev` defaults to `cupy_transfers()`)."""
-    if backend == "numpy":
+    if backend != "cupy":
         return ShardedStaging(cut, wire, feedback)
     return ShardedStaging(cut, wire, feedback, dev or cupy_transfers())

@@ -23,7 +23,7 @@ from mpiasgd.comms import Staging, make_staging
 from mpiasgd.comms.protocol import HEADER_BYTES
 from mpiasgd.comms.shards import ShardCut
 from mpiasgd.comms.staging import make_sharded_staging
-from mpiasgd.config import Config, ConfigError
+from mpiasgd.config import HOST_BACKENDS, Config, ConfigError
 from mpiasgd.data import DataError, ShardSampler, default_data_dir
 from mpiasgd.data.loader import open_data
 from mpiasgd.device import (
@@ -98,7 +98,7 @@ def worker_backend(cfg: Config, me: Rank, local_rank: int) -> tuple[str, object]
     Returns (backend, DeviceInfo or None). Raises BackendUnavailable (cupy requested, but cupy or a
     device is missing) or DeviceError.
     """
-    count, why = (0, "") if cfg.backend == "numpy" else cuda_probe()  # numpy: cupy is never imported
+    count, why = (0, "") if cfg.backend in HOST_BACKENDS else cuda_probe()  # numpy, cpu: cupy is never imported
     backend = resolve_backend(cfg.backend, count)
     if backend != "cupy":
         # a GPU node that cannot run cupy, or device buffers asked for where there is no device
@@ -106,7 +106,7 @@ def worker_backend(cfg: Config, me: Rank, local_rank: int) -> tuple[str, object]
                                           ("--conv-algo autotune", cfg.conv_algo == "autotune")) if on]
         if cfg.backend == "auto" and (why.startswith("CUDA failed") or gpu_only):
             dropped = "".join(f"; {flag} does not apply" for flag in gpu_only)
-            print(f"mpiasgd: warning (rank {me.rank} on {me.host}): --backend auto runs on the CPU (numpy): "
+            print(f"mpiasgd: warning (rank {me.rank} on {me.host}): --backend auto runs on the CPU ({backend}): "
                   f"{why}{dropped}{visible_hint()}", file=sys.stderr, flush=True)
         return backend, None
     try:

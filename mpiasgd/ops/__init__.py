@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # (the cupy backend's module is imported only when it is aske
 
 # backend name -> module whose make_backend() builds it (numpy first: the reference, and the default
 # without a GPU)
-BACKENDS: dict[str, str] = {"numpy": "mpiasgd.ops.numpy_ops", "cupy": "mpiasgd.ops.cuda.backend"}
+BACKENDS: dict[str, str] = {"numpy": "mpiasgd.ops.numpy_ops", "cpu": "mpiasgd.ops.cpu_ops",
+                            "cupy": "mpiasgd.ops.cuda.backend"}
 
 
 class BackendUnavailable(RuntimeError):

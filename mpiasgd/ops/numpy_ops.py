@@ -107,6 +107,15 @@ class Workspace:
             self._arrays[key] = a
         return a
 
+    def zeroed(self, key: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """Like `get`, but zero-filled whenever (re)allocated: a caller that writes only part of it (an
+        interior, leaving padding) finds the rest still zero on the next call."""
+        a = self._arrays.get(key)
+        if a is None or a.shape != shape or a.dtype != dtype:
+            a = np.zeros(shape, dtype=dtype)
+            self._arrays[key] = a
+        return a
+
     @property
     def nbytes(self) -> int:
         """Bytes held by all scratch arrays."""
@@ -164,20 +173,50 @@ def _conv_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, stride: in
     return y
 
 
-def conv2d_fprop(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, stride: int, pad: int,
-                 ws: Workspace | None = None) -> np.ndarray:
-    """Forward convolution: x (N, C, H, W), w (K, C, R, S), b (K,) or None -> y (N, K, P, Q), fresh
-    (`protocol.Backend.conv2d_fprop`: shapes, dtypes, errors). im2col + one GEMM; with `ws`, scratch is
-    reused and the column matrix is kept for `conv2d_wgrad` of this `x`."""
-    op = "conv2d_fprop"
+def check_conv_fprop(op: str, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, stride: int, pad: int) -> None:
+    """The argument checks of `conv2d_fprop` (shared with `mpiasgd.ops.cpu_ops`): ValueError naming `op`."""
     check_float(op, "x", x, 4, "(N, C, H, W)")
     check_float(op, "w", w, 4, "(K, C, R, S)", x.dtype)
-    K, _, R, S = w.shape
+    K = w.shape[0]
     if b is not None:
         check_float(op, "b", b, 1, f"({K},)", x.dtype)
         if b.shape != (K,):
             raise ValueError(f"{op}: b must have shape ({K},), got {b.shape}")
     host_conv_geometry(op, x.shape, w.shape, stride, pad)
+
+
+def check_conv_wgrad(op: str, dy: np.ndarray, x: np.ndarray, w_shape: tuple[int, int, int, int], stride: int,
+                     pad: int) -> None:
+    """The argument checks of `conv2d_wgrad` (`out` aside): ValueError naming `op`."""
+    check_float(op, "x", x, 4, "(N, C, H, W)")
+    check_float(op, "dy", dy, 4, "(N, K, P, Q)", x.dtype)
+    K, C, R, S = shape4(op, "w_shape", w_shape, "(K, C, R, S)")
+    P, Q = host_conv_geometry(op, x.shape, (K, C, R, S), stride, pad)
+    N = x.shape[0]
+    if dy.shape != (N, K, P, Q):
+        raise ValueError(f"{op}: dy must have shape {(N, K, P, Q)}, got {dy.shape}")
+
+
+def check_conv_dgrad(op: str, dy: np.ndarray, w: np.ndarray, x_shape: tuple[int, int, int, int], stride: int,
+                     pad: int) -> None:
+    """The argument checks of `conv2d_dgrad`: ValueError naming `op`."""
+    check_float(op, "dy", dy, 4, "(N, K, P, Q)")
+    check_float(op, "w", w, 4, "(K, C, R, S)", dy.dtype)
+    N, C, H, W = shape4(op, "x_shape", x_shape, "(N, C, H, W)")
+    K = w.shape[0]
+    P, Q = host_conv_geometry(op, (N, C, H, W), w.shape, stride, pad)
+    if dy.shape != (N, K, P, Q):
+        raise ValueError(f"{op}: dy must have shape {(N, K, P, Q)} for x_shape {(N, C, H, W)}, "
+                         f"got {dy.shape}")
+
+
+def conv2d_fprop(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, stride: int, pad: int,
+                 ws: Workspace | None = None) -> np.ndarray:
+    """Forward convolution: x (N, C, H, W), w (K, C, R, S), b (K,) or None -> y (N, K, P, Q), fresh
+    (`protocol.Backend.conv2d_fprop`: shapes, dtypes, errors). im2col + one GEMM; with `ws`, scratch is
+    reused and the column matrix is kept for `conv2d_wgrad` of this `x`."""
+    check_conv_fprop("conv2d_fprop", x, w, b, stride, pad)
+    _, _, R, S = w.shape
     y = _conv_forward(x, w, b, stride, pad, pad, ws, "cols")
     if ws is not None:
         ws.cols_src = (x, R, S, stride, pad)
@@ -190,13 +229,9 @@ def conv2d_wgrad(dy: np.ndarray, x: np.ndarray, w_shape: tuple[int, int, int, in
     (`protocol.Backend.conv2d_wgrad`). One GEMM with the columns of x; with `ws` that saw `conv2d_fprop`
     of this same `x`, its columns are reused."""
     op = "conv2d_wgrad"
-    check_float(op, "x", x, 4, "(N, C, H, W)")
-    check_float(op, "dy", dy, 4, "(N, K, P, Q)", x.dtype)
-    K, C, R, S = shape4(op, "w_shape", w_shape, "(K, C, R, S)")
-    P, Q = host_conv_geometry(op, x.shape, (K, C, R, S), stride, pad)
-    N = x.shape[0]
-    if dy.shape != (N, K, P, Q):
-        raise ValueError(f"{op}: dy must have shape {(N, K, P, Q)}, got {dy.shape}")
+    check_conv_wgrad(op, dy, x, w_shape, stride, pad)
+    K, C, R, S = w_shape
+    N, _, P, Q = dy.shape
     dw = check_out(op, out, (K, C, R, S), x.dtype)
     src = None if ws is None else ws.cols_src
     if src is not None and src[0] is x and src[1:] == (R, S, stride, pad):
@@ -217,15 +252,10 @@ def conv2d_dgrad(dy: np.ndarray, w: np.ndarray, x_shape: tuple[int, int, int, in
     """Input gradient: dy (N, K, P, Q), w (K, C, R, S), x_shape (N, C, H, W) -> dx (N, C, H, W), fresh
     (`protocol.Backend.conv2d_dgrad`). Stride 1 with pad < R and pad < S runs as a convolution of dy with
     the flipped, transposed filters (pad R-1-pad); otherwise GEMM + col2im looping over the R*S offsets."""
-    op = "conv2d_dgrad"
-    check_float(op, "dy", dy, 4, "(N, K, P, Q)")
-    check_float(op, "w", w, 4, "(K, C, R, S)", dy.dtype)
-    N, C, H, W = shape4(op, "x_shape", x_shape, "(N, C, H, W)")
+    check_conv_dgrad("conv2d_dgrad", dy, w, x_shape, stride, pad)
+    N, C, H, W = x_shape
     K, _, R, S = w.shape
-    P, Q = host_conv_geometry(op, (N, C, H, W), w.shape, stride, pad)
-    if dy.shape != (N, K, P, Q):
-        raise ValueError(f"{op}: dy must have shape {(N, K, P, Q)} for x_shape {(N, C, H, W)}, "
-                         f"got {dy.shape}")
+    _, _, P, Q = dy.shape
     if stride == 1 and pad < R and pad < S:
         # full correlation of dy with w rotated by 180 degrees, channels swapped: (C, K, R, S)
         w_t = np.ascontiguousarray(w[:, :, ::-1, ::-1].transpose(1, 0, 2, 3))

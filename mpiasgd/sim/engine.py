@@ -78,7 +78,7 @@ def check_simulated(cfg: Any, num_workers: int) -> None:
                           "the time of one update); simulate with --servers 1")
     if cfg.backend == "cupy":
         raise ConfigError("--backend cupy: the simulator computes on the numpy backend (the "
-                          "timing model stands for the devices); leave --backend at auto or numpy")
+                          "timing model stands for the devices); leave --backend at auto, numpy or cpu")
 
 
 class VirtualRecorder(Recorder):

@@ -112,6 +112,9 @@ def test_missing_toml_file():
     ({"conv_algo": "fastest"}, r"'conv_algo' = 'fastest': expected one of \('heuristic', 'autotune'\)"),
     ({"backend": "numpy", "conv_algo": "autotune"},
      r"'conv_algo' = 'autotune': expected 'heuristic' with --backend numpy"),
+    ({"backend": "cpu", "cuda_aware": "on"}, r"'cuda_aware' = 'on': expected 'auto' or 'off' with --backend cpu"),
+    ({"backend": "cpu", "conv_algo": "autotune"}, r"'conv_algo' = 'autotune': expected 'heuristic' with --backend cpu"),
+    ({"backend": "gpu"}, r"'backend' = 'gpu': expected one of \('auto', 'numpy', 'cpu', 'cupy'\)"),
     ({"nesterov": True, "momentum": 0.0}, r"'nesterov' = True: expected False with momentum 0 \(Nesterov momentum "
                                           r"needs a momentum > 0\)"),
 ])

@@ -49,8 +49,8 @@ from mpiasgd.ops import BackendUnavailable
 
 
 @pytest.mark.parametrize("requested,count,expected", [
-    ("auto", 0, "numpy"), ("auto", 1, "cupy"), ("auto", 8, "cupy"),
-    ("numpy", 4, "numpy"), ("cupy", 0, "cupy"),  # cupy without a device: get_backend says so
+    ("auto", 0, "cpu"), ("auto", 1, "cupy"), ("auto", 8, "cupy"),  # no GPU: the faster of the host backends
+    ("numpy", 4, "numpy"), ("cpu", 4, "cpu"), ("cupy", 0, "cupy"),  # cupy without a device: get_backend says so
 ])
 def test_resolve_backend(requested, count, expected):
     assert resolve_backend(requested, count) == expected
@@ -195,10 +195,10 @@ def test_sharing_without_uuid_uses_host_and_cuda_visible_devices():
 # worker backend resolution in train.setup (no GPU needed: cupy's absence is faked)
 
 
-def test_auto_without_device_is_numpy(monkeypatch, capsys):
+def test_auto_without_device_is_cpu(monkeypatch, capsys):
     monkeypatch.setattr(train, "cuda_probe", lambda: (0, "the driver reports no CUDA device"))
     me = train.Rank(None, 1, 3, "h")
-    assert train.worker_backend(Config(), me, 0) == ("numpy", None)
+    assert train.worker_backend(Config(), me, 0) == ("cpu", None)
     assert capsys.readouterr().err == ""  # a CPU node: nothing to warn about
 
 
@@ -206,9 +206,9 @@ def test_auto_on_a_gpu_node_that_cannot_run_cupy_warns(monkeypatch, capsys):
     """A driver too old for this cupy (or none): auto still runs, on the CPU, and says why on stderr."""
     monkeypatch.setattr(train, "cuda_probe", lambda: (0, "CUDA failed: cudaErrorInsufficientDriver: CUDA driver "
                                                          "version is insufficient for CUDA runtime version"))
-    assert train.worker_backend(Config(), train.Rank(None, 2, 3, "node7"), 1) == ("numpy", None)
+    assert train.worker_backend(Config(), train.Rank(None, 2, 3, "node7"), 1) == ("cpu", None)
     err = capsys.readouterr().err
-    assert "warning (rank 2 on node7): --backend auto runs on the CPU (numpy): CUDA failed: " \
+    assert "warning (rank 2 on node7): --backend auto runs on the CPU (cpu): CUDA failed: " \
            "cudaErrorInsufficientDriver" in err
 
 
@@ -216,21 +216,22 @@ def test_auto_falling_back_says_cuda_aware_on_and_autotune_are_dropped(monkeypat
     """--cuda-aware on asks for device buffers, --conv-algo autotune for timed GPU tiles; a worker that
     --backend auto puts on the CPU says it drops them."""
     monkeypatch.setattr(train, "cuda_probe", lambda: (0, "the driver reports no CUDA device"))
-    assert train.worker_backend(Config(cuda_aware="on"), train.Rank(None, 1, 3, "h"), 0) == ("numpy", None)
+    assert train.worker_backend(Config(cuda_aware="on"), train.Rank(None, 1, 3, "h"), 0) == ("cpu", None)
     err = capsys.readouterr().err
-    assert "--backend auto runs on the CPU (numpy): the driver reports no CUDA device; --cuda-aware on does not " \
+    assert "--backend auto runs on the CPU (cpu): the driver reports no CUDA device; --cuda-aware on does not " \
            "apply" in err, err
     assert train.worker_backend(Config(cuda_aware="on", conv_algo="autotune"), train.Rank(None, 1, 3, "h"), 0) \
-        == ("numpy", None)
+        == ("cpu", None)
     err = capsys.readouterr().err
     assert "no CUDA device; --cuda-aware on does not apply; --conv-algo autotune does not apply" in err, err
-    assert train.worker_backend(Config(), train.Rank(None, 1, 3, "h"), 0) == ("numpy", None)
+    assert train.worker_backend(Config(), train.Rank(None, 1, 3, "h"), 0) == ("cpu", None)
     assert capsys.readouterr().err == ""  # nothing dropped: a CPU node is no news
 
 
-def test_numpy_backend_never_asks_for_devices(monkeypatch):
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_host_backends_never_ask_for_devices(monkeypatch, backend):
     monkeypatch.setattr(train, "cuda_probe", lambda: pytest.fail("counted devices"))
-    assert train.worker_backend(Config(backend="numpy"), train.Rank(None, 1, 3, "h"), 0) == ("numpy", None)
+    assert train.worker_backend(Config(backend=backend), train.Rank(None, 1, 3, "h"), 0) == (backend, None)
 
 
 def test_cupy_without_device_is_a_startup_error(monkeypatch):
