@@ -1,10 +1,12 @@
 """The CPU backend for speed ("cpu"): the numpy reference's ops, with the convolutions restructured
-to run their GEMMs out of the cache. Layout NCHW, float32 (float64 accepted, as the reference).
+to run their GEMMs out of the cache and batch normalisation in compiled loops. Layout NCHW, float32
+(float64 accepted, as the reference). `--backend auto` runs it on nodes without a GPU; `numpy` stays
+the ground truth the CUDA kernels and the tests compare against.
 
-Why not the reference's im2col: its column matrix holds the whole minibatch, (C*R*S, N*P*Q) float32
-(52 MB for cifar10's second conv at batch 64), so the im2col writes it to memory, the GEMM reads it
-back, and the GEMM's shape (32 rows, 800 deep, 16,384 wide) runs at about half of OpenBLAS's peak on
-one core. Here a convolution of stride 1 runs over groups of `nb` samples whose columns fit in L2
+Convolutions. The reference's column matrix holds the whole minibatch, (C*R*S, N*P*Q) float32 (52 MB
+for cifar10's second conv at batch 64), so its im2col writes it to memory, the GEMM reads it back,
+and the GEMM's shape (32 rows, 800 deep, 16,384 wide) runs at about half of OpenBLAS's peak on one
+core. Here a convolution of stride 1 runs over groups of `nb` samples whose columns fit in L2
 (`group_size`: about `GROUP_COLUMNS` columns a group) and builds those columns from long contiguous
 runs instead of rows of Q values:
 
@@ -14,15 +16,21 @@ runs instead of rows of Q values:
     columns       cols[(s, c, r), (n, j)] = xpad_n[c * Hp * Wp + r * Wp + s + j], j < P * Wp: for each
                   (s, c, r) one contiguous run of P * Wp values (a strided view copied by numpy)
     fprop         y_wide (K, nb * P * Wp) = w (K, S*C*R) @ cols, cropped to (nb, K, P, Q) (+ bias)
-    wgrad         dw (K, S*C*R) += dy_wide (K, nb * P * Wp) @ cols.T, dy_wide zero in the columns
-                  q >= Q (so the dropped columns add nothing), summed over the groups
+    wgrad         dw.T (S*C*R, K) += cols @ dy_wide.T (dy_wide (K, nb * P * Wp) zero in the columns
+                  q >= Q, so the dropped columns add nothing), summed over the groups
     dgrad         a convolution of dy with the flipped, transposed filters (pad R-1-pad), as fprop
 
-The wide columns cost Wp / Q more multiply-adds than the reference's (1.25 for 16x16 inputs with a
-5x5 kernel), paid back by a GEMM that runs from L2: 1.5-2.3x the reference's speed on the stride-1
-convolutions of cifar10 and resnet20 (`bench/vs_pytorch.py`). Strides other than 1 and every other op
-are the reference's own functions. The results equal the reference's to float32 rounding (the sums
-run in another order), checked in tests/unit/test_cpu_ops.py; `numpy` stays the ground truth.
+The wide columns cost Wp / Q more multiply-adds than the reference's (1.27 for cifar10's 15x15 maps
+with a 5x5 kernel), paid back by GEMMs that run from L2: 1.3-2.8x the reference's speed on the
+stride-1 convolutions of cifar10 and resnet20 (BENCHMARKS.md, issue 22). Strides other than 1 run
+the reference's im2col.
+
+Batch normalisation: `mpiasgd.ops.cpu_kernels` (numba), the reference's float64 sums and float32
+operations in one pass per sum instead of float64 copies of the activation: float32 results equal
+the reference's bit for bit (tests/unit/test_cpu_ops.py), 2-7x faster.
+
+Every other op is the reference's own function. The convolutions' results equal the reference's to
+float32 rounding (the sums run in another order).
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ from mpiasgd.ops.contract import check_out, shape4
 from mpiasgd.ops.numpy_ops import (
     NumpyBackend,
     Workspace,
+    check_batchnorm_bprop,
+    check_batchnorm_fprop,
+    check_batchnorm_stats,
     check_conv_dgrad,
     check_conv_fprop,
     check_conv_wgrad,
@@ -171,6 +182,66 @@ def conv2d_dgrad(dy: np.ndarray, w: np.ndarray, x_shape: tuple[int, int, int, in
     return _forward(dy, w_t, None, R - 1 - pad, S - 1 - pad, ws, "dgrad")
 
 
+def batchnorm_stats(x: np.ndarray, running_mean: np.ndarray | None = None, running_var: np.ndarray | None = None,
+                    momentum: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel batch statistics (`protocol.Backend.batchnorm_stats`; the reference's formulas and running
+    update): x (N, C, H, W) -> (mean (C,), biased var (C,)), x's dtype; two compiled float64 passes over each
+    channel (`cpu_kernels.batchnorm_stats`) instead of a float64 copy of x."""
+    from mpiasgd.ops import cpu_kernels
+
+    m = check_batchnorm_stats("batchnorm_stats", x, running_mean, running_var, momentum)
+    N, C, H, W = x.shape
+    M = N * H * W
+    mean, var = np.empty(C), np.empty(C)
+    cpu_kernels.batchnorm_stats(np.ascontiguousarray(x).reshape(N, C, H * W), mean, var)
+    if running_mean is not None:
+        unbiased = var * (M / (M - 1)) if M > 1 else var
+        running_mean[...] = (1 - m) * running_mean.astype(np.float64) + m * mean
+        running_var[...] = (1 - m) * running_var.astype(np.float64) + m * unbiased
+    return mean.astype(x.dtype), var.astype(x.dtype)
+
+
+def batchnorm_fprop(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, mean: np.ndarray, var: np.ndarray,
+                    eps: float) -> np.ndarray:
+    """y = (x - mean) * (gamma / sqrt(var + eps)) + beta per channel (`protocol.Backend.batchnorm_fprop`), the
+    reference's float32 operations in its order, in one compiled pass; fresh (N, C, H, W)."""
+    from mpiasgd.ops import cpu_kernels
+
+    eps = check_batchnorm_fprop("batchnorm_fprop", x, gamma, beta, mean, var, eps)
+    N, C, H, W = x.shape
+    a = (gamma / np.sqrt(var.astype(np.float64) + eps)).astype(x.dtype)
+    y = np.empty_like(x, order="C")
+    cpu_kernels.batchnorm_fprop(np.ascontiguousarray(x).reshape(N, C, H * W), np.ascontiguousarray(mean), a,
+                                np.ascontiguousarray(beta), y.reshape(N, C, H * W))
+    return y
+
+
+def batchnorm_bprop(dy: np.ndarray, x: np.ndarray, gamma: np.ndarray, mean: np.ndarray, var: np.ndarray,
+                    eps: float, dgamma: np.ndarray, dbeta: np.ndarray, need_dx: bool = True) -> np.ndarray | None:
+    """Gradient of `batchnorm_fprop` with the batch statistics (`protocol.Backend.batchnorm_bprop`; the
+    reference's formulas): the two float64 sums in one compiled pass per channel, dx in another."""
+    from mpiasgd.ops import cpu_kernels
+
+    eps = check_batchnorm_bprop("batchnorm_bprop", dy, x, gamma, mean, var, eps, dgamma, dbeta, need_dx)
+    N, C, H, W = x.shape
+    M = N * H * W
+    x3, dy3 = np.ascontiguousarray(x).reshape(N, C, H * W), np.ascontiguousarray(dy).reshape(N, C, H * W)
+    invstd = 1.0 / np.sqrt(var.astype(np.float64) + eps)
+    sum_dy, sum_dy_dev = np.empty(C), np.empty(C)
+    cpu_kernels.batchnorm_sums(dy3, x3, mean.astype(np.float64), sum_dy, sum_dy_dev)
+    sum_dy_xhat = sum_dy_dev * invstd
+    dbeta[...] = sum_dy
+    dgamma[...] = sum_dy_xhat
+    if not need_dx:
+        return None
+    a = gamma.astype(np.float64) * invstd
+    b, e = a * sum_dy / M, a * invstd * sum_dy_xhat / M
+    dx = np.empty_like(x, order="C")
+    cpu_kernels.batchnorm_dx(dy3, x3, np.ascontiguousarray(mean), (-e).astype(x.dtype), a.astype(x.dtype),
+                             b.astype(x.dtype), dx.reshape(N, C, H * W))
+    return dx
+
+
 class CpuBackend(NumpyBackend):
     """The numpy backend with this module's convolutions (`get_backend("cpu")`); every other op is the
     reference's own function."""
@@ -179,6 +250,9 @@ class CpuBackend(NumpyBackend):
     conv2d_fprop = staticmethod(conv2d_fprop)
     conv2d_dgrad = staticmethod(conv2d_dgrad)
     conv2d_wgrad = staticmethod(conv2d_wgrad)
+    batchnorm_stats = staticmethod(batchnorm_stats)
+    batchnorm_fprop = staticmethod(batchnorm_fprop)
+    batchnorm_bprop = staticmethod(batchnorm_bprop)
 
     def __repr__(self) -> str:
         return "CpuBackend()"

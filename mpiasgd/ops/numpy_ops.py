@@ -549,6 +549,52 @@ def _check_channel_vectors(op: str, C: int, dtype, **vectors: np.ndarray) -> Non
             raise ValueError(f"{op}: {arg} must have shape ({C},) (x's channels), got {a.shape}")
 
 
+def check_batchnorm_stats(op: str, x: np.ndarray, running_mean: np.ndarray | None, running_var: np.ndarray | None,
+                          momentum: float) -> float:
+    """The argument checks of `batchnorm_stats` (shared with `mpiasgd.ops.cpu_ops`); the momentum as a float."""
+    check_float(op, "x", x, 4, "(N, C, H, W)")
+    N, C, H, W = x.shape
+    if N * H * W == 0:
+        raise ValueError(f"{op}: x must have N*H*W > 0 values per channel, got shape {x.shape}")
+    if (running_mean is None) != (running_var is None):
+        raise ValueError(f"{op}: running_mean and running_var must be given together, got "
+                         f"{describe(running_mean)} and {describe(running_var)}")
+    if running_mean is not None:
+        _check_channel_vectors(op, C, x.dtype, running_mean=running_mean, running_var=running_var)
+        for arg, a in (("running_mean", running_mean), ("running_var", running_var)):
+            if not a.flags.writeable:
+                raise ValueError(f"{op}: {arg} must be writeable (it is updated in place)")
+    return check_real(op, "momentum", momentum, 0.0, 1.0)
+
+
+def check_batchnorm_fprop(op: str, x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, mean: np.ndarray,
+                          var: np.ndarray, eps: float) -> float:
+    """The argument checks of `batchnorm_fprop`; eps as a float."""
+    check_float(op, "x", x, 4, "(N, C, H, W)")
+    _check_channel_vectors(op, x.shape[1], x.dtype, gamma=gamma, beta=beta, mean=mean, var=var)
+    return check_real(op, "eps", eps, 0.0, low_open=True)
+
+
+def check_batchnorm_bprop(op: str, dy: np.ndarray, x: np.ndarray, gamma: np.ndarray, mean: np.ndarray,
+                          var: np.ndarray, eps: float, dgamma: np.ndarray, dbeta: np.ndarray, need_dx: bool) -> float:
+    """The argument checks of `batchnorm_bprop`; eps as a float."""
+    check_float(op, "x", x, 4, "(N, C, H, W)")
+    check_float(op, "dy", dy, 4, "(N, C, H, W)", x.dtype)
+    if dy.shape != x.shape:
+        raise ValueError(f"{op}: dy must have x's shape {x.shape}, got {dy.shape}")
+    N, C, H, W = x.shape
+    if N * H * W == 0:
+        raise ValueError(f"{op}: x must have N*H*W > 0 values per channel, got shape {x.shape}")
+    _check_channel_vectors(op, C, x.dtype, gamma=gamma, mean=mean, var=var)
+    eps = check_real(op, "eps", eps, 0.0, low_open=True)
+    for arg, out in (("dgamma", dgamma), ("dbeta", dbeta)):
+        if out is None:
+            raise ValueError(f"{op}: {arg} must be a {x.dtype} array of shape ({C},), got None")
+        check_out(op, out, (C,), x.dtype)
+    check_bool(op, "need_dx", need_dx)
+    return eps
+
+
 def batchnorm_stats(x: np.ndarray, running_mean: np.ndarray | None = None, running_var: np.ndarray | None = None,
                     momentum: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel batch statistics: x (N, C, H, W) -> (mean (C,), biased var (C,)), fresh, x's dtype
@@ -561,21 +607,9 @@ def batchnorm_stats(x: np.ndarray, running_mean: np.ndarray | None = None, runni
     update of torch.nn.BatchNorm2d. Raises ValueError on a wrong ndim/dtype, M = 0, momentum outside
     [0, 1], or only one of the running arrays.
     """
-    op = "batchnorm_stats"
-    check_float(op, "x", x, 4, "(N, C, H, W)")
+    m = check_batchnorm_stats("batchnorm_stats", x, running_mean, running_var, momentum)
     N, C, H, W = x.shape
     M = N * H * W
-    if M == 0:
-        raise ValueError(f"{op}: x must have N*H*W > 0 values per channel, got shape {x.shape}")
-    if (running_mean is None) != (running_var is None):
-        raise ValueError(f"{op}: running_mean and running_var must be given together, got "
-                         f"{describe(running_mean)} and {describe(running_var)}")
-    if running_mean is not None:
-        _check_channel_vectors(op, C, x.dtype, running_mean=running_mean, running_var=running_var)
-        for arg, a in (("running_mean", running_mean), ("running_var", running_var)):
-            if not a.flags.writeable:
-                raise ValueError(f"{op}: {arg} must be writeable (it is updated in place)")
-    m = check_real(op, "momentum", momentum, 0.0, 1.0)
     x3 = x.reshape(N, C, H * W)
     mean = x3.sum(axis=(0, 2), dtype=np.float64) / M  # (C,) float64
     dev = x3 - mean[:, None]  # (N, C, H*W) float64
@@ -595,11 +629,8 @@ def batchnorm_fprop(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, mean: np
     gamma / sqrt(var + eps) is formed in float64 and rounded once; x - mean is taken first (not
     x*a + (beta - mean*a), which cancels when |mean| >> std). Raises ValueError on a shape/dtype
     mismatch or eps <= 0."""
-    op = "batchnorm_fprop"
-    check_float(op, "x", x, 4, "(N, C, H, W)")
+    eps = check_batchnorm_fprop("batchnorm_fprop", x, gamma, beta, mean, var, eps)
     C = x.shape[1]
-    _check_channel_vectors(op, C, x.dtype, gamma=gamma, beta=beta, mean=mean, var=var)
-    eps = check_real(op, "eps", eps, 0.0, low_open=True)
     a = (gamma / np.sqrt(var.astype(np.float64) + eps)).astype(x.dtype)  # (C,)
     y = x - mean.reshape(1, C, 1, 1)  # (N, C, H, W)
     y *= a.reshape(1, C, 1, 1)
@@ -618,22 +649,9 @@ def batchnorm_bprop(dy: np.ndarray, x: np.ndarray, gamma: np.ndarray, mean: np.n
     a = gamma*invstd, b = a*dbeta/M, e = a*invstd*dgamma/M formed in float64.
     Raises ValueError on a shape/dtype mismatch, eps <= 0, or M = 0.
     """
-    op = "batchnorm_bprop"
-    check_float(op, "x", x, 4, "(N, C, H, W)")
-    check_float(op, "dy", dy, 4, "(N, C, H, W)", x.dtype)
-    if dy.shape != x.shape:
-        raise ValueError(f"{op}: dy must have x's shape {x.shape}, got {dy.shape}")
+    eps = check_batchnorm_bprop("batchnorm_bprop", dy, x, gamma, mean, var, eps, dgamma, dbeta, need_dx)
     N, C, H, W = x.shape
     M = N * H * W
-    if M == 0:
-        raise ValueError(f"{op}: x must have N*H*W > 0 values per channel, got shape {x.shape}")
-    _check_channel_vectors(op, C, x.dtype, gamma=gamma, mean=mean, var=var)
-    eps = check_real(op, "eps", eps, 0.0, low_open=True)
-    for arg, out in (("dgamma", dgamma), ("dbeta", dbeta)):
-        if out is None:
-            raise ValueError(f"{op}: {arg} must be a {x.dtype} array of shape ({C},), got None")
-        check_out(op, out, (C,), x.dtype)
-    check_bool(op, "need_dx", need_dx)
     dy3, x3 = dy.reshape(N, C, H * W), x.reshape(N, C, H * W)
     mean64 = mean.astype(np.float64)
     invstd = 1.0 / np.sqrt(var.astype(np.float64) + eps)  # (C,) float64

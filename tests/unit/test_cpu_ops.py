@@ -129,6 +129,55 @@ def test_bad_arguments_raise_the_references_error(call):
     assert str(ours.value) == str(theirs.value)
 
 
+@pytest.mark.parametrize("shape", [(6, 16, 32, 32), (5, 3, 7, 3), (2, 4, 1, 1), (1, 2, 3, 9)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_batchnorm_equals_the_reference(shape, dtype):
+    """Statistics (and the running update), forward and backward on channels with a large mean (the
+    cancellation case), odd sizes (the lanes' tail) and one value a sample: float32 results equal the
+    reference's bit for bit (its float64 sums, summed in another order, round to the same float32 values);
+    float64 results agree to float64 rounding."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal(shape) * 3 + 50).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    C = shape[1]
+    gamma, beta = rng.standard_normal(C).astype(dtype), rng.standard_normal(C).astype(dtype)
+    runs = [(np.full(C, 0.5, dtype), np.full(C, 2.0, dtype)) for _ in range(2)]
+    (m0, v0), (m1, v1) = (o.batchnorm_stats(x, rm, rv, 0.1) for o, (rm, rv) in zip((ref, cpu), runs, strict=True))
+    y = [o.batchnorm_fprop(x, gamma, beta, m0, v0, 1e-5) for o in (ref, cpu)]
+    grads = [(np.empty(C, dtype), np.empty(C, dtype)) for _ in range(2)]
+    dx = [o.batchnorm_bprop(dy, x, gamma, m0, v0, 1e-5, dg, db) for o, (dg, db) in zip((ref, cpu), grads, strict=True)]
+    pairs = [("mean", m0, m1), ("var", v0, v1), ("running mean", runs[0][0], runs[1][0]),
+             ("running var", runs[0][1], runs[1][1]), ("y", *y), ("dx", *dx), ("dgamma", grads[0][0], grads[1][0]),
+             ("dbeta", grads[0][1], grads[1][1])]
+    for what, theirs, ours in pairs:
+        assert ours.dtype == dtype, what
+        if dtype == np.float32:
+            assert np.array_equal(ours, theirs), what
+        else:
+            assert_close(ours, theirs, what, 1e-12, 1e-12)
+    dg, db = np.zeros(C, dtype), np.zeros(C, dtype)
+    assert cpu.batchnorm_bprop(dy, x, gamma, m0, v0, 1e-5, dg, db, need_dx=False) is None
+    assert np.array_equal(dg, grads[1][0]) and np.array_equal(db, grads[1][1])
+
+
+@pytest.mark.parametrize("call", [
+    lambda o, x, c: o.batchnorm_stats(x[0]),
+    lambda o, x, c: o.batchnorm_stats(x, c, None),
+    lambda o, x, c: o.batchnorm_stats(x, c, c, 1.5),
+    lambda o, x, c: o.batchnorm_fprop(x, c[:2], c, c, c, 1e-5),
+    lambda o, x, c: o.batchnorm_fprop(x, c, c, c, c, 0.0),
+    lambda o, x, c: o.batchnorm_bprop(x[:1], x, c, c, c, 1e-5, c.copy(), c.copy()),
+    lambda o, x, c: o.batchnorm_bprop(x, x, c, c, c, 1e-5, None, c.copy()),
+])
+def test_batchnorm_bad_arguments_raise_the_references_error(call):
+    x, c = np.ones((2, 3, 4, 4), np.float32), np.ones(3, np.float32)
+    with pytest.raises(ValueError) as theirs:
+        call(ref, x, c)
+    with pytest.raises(ValueError) as ours:
+        call(cpu, x, c)
+    assert str(ours.value) == str(theirs.value)
+
+
 @pytest.mark.parametrize("name", ["cifar10", "resnet20"])
 def test_a_networks_gradient_equals_the_reference(name):
     """forward_backward of a built-in network on both backends from the same weights: the same loss and
