@@ -899,7 +899,7 @@ def ddp_main(args: argparse.Namespace) -> int:
     env = environment(torch)
     print(f"\n{args.model}: {DDP_WORLD} workers x 1 thread, batch {DDP_BATCH} each, lr {LR:g} constant, momentum "
           f"{MOMENTUM:g}, weight decay {WEIGHT_DECAY:g} (weights), {args.steps} steps per worker, images/s over "
-          f"steps {args.warmup + 1}-{args.steps}; PyTorch {torch.__version__} DDP (gloo) vs mpiasgd numpy; "
+          f"steps {args.warmup + 1}-{args.steps}; PyTorch {torch.__version__} DDP (gloo) vs mpiasgd {args.backend}; "
           f"{env['cpu']}, {os.cpu_count()} cores, {env['date']}.\n")
     print("\n".join(ddp_table(runs)))
     ref = median([r.images_per_s for r in runs["PyTorch DDP"]])
