@@ -254,7 +254,7 @@ def test_auto_backend_resolution_is_logged(mpirun, tmp_path):
     w = t["workers"][0]
     if cuda_device_count() == 0:
         assert (w["backend"], w["device"], w["device_name"], w["device_uuid"], w["transfer"]) == \
-            (b"numpy", -1, b"", b"", b"host")
-        assert "numpy (host) x1" in res.stdout
+            (b"cpu", -1, b"", b"", b"host")
+        assert "cpu (host) x1" in res.stdout
     else:
         assert w["backend"] == b"cupy" and w["device"] >= 0 and w["transfer"] in (b"pinned", b"device")
