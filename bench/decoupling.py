@@ -99,7 +99,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     work.add_argument("--lr-schedule", choices=("cosine", "step", "constant"), default="cosine", help="after warm-up")
     work.add_argument("--lr-milestones", default="", metavar="E1,E2", help="step schedule: epochs where lr x 0.1")
     work.add_argument("--seed", type=int, default=0, help="initial weights, shard order and augmentation")
-    work.add_argument("--backend", default="auto", help="mpiasgd's --backend: auto | numpy | cupy")
+    work.add_argument("--backend", default="auto", help="mpiasgd's --backend: auto | numpy | cpu | cupy")
     work.add_argument("--data-dir", default=None, help="CIFAR-10 folder (None: $MPIASGD_DATA, else ~/.cache/mpiasgd)")
     work.add_argument("--subset", type=positive, default=None, metavar="N",
                       help="smoke run: stop every row after N minibatches (--max-pushes N)")

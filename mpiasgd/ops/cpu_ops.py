@@ -157,6 +157,7 @@ def conv2d_wgrad(dy: np.ndarray, x: np.ndarray, w_shape: tuple[int, int, int, in
     # dw transposed, (S*C*R, K) = cols @ dy_wide.T: OpenBLAS runs this orientation 1.3-1.8x faster than
     # (K, S*C*R) = dy_wide @ cols.T (its short side, K, then is the narrow output's width)
     acc = numpy_ops._scratch(ws, "wgrad.acc", (S * C * R, K), x.dtype)
+    acc.fill(0)  # an empty batch (no group) has a zero gradient
     part = numpy_ops._scratch(ws, "wgrad.part", (S * C * R, K), x.dtype)
     for i, (n0, m) in enumerate(g.groups()):
         cols = g.columns(x, n0, m)

@@ -414,14 +414,20 @@ def test_killed_worker_in_sync_mode_names_no_checkpoint_it_did_not_write(tmp_pat
 def test_kill9_of_rank0_twenty_times_never_tears_log_or_checkpoint(tmp_path, tiny_cifar):
     """cifar10 model (0.3 M parameters) on 1 worker, a checkpoint every 50 ms and a flush every 50 ms:
     rank 0 is killed at a random moment 20 times; every time the log opens with every row a reader
-    saw before the kill, and the checkpoint loads (CRC-checked) and is the last one logged or newer."""
+    saw before the kill, and the checkpoint loads (CRC-checked) and is the last one logged or newer.
+    Two jobs run at a time (each its own run name; the kills' moments are drawn up front), which halves
+    the test's wall time: most of a job is waiting for its start-up and its random moment."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from mpiasgd.runlog import open_log
 
     root, _ = tiny_cifar
     runs = tmp_path / "runs"
-    rng = np.random.default_rng(0)
-    torn = 0
-    for i in range(20):
+    delays = np.random.default_rng(0).uniform(0.0, 0.5, size=20)
+
+    def kill_once(i: int) -> int:
+        """Job k{i}: start, kill rank 0 after its checkpoint exists plus delays[i] s, check; returns 1 when
+        the kill left a temporary checkpoint file (it landed inside a write)."""
         name = f"k{i}"
         proc = start_mpi(2, ["train", "--model", "cifar10", "--data-dir", str(root), "--batch-size", "8",
                              "--epochs", "0", "--max-time", "120", "--checkpoint-interval", "0.05",
@@ -431,13 +437,13 @@ def test_kill9_of_rank0_twenty_times_never_tears_log_or_checkpoint(tmp_path, tin
             wait_for_pushes(runs / f"{name}.h5", proc)
             ckpt = runs / f"{name}.ckpt.h5"
             wait_for(ckpt.exists)
-            time.sleep(rng.uniform(0.0, 0.5))
+            time.sleep(delays[i])
             with open_log(str(runs / f"{name}.h5")) as f:
                 seen = f["pushes"].shape[0]
             os.kill(rank_pid(runs, name, 0), signal.SIGKILL)
             proc.communicate(timeout=60)
             sid = proc.pid
-            wait_for(lambda: not session_pids(sid), 30)  # noqa: B023 (called at once, in this iteration)
+            wait_for(lambda: not session_pids(sid), 30)
         finally:
             stop_group(proc)
         with open_log(str(runs / f"{name}.h5")) as f:
@@ -449,7 +455,10 @@ def test_kill9_of_rank0_twenty_times_never_tears_log_or_checkpoint(tmp_path, tin
         assert ck.params.size == num_params and np.isfinite(ck.params).all()
         if len(logged):  # the file holds the last checkpoint the log recorded, or one written after its flush
             assert ck.version >= logged["version"][-1]
-        torn += sum(entry.startswith(f".{name}.ckpt.h5.tmp.") for entry in os.listdir(runs))
+        return sum(entry.startswith(f".{name}.ckpt.h5.tmp.") for entry in os.listdir(runs))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        torn = sum(pool.map(kill_once, range(20)))  # re-raises the first failing job's assertion
     # kills that landed inside a checkpoint write left its temporary file; the next write removes it
     print(f"{torn} of 20 kills interrupted a checkpoint write")
     removed = checkpoint.remove_stale_temporaries(str(runs / "k0.ckpt.h5"))

@@ -100,6 +100,16 @@ def test_scratch_reused_across_batches_and_inputs_stays_exact(group_columns):
     assert ws.nbytes > 0
 
 
+def test_an_empty_batch_gives_empty_outputs_and_a_zero_weight_gradient():
+    x, w = np.zeros((0, 3, 5, 5), np.float32), np.ones((4, 3, 3, 3), np.float32)
+    dy = np.zeros((0, 4, 5, 5), np.float32)
+    ws = cpu.Workspace()
+    cpu.conv2d_wgrad(np.ones((2, 4, 5, 5), np.float32), np.ones((2, 3, 5, 5), np.float32), w.shape, 1, 1, ws=ws)
+    assert cpu.conv2d_fprop(x, w, None, 1, 1, ws=ws).shape == (0, 4, 5, 5)
+    assert cpu.conv2d_dgrad(dy, w, x.shape, 1, 1, ws=ws).shape == (0, 3, 5, 5)
+    assert np.array_equal(cpu.conv2d_wgrad(dy, x, w.shape, 1, 1, ws=ws), np.zeros(w.shape, np.float32))
+
+
 def test_wgrad_writes_into_an_out_view_only():
     x, w, _, stride, pad = _conv_case((3, 2, 6, 5, 3, 3, 3, 1, 1))
     g = np.random.default_rng(3).standard_normal((3, 3, 6, 5))
