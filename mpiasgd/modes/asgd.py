@@ -181,6 +181,10 @@ class AsgdServer(Role):
         tail = f" and the {self.buffers.size} layer buffers" if self.buffers.size else ""
         return f" for parameter-server shard {self.shard} of {self.cut.shards} (parameters [{a:,}, {b:,}){tail})"
 
+    def warm_up(self) -> None:
+        """The optimizer's compiled update loaded now (`SGD.warm_up`), not at the first push."""
+        self.optimizer.warm_up()
+
     def begin(self) -> None:
         """Send the first weights: to every worker, or (--warm-start, not on a resume) to the first one only."""
         cfg = self.cfg

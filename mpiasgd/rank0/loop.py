@@ -114,6 +114,7 @@ class Rank0:
 
     def run(self) -> dict:
         """Serve until the role is done; returns the summary dict."""
+        self.role.warm_up()  # before the clocks: the run's time is the training's
         self.rec.begin()
         if self.decides:
             self.rec.snapshot(*self.weights())

@@ -80,6 +80,9 @@ class Role:
         names its slice)."""
         return ""
 
+    def warm_up(self) -> None:
+        """Load what the first messages would otherwise wait for (compiled code), before the clocks start."""
+
     def begin(self) -> None:
         """The first sends (initial weights)."""
 

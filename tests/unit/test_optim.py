@@ -382,6 +382,35 @@ def test_compiled_step_equals_numpy_sgd_bit_for_bit(decay_kind, lr_kind, momentu
             np.testing.assert_array_equal(g_fast.view(np.uint32), g.view(np.uint32))  # the push is not modified
 
 
+@pytest.mark.parametrize("decay_kind", ["runs", "array", "weight decay 0"])
+@pytest.mark.parametrize("lr_kind", list(LR_SCALES))
+@pytest.mark.parametrize("momentum_kind", list(MOMENTA))
+def test_warm_up_loads_what_the_steps_run_and_changes_nothing(decay_kind, lr_kind, momentum_kind):
+    """After `SGD.warm_up`, steps out of place and in place and `apply_delta` add no machine code to the
+    compiled loops (numba compiles or loads one version per argument types: the warm-up loaded those the
+    steps use), and the optimizer's weights and velocity are as before."""
+    from mpiasgd.optim import apply_delta, compiled
+
+    decay_mult = {"runs": MASKS["runs"], "array": DECAYS["array"], "weight decay 0": MASKS["runs"]}[decay_kind]
+    momentum, nesterov = MOMENTA[momentum_kind]
+    P = decay_mult.size
+    rng = np.random.default_rng(3)
+    sgd = SGD(rng.standard_normal(P, dtype=np.float32), decay_mult, momentum,
+              0.0 if decay_kind == "weight decay 0" else 5e-4, chunk=4096, nesterov=nesterov,
+              lr_scale=LR_SCALES[lr_kind])
+    before = sgd.params.copy(), None if sgd.velocity is None else sgd.velocity.copy()
+    sgd.warm_up()
+    np.testing.assert_array_equal(sgd.params, before[0])
+    if momentum:
+        np.testing.assert_array_equal(sgd.velocity, before[1])
+    loaded = len(compiled.sgd_blocks.signatures), len(compiled.add_scaled.signatures)
+    sgd.step(rng.standard_normal(P, dtype=np.float32), 0.1, out=np.empty(P, np.float32))
+    sgd.step(rng.standard_normal(P, dtype=np.float32), 0.1)
+    apply_delta(sgd.params, rng.standard_normal(P, dtype=np.float32), 0.5)
+    apply_delta(sgd.params, rng.standard_normal(P, dtype=np.float32), 0.5, out=np.empty(P, np.float32))
+    assert (len(compiled.sgd_blocks.signatures), len(compiled.add_scaled.signatures)) == loaded
+
+
 def test_compiled_step_on_tiny_and_odd_sizes():
     """P below one block, of one value, and one past a block: the loop's remainder paths."""
     rng = np.random.default_rng(13)
