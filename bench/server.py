@@ -84,6 +84,10 @@ the same round, median over rounds (goal <= 0.55 with 2 workers); for informatio
 server (rank 0's applied pushes per wall second: a worker's push is done when both shards answered) against
 S = 1; then the CPU per push by part, as the wall-time table splits it (receive, check, update, send, other,
 idle = polling for the next message), each shard's over the one server's: which parts halve and which do not.
+Before each sharded run, a floor with no MPI and no server code (`bare_floor`): rank 0 alone does one push's
+byte work on all P values (`bare_push_cpu`: a copy of the gradient into an inbox, standing in for the receive,
+the finite check, the update), then every shard process does its slice's at the same time; busiest slice /
+whole is what the machine leaves of halving the bytes, printed beside the servers' ratio.
 
 Run as root? Set OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (Open MPI refuses otherwise).
 """
@@ -303,6 +307,50 @@ class Roofline:
             step(*((w1, w0) if i % 2 == 0 else (w0, w1)))
             times.append(time.perf_counter() - t)
         return statistics.median(times[1:])
+
+
+def bare_push_cpu(n: int, cfg: Config, repeats: int = 15) -> float:
+    """CPU seconds (time.process_time) of the byte work one push brings a server holding `n` values, with no
+    MPI: a copy of the n-value gradient into an inbox (the stand-in for the receive's CMA copy), the finite
+    check (`finite_square`) and the optimizer step under `cfg` (`SGD`, out of place); median of `repeats`
+    after one untimed round. Run by every shard process at once it gives the floor of the sharded comparison:
+    what the machine's shared memory bandwidth leaves of halving the bytes, before any server code runs."""
+    from mpiasgd.optim import SGD, finite_square
+
+    rng = np.random.default_rng(1)
+    src = rng.standard_normal(n, dtype=np.float32) * np.float32(1e-3)
+    inbox, w0, w1 = np.empty_like(src), np.ones_like(src), np.ones_like(src)
+    opt = SGD(w0, layer_mask(n), cfg.momentum, cfg.weight_decay, nesterov=cfg.nesterov)
+    times = []
+    for i in range(repeats + 1):
+        time.sleep(PAUSE)
+        t = time.process_time()
+        np.copyto(inbox, src)
+        finite_square(inbox)
+        opt.params = (w0, w1)[i % 2]
+        opt.step(inbox, 0.01, out=(w1, w0)[i % 2])
+        times.append(time.process_time() - t)
+    return statistics.median(times[1:])
+
+
+def bare_floor(comm: Any, shard_comm: Any, cfg: Config, P: int, is_server: bool) -> dict | None:
+    """(collective on `comm`) The sharded comparison's floor, measured before a sharded run: rank 0 alone does
+    a whole push's byte work (`bare_push_cpu` of P values; the others wait asleep), then every shard process
+    (`shard_comm`) does its slice's at the same time. Rank 0 gets {"one_s", "shards_s": [per shard]}."""
+    from mpi4py import MPI
+
+    from mpiasgd.comms.shards import ShardCut
+
+    one = bare_push_cpu(P, cfg) if is_server else 0.0
+    idle_wait(comm.Ibarrier(), "start of the concurrent bare pushes", comm.Get_rank(), 120.0)
+    if shard_comm != MPI.COMM_NULL:
+        cut = ShardCut.balanced(P, 0, shard_comm.Get_size())
+        shard_comm.Barrier()
+        mine = bare_push_cpu(cut.count(shard_comm.Get_rank()), cfg)
+        gathered = shard_comm.gather(mine, root=0)
+        if is_server:
+            return {"one_s": one, "shards_s": gathered}
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -602,6 +650,9 @@ def child(args: argparse.Namespace) -> None:
     for k, S in sorted({(k, cfg.servers) for _, k, cfg, _ in plan}):
         member = rank <= k or W < rank < W + S
         comms[k, S] = comm.Split(0 if member else MPI.UNDEFINED, rank)
+    # the shard processes of the sharded runs (rank 0 first): the concurrent bare pushes (`bare_floor`)
+    S_max = max(cfg.servers for _, _, cfg, _ in plan)
+    shard_comm = comm.Split(0 if rank == 0 or W < rank < W + S_max else MPI.UNDEFINED, rank)
     rates: dict[str, list[dict]] = {label: [] for label, *_ in plan}
     raw: list[float] = []  # (rank 0) every raw measurement, in order: one before each server run, one at the end
     copies: list[float] = []  # (rank 0) copy bandwidth, bytes/s, measured right after each raw measurement
@@ -621,10 +672,12 @@ def child(args: argparse.Namespace) -> None:
                 measure_raw()
                 idle_wait(comm.Ibarrier(), f"start of run '{label}'", rank, 120.0)
                 sub = comms[k, cfg.servers]
+                floor = bare_floor(comm, shard_comm, cfg, P, is_server) if cfg.servers > 1 else None
+                idle_wait(comm.Ibarrier(), f"start of run '{label}' after the bare pushes", rank, 120.0)
                 if is_server:
                     alone = roof.update_alone(cfg, numpy_update)
                     result = serve(sub, cfg, P, k, os.path.join(workdir, f"r{r}-{i}.h5"), numpy_update)
-                    rates[label].append({**result, "raw_index": len(raw) - 1, "alone_s": alone})
+                    rates[label].append({**result, "raw_index": len(raw) - 1, "alone_s": alone, "floor": floor})
                 elif rank <= k:
                     fake_worker(sub, cfg, P)
                 elif W < rank < W + cfg.servers:
@@ -760,6 +813,17 @@ def shard_table(args: argparse.Namespace, plan: list, rates: dict[str, list[dict
     print("per-round busiest / one server: " + "; ".join(
         f"{label.strip()}: " + " ".join(f"{q:.2f}" for q in shard_ratios(rates[label], rates[base_label(k)]))
         for label, k, _, _ in plan))
+    print("floor, no MPI and no server code (`bare_push_cpu`: a copy of the gradient into an inbox, the finite check, "
+          "the update; CPU ms): one process on all P values alone, then every shard process on its slice at the same "
+          "time, just before each sharded run; floor = busiest slice / whole, what this machine leaves of halving "
+          "the bytes")
+    for label, k, _, _ in plan:
+        floors = [x["floor"] for x in rates[label]]
+        per_round = [max(f["shards_s"]) / f["one_s"] for f in floors]
+        print(f"{label.strip():28} | whole {1e3 * med(f['one_s'] for f in floors):6.2f}, slices "
+              + " ".join(f"{1e3 * med(f['shards_s'][s] for f in floors):6.2f}" for s in range(S))
+              + f" | floor {med(per_round):.2f} (rounds " + " ".join(f"{q:.2f}" for q in per_round) + ")"
+              + f" | busiest / one server {med(shard_ratios(rates[label], rates[base_label(k)])):.2f}")
     print(f"goal: busiest shard (S = 2) / one server (S = 1), CPU seconds per push, <= 0.55 with 2 workers (the "
           f"'S = 2 shards, 2 workers' row{'' if S == 2 else f'; this run has S = {S}'}); push/s is information (the "
           f"fake workers share the cores with the shards)")

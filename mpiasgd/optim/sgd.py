@@ -171,6 +171,9 @@ class NumpySGD:
             raise ValueError("out must not be the optimizer's velocity")
         return out, in_place
 
+    def warm_up(self) -> None:
+        """Load what the first step would wait for (`SGD`: its compiled loops); numpy: nothing."""
+
     def step(self, grad: np.ndarray, lr: float, out: np.ndarray | None = None, grad_scale: float = 1.0) -> np.ndarray:
         """Apply one update with step size `lr` for gradient `grad` scaled by `grad_scale`; returns the
         new weights.
