@@ -157,8 +157,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         argv = ["step", *argv]  # step is the default subcommand
     args = parser.parse_args(argv)
     which = step if args.command == "step" else ddp
-    if args.warmup < 1:
-        which.error(f"--warmup: expected an integer >= 1, got {args.warmup}")
+    least = 2 if args.command == "step" else 1  # step: the first warm-up loss is ln(classes) on both sides
+    if args.warmup < least:
+        which.error(f"--warmup: expected an integer >= {least}, got {args.warmup}"
+                    + (" (the warm-up losses are the same-work check; the first is ln(classes) on both sides)"
+                       if args.command == "step" else ""))
+    if not 0 <= args.seed < 2**32:
+        which.error(f"--seed: expected an integer from 0 to 2**32 - 1, got {args.seed}")
+    if args.json:  # checked now, not after the whole benchmark
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            which.error(f"--json {args.json}: folder {folder} does not exist or is not writable")
     if args.command == "ddp" and args.warmup >= args.steps:
         ddp.error(f"--warmup {args.warmup} leaves no timed steps of --steps {args.steps}: use fewer")
     return args

@@ -8,6 +8,7 @@ random_state=0)`; train is the other 1,437. No download ever happens; the split 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from importlib import metadata
@@ -32,29 +33,45 @@ def cache_path() -> str | None:
     return os.path.join(root, "mpiasgd", f"digits-split-sklearn-{version}.npz")
 
 
+def _digest(arrays: dict[str, np.ndarray]) -> str:
+    """SHA-256 of the arrays' names, shapes, dtypes and bytes, in `ARRAYS` order."""
+    h = hashlib.sha256()
+    for k in ARRAYS:
+        a = np.ascontiguousarray(arrays[k])
+        h.update(f"{k}:{a.shape}:{a.dtype.str};".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
 def _read_cache(path: str) -> dict[str, np.ndarray] | None:
-    """The cached arrays, or None when the file is missing or not what `_write_cache` wrote (then rebuilt)."""
+    """The cached arrays, or None (then rebuilt) when the file is missing, unreadable (torn, empty, not an npz)
+    or not what `_write_cache` wrote: its SHA-256 of the arrays must match, so changed content is rebuilt too."""
     try:
         with np.load(path, allow_pickle=False) as z:  # data only: no pickle, no code
-            arrays = {k: z[k] for k in ARRAYS}
-    except (OSError, KeyError, ValueError):
+            arrays = {k: np.asarray(z[k]) for k in ARRAYS}
+            digest = str(z["sha256"])
+    except Exception:  # whatever is wrong with the file: EOFError, BadZipFile, a bare .npy, ...
         return None
     shapes = {"train_x": (1437, 1, 8, 8), "train_y": (1437,), "test_x": (TEST_SIZE, 1, 8, 8), "test_y": (TEST_SIZE,)}
     if any(arrays[k].shape != shapes[k] or arrays[k].dtype != (np.uint8 if k.endswith("x") else np.int64)
-           for k in ARRAYS):
+           for k in ARRAYS) or digest != _digest(arrays):
         return None
     return arrays
 
 
 def _write_cache(path: str, arrays: dict[str, np.ndarray]) -> None:
-    """Write the arrays atomically (a temporary file renamed: ranks starting together never see half a file);
-    a cache that cannot be written (read-only home, full disk) is skipped."""
+    """Write the arrays and their SHA-256 atomically (a temporary file, flushed to disk, then renamed: ranks
+    starting together, and a crash, never leave half a file under the name); a cache that cannot be written
+    (read-only home, full disk) is skipped."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".digits-", suffix=".npz", dir=os.path.dirname(path))
         try:
             with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
+                np.savez(f, **arrays, sha256=np.array(_digest(arrays)))
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the cache from other users of a shared home
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)

@@ -99,10 +99,10 @@ def get_backend(name: str) -> Backend:
             import cupy  # noqa: F401
         except ImportError as e:
             raise BackendUnavailable("ops backend 'cupy' needs cupy: pip install 'cupy-cuda12x[ctk]' (or "
-                                     f"cupy-cuda13x[ctk]), or use --backend numpy ({e})") from e
+                                     f"cupy-cuda13x[ctk]), or use --backend cpu ({e})") from e
         count, why = cuda_probe()
         if count == 0:
-            raise BackendUnavailable(f"ops backend 'cupy': no usable CUDA device ({why}); use --backend numpy")
+            raise BackendUnavailable(f"ops backend 'cupy': no usable CUDA device ({why}); use --backend cpu")
         try:
             from cupy_backends.cuda.libs import nvrtc
 

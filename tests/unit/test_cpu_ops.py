@@ -100,6 +100,43 @@ def test_scratch_reused_across_batches_and_inputs_stays_exact(group_columns):
     assert ws.nbytes > 0
 
 
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("pad", [0, 1])
+def test_a_non_finite_input_spreads_as_in_the_reference(value, pad, group_columns):
+    """An inf or NaN in x (or dy) makes the same outputs and gradient entries non-finite as in the reference
+    (the wide columns the reference never reads must not turn 0 * inf into NaN), the rest agree."""
+    rng = np.random.default_rng(11)
+    for where in [(0, 0, 2, 5), (1, 3, 0, 0), (2, 7, 15, 15), (0, 5, 8, 0)]:
+        x = rng.standard_normal((3, 8, 16, 16)).astype(np.float32)
+        w = rng.standard_normal((4, 8, 3, 3)).astype(np.float32)
+        x[where] = value
+        y = [o.conv2d_fprop(x, w, None, 1, pad) for o in (ref, cpu)]
+        dy = rng.standard_normal(y[0].shape).astype(np.float32)
+        dx_in = dy.copy()
+        dx_in[where[0], 1, min(where[2], y[0].shape[2] - 1), 0] = value
+        for what, (theirs, ours) in {
+            "fprop": y,
+            "wgrad": [o.conv2d_wgrad(dy, x, w.shape, 1, pad) for o in (ref, cpu)],
+            "dgrad": [o.conv2d_dgrad(dx_in, w, x.shape, 1, pad) for o in (ref, cpu)],
+        }.items():
+            assert np.array_equal(np.isfinite(ours), np.isfinite(theirs)), (what, where)
+            assert np.array_equal(np.isnan(ours), np.isnan(theirs)), (what, where)
+            finite = np.isfinite(theirs)
+            assert_close(ours[finite], theirs[finite], f"{what} {where}", 1e-3, 1e-4)
+
+
+@pytest.mark.parametrize("w_shape", [(4, 3, 0, 0), (4, 3, 0, 3), (4, 3, 3, 0)])
+def test_an_empty_filter_gives_the_references_results(w_shape):
+    """A filter of no rows or columns: y is the bias, dw is empty, dx is zero, as on the reference."""
+    x, b = np.ones((2, 3, 5, 5), np.float32), np.arange(4, dtype=np.float32)
+    w = np.zeros(w_shape, np.float32)
+    y = [o.conv2d_fprop(x, w, b, 1, 1) for o in (ref, cpu)]
+    assert np.array_equal(y[0], y[1]) and np.array_equal(y[1], np.broadcast_to(b.reshape(1, 4, 1, 1), y[1].shape))
+    dy = np.ones_like(y[0])
+    assert np.array_equal(cpu.conv2d_wgrad(dy, x, w_shape, 1, 1), ref.conv2d_wgrad(dy, x, w_shape, 1, 1))
+    assert np.array_equal(cpu.conv2d_dgrad(dy, w, x.shape, 1, 1), np.zeros(x.shape, np.float32))
+
+
 def test_an_empty_batch_gives_empty_outputs_and_a_zero_weight_gradient():
     x, w = np.zeros((0, 3, 5, 5), np.float32), np.ones((4, 3, 3, 3), np.float32)
     dy = np.zeros((0, 4, 5, 5), np.float32)

@@ -63,10 +63,26 @@ def test_digits_split_is_cached_and_read_back_without_sklearn(tmp_path, monkeypa
         assert getattr(second, k).dtype == reference[k].dtype
     assert second.classes == first.classes and second.source == first.source
     monkeypatch.setattr(digits_mod, "_split_with_sklearn", lambda: reference)
-    with open(path, "wb") as f:  # torn or foreign: rebuilt
-        f.write(b"not an npz")
-    np.testing.assert_array_equal(digits_mod.load_digits().test_x, reference["test_x"])
-    assert digits_mod._read_cache(path) is not None
+    good = open(path, "rb").read()
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 1
+    rolled = dict(reference, train_y=np.roll(reference["train_y"], 1))
+    with open(tmp_path / "rolled.npz", "wb") as f:  # right shapes and dtypes, other labels, the old digest
+        np.savez(f, **rolled, sha256=np.array(digits_mod._digest(reference)))
+    bad_files = {"text": b"not an npz", "empty": b"", "torn": good[:len(good) // 2], "one bit": bytes(flipped),
+                 "rolled labels": (tmp_path / "rolled.npz").read_bytes()}
+    with open(tmp_path / "bare.npy", "wb") as f:
+        np.save(f, reference["test_x"])
+    bad_files["a bare .npy"] = (tmp_path / "bare.npy").read_bytes()
+    for what, content in bad_files.items():  # every one is rebuilt into a cache that reads back
+        with open(path, "wb") as f:
+            f.write(content)
+        assert digits_mod._read_cache(path) is None, what
+        got = digits_mod.load_digits()
+        for k in digits_mod.ARRAYS:
+            np.testing.assert_array_equal(getattr(got, k), reference[k], err_msg=what)
+        assert digits_mod._read_cache(path) is not None, what
+    assert oct(os.stat(path).st_mode & 0o777) == "0o644"
     (tmp_path / "ro").write_text("a file where the cache folder should be")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "ro"))
     np.testing.assert_array_equal(digits_mod.load_digits().train_y, reference["train_y"])

@@ -44,7 +44,8 @@ def test_ddp_defaults():
 @pytest.mark.parametrize("bad", [["--batches", "0"], ["--batches", "64,x"], ["--models", "nope"],
                                  ["--rounds", "0"], ["--warmup", "0"], ["--backends", "bogus"], ["--backends", "cupy"],
                                  ["ddp", "--steps", "20", "--warmup", "20"], ["ddp", "--modes", "pipeline"],
-                                 ["ddp", "--model", "resnet20"]])
+                                 ["ddp", "--model", "resnet20"], ["--warmup", "1"], ["--seed", "-1"],
+                                 ["ddp", "--seed", "-1"], ["--json", "/nonexistent/folder/x.json"]])
 def test_nonsense_is_refused_with_one_error_line(bad, capsys):
     with pytest.raises(SystemExit) as stop:
         vs.parse(bad)
