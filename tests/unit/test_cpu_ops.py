@@ -8,11 +8,11 @@ reference's own function.
 
 import numpy as np
 import pytest
+from kit.convs import CONV_CASES, conv_case, naive_conv
 from kit.grads import assert_close
 
 from mpiasgd.model import build_model
 from mpiasgd.ops import cpu_ops, get_backend, numpy_ops
-from unit.test_ops import CONV_CASES, _conv_case, naive_conv
 
 cpu = get_backend("cpu")
 ref = get_backend("numpy")
@@ -56,7 +56,7 @@ def group_columns(request, monkeypatch):
 
 @pytest.mark.parametrize("case", CONV_CASES + NETWORK_CASES)
 def test_convolutions_equal_the_reference(case, group_columns):
-    x, w, b, stride, pad = _conv_case(case)
+    x, w, b, stride, pad = conv_case(case)
     y = cpu.conv2d_fprop(x, w, b, stride, pad)
     assert y.dtype == np.float64 and y.flags.c_contiguous
     assert_close(y, ref.conv2d_fprop(x, w, b, stride, pad), f"fprop {case}", 1e-12, 1e-12)
@@ -79,7 +79,7 @@ def test_convolutions_equal_the_reference(case, group_columns):
 
 @pytest.mark.parametrize("case", CONV_CASES[:3])
 def test_fprop_matches_a_direct_loop(case):
-    x, w, b, stride, pad = _conv_case(case)
+    x, w, b, stride, pad = conv_case(case)
     assert_close(cpu.conv2d_fprop(x, w, b, stride, pad), naive_conv(x, w, b, stride, pad), f"fprop {case}",
                  1e-12, 1e-12)
 
@@ -148,7 +148,7 @@ def test_an_empty_batch_gives_empty_outputs_and_a_zero_weight_gradient():
 
 
 def test_wgrad_writes_into_an_out_view_only():
-    x, w, _, stride, pad = _conv_case((3, 2, 6, 5, 3, 3, 3, 1, 1))
+    x, w, _, stride, pad = conv_case((3, 2, 6, 5, 3, 3, 3, 1, 1))
     g = np.random.default_rng(3).standard_normal((3, 3, 6, 5))
     flat = np.full(w.size + 4, 7.0)
     view = flat[2:2 + w.size].reshape(w.shape)

@@ -7,6 +7,7 @@ float64 where central differences are accurate to ~1e-10; float32 is checked aga
 
 import numpy as np
 import pytest
+from kit.convs import CONV_CASES, conv_case, naive_conv
 from kit.grads import assert_close, numeric_grad
 
 from mpiasgd.ops import get_backend
@@ -21,49 +22,9 @@ ATOL32, RTOL32 = 1e-4, 1e-4  # float32 result vs float64 result (values are O(1)
 
 
 
-def naive_conv(x, w, b, stride, pad):
-    """Direct loop over output pixels: y[n,k,p,q] = b[k] + sum_{c,r,s} w[k,c,r,s] * xpad[n,c,p*st+r,q*st+s]."""
-    N, C, H, W = x.shape
-    K, _, R, S = w.shape
-    xp = np.zeros((N, C, H + 2 * pad, W + 2 * pad), dtype=np.float64)
-    xp[:, :, pad:pad + H, pad:pad + W] = x
-    P, Q = (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
-    y = np.zeros((N, K, P, Q))
-    for n in range(N):
-        for k in range(K):
-            for p in range(P):
-                for q in range(Q):
-                    patch = xp[n, :, p * stride:p * stride + R, q * stride:q * stride + S]
-                    y[n, k, p, q] = np.sum(patch * w[k]) + (0.0 if b is None else b[k])
-    return y
-
-
-# (N, C, H, W, K, R, S, stride, pad): stride 1/2/3, pad 0/1/2, odd and non-square inputs and
-# kernels; covers both dgrad paths (stride 1 with pad < kernel -> as a convolution; else col2im)
-CONV_CASES = [
-    (2, 3, 5, 5, 4, 3, 3, 1, 0),
-    (2, 2, 7, 6, 3, 3, 3, 2, 1),
-    (1, 3, 6, 9, 2, 5, 5, 1, 2),
-    (2, 1, 8, 5, 2, 3, 2, 2, 2),
-    (1, 2, 5, 4, 3, 1, 1, 1, 1),
-    (2, 2, 9, 7, 2, 3, 3, 3, 1),
-    (1, 2, 6, 7, 3, 2, 4, 1, 1),
-    (1, 2, 4, 4, 2, 3, 3, 1, 2),
-]
-
-
-def _conv_case(case, seed=0):
-    N, C, H, W, K, R, S, stride, pad = case
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((N, C, H, W))
-    w = rng.standard_normal((K, C, R, S))
-    b = rng.standard_normal(K)
-    return x, w, b, stride, pad
-
-
 @pytest.mark.parametrize("case", CONV_CASES)
 def test_conv2d_fprop_matches_direct_loop(case):
-    x, w, b, stride, pad = _conv_case(case)
+    x, w, b, stride, pad = conv_case(case)
     ref = naive_conv(x, w, b, stride, pad)
     assert_close(ops.conv2d_fprop(x, w, b, stride, pad), ref, f"conv2d_fprop float64 {case}", 1e-12, 1e-12)
     assert_close(ops.conv2d_fprop(x, w, None, stride, pad), naive_conv(x, w, None, stride, pad),
@@ -75,7 +36,7 @@ def test_conv2d_fprop_matches_direct_loop(case):
 
 @pytest.mark.parametrize("case", CONV_CASES)
 def test_conv2d_backward_matches_finite_differences(case):
-    x, w, b, stride, pad = _conv_case(case)
+    x, w, b, stride, pad = conv_case(case)
     y = ops.conv2d_fprop(x, w, b, stride, pad)
     g = np.random.default_rng(1).standard_normal(y.shape)  # upstream gradient of sum(y * g)
 
@@ -89,7 +50,7 @@ def test_conv2d_backward_matches_finite_differences(case):
 
 @pytest.mark.parametrize("case", CONV_CASES[:4])
 def test_conv2d_backward_float32_matches_float64(case):
-    x, w, b, stride, pad = _conv_case(case)
+    x, w, b, stride, pad = conv_case(case)
     g = np.random.default_rng(1).standard_normal(ops.conv2d_fprop(x, w, b, stride, pad).shape)
     x32, w32, g32 = (a.astype(np.float32) for a in (x, w, g))
     dx = ops.conv2d_dgrad(g32, w32, x.shape, stride, pad)
@@ -100,7 +61,7 @@ def test_conv2d_backward_float32_matches_float64(case):
 
 
 def test_conv2d_workspace_reuse_is_exact_and_tracks_the_input():
-    x, w, b, stride, pad = _conv_case((3, 2, 6, 5, 3, 3, 3, 1, 1))
+    x, w, b, stride, pad = conv_case((3, 2, 6, 5, 3, 3, 3, 1, 1))
     x2 = x[::-1].copy()
     g = np.random.default_rng(2).standard_normal((3, 3, 6, 5))
     ws = ops.Workspace()
@@ -119,7 +80,7 @@ def test_conv2d_workspace_reuse_is_exact_and_tracks_the_input():
 
 
 def test_wgrad_and_bias_grad_overwrite_out_views():
-    x, w, b, stride, pad = _conv_case((2, 2, 5, 5, 3, 3, 3, 1, 1))
+    x, w, b, stride, pad = conv_case((2, 2, 5, 5, 3, 3, 3, 1, 1))
     g = np.random.default_rng(3).standard_normal((2, 3, 5, 5))
     flat = np.full(w.size + b.size + 4, 7.0)  # stand-in for the model's gradient vector
     dw_view = flat[2:2 + w.size].reshape(w.shape)
