@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""mpiasgd's CPU workers against PyTorch on the same work: one training step on one thread (`step`), and
-2-process training throughput against PyTorch DDP (`ddp`). The goal: mpiasgd at >= 0.9 of PyTorch's speed.
+"""mpiasgd's CPU workers against PyTorch on the same work: one training step on one thread (`step`),
+2-process training throughput against PyTorch DDP (`ddp`) and 2-process time to a test accuracy against
+PyTorch DDP (`race`). The goals: mpiasgd at >= 0.9 of PyTorch's speed; its time to 65 % <= 1.1 x DDP's.
 
     python bench/vs_pytorch.py                                        # = step: cifar10 and resnet20, batch 64 and 128;
                                                                       #   ~3 min on 2 cores
@@ -9,6 +10,9 @@
     python bench/vs_pytorch.py ddp                                    # DDP vs mpiasgd sync and async, 200 steps each;
                                                                       #   ~4 min (CIFAR-10 needed)
     python bench/vs_pytorch.py ddp --steps 20 --warmup 5              # a smoke run, ~1 min
+    python bench/vs_pytorch.py race                                   # time to 60/65/70 %, mpiasgd sync vs DDP, up
+                                                                      #   to 10 epochs each; ~30-40 min on 2 cores
+    python bench/vs_pytorch.py race --epochs 0.2 --eval-every 0.1 --targets 0.2,0.25 --no-stop   # smoke, ~1.5 min
 
 `step` (the default) measures milliseconds per training step of one process on ONE thread
 (OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = MKL_NUM_THREADS = 1 before numpy and torch load, and
@@ -73,8 +77,43 @@ beside. Ratios sync/DDP and async/DDP of the window's images/s, goal >= 0.9. --r
 configuration that many times in alternating order (DDP, sync, async, then reversed); medians.
 Needs CIFAR-10 (see the README's Data section; it exits 2 with one line saying how to get it).
 
-Needs PyTorch (pip install -e '.[bench]'; exits 2 with one line otherwise) and, for `ddp`, mpiexec beside
-this Python or on PATH. Run as root? Set OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1.
+`race` trains to a test accuracy, 2 workers x 1 thread, CIFAR-10's `cifar10` network, each side once
+(DDP first): the time to each --targets accuracy (default 0.60,0.65,0.70) is the training time, evaluation
+excluded, at the first evaluation at or above it. Both sides: batch 64 per worker (an update averages 128
+images), lr 0.02 with a linear warm-up from 0 over 0.5 epochs, then cosine to 0 at --epochs (default 10),
+momentum 0.9, weight decay 5e-4 on weights only, the same initial weights, shards and augmentation as
+`ddp`; the whole test set (10,000 images: each process or worker half, the counts summed) is evaluated
+every --eval-every epochs (default 0.25; at the first step at or past each multiple) and after the last
+step. The step size of every update comes from mpiasgd itself: the DDP side takes the `Schedule` and
+`StopRule` of mpiasgd's command as `mpiasgd.config.resolve` reads it (`race_setup`) and computes each
+step's size with `mpiasgd.optim.learning_rate` as a sync worker does (`race_lr`: the epochs done before
+the update; the first update's is 0), and decides its evaluations with mpiasgd's `EvalSchedule`.
+
+    mpiasgd sync   mpiexec -n 3 python -m mpiasgd train --model cifar10 --mode sync --backend BACKEND
+                   --threads 1 --batch-size 64 --lr 0.02 --lr-scaling none --lr-schedule cosine
+                   --warmup-epochs 0.5 --epochs EPOCHS --eval-interval EVERYep [--stop-accuracy A] ...
+                   Its clock does NOT pause for evaluations (README, "Evaluation during training": the
+                   run's clock includes them), and a /periodic_evals row's `time` is rank 0's log clock when
+                   the evaluated weights were taken (the REPORT of that step), `seconds` the slowest
+                   evaluator's: the training time of evaluation k is its `time` less the `seconds` of
+                   evaluations 1..k-1 (`mpiasgd_evals`); the final evaluation's is the last applied push's
+                   time less all of them. images/s = images in applied pushes / that training time.
+    PyTorch DDP    2 spawned processes, gloo, as `ddp` (`race_worker`); at each evaluation both ranks stop
+                   the clock after a barrier, evaluate their half of the test set (eval mode, no_grad;
+                   all_reduce of the correct counts and losses), and start it again after a barrier.
+                   images/s = images trained on / training time.
+
+By default each run stops at its first evaluation at or above the highest target (--stop-at A: at A;
+mpiasgd: --stop-accuracy, after which its workers may take a step or two more and evaluate the final
+weights; DDP stops at that evaluation); --no-stop trains all --epochs. The schedule's length stays
+--epochs either way. The table gives per run the time to each target ('-' when not reached), the final
+accuracy and images/s; then the evaluations side by side (the same steps on both sides: compare the
+accuracies for the same-work check), the ratio mpiasgd time / DDP time at --ratio-at (default 0.65, or
+the middle of --targets when 0.65 is not one; goal <= 1.1) and the commands. --run-dir keeps mpiasgd's
+run log (default: a temporary folder). Needs CIFAR-10, as `ddp`.
+
+Needs PyTorch (pip install -e '.[bench]'; exits 2 with one line otherwise) and, for `ddp` and `race`,
+mpiexec beside this Python or on PATH. Run as root? Set OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1.
 `--json PATH` writes every number (per-step times, per-round figures, profiles, commands).
 """
 
@@ -89,6 +128,7 @@ if __name__ == "__main__":  # one thread on both sides: before numpy (OpenBLAS) 
         os.environ[_var] = "1"
 
 import argparse  # noqa: E402  (after the thread settings)
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import shlex  # noqa: E402
@@ -119,7 +159,7 @@ NEEDS_TORCH = "needs PyTorch: pip install -e '.[bench]'"
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="vs_pytorch.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="{step,ddp}", help="step (the default) | ddp")
+    sub = parser.add_subparsers(dest="command", metavar="{step,ddp,race}", help="step (the default) | ddp | race")
     step = sub.add_parser("step", help="one training step on one thread: ms per step, mpiasgd vs PyTorch",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     step.add_argument("--models", type=name_list(list(MODELS)), default=["cifar10", "resnet20"],
@@ -152,13 +192,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ddp.add_argument("--timeout", type=seconds, default=1800.0, help="time limit of each run, seconds")
     ddp.add_argument("--json", default=None, metavar="PATH", help="also write every number to this JSON file")
     ddp.add_argument("--model", default="cifar10", choices=("cifar10", "digits"), help=argparse.SUPPRESS)
+    race = add_race_parser(sub)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("step", "ddp", "-h", "--help"):
+    if not argv or argv[0] not in ("step", "ddp", "race", "-h", "--help"):
         argv = ["step", *argv]  # step is the default subcommand
     args = parser.parse_args(argv)
-    which = step if args.command == "step" else ddp
+    which = {"step": step, "ddp": ddp, "race": race}[args.command]
     least = 2 if args.command == "step" else 1  # step: the first warm-up loss is ln(classes) on both sides
-    if args.warmup < least:
+    if args.command != "race" and args.warmup < least:
         which.error(f"--warmup: expected an integer >= {least}, got {args.warmup}"
                     + (" (the warm-up losses are the same-work check; the first is ln(classes) on both sides)"
                        if args.command == "step" else ""))
@@ -170,6 +211,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             which.error(f"--json {args.json}: folder {folder} does not exist or is not writable")
     if args.command == "ddp" and args.warmup >= args.steps:
         ddp.error(f"--warmup {args.warmup} leaves no timed steps of --steps {args.steps}: use fewer")
+    if args.command == "race":
+        check_race(race, args)
     return args
 
 
@@ -875,8 +918,9 @@ def data_or_exit(args: argparse.Namespace) -> None:
     try:
         load_dataset(MODELS[args.model].dataset, args.data_dir)
     except DataError as e:  # its message names the folder and how to get CIFAR-10
-        print(f"vs_pytorch.py: ddp needs CIFAR-10: {' '.join(str(e).split())} (in a checkout of this project, "
-              f"`python ../shared/tools/cifar10_batches.py` writes it to {default_data_dir()})", file=sys.stderr)
+        print(f"vs_pytorch.py: {args.command} needs CIFAR-10: {' '.join(str(e).split())} (in a checkout of this "
+              f"project, `python ../shared/tools/cifar10_batches.py` writes it to {default_data_dir()})",
+              file=sys.stderr)
         sys.exit(2)
 
 
@@ -930,9 +974,416 @@ def ddp_main(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- race ------------------------------------------------------------------------------------------------------
+
+RACE_GOAL = 1.1  # mpiasgd's time to the ratio's target over DDP's, at most
+RACE_TARGETS = (0.60, 0.65, 0.70)  # test top-1 accuracies whose time to reach is measured
+RACE_RATIO_AT = 0.65  # the target of the ratio, when among --targets
+RACE_WARMUP_EPOCHS = 0.5  # linear warm-up from 0, then cosine to 0 at --epochs (mpiasgd's schedule, both sides)
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (np.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def fraction_list(text: str) -> list[float]:
+    """argparse type: comma-separated distinct test accuracies, fractions in (0, 1], sorted ascending."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions such as 0.6,0.65, got {text!r}") from None
+    if not values or len(set(values)) < len(values) or not all(0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected distinct fractions in (0, 1], e.g. 0.6,0.65 for 60 and 65 %; "
+                                         f"got {text!r}")
+    return sorted(values)
+
+
+def add_race_parser(sub: Any) -> argparse.ArgumentParser:
+    from mpiasgd.cli import fraction
+
+    race = sub.add_parser("race", help="time to a test accuracy: mpiasgd sync vs PyTorch DDP, 2 workers x 1 thread",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    race.add_argument("--epochs", type=positive_float, default=10.0, help="epochs of training (both workers "
+                      "together); the cosine schedule ends at 0 here")
+    race.add_argument("--eval-every", type=positive_float, default=0.25, metavar="EPOCHS",
+                      help="epochs between evaluations of the whole test set (the training clock paused)")
+    race.add_argument("--targets", type=fraction_list, default=list(RACE_TARGETS), metavar="A1,A2",
+                      help="test top-1 accuracies (fractions), comma-separated: the time to each is measured")
+    race.add_argument("--ratio-at", type=fraction, default=None, metavar="A",
+                      help=f"the target of the ratio mpiasgd time / DDP time (goal <= {RACE_GOAL:g}); one of "
+                      f"--targets; None: {RACE_RATIO_AT:g} when among them, else the middle one")
+    stop = race.add_mutually_exclusive_group()
+    stop.add_argument("--stop-at", type=fraction, default=None, metavar="A",
+                      help="stop each run at its first evaluation at or above this accuracy; None: the highest "
+                      "of --targets")
+    stop.add_argument("--no-stop", action="store_true", help="train all --epochs")
+    race.add_argument("--backend", choices=[b for b in BACKENDS if b != "cupy"], default="cpu",
+                      help="mpiasgd's workers' ops backend (cpu: what --backend auto runs without a GPU)")
+    race.add_argument("--seed", type=int, default=0, help="initial weights, shards and augmentation")
+    race.add_argument("--data-dir", default=None, help="CIFAR-10 folder; None: $MPIASGD_DATA or ~/.cache/mpiasgd")
+    race.add_argument("--run-dir", default=None, help="keep mpiasgd's run log here; None: a temporary folder")
+    race.add_argument("--timeout", type=seconds, default=7200.0, help="time limit of each run, seconds")
+    race.add_argument("--json", default=None, metavar="PATH", help="also write every number to this JSON file")
+    race.add_argument("--model", default="cifar10", choices=("cifar10", "digits"), help=argparse.SUPPRESS)
+    return race
+
+
+def check_race(race: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The race's checks across options (one-line errors), and the defaults that follow from --targets:
+    `ratio_at` and `stop_at` (None with --no-stop)."""
+    targets = args.targets
+    if args.eval_every > args.epochs:
+        race.error(f"--eval-every {args.eval_every:g} is longer than --epochs {args.epochs:g}: no evaluation during "
+                   "training")
+    if args.ratio_at is None:
+        args.ratio_at = RACE_RATIO_AT if RACE_RATIO_AT in targets else targets[len(targets) // 2]
+    elif args.ratio_at not in targets:
+        race.error(f"--ratio-at {args.ratio_at:g} is not one of --targets {','.join(f'{t:g}' for t in targets)}")
+    if args.no_stop:
+        args.stop_at = None
+    elif args.stop_at is None:
+        args.stop_at = targets[-1]
+    elif args.stop_at < targets[-1]:
+        race.error(f"--stop-at {args.stop_at:g} is below the highest of --targets ({targets[-1]:g}): the runs would "
+                   "stop before they could reach it (use --no-stop to train all --epochs)")
+
+
+def time_to_target(rows: list[tuple[float, float]], target: float) -> float | None:
+    """Training seconds at the first evaluation, in time order, whose test accuracy is at or above `target`;
+    `rows` are (training seconds, accuracy) pairs. None if none reached it."""
+    for secs, accuracy in sorted(rows, key=lambda row: row[0]):
+        if accuracy >= target:
+            return float(secs)
+    return None
+
+
+def mpiasgd_evals(periodic: np.ndarray | None) -> list[tuple[float, float]]:
+    """(training seconds, test top-1) of each row of a run log's /periodic_evals table, in time order.
+
+    A row's `time` is on rank 0's log clock when the evaluated weights were taken, and that clock does not
+    pause for evaluations (the README: "Evaluation takes training time"): every earlier evaluation's
+    `seconds` (its slowest evaluator's) is subtracted, leaving the training time."""
+    if periodic is None or len(periodic) == 0:
+        return []
+    rows = periodic[np.argsort(periodic["time"], kind="stable")]
+    before = np.concatenate([[0.0], np.cumsum(rows["seconds"], dtype=np.float64)[:-1]])
+    return [(float(t), float(a)) for t, a in zip(rows["time"] - before, rows["top1"], strict=True)]
+
+
+def race_lr(schedule: Any, rule: Any, applied: int, images_per_step: int, num_train: int, secs: float) -> float:
+    """The step size of the update after `applied` updates of `images_per_step` images each, as a sync
+    worker computes it (mpiasgd/modes/sync.py): `learning_rate` at the epochs done before the update and
+    the fraction of the run done by `rule` (a StopRule) at them, `secs` seconds of training."""
+    from mpiasgd.optim import fraction_done, learning_rate
+
+    done = applied * images_per_step / num_train
+    return learning_rate(schedule, done, fraction_done(rule, done, applied, secs))
+
+
+@dataclass
+class RaceRun:
+    """One side of the race: its evaluations as (training seconds, test top-1), in time order (the final one
+    included), the images trained on over the training seconds (evaluations excluded), and the rest."""
+
+    name: str
+    evals: list[tuple[float, float]]
+    images: int
+    seconds: float
+    final_accuracy: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / self.seconds if self.seconds > 0 else float("nan")
+
+    def time_to(self, target: float) -> float | None:
+        return time_to_target(self.evals, target)
+
+
+def race_command(args: argparse.Namespace, run_dir: str, name: str) -> list[str]:
+    """mpiexec ... mpiasgd train: 2 sync workers x 1 thread, the race's schedule, evaluations and stop."""
+    return [*launcher(), "-n", str(1 + DDP_WORLD), sys.executable, "-m", "mpiasgd", "train", "--model", args.model,
+            *(["--data-dir", args.data_dir] if args.data_dir else []), "--mode", "sync", "--backend", args.backend,
+            "--threads", "1", "--batch-size", str(DDP_BATCH), "--lr", f"{LR:g}", "--lr-scaling", "none",
+            "--lr-schedule", "cosine", "--warmup-epochs", f"{RACE_WARMUP_EPOCHS:g}", "--momentum", f"{MOMENTUM:g}",
+            "--weight-decay", f"{WEIGHT_DECAY:g}", "--epochs", repr(args.epochs), "--max-pushes", "0",
+            "--max-time", "0", "--eval-interval", f"{args.eval_every!r}ep",
+            *(["--stop-accuracy", repr(args.stop_at)] if args.stop_at else []), "--seed", str(args.seed),
+            "--snapshot-interval", "0", "--checkpoint-interval", "0", "--no-progress", "--run-dir", run_dir,
+            "--name", name]
+
+
+def race_setup(cmd: list[str]) -> dict:
+    """What the DDP side takes from mpiasgd's command `cmd` as mpiasgd itself resolves it: the schedule, the
+    stopping rule (dicts of `Schedule` and `StopRule`), the evaluations' interval in epochs, the stop
+    accuracy, the evaluation batch, the seed and the input pipeline's prefetch and shuffle window."""
+    from mpiasgd.config import make_parser, resolve
+    from mpiasgd.optim import Schedule, StopRule
+
+    cfg = resolve(make_parser().parse_args(cmd[cmd.index("train") + 1:]))
+    every, unit = cfg.eval_every()
+    if cfg.mode != "sync" or unit != "ep":
+        raise ValueError(f"race_setup: expected --mode sync and --eval-interval in epochs, got {cfg.mode}, {unit}")
+    return {"model": cfg.model, "data_dir": cfg.data_dir or None, "seed": cfg.seed, "batch": cfg.batch_size,
+            "schedule": dataclasses.asdict(Schedule.of(cfg, DDP_WORLD)), "rule": dataclasses.asdict(StopRule.of(cfg)),
+            "eval_every": every, "stop_at": cfg.stop_accuracy, "eval_batch": cfg.eval_batch_size,
+            "prefetch": cfg.prefetch, "shuffle_window": cfg.shuffle_window}
+
+
+def torch_evaluate(net: Any, dataset: Any, idx: np.ndarray, batch_size: int) -> tuple[float, float, int]:
+    """(a DDP process) `net` in eval mode on the test images `idx`, then summed over the processes
+    (all_reduce): (correct, loss sum, images)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    correct, loss_sum = 0, 0.0
+    net.eval()
+    with torch.no_grad():
+        for start in range(0, idx.size, batch_size):
+            x, y = dataset.batch("test", idx[start:start + batch_size])
+            target = torch.from_numpy(np.asarray(y, dtype=np.int64))
+            logits = net(torch.from_numpy(x))
+            loss_sum += float(F.cross_entropy(logits, target, reduction="sum"))
+            correct += int((logits.argmax(1) == target).sum())
+    net.train()
+    total = torch.tensor([correct, loss_sum, idx.size], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total[0]), float(total[1]), int(total[2])
+
+
+def race_worker(rank: int, init_file: str, cfg: dict, out_dir: str) -> None:
+    """(a spawned PyTorch DDP process) Train on rank `rank`'s shard with mpiasgd's step sizes until the stopping
+    rule (or cfg["stop_at"]) ends it, evaluating every cfg["eval_every"] epochs and at the end with the clock
+    paused on both ranks; rank 0 writes the evaluations and figures to out_dir/race.json."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from mpiasgd.data import MinibatchStream, ShardSampler, load_dataset
+    from mpiasgd.optim import EvalSchedule, Schedule, StopRule
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=DDP_WORLD)
+    try:
+        dataset = load_dataset(MODELS[cfg["model"]].dataset, cfg["data_dir"])
+        model = build_model(cfg["model"])
+        net = torch.nn.parallel.DistributedDataParallel(reference_net(model, cfg["seed"]))
+        optimizer = torch_optimizer(model, net.module)
+        lr_mults = [group["lr"] / LR for group in optimizer.param_groups]
+        schedule, rule = Schedule(**cfg["schedule"]), StopRule(**cfg["rule"])
+        evals = EvalSchedule(cfg["eval_every"], "ep")
+        evals.start(0.0, 0.0)
+        sampler = ShardSampler(dataset.num_train, DDP_WORLD, rank, cfg["seed"], dataset.chunk, cfg["shuffle_window"])
+        stream = MinibatchStream(dataset, sampler, cfg["batch"], cfg["seed"], rank + 1, prefetch=cfg["prefetch"])
+        test_idx = np.array_split(np.arange(dataset.num_test, dtype=np.int64), DDP_WORLD)[rank]  # mpiasgd's slices
+        per_step, num_train = DDP_WORLD * cfg["batch"], dataset.num_train
+        rows, losses, lrs = [], [], []
+        applied, train_s = 0, 0.0
+        dist.barrier()
+        t0 = time.perf_counter()
+        while True:
+            x, y, _ = stream.next()  # (B, C, H, W) float32 augmented and normalised, (B,) int64
+            lr = race_lr(schedule, rule, applied, per_step, num_train, train_s + time.perf_counter() - t0)
+            for group, mult in zip(optimizer.param_groups, lr_mults, strict=True):
+                group["lr"] = lr * mult
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(net(torch.from_numpy(x)), torch.from_numpy(y))
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            lrs.append(lr)
+            applied += 1
+            epochs = applied * per_step / num_train
+            last = bool(rule.reason(applied * per_step, num_train, applied, train_s + time.perf_counter() - t0))
+            if last or evals.due(train_s + time.perf_counter() - t0, epochs):
+                dist.barrier()  # the clock stops on both ranks
+                train_s += time.perf_counter() - t0
+                e0 = time.perf_counter()
+                correct, loss_sum, count = torch_evaluate(net.module, dataset, test_idx, cfg["eval_batch"])
+                top1 = correct / count
+                rows.append({"epoch": epochs, "step": applied, "train_s": train_s, "top1": top1,
+                             "loss": loss_sum / count, "seconds": time.perf_counter() - e0, "final": last})
+                if rank == 0:
+                    print(f"    DDP evaluation at epoch {epochs:.2f}: test top-1 {100 * top1:.2f} % after "
+                          f"{train_s:.1f} s of training ({rows[-1]['seconds']:.1f} s)", flush=True)
+                if cfg["stop_at"] and top1 >= cfg["stop_at"]:  # the same on both ranks: the allreduced counts
+                    last = True
+                    rows[-1]["final"] = True
+                dist.barrier()
+                t0 = time.perf_counter()  # and starts again
+            if last:
+                break
+        stream.close()
+        if rank == 0:
+            write_json(os.path.join(out_dir, "race.json"), {
+                "rows": rows, "images": applied * per_step, "steps": applied, "train_s": train_s,
+                "last_losses": float(np.mean(losses[-20:])), "lrs": lrs, "threads": torch.get_num_threads()})
+    finally:
+        dist.destroy_process_group()
+
+
+def run_race_ddp(args: argparse.Namespace, setup: dict) -> RaceRun:
+    """PyTorch DDP's side: 2 spawned processes (`race_worker`), ended at --timeout."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="vs_pytorch-race-") as tmp:
+        start = time.perf_counter()
+        context = mp.spawn(race_worker, args=(os.path.join(tmp, "init"), setup, tmp), nprocs=DDP_WORLD, join=False)
+        while not context.join(timeout=2.0):
+            if time.perf_counter() - start > args.timeout:
+                for proc in context.processes:
+                    if proc.is_alive():
+                        proc.terminate()
+                sys.exit(f"vs_pytorch.py: PyTorch DDP stopped at the time limit of {args.timeout:.0f} s (--timeout)")
+        with open(os.path.join(tmp, "race.json"), encoding="utf-8") as f:
+            out = json.load(f)
+    rows = out.pop("rows")
+    lrs = out.pop("lrs")
+    return RaceRun("PyTorch DDP", [(r["train_s"], r["top1"]) for r in rows], out["images"], out["train_s"],
+                   rows[-1]["top1"], {**out, "evaluations": rows, "eval_s": sum(r["seconds"] for r in rows),
+                                      "lr_first_last": [lrs[0], lrs[-1]], "lr_max": max(lrs),
+                                      "wall_s": time.perf_counter() - start})
+
+
+def run_race_mpiasgd(args: argparse.Namespace, cmd: list[str], path: str) -> RaceRun:
+    """mpiasgd's side: run `cmd`, then read its log at `path`: the periodic evaluations and the final one on
+    the training clock (evaluation time subtracted, `mpiasgd_evals`); images/s over the applied pushes."""
+    from mpiasgd.runlog import load
+    from mpiasgd.runlog.summary import final_eval, periodic_evals
+
+    done = run(cmd, args.timeout)
+    if not done.ok:
+        sys.exit(f"vs_pytorch.py: {done.explain(args.timeout)}")
+    log = load(path)
+    if log.get("status") != "completed":
+        sys.exit(f"vs_pytorch.py: run log {path} has status {log.get('status')!r}, expected 'completed'")
+    periodic = periodic_evals(log)
+    evals = mpiasgd_evals(periodic)
+    eval_s = float(periodic["seconds"].sum()) if periodic is not None else 0.0
+    applied = log["pushes"][log["pushes"]["applied"] == 1]
+    train_s = float(applied["time"].max()) - eval_s  # the last step's REPORT, less every evaluation
+    final = final_eval(log)
+    final_acc = float(final["accuracy"]) if final is not None else float("nan")
+    if final is not None:  # the final weights' evaluation: the last step's training time
+        evals.append((train_s, final_acc))
+    rows = [] if periodic is None else [
+        {"epoch": float(r["epoch"]), "version": int(r["version_max"]), "log_time": float(r["time"]),
+         "train_s": t, "top1": float(r["top1"]), "loss": float(r["loss"]), "seconds": float(r["seconds"])}
+        for r, (t, _) in zip(periodic, evals, strict=False)]
+    return RaceRun(f"mpiasgd sync ({args.backend})", evals, int(applied["samples"].sum()), train_s, final_acc, {
+        "log": path, "evaluations": rows, "eval_s": eval_s, "log_train_time_s": float(log["train_time_s"]),
+        "stop_reason": str(log.get("stop_reason", "")), "steps": int(applied["version"].max()) if len(applied) else 0,
+        "last_losses": float(applied["loss"][np.argsort(applied["time"])][-20 * DDP_WORLD:].mean()),
+        "wall_s": done.seconds})
+
+
+def fmt_s(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def race_table(runs: list[RaceRun], targets: list[float]) -> list[str]:
+    """run | time to each target (s of training, '-' when not reached) | final accuracy | images/s."""
+    heads = " | ".join(f"time to {100 * t:g} %" for t in targets)
+    lines = [f"| run | {heads} | final accuracy | images/s |", "| :-- |" + " --: |" * (len(targets) + 2)]
+    for r in runs:
+        times = " | ".join(fmt_s(r.time_to(t)) for t in targets)
+        lines.append(f"| {r.name} | {times} | {100 * r.final_accuracy:.2f} % | {r.images_per_s:,.0f} |")
+    return lines
+
+
+def race_curves(ddp: RaceRun, ours: RaceRun) -> list[str]:
+    """The evaluations side by side (the same steps on both: the same EvalSchedule and stopping rule)."""
+    lines = ["| # | DDP: s of training | DDP top-1 | mpiasgd: s of training | mpiasgd top-1 |",
+             "| --: | --: | --: | --: | --: |"]
+    for k in range(max(len(ddp.evals), len(ours.evals))):
+        cells = []
+        for r in (ddp, ours):
+            cells += ([f"{r.evals[k][0]:,.1f}", f"{100 * r.evals[k][1]:.2f} %"] if k < len(r.evals) else ["", ""])
+        lines.append(f"| {k + 1} | {' | '.join(cells)} |")
+    return lines
+
+
+def race_ratio(ours: RaceRun, ddp: RaceRun, target: float) -> float | None:
+    """mpiasgd's time to `target` over DDP's; None unless both reached it."""
+    mine, theirs = ours.time_to(target), ddp.time_to(target)
+    return None if mine is None or theirs is None or theirs <= 0 else mine / theirs
+
+
+def race_verdict(ratio: float | None, ours: RaceRun, ddp: RaceRun, target: float) -> str:
+    label = f"mpiasgd/DDP time to {100 * target:g} %"
+    if ratio is None:
+        missing = " and ".join(r.name for r in (ddp, ours) if r.time_to(target) is None)
+        return f"{label}: - ({missing} did not reach it; goal <= {RACE_GOAL:g} not measured)"
+    return f"{label}: {ratio:.2f} (goal <= {RACE_GOAL:g}: {'yes' if ratio <= RACE_GOAL else 'no'})"
+
+
+def race_main(args: argparse.Namespace) -> int:
+    torch = torch_or_exit()
+    data_or_exit(args)
+    launcher()  # exits naming the script when there is no mpiexec
+    keep = args.run_dir
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+    tmp = None if keep else tempfile.TemporaryDirectory(prefix="vs_pytorch-race-runs-")
+    run_dir = keep or tmp.name
+    name = f"race-sync-{args.backend}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cmd = race_command(args, run_dir, name)
+    setup = race_setup(cmd)
+    commands = [shlex.join([sys.executable, *sys.argv]) if sys.argv and sys.argv[0].endswith("vs_pytorch.py")
+                else "python bench/vs_pytorch.py race ...", shlex.join(cmd)]
+    stop = f"stop at {100 * args.stop_at:g} %" if args.stop_at else "no stop"
+    print(f"{args.model}: {DDP_WORLD} workers x 1 thread, batch {DDP_BATCH} each, lr {LR:g} cosine over "
+          f"{args.epochs:g} epochs after {RACE_WARMUP_EPOCHS:g} of warm-up; the test set every {args.eval_every:g} "
+          f"epochs; {stop}", flush=True)
+    try:
+        print("  PyTorch DDP ...", flush=True)
+        ddp = run_race_ddp(args, setup)
+        print(f"  PyTorch DDP: {ddp.seconds:.1f} s of training, {len(ddp.evals)} evaluations "
+              f"({ddp.extra['wall_s']:.0f} s)", flush=True)
+        print(f"  mpiasgd sync ({args.backend}) ...", end=" ", flush=True)
+        ours = run_race_mpiasgd(args, cmd, os.path.join(run_dir, name + ".h5"))
+        print(f"{ours.seconds:.1f} s of training, {len(ours.evals)} evaluations ({ours.extra['wall_s']:.0f} s)",
+              flush=True)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    env = environment(torch)
+    runs = [ddp, ours]
+    print(f"\n{args.model}: time to a test top-1 accuracy (seconds of training, evaluations excluded; '-': not "
+          f"reached), {DDP_WORLD} workers x 1 thread, batch {DDP_BATCH} each, lr {LR:g} (0.5-epoch warm-up, cosine "
+          f"over {args.epochs:g} epochs), momentum {MOMENTUM:g}, weight decay {WEIGHT_DECAY:g} (weights); the whole "
+          f"test set every {args.eval_every:g} epochs and at the end; {stop}; PyTorch {torch.__version__} DDP (gloo) "
+          f"vs mpiasgd sync ({args.backend}); {env['cpu']}, {os.cpu_count()} cores, {env['date']}.\n")
+    print("\n".join(race_table(runs, args.targets)))
+    print("\nEvaluations:\n")
+    print("\n".join(race_curves(ddp, ours)))
+    ratio = race_ratio(ours, ddp, args.ratio_at)
+    print("\n" + race_verdict(ratio, ours, ddp, args.ratio_at))
+    print("\nCommands:\n" + "\n".join("  " + c for c in commands))
+    if args.json:
+        out = {"command": "race", "config": {k: v for k, v in vars(args).items() if k not in ("json", "command")},
+               "constants": {"lr": LR, "momentum": MOMENTUM, "weight_decay": WEIGHT_DECAY, "goal": RACE_GOAL,
+                             "warmup_epochs": RACE_WARMUP_EPOCHS, "world": DDP_WORLD, "batch": DDP_BATCH},
+               "setup": setup, "environment": env, "ratio": ratio, "ratio_at": args.ratio_at, "commands": commands,
+               "runs": {r.name: {"evals": r.evals, "images": r.images, "seconds": r.seconds,
+                                 "images_per_s": r.images_per_s, "final_accuracy": r.final_accuracy,
+                                 "time_to": {f"{t:g}": r.time_to(t) for t in args.targets}, **r.extra}
+                        for r in runs}}
+        write_json(args.json, out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    return step_main(args) if args.command == "step" else ddp_main(args)
+    return {"step": step_main, "ddp": ddp_main, "race": race_main}[args.command](args)
 
 
 if __name__ == "__main__":

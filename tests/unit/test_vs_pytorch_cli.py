@@ -1,8 +1,10 @@
 """bench/vs_pytorch.py without PyTorch: its options (and one-line refusals), the exit status 2 and one line
-when PyTorch is missing, the `mpiasgd train` flags of its ddp runs as mpiasgd's own parser reads them,
-the timed window read from a run log's pushes table, the layer mapping and tables of --profile, and
+when PyTorch is missing, the `mpiasgd train` flags of its ddp and race runs as mpiasgd's own parser reads
+them, the timed window read from a run log's pushes table, the layer mapping and tables of --profile,
 mpiasgd's profiler on the digits network (timers on, the same step as without them, all taken off
-again). The script imports torch only to measure; nothing here imports it.
+again), and the race's pure parts: the schedule the DDP side takes from mpiasgd's resolved config, its
+step sizes, the training time of a run log's evaluations, time to a target, the table and the ratio.
+The script imports torch only to measure; nothing here imports it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import vs_pytorch as vs  # bench/vs_pytorch.py
 
 from mpiasgd.config import make_parser, resolve
 from mpiasgd.model import build_model
-from mpiasgd.runlog.records import PUSH_ROW
+from mpiasgd.optim import Schedule, StopRule
+from mpiasgd.runlog.records import PERIODIC_EVAL_ROW, PUSH_ROW
 
 
 def test_step_is_the_default_subcommand_with_the_issue_s_defaults():
@@ -45,7 +48,16 @@ def test_ddp_defaults():
                                  ["--rounds", "0"], ["--warmup", "0"], ["--backends", "bogus"], ["--backends", "cupy"],
                                  ["ddp", "--steps", "20", "--warmup", "20"], ["ddp", "--modes", "pipeline"],
                                  ["ddp", "--model", "resnet20"], ["--warmup", "1"], ["--seed", "-1"],
-                                 ["ddp", "--seed", "-1"], ["--json", "/nonexistent/folder/x.json"]])
+                                 ["ddp", "--seed", "-1"], ["--json", "/nonexistent/folder/x.json"],
+                                 ["race", "--epochs", "0"], ["race", "--epochs", "nan"], ["race", "--epochs", "x"],
+                                 ["race", "--eval-every", "-0.5"], ["race", "--epochs", "1", "--eval-every", "2"],
+                                 ["race", "--targets", "60,65"], ["race", "--targets", "0.6,0.6"],
+                                 ["race", "--targets", "0.6,x"], ["race", "--targets", ","],
+                                 ["race", "--stop-at", "0.7", "--no-stop"], ["race", "--stop-at", "0.65"],
+                                 ["race", "--stop-at", "1.5"], ["race", "--ratio-at", "0.5"],
+                                 ["race", "--targets", "0.2,0.25", "--ratio-at", "0.65"], ["race", "--backend", "cupy"],
+                                 ["race", "--seed", "-1"], ["race", "--timeout", "0"],
+                                 ["race", "--json", "/nonexistent/folder/x.json"]])
 def test_nonsense_is_refused_with_one_error_line(bad, capsys):
     with pytest.raises(SystemExit) as stop:
         vs.parse(bad)
@@ -54,7 +66,8 @@ def test_nonsense_is_refused_with_one_error_line(bad, capsys):
     assert len(errors) == 1 and errors[0].startswith("vs_pytorch.py ")
 
 
-@pytest.mark.parametrize("command", [["step"], ["step", "--profile"], ["ddp", "--steps", "30"]])
+@pytest.mark.parametrize("command", [["step"], ["step", "--profile"], ["ddp", "--steps", "30"],
+                                     ["race", "--epochs", "0.2", "--eval-every", "0.1", "--no-stop"]])
 def test_without_pytorch_one_line_and_exit_2(command, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
     with pytest.raises(SystemExit) as stop:
@@ -159,3 +172,106 @@ def test_ours_profile_times_every_layer_and_leaves_the_step_unchanged():
     assert not any(attr in layer.__dict__ for layer in profiled.model.layers for attr in ("forward", "backward"))
     assert not any(attr in profiled.model.loss.__dict__ for attr in ("forward", "backward"))
     assert not any(name in vars(ops) for name in vs.CONV_OPS)
+
+
+# --- race --------------------------------------------------------------------------------------------------------
+
+
+def test_race_defaults_are_the_issue_s():
+    args = vs.parse(["race"])
+    assert (args.command, args.epochs, args.eval_every, args.targets, args.backend, args.seed, args.model) == (
+        "race", 10.0, 0.25, [0.6, 0.65, 0.7], "cpu", 0, "cifar10")
+    assert (args.ratio_at, args.stop_at, args.no_stop, args.json, args.run_dir) == (0.65, 0.7, False, None, None)
+
+
+def test_race_options_and_what_follows_from_the_targets():
+    args = vs.parse(["race", "--targets", "0.7,0.6", "--no-stop", "--backend", "numpy"])
+    assert (args.targets, args.stop_at, args.ratio_at, args.backend) == ([0.6, 0.7], None, 0.7, "numpy")  # sorted
+    args = vs.parse(["race", "--epochs", "0.2", "--eval-every", "0.1", "--targets", "0.2,0.25"])
+    assert (args.epochs, args.eval_every, args.ratio_at, args.stop_at) == (0.2, 0.1, 0.25, 0.25)  # no 65 %: the middle
+    args = vs.parse(["race", "--stop-at", "0.8", "--ratio-at", "0.7", "--eval-every", "10"])
+    assert (args.stop_at, args.ratio_at, args.eval_every) == (0.8, 0.7, 10.0)  # one evaluation: at the end
+
+
+def _race_config(argv: list[str], monkeypatch, launcher=("mpiexec",)) -> tuple[list[str], object]:
+    monkeypatch.setattr(vs, "launcher", lambda: list(launcher))
+    cmd = vs.race_command(vs.parse(["race", *argv]), "/tmp/runs", "race-1")
+    return cmd, resolve(make_parser().parse_args(cmd[cmd.index("train") + 1:]))
+
+
+def test_race_train_flags_resolve_to_two_sync_workers_with_the_race_s_schedule(monkeypatch):
+    cmd, cfg = _race_config(["--epochs", "0.3", "--eval-every", "0.05", "--seed", "3"], monkeypatch)
+    assert cmd[:3] == ["mpiexec", "-n", "3"] and cmd[4:7] == ["-m", "mpiasgd", "train"]
+    assert (cfg.model, cfg.mode, cfg.backend, cfg.threads, cfg.batch_size, cfg.seed) == (
+        "cifar10", "sync", "cpu", 1, vs.DDP_BATCH, 3)
+    assert (cfg.lr, cfg.lr_scaling, cfg.lr_schedule, cfg.warmup_epochs, cfg.momentum, cfg.weight_decay,
+            cfg.nesterov) == (vs.LR, "none", "cosine", 0.5, vs.MOMENTUM, vs.WEIGHT_DECAY, False)
+    assert (cfg.epochs, cfg.max_pushes, cfg.max_time) == (0.3, 0, 0)  # the epochs alone end the run
+    assert cfg.eval_every() == (0.05, "ep") and cfg.stop_accuracy == 0.7  # stop at the highest default target
+    assert (cfg.snapshot_interval, cfg.checkpoint_interval, cfg.progress) == (0, 0, False)
+    assert (cfg.run_dir, cfg.name) == ("/tmp/runs", "race-1")
+    _, cfg = _race_config(["--no-stop", "--backend", "numpy", "--epochs", "0.123456789", "--eval-every", "0.1"],
+                            monkeypatch)
+    assert (cfg.stop_accuracy, cfg.backend, cfg.epochs) == (0.0, "numpy", 0.123456789)  # no rounding of --epochs
+
+
+def test_race_setup_gives_ddp_mpiasgd_s_own_schedule_rule_and_evaluations(monkeypatch):
+    launcher = ("/x/mpiexec", "--oversubscribe", "--bind-to", "none")  # the real launcher's flags come first
+    cmd, cfg = _race_config(["--epochs", "4", "--eval-every", "0.5", "--seed", "7"], monkeypatch, launcher)
+    setup = vs.race_setup(cmd)
+    assert Schedule(**setup["schedule"]) == Schedule.of(cfg, vs.DDP_WORLD) == Schedule(0.02, 0.5, "cosine")
+    assert StopRule(**setup["rule"]) == StopRule.of(cfg) == StopRule(epochs=4.0)
+    assert (setup["eval_every"], setup["stop_at"], setup["seed"], setup["batch"], setup["model"]) == (
+        0.5, 0.7, 7, vs.DDP_BATCH, "cifar10")
+    assert (setup["eval_batch"], setup["prefetch"], setup["shuffle_window"]) == (
+        cfg.eval_batch_size, cfg.prefetch, cfg.shuffle_window)
+
+
+def test_race_lr_is_the_sync_worker_s_warmup_then_cosine():
+    schedule, rule = Schedule(0.02, 0.5, "cosine"), StopRule(epochs=10.0)
+    per_step, n = 2 * 64, 50_000
+
+    def lr(applied: int) -> float:
+        return vs.race_lr(schedule, rule, applied, per_step, n, 123.0)  # the seconds do not count: no --max-time
+
+    assert lr(0) == 0.0  # the first update: the warm-up starts at 0 (epochs done before the step)
+    assert lr(100) == pytest.approx(0.02 * (100 * per_step / n) / 0.5)
+    warm = int(np.ceil(0.5 * n / per_step))  # the first step after the warm-up
+    done = warm * per_step / n
+    assert lr(warm) == pytest.approx(0.01 * (1 + np.cos(np.pi * done / 10)))
+    assert lr(int(10 * n / per_step)) == pytest.approx(0.0, abs=1e-7)  # to 0 at the end of the run
+    assert lr(10 * n) == 0.0  # past it: progress is clipped to 1
+
+
+def test_time_to_target_is_the_first_evaluation_at_or_above_it():
+    rows = [(30.0, 0.66), (10.0, 0.55), (20.0, 0.65), (40.0, 0.64)]  # any order: by time
+    assert vs.time_to_target(rows, 0.6) == 20.0 and vs.time_to_target(rows, 0.65) == 20.0  # at it counts
+    assert vs.time_to_target(rows, 0.66) == 30.0 and vs.time_to_target(rows, 0.5) == 10.0
+    assert vs.time_to_target(rows, 0.7) is None and vs.time_to_target([], 0.1) is None
+
+
+def test_mpiasgd_evals_subtract_the_earlier_evaluations_from_the_log_clock():
+    rows = np.zeros(3, PERIODIC_EVAL_ROW)
+    rows["time"] = [10.0, 27.0, 45.0]  # rank 0's clock at the weights; it ran on through each evaluation
+    rows["seconds"] = [5.0, 6.0, 7.0]
+    rows["top1"] = [0.3, 0.5, 0.6]
+    assert vs.mpiasgd_evals(rows[[2, 0, 1]]) == [(10.0, 0.3), (22.0, 0.5), (34.0, 0.6)]  # any order: by time
+    assert vs.mpiasgd_evals(None) == [] and vs.mpiasgd_evals(rows[:0]) == []
+
+
+def test_race_table_ratio_and_verdict():
+    ddp = vs.RaceRun("PyTorch DDP", [(100.0, 0.55), (200.0, 0.62), (300.0, 0.66)], 128_000, 320.0, 0.66)
+    ours = vs.RaceRun("mpiasgd sync (cpu)", [(110.0, 0.58), (210.0, 0.63), (330.0, 0.71)], 128_000, 400.0, 0.71)
+    lines = vs.race_table([ddp, ours], [0.6, 0.65, 0.7])
+    assert lines[0] == "| run | time to 60 % | time to 65 % | time to 70 % | final accuracy | images/s |"
+    assert lines[1] == "| :-- | --: | --: | --: | --: | --: |"
+    assert lines[2] == "| PyTorch DDP | 200.0 | 300.0 | - | 66.00 % | 400 |"
+    assert lines[3] == "| mpiasgd sync (cpu) | 210.0 | 330.0 | 330.0 | 71.00 % | 320 |"
+    assert vs.race_ratio(ours, ddp, 0.65) == pytest.approx(1.1)
+    assert vs.race_verdict(1.1, ours, ddp, 0.65) == "mpiasgd/DDP time to 65 %: 1.10 (goal <= 1.1: yes)"
+    assert vs.race_verdict(1.2, ours, ddp, 0.65).endswith("(goal <= 1.1: no)")
+    assert vs.race_ratio(ours, ddp, 0.7) is None
+    assert vs.race_verdict(None, ours, ddp, 0.7) == ("mpiasgd/DDP time to 70 %: - (PyTorch DDP did not reach it; "
+                                                      "goal <= 1.1 not measured)")
+    curves = vs.race_curves(ddp, vs.RaceRun("m", [(1.0, 0.5)], 1, 1.0, 0.5))
+    assert curves[2] == "| 1 | 100.0 | 55.00 % | 1.0 | 50.00 % |" and curves[3] == "| 2 | 200.0 | 62.00 % |  |  |"
