@@ -184,14 +184,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ddp.add_argument("--rounds", type=positive, default=1, help="runs of each configuration, alternating")
     ddp.add_argument("--modes", type=name_list(["sync", "async"]), default=["sync", "async"], metavar="M1,M2",
                      help="mpiasgd modes to run: sync, async")
-    ddp.add_argument("--backend", choices=[b for b in BACKENDS if b != "cupy"], default="cpu",
-                     help="mpiasgd's workers' ops backend (cpu: what --backend auto runs without a GPU)")
-    ddp.add_argument("--seed", type=int, default=0, help="initial weights, shards and augmentation")
-    ddp.add_argument("--data-dir", default=None, help="CIFAR-10 folder (default: $MPIASGD_DATA or ~/.cache/mpiasgd)")
-    ddp.add_argument("--run-dir", default=None, help="keep mpiasgd's run logs here (default: a temporary folder)")
-    ddp.add_argument("--timeout", type=seconds, default=1800.0, help="time limit of each run, seconds")
-    ddp.add_argument("--json", default=None, metavar="PATH", help="also write every number to this JSON file")
-    ddp.add_argument("--model", default="cifar10", choices=("cifar10", "digits"), help=argparse.SUPPRESS)
+    add_training_options(ddp, timeout=1800.0)
     race = add_race_parser(sub)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("step", "ddp", "race", "-h", "--help"):
@@ -1024,15 +1017,20 @@ def add_race_parser(sub: Any) -> argparse.ArgumentParser:
                       help="stop each run at its first evaluation at or above this accuracy; None: the highest "
                       "of --targets")
     stop.add_argument("--no-stop", action="store_true", help="train all --epochs")
-    race.add_argument("--backend", choices=[b for b in BACKENDS if b != "cupy"], default="cpu",
-                      help="mpiasgd's workers' ops backend (cpu: what --backend auto runs without a GPU)")
-    race.add_argument("--seed", type=int, default=0, help="initial weights, shards and augmentation")
-    race.add_argument("--data-dir", default=None, help="CIFAR-10 folder; None: $MPIASGD_DATA or ~/.cache/mpiasgd")
-    race.add_argument("--run-dir", default=None, help="keep mpiasgd's run log here; None: a temporary folder")
-    race.add_argument("--timeout", type=seconds, default=7200.0, help="time limit of each run, seconds")
-    race.add_argument("--json", default=None, metavar="PATH", help="also write every number to this JSON file")
-    race.add_argument("--model", default="cifar10", choices=("cifar10", "digits"), help=argparse.SUPPRESS)
+    add_training_options(race, timeout=7200.0)
     return race
+
+
+def add_training_options(parser: argparse.ArgumentParser, timeout: float) -> None:
+    """The options `ddp` and `race` share: mpiasgd's backend, seed, data, run folder, time limit, JSON output."""
+    parser.add_argument("--backend", choices=[b for b in BACKENDS if b != "cupy"], default="cpu",
+                        help="mpiasgd's workers' ops backend (cpu: what --backend auto runs without a GPU)")
+    parser.add_argument("--seed", type=int, default=0, help="initial weights, shards and augmentation")
+    parser.add_argument("--data-dir", default=None, help="CIFAR-10 folder; None: $MPIASGD_DATA or ~/.cache/mpiasgd")
+    parser.add_argument("--run-dir", default=None, help="keep mpiasgd's run logs here; None: a temporary folder")
+    parser.add_argument("--timeout", type=seconds, default=timeout, help="time limit of each run, seconds")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write every number to this JSON file")
+    parser.add_argument("--model", default="cifar10", choices=("cifar10", "digits"), help=argparse.SUPPRESS)
 
 
 def check_race(race: argparse.ArgumentParser, args: argparse.Namespace) -> None:
