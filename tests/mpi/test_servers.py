@@ -55,8 +55,11 @@ def check_shards(attrs, t, model="digits", resumed_from=None):
         for w in range(1, WORKERS + 1):  # every shard saw every push of every worker, in step order
             steps = rows["step"][rows["worker"] == w].tolist()
             assert steps == list(range(steps[0], steps[0] + len(steps)))
-    # a shard applies the pushes that reach it before it hears rank 0's stop: at most one more per worker
-    assert 0 <= versions[1] - versions[0] <= WORKERS or resumed_from is not None
+    # a shard applies the pushes that reach it before it hears rank 0's stop: at most one more per worker; or one
+    # fewer per worker: a worker that posts its push to rank 0, is descheduled before posting the same push to
+    # shard 1, while rank 0 reads it (CMA needs no help from the sender), applies it and stops the run, has its
+    # push reach shard 1 after rank 0's stop (seen under load: shard versions 270 and 269)
+    assert abs(versions[1] - versions[0]) <= WORKERS or resumed_from is not None
     return versions
 
 
