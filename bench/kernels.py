@@ -22,7 +22,10 @@ layer and pass (fprop with bias, dgrad, wgrad) one row:
                  (SMs x FP32 lanes per SM x 2 x peak SM clock)
   cuBLAS ms      cupy.matmul of an (M, K) by (K, N) float32 matrix: the same GEMM without the im2col
                  indexing, a lower bound for any GEMM-based convolution
-  err            max |ours - cuDNN| / max |cuDNN| on the same inputs ("!" above 1e-4)
+  err            max |ours - cuDNN| / max |cuDNN| on the same inputs
+  f64 ours|cuDNN each one's max |y - y64| / max |y64| against the numpy reference in float64 on the same
+                 inputs ("!" where ours is above 1e-4): says which side an err comes from (cuDNN's
+                 Winograd and FFT algorithms round differently from a direct convolution)
 
 conv1's dgrad is not timed: training never computes the first layer's input gradient. The table
 is ours with conv_algo "heuristic" (the default tiles); an autotune table follows: each pass again
@@ -73,7 +76,7 @@ from mpiasgd.ops.cuda.tiles import CONV_TILES, CONV_TRIAL_TILES, conv_threads, t
 
 PASSES = ("fprop", "dgrad", "wgrad")
 GOAL = 0.80  # throughput ours/cuDNN, every pass of every cifar10 conv layer
-ERROR_FLAG = 1e-4  # max |ours - cuDNN| / max |cuDNN| above this is flagged
+ERROR_FLAG = 1e-4  # ours' relative error above this is flagged (against float64; against cuDNN without it)
 SPIN_MS = 1.0  # GPU busy time queued before each timed call
 LARGE = "large"  # the extra layer: 64 -> 128 channels, 3x3, pad 1, 32x32
 
@@ -206,6 +209,15 @@ class PassResult:
     cudnn_kernels: str = ""  # the GPU kernels cuDNN ran for the pass (torch profiler), "" when unknown
     tuned: Timing | None = None  # ours with conv_algo "autotune" (the tile it chose: tuned_tile)
     tuned_tile: str = ""
+    error64: float | None = None  # max |ours - float64 reference| / max |reference|
+    cudnn_error64: float | None = None  # the same for cuDNN's result
+
+    @property
+    def flagged(self) -> bool:
+        """Ours is off: its error against the float64 reference (against cuDNN when that was not computed)
+        is above ERROR_FLAG."""
+        error = self.error if self.error64 is None else self.error64
+        return error is not None and error > ERROR_FLAG
 
     @property
     def ratio(self) -> float | None:
@@ -233,7 +245,7 @@ def tflops(flops: float, ms: float) -> float:
 
 
 HEADER = (f"{'layer':<6} {'pass':<5} {'M x N x K':>20} {'ours ms (min)':>19} {'cuDNN ms (min)':>19} "
-          f"{'ours/cuDNN':>10} {'TFLOP/s':>8} {'% peak':>6} {'cuBLAS ms':>9} {'err':>9}")
+          f"{'ours/cuDNN':>10} {'TFLOP/s':>8} {'% peak':>6} {'cuBLAS ms':>9} {'err':>8} {'f64 ours|cuDNN':>18}")
 
 
 def _ms(t: Timing | None) -> str:
@@ -247,10 +259,11 @@ def format_row(r: PassResult, peak_flops: float | None) -> str:
     ratio = "-" if r.ratio is None else f"{r.ratio:.2f}"
     peak = "-" if peak_flops is None else f"{100 * rate * 1e12 / peak_flops:.1f}"
     cublas = "-" if r.cublas_ms is None else f"{r.cublas_ms:.4f}"
-    err = "-" if r.error is None else f"{r.error:.1e}" + ("!" if r.error > ERROR_FLAG else " ")
+    err = "-" if r.error is None else f"{r.error:.1e}"
+    f64 = "|".join("-" if e is None else f"{e:.1e}" for e in (r.error64, r.cudnn_error64)) + ("!" if r.flagged else " ")
     late = "~" if r.ours.late or (r.cudnn is not None and r.cudnn.late) else " "
     return (f"{r.layer:<6} {r.pass_name:<5} {f'{m} x {n} x {k}':>20} {_ms(r.ours):>19} {_ms(r.cudnn):>19} "
-            f"{ratio:>10} {rate:>8.2f} {peak:>6} {cublas:>9} {err:>9}{late}")
+            f"{ratio:>10} {rate:>8.2f} {peak:>6} {cublas:>9} {err:>8} {f64:>19}{late}")
 
 
 def layer_lines(layer: ConvLayer, rows: list[PassResult], peak_flops: float | None) -> list[str]:
@@ -525,12 +538,26 @@ def our_calls(layer: ConvLayer, ops, cupy, host: dict[str, np.ndarray]) -> dict[
             "wgrad": lambda: ops.conv2d_wgrad(dy, x, layer.w_shape, s, p, out=dw, ws=ws)}
 
 
+def float64_calls(layer: ConvLayer, host: dict[str, np.ndarray]) -> dict[str, Callable[[], np.ndarray]]:
+    """{pass: call of the numpy reference (mpiasgd.ops.numpy_ops) on float64 copies of `host`}: the values
+    both ours and cuDNN are measured against (`PassResult.error64`, `cudnn_error64`)."""
+    from mpiasgd.ops.numpy_ops import NumpyBackend
+
+    npo = NumpyBackend()
+    x, w, b, dy = (host[k].astype(np.float64) for k in ("x", "w", "b", "dy"))
+    s, p = layer.stride, layer.pad
+    return {"fprop": lambda: npo.conv2d_fprop(x, w, b, s, p),
+            "dgrad": lambda: npo.conv2d_dgrad(dy, w, layer.x_shape, s, p),
+            "wgrad": lambda: npo.conv2d_wgrad(dy, x, layer.w_shape, s, p)}
+
+
 def measure_layer(layer: ConvLayer, ops, cupy, torch, timer: Timer, runs: int, warmup: int,
                   seed: int = 0) -> tuple[list[PassResult], str]:
     """Check and time every pass of `layer` (ours, cuDNN when torch is given, cuBLAS); also the conv
     backend torch dispatches the layer to ("-" without torch)."""
     host = layer_inputs(layer, seed)
     ours = our_calls(layer, ops, cupy, host)
+    exact = float64_calls(layer, host)
     ref, backend = None, "-"
     if torch is not None:  # the same values, copied to the same device
         t = {k: torch.from_numpy(v).to(torch.device("cuda", torch.cuda.current_device())) for k, v in host.items()}
@@ -541,9 +568,13 @@ def measure_layer(layer: ConvLayer, ops, cupy, torch, timer: Timer, runs: int, w
     for pass_name in PASSES:
         if pass_name == "dgrad" and not layer.needs_dgrad:
             continue
-        error = None
+        error = cudnn_error64 = None
+        y64 = exact[pass_name]()
+        y = cupy.asnumpy(ours[pass_name]())
+        error64 = relative_error(y, y64)
         if ref is not None:  # the first cuDNN call of a shape also runs cuDNN's algorithm search
-            error = relative_error(cupy.asnumpy(ours[pass_name]()), ref[pass_name]().cpu().numpy())
+            y_cudnn = ref[pass_name]().cpu().numpy()
+            error, cudnn_error64 = relative_error(y, y_cudnn), relative_error(y_cudnn, y64)
         m, n, k = implicit_gemm(pass_name, layer)
         mine = timer.time(ours[pass_name], runs, warmup)
         theirs = None if ref is None else timer.time(ref[pass_name], runs, warmup)
@@ -555,7 +586,7 @@ def measure_layer(layer: ConvLayer, ops, cupy, torch, timer: Timer, runs: int, w
             print(f"!! {layer.name} {pass_name}: autotune failed\n{traceback.format_exc()}", flush=True)
             tuned, tile = None, AUTOTUNE_FAILED
         results.append(PassResult(layer.name, layer.in_model, pass_name, (m, n, k), mine, theirs, cublas, error,
-                                  kernels, tuned, tile))
+                                  kernels, tuned, tile, error64, cudnn_error64))
     return results, backend
 
 
@@ -959,9 +990,15 @@ def main(argv: list[str] | None = None) -> int:
     if any(r.ours.late or (r.cudnn is not None and r.cudnn.late) for r in results):
         print(f"~: some calls took longer than the {timer.spin_ms:.2f} ms spin to launch: their samples may "
               "hold host time")
-    flagged = [f"{r.layer} {r.pass_name}" for r in results if r.error is not None and r.error > ERROR_FLAG]
+    flagged = [f"{r.layer} {r.pass_name}" for r in results if r.flagged]
     if flagged:
-        print(f"!! ours differs from cuDNN by more than {ERROR_FLAG:g} of max |cuDNN|: {', '.join(flagged)}")
+        print(f"!! ours differs from the float64 reference by more than {ERROR_FLAG:g} of its max: "
+              f"{', '.join(flagged)}")
+    off = [f"{r.layer} {r.pass_name} ({r.cudnn_error64:.1e})" for r in results
+           if r.cudnn_error64 is not None and r.cudnn_error64 > ERROR_FLAG]
+    if off:
+        print(f"cuDNN differs from the float64 reference by more than {ERROR_FLAG:g} of its max (its algorithm's "
+              f"rounding, see its kernels below): {', '.join(off)}")
     if any(r.tuned is not None for r in results):
         print("\nautotune (--conv-algo autotune: each pass times every tile on its first call, keeps the fastest; "
               "heuristic: the table above):")

@@ -6,6 +6,7 @@ waiting for pulls, with one or two parameter-server shards (`--servers`), fp32 o
     python bench/servers_table.py                          # alexnet_1gpu_64, batch 16, 8 runs (about 6 min on 2 cores)
     python bench/servers_table.py --model cifar10 --minibatches 200 --batch-size 64
     python bench/servers_table.py --wires bf16                # the same rows with bf16 on the wire
+    python bench/servers_table.py --backend cupy --share-devices --batch-size 128 --minibatches 50   # one GPU
 
 Every run: `mpiexec -n 2 + S ... train --mode async --model MODEL` on its default dataset, each worker
 computing `--minibatches` minibatches (nsync 1: that many pushes each; nsync 10: a tenth of them),
@@ -45,6 +46,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--wires", default="fp32,fp16", help="wire formats, comma-separated (fp32, fp16, bf16)")
     parser.add_argument("--minibatches", type=int, default=20, help="minibatches each worker computes (a multiple "
                         "of 10)")
+    parser.add_argument("--backend", default="auto", help="the workers' ops backend (train --backend: auto, "
+                        "numpy, cpu, cupy)")
+    parser.add_argument("--share-devices", action="store_true", help="let the two workers share one GPU "
+                        "(train --share-devices; a machine with one GPU)")
     add_run_arguments(parser, "servers")
     args = parser.parse_args(argv)
     if args.minibatches < 10 or args.minibatches % 10:
@@ -79,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                "--model", args.model, "--batch-size", str(args.batch_size), "--nsync", str(nsync), "--servers",
                str(servers), "--wire", wire, "--epochs", "0", "--max-pushes", str(pushes), "--lr", "0.01",
                "--snapshot-interval", "0", "--checkpoint-interval", "0", "--threads", "1", "--no-progress",
+               "--backend", args.backend, *(["--share-devices"] if args.share_devices else []),
                "--run-dir", args.run_dir, "--name", name, "--overwrite"]
         commands.append(cmd)
         print(f"[{i}/{len(configs)}] {name} ...", end=" ", flush=True)
@@ -90,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         log = load(os.path.join(args.run_dir, name + ".h5"))
         rows.append((nsync, servers, wire, float(log["images_per_s"]), wait_share(log), float(log["train_time_s"])))
         print(f"{rows[-1][3]:.1f} images/s, waiting {100 * rows[-1][4]:.1f} %", flush=True)
-    print(f"\n{args.model}, batch {args.batch_size} per worker, {WORKERS} workers, {args.minibatches} minibatches "
-          f"each, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M')}\n")
+    print(f"\n{args.model}, batch {args.batch_size} per worker, {WORKERS} workers ({args.backend} backend"
+          f"{', sharing one GPU' if args.share_devices else ''}), {args.minibatches} minibatches each, "
+          f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M')}\n")
     print("| nsync | servers | wire | images/s | workers' time waiting for pulls | training s |")
     print("|---:|---:|---|---:|---:|---:|")
     for nsync, servers, wire, rate, share, seconds in rows:

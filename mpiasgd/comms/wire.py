@@ -10,6 +10,8 @@ payload travel, as Horovod's `Compression.fp16` does for its allreduce.
 Formulas (x float32, round to nearest, ties to even; decoding is exact):
 
     fp16   encode(x) = binary16 nearest to x      decode(h) = float32(h)
+           NaN: sign | 0x7C00 | ((u >> 13) & 0x3FF), at least 0x7C01; decoded: sign << 16 | 0x7F800000 |
+           (h & 0x3FF) << 13 (numpy's casts, payload kept; the device path rewrites CUDA's 0x7FFF / 0x7FFFFFFF)
     bf16   u = bits(x) (uint32);  encode(x) = (u + 0x7FFF + ((u >> 16) & 1)) >> 16   (uint16)
            NaN: (u >> 16) | 0x0040 (sign and payload's upper bits kept, the quiet bit set, so a NaN never
            rounds into inf);  decode(b) = float32 with bits (b << 16)
@@ -97,12 +99,24 @@ def encode(wire: str, values: Any, out: Any) -> Any:
     if wire == "fp32" or (wire == "fp16" and xp is not np):
         with np.errstate(over="ignore"):  # numpy warns where fp16 overflows to inf: documented, not an error
             out[...] = values        # fp16: the cast rounds to nearest even (numpy's and CUDA's __float2half_rn)
+        if wire == "fp16":
+            _fp16_nan_payloads(xp, values, out)
         return out
     step = BLOCK if xp is np else max(1, values.size)  # numpy: blocks whose temporaries stay in L2
     code = _bf16 if wire == "bf16" else _fp16_numpy
     for a in range(0, values.size, step):
         code(xp, values[a : a + step], out[a : a + step])
     return out
+
+
+def _fp16_nan_payloads(xp: Any, values: Any, out: Any) -> None:
+    """fp16 NaNs as numpy's cast writes them: sign | 0x7C00 | the payload's upper 10 bits ((u >> 13) & 0x3FF),
+    or 1 where those are 0 (so it stays a NaN). CUDA's __float2half_rn writes 0x7FFF for every NaN: the
+    device path rewrites those elements, so both paths send the same bits (one more elementwise pass)."""
+    u = values.view(xp.uint32)
+    h = ((u >> 16) & 0x8000) | 0x7C00 | xp.maximum((u >> 13) & 0x3FF, 1)
+    bits = out.view(xp.uint16)
+    bits[...] = xp.where(xp.isnan(values), h.astype(xp.uint16), bits)
 
 
 SUBNORMAL16 = np.float32(2.0 ** -14)  # fp16's smallest normal value: below it numpy casts in slow scalar code
@@ -158,7 +172,18 @@ def decode(wire: str, data: Any, out: Any) -> Any:
             _fp16_decode_numpy(data[a : a + BLOCK], out[a : a + BLOCK])
     else:
         out[...] = data
+        if wire == "fp16":
+            _fp16_decode_nan_payloads(array_module(out), data, out)
     return out
+
+
+def _fp16_decode_nan_payloads(xp: Any, data: Any, out: Any) -> None:
+    """fp16 NaNs decoded as numpy's cast decodes them: sign << 16 | 0x7F800000 | (h & 0x3FF) << 13 (the payload
+    kept). CUDA's __half2float writes 0x7FFFFFFF for every NaN: the device path rewrites those elements."""
+    h = data.view(xp.uint16).astype(xp.uint32)
+    f = ((h & 0x8000) << 16) | 0x7F800000 | ((h & 0x3FF) << 13)
+    bits = out.view(xp.uint32)
+    bits[...] = xp.where(((h & 0x7C00) == 0x7C00) & ((h & 0x3FF) != 0), f, bits)
 
 
 def _fp16_decode_numpy(data: np.ndarray, out: np.ndarray) -> None:

@@ -165,8 +165,9 @@ def test_pipelined_and_one_stage_loops_agree_bit_for_bit(cp, name, xs, ws, strid
 
 def test_autotune_times_each_tile_and_keeps_the_plan(cp, npo):
     """conv_algo "autotune" on the device, cifar10's conv2 at batch 128: the first call of each pass times
-    every tile that runs on this device (each > 0 ms), keeps the fastest, and gives the numpy result;
-    a second call makes no new plan and gives the same result bit for bit."""
+    every tile that runs on this device (each > 0 ms), keeps the fastest unless the heuristic's tile is within
+    the planner's margin of it (then the heuristic's), and gives the numpy result; a second call makes no new
+    plan and gives the same result bit for bit."""
     tuned = cp.configured(conv_algo="autotune")  # the same kernels, a planner with no plans yet
     rng = np.random.default_rng(4)
     _, xs, ws, stride, pad = CONVS[1]
@@ -184,7 +185,11 @@ def test_autotune_times_each_tile_and_keeps_the_plan(cp, npo):
         first = cp.to_numpy(call())
         plan = tuned.conv_plans()[i]
         assert plan.op == f"conv2d_{what}" and [t for t, _ in plan.times] == tiles, plan.describe()
-        assert all(ms > 0 for _, ms in plan.times) and plan.tile == min(plan.times, key=lambda t: t[1])[0]
+        times = dict(plan.times)
+        fastest = min(plan.times, key=lambda t: t[1])[0]
+        rule = tuned.planner.conv_tile({"fprop": K, "dgrad": xs[1], "wgrad": K}[what])  # the GEMM's M rows
+        keep_rule = rule in times and times[rule] * (1 - tuned.planner.margin) <= times[fastest]
+        assert all(ms > 0 for _, ms in plan.times) and plan.tile == (rule if keep_rule else fastest), plan.describe()
         close(first, refs[what], f"autotuned {what} ({plan.describe()})")
         assert np.array_equal(cp.to_numpy(call()), first) and len(tuned.conv_plans()) == i + 1
 

@@ -161,25 +161,30 @@ def test_relative_error_is_scaled_by_the_largest_reference_value():
     assert relative_error(np.ones(3), np.zeros(3)) == math.inf
 
 
-def _result(layer, pass_name, ours_ms, cudnn_ms=None, in_model=True, error=None, late=0):
+def _result(layer, pass_name, ours_ms, cudnn_ms=None, in_model=True, error=None, late=0, error64=None,
+            cudnn_error64=None):
     cudnn = None if cudnn_ms is None else Timing(cudnn_ms, cudnn_ms)
     return PassResult(layer, in_model, pass_name, (32, 28800, 800), Timing(ours_ms, ours_ms * 0.9, late), cudnn,
-                      0.01, error)
+                      0.01, error, error64=error64, cudnn_error64=cudnn_error64)
 
 
 def test_table_row_gives_throughput_ratio_tflops_and_fraction_of_peak():
-    r = _result("conv2", "fprop", 0.1, cudnn_ms=0.08, error=3e-7)
+    r = _result("conv2", "fprop", 0.1, cudnn_ms=0.08, error=3e-7, error64=2e-7, cudnn_error64=1e-7)
     assert r.ratio == pytest.approx(0.8)  # cuDNN ms / ours ms: ours at 80 % of cuDNN's throughput
     row = format_row(r, peak_flops=66.9e12)
     cols = row.split()
     assert cols[:7] == ["conv2", "fprop", "32", "x", "28800", "x", "800"]
     assert "0.1000 (0.0900)" in row and "0.0800 (0.0800)" in row
-    assert cols[-5:] == ["0.80", "14.75", "22.0", "0.0100", "3.0e-07"]  # 1.47456 GFLOP / 0.1 ms; 14.75 / 66.9
+    assert cols[-6:] == ["0.80", "14.75", "22.0", "0.0100", "3.0e-07", "2.0e-07|1.0e-07"]  # 1.47456 GFLOP / 0.1 ms
     flagged = format_row(_result("conv3", "wgrad", 0.05, cudnn_ms=0.1, error=2e-4, late=3), peak_flops=None)
-    assert flagged.endswith("2.0e-04!~")  # above 1e-4: flagged; some samples may hold launch time
-    assert flagged.split()[-5:-2] == ["2.00", "29.49", "-"]  # ours twice as fast; no peak known
+    assert flagged.split()[-2:] == ["2.0e-04", "-|-!~"]  # no float64 reference: above 1e-4 against cuDNN flags ours
+    assert flagged.split()[-6:-3] == ["2.00", "29.49", "-"]  # ours twice as fast; no peak known
+    theirs = _result("conv2", "wgrad", 0.1, cudnn_ms=0.05, error=7.9e-3, error64=9.7e-7, cudnn_error64=7.9e-3)
+    assert not theirs.flagged and format_row(theirs, None).split()[-2:] == ["7.9e-03", "9.7e-07|7.9e-03"]
+    ours = _result("conv2", "wgrad", 0.1, cudnn_ms=0.05, error=7.9e-3, error64=7.9e-3, cudnn_error64=9.7e-7)
+    assert ours.flagged and format_row(ours, None).split()[-1] == "7.9e-03|9.7e-07!"  # ours is the one off
     no_ref = format_row(_result("conv1", "fprop", 0.1), peak_flops=66.9e12)
-    assert no_ref.split()[-5:] == ["-", "14.75", "22.0", "0.0100", "-"]
+    assert no_ref.split()[-6:] == ["-", "14.75", "22.0", "0.0100", "-", "-|-"]
 
 
 def test_kernel_resources_lists_every_tile_and_gemm_kernel():

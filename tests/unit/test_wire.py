@@ -384,3 +384,40 @@ def test_numpy_fp16_equals_the_cast_bit_for_bit_where_it_avoids_it(scale):
     real = ~np.isnan(want)
     np.testing.assert_array_equal(back.view(np.uint32)[real], want.view(np.uint32)[real])
     assert np.isnan(back[~real]).all()
+
+
+def test_the_device_paths_nan_rewrite_gives_numpys_fp16_nan_bits():
+    """CUDA's float-to-half cast writes 0x7FFF for every NaN, numpy keeps the sign and the payload's upper bits
+    (0x7C01 where they are 0). The rewrite the cupy path applies after its cast (`_fp16_nan_payloads`), run
+    here on numpy over a cast whose NaNs were overwritten as CUDA writes them, gives numpy's bits for every
+    NaN pattern below and leaves every other value alone."""
+    from mpiasgd.comms.wire import _fp16_nan_payloads
+
+    nans = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FA00000,
+                     0x7F802000, 0x7F801FFF, 0xFF812345], np.uint32).view(np.float32)
+    rng = np.random.default_rng(0)
+    values = np.concatenate([nans, rng.standard_normal(1000, dtype=np.float32),
+                             np.array([np.inf, -np.inf, 0.0, -0.0], np.float32)])  # float32 all along: no payload lost
+    want = values.astype(np.float16).view(np.uint16)
+    cuda_like = want.copy()
+    cuda_like[np.isnan(values)] = 0x7FFF
+    out = cuda_like.view(np.float16)
+    _fp16_nan_payloads(np, values, out)
+    np.testing.assert_array_equal(out.view(np.uint16), want)
+    assert [hex(b) for b in want[:4]] == ["0x7e00", "0xfe00", "0x7c01", "0xfc01"]  # the rule's cases by hand
+
+
+def test_the_device_paths_nan_rewrite_gives_numpys_decoded_nan_bits():
+    """The decoding side: CUDA's half-to-float cast writes 0x7FFFFFFF for every NaN, numpy keeps the sign and
+    payload. `_fp16_decode_nan_payloads`, run on numpy over a decode whose NaNs were overwritten as CUDA
+    writes them, gives numpy's bits for every fp16 NaN pattern and leaves every other value alone."""
+    from mpiasgd.comms.wire import _fp16_decode_nan_payloads
+
+    data = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)  # every fp16 pattern
+    want = data.astype(np.float32).view(np.uint32)
+    cuda_like = want.copy()
+    cuda_like[np.isnan(data)] = 0x7FFFFFFF
+    out = cuda_like.view(np.float32)
+    _fp16_decode_nan_payloads(np, data, out)
+    np.testing.assert_array_equal(out.view(np.uint32), want)
+    assert hex(want[0x7E00]) == "0x7fc00000" and hex(want[0xFC01]) == "0xff802000"  # by hand
