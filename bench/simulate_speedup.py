@@ -11,7 +11,7 @@ and warm start. One markdown table, one plot, every command.
 Each simulation is `python -m mpiasgd simulate --workers N --profile PROFILE --nsync K [--warm-start S]
 --stop-accuracy T --eval-interval I --epochs E --lr LR(N) OPTIONS`: real gradients of the real network
 on the real shards, the real parameter server, on a virtual clock from the profile (default
-bench/profiles/h200-cifar10.json: an H200 per worker, estimated, see its note). The run stops at the
+bench/profiles/h200-cifar10.json: an H200 per worker, its compute measured, see its note). The run stops at the
 first evaluation (every `--eval-interval`, default 0.25 epochs) that reaches `--target-accuracy`
 (default 0.60), or after `--epochs` (10; the cosine schedule spans them). The evaluations cost no
 virtual time (`--eval-s-per-image 0`, as snapshots evaluated after a run: the workers do not pause).
