@@ -5,7 +5,8 @@ against the roofline of its one core: the machine's copy bandwidth over the byte
     python bench/server.py                     # P = 4M float32; 1, 2, 3 workers; 3 rounds (about 100 s)
     python bench/server.py --workers 1,2 --rounds 5 --pushes 400
     python bench/server.py --sweep             # the optimizer alone, one process: numpy's block sizes,
-                                               # the compiled loops, the roofline (about 40 s)
+                                               # the compiled loops, the roofline (about 40 s); then the
+                                               # fp16 codec alone, numpy path against compiled
     python bench/server.py --workers 1,2 --sharded-workers 2 --rounds 5   # S = 2 against S = 1 only, 5 rounds
 
 One mpiexec job (this script starts it) measures, alternating, in rounds:
@@ -222,6 +223,71 @@ def sweep(args: argparse.Namespace) -> None:
     print(f"{'ratio':>9} | " + " | ".join(f"{f / ms[('compiled', j, 'out')]:{w}.2f}" for j, (f, w)
                                          in enumerate(zip(floors, widths, strict=True)))
           + "   (compiled, out of place: roofline / measured)")
+    codec_sweep(P, args.repeats)
+
+
+def codec_sweep(P: int, repeats: int) -> None:
+    """(--sweep) Milliseconds to encode P float32 values to fp16 and decode them back (`--wire fp16`: the
+    server decodes every push and encodes every reply), the numpy path (`wire._fp16_numpy` and
+    `_fp16_decode_numpy` in blocks of `wire.BLOCK`, what `encode`/`decode` ran before the compiled codec)
+    against the compiled one (`encode`/`decode`: `wire_kernels`), for gradient-like values of about 1e-6
+    (mostly fp16 subnormals) and values of about 1, and for comparison bf16's numpy codec; medians over
+    `repeats` rounds that interleave all of them. Both fp16 paths' bits are checked equal."""
+    from mpiasgd.comms import wire
+
+    t = time.perf_counter()
+    wire.warm_up("fp16")
+    loaded = time.perf_counter() - t
+    rng = np.random.default_rng(1)
+    normal = rng.standard_normal(P, dtype=np.float32)
+    scales = {"~1e-6": np.float32(1e-6), "~1": np.float32(1)}
+    values = {name: normal * s for name, s in scales.items()}
+    codes = {name: np.empty(P, np.float16) for name in scales}
+    back = np.empty(P, np.float32)
+    step = wire.BLOCK
+
+    def old_encode(x: np.ndarray, out: np.ndarray) -> None:
+        for a in range(0, P, step):
+            wire._fp16_numpy(np, x[a : a + step], out[a : a + step])
+
+    def old_decode(h: np.ndarray, out: np.ndarray) -> None:
+        for a in range(0, P, step):
+            wire._fp16_decode_numpy(h[a : a + step], out[a : a + step])
+
+    bf16 = np.empty(P, np.uint16)
+    paths = {("encode", "numpy"): old_encode, ("encode", "compiled"): lambda x, h: wire.encode("fp16", x, h),
+             ("decode", "numpy"): lambda x, h: old_decode(h, back),
+             ("decode", "compiled"): lambda x, h: wire.decode("fp16", h, back),
+             ("encode", "bf16"): lambda x, h: wire.encode("bf16", x, bf16),   # for comparison: --wire bf16's
+             ("decode", "bf16"): lambda x, h: wire.decode("bf16", bf16, back)}  # numpy codec
+    times: dict[tuple, list[float]] = {}
+    for _ in range(repeats):
+        for name, x in values.items():
+            for key, fn in paths.items():  # (each decode reads the codes the encode before it wrote)
+                time.sleep(PAUSE)
+                t = time.perf_counter()
+                fn(x, codes[name])
+                times.setdefault((name, *key), []).append(time.perf_counter() - t)
+    for name, x in values.items():  # the two paths agree (NaN-free values: plain equality of the bits)
+        h, ref = wire.encode("fp16", x, codes[name]), np.empty(P, np.float16)
+        old_encode(x, ref)
+        want = np.empty(P, np.float32)
+        old_decode(ref, want)
+        assert np.array_equal(h.view(np.uint16), ref.view(np.uint16)), name
+        assert np.array_equal(wire.decode("fp16", h, back).view(np.uint32), want.view(np.uint32)), name
+    ms = {key: 1e3 * statistics.median(v) for key, v in times.items()}
+    print(f"fp16 codec (--wire fp16), P = {P:,} values, median of {repeats}, ms: numpy = the blocked numpy path "
+          f"before, compiled = wire_kernels (loaded in {loaded:.2f} s)")
+    print(f"{'values':>9} | {'encode numpy':>12} {'compiled':>8} {'ratio':>6} | {'decode numpy':>12} {'compiled':>8} "
+          f"{'ratio':>6}")
+    for name in values:
+        cells = []
+        for op in ("encode", "decode"):
+            old_ms, new_ms = ms[(name, op, "numpy")], ms[(name, op, "compiled")]
+            cells.append(f"{old_ms:12.2f} {new_ms:8.2f} {old_ms / new_ms:6.1f}")
+        print(f"{name:>9} | " + " | ".join(cells))
+    print("   (bf16, numpy, for comparison: " + ", ".join(f"{name} encode {ms[(name, 'encode', 'bf16')]:.2f} decode "
+                                                   f"{ms[(name, 'decode', 'bf16')]:.2f}" for name in values) + ")")
 
 
 # ---------------------------------------------------------------------------------------------------

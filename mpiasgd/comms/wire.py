@@ -30,23 +30,37 @@ Range and what falls outside it:
            fp16 or bf16 number, e.g. small integers, powers of two) round-trips exactly.
 
 Costs (P values): the payload is 2P bytes instead of 4P, so a push and its reply each move half the
-bytes (the 160-byte header is unchanged). numpy converts fp16's subnormal range (|x| < 2^-14, where
-small gradients live) in slow scalar code: 40M values of about 1e-6 took 3,592 ms to encode and 772 ms
-to decode. The numpy path here computes that range with integer arithmetic instead, equal bit for bit
-to the cast (every float32 exponent, every fp16 pattern): 193 and 349 ms; values of about 1 take 178
-and 159 ms (the plain cast: 79 and 73 ms). The parameter server (numpy) decodes every push and encodes
-every reply; measured at P = 4M on one core of the 2-core development machine (best of 9), before the
-subnormal path: fp16 encode 6.8 ms, decode 5.6 ms; bf16 encode 3.5 ms (integer passes in
-blocks of `BLOCK` values whose temporaries stay in L2), decode 1.1 ms; against 3 ms for the SGD step
-itself (`optim.SGD`) and 0.6 ms for a 16 MB copy. So on a CPU server bf16 costs about half of fp16,
-and either pays off where the link, not the server's core, limits the pushes per second. A GPU worker
-encodes on the device before its device -> host copy, which then moves half the bytes.
+bytes (the 160-byte header is unchanged). The parameter server (numpy) decodes every push and encodes
+every reply. numpy's casts convert fp16's subnormal range (|x| < 2^-14, where small gradients live) in
+slow scalar code (40M values of about 1e-6: 3,592 ms to encode, 772 to decode); the blocked numpy path
+that replaced them (`_fp16_numpy`, `_fp16_decode_numpy`: that range by integer arithmetic, several
+passes over each block) still cost several times the update itself: on an H200 host's server
+(alexnet_1gpu_64, 40M parameters) GPU workers waited a median 1,588 ms for their pull under fp16
+against 226 ms under fp32. numpy fp16 is now one compiled pass each way (`wire_kernels`, numba), equal
+bit for bit to numpy's casts (all 2^32 float32 inputs were checked once, in 6 minutes; the tests take
+every exponent, every tie, every NaN payload class and all 65,536 fp16 patterns). ms, medians of 15
+interleaved rounds on one core of the 2-core development VM (shared with another job while measured:
+noisy; copy bandwidth 15 GB/s), `python bench/server.py --sweep` (P = 4M) and its `codec_sweep` at
+P = 40M, values about 1e-6 / about 1:
+
+                   blocked numpy path               compiled (wire_kernels)     bf16 (numpy, same run)
+                   encode         decode            encode       decode         encode       decode
+    P = 4M         34.5 / 27.8    50.4 / 17.7       2.4 / 2.5    0.94 / 0.91    4.8 / 3.9    1.5 / 1.5
+    P = 40M        236 / 230      651 / 160         32 / 31      13.2 / 12.6    54 / 52      20 / 22
+
+against 2.5 ms for the SGD step itself at P = 4M (`optim.SGD`, same run). The encoder is bound by its
+arithmetic (int64 lanes, see `wire_kernels`), the decoder by memory. So on a CPU server fp16 now costs
+less than bf16 (whose numpy codec makes several integer passes over blocks of `BLOCK` values, whose
+temporaries stay in L2), and either pays off where the link, not the server's core, limits the pushes
+per second. A GPU worker encodes on the device before its device -> host copy, which then moves half
+the bytes.
 
 Every function here works on numpy and on cupy arrays alike: it is written only in array operations
 both provide, with `xp` the module of the array given, so the tests of the numpy path check the
 formula the GPU path runs. cupy is imported only when a cupy array is passed (never on the CPU path).
-The one exception is fp16's subnormal range on numpy (`_fp16_numpy`, `_fp16_decode_numpy`): the device
-casts in hardware, so cupy takes the plain cast.
+The one exception is fp16 on numpy, the compiled loops of `wire_kernels` (imported at the first numpy fp16
+call; `warm_up` loads them ahead): the device casts in hardware, so cupy takes the plain cast (and rewrites
+its NaN payloads as numpy's).
 
 `ErrorFeedback` keeps what a compressed push rounded away and adds it to the next one (error feedback:
 1-bit SGD, Seide et al. 2014; EF-SGD, Karimireddy et al. 2019).
@@ -102,11 +116,28 @@ def encode(wire: str, values: Any, out: Any) -> Any:
         if wire == "fp16":
             _fp16_nan_payloads(xp, values, out)
         return out
+    if wire == "fp16":  # numpy: one compiled pass, numpy's cast bit for bit (`wire_kernels`)
+        _kernels().fp16_encode(values.view(np.uint32), out.view(np.uint16))
+        return out
     step = BLOCK if xp is np else max(1, values.size)  # numpy: blocks whose temporaries stay in L2
-    code = _bf16 if wire == "bf16" else _fp16_numpy
     for a in range(0, values.size, step):
-        code(xp, values[a : a + step], out[a : a + step])
+        _bf16(xp, values[a : a + step], out[a : a + step])
     return out
+
+
+def _kernels() -> Any:
+    """`mpiasgd.comms.wire_kernels`, imported at the first numpy fp16 encode or decode (it imports numba)."""
+    from mpiasgd.comms import wire_kernels
+
+    return wire_kernels
+
+
+def warm_up(wire: str) -> None:
+    """Load the compiled codec of format `wire` (fp16: numba's import and the cached machine code, or compiling
+    it, 0.3-1 s; fp32, bf16: nothing) now, so that the first push is not held up: the parameter server calls
+    it before its clocks start (`AsgdServer.warm_up`). Encodes and decodes one value; changes nothing."""
+    if wire == "fp16":
+        roundtrip(wire, np.zeros(1, np.float32))
 
 
 def _fp16_nan_payloads(xp: Any, values: Any, out: Any) -> None:
@@ -123,7 +154,9 @@ SUBNORMAL16 = np.float32(2.0 ** -14)  # fp16's smallest normal value: below it n
 
 
 def _fp16_numpy(xp: Any, values: np.ndarray, out: np.ndarray) -> None:
-    """fp16 on numpy: the cast, except for |x| < 2^-14, fp16's subnormal range, which numpy converts in
+    """(Not used by `encode`: the numpy path before `wire_kernels`, kept as the reference `bench/server.py
+    --sweep` times the compiled codec against, in blocks of `BLOCK`; a test checks both give the same bits.)
+    fp16 on numpy: the cast, except for |x| < 2^-14, fp16's subnormal range, which numpy converts in
     scalar software code (about 45x slower: small gradients live there). There the binary16 value is
     m * 2^-24 with m = rint(|x| * 2^24) (a power-of-two scaling, exact in float32; rint rounds half to
     even, as the cast does; m = 1024 is the smallest normal value, bits 0x0400), and the sign bit of x."""
@@ -167,9 +200,8 @@ def decode(wire: str, data: Any, out: Any) -> Any:
         bits = out.view(array_module(out).uint32)
         bits[...] = data             # widened to uint32 ...
         bits <<= 16                  # ... into the upper half: the float32 whose upper half it was
-    elif wire == "fp16" and isinstance(data, np.ndarray):
-        for a in range(0, data.size, BLOCK):
-            _fp16_decode_numpy(data[a : a + BLOCK], out[a : a + BLOCK])
+    elif wire == "fp16" and isinstance(data, np.ndarray):  # one compiled pass, numpy's cast bit for bit
+        _kernels().fp16_decode(data.view(np.uint16), out.view(np.uint32))
     else:
         out[...] = data
         if wire == "fp16":
@@ -187,7 +219,8 @@ def _fp16_decode_nan_payloads(xp: Any, data: Any, out: Any) -> None:
 
 
 def _fp16_decode_numpy(data: np.ndarray, out: np.ndarray) -> None:
-    """fp16 -> float32 on numpy: the cast, except for fp16's subnormals (exponent bits 0), which numpy
+    """(Not used by `decode`: the reference `_fp16_numpy` is, for decoding.)
+    fp16 -> float32 on numpy: the cast, except for fp16's subnormals (exponent bits 0), which numpy
     converts in slow scalar code: there the value is (-1)^sign * m * 2^-24, m the 10 mantissa bits (exact)."""
     bits = data.view(np.uint16)
     small = (bits & np.uint16(0x7C00)) == 0  # zeros and subnormals

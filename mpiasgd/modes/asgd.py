@@ -93,6 +93,7 @@ from mpiasgd import checkpoint
 from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag, check, check_size, parse_tag, wait, wait_all
 from mpiasgd.comms.shards import ShardCut
 from mpiasgd.comms.wire import WIRES, decode, encode
+from mpiasgd.comms.wire import warm_up as warm_up_wire
 from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, initial_buffers, lr_scale, need, round_fits
 from mpiasgd.optim import (
     SGD,
@@ -182,8 +183,10 @@ class AsgdServer(Role):
         return f" for parameter-server shard {self.shard} of {self.cut.shards} (parameters [{a:,}, {b:,}){tail})"
 
     def warm_up(self) -> None:
-        """The optimizer's compiled update loaded now (`SGD.warm_up`), not at the first push."""
+        """The optimizer's compiled update and the wire format's compiled codec (fp16) loaded now (`SGD.warm_up`,
+        `wire.warm_up`), not at the first push."""
         self.optimizer.warm_up()
+        warm_up_wire(self.wire)
 
     def begin(self) -> None:
         """Send the first weights: to every worker, or (--warm-start, not on a resume) to the first one only."""

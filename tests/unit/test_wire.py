@@ -421,3 +421,219 @@ def test_the_device_paths_nan_rewrite_gives_numpys_decoded_nan_bits():
     _fp16_decode_nan_payloads(np, data, out)
     np.testing.assert_array_equal(out.view(np.uint32), want)
     assert hex(want[0x7E00]) == "0x7fc00000" and hex(want[0xFC01]) == "0xff802000"  # by hand
+
+
+# --- the compiled fp16 codec of the numpy path (wire_kernels) ----------------------------------------------
+
+FP16_FINITE = np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)  # 0 .. 65504, ascending
+
+
+def nearest_fp16_bits(x):
+    """binary16 bits of float32 `x` (no NaN) rounded to nearest, ties to the even pattern, worked out from the
+    table of every finite fp16 value (not a cast): the two neighbours lo <= |x| < hi and their midpoint (exact
+    in float64); past 65504 the upper neighbour is 65536, i.e. inf (0x7C00)."""
+    ax = np.abs(x.astype(np.float64))
+    table = np.append(FP16_FINITE, 65536.0)
+    lo = np.clip(np.searchsorted(table, ax, side="right") - 1, 0, 0x7BFF)
+    hi = lo + 1
+    mid = (table[lo] + table[hi]) / 2
+    up = (ax > mid) | ((ax == mid) & (hi % 2 == 0))
+    bits = np.where(ax >= 65536.0, 0x7C00, np.where(up, hi, lo)).astype(np.uint16)
+    return bits | np.where(np.signbit(x), np.uint16(0x8000), np.uint16(0))
+
+
+def fp16_nan_bits(u):
+    """numpy's fp16 NaN for float32 NaN bits `u` (uint32): sign | 0x7C00 | ((u >> 13) & 0x3FF), at least 0x7C01."""
+    return (((u >> 16) & 0x8000) | 0x7C00 | np.maximum((u >> 13) & 0x3FF, 1)).astype(np.uint16)
+
+
+def encode16(x):
+    return encode("fp16", x, np.empty(x.size, np.float16)).view(np.uint16)
+
+
+def cast16(x):
+    with np.errstate(over="ignore"):
+        return x.astype(np.float16).view(np.uint16)
+
+
+def test_fp16_encode_equals_numpys_cast_on_every_exponent_mantissas_and_signs():
+    """Every float32 exponent (0..255: zeros, float32 subnormals, fp16 subnormals, normals, overflow, inf and NaN)
+    x 4,096 random mantissas and the mantissas around fp16's rounding bits x both signs: the compiled encode's
+    bits equal numpy's cast's, NaNs included; the numbers equal the nearest fp16 worked out from the table, the
+    NaNs numpy's payload rule."""
+    rng = np.random.default_rng(21)
+    edges = np.array([0, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x3000, 0x7FE000, 0x7FEFFF, 0x7FF000, 0x7FFFFF],
+                     np.uint32)
+    mantissas = np.concatenate([rng.integers(0, 1 << 23, 4096, dtype=np.uint32), edges])
+    exponents = np.arange(256, dtype=np.uint32)
+    u = ((exponents[:, None] << 23) | mantissas[None, :]).ravel()
+    u = np.concatenate([u, u | np.uint32(0x80000000)])
+    x = u.view(np.float32)
+    got = encode16(x)
+    np.testing.assert_array_equal(got, cast16(x))
+    nan = np.isnan(x)
+    assert nan.sum() == 2 * (mantissas != 0).sum()  # exponent 255 with a non-zero mantissa, both signs
+    np.testing.assert_array_equal(got[~nan], nearest_fp16_bits(x[~nan]))
+    np.testing.assert_array_equal(got[nan], fp16_nan_bits(u[nan]))
+    # a few by hand: 1, -2, 2^-24 (the smallest subnormal), 2^-14 (the smallest normal), 65504, 2^-149 -> +0
+    hand = np.array([1.0, -2.0, 2.0 ** -24, 2.0 ** -14, 65504.0, 2.0 ** -149], np.float32)
+    assert [hex(b) for b in encode16(hand)] == ["0x3c00", "0xc000", "0x1", "0x400", "0x7bff", "0x0"]
+
+
+def test_fp16_encode_rounds_every_halfway_case_to_even():
+    """For every pair of neighbouring fp16 values lo < hi (lo = 0 .. 65504; hi = 65536 stands for inf): their
+    midpoint goes to the even pattern, one float32 ulp below it to lo, one above to hi, both signs. This covers
+    each fp16 exponent, 0 / the smallest subnormal (2^-25 -> 0), the subnormal / normal boundary (2^-14 - 2^-25
+    -> 0x0400) and the overflow boundary (65520 -> inf, 65520 - ulp -> 65504)."""
+    lo = np.arange(0x7C00, dtype=np.uint32)
+    values = np.append(FP16_FINITE, 65536.0)
+    mid = ((values[:-1] + values[1:]) / 2).astype(np.float32)
+    assert ((mid.astype(np.float64) * 2) == values[:-1] + values[1:]).all()  # every midpoint exact in float32
+    below = np.nextafter(mid, np.float32(0))
+    above = np.nextafter(mid, np.float32(np.inf))
+    even = np.where(lo % 2 == 0, lo, lo + 1)
+    for sign in (1, -1):
+        for x, want in ((mid, even), (below, lo), (above, lo + 1)):
+            signed = (sign * x).astype(np.float32)
+            want16 = want.astype(np.uint16) | np.uint16(0x8000 if sign < 0 else 0)
+            got = encode16(signed)
+            np.testing.assert_array_equal(got, want16)
+            np.testing.assert_array_equal(got, cast16(signed))
+    edge = np.array([2.0 ** -25, 2.0 ** -14 - 2.0 ** -25, 65520.0, np.nextafter(np.float32(65520), np.float32(0)),
+                     -65520.0, 3 * 2.0 ** -25], np.float32)
+    assert [hex(b) for b in encode16(edge)] == ["0x0", "0x400", "0x7c00", "0x7bff", "0xfc00", "0x2"]
+
+
+def test_fp16_encode_keeps_every_nan_payload_class_as_numpy_does():
+    """Every value of a float32 NaN's upper 10 payload bits (the ones fp16 keeps, quiet bit 0x200 included) x
+    lower 13 bits 0, 1, 0x1000, 0x1FFF x both signs: sign | 0x7C00 | upper bits, 0x7C01 where those are 0 (a
+    NaN stays a NaN); equal to numpy's cast. +-inf stays +-inf."""
+    upper = np.arange(1024, dtype=np.uint32) << 13
+    lower = np.array([0, 1, 0x1000, 0x1FFF], np.uint32)
+    u = (np.uint32(0x7F800000) | upper[:, None] | lower[None, :]).ravel()
+    u = u[u != 0x7F800000]  # that is inf
+    u = np.concatenate([u, u | np.uint32(0x80000000)])
+    got = encode16(u.view(np.float32))
+    np.testing.assert_array_equal(got, fp16_nan_bits(u))
+    np.testing.assert_array_equal(got, cast16(u.view(np.float32)))
+    assert ((got & 0x7C00) == 0x7C00).all() and ((got & 0x3FF) != 0).all()
+    hand = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF801FFF, 0x7FFFFFFF, 0x7FA00000, 0x7F800000,
+                     0xFF800000], np.uint32)
+    assert [hex(b) for b in encode16(hand.view(np.float32))] == ["0x7e00", "0xfe00", "0x7c01", "0xfc01", "0x7fff",
+                                                                  "0x7d00", "0x7c00", "0xfc00"]
+
+
+def test_fp16_decode_of_all_65536_patterns_is_numpys_cast_and_the_exact_value():
+    """Every binary16 pattern decodes to the float32 numpy's cast gives, bit for bit (NaN payloads included), and
+    that is its value worked out from sign, exponent and mantissa: m 2^-24 (subnormal), 2^(e-15) (1 + m/1024),
+    +-inf, and for NaN sign << 16 | 0x7F800000 | m << 13."""
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    got = decode("fp16", h.view(np.float16), np.empty(h.size, np.float32))
+    np.testing.assert_array_equal(got.view(np.uint32), h.view(np.float16).astype(np.float32).view(np.uint32))
+    s, e, m = h >> 15, (h >> 10) & 0x1F, (h & 0x3FF).astype(np.float64)
+    magnitude = np.where(e == 0, m * 2.0 ** -24, np.exp2(e.astype(np.float64) - 15) * (1 + m / 1024))
+    magnitude = np.where(e == 31, np.inf, magnitude)
+    want = np.where(s == 1, -magnitude, magnitude).astype(np.float32)
+    number = (e != 31) | (m == 0)
+    np.testing.assert_array_equal(got.view(np.uint32)[number], want.view(np.uint32)[number])
+    hu = h.astype(np.uint32)
+    nan_bits = ((hu & 0x8000) << 16) | 0x7F800000 | ((hu & 0x3FF) << 13)
+    np.testing.assert_array_equal(got.view(np.uint32)[~number], nan_bits[~number])
+    assert (~number).sum() == 2046
+    assert got[0x0001] == 2.0 ** -24 and got[0x03FF] == 1023 * 2.0 ** -24 and got[0x3C00] == 1.0
+    assert got[0x7BFF] == 65504.0 and got[0xFC00] == -np.inf and np.signbit(got[0x8000]) and got[0x8000] == 0
+
+
+def test_fp16_codec_on_empty_and_one_value_arrays():
+    out = np.empty(0, np.float16)
+    assert encode("fp16", np.empty(0, np.float32), out) is out
+    back = np.empty(0, np.float32)
+    assert decode("fp16", out, back) is back and back.size == 0
+    for x, bits, value in ((1e-6, 0x0011, 17 * 2.0 ** -24), (-65520.0, 0xFC00, -np.inf), (65519.99, 0x7BFF, 65504.0),
+                           (-0.0, 0x8000, -0.0), (0.333333, 0x3555, 0.333251953125)):
+        one = encode("fp16", np.array([x], np.float32), np.empty(1, np.float16))
+        assert one.view(np.uint16).tolist() == [bits], x
+        got = decode("fp16", one, np.empty(1, np.float32))
+        assert got.tolist() == [value] and np.signbit(got[0]) == np.signbit(value), x
+
+
+def test_fp16_codec_refuses_wrong_dtypes_shapes_and_layouts_and_writes_nothing():
+    """The numpy fp16 path keeps the checks every path makes, with the same messages, before it writes."""
+    x = np.arange(8, dtype=np.float32)
+    out = np.full(4, 7, np.float16)
+    cases = [
+        (lambda: encode("fp16", x[::2], out), r"encode\(fp16\): values must be .*float32.*\(not contiguous\)"),
+        (lambda: encode("fp16", x[:4].astype(np.float64), out), r"values must be .*float32 array of 4 values, "
+                                                                r"got float64 shape \(4,\)"),
+        (lambda: encode("fp16", x[:4], out.view(np.uint16)), r"encode\(fp16\): out must be a 1-D C-contiguous "
+                                                             r"float16 array of 4 values, got uint16"),
+        (lambda: encode("fp16", x[:4].reshape(2, 2), out), r"values must be .* got float32 shape \(2, 2\)"),
+        (lambda: encode("fp16", x[:4], np.full(8, 7, np.float16)[::2]), r"out must be .*\(not contiguous\)"),
+        (lambda: encode("fp16", x[:4], np.full(5, 7, np.float16)), r"out must be .*of 4 values, got float16 "
+                                                                   r"shape \(5,\)"),
+        (lambda: decode("fp16", out.view(np.uint16), x[:4]), r"decode\(fp16\): data must be a 1-D C-contiguous "
+                                                             r"float16 array of 4 values, got uint16 shape \(4,\)"),
+        (lambda: decode("fp16", out, x[:4].astype(np.float64)), r"decode\(fp16\): out must be .*float32.*got "
+                                                                r"float64"),
+        (lambda: decode("fp16", np.full(8, 7, np.float16)[::2], x[:4]), r"data must be .*\(not contiguous\)"),
+        (lambda: decode("fp16", out, x[::2]), r"decode\(fp16\): out must be .*\(not contiguous\)"),
+    ]
+    for call, says in cases:
+        with pytest.raises(ValueError, match=says):
+            call()
+    assert out.tolist() == [7.0] * 4 and x.tolist() == list(range(8))
+
+
+def test_the_numpy_reference_path_equals_the_compiled_codec():
+    """`_fp16_numpy` and `_fp16_decode_numpy` (the numpy path before the compiled codec, which bench/server.py
+    --sweep times against it) give the same bits on random float32 patterns and gradients of about 1e-6."""
+    from mpiasgd.comms.wire import _fp16_decode_numpy, _fp16_numpy
+
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.integers(0, 1 << 32, 100_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                        rng.standard_normal(100_000).astype(np.float32) * np.float32(1e-6)])
+    old = np.empty(x.size, np.float16)
+    with np.errstate(over="ignore"):
+        _fp16_numpy(np, x, old)
+    new = encode16(x)
+    np.testing.assert_array_equal(new, old.view(np.uint16))
+    back_old = np.empty(x.size, np.float32)
+    _fp16_decode_numpy(old, back_old)
+    back_new = decode("fp16", old, np.empty(x.size, np.float32))
+    np.testing.assert_array_equal(back_new.view(np.uint32), back_old.view(np.uint32))
+    assert (np.abs(back_new[100_000:]) < 2.0 ** -14).mean() > 0.9  # the gradients: mostly fp16 subnormals
+
+
+def test_wire_warm_up_loads_the_fp16_codec_only_for_fp16():
+    """`wire.warm_up`: fp32 and bf16 import no numba; fp16 loads the compiled codec."""
+    code = ("import sys\n"
+            "from mpiasgd.comms import wire\n"
+            "wire.warm_up('fp32'); wire.warm_up('bf16')\n"
+            "print('numba' in sys.modules)\n"
+            "wire.warm_up('fp16')\n"
+            "from mpiasgd.comms import wire_kernels\n"
+            "print(len(wire_kernels.fp16_encode.signatures), len(wire_kernels.fp16_decode.signatures))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "1", "1"]
+
+
+def test_the_fp16_server_warms_up_the_codec_its_pushes_and_replies_run(tmp_path):
+    """After the server's warm-up (`AsgdServer.warm_up`, before its clocks), decoding a push and encoding its reply
+    add no machine code to the compiled codec: the warm-up loaded the versions they use."""
+    from mpiasgd.comms import wire_kernels
+
+    server, net, _ = make_server(tmp_path, wire="fp16")
+    server.warm_up()
+    loaded = len(wire_kernels.fp16_encode.signatures), len(wire_kernels.fp16_decode.signatures)
+    assert loaded[0] >= 1 and loaded[1] >= 1
+    g = np.array([1e-6, -2e-7, 0.5, -3.0, 0, 1e-9], np.float32)
+    before = server.params.copy()
+    push(net, 1, step=1, version=0, grad=g, wire="fp16")
+    serve_one(server)
+    assert server.version == 1
+    np.testing.assert_array_equal(server.params, before - np.float32(0.5) * roundtrip("fp16", g))
+    tag, _, payload = reply(net, 1, "fp16")
+    assert tag == Tag.WEIGHTS
+    np.testing.assert_array_equal(payload.view(np.uint16), cast16(server.params))
+    assert (len(wire_kernels.fp16_encode.signatures), len(wire_kernels.fp16_decode.signatures)) == loaded
