@@ -263,7 +263,8 @@ class Rank0:
             return
         for w in self.last_seen:  # the workers (and, --servers, the other shards)
             self.last_seen[w] = min(now, self.last_seen[w] + gap)
-        text = (f"rank 0 was paused for {gap:.1f} s (its loop did not run: the process was stopped, starved or "
+        who = "rank 0" if self.decides else f"parameter-server shard rank {self.rank}"
+        text = (f"{who} was paused for {gap:.1f} s (its loop did not run: the process was stopped, starved or "
                 f"busy); not counted as the workers' silence")
         self.rec.event("pause", text, at=now)
         print(f"mpiasgd: note: {text}", file=sys.stderr, flush=True)

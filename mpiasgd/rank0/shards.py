@@ -210,10 +210,18 @@ class ShardHub:
         and every second) whether shard rank `r`'s process has exited: a launcher ends the job when a rank
         dies, and rank 0 must close the log before it does (`Rank0.shard_died` gives the Preempted raised,
         naming it)."""
+        deadline, backoff, look = Deadline(self.cfg.comm_timeout), Backoff(), Interval(1.0, self.rec.now())
+        status, start = MPI.Status(), self.rec.now()
+        try:
+            return self._await(r, what, poll, deadline, backoff, look, status)
+        finally:  # rank 0 was busy waiting for a shard: not the workers' silence, and not a pause of rank 0
+            self.r0.excuse(self.rec.now() - start)
+
+    def _await(self, r: int, what: str, poll: Any, deadline: Deadline, backoff: Backoff, look: Interval,
+               status: Any) -> Any:
+        """`await_shard`'s loop."""
         from mpiasgd.rank0.loop import WorkerFailed
 
-        deadline, backoff, look = Deadline(self.cfg.comm_timeout), Backoff(), Interval(1.0, self.rec.now())
-        status = MPI.Status()
         while not (got := poll()):
             failed = self.comm.Improbe(r, int(Tag.ERROR), status)
             if failed is not None:  # it failed instead of answering: its traceback, as the loop takes it
