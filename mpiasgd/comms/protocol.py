@@ -177,7 +177,8 @@ HEADER = np.dtype([
                             # the shard has applied (its schedule's clock)
     ("epoch", "<i8"),       # PUSH: the worker's epoch over its shard; WEIGHTS with flag EVALUATE: the evaluation's
                             # number
-    ("correct", "<i8"),     # PUSH: correct predictions in the minibatch; EVAL: over the slice
+    ("correct", "<i8"),     # PUSH: correct predictions in the minibatch; EVAL: over the slice; SHARD_ROWS, SLICE:
+                            # the shard's wire bytes pushed (rank0.shards.WIRE_FIELDS)
     ("count", "<i8"),       # values in the payload (float32; 16-bit ones with --wire fp16|bf16)
     ("loss", "<f8"),        # PUSH: minibatch mean loss; EVAL: summed loss
     ("compute_s", "<f8"),   # PUSH: seconds of data + forward + backward for this gradient
@@ -191,7 +192,8 @@ HEADER = np.dtype([
     ("elapsed", "<f8"),     # CHECKPOINT: training seconds at the step; initial WEIGHTS: seconds already trained;
                             # RESTORE: the same; SHARD_ROWS: the shard's clock when it sent them
     ("data_s", "<f8"),      # PUSH/REPORT: seconds of compute_s the step waited for its minibatch (input pipeline)
-    ("correct5", "<i8"),    # EVAL: images whose label is among the 5 largest logits (top-5)
+    ("correct5", "<i8"),    # EVAL: images whose label is among the 5 largest logits (top-5); SHARD_ROWS,
+                            # SLICE: the shard's wire bytes pulled
 ])
 HEADER_BYTES = -(-HEADER.itemsize // 16) * 16  # 160: rounded up to 16 bytes so the payload stays aligned
 

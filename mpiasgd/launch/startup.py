@@ -217,7 +217,7 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
     from mpiasgd.model import build_model
     from mpiasgd.model.layers import BatchNorm2d, walk
 
-    if me.size < 2:
+    if me.size < 2 and cfg.servers <= 1:  # (--servers S > 1: the message below, which counts the shards)
         raise ConfigError(f"mpiasgd train needs at least 2 MPI ranks (1 parameter server + workers), got {me.size}; "
                           "launch it with e.g. 'mpiexec -n 3 python -m mpiasgd train'")
     if me.num_workers < 1:

@@ -39,7 +39,9 @@ from mpiasgd.runlog import (
     ShardPushRow,
     SnapshotRow,
     UpdateRow,
+    WireBytesRow,
 )
+from mpiasgd.runlog.reader import not_superseded, superseded_spans
 from mpiasgd.runlog.tensorboard import TensorBoard
 
 
@@ -62,20 +64,46 @@ class Window:
 
 class ShardFigures:
     """(rank 0, --servers S > 1) Each parameter-server shard's figures, from the push rows it logged (shard 0)
-    or sent (the others): its version, and the staleness of the pushes it applied in this job (a resumed
-    run counts from its resume)."""
+    or sent (the others): its version, and the staleness of the pushes it applied (a resumed run's from
+    every segment of the log: `restore`, as the run's staleness continues from its checkpoint's); and the
+    bytes of the exchange each shard of rank >= 1 reports (`report_wire`: its counts in this job, on every
+    SHARD_ROWS and SLICE) on top of those it had moved before this job (`wire_base`: a resume's
+    checkpoint's). Shard 0's bytes are the recorder's own (`Recorder.wire_bytes`)."""
 
     def __init__(self, shards: int) -> None:
         self.versions = [0] * shards
         self.staleness_sum = [0] * shards
         self.staleness_max = [0] * shards
         self.applied = [0] * shards
+        self.wire = [[0, 0] for _ in range(shards)]       # [pushed, pulled] each shard reported in this job
+        self.wire_base = [[0, 0] for _ in range(shards)]  # [pushed, pulled] before this job (a resume)
 
     def count(self, shard: int, staleness: int, applied: bool) -> None:
         if applied:
             self.staleness_sum[shard] += int(staleness)
             self.staleness_max[shard] = max(self.staleness_max[shard], int(staleness))
             self.applied[shard] += 1
+
+    def restore(self, rows: np.ndarray) -> None:
+        """(--resume) Count the shard push rows `rows` (SHARD_PUSH_ROW, or its columns time, shard, staleness and
+        applied: the log's, less the spans a resume superseded) as if this job had logged them."""
+        applied = rows[rows["applied"] == 1]
+        for s in range(len(self.applied)):
+            staleness = applied["staleness"][applied["shard"] == s]
+            if len(staleness):
+                self.staleness_sum[s] += int(staleness.sum())
+                self.staleness_max[s] = max(self.staleness_max[s], int(staleness.max()))
+                self.applied[s] += len(staleness)
+
+    def report_wire(self, shard: int, pushed: int, pulled: int) -> None:
+        """Shard `shard`'s bytes pushed and pulled in this job so far, as its SHARD_ROWS or SLICE says (a count
+        that only grows: the later of two messages that crossed is kept)."""
+        mine = self.wire[shard]
+        mine[0], mine[1] = max(mine[0], int(pushed)), max(mine[1], int(pulled))
+
+    def wire_bytes(self, shard: int) -> tuple[int, int]:
+        """(pushed, pulled) of shard `shard` >= 1 since the run's start."""
+        return (self.wire_base[shard][0] + self.wire[shard][0], self.wire_base[shard][1] + self.wire[shard][1])
 
     def summary(self) -> dict:
         """The summary's per-shard entries (lists, shard 0 first)."""
@@ -260,14 +288,28 @@ class Recorder:
 
     def count_wire(self, pushed: int = 0, pulled: int = 0) -> None:
         """(parameter-server modes) Count the bytes of the messages of the exchange, header included: `pushed`,
-        of a PUSH rank 0 received (applied, rejected or drained); `pulled`, of a WEIGHTS or STOP it sent (the
-        initial weights too). They are the summary's `wire_bytes_pushed` and `wire_bytes_pulled`, over this
-        job (a resumed run counts from its resume); modes that never call this have no such entries. With
-        --servers S > 1 they count rank 0's (shard 0's) messages only, about 1/S of the bytes moved."""
+        of a PUSH this server (rank 0, or a shard's) received (applied, rejected or drained); `pulled`, of a
+        WEIGHTS or STOP it sent (the initial weights too). Modes that never call this have no such entries.
+
+        Rank 0's sum over every shard (`wire_by_shard`: with --servers S > 1 the other shards report their
+        own counts, `ShardFigures.report_wire`) is the summary's `wire_bytes_pushed` and `wire_bytes_pulled`
+        (and, S > 1, `shard_wire_bytes_pushed` and `shard_wire_bytes_pulled`, shard 0 first). A resumed run
+        continues the counts of its checkpoint (the log's /wire_bytes rows, `restore`); without them (a log
+        written before they were, or lost) they count from the resume."""
         if self.wire_bytes is None:
             self.wire_bytes = {"pushed": 0, "pulled": 0}
         self.wire_bytes["pushed"] += pushed
         self.wire_bytes["pulled"] += pulled
+
+    def wire_by_shard(self) -> list[tuple[int, int]] | None:
+        """(pushed, pulled) bytes of every parameter-server shard since the run's start, shard 0 (this
+        recorder's own count) first; None where the mode counts none (`count_wire`)."""
+        if self.wire_bytes is None:
+            return None
+        own = (self.wire_bytes["pushed"], self.wire_bytes["pulled"])
+        if self.shards is None:
+            return [own]
+        return [own, *(self.shards.wire_bytes(s) for s in range(1, len(self.shards.versions)))]
 
     def training_loss(self, loss: float, correct: int, samples: int) -> None:
         """A minibatch's mean loss (nats), its correct count and images: the running level (progress bar)
@@ -363,17 +405,45 @@ class Recorder:
         self.last_written = t0
         self.log.add(CheckpointRow(time=t0, seconds=seconds, version=ckpt.version, samples=ckpt.samples,
                                    elapsed=ckpt.elapsed, reason=ckpt.reason.encode()))
+        for shard, (pushed, pulled) in enumerate(self.wire_by_shard() or []):  # where a resume continues them
+            self.log.add(WireBytesRow(time=ckpt.log_time, shard=shard, pushed=pushed, pulled=pulled))
         self.log.flush()  # every row up to the checkpoint is on disk with it: a resume supersedes only later ones
         return True
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
-        """The figures of checkpoint `ckpt` (before `begin`): version, images, staleness, rejects."""
+        """The figures of checkpoint `ckpt` (before `begin`): version, images, staleness, rejects; and from the
+        reopened log (`restore_from_log`) the bytes moved and, --servers S > 1, each shard's staleness."""
         self.version, self.samples = ckpt.version, ckpt.samples
         self.staleness_sum, self.staleness_max = ckpt.staleness_sum, ckpt.staleness_max
         self.staleness_count = ckpt.staleness_count
         for row in ckpt.workers:
             self.rejected[int(row["rank"])] = int(row["rejected"])
         self.resumed = ckpt
+        self.restore_from_log(ckpt)
+
+    def restore_from_log(self, ckpt: checkpoint.Checkpoint) -> None:
+        """(--resume) The figures the checkpoint does not hold, from the log it continues: the bytes each shard
+        had moved at `ckpt` (its /wire_bytes rows, at its log time; none in a log written before them or a
+        new one: the counts start at zero), and with --servers S > 1 every shard's staleness over the
+        /shard_pushes rows logged so far, less the spans this resume superseded (rows of the segment's
+        after its checkpoint)."""
+        f = getattr(self.log, "file", None)
+        if f is None:
+            return
+        if "wire_bytes" in f:
+            rows = f["wire_bytes"][()]
+            rows = rows[rows["time"] == ckpt.log_time]
+            for shard, pushed, pulled in zip(rows["shard"].tolist(), rows["pushed"].tolist(), rows["pulled"].tolist(),
+                                             strict=True):
+                if shard == 0:
+                    self.wire_bytes = {"pushed": pushed, "pulled": pulled}
+                elif self.shards is not None and shard < len(self.shards.wire_base):
+                    self.shards.wire_base[shard] = [pushed, pulled]
+        if self.shards is not None and "shard_pushes" in f:  # (in pieces: a long run's table is large)
+            table, spans = f["shard_pushes"], superseded_spans(f.attrs.get("superseded"))
+            for start in range(0, table.shape[0], 1 << 20):
+                rows = table.fields(["time", "shard", "staleness", "applied"])[start:start + (1 << 20)]
+                self.shards.restore(not_superseded(rows, spans))
 
     # --- the log's flush and the TensorBoard points ---
     def maybe_flush(self) -> None:
@@ -465,6 +535,18 @@ class Recorder:
             "preempted": preempted,
             "health": self.health.final_state() if self.health is not None else "",
             "diverged": self.diverged,
-            **{f"wire_bytes_{kind}": n for kind, n in (self.wire_bytes or {}).items()},
+            **self.wire_summary(),
             **(self.shards.summary() if self.shards is not None else {}),
         }
+
+    def wire_summary(self) -> dict:
+        """The summary's byte counts (`count_wire`): wire_bytes_pushed and wire_bytes_pulled over every shard,
+        and with --servers S > 1 each shard's (shard_wire_bytes_pushed, shard_wire_bytes_pulled); {} where
+        the mode counts none."""
+        shards = self.wire_by_shard()
+        if shards is None:
+            return {}
+        out = {"wire_bytes_pushed": sum(p for p, _ in shards), "wire_bytes_pulled": sum(q for _, q in shards)}
+        if self.shards is not None:
+            out.update(shard_wire_bytes_pushed=[p for p, _ in shards], shard_wire_bytes_pulled=[q for _, q in shards])
+        return out

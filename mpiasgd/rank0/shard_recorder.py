@@ -7,7 +7,9 @@ reports to a recorder as rank 0's does. This one keeps what the server's rules n
 staleness it saw, its rejected pushes (TrainingDiverged, naming the shard, after --max-rejects in a row,
 as on rank 0). It decides nothing: no stopping rule, no divergence watch, no snapshots or checkpoints;
 the stop comes from rank 0 (`stop`, called by the HubLink on SHARD_STOP). Its push rows are kept
-(`rows`) until the HubLink sends them to rank 0, which logs them (/shard_pushes).
+(`rows`) until the HubLink sends them to rank 0, which logs them (/shard_pushes); the bytes of its exchange
+with the workers (`count_wire`, in this job) go with them and with its slices, and rank 0 adds them to the
+run's (`wire_bytes_pushed`, `wire_bytes_pulled`).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class ShardRecorder(Recorder):
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
         """Continue from `ckpt`, this shard's slice of rank 0's checkpoint (its version; its images and training
-        seconds): staleness and rejects count from the resume."""
+        seconds): staleness, rejects and bytes moved count from the resume (rank 0 keeps the run's)."""
         self.version, self.samples, self.resumed = ckpt.version, ckpt.samples, ckpt
 
     def summary(self, evals: dict, preempted: str) -> dict:

@@ -9,6 +9,8 @@ hands the messages between the shards to its link and asks it what only rank 0 m
       divergence; tells the shards (SHARD_STOP)  next SHARD_ROWS, flag PREEMPT); it stops on SHARD_STOP
     logs every shard's push rows               sends its rows every --flush-interval (and at least every
       (/shard_pushes), their versions            --comm-timeout / 4: rank 0 watches its silence)
+    sums every shard's bytes moved (the        reports the bytes of its exchange with the workers so far
+      summary's wire_bytes_*)                    with its rows and its slices (`WIRE_FIELDS`)
     snapshots and checkpoints the whole        answers FETCH with SLICE: its params and velocity now
       vector: asks every shard (`assemble`)
     sends ALIVE every --comm-timeout / 4       times out after --comm-timeout x 2 without any message
@@ -21,6 +23,11 @@ applied there (on that shard only: rank 0 answered it with STOP already). From t
 push, and every FINISH of a worker whose other shard said STOP first, with STOP and its final slice. So
 every worker evaluates the same final weights, and the final snapshot (rank 0 asks after every EVAL,
 when every shard has stopped) is those weights.
+
+The bytes a shard has moved (its server's `count_wire`: PUSH received, WEIGHTS and STOP sent, in this job)
+travel in two header fields SHARD_ROWS and SLICE do not otherwise use (`WIRE_FIELDS`: `correct` the bytes
+pushed, `correct5` the bytes pulled); rank 0 adds them to its own for the summary and logs them with every
+checkpoint (/wire_bytes), the SLICE that checkpoint asked for giving the counts at its state.
 """
 
 from __future__ import annotations
@@ -49,6 +56,15 @@ from mpiasgd.comms import (
 from mpiasgd.comms.protocol import HEADER_BYTES, rows_message, rows_of
 from mpiasgd.rank0.recorder import ShardFigures
 from mpiasgd.runlog import SHARD_PUSH_ROW
+
+WIRE_FIELDS = ("correct", "correct5")  # the header fields of SHARD_ROWS and SLICE: the shard's bytes pushed, pulled
+
+
+def wire_fields(rec: Any) -> dict:
+    """The header fields (`WIRE_FIELDS`) of a shard's SHARD_ROWS or SLICE: its recorder's bytes pushed and pulled
+    in this job (0 where its server counts none)."""
+    counts = rec.wire_bytes or {}
+    return {WIRE_FIELDS[0]: counts.get("pushed", 0), WIRE_FIELDS[1]: counts.get("pulled", 0)}
 
 
 def restore_count(size: int, num_workers: int) -> int:
@@ -100,7 +116,8 @@ class ShardHub:
         return self.r0.role.done()
 
     def receive(self, tag: Tag, source: int, message: Any, nbytes: int) -> None:
-        """A SHARD_ROWS from shard rank `source`: its rows logged, its version kept, a signal it reports acted on."""
+        """A SHARD_ROWS from shard rank `source`: its rows logged, its version and bytes moved kept, a signal it
+        reports acted on."""
         if nbytes < HEADER_BYTES or (nbytes - HEADER_BYTES) % 4:
             raise ProtocolError(f"rank 0: {tag.name} message from rank {source} is {nbytes} bytes, expected the "
                                 f"{HEADER_BYTES}-byte header and whole float32 values")
@@ -121,6 +138,7 @@ class ShardHub:
                                 version=int(row["version"]), staleness=int(row["staleness"]),
                                 applied=bool(row["applied"]))
         self.rec.shards.versions[s] = int(h["version"])
+        self.rec.shards.report_wire(s, int(h[WIRE_FIELDS[0]]), int(h[WIRE_FIELDS[1]]))
         flags = int(h["flags"])
         if flags & Flag.PREEMPT:
             self.r0.signal_from(f"a signal received by parameter-server shard rank {source}")
@@ -200,6 +218,7 @@ class ShardHub:
             if velocity is not None:
                 velocity[a:b] = msg.payload[b - a:]
             versions[s] = self.rec.shards.versions[s] = int(msg.header["version"])
+            self.rec.shards.report_wire(s, int(msg.header[WIRE_FIELDS[0]]), int(msg.header[WIRE_FIELDS[1]]))
             self.r0.last_seen[r] = self.rec.now()
         return params, velocity, versions
 
@@ -358,7 +377,7 @@ class HubLink:
     def send_rows(self, flags: int = 0) -> None:
         rows = self.rec.take_rows()
         msg = rows_message(Tag.SHARD_ROWS, self.rank, rows, version=self.rec.version, samples=self.rec.samples,
-                           elapsed=self.rec.now(), flags=flags)
+                           elapsed=self.rec.now(), flags=flags, **wire_fields(self.rec))
         self.sends.append((self.comm.Isend(msg.buf, dest=0, tag=int(Tag.SHARD_ROWS)), msg))
         self.last_sent = self.rec.now()
 
@@ -368,7 +387,8 @@ class HubLink:
         msg.payload[:self.size] = self.role.params
         velocity = self.role.optimizer.velocity
         msg.payload[self.size:] = 0.0 if velocity is None else velocity
-        msg.stamp(Tag.SLICE, self.rank, step=number, version=self.rec.version, samples=self.rec.samples)
+        msg.stamp(Tag.SLICE, self.rank, step=number, version=self.rec.version, samples=self.rec.samples,
+                  **wire_fields(self.rec))
         self.slice.send(self.comm, 0, 0, int(Tag.SLICE))
 
     def finish(self) -> None:

@@ -26,7 +26,9 @@ One file per run, `RUN_DIR/NAME.h5`:
                  shard: time, shard, worker, step, base_version, version, staleness (each shard's own
                  versions), applied; the log's attributes then also hold the cut (servers, shard_bounds,
                  shard_params), the shards' processes (shard_processes: JSON [[rank, host, pid], ...]) and, at
-                 the end, shard_versions, shard_staleness_mean and shard_staleness_max (this job's pushes)
+                 the end, shard_versions, shard_staleness_mean and shard_staleness_max (the applied rows of
+                 this table, every segment of a resumed run but the superseded spans), shard_wire_bytes_pushed
+                 and shard_wire_bytes_pulled (each shard's part of wire_bytes_pushed and wire_bytes_pulled)
     /updates     one row per server update (UPDATE_ROW): time, version, lr, gradient norm, samples, epoch
     /snapshots/params  (S, P) float32 weights every `snapshot_interval` seconds (default -1, auto: max(5 s,
                        model bytes / 1 MB/s): `optim.snapshot_seconds`), first and last included; sync and
@@ -49,6 +51,11 @@ One file per run, `RUN_DIR/NAME.h5`:
     /checkpoints CHECKPOINT_ROW: time, seconds (to write it), version, samples, elapsed (training seconds
                  it holds), reason (interval | end | preempt | failure: a worker died); the file is
                  RUN_DIR/NAME.ckpt.h5
+    /wire_bytes  (async, ssp) WIRE_BYTES_ROW, one row per parameter-server shard with every checkpoint: time
+                 (the checkpoint's log time), shard, pushed, pulled: the bytes of the exchange (PUSH received;
+                 WEIGHTS and STOP sent; headers included) the shard had moved by then, so that a resumed run's
+                 summary attributes wire_bytes_pushed and wire_bytes_pulled (every shard's) continue from its
+                 checkpoint's (a log without them, older or lost: they count from the resume)
 
 A resumed run (`--resume`) continues the same file: status goes back to "running", an event
 "resume" marks where the new segment starts, the clock continues after the last row, and rows
@@ -81,8 +88,8 @@ flush either way. Every flush first checks the free space (`ensure_free_space`: 
 and snapshots + 5 % + 1 MiB), so a full disk is this error before HDF5 is called.
 
 Every table's row is a typed record (`records`: PushRow, UpdateRow, SnapshotRow, EvalRow, PeriodicEvalRow,
-EventRow, CheckpointRow, WorkerRow) whose fields are its columns; `RunLog.add(record)` appends to the table of
-the record's type.
+EventRow, CheckpointRow, ShardPushRow, WireBytesRow, WorkerRow) whose fields are its columns;
+`RunLog.add(record)` appends to the table of the record's type.
 
     records.py     the rows: one record class per table, its numpy dtype derived from it
     writer.py      RunLog (buffered SWMR writer), recover
@@ -107,6 +114,7 @@ from mpiasgd.runlog.records import (
     SNAPSHOT_ROW,
     TABLES,
     UPDATE_ROW,
+    WIRE_BYTES_ROW,
     WORKER_ROW,
     CheckpointRow,
     EvalRow,
@@ -117,6 +125,7 @@ from mpiasgd.runlog.records import (
     ShardPushRow,
     SnapshotRow,
     UpdateRow,
+    WireBytesRow,
     WorkerRow,
     upgrade,
 )
@@ -126,9 +135,9 @@ from mpiasgd.runlog.writer import RunLog, append, recover, upgrade_tables
 
 __all__ = [
     "CHECKPOINT_ROW", "EVAL_ROW", "EVENT_ROW", "FREE_MARGIN", "PERIODIC_EVAL_ROW", "PUSH_ROW", "SHARD_PUSH_ROW",
-    "SIGNATURE", "SNAPSHOT_ROW", "SWMR_WRITE", "TABLES", "UPDATE_ROW", "WORKER_ROW", "CheckpointRow", "EvalRow",
-    "EventRow", "PeriodicEvalRow", "PushRow", "Record", "RunLog", "RunLogError", "ShardPushRow", "SnapshotRow",
-    "TruncatedLogError", "UpdateRow", "WorkerRow", "WriterLock", "append", "clear_stale_flags", "ensure_free_space",
-    "health_line", "load", "lookup3", "open_log", "open_run", "os_error", "recover", "summary_lines",
-    "superblock_flags", "upgrade", "upgrade_tables", "writer_alive",
+    "SIGNATURE", "SNAPSHOT_ROW", "SWMR_WRITE", "TABLES", "UPDATE_ROW", "WIRE_BYTES_ROW", "WORKER_ROW",
+    "CheckpointRow", "EvalRow", "EventRow", "PeriodicEvalRow", "PushRow", "Record", "RunLog", "RunLogError",
+    "ShardPushRow", "SnapshotRow", "TruncatedLogError", "UpdateRow", "WireBytesRow", "WorkerRow", "WriterLock",
+    "append", "clear_stale_flags", "ensure_free_space", "health_line", "load", "lookup3", "open_log", "open_run",
+    "os_error", "recover", "summary_lines", "superblock_flags", "upgrade", "upgrade_tables", "writer_alive",
 ]

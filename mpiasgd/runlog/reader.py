@@ -93,22 +93,44 @@ def open_run(path: str) -> h5py.File:
     return f
 
 
+def superseded_spans(value: str | bytes | None) -> list[list[float]]:
+    """The time spans a resumed run superseded: the attribute `superseded` (JSON [[start, end], ...]) parsed,
+    [] when absent or malformed."""
+    if isinstance(value, bytes):
+        value = value.decode()
+    try:
+        spans = json.loads(value or "[]")
+    except ValueError:
+        return []
+    return spans if isinstance(spans, list) else []
+
+
+def not_superseded(rows: np.ndarray, spans: list[list[float]]) -> np.ndarray:
+    """The `rows` (with a `time` column) outside every superseded span (start, end]."""
+    if not spans or not len(rows):
+        return rows
+    keep = np.ones(len(rows), bool)
+    for start, end in spans:
+        keep &= ~((rows["time"] > start) & (rows["time"] <= end))
+    return rows[keep]
+
+
 def load(path: str) -> dict:
     """Read what a report needs from the run log at `path` (errors as `open_run`; ValueError for a config
     attribute that is not JSON).
 
     The dict holds every file attribute (bytes decoded to str), "config" parsed from its JSON, "path",
     the tables "pushes", "updates", "evals", "periodic_evals", "workers", "snapshots/meta", "events",
-    "checkpoints" as structured arrays of their dtypes (`mpiasgd.runlog.records`; a table of an older
-    version with the columns added since, nan: `records.upgrade`; None where the file has no such
-    table), rows of pushes, updates and evaluations a resumed run superseded left out, and
-    "superseded_s" (seconds of such spans). A log marked "running" whose writer is gone gets status
+    "checkpoints", "shard_pushes" as structured arrays of their dtypes (`mpiasgd.runlog.records`; a table
+    of an older version with the columns added since, nan: `records.upgrade`; None where the file has no
+    such table), rows of pushes, shard pushes, updates and evaluations a resumed run superseded left out,
+    and "superseded_s" (seconds of such spans). A log marked "running" whose writer is gone gets status
     "killed (...)".
     """
     with open_run(path) as f:
         run = {key: _attr(f, key) for key in f.attrs}
         for name in ("pushes", "updates", "evals", "periodic_evals", "workers", "snapshots/meta", "events",
-                     "checkpoints"):
+                     "checkpoints", "shard_pushes"):
             run[name] = f[name][()] if name in f else None
             if run[name] is not None:
                 run[name] = upgrade(run[name], name)
@@ -117,17 +139,11 @@ def load(path: str) -> dict:
     except ValueError as e:
         raise ValueError(f"run log '{path}' has a malformed 'config' attribute ({e})") from None
     run["path"] = path
-    try:  # rows a resumed run superseded (logged by a segment that died after its last checkpoint)
-        spans = json.loads(run.get("superseded") or "[]")
-    except ValueError:
-        spans = []
-    for name in ("pushes", "updates", "evals", "periodic_evals"):
-        rows = run[name]
-        if rows is not None and spans and len(rows):
-            keep = np.ones(len(rows), bool)
-            for start, end in spans:
-                keep &= ~((rows["time"] > start) & (rows["time"] <= end))
-            run[name] = rows[keep]
+    # rows a resumed run superseded (logged by a segment that died after its last checkpoint)
+    spans = superseded_spans(run.get("superseded"))
+    for name in ("pushes", "updates", "evals", "periodic_evals", "shard_pushes"):
+        if run[name] is not None:
+            run[name] = not_superseded(run[name], spans)
     run["superseded_s"] = sum(end - start for start, end in spans)
     if run.get("status") == "running" and not writer_alive(path):
         run["status"] = "killed (its writer is gone; rows up to the last flush)"

@@ -205,6 +205,20 @@ class ShardPushRow(Record):
     applied: Int8        # 1 if the shard applied it (0: rejected as non-finite, or after the shard stopped)
 
 
+@_table("wire_bytes")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WireBytesRow(Record):
+    """The bytes of the parameter-server exchange (async, ssp) one shard had moved when the state of a
+    checkpoint was taken: one row per shard (shard 0 alone with one server) with every checkpoint written, at
+    the checkpoint's log time. A resume continues the counts (the summary's wire_bytes_*) from the rows of its
+    checkpoint; the modes that do not count them write none."""
+
+    time: Float64  # s: the checkpoint's log time (its `log_time`)
+    shard: Int32   # the parameter-server shard (0 = rank 0; s >= 1 = rank N + s)
+    pushed: Int64  # bytes of the PUSH messages it had received since the run's start, headers included
+    pulled: Int64  # bytes of the WEIGHTS and STOP messages it had sent since the run's start
+
+
 @_table("workers")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerRow(Record):
@@ -228,6 +242,7 @@ class WorkerRow(Record):
 PUSH_ROW = PushRow.dtype
 UPDATE_ROW = UpdateRow.dtype
 SHARD_PUSH_ROW = ShardPushRow.dtype
+WIRE_BYTES_ROW = WireBytesRow.dtype
 SNAPSHOT_ROW = SnapshotRow.dtype
 EVAL_ROW = EvalRow.dtype
 PERIODIC_EVAL_ROW = PeriodicEvalRow.dtype
@@ -237,7 +252,7 @@ WORKER_ROW = WorkerRow.dtype
 
 # the appendable tables (buffered by RunLog, flushed together); /workers is written whole
 RECORDS: tuple[type[Record], ...] = (PushRow, UpdateRow, SnapshotRow, EvalRow, PeriodicEvalRow, EventRow,
-                                     CheckpointRow, ShardPushRow)
+                                     CheckpointRow, ShardPushRow, WireBytesRow)
 TABLES: dict[str, np.dtype] = {record.table: record.dtype for record in RECORDS}
 
 

@@ -64,6 +64,38 @@ def trained_images(run: dict) -> int:
     return int(applied["samples"].sum()) if applied is not None else 0
 
 
+def shard_figures(run: dict) -> list[tuple[int, float | None, int | None]] | None:
+    """(--servers S > 1) Each shard's (version, staleness mean, staleness max), shard 0 first; None with one
+    server, or without the final versions or any shard rows. The staleness is over the applied rows of
+    /shard_pushes (every segment of a resumed run, the superseded spans left out, as the pushes' staleness
+    is), else the summary's attributes (shard_staleness_mean, shard_staleness_max: None without them); the
+    version the summary's (shard_versions), else (a killed run) the last a shard's rows reached."""
+    servers = int(run.get("servers") or 1)
+    if servers < 2:
+        return None
+    rows = run.get("shard_pushes")
+    rows = rows[rows["applied"] == 1] if rows is not None and len(rows) else None
+    versions = run.get("shard_versions")
+    if versions is None and rows is None:
+        return None
+    means, maxima = list(run.get("shard_staleness_mean", [])), list(run.get("shard_staleness_max", []))
+    out = []
+    for s in range(servers if versions is None else len(versions)):
+        mine = rows[rows["shard"] == s] if rows is not None else None
+        if versions is not None:
+            version = int(versions[s])
+        else:
+            version = int(mine["version"].max()) if len(mine) else 0
+        if mine is not None and len(mine):
+            mean, top = float(mine["staleness"].mean()), int(mine["staleness"].max())
+        elif rows is None and s < len(means) and s < len(maxima):  # (a log without the table's rows)
+            mean, top = float(means[s]), int(maxima[s])
+        else:
+            mean = top = None
+        out.append((version, mean, top))
+    return out
+
+
 def summary_lines(path: str, run: dict | None = None) -> list[str]:
     """The short summary printed at the end of `mpiasgd train`: accuracy, images/s, staleness, time, one
     line each. `run` is the log at `path` as `load` reads it (read here if None: errors as `load`)."""
@@ -98,12 +130,11 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
                  f"{images / max(1, int(run.get('num_train') or 1)):.2f} epochs)")
     if applied is not None and len(applied):
         lines.append(f"staleness        mean {applied['staleness'].mean():.2f}, max {applied['staleness'].max()}")
-    if int(run.get("servers") or 1) > 1 and run.get("shard_versions") is not None:  # --servers S > 1
-        versions, means = list(run["shard_versions"]), list(run.get("shard_staleness_mean", []))
-        maxima = list(run.get("shard_staleness_max", []))
-        parts = "; ".join(f"shard {s}: version {int(v)}" + (f", staleness mean {means[s]:.2f} max {int(maxima[s])}"
-                                                           if s < len(means) and s < len(maxima) else "")
-                          for s, v in enumerate(versions))
+    shards = shard_figures(run)
+    if shards:  # --servers S > 1
+        parts = "; ".join(f"shard {s}: version {v}" + (f", staleness mean {mean:.2f} max {top}" if mean is not None
+                                                         else "")
+                          for s, (v, mean, top) in enumerate(shards))
         lines.append(f"shards           {parts}")
     share = data_wait_share(pushes)
     if share is not None:

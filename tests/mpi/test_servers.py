@@ -17,6 +17,7 @@ from kit.launch import run_mpi, start_mpi, stop_group
 from kit.runs import FAST, read_log, wait_for_pushes
 
 from mpiasgd import checkpoint
+from mpiasgd.comms.protocol import HEADER_BYTES, message_bytes
 from mpiasgd.comms.shards import ShardCut
 from mpiasgd.model import build_model
 
@@ -31,9 +32,12 @@ def shard_rows(t, s):
     return rows[rows["shard"] == s]
 
 
-def check_shards(attrs, t, model="digits", resumed_from=None):
+def check_shards(attrs, t, model="digits", resumed_from=None, jobs=1):
     """What every sharded run's log holds: the cut, each shard's rows (consecutive versions from 1, or from the
-    checkpoint's `resumed_from` versions), final versions equal to the pushes each applied."""
+    checkpoint's `resumed_from` versions), final versions equal to the pushes each applied, each shard's
+    staleness over all its rows (every segment of a resumed run), each shard's bytes (every PUSH its rows
+    record; a reply to each, the initial weights of each of the `jobs` jobs and at most one STOP per worker
+    answering a FINISH) and the run's bytes their sum."""
     net = build_model(model)
     cut = ShardCut.balanced(net.num_params, net.num_buffers, SERVERS)
     assert attrs["servers"] == SERVERS
@@ -51,7 +55,12 @@ def check_shards(attrs, t, model="digits", resumed_from=None):
             assert applied["version"].tolist() == list(range(first + 1, versions[s] + 1))
         assert (applied["staleness"] == applied["version"] - 1 - applied["base_version"]).all()
         assert applied["staleness"].min() >= 0
-        assert attrs["shard_staleness_max"][s] == applied["staleness"].max() or resumed_from is not None
+        assert attrs["shard_staleness_max"][s] == applied["staleness"].max()
+        assert attrs["shard_staleness_mean"][s] == pytest.approx(applied["staleness"].mean())
+        size = message_bytes(cut.count(s), json.loads(attrs["config"])["wire"])
+        assert attrs["shard_wire_bytes_pushed"][s] == len(rows) * size
+        pulled, left = divmod(int(attrs["shard_wire_bytes_pulled"][s]), size)
+        assert left == 0 and len(rows) + jobs * WORKERS <= pulled <= len(rows) + jobs * 2 * WORKERS
         for w in range(1, WORKERS + 1):  # every shard saw every push of every worker, in step order
             steps = rows["step"][rows["worker"] == w].tolist()
             assert steps == list(range(steps[0], steps[0] + len(steps)))
@@ -60,6 +69,8 @@ def check_shards(attrs, t, model="digits", resumed_from=None):
     # shard 1, while rank 0 reads it (CMA needs no help from the sender), applies it and stops the run, has its
     # push reach shard 1 after rank 0's stop (seen under load: shard versions 270 and 269)
     assert abs(versions[1] - versions[0]) <= WORKERS or resumed_from is not None
+    for kind in ("pushed", "pulled"):
+        assert attrs[f"wire_bytes_{kind}"] == sum(attrs[f"shard_wire_bytes_{kind}"])
     return versions
 
 
@@ -70,6 +81,8 @@ def test_two_shards_train_digits(mpirun, tmp_path):
     attrs, t, params = read_log(tmp_path / "runs" / "s.h5")
     assert attrs["status"] == "completed" and attrs["num_workers"] == WORKERS
     check_shards(attrs, t)
+    # every push carries every shard's slice: the bytes of one unsharded push and one more header
+    assert attrs["wire_bytes_pushed"] == len(t["pushes"]) * (message_bytes(attrs["num_params"]) + HEADER_BYTES)
     assert t["workers"]["rank"].tolist() == list(range(1, WORKERS + 1))
     meta = t["snapshots/meta"]
     assert meta["version"][0] == 0 and meta["version"][-1] == attrs["version"]
@@ -112,7 +125,7 @@ def test_two_shards_resume_continues_every_shards_versions(mpirun, tmp_path):
     assert res.returncode == 0, res.explain()
     attrs, t, _ = read_log(tmp_path / "runs" / "r.h5")
     assert attrs["status"] == "completed" and attrs["version"] == 120
-    versions = check_shards(attrs, t, resumed_from=first.shard_versions)
+    versions = check_shards(attrs, t, resumed_from=first.shard_versions, jobs=2)  # (bytes and staleness: both jobs')
     resume = float(t["events"]["time"][t["events"]["kind"] == b"resume"][0])
     for s in range(SERVERS):  # after the resume every shard counts on from its checkpointed version
         rows = shard_rows(t, s)
@@ -123,6 +136,13 @@ def test_two_shards_resume_continues_every_shards_versions(mpirun, tmp_path):
         assert steps == list(range(1, len(steps) + 1)), steps
     final = checkpoint.load(str(tmp_path / "runs" / "r.ckpt.h5"))
     assert final.shard_versions.tolist() == versions
+    # a resume that trains nothing: every shard's staleness and bytes still those of the whole run, not zeros
+    res = run_mpi(RANKS, ["train", "--resume", "runs/r.ckpt.h5", "--max-pushes", "120", "--no-progress"], 120,
+                  tmp_path)
+    assert res.returncode == 0, res.explain()
+    attrs, t, _ = read_log(tmp_path / "runs" / "r.h5")
+    check_shards(attrs, t, resumed_from=first.shard_versions, jobs=3)
+    assert list(attrs["shard_staleness_max"]) != [0, 0] and "staleness mean 0.00 max 0" not in res.stdout
     # a different --servers is refused: the checkpoint holds two shards' state
     res = run_mpi(3, ["train", "--resume", "runs/r.ckpt.h5", "--servers", "1", "--max-pushes", "200"], 60, tmp_path)
     assert res.returncode == 2 and "config key 'servers' = 1: a resumed run keeps 2" in res.stderr, res.explain()
@@ -231,6 +251,10 @@ def test_too_few_ranks_for_the_shards_is_one_error(mpirun):
     res = mpirun(2, ["train", *FAST, "--servers", "2", "--epochs", "1"], timeout=60)
     assert res.returncode == 2, res.explain()
     assert "mpiasgd train --servers 2 needs at least 3 MPI ranks" in res.stderr, res.explain()
+    res = mpirun(1, ["train", *FAST, "--servers", "2", "--epochs", "1"], timeout=60)  # one rank: the same advice
+    assert res.returncode == 2, res.explain()
+    assert ("mpiasgd train --servers 2 needs at least 3 MPI ranks (2 parameter-server shards + workers), got 1; "
+            "launch it with e.g. 'mpiexec -n 4 python") in res.stderr, res.explain()
     res = mpirun(3, ["train", *FAST, "--servers", "2", "--overlap", "--epochs", "1"], timeout=60)
     assert res.returncode == 2 and "'overlap' = True: expected False with --servers > 1" in res.stderr, res.explain()
 

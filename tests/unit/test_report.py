@@ -331,3 +331,48 @@ def test_an_older_log_reports_without_the_new_columns(tmp_path):
     assert "test accuracy    50.00 %  on 100 images (loss 1.0000)" in lines
     assert not any(line.startswith("data wait") for line in lines)
     assert next(line for line in report([path]).splitlines() if line.startswith("   1  host")).split()[-1] == "-"
+
+
+def test_each_shards_staleness_is_over_the_whole_log_as_the_runs_is(tmp_path):
+    """--servers S > 1: the summary's (and `report`'s) line per shard takes each shard's staleness from the
+    applied /shard_pushes rows of every segment, less the spans a resume superseded, as the run's staleness line
+    takes the pushes' (the attributes of an older resumed log covered only its last segment: here 0); a log
+    without those rows falls back on the attributes; a killed log (no summary) gets its versions from the rows."""
+    from mpiasgd.runlog import ShardPushRow, summary_lines
+
+    def shard_push(time, shard, staleness, version, applied=1):
+        return ShardPushRow(time=time, shard=shard, worker=1, step=version, base_version=version - 1 - staleness,
+                            version=version, staleness=staleness, applied=applied)
+
+    path = write_log(tmp_path / "s.h5", {"mode": "async"}, [push(0.1, 1), push(0.2, 3), push(0.8, 7), push(1.2, 0)],
+                     final_accuracy=0.5, close=False)
+    log = RunLog.reopen(path, [WORKER] * 2, 60.0, None)
+    log.file.attrs["servers"] = 2
+    log.file.attrs["superseded"] = json.dumps([[0.5, 1.0]])  # the push at 0.8: logged after its checkpoint
+    for row in (shard_push(0.1, 0, 1, 1), shard_push(0.2, 0, 3, 2), shard_push(0.8, 0, 7, 3),
+                shard_push(1.2, 0, 0, 3), shard_push(1.25, 0, 9, 3, applied=0),
+                shard_push(0.1, 1, 2, 1), shard_push(0.2, 1, 4, 2), shard_push(0.8, 1, 8, 3),
+                shard_push(1.2, 1, 1, 3)):
+        log.add(row)
+    log.close("completed", {"shard_versions": [3, 3], "shard_staleness_mean": [0.0, 0.0],
+                            "shard_staleness_max": [0, 0]})
+    run = load(path)
+    assert run["shard_pushes"]["time"].tolist() == [0.1, 0.2, 1.2, 1.25, 0.1, 0.2, 1.2]  # 0.8: superseded
+    lines = summary_lines(path, run)
+    assert "staleness        mean 1.33, max 3" in lines
+    assert ("shards           shard 0: version 3, staleness mean 1.33 max 3; shard 1: version 3, staleness mean "
+            "2.33 max 4") in lines
+    with h5py.File(path, "r+", libver="latest") as f:  # a log without shard rows: the attributes
+        del f["shard_pushes"]
+        f.attrs["shard_staleness_mean"], f.attrs["shard_staleness_max"] = [0.5, 1.5], [2, 3]
+    assert ("shards           shard 0: version 3, staleness mean 0.50 max 2; shard 1: version 3, staleness mean "
+            "1.50 max 3") in summary_lines(path)
+    killed = write_log(tmp_path / "k.h5", {"mode": "async"}, [push(0.1, 0)], close=False)
+    log = RunLog.reopen(killed, [WORKER] * 2, 60.0, None)
+    log.file.attrs["servers"] = 2
+    log.add(shard_push(0.1, 0, 0, 1))
+    log.add(shard_push(0.1, 1, 2, 4))
+    log.flush()
+    log.file.close()
+    assert ("shards           shard 0: version 1, staleness mean 0.00 max 0; shard 1: version 4, staleness mean "
+            "2.00 max 2") in summary_lines(killed)

@@ -326,3 +326,177 @@ def test_a_shards_recorder_keeps_rows_for_rank_0_and_decides_nothing(tmp_path):
         rec.reject(1, 5)
     rec.stop("rank 0 stopped the run")
     assert rec.stop_reason and rec.summary({}, "") == {}
+
+
+# --- the bytes every shard moves, and a resume's figures (`mpiasgd.rank0.recorder.ShardFigures`) ---
+
+def exchange(net, cut, hub, shard, pushes):
+    """`pushes` [(worker, step, base version)]: each pushed to both shards, each shard answering; the replies
+    taken off the network."""
+    rank = cut.rank(1, WORKERS)
+    grad = np.full(P, 0.01, np.float32)
+    for w, step, base in pushes:
+        push_to(net, cut, 0, 0, w, step, base, grad)
+        serve(hub)
+        push_to(net, cut, 1, rank, w, step, base, grad)
+        serve(shard)
+        net.take(w, 0)
+        net.take(w, rank)
+
+
+def test_rank_0_sums_the_bytes_of_every_shard(tmp_path):
+    """Each shard counts the bytes of its own exchange (its slice); shard 1's counts reach rank 0 with its rows and
+    its slices, and the summary's wire_bytes_* are every shard's (shard_wire_bytes_*: each one's), not rank 0's
+    alone (which was about 1/S of them)."""
+    from mpiasgd.comms import message_bytes
+
+    hub, shard, net, cut = linked(tmp_path, max_pushes=100)
+    rank = cut.rank(1, WORKERS)
+    hub.role.start_workers()
+    shard.role.start_workers()
+    for w in range(1, WORKERS + 1):
+        net.take(w, 0)
+        net.take(w, rank)
+    exchange(net, cut, hub, shard, [(1, 1, 0), (2, 1, 0)])
+    size = [message_bytes(cut.count(s)) for s in range(2)]
+    assert size[0] != size[1]  # (P = 1000 cut 500 / 500: the same size only if the counts are equal)
+    mine = {"pushed": 2 * size[1], "pulled": (WORKERS + 2) * size[1]}  # the initial weights, two replies
+    assert shard.rec.wire_bytes == mine
+    assert hub.rec.wire_bytes == {"pushed": 2 * size[0], "pulled": (WORKERS + 2) * size[0]}
+    assert hub.rec.wire_summary()["wire_bytes_pushed"] == 2 * size[0]  # nothing heard from shard 1 yet
+    shard.link.send_rows()
+    serve(hub)
+    assert hub.rec.shards.wire[1] == [mine["pushed"], mine["pulled"]]
+    exchange(net, cut, hub, shard, [(3, 1, 0)])  # then a SLICE (a snapshot's or checkpoint's) says more
+    shard.link.send_slice(hub.link.requests + 1)  # (the answer to the FETCH that `assemble` sends)
+    hub.link.assemble(hub.role.params)
+    assert net.take(rank, 0, Tag.FETCH) is not None
+    assert hub.rec.shards.wire[1] == [3 * size[1], (WORKERS + 3) * size[1]]
+    summary = hub.rec.wire_summary()
+    assert summary == {"wire_bytes_pushed": 3 * (size[0] + size[1]),
+                       "wire_bytes_pulled": (WORKERS + 3) * (size[0] + size[1]),
+                       "shard_wire_bytes_pushed": [3 * size[0], 3 * size[1]],
+                       "shard_wire_bytes_pulled": [(WORKERS + 3) * size[0], (WORKERS + 3) * size[1]]}
+    assert {k: summary[k] for k in ("wire_bytes_pushed", "wire_bytes_pulled")} == {
+        k: v for k, v in hub.rec.summary({}, "test").items() if k.startswith("wire_bytes_")}
+
+
+def test_a_resume_continues_the_bytes_and_every_shards_staleness_from_the_log(tmp_path):
+    """A resumed run's bytes (every shard's) continue from its checkpoint's (/wire_bytes rows, logged with the
+    checkpoint), and each shard's staleness covers the log's rows before the resume, less the span the resume
+    superseded (pushes logged after the checkpoint by the segment that died), as the run's staleness does."""
+    import time
+
+    from mpiasgd import checkpoint
+    from mpiasgd.rank0.recorder import Recorder, ShardFigures
+
+    hub, shard, net, cut = linked(tmp_path, max_pushes=100)
+    rank = cut.rank(1, WORKERS)
+    hub.role.start_workers()
+    shard.role.start_workers()
+    for w in range(1, WORKERS + 1):
+        net.take(w, 0)
+        net.take(w, rank)
+    exchange(net, cut, hub, shard, [(1, 1, 0), (2, 1, 0), (3, 1, 0)])  # staleness 0, 1, 2 on both shards
+    shard.link.send_rows()
+    serve(hub)
+    shard.link.send_slice(hub.link.requests + 1)  # the answer to the checkpoint's FETCH
+    assert hub.rec.write_checkpoint(hub.role.state("interval"))
+    assert net.take(rank, 0, Tag.FETCH) is not None  # (answered above)
+    at_checkpoint = hub.rec.wire_by_shard()
+    assert at_checkpoint == [(shard_bytes[0], shard_bytes[1]) for shard_bytes in (
+        (hub.rec.wire_bytes["pushed"], hub.rec.wire_bytes["pulled"]),
+        (shard.rec.wire_bytes["pushed"], shard.rec.wire_bytes["pulled"]))]
+    time.sleep(0.05)
+    exchange(net, cut, hub, shard, [(1, 2, 0)])  # after the checkpoint: staleness 3, then the segment dies
+    shard.link.send_rows()
+    serve(hub)
+    assert hub.rec.shards.staleness_max == [3, 3]
+    hub.rec.log.flush()
+    hub.rec.log.file.close()  # (killed: no summary)
+    ckpt = checkpoint.load(hub.rec.checkpoint_path)
+    log = RunLog.reopen(hub.rec.log.path, [], 60, None, resumed_at=ckpt.log_time)
+    try:
+        rec = Recorder(hub.cfg, log, range(1, WORKERS + 1), NUM_TRAIN)
+        rec.shards = ShardFigures(2)  # (as the ShardHub makes it, before the restore)
+        rec.restore(ckpt)
+        assert rec.wire_by_shard() == at_checkpoint
+        figures = rec.shards.summary()
+        assert figures["shard_staleness_mean"] == [1.0, 1.0] and figures["shard_staleness_max"] == [2, 2]
+        rec.count_wire(pushed=10, pulled=20)  # this job's bytes add to the checkpoint's
+        rec.shards.report_wire(1, 30, 40)
+        assert rec.wire_by_shard() == [(at_checkpoint[0][0] + 10, at_checkpoint[0][1] + 20),
+                                       (at_checkpoint[1][0] + 30, at_checkpoint[1][1] + 40)]
+    finally:
+        log.close("completed")
+
+
+def test_a_resume_without_the_logs_rows_counts_from_zero(tmp_path):
+    """A checkpoint whose log has no /wire_bytes rows at its time (a log written before them, or a new one):
+    the bytes count from the resume, and a shard's staleness from the rows there are."""
+    from mpiasgd import checkpoint
+    from mpiasgd.rank0.recorder import Recorder, ShardFigures
+
+    cfg = Config(epochs=0, max_pushes=10, progress=False, servers=2)
+    log = RunLog.create(str(tmp_path / "new.h5"), {"config": cfg.to_json()}, [], 4, flush_interval=60)
+    try:
+        rec = Recorder(cfg, log, range(1, 3), NUM_TRAIN)
+        rec.shards = ShardFigures(2)
+        ckpt = checkpoint.Checkpoint(params=np.zeros(4, np.float32), momentum=np.zeros(4, np.float32),
+                                     workers=np.zeros(0, checkpoint.WORKER_STATE), version=7, samples=10,
+                                     elapsed=1.0, log_time=1.0, config=cfg.to_json(), log=log.path, mode=cfg.mode,
+                                     model=cfg.model, reason="interval")
+        rec.restore(ckpt)
+        assert rec.wire_bytes is None and rec.wire_by_shard() is None and rec.wire_summary() == {}
+        assert rec.shards.summary()["shard_staleness_max"] == [0, 0]
+    finally:
+        log.close("completed")
+
+
+@pytest.mark.parametrize(("servers", "expected"), [
+    (1, "mpiasgd train needs at least 2 MPI ranks (1 parameter server + workers), got 1; launch it with e.g. "
+        "'mpiexec -n 3 python -m mpiasgd train'"),
+    (2, "mpiasgd train --servers 2 needs at least 3 MPI ranks (2 parameter-server shards + workers), got 1; "
+        "launch it with e.g. 'mpiexec -n 4 python -m mpiasgd train --servers 2' (2 workers)"),
+    (3, "mpiasgd train --servers 3 needs at least 4 MPI ranks"),
+])
+def test_a_single_rank_is_told_the_ranks_its_servers_need(servers, expected):
+    from mpiasgd.config import ConfigError
+    from mpiasgd.launch.ranks import Rank
+    from mpiasgd.launch.startup import setup
+
+    with pytest.raises(ConfigError) as e:
+        setup(Config(servers=servers), Rank(comm=None, rank=0, size=1, host="h", servers=servers), None, None, {})
+    assert str(e.value).startswith(expected)
+
+
+def test_one_servers_bytes_continue_across_a_resume(tmp_path):
+    """--servers 1: each checkpoint logs rank 0's bytes (one /wire_bytes row, shard 0, at its log time), and a
+    resume from it continues them (they counted from the resume before)."""
+    from mpiasgd import checkpoint
+    from mpiasgd.rank0.recorder import Recorder
+    from mpiasgd.runlog import WriterLock
+
+    cfg = Config(epochs=0, max_pushes=10, progress=False, checkpoint_interval=0)
+    path = str(tmp_path / "one.h5")
+    log = RunLog.create(path, {"config": cfg.to_json()}, [], 4, flush_interval=60)
+    rec = Recorder(cfg, log, range(1, 3), NUM_TRAIN)
+    rec.begin()
+    rec.count_wire(pushed=100, pulled=300)
+    zeros = np.zeros(4, np.float32)
+    assert rec.write_checkpoint(rec.checkpoint(zeros, zeros, "interval", {1: (1, 1), 2: (1, 1)}, 1.0))
+    rec.count_wire(pushed=100, pulled=100)  # after the checkpoint: superseded by the resume
+    log.close("preempted", rec.summary({}, "signal"))
+    with open_log(path) as f:
+        assert f["wire_bytes"][()][["shard", "pushed", "pulled"]].tolist() == [(0, 100, 300)]
+        assert (int(f.attrs["wire_bytes_pushed"]), int(f.attrs["wire_bytes_pulled"])) == (200, 400)
+        assert "shard_wire_bytes_pushed" not in f.attrs
+    ckpt = checkpoint.load(rec.checkpoint_path)
+    lock = WriterLock(path)
+    lock.acquire()
+    log = RunLog.reopen(path, [], 60, lock, resumed_at=ckpt.log_time)
+    rec = Recorder(cfg, log, range(1, 3), NUM_TRAIN)
+    rec.restore(ckpt)
+    rec.count_wire(pushed=7, pulled=9)
+    assert rec.wire_summary() == {"wire_bytes_pushed": 107, "wire_bytes_pulled": 309}
+    log.close("completed")
