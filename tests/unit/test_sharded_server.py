@@ -344,12 +344,9 @@ def exchange(net, cut, hub, shard, pushes):
         net.take(w, rank)
 
 
-def test_rank_0_sums_the_bytes_of_every_shard(tmp_path):
-    """Each shard counts the bytes of its own exchange (its slice); shard 1's counts reach rank 0 with its rows and
-    its slices, and the summary's wire_bytes_* are every shard's (shard_wire_bytes_*: each one's), not rank 0's
-    alone (which was about 1/S of them)."""
-    from mpiasgd.comms import message_bytes
-
+def started(tmp_path):
+    """`linked` (max_pushes 100) with both shards' initial weights sent and taken by every worker:
+    (hub's loop, shard's loop, net, cut, shard 1's rank)."""
     hub, shard, net, cut = linked(tmp_path, max_pushes=100)
     rank = cut.rank(1, WORKERS)
     hub.role.start_workers()
@@ -357,6 +354,16 @@ def test_rank_0_sums_the_bytes_of_every_shard(tmp_path):
     for w in range(1, WORKERS + 1):
         net.take(w, 0)
         net.take(w, rank)
+    return hub, shard, net, cut, rank
+
+
+def test_rank_0_sums_the_bytes_of_every_shard(tmp_path):
+    """Each shard counts the bytes of its own exchange (its slice); shard 1's counts reach rank 0 with its rows and
+    its slices, and the summary's wire_bytes_* are every shard's (shard_wire_bytes_*: each one's), not rank 0's
+    alone (which was about 1/S of them)."""
+    from mpiasgd.comms import message_bytes
+
+    hub, shard, net, cut, rank = started(tmp_path)
     exchange(net, cut, hub, shard, [(1, 1, 0), (2, 1, 0)])
     size = [message_bytes(cut.count(s)) for s in range(2)]
     assert size[0] != size[1]  # (P = 1000 cut 500 / 500: the same size only if the counts are equal)
@@ -390,13 +397,7 @@ def test_a_resume_continues_the_bytes_and_every_shards_staleness_from_the_log(tm
     from mpiasgd import checkpoint
     from mpiasgd.rank0.recorder import Recorder, ShardFigures
 
-    hub, shard, net, cut = linked(tmp_path, max_pushes=100)
-    rank = cut.rank(1, WORKERS)
-    hub.role.start_workers()
-    shard.role.start_workers()
-    for w in range(1, WORKERS + 1):
-        net.take(w, 0)
-        net.take(w, rank)
+    hub, shard, net, cut, rank = started(tmp_path)
     exchange(net, cut, hub, shard, [(1, 1, 0), (2, 1, 0), (3, 1, 0)])  # staleness 0, 1, 2 on both shards
     shard.link.send_rows()
     serve(hub)
