@@ -43,8 +43,15 @@ to rank 0 only. Besides:
                                                                  shard and WEIGHTS from s: s answers STOP with
                                                                  its final slice once it has stopped applying
     rank 0 -> shard    SHARD_STOP (header only; flag PREEMPT)   rank 0 decided the run stops (only rank 0
-                                                                 decides): the shard stops applying, and
-                                                                 answers every later push or FINISH with STOP
+                                                                 decides): the shard processes no more pushes
+                                                                 until SHARD_FINAL and answers
+    shard -> rank 0    SHARD_STOPPED (step = rows; STOP_STEP    each worker's last step the shard processed
+                                      rows: worker, step)        before it heard SHARD_STOP
+    rank 0 -> shard    SHARD_FINAL (the same rows)              once every shard answered: each worker's largest
+                                                                 such step (rank 0's own included); every shard
+                                                                 applies each worker's pushes up to it, drops
+                                                                 later ones, and once all have arrived answers
+                                                                 every push and FINISH with STOP
     rank 0 -> shard    FETCH      (step = request number)       send your slice now (snapshot, checkpoint)
     shard -> rank 0    SLICE      (step = request number,       its params then its velocity (zeros without
                                    version, samples; 2 x size    momentum), always float32
@@ -62,10 +69,13 @@ to rank 0 only. Besides:
                                                                  shard sends its last SHARD_ROWS and ends
     shard -> rank 0    ERROR      as a worker's                 the shard failed; rank 0 logs, acks, aborts
 
-A shard applies the pushes that reach it until it hears SHARD_STOP: a push that arrives at shard s after
-rank 0 decided to stop but before s heard it is applied on shard s only (rank 0 and the shards that heard
-already answer it with STOP). Every worker still evaluates the same final weights: each shard's STOP
-carries its slice as it stopped, and a shard stops once.
+The stop with S shards: rank 0 decides between two pushes of its own, but a push in flight may reach shard
+s before s hears the decision (applied there) and rank 0 after it, or the other way round. So the shards
+agree on one set of pushes (SHARD_STOPPED, SHARD_FINAL): each worker's pushes up to the largest step any
+shard had processed when it heard of the stop. A worker has one push in flight, sent to every shard at once,
+so every push of that set reaches every shard; each applies those it had not, drops later ones, and only
+then answers STOP (and FETCH). Every shard ends at the same version, and every worker evaluates the same
+final weights.
 
 Sync mode (workers allreduce among themselves; rank 0 only logs): after the initial WEIGHTS,
 
@@ -135,6 +145,8 @@ class Tag(IntEnum):
     SHARD_ROWS = 27  # shard -> rank 0: a batch of its push rows
     RESTORE = 28     # rank 0 -> shard (--resume): its slice of the checkpoint
     END = 29         # header only, rank 0 -> shard: send your last rows and end
+    SHARD_STOPPED = 30  # shard -> rank 0, after SHARD_STOP: the last step it applied of every worker (STOP_STEP rows)
+    SHARD_FINAL = 31    # rank 0 -> shard: the last step of every worker that every shard applies (STOP_STEP rows)
 
 
 class Flag(IntEnum):
@@ -289,6 +301,9 @@ def error_text(msg: Message) -> str:
 def weights_digest(weights: np.ndarray) -> int:
     """CRC-32 of a host float32 weight vector: the REPORT `digest` by which rank 0 checks replicas agree."""
     return zlib.crc32(np.ascontiguousarray(weights))
+
+
+STOP_STEP = np.dtype([("worker", "<i8"), ("step", "<i8")])  # a row of SHARD_STOPPED and SHARD_FINAL
 
 
 def rows_message(tag: Tag, sender: int, rows: np.ndarray, **fields: float) -> Message:

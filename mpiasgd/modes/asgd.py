@@ -60,9 +60,10 @@ rule above applies per shard: the staleness of a push is counted on each shard's
 corrects each slice with that shard's w_pulled, --lookahead looks ahead along each shard's velocity, ssp
 holds replies on each shard's clocks. A worker (`train_sharded`) posts its S receives, then its S pushes
 (each carrying the version of that shard's slice it was computed from), and waits for all S replies; the
-step size, flags and buffers come from shard 0. Only rank 0 decides when the run stops (the other shards
-hear it, `mpiasgd.rank0.shards`); a worker that gets STOP from one shard and WEIGHTS from another sends the
-latter FINISH and waits for its STOP, so all evaluate the same final weights. With S = 1 nothing of this
+step size, flags and buffers come from shard 0. Only rank 0 decides when the run stops; the shards then agree
+which pushes in flight each applies, so that all apply the same ones (`mpiasgd.rank0.shards`: `settle`); a
+worker that gets STOP from one shard and WEIGHTS from another sends the latter FINISH and waits for its STOP,
+so all evaluate the same final weights. With S = 1 nothing of this
 runs. --overlap is refused with S > 1.
 
 `--wire fp16|bf16` (`mpiasgd.comms.wire`): PUSH, WEIGHTS and STOP carry their P + B values in 2 bytes
@@ -161,7 +162,9 @@ class AsgdServer(Role):
         self.compensation = DelayCompensation(P, cfg.dc_lambda, cfg.dc_adaptive) if cfg.dc_lambda else None
         self.schedule = Schedule.of(cfg)
         self.started: set[int] = set()        # workers sent their first weights (--warm-start holds back some)
-        self.finishing: set[int] = set()      # --servers: workers that sent FINISH before this shard stopped
+        self.finishing: set[int] = set()      # --servers: workers owed STOP once this shard has settled (`settled`)
+        self.final: dict[int, int] | None = None  # --servers: each worker's last step every shard applies (`settle`)
+        self.deferred: list[int] = []         # --servers: workers whose push (in its inbox) awaits `settle`
         self.held_s = dict.fromkeys(self.workers, 0.0)  # ssp: how long the last reply to each worker was held
 
     # --- the loop's questions ---
@@ -218,15 +221,17 @@ class AsgdServer(Role):
 
     def tick(self) -> None:
         self.rec.check_stop()
-        if len(self.started) < len(self.workers) and (self.rec.now() >= self.cfg.warm_start or self.rec.stop_reason):
+        late = len(self.started) < len(self.workers)
+        if late and ((self.rec.now() >= self.cfg.warm_start and not self.rec.stop_reason) or self.settled()):
             self.start_workers()
         self.answer_finishing()
         if self.periodic.due():  # --eval-interval: the workers running now evaluate their next reply's weights
             self.periodic.ask([w for w in self.workers if w in self.started and w not in self.stopped])
 
     def answer_finishing(self) -> None:
-        """(--servers) Once this shard has stopped: STOP, with its final slice, to each worker that sent FINISH."""
-        if self.finishing and self.rec.stop_reason:
+        """(--servers) Once this shard has settled: STOP, with its final slice, to each worker owed one (it sent
+        FINISH, or its push was processed after the stop)."""
+        if self.finishing and self.settled():
             for w in sorted(self.finishing):
                 self.stopped.add(w)
                 self.periodic.withdraw(w)
@@ -234,7 +239,41 @@ class AsgdServer(Role):
             self.finishing.clear()
 
     def waits_for_rank0(self, w: int) -> bool:
-        return w not in self.started
+        return w not in self.started or w in self.deferred or w in self.finishing
+
+    # --- the stop with S > 1 shards: every shard applies the same pushes ---
+    def settle(self, final: dict[int, int]) -> None:
+        """(--servers S > 1, after the stop) The shards agreed: every shard applies each worker `w`'s pushes up
+        to step `final[w]` and no later one (`mpiasgd.rank0.shards`: the largest step any shard had applied
+        when it heard of the stop; a worker has one push in flight, sent to every shard, so each of those
+        reaches every shard). The pushes deferred until now are processed; ProtocolError if a final step is
+        behind what this shard has already applied."""
+        behind = {w: (self.last_step[w], step) for w, step in final.items() if step < self.last_step[w]}
+        if behind or set(final) != set(self.workers):
+            raise ProtocolError(f"rank {self.rank} (parameter-server shard {self.shard}): the agreed final steps "
+                                f"{final} name other workers than {self.workers} or are behind this shard's "
+                                f"applied steps (worker: (applied, final)) {behind}")
+        self.final = dict(final)
+        while self.deferred:
+            w = self.deferred.pop(0)
+            self.take_push(w, self.inbox[w])
+
+    def settled(self) -> bool:
+        """The run has stopped and this shard's weights are final: with S = 1 at once; with S > 1 once the
+        shards agreed (`settle`) and every push up to each worker's final step was processed here."""
+        if not self.rec.stop_reason:
+            return False
+        if self.cut.shards == 1:
+            return True
+        return (self.final is not None and not self.deferred
+                and all(self.last_step[w] >= step for w, step in self.final.items()))
+
+    def admits(self, step: int, w: int) -> bool:
+        """A finite push `step` of worker `w` is applied: before the stop; after it (S > 1) if the shards agreed
+        to apply it."""
+        if self.final is None:
+            return not self.rec.stop_reason
+        return step <= self.final[w]
 
     def state(self, reason: str) -> checkpoint.Checkpoint:
         """The training state now: rank 0 holds all of it (--servers S > 1: it asks the other shards for their
@@ -323,8 +362,11 @@ class AsgdServer(Role):
         """`workers` get their first weights now (ssp: their clocks start at the slowest's)."""
 
     def reply(self, w: int, step: int) -> None:
-        """Answer push `step` of worker `w`: WEIGHTS, or STOP once a stopping rule fired."""
-        if self.rec.stop_reason:
+        """Answer push `step` of worker `w`: WEIGHTS, or STOP once a stopping rule fired (S > 1: once this shard
+        has settled, `answer_finishing`)."""
+        if self.rec.stop_reason and not self.settled():
+            self.finishing.add(w)
+        elif self.rec.stop_reason:
             self.stopped.add(w)
             self.periodic.withdraw(w)  # an evaluation it was still to be asked for goes without it
             self.send(w, Tag.STOP, step)
@@ -337,8 +379,8 @@ class AsgdServer(Role):
 
     def on_finish(self, w: int, msg: Message) -> None:
         """(--servers S > 1) FINISH from worker `w`: another shard answered its last push with STOP, this one
-        with WEIGHTS. Answered with STOP and this shard's final slice now if it has stopped applying, else
-        once it has (`tick`, after rank 0's SHARD_STOP). ProtocolError for a FINISH out of turn."""
+        with WEIGHTS. Answered with STOP and this shard's final slice now if it has settled, else once it has
+        (`tick`, after rank 0's SHARD_STOP and SHARD_FINAL). ProtocolError for a FINISH out of turn."""
         step = int(msg.header["step"])
         where = f"rank {self.rank} (parameter-server shard {self.shard})"
         if w in self.stopped or w in self.finishing or w not in self.started:
@@ -353,14 +395,27 @@ class AsgdServer(Role):
 
     # --- a push ---
     def on_push(self, w: int, msg: Message) -> None:
-        rec, cfg = self.rec, self.cfg
-        h = msg.header
-        step, base = self.check_push(w, msg)
-        delta = bool(int(h["flags"]) & Flag.DELTA)
+        """A PUSH from worker `w`, checked, then processed (`take_push`); with S > 1 shards, one that arrives
+        after the stop but before the shards agreed which pushes every shard applies waits in its inbox
+        (`settle`: the worker sends nothing else before this push is answered)."""
+        cfg = self.cfg
+        step, _ = self.check_push(w, msg)
+        delta = bool(int(msg.header["flags"]) & Flag.DELTA)
         if delta != (cfg.nsync > 1):
             raise ProtocolError(f"rank 0: PUSH step {step} from worker rank {w} carries "
                                 f"{'an accumulated update' if delta else 'a gradient'}, but nsync is "
                                 f"{cfg.nsync} (expected {'an update' if cfg.nsync > 1 else 'a gradient'})")
+        if self.cut.shards > 1 and self.rec.stop_reason and self.final is None:
+            self.deferred.append(w)
+            return
+        self.take_push(w, msg)
+
+    def take_push(self, w: int, msg: Message) -> None:
+        """Apply (or reject, or drop after the stop) a checked push of worker `w`, log its row and answer it."""
+        rec, cfg = self.rec, self.cfg
+        h = msg.header
+        step, base = int(h["step"]), int(h["version"])
+        delta = bool(int(h["flags"]) & Flag.DELTA)
         self.last_step[w] = step
         if int(h["flags"]) & Flag.PREEMPT:
             self.r0.signal_from(f"a signal received by worker rank {w}")
@@ -370,15 +425,15 @@ class AsgdServer(Role):
         grad = values[:self.P]
         finite, square = finite_square(grad)  # (an fp16 value beyond its range arrived as inf: rejected here)
         advice = "lower --lr"
-        if finite and self.compensation is not None and not rec.stop_reason:
+        if finite and self.compensation is not None and self.admits(step, w):
             # DC-ASGD: g + lambda g g (w - w_pulled), w_pulled = the weights of w's last reply (in its send buffer)
             self.compensation.correct(grad, self.params, self.pulled(w))
             finite, square = finite_square(grad)
             if not finite:
                 advice = "delay compensation made finite gradients non-finite: lower --dc-lambda (or --lr)"
         rejected = not finite
-        applied = not rejected and not rec.stop_reason  # after the stop decision pushes are drained
-        if applied:  # (not after the stop: the mean the STOPs carry is the final snapshot's)
+        applied = not rejected and self.admits(step, w)  # after the stop, pushes are drained (S > 1: `settle`)
+        if applied:  # (the mean the STOPs carry, after every applied push, is the final snapshot's)
             self.take_buffers(w, values[self.P:])
         lr = 0.0
         if applied:

@@ -100,6 +100,7 @@ class Rank0:
         self.preempt_time: float | None = None
         self.preempt_deadline = 0.0
         self.lost_state: list[int] = []       # --servers: shards that died (their slices could not be saved)
+        self.checkpoint_due = ""              # a signal's checkpoint (its reason), written once the role settled
         self.header_only = Message(0)         # EVAL, REPORT: received and handled one at a time
         self.role = make_role(self)
         self.link = make_link(self) if make_link is not None else None
@@ -226,6 +227,7 @@ class Rank0:
         """The recorder's interval duties: snapshots and checkpoints where rank 0 holds the state, the log's
         flush, the progress bar."""
         rec, role = self.rec, self.role
+        self.write_due_checkpoint()
         if role.snapshots_here and not rec.stop_reason and rec.snapshots.due(rec.now()):
             rec.snapshot(*self.weights())
         if role.checkpoints_here and not rec.stop_reason and rec.checkpoints.due(rec.now()):
@@ -239,6 +241,7 @@ class Rank0:
         if not self.decides:
             self.link.finish()
             return {}
+        self.write_due_checkpoint()  # (written by the tick that settled the role, before any worker's STOP)
         evals = self.role.final_evals(self.preempted)
         self.rec.finish_watch()
         self.rec.snapshot(*self.weights())
@@ -327,12 +330,20 @@ class Rank0:
         doing = "ending the run" if gone and not checkpoints else "checkpointing and ending the run"
         print(f"mpiasgd: {why}: {doing}", file=sys.stderr, flush=True)
         rec.stop(f"{'failed' if gone else 'preempted'}: {why}")  # gone: a worker died
-        if checkpoints:
-            rec.write_checkpoint(self.role.state(self.preempt_reason))
+        if checkpoints:  # now, or (--servers) once the shards agreed on the pushes each applies
+            self.checkpoint_due = self.preempt_reason
+            self.write_due_checkpoint()
         self.role.on_preempt()
         rec.log.flush()
         if gone:  # no use waiting for them: end now, before the launcher's SIGKILL, with the log closed
             raise Preempted(why, [w for w, _, _ in gone], dead=True)
+
+    def write_due_checkpoint(self) -> None:
+        """The signal's checkpoint, once the role's state is final (`Role.settled`; with --servers S > 1 the
+        shards first agree on the pushes each applies, `mpiasgd.rank0.shards`)."""
+        if self.checkpoint_due and self.role.settled():
+            reason, self.checkpoint_due = self.checkpoint_due, ""
+            self.rec.write_checkpoint(self.role.state(reason))
 
     def shard_died(self, gone: list[tuple[int, str, int]]) -> Preempted:
         """(--servers) A parameter-server shard in `gone` ((rank, host, pid): its process exited) was found dead

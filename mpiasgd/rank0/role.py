@@ -104,6 +104,11 @@ class Role:
     def stop_workers(self) -> None:
         """Tell the workers the run stops before a rule they judge themselves would (--on-divergence stop)."""
 
+    def settled(self) -> bool:
+        """The state is final after the stop (a checkpoint of it may be written): at once, unless a role waits
+        for something first (`AsgdServer.settled`: the shards' agreement)."""
+        return True
+
     def on_preempt(self) -> None:
         """What a preemption does besides stopping and checkpointing (the loop did those)."""
 

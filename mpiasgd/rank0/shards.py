@@ -18,11 +18,23 @@ hands the messages between the shards to its link and asks it what only rank 0 m
     after the final snapshot and checkpoint:   on END: sends its last rows (flag FINAL), ends
       END, then waits for the last rows
 
-The stop: rank 0's decision reaches shard s with SHARD_STOP; a push that reaches shard s before that is
-applied there (on that shard only: rank 0 answered it with STOP already). From then on s answers every
-push, and every FINISH of a worker whose other shard said STOP first, with STOP and its final slice. So
-every worker evaluates the same final weights, and the final snapshot (rank 0 asks after every EVAL,
-when every shard has stopped) is those weights.
+The stop: rank 0 decides between two of its pushes, but a push in flight can reach shard s before s hears
+the decision and rank 0 after it (or the other way round). So every shard, rank 0 included, processes no
+push after the decision until the shards agree which pushes each applies:
+
+    rank 0: decides; SHARD_STOP to every shard     shard s: on SHARD_STOP, SHARD_STOPPED: the last step of
+      (its own last steps: those it processed         each worker it processed (`last_step`); it defers
+      before it decided; it defers any later push)    every later push (in its inbox: the worker waits)
+    every SHARD_STOPPED in: final[w] = the largest
+      of those steps; SHARD_FINAL to every shard    on SHARD_FINAL: `settle`
+    role.settle(final)
+
+`AsgdServer.settle` then processes the deferred pushes: applies each worker's up to final[w] and drops later
+ones. A worker has one push in flight and sends it to every shard at once, so every push of that set reaches
+every shard. Once a shard has applied all of them (`settled`), it answers every push and FINISH with STOP
+and its final slice, and FETCH (a checkpoint on a signal: rank 0 writes it once it has settled, `Rank0.tick`).
+So every shard ends at the same version with the same pushes applied, every worker evaluates the same final
+weights, and the final snapshot (rank 0 asks after every EVAL) is those weights.
 
 The bytes a shard has moved (its server's `count_wire`: PUSH received, WEIGHTS and STOP sent, in this job)
 travel in two header fields SHARD_ROWS and SLICE do not otherwise use (`WIRE_FIELDS`: `correct` the bytes
@@ -53,7 +65,7 @@ from mpiasgd.comms import (
     protocol,
     wait,
 )
-from mpiasgd.comms.protocol import HEADER_BYTES, rows_message, rows_of
+from mpiasgd.comms.protocol import HEADER_BYTES, STOP_STEP, rows_message, rows_of
 from mpiasgd.rank0.recorder import ShardFigures
 from mpiasgd.runlog import SHARD_PUSH_ROW
 
@@ -65,6 +77,29 @@ def wire_fields(rec: Any) -> dict:
     in this job (0 where its server counts none)."""
     counts = rec.wire_bytes or {}
     return {WIRE_FIELDS[0]: counts.get("pushed", 0), WIRE_FIELDS[1]: counts.get("pulled", 0)}
+
+
+def steps_message(tag: Tag, sender: int, steps: dict[int, int]) -> Message:
+    """SHARD_STOPPED or SHARD_FINAL: a STOP_STEP row (worker, step) for every worker in `steps`."""
+    rows = np.array(sorted(steps.items()), dtype=np.int64).reshape(-1, 2)
+    return rows_message(tag, sender, np.rec.fromarrays([rows[:, 0], rows[:, 1]], dtype=STOP_STEP))
+
+
+def steps_of(message: Any, tag: Tag, source: int, rank: int, nbytes: int, workers: list[int]) -> dict[int, int]:
+    """{worker: step} of a SHARD_STOPPED or SHARD_FINAL probed as `message` (received here); ProtocolError
+    unless it holds one row for each of `workers` with a step >= 0."""
+    if nbytes < HEADER_BYTES or (nbytes - HEADER_BYTES) % 4:
+        raise ProtocolError(f"rank {rank}: {tag.name} message from rank {source} is {nbytes} bytes, expected the "
+                            f"{HEADER_BYTES}-byte header and whole float32 values")
+    msg = Message((nbytes - HEADER_BYTES) // 4)
+    message.Recv(msg.buf)
+    protocol.check(msg, tag, source, rank)
+    rows = rows_of(msg, STOP_STEP, source, rank)
+    steps = {int(w): int(step) for w, step in zip(rows["worker"], rows["step"], strict=True)}
+    if sorted(steps) != sorted(workers) or len(rows) != len(workers) or min(steps.values(), default=0) < 0:
+        raise ProtocolError(f"rank {rank}: {tag.name} from rank {source} holds steps {steps}, expected one step "
+                            f">= 0 for each worker {sorted(workers)}")
+    return steps
 
 
 def restore_count(size: int, num_workers: int) -> int:
@@ -79,7 +114,7 @@ class ShardHub:
 
     decides = True
     preempted = False      # (a shard's HubLink learns it from rank 0; rank 0's loop knows it itself)
-    tags = frozenset({Tag.SHARD_ROWS})
+    tags = frozenset({Tag.SHARD_ROWS, Tag.SHARD_STOPPED})
 
     def __init__(self, r0: Any) -> None:
         self.r0, self.comm, self.cfg, self.rec = r0, r0.comm, r0.cfg, r0.rec
@@ -87,6 +122,8 @@ class ShardHub:
         n = len(r0.workers)
         self.shards = {self.cut.rank(s, n): s for s in range(1, self.cut.shards)}  # rank -> shard
         self.stop_told = False
+        self.stopped_steps: dict[int, dict[int, int]] = {}  # shard rank -> its SHARD_STOPPED (the stop's agreement)
+        self.own_steps: dict[int, int] = {}                  # rank 0's last steps when it decided
         self.sends: list[tuple[Any, Message]] = []  # (request, its buffer) until the send completed
         self.requests = 0                            # FETCHes sent (the number each SLICE answers)
         self.slices = {r: Message(2 * self.cut.size(s)) for r, s in self.shards.items()}
@@ -104,7 +141,7 @@ class ShardHub:
     def senders(self, tag: Tag) -> list[int]:
         """The ranks a `tag` message may come from on rank 0."""
         workers = list(self.r0.workers)
-        if tag == Tag.SHARD_ROWS:
+        if tag in (Tag.SHARD_ROWS, Tag.SHARD_STOPPED):
             return list(self.shards)
         if tag == Tag.ERROR:
             return workers + list(self.shards)
@@ -117,7 +154,14 @@ class ShardHub:
 
     def receive(self, tag: Tag, source: int, message: Any, nbytes: int) -> None:
         """A SHARD_ROWS from shard rank `source`: its rows logged, its version and bytes moved kept, a signal it
-        reports acted on."""
+        reports acted on. A SHARD_STOPPED: kept (`agree`)."""
+        if tag == Tag.SHARD_STOPPED:
+            if not self.stop_told or source in self.stopped_steps:
+                raise ProtocolError(f"rank 0: SHARD_STOPPED from rank {source} " + (
+                    "a second time" if self.stop_told else "before SHARD_STOP"))
+            self.stopped_steps[source] = steps_of(message, tag, source, 0, nbytes, list(self.r0.workers))
+            self.agree()
+            return
         if nbytes < HEADER_BYTES or (nbytes - HEADER_BYTES) % 4:
             raise ProtocolError(f"rank 0: {tag.name} message from rank {source} is {nbytes} bytes, expected the "
                                 f"{HEADER_BYTES}-byte header and whole float32 values")
@@ -173,13 +217,27 @@ class ShardHub:
         self.sends.append((self.comm.Isend(msg.buf, dest=r, tag=int(tag)), msg))
 
     def tell_stop(self) -> None:
-        """SHARD_STOP to every shard (flag PREEMPT when a signal ends the run): they apply no more pushes."""
+        """SHARD_STOP to every shard (flag PREEMPT when a signal ends the run): they process no more pushes until
+        SHARD_FINAL (`agree`). Rank 0's own last steps are those it processed before it decided (it defers
+        every later push: `AsgdServer.on_push`)."""
         if self.stop_told:
             return
         self.stop_told = True
+        self.own_steps = {w: int(self.r0.role.last_step[w]) for w in self.r0.workers}
         flags = Flag.PREEMPT if self.r0.preempted else 0
         for r in self.shards:
             self.post(r, Message(0).stamp(Tag.SHARD_STOP, 0, flags=flags), Tag.SHARD_STOP)
+
+    def agree(self) -> None:
+        """Once every shard's SHARD_STOPPED is in: each worker's final step, the largest any shard (rank 0's
+        included) had processed, to every shard (SHARD_FINAL) and to rank 0's role (`AsgdServer.settle`)."""
+        if len(self.stopped_steps) < len(self.shards):
+            return
+        final = {w: max([step, *(steps[w] for steps in self.stopped_steps.values())])
+                 for w, step in self.own_steps.items()}
+        for r in self.shards:
+            self.post(r, steps_message(Tag.SHARD_FINAL, 0, final), Tag.SHARD_FINAL)
+        self.r0.role.settle(final)
 
     # --- the whole vector ---
     def assemble(self, params0: np.ndarray, velocity0: np.ndarray | None = None) -> tuple:
@@ -242,6 +300,10 @@ class ShardHub:
         from mpiasgd.rank0.loop import WorkerFailed
 
         while not (got := poll()):
+            stopped = self.comm.Improbe(MPI.ANY_SOURCE, int(Tag.SHARD_STOPPED), status)
+            if stopped is not None:  # (a shard answers FETCH after the stop only once the shards agreed)
+                self.receive(Tag.SHARD_STOPPED, status.Get_source(), stopped, status.Get_count(MPI.BYTE))
+                continue
             failed = self.comm.Improbe(r, int(Tag.ERROR), status)
             if failed is not None:  # it failed instead of answering: its traceback, as the loop takes it
                 msg = Message(max(0, status.Get_count(MPI.BYTE) - HEADER_BYTES) // 4)
@@ -302,7 +364,7 @@ class HubLink:
     ShardRecorder)."""
 
     decides = False
-    tags = frozenset({Tag.SHARD_STOP, Tag.FETCH, Tag.END})
+    tags = frozenset({Tag.SHARD_STOP, Tag.SHARD_FINAL, Tag.FETCH, Tag.END})
 
     def __init__(self, r0: Any) -> None:
         self.r0, self.comm, self.cfg, self.rec, self.role = r0, r0.comm, r0.cfg, r0.rec, r0.role
@@ -315,6 +377,7 @@ class HubLink:
         self.slice = SendSlots([Message(2 * self.size)], "SLICE to rank 0", self.rank, self.cfg.comm_timeout)
         self.rows_due = Interval(self.cfg.flush_interval)
         self.last_sent = 0.0
+        self.fetch_due = 0       # a FETCH that came after the stop, answered once this shard has settled
 
     def name(self) -> str:
         return f"rank {self.rank} (parameter-server shard {self.role.shard})"
@@ -322,7 +385,7 @@ class HubLink:
     # --- what the loop asks ---
     def senders(self, tag: Tag) -> list[int]:
         """The ranks a `tag` message may come from on this shard."""
-        if tag in (Tag.SHARD_STOP, Tag.FETCH, Tag.END, Tag.ALIVE):
+        if tag in (Tag.SHARD_STOP, Tag.SHARD_FINAL, Tag.FETCH, Tag.END, Tag.ALIVE):
             return [0]
         if tag in (Tag.PUSH, Tag.FINISH):
             return list(self.r0.workers)
@@ -332,7 +395,13 @@ class HubLink:
         return self.ended
 
     def receive(self, tag: Tag, source: int, message: Any, nbytes: int) -> None:
-        """SHARD_STOP, FETCH or END from rank 0 (header only)."""
+        """SHARD_STOP, FETCH or END from rank 0 (header only), or SHARD_FINAL."""
+        if tag == Tag.SHARD_FINAL:
+            if not self.rec.stop_reason or self.role.final is not None:
+                raise ProtocolError(f"{self.name()}: SHARD_FINAL from rank 0 " + (
+                    "a second time" if self.rec.stop_reason else "before SHARD_STOP"))
+            self.role.settle(steps_of(message, tag, source, self.rank, nbytes, list(self.r0.workers)))
+            return
         msg = self.r0.header_only
         protocol.check_size(tag, source, self.rank, nbytes, 0)
         message.Recv(msg.buf)
@@ -341,9 +410,15 @@ class HubLink:
             if self.rec.stop_reason:
                 raise ProtocolError(f"{self.name()}: a second SHARD_STOP from rank 0")
             self.preempted = bool(int(msg.header["flags"]) & Flag.PREEMPT)
-            self.rec.stop("rank 0 stopped the run")  # the role answers every push and FINISH from now on with STOP
+            self.rec.stop("rank 0 stopped the run")  # the role defers every push from now on until SHARD_FINAL
+            steps = {w: int(self.role.last_step[w]) for w in self.r0.workers}
+            stopped = steps_message(Tag.SHARD_STOPPED, self.rank, steps)
+            self.sends.append((self.comm.Isend(stopped.buf, dest=0, tag=int(Tag.SHARD_STOPPED)), stopped))
         elif tag == Tag.FETCH:
-            self.send_slice(int(msg.header["step"]))
+            if self.rec.stop_reason and not self.role.settled():
+                self.fetch_due = int(msg.header["step"])  # the final slice: once every agreed push is applied
+            else:
+                self.send_slice(int(msg.header["step"]))
         else:  # END
             waiting = [w for w in self.r0.workers if w not in self.role.stopped]
             if not self.rec.stop_reason or waiting:
@@ -356,6 +431,9 @@ class HubLink:
         now = self.rec.now()
         if (self.rows_due.due(now) and self.rec.rows) or now - self.last_sent >= self.cfg.comm_timeout / 4:
             self.send_rows()
+        if self.fetch_due and self.role.settled():
+            self.send_slice(self.fetch_due)
+            self.fetch_due = 0
         self.sends = [(req, msg) for req, msg in self.sends if not req.Test()]
 
     def signalled(self, name: str) -> None:

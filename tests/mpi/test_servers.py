@@ -64,11 +64,12 @@ def check_shards(attrs, t, model="digits", resumed_from=None, jobs=1):
         for w in range(1, WORKERS + 1):  # every shard saw every push of every worker, in step order
             steps = rows["step"][rows["worker"] == w].tolist()
             assert steps == list(range(steps[0], steps[0] + len(steps)))
-    # a shard applies the pushes that reach it before it hears rank 0's stop: at most one more per worker; or one
-    # fewer per worker: a worker that posts its push to rank 0, is descheduled before posting the same push to
-    # shard 1, while rank 0 reads it (CMA needs no help from the sender), applies it and stops the run, has its
-    # push reach shard 1 after rank 0's stop (seen under load: shard versions 270 and 269)
-    assert abs(versions[1] - versions[0]) <= WORKERS or resumed_from is not None
+    # the stop's agreement: every shard applies the same pushes, whichever shard a push in flight reached first
+    assert versions[1] == versions[0]
+    if resumed_from is None:
+        pairs = [sorted(map(tuple, shard_rows(t, s)[shard_rows(t, s)["applied"] == 1][["worker", "step"]].tolist()))
+                 for s in range(SERVERS)]
+        assert pairs[0] == pairs[1]
     for kind in ("pushed", "pulled"):
         assert attrs[f"wire_bytes_{kind}"] == sum(attrs[f"shard_wire_bytes_{kind}"])
     return versions
@@ -119,14 +120,14 @@ def test_two_shards_resume_continues_every_shards_versions(mpirun, tmp_path):
     res = mpirun(RANKS, ["train", *common, "--max-pushes", "60", "--name", "r"], timeout=120)
     assert res.returncode == 0, res.explain()
     first = checkpoint.load(str(tmp_path / "runs" / "r.ckpt.h5"))
-    # shard 1 may be ahead (a push rank 0 drained) or, the README's known defect, behind by the push that
-    # triggered the stop: at most one push per worker either way
-    assert first.version == 60 and first.shard_versions[0] == 60 and abs(first.shard_versions[1] - 60) <= WORKERS
+    # every shard applied the same pushes: the 60th, and each other worker's push that a shard had applied when it
+    # heard of the stop (at most one per other worker)
+    assert 60 <= first.version < 60 + WORKERS and first.shard_versions.tolist() == [first.version] * SERVERS
     res = run_mpi(RANKS, ["train", "--resume", "runs/r.ckpt.h5", "--max-pushes", "120", "--no-progress"], 120,
                   tmp_path)
     assert res.returncode == 0, res.explain()
     attrs, t, _ = read_log(tmp_path / "runs" / "r.h5")
-    assert attrs["status"] == "completed" and attrs["version"] == 120
+    assert attrs["status"] == "completed" and 120 <= attrs["version"] < 120 + WORKERS
     versions = check_shards(attrs, t, resumed_from=first.shard_versions, jobs=2)  # (bytes and staleness: both jobs')
     resume = float(t["events"]["time"][t["events"]["kind"] == b"resume"][0])
     for s in range(SERVERS):  # after the resume every shard counts on from its checkpointed version
@@ -204,7 +205,7 @@ def test_signal_on_a_shard_checkpoints_and_the_run_resumes(tmp_path):
     preempt = [e["text"].decode() for e in t["events"] if e["kind"] == b"preempt"]
     assert preempt == [f"a signal received by parameter-server shard rank {SHARD_RANK}"], preempt
     ck = checkpoint.load(str(runs / "p.ckpt.h5"))
-    assert ck.reason == "preempt" and ck.shard_versions.size == SERVERS and ck.version > 0
+    assert ck.reason == "preempt" and ck.shard_versions.tolist() == [ck.version] * SERVERS and ck.version > 0
     res = run_mpi(RANKS, ["train", "--resume", "runs/p.ckpt.h5", "--max-time", str(ck.elapsed + 1.0),
                           "--no-progress"], 120, tmp_path)
     assert res.returncode == 0, res.explain()
@@ -279,4 +280,4 @@ def test_two_shards_with_layer_buffers(mpirun, tmp_path):
     ck = checkpoint.load(str(tmp_path / "runs" / "bn.ckpt.h5"))
     np.testing.assert_array_equal(ck.params, params[-1])
     np.testing.assert_array_equal(ck.buffers, buffers[-1])
-    assert list(attrs["shard_versions"]) == ck.shard_versions.tolist() and ck.version == 60
+    assert list(attrs["shard_versions"]) == ck.shard_versions.tolist() and 60 <= ck.version < 60 + WORKERS

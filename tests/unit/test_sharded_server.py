@@ -204,11 +204,23 @@ def test_only_rank_0_may_control_a_shard_and_only_shards_send_rank_0_rows(tmp_pa
         serve(shard)
 
 
+def stop_steps(data):
+    """{worker: step} of a SHARD_STOPPED or SHARD_FINAL's bytes."""
+    from mpiasgd.comms.protocol import STOP_STEP, rows_of
+
+    msg = Message((len(data) - HEADER_BYTES) // 4)
+    msg.buf[:] = np.frombuffer(data, np.uint8)
+    return {int(w): int(step) for w, step in rows_of(msg, STOP_STEP, -1, -1)[["worker", "step"]].tolist()}
+
+
 def test_a_shard_stops_on_rank_0s_word_and_finishes_its_workers(tmp_path):
-    """Shard 1 keeps applying pushes past --max-pushes (only rank 0 decides); after SHARD_STOP (flag PREEMPT) it
-    answers a waiting FINISH and every later push with STOP (flag PREEMPT) and its final slice; FETCH gets its
-    slice and velocity; END before every worker got STOP is refused; its rows reach rank 0's log."""
+    """Shard 1 keeps applying pushes past --max-pushes (only rank 0 decides). On SHARD_STOP (flag PREEMPT) it tells
+    rank 0 each worker's last step (SHARD_STOPPED) and defers a push, a FINISH and a FETCH until SHARD_FINAL says
+    which pushes every shard applies (here: not worker 1's step 3, which is dropped); then it answers them with STOP
+    (flag PREEMPT) and its final slice, and FETCH with its slice and velocity; END before every worker got STOP is
+    refused; its rows reach rank 0's log."""
     from mpiasgd.comms import Flag, ProtocolError
+    from mpiasgd.rank0.shards import steps_message
     from mpiasgd.runlog import open_log
 
     hub, shard, net, cut = linked(tmp_path, max_pushes=2)
@@ -231,21 +243,32 @@ def test_a_shard_stops_on_rank_0s_word_and_finishes_its_workers(tmp_path):
     net.post(0, rank, Tag.SHARD_STOP, Message(0).stamp(Tag.SHARD_STOP, 0, flags=Flag.PREEMPT).buf)
     serve(shard)
     final = role.params.copy()
+    told = net.take(0, rank, Tag.SHARD_STOPPED)
+    assert stop_steps(told[2]) == {1: 2, 2: 1, 3: 0}  # the last step it applied of each worker
+    assert net.pending(2) == []  # still held: the shards have not agreed yet
+    push_to(net, cut, 1, rank, 1, 3, 3, grads[3])  # deferred (no answer yet), then dropped
+    serve(shard)
+    net.post(0, rank, Tag.FETCH, Message(0).stamp(Tag.FETCH, 0, step=7).buf)  # deferred
+    serve(shard)
+    assert net.pending(1) == [] and net.pending(0) == [] and role.rec.version == 3
+    net.post(0, rank, Tag.SHARD_FINAL, steps_message(Tag.SHARD_FINAL, 0, {1: 2, 2: 1, 3: 0}).buf)
+    serve(shard)
     stop = reply_of_tag(net, 2, rank, cut.count(1))
     assert stop[0] == Tag.STOP and int(stop[1]["flags"]) & Flag.PREEMPT and int(stop[1]["step"]) == 1
     np.testing.assert_array_equal(stop[2], final)
-    push_to(net, cut, 1, rank, 1, 3, 3, grads[3])  # drained, not applied
-    serve(shard)
-    assert reply_of_tag(net, 1, rank, cut.count(1))[0] == Tag.STOP and role.rec.version == 3
+    stop = reply_of_tag(net, 1, rank, cut.count(1))
+    assert stop[0] == Tag.STOP and int(stop[1]["step"]) == 3 and role.rec.version == 3
+    np.testing.assert_array_equal(stop[2], final)
     np.testing.assert_array_equal(role.params, final)
-    net.post(0, rank, Tag.FETCH, Message(0).stamp(Tag.FETCH, 0, step=7).buf)
-    serve(shard)
     got = net.take(0, rank, Tag.SLICE)
     msg = Message(2 * cut.size(1))
     msg.buf[:] = np.frombuffer(got[2], np.uint8)
     assert (int(msg.header["step"]), int(msg.header["version"])) == (7, 3)
     np.testing.assert_array_equal(msg.payload[:cut.size(1)], final)
     np.testing.assert_array_equal(msg.payload[cut.size(1):], role.optimizer.velocity)
+    net.post(0, rank, Tag.SHARD_FINAL, steps_message(Tag.SHARD_FINAL, 0, {1: 2, 2: 1, 3: 0}).buf)
+    with pytest.raises(ProtocolError, match=r"SHARD_FINAL from rank 0 a second time"):
+        serve(shard)
     net.post(1, rank, Tag.FINISH, Message(0).stamp(Tag.FINISH, 1, step=3).buf)  # after its STOP: refused
     with pytest.raises(ProtocolError, match=r"FINISH step 3 from worker rank 1 after it was sent STOP"):
         serve(shard)
@@ -267,6 +290,90 @@ def test_a_shard_stops_on_rank_0s_word_and_finishes_its_workers(tmp_path):
     assert rows["shard"].tolist() == [1] * 4 and rows["applied"].tolist() == [1, 1, 1, 0]
     assert rows["version"].tolist() == [1, 2, 3, 3] and rank in hub.link.ended
     assert hub.rec.shards.versions[1] == 3
+
+
+def test_a_final_step_behind_what_a_shard_applied_or_naming_other_workers_is_refused(tmp_path):
+    from mpiasgd.comms import ProtocolError
+    from mpiasgd.rank0.shards import steps_message
+
+    _, shard, net, cut = linked(tmp_path)
+    rank = cut.rank(1, WORKERS)
+    net.post(0, rank, Tag.SHARD_FINAL, steps_message(Tag.SHARD_FINAL, 0, {1: 0, 2: 0, 3: 0}).buf)
+    with pytest.raises(ProtocolError, match=rf"rank {rank} \(parameter-server shard 1\): SHARD_FINAL from rank 0 "
+                                            r"before SHARD_STOP"):
+        serve(shard)
+    shard.role.start_workers()
+    push_to(net, cut, 1, rank, 2, 1, 0, np.ones(P, np.float32))
+    serve(shard)
+    net.post(0, rank, Tag.SHARD_STOP, Message(0).stamp(Tag.SHARD_STOP, 0).buf)
+    serve(shard)
+    net.post(0, rank, Tag.SHARD_FINAL, steps_message(Tag.SHARD_FINAL, 0, {1: 0, 2: 1}).buf)
+    with pytest.raises(ProtocolError, match=r"SHARD_FINAL from rank 0 holds steps \{1: 0, 2: 1\}, expected one "
+                                            r"step >= 0 for each worker \[1, 2, 3\]"):
+        serve(shard)
+    with pytest.raises(ProtocolError, match=r"the agreed final steps \{1: 0, 2: 0, 3: 0\} .* behind this shard's "
+                                            r"applied steps \(worker: \(applied, final\)\) \{2: \(1, 0\)\}"):
+        shard.role.settle({1: 0, 2: 0, 3: 0})
+
+
+def test_the_shards_apply_the_same_pushes_whichever_way_the_stop_races_them(tmp_path):
+    """--max-pushes 2. Rank 0 applies worker 1's and worker 2's first pushes and decides to stop; worker 3's first
+    push is still on its way to rank 0. Shard 1 has applied worker 1's and worker 3's; worker 2's is still on its
+    way to it. Before the agreement each shard would have ended with another set of pushes (rank 0 without
+    worker 3's, shard 1 without worker 2's). Now both apply all three, end at version 3, drop worker 1's second
+    push, and every STOP of a shard carries the same final slice; rank 0 logs both shards' pushes alike."""
+    from mpiasgd.runlog import open_log
+
+    hub, shard, net, cut, rank = started(tmp_path, max_pushes=2)
+    rng = np.random.default_rng(5)
+    g = {w: rng.standard_normal(P).astype(np.float32) for w in range(1, WORKERS + 1)}
+    for w in (1, 2):  # rank 0: version 2, the stop
+        push_to(net, cut, 0, 0, w, 1, hub.rec.version, g[w])
+        serve(hub)
+    assert hub.rec.stop_reason and hub.rec.version == 2
+    assert Tag(net.take(1, 0)[1]) == Tag.WEIGHTS and net.pending(2) == []  # worker 2's STOP: once settled
+    stop_to_shard = net.take(rank, 0, Tag.SHARD_STOP)
+    for w in (1, 3):  # shard 1, before it hears of the stop
+        push_to(net, cut, 1, rank, w, 1, shard.rec.version, g[w])
+        serve(shard)
+        assert Tag(net.take(w, rank)[1]) == Tag.WEIGHTS
+    net.post(0, rank, Tag.SHARD_STOP, stop_to_shard[2])
+    serve(shard)  # SHARD_STOPPED {1: 1, 2: 0, 3: 1}
+    push_to(net, cut, 1, rank, 2, 1, 0, g[2])  # worker 2's first push reaches shard 1: deferred
+    serve(shard)
+    push_to(net, cut, 0, 0, 3, 1, 0, g[3])  # worker 3's reaches rank 0: deferred
+    serve(hub)
+    assert hub.rec.version == 2 and shard.rec.version == 2 and net.pending(3) == []
+    for w in (0, 1):  # worker 1 got WEIGHTS from both shards: its second push, to both
+        push_to(net, cut, w, (0, rank)[w], 1, 2, (hub, shard)[w].rec.version, g[1])
+    serve(hub)  # rank 0 takes worker 1's second push (deferred) ...
+    serve(hub)  # ... and shard 1's SHARD_STOPPED: SHARD_FINAL {1: 1, 2: 1, 3: 1}; rank 0 applies worker 3's push
+    assert hub.role.final == {1: 1, 2: 1, 3: 1} and hub.rec.version == 3
+    while net.pending(rank):  # shard 1: worker 1's second push (deferred), SHARD_FINAL: worker 2's applied
+        serve(shard)
+    assert shard.role.final == {1: 1, 2: 1, 3: 1} and shard.rec.version == 3
+    finals = {}
+    for s, (loop, src) in enumerate(((hub, 0), (shard, rank))):
+        for w in range(1, WORKERS + 1):
+            if w == 3 and s == 1:  # shard 1 answered worker 3's push with WEIGHTS: worker 3 asks with FINISH
+                net.post(3, rank, Tag.FINISH, Message(0).stamp(Tag.FINISH, 3, step=1).buf)
+                serve(shard)
+            tag, header, payload = reply_of_tag(net, w, src, cut.count(s))
+            assert tag == Tag.STOP and int(header["version"]) == 3, (s, w, tag)
+            finals.setdefault(s, payload)
+            np.testing.assert_array_equal(payload, finals[s])
+        np.testing.assert_array_equal(finals[s], loop.role.params)
+    shard.link.send_rows()
+    serve(hub)
+    hub.rec.log.flush()
+    with open_log(hub.rec.log.path) as f:
+        mine = f["pushes"][()]
+        theirs = f["shard_pushes"][()]
+    theirs = theirs[theirs["shard"] == 1]
+    applied = [sorted((int(r["worker"]), int(r["step"])) for r in rows if r["applied"]) for rows in (mine, theirs)]
+    assert applied[0] == applied[1] == [(1, 1), (2, 1), (3, 1)]
+    dropped = [sorted((int(r["worker"]), int(r["step"])) for r in rows if not r["applied"]) for rows in (mine, theirs)]
+    assert dropped[0] == dropped[1] == [(1, 2)]
 
 
 def push_to(net, cut, s, rank, worker, step, version, grad):
@@ -344,10 +451,10 @@ def exchange(net, cut, hub, shard, pushes):
         net.take(w, rank)
 
 
-def started(tmp_path):
-    """`linked` (max_pushes 100) with both shards' initial weights sent and taken by every worker:
-    (hub's loop, shard's loop, net, cut, shard 1's rank)."""
-    hub, shard, net, cut = linked(tmp_path, max_pushes=100)
+def started(tmp_path, max_pushes=100):
+    """`linked` with both shards' initial weights sent and taken by every worker: (hub's loop, shard's loop, net,
+    cut, shard 1's rank)."""
+    hub, shard, net, cut = linked(tmp_path, max_pushes=max_pushes)
     rank = cut.rank(1, WORKERS)
     hub.role.start_workers()
     shard.role.start_workers()
