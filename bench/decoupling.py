@@ -67,12 +67,14 @@ FDG_STARTS = {1: ("conv1",), 2: ("conv1", "res5"), 3: ("conv1", "res4", "res7")}
 
 @dataclass(frozen=True)
 class RowSpec:
-    """A configuration of the table: K modules, shrinking beta, activation semantics ("" for K = 1)."""
+    """A configuration of the table: K modules, shrinking beta, activation semantics ("" for K = 1), and
+    whether the modules predict the weights their gradient meets (`--weight-prediction`)."""
 
     name: str
     modules: int
     beta: float
     activations: str
+    prediction: bool = False
 
 
 ROWS = {row.name: row for row in (
@@ -80,6 +82,8 @@ ROWS = {row.name: row for row in (
     RowSpec("K2-b1-recompute", 2, 1.0, "recompute"), RowSpec("K2-b1-store", 2, 1.0, "store"),
     RowSpec("K2-b0.5-recompute", 2, 0.5, "recompute"), RowSpec("K2-b0.5-store", 2, 0.5, "store"),
     RowSpec("K3-b0.5-recompute", 3, 0.5, "recompute"), RowSpec("K3-b0.5-store", 3, 0.5, "store"),
+    RowSpec("K2-b1-store-pred", 2, 1.0, "store", True), RowSpec("K2-b0.5-store-pred", 2, 0.5, "store", True),
+    RowSpec("K3-b0.5-store-pred", 3, 0.5, "store", True),
 )}
 
 
@@ -135,7 +139,7 @@ def train_command(mpiexec: list[str], row: RowSpec, args: argparse.Namespace, cu
     return [*mpiexec, "-n", str(1 + row.modules), sys.executable, "-m", "mpiasgd", "train",
             "--model", MODEL, *(["--data-dir", args.data_dir] if args.data_dir else []), "--backend", args.backend,
             "--mode", "pipeline", "--modules", str(row.modules), *(["--cuts", cuts] if cuts else []),
-            "--shrink", f"{row.beta:g}",
+            "--shrink", f"{row.beta:g}", *(["--weight-prediction"] if row.prediction else []),
             *(["--pipeline-activations", row.activations] if row.activations and activations_flag else []),
             "--epochs", f"{args.epochs:g}", *(["--max-pushes", str(args.subset)] if args.subset else []),
             "--batch-size", str(args.batch_size), "--lr", f"{args.lr:g}", "--momentum", f"{args.momentum:g}",

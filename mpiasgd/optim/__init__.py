@@ -8,7 +8,7 @@
               EvalSchedule (--eval-interval), snapshot_seconds (--snapshot-interval's auto rule)
 """
 
-from mpiasgd.optim.delay import DelayCompensation, LookAhead, explicit_momentum, lookahead_steps
+from mpiasgd.optim.delay import DelayCompensation, LookAhead, explicit_momentum, lookahead_factor, lookahead_steps
 from mpiasgd.optim.schedule import (
     AUTO_SNAPSHOTS,
     EvalSchedule,
@@ -31,4 +31,4 @@ from mpiasgd.optim.sgd import (
 
 __all__ = ["AUTO_SNAPSHOTS", "CHUNK", "SGD", "DelayCompensation", "EvalSchedule", "LocalSGD", "LookAhead", "NumpySGD",
            "Schedule", "StopRule", "apply_delta", "explicit_momentum", "finite_square", "fraction_done",
-           "learning_rate", "lookahead_steps", "run_blocks", "snapshot_seconds", "staleness_factor"]
+           "learning_rate", "lookahead_factor", "lookahead_steps", "run_blocks", "snapshot_seconds", "staleness_factor"]

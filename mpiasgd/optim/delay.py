@@ -108,6 +108,17 @@ def lookahead_steps(setting: float, num_workers: int, overlap: bool = False) -> 
     return float(max(0, num_workers - 1) + bool(overlap)) if setting < 0 else float(setting)
 
 
+def lookahead_factor(momentum: float, steps: float, nesterov: bool = False) -> float:
+    """c of a look-ahead `steps` momentum-only updates ahead (`LookAhead`: w - lr * lr_mult * c * v):
+    momentum * (1 - momentum^steps) / (1 - momentum), momentum * steps for momentum 1, times momentum again
+    with Nesterov momentum. ValueError unless steps >= 0 and 0 <= momentum <= 1."""
+    if not steps >= 0 or not 0 <= momentum <= 1:
+        raise ValueError(f"look-ahead: steps must be >= 0 and momentum in [0, 1], got {steps!r}, {momentum!r}")
+    m = float(momentum)
+    factor = m * steps if m == 1 else m * (1 - m ** steps) / (1 - m)
+    return factor * m if nesterov else factor
+
+
 class LookAhead:
     """The reply a worker computes its next gradient on, moved to where the master weights will most likely
     be when that gradient is applied (`--lookahead`): the weights after K more updates by the momentum
@@ -137,12 +148,7 @@ class LookAhead:
 
     def __init__(self, size: int, momentum: float, steps: float, lr_scale: np.ndarray | None = None,
                  chunk: int = CHUNK, nesterov: bool = False) -> None:
-        if not steps >= 0 or not 0 <= momentum <= 1:
-            raise ValueError(f"look-ahead: steps must be >= 0 and momentum in [0, 1], got {steps!r}, {momentum!r}")
-        m = float(momentum)
-        self.factor = m * steps if m == 1 else m * (1 - m ** steps) / (1 - m)  # c
-        if nesterov:
-            self.factor *= m
+        self.factor = lookahead_factor(momentum, steps, nesterov)  # c
         self.size, self.chunk = size, chunk
         self.scale = None if lr_scale is None else (lr_scale * np.float32(self.factor)).astype(np.float32)
         self.scratch = np.empty(min(chunk, size), np.float32)

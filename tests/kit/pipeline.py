@@ -9,14 +9,15 @@ from mpiasgd.data import ShardSampler, minibatches
 from mpiasgd.model import build_model
 from mpiasgd.modes.pipeline import Module
 from mpiasgd.ops import numpy_ops
-from mpiasgd.optim import fraction_done, learning_rate
+from mpiasgd.optim import fraction_done, learning_rate, lookahead_factor
 
 
-def reference_two_modules(digits, cfg, steps, stash=False, shrink=1.0):
+def reference_two_modules(digits, cfg, steps, stash=False, shrink=1.0, predict=False):
     """Module 0 (layers 0-3: conv1 relu1 pool1 conv2) forwards minibatch t at iteration t and back-propagates
     minibatch t-2 with the input gradient module 1 computed at iteration t-1; module 1 forwards, takes the
     loss and back-propagates minibatch t-1 at iteration t. Each updates after its backward (SGD with
-    momentum, the run's schedule)."""
+    momentum, the run's schedule). `predict` (--weight-prediction): module 0 (delay 2) forwards minibatch t
+    on w - lr(t) * c * v, c = m + m^2, and back-propagates it on the same weights."""
     model = build_model("digits")
     w0 = model.init_params(cfg.seed)
     mods = [Module(model, 0, 4), Module(model, 4, 8)]
@@ -30,18 +31,26 @@ def reference_two_modules(digits, cfg, steps, stash=False, shrink=1.0):
     batches, labels = minibatches(sampler, B), minibatches(sampler, B)
     rng = np.random.default_rng([cfg.seed, 1, 1])
 
-    def update(k, minibatch):
+    def lr_of(minibatch):
         done = minibatch * B / digits.train_y.size
-        lr = learning_rate(cfg, done, fraction_done(cfg, done, minibatch, 0.0))
-        numpy_ops.sgd_momentum(mods[k].params, velocity[k], mods[k].grads, decay[k], cfg.momentum, lr)
+        return learning_rate(cfg, done, fraction_done(cfg, done, minibatch, 0.0))
+
+    def update(k, minibatch):
+        numpy_ops.sgd_momentum(mods[k].params, velocity[k], mods[k].grads, decay[k], cfg.momentum, lr_of(minibatch))
 
     stored, act, delta = {}, None, None
     for t in range(steps + 2):  # two more iterations drain the pipeline
         new_act = new_delta = None
         if t < steps:
             x, _ = digits.batch("train", next(batches)[1], rng)
-            stored[t] = (x, mods[0].params.copy() if stash else None)
+            c = cfg.momentum + cfg.momentum ** 2  # lookahead_factor(m, 2), written out
+            assert abs(c - lookahead_factor(cfg.momentum, 2)) < 1e-12
+            ahead = mods[0].params - np.float32(lr_of(t) * c) * velocity[0] if predict else None
+            stored[t] = (x, ahead if predict else mods[0].params.copy() if stash else None)
+            if predict:
+                mods[0].bind(ahead)
             new_act = (t, mods[0].forward(x).copy())
+            mods[0].bind(mods[0].params)
         if 0 <= t - 1 < steps:
             m, h = act
             y = digits.train_y[next(labels)[1]]

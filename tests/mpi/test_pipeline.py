@@ -14,9 +14,11 @@ from mpiasgd.config import Config
 from mpiasgd.model import build_model
 
 
-@pytest.mark.parametrize("flags,stash,shrink", [([], False, 1.0),
-                                                (["--weight-stashing", "--shrink", "0.5"], True, 0.5)])
-def test_two_modules_match_delayed_gradients_by_hand(mpirun, tmp_path, digits, flags, stash, shrink):
+@pytest.mark.parametrize("flags,stash,shrink,predict", [([], False, 1.0, False),
+                                                        (["--weight-stashing", "--shrink", "0.5"], True, 0.5, False),
+                                                        (["--weight-prediction"], False, 1.0, True)],
+                         ids=["current", "stashing-shrink", "prediction"])
+def test_two_modules_match_delayed_gradients_by_hand(mpirun, tmp_path, digits, flags, stash, shrink, predict):
     steps = 12
     res = mpirun(3, ["train", *FAST, "--mode", "pipeline", "--modules", "2", "--cuts", "4", "--seed", "4",
                      "--lr", "0.05", "--warmup-epochs", "0", "--epochs", "0", "--max-pushes", str(steps),
@@ -25,11 +27,11 @@ def test_two_modules_match_delayed_gradients_by_hand(mpirun, tmp_path, digits, f
     _, _, params = read_log(tmp_path / "runs" / "p2.h5")
     cfg = Config(model="digits", mode="pipeline", batch_size=B, seed=4, lr=0.05, warmup_epochs=0.0, epochs=0,
                  max_pushes=steps)
-    expected = reference_two_modules(digits, cfg, steps, stash, shrink)
+    expected = reference_two_modules(digits, cfg, steps, stash, shrink, predict)
     np.testing.assert_allclose(params[-1], expected, rtol=1e-5, atol=1e-7)
-    other = reference_two_modules(digits, cfg, steps, not stash, shrink)
+    other = reference_two_modules(digits, cfg, steps, not stash and not predict, shrink, False)
     split = build_model("digits").param_range(0, 4)[1]
-    assert np.abs(other - expected)[:split].max() > 1e-4  # stashing changes module 0's gradients
+    assert np.abs(other - expected)[:split].max() > 1e-4  # stashing (prediction) changes module 0's gradients
 
 
 # --- delays, K = 1, replicas ------------------------------------------------------------------------------------

@@ -282,7 +282,8 @@ def pipeline_units(cfg, digits, net: Network, layout) -> dict:
     return units
 
 
-@pytest.mark.parametrize("replicas,flags", [(1, {}), (1, {"weight_stashing": True, "shrink": 0.5}), (2, {})])
+@pytest.mark.parametrize("replicas,flags", [(1, {}), (1, {"weight_stashing": True, "shrink": 0.5}),
+                                            (1, {"weight_prediction": True}), (2, {})])
 def test_pipeline_run_in_process_equals_delayed_gradients_by_hand(tmp_path, digits, replicas, flags):
     """Rank 0 (PipelineMonitor in the loop) and N x 2 units in threads, 12 minibatches per replica: rank 0
     ends with the weights of the hand-written delayed-gradient loop, logs every module's REPORTs at its
@@ -303,7 +304,7 @@ def test_pipeline_run_in_process_equals_delayed_gradients_by_hand(tmp_path, digi
     log.close("completed", summary)
 
     if replicas == 1:  # test_pipeline.py's reference
-        expected = reference_two_modules(digits, cfg, steps, cfg.weight_stashing, cfg.shrink)
+        expected = reference_two_modules(digits, cfg, steps, cfg.weight_stashing, cfg.shrink, cfg.weight_prediction)
     else:
         expected, _ = reference_replicas(digits, cfg, steps, replicas)
     np.testing.assert_allclose(server.params, expected, **TOL)  # replica 0's final SNAPSHOTs

@@ -25,7 +25,10 @@ Every iteration t, every unit works without waiting for a full forward and backw
 
 A module keeps exactly the inputs its delay needs (a queue of delay + 1 minibatches: their inputs,
 or with `--pipeline-activations store` their layer caches; with `--weight-stashing` also the weights
-each forward used, PipeDream's rule, which the backward then uses instead of the current weights).
+each forward used, PipeDream's rule, which the backward then uses instead of the current weights; with
+`--weight-prediction` the forward and the backward use the weights predicted for the update that applies
+the gradient: w - lr c v, the module's delay d of momentum-only updates ahead, c = m (1 - m^d) / (1 - m)
+(m the momentum; times m again with Nesterov), SpecTrain's rule, Chen et al. 2018, arXiv 1809.02839).
 The first iterations of a module have no gradient yet (warm-up, logged with flag WARMUP). `--shrink
 beta` multiplies the input gradient a module sends back, so module k's gradient is scaled by
 beta^(K-1-k) (FDG's gradient shrinking). Replicas of a module average their gradients every
@@ -94,6 +97,8 @@ class PipelineMode(Mode):
         need(cfg.decoupling in DECOUPLING, cfg, "decoupling", f"one of {DECOUPLING}")
         need(math.isfinite(cfg.shrink) and 0 < cfg.shrink <= 1, cfg, "shrink", "0 < beta <= 1")
         need(cfg.pipeline_activations in ACTIVATIONS, cfg, "pipeline_activations", f"one of {ACTIVATIONS}")
+        need(not cfg.weight_prediction or cfg.momentum > 0, cfg, "weight_prediction", "False with momentum 0 (the "
+             "prediction follows the momentum)")
         cuts = cut_points(cfg)  # raises on a malformed list
         need(not cuts or len(cuts) == cfg.modules - 1, cfg, "cuts", f"{cfg.modules - 1} layer indices (--modules "
              f"{cfg.modules})")

@@ -45,7 +45,16 @@ from mpiasgd.data import MinibatchStream
 from mpiasgd.modes.base import WorkerJob, WorkerLoop
 from mpiasgd.modes.pipeline.partition import Module
 from mpiasgd.modes.sync import replica_digest
-from mpiasgd.optim import EvalSchedule, LocalSGD, Schedule, StopRule, finite_square, fraction_done, snapshot_seconds
+from mpiasgd.optim import (
+    EvalSchedule,
+    LocalSGD,
+    Schedule,
+    StopRule,
+    finite_square,
+    fraction_done,
+    lookahead_factor,
+    snapshot_seconds,
+)
 
 
 class Segment:
@@ -259,7 +268,12 @@ class PipelineUnit(WorkerLoop):
             self.decide_end(seg, it, t, m_f)
         else:
             x = self.take_activation(seg, it, m_f)
+        predicted = self.predicted(seg, m_f) if self.cfg.weight_prediction and self.delay else None
+        if predicted is not None:  # --weight-prediction: the forward (and its backward) on the predicted weights
+            module.bind(predicted)
         h = module.forward(x)
+        if predicted is not None:
+            module.bind(module.params)
         if module.is_last:  # loss and backward at once: delay 0
             y = self.dataset.train_y[self.labels.next_indices()[1]] if k > 0 else y
             it.loss, it.correct, it.dx = module.loss_backward(h, ops.asarray(y, y.dtype))
@@ -271,13 +285,32 @@ class PipelineUnit(WorkerLoop):
         t1 = time.perf_counter()
         self.acts_out.send(self.pipe, m_f, k + 1, int(Tag.ACTIVATION))
         it.comm_s += time.perf_counter() - t1
-        stashed = ops.zeros(module.size) if self.cfg.weight_stashing else None
-        if stashed is not None:
+        stashed = predicted if predicted is not None else ops.zeros(module.size) if self.cfg.weight_stashing else None
+        if stashed is not None and predicted is None:
             stashed[...] = module.params
         if self.store:  # the layer caches of this forward (they hold what the backward needs of x)
             seg.stored.append((m_f, None, stashed, module.save_cache()))
         else:
             seg.stored.append((m_f, x, stashed, None))
+
+    def predicted(self, seg: Segment, m: int) -> Any:
+        """(--weight-prediction) The weights minibatch m's gradient will most likely be applied to, after the
+        module's `delay` more updates by the momentum alone (SpecTrain, Chen et al. 2018: w - lr * lr_mult *
+        c * v, c = `optim.lookahead_factor`, lr the schedule's at m): a new float32 (P,) array on the
+        module's backend, kept with m's activations until its backward."""
+        local, ops = self.local, self.ops
+        out = ops.zeros(self.module.size)
+        out[...] = local.velocity
+        if local.lr_scale is not None:
+            out *= local.lr_scale
+        out *= np.float32(-self.lr_at(seg, m) * lookahead_factor(local.momentum, self.delay, local.nesterov))
+        out += self.module.params
+        return out
+
+    def lr_at(self, seg: Segment, m: int) -> float:
+        """The schedule's step size for the update with minibatch m's gradient."""
+        done = m * self.cfg.batch_size * self.N / self.num_train
+        return self.schedule(done, fraction_done(self.rule, done, m, seg.ctrl[0]))
 
     def decide_end(self, seg: Segment, it: Iteration, t: int, m_f: int) -> None:
         """(module 0) Whether the segment ends with minibatch m_f, on the replicas' clock: a signal (FINAL,
@@ -398,8 +431,7 @@ class PipelineUnit(WorkerLoop):
         (every replica alike: the check follows the allreduce; rank 0 counts it, --max-rejects)."""
         module = self.module
         if finite_square(module.grads)[0]:
-            done = m_b * self.cfg.batch_size * self.N / self.num_train
-            it.lr = self.schedule(done, fraction_done(self.rule, done, m_b, seg.ctrl[0]))
+            it.lr = self.lr_at(seg, m_b)
             self.local.step(it.lr, module.params, module.grads)
         else:
             it.flags |= Flag.NONFINITE | Flag.WARMUP
