@@ -136,6 +136,9 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
                                                          else "")
                           for s, (v, mean, top) in enumerate(shards))
         lines.append(f"shards           {parts}")
+    wire = wire_line(run)
+    if wire:
+        lines.append(f"wire             {wire}")
     share = data_wait_share(pushes)
     if share is not None:
         lines.append(f"data wait        {100 * share:.1f} % of the step (the workers' compute time spent waiting "
@@ -154,6 +157,29 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
     if run.get("wall_time_s") is not None:
         lines.append(f"wall time        {float(run['wall_time_s']):.1f} s (server, start to end)")
     return lines
+
+
+def megabytes(n: float) -> str:
+    """`n` bytes in MB (10^6 bytes), e.g. "12.3 MB"."""
+    return f"{n / 1e6:,.1f} MB"
+
+
+def wire_line(run: dict) -> str:
+    """(async, ssp) The wire format and the bytes moved, from the summary's wire_bytes_pushed and wire_bytes_pulled
+    (every shard's; a resumed run's every job): "fp16: 12.3 MB pushed (2,072 bytes a push), 13.0 MB pulled",
+    with each shard's part under --servers S > 1; "" for a log without them (other modes, a killed run)."""
+    pushed, pulled = run.get("wire_bytes_pushed"), run.get("wire_bytes_pulled")
+    if pushed is None or pulled is None:
+        return ""
+    pushes = run["pushes"]
+    wire = run.get("config", {}).get("wire", "fp32")
+    each = f" ({int(pushed) / len(pushes):,.0f} bytes a push)" if pushes is not None and len(pushes) else ""
+    text = f"{wire}: {megabytes(int(pushed))} pushed{each}, {megabytes(int(pulled))} pulled"
+    shards_pushed, shards_pulled = run.get("shard_wire_bytes_pushed"), run.get("shard_wire_bytes_pulled")
+    if shards_pushed is not None and shards_pulled is not None and len(shards_pushed) > 1:
+        text += " (" + "; ".join(f"shard {s}: {megabytes(int(a))} pushed, {megabytes(int(b))} pulled"
+                                 for s, (a, b) in enumerate(zip(shards_pushed, shards_pulled, strict=True))) + ")"
+    return text
 
 
 def health_line(run: dict) -> str:

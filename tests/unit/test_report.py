@@ -376,3 +376,22 @@ def test_each_shards_staleness_is_over_the_whole_log_as_the_runs_is(tmp_path):
     log.file.close()
     assert ("shards           shard 0: version 1, staleness mean 0.00 max 0; shard 1: version 4, staleness mean "
             "2.00 max 2") in summary_lines(killed)
+
+
+def test_the_summary_says_the_wire_format_and_the_bytes_every_shard_moved(tmp_path):
+    """async/ssp: the wire format and the bytes moved (every shard's, each shard's part with --servers S > 1) in the
+    summary `train` prints and `report` shows; no such line where the log has no byte counts (sync)."""
+    from mpiasgd.runlog import summary_lines
+
+    path = write_log(tmp_path / "w.h5", {"mode": "async", "wire": "fp16"}, [push(0.1, 0), push(0.2, 1)],
+                     close=False)
+    log = RunLog.reopen(path, [WORKER] * 2, 60.0, None)
+    log.close("completed", {"wire_bytes_pushed": 3_000_000, "wire_bytes_pulled": 4_500_000,
+                            "shard_wire_bytes_pushed": [1_000_000, 2_000_000],
+                            "shard_wire_bytes_pulled": [1_500_000, 3_000_000]})
+    line = "wire             fp16: 3.0 MB pushed (1,500,000 bytes a push), 4.5 MB pulled (shard 0: 1.0 MB pushed, " \
+           "1.5 MB pulled; shard 1: 2.0 MB pushed, 3.0 MB pulled)"
+    assert line in summary_lines(path)
+    assert line in report([path]).splitlines()
+    plain = write_log(tmp_path / "s.h5", {"mode": "sync"}, [push(0.1, 0)])
+    assert not any(x.startswith("wire") for x in summary_lines(plain))
