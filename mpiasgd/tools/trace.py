@@ -11,6 +11,8 @@ clock of their own in the log, so a span is as exact as that arrival time):
 Rank 0 gets a "checkpoint" span for every checkpoint written (its duration is the write), instants
 for weight snapshots, for the events of the run (start, stop, skips, warm start, preemption,
 resume, failures) and, for async and ssp, one "apply" instant per applied push with its staleness.
+With `--servers S > 1` each other parameter-server shard (rank N + s) gets a track of its own with an
+"apply" instant per push it applied (its /shard_pushes rows: worker, step, its version and staleness).
 Times are microseconds since the start of training, as the format wants.
 """
 
@@ -56,6 +58,7 @@ def trace(path: str) -> dict:
             args = {"worker": rank, "version": int(row["version"]), "staleness": int(row["staleness"])}
             events.append({"name": "apply", "cat": "server", "ph": "i", "s": "t", "pid": 0, "tid": 0,
                            "ts": round(end * us, 1), "args": args})
+    events += shard_tracks(run, us)
     meta = run["snapshots/meta"]
     for i, snap in enumerate(meta if meta is not None else []):
         events.append({"name": "snapshot", "cat": "server", "ph": "i", "s": "t", "pid": 0, "tid": 0,
@@ -71,6 +74,28 @@ def trace(path: str) -> dict:
                        "ts": round(float(e["time"]) * us, 1), "args": {"text": text[:500]}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"run": path, "mode": mode, "status": str(run.get("status"))}}
+
+
+def shard_tracks(run: dict, us: float) -> list[dict]:
+    """(--servers S > 1) A track per parameter-server shard of rank >= 1 (its rank from the log's shard_processes)
+    with an "apply" instant per push it applied; [] with one server or without shard rows."""
+    rows = run.get("shard_pushes")
+    if int(run.get("servers") or 1) < 2 or rows is None or not len(rows):
+        return []
+    processes = json.loads(run.get("shard_processes") or "[]")
+    ranks = {s + 1: int(rank) for s, (rank, _host, _pid) in enumerate(processes)}  # shard s >= 1 -> its rank
+    workers = int(run.get("num_workers") or 0)
+    out = []
+    for s in sorted(set(rows["shard"].tolist()) - {0}):
+        tid = ranks.get(s, workers + s)
+        out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid,
+                    "args": {"name": f"rank {tid} (parameter-server shard {s})"}})
+        for row in rows[(rows["shard"] == s) & (rows["applied"] == 1)]:
+            out.append({"name": "apply", "cat": "server", "ph": "i", "s": "t", "pid": 0, "tid": tid,
+                        "ts": round(float(row["time"]) * us, 1),
+                        "args": {"worker": int(row["worker"]), "step": int(row["step"]),
+                                 "version": int(row["version"]), "staleness": int(row["staleness"])}})
+    return out
 
 
 def main(path: str, output: str) -> int:

@@ -395,3 +395,24 @@ def test_the_summary_says_the_wire_format_and_the_bytes_every_shard_moved(tmp_pa
     assert line in report([path]).splitlines()
     plain = write_log(tmp_path / "s.h5", {"mode": "sync"}, [push(0.1, 0)])
     assert not any(x.startswith("wire") for x in summary_lines(plain))
+
+
+def test_trace_gives_each_other_shard_a_track_with_the_pushes_it_applied(tmp_path):
+    """--servers 2: `mpiasgd trace` adds a track for shard 1 (its rank from shard_processes) with an "apply" instant
+    per push that shard applied (its /shard_pushes rows), none for a dropped one; shard 0's stay on rank 0."""
+    from mpiasgd.runlog import ShardPushRow
+    from mpiasgd.tools.trace import trace
+
+    path = write_log(tmp_path / "t.h5", {"mode": "async"}, [push(0.1, 0), push(0.2, 1)], close=False)
+    log = RunLog.reopen(path, [WORKER] * 2, 60.0, None)
+    log.file.attrs["servers"] = 2
+    log.file.attrs["shard_processes"] = json.dumps([[3, "node7", 4242]])
+    for shard, time_s, version, applied in ((0, 0.1, 1, 1), (1, 0.15, 1, 1), (1, 0.25, 2, 1), (1, 0.3, 2, 0)):
+        log.add(ShardPushRow(time=time_s, shard=shard, worker=1, step=version, base_version=version - 1,
+                             version=version, staleness=0, applied=applied))
+    log.close("completed", {})
+    events = trace(path)["traceEvents"]
+    assert {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}[3] == "rank 3 (parameter-server shard 1)"
+    mine = [e for e in events if e["tid"] == 3 and e["ph"] == "i"]
+    assert [(e["name"], e["ts"], e["args"]["version"]) for e in mine] == [("apply", 150000.0, 1),
+                                                                          ("apply", 250000.0, 2)]
