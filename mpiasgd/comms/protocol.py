@@ -32,10 +32,11 @@ Message flow, async and ssp modes (GPU A-SGD of Paine et al. 2013, n_fetch = n_p
     worker -> server  ERROR    (UTF-8 traceback)             a worker failed; the server logs, acks
     server -> worker  ERROR_ACK                              log closed, the job may now abort
 
-Sharded parameter server (`--servers S`, async and ssp; `mpiasgd.comms.shards`): shard 0 is rank 0, shard
-s >= 1 is rank N + s. Every shard exchanges WEIGHTS, PUSH and STOP with every worker as above, on its own
-slice of count_s values (shard 0's messages also carry the B layer buffers) and with its own version
-counter: a push to shard s carries the version of shard s's slice it was computed from. A worker posts its
+Sharded parameter server (`--servers S`, async, ssp and easgd; `mpiasgd.comms.shards`): shard 0 is rank 0,
+shard s >= 1 is rank N + s. Every shard exchanges WEIGHTS, PUSH and STOP with every worker as above, on its
+own slice of count_s values (shard 0's messages also carry the B layer buffers) and with its own version
+counter: a push to shard s carries the version of shard s's slice it was computed from (easgd: the push
+carries that slice of x_i, the reply that slice of the center). A worker posts its
 S receives, then its S pushes, and waits for all S replies. EVAL, ALIVE (worker -> server) and ERROR go
 to rank 0 only. Besides:
 

@@ -9,7 +9,7 @@ Staging (one object per worker, chosen once; the worker loop calls the same thre
               grads are views into them; only the 160-byte header crosses to and from the host
               (and sync mode's gradient: Open MPI's MPI_Iallreduce takes no device buffers)
 
-ShardedStaging (`--servers S > 1`, async and ssp): one message each way per parameter-server shard
+ShardedStaging (`--servers S > 1`; async, ssp, easgd): one message each way per parameter-server shard
 (`mpiasgd.comms.shards`). The model still binds one contiguous float32 vector (P + B: the parameters,
 then the layer buffers), so the worker copies: after its S replies arrived, each payload into its slice
 of params (shard 0's payload is its slice, then the B buffers); before its S pushes, each slice of grads

@@ -5,7 +5,7 @@ Run it with one parameter server and N workers, e.g. 1 + 2 on one machine:
     mpiexec -n 3 python -m mpiasgd train --model digits --epochs 30 --name demo
     mpiexec -n 3 python -m mpiasgd train --model cifar10 --epochs 10 --data-dir ~/data
 
-or (async, ssp) with S parameter-server shards: N + S ranks, rank 0 and ranks N+1..N+S-1 the shards:
+or (async, ssp, easgd) with S parameter-server shards: N + S ranks, rank 0 and ranks N+1..N+S-1 the shards:
 
     mpiexec -n 4 python -m mpiasgd train --model digits --servers 2 --epochs 30 --name sharded
 

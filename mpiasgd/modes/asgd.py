@@ -58,12 +58,12 @@ AsgdServer (or SspServer) on its contiguous slice of the parameters (shard 0 als
 buffers), with its own optimizer state and version counter; `AsgdMode.rank0` gives each rank its slice. Every
 rule above applies per shard: the staleness of a push is counted on each shard's own versions, DC-ASGD
 corrects each slice with that shard's w_pulled, --lookahead looks ahead along each shard's velocity, ssp
-holds replies on each shard's clocks. A worker (`train_sharded`) posts its S receives, then its S pushes
-(each carrying the version of that shard's slice it was computed from), and waits for all S replies; the
-step size, flags and buffers come from shard 0. Only rank 0 decides when the run stops; the shards then agree
-which pushes in flight each applies, so that all apply the same ones (`mpiasgd.rank0.shards`: `settle`); a
-worker that gets STOP from one shard and WEIGHTS from another sends the latter FINISH and waits for its STOP,
-so all evaluate the same final weights. With S = 1 nothing of this
+holds replies on each shard's clocks. A worker (`train_sharded`, with `mpiasgd.modes.shards`) posts its S
+receives, then its S pushes (each carrying the version of that shard's slice it was computed from), and waits
+for all S replies; the step size, flags and buffers come from shard 0. Only rank 0 decides when the run stops;
+the shards then agree which pushes in flight each applies, so that all apply the same ones
+(`mpiasgd.rank0.server`: `settle`); a worker that gets STOP from one shard and WEIGHTS from another sends the
+latter FINISH and waits for its STOP, so all evaluate the same final weights. With S = 1 nothing of this
 runs. --overlap is refused with S > 1.
 
 `--wire fp16|bf16` (`mpiasgd.comms.wire`): PUSH, WEIGHTS and STOP carry their P + B values in 2 bytes
@@ -91,11 +91,11 @@ import numpy as np
 from mpi4py import MPI
 
 from mpiasgd import checkpoint
-from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag, check, check_size, parse_tag, wait, wait_all
-from mpiasgd.comms.shards import ShardCut
+from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
 from mpiasgd.comms.wire import WIRES, decode, encode
 from mpiasgd.comms.wire import warm_up as warm_up_wire
-from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, initial_buffers, lr_scale, need, round_fits
+from mpiasgd.modes.base import Mode, WorkerJob, initial_buffers, lr_scale, need, round_fits
+from mpiasgd.modes.shards import ShardedWorker
 from mpiasgd.optim import (
     SGD,
     DelayCompensation,
@@ -109,17 +109,17 @@ from mpiasgd.optim import (
     lookahead_steps,
     staleness_factor,
 )
-from mpiasgd.rank0.role import Role
+from mpiasgd.rank0.server import ShardedServer, server_shard
 
 STALENESS_LR = ("none", "inverse", "sqrt")
 ASYNC_MOMENTUM = ("fixed", "workers")
 
 
-class AsgdServer(Role):
-    """(rank 0) The parameter server: master weights `params` (float32 (P,)), the optimizer, and a reply
-    to every push; see the module docstring. `decay_mask` (float32 (P,)) holds each weight's weight-decay
-    multiplier, `lr_scale` its learning-rate multiplier (None: all 1), `buffers` (float32 (B,)) the
-    layers' initial buffers.
+class AsgdServer(ShardedServer):
+    """(rank 0, or a parameter-server shard) The parameter server: master weights `params` (float32 (P,)), the
+    optimizer, and a reply to every push; see the module docstring (`ShardedServer`: the replies, the shards).
+    `decay_mask` (float32 (P,)) holds each weight's weight-decay multiplier, `lr_scale` its learning-rate
+    multiplier (None: all 1), `buffers` (float32 (B,)) the layers' initial buffers.
 
     Buffers (BatchNorm's running statistics): each push carries the worker's own after its gradient;
     rank 0 keeps every worker's latest and snapshots and checkpoints their mean (`current_buffers`).
@@ -131,19 +131,11 @@ class AsgdServer(Role):
     (`weights[w]`, the payload views); fp16 or bf16, `params` is updated in place, a push is decoded into
     `decoded` (float32 (P + B,)) and the replies are encoded into `outbox`."""
 
-    checkpoints_here = True
-    snapshots_here = True
-
     def __init__(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, lr_scale: np.ndarray | None = None,
                  buffers: np.ndarray | None = None) -> None:
         super().__init__(r0, params, buffers)
         cfg = self.cfg
         P, B = params.size, self.buffers.size
-        self.P = P
-        self.cut, self.shard = ShardCut((0, P), B), 0  # the whole vector; `AsgdMode.rank0` sets a shard's
-        self.wire = cfg.wire
-        self.inbox = {w: Message(P + B, self.wire) for w in self.workers}
-        self.outbox = {w: Message(P + B, self.wire) for w in self.workers}
         momentum = explicit_momentum(cfg.momentum, cfg.async_momentum, len(self.workers))
         self.optimizer = SGD(params, decay_mask, momentum, cfg.weight_decay, nesterov=cfg.nesterov and momentum > 0,
                              lr_scale=lr_scale)
@@ -161,30 +153,9 @@ class AsgdServer(Role):
         # --dc-lambda: the weights worker w computed its push on are those of its last reply, in weights[w]
         self.compensation = DelayCompensation(P, cfg.dc_lambda, cfg.dc_adaptive) if cfg.dc_lambda else None
         self.schedule = Schedule.of(cfg)
-        self.started: set[int] = set()        # workers sent their first weights (--warm-start holds back some)
-        self.finishing: set[int] = set()      # --servers: workers owed STOP once this shard has settled (`settled`)
-        self.final: dict[int, int] | None = None  # --servers: each worker's last step every shard applies (`settle`)
-        self.deferred: list[int] = []         # --servers: workers whose push (in its inbox) awaits `settle`
         self.held_s = dict.fromkeys(self.workers, 0.0)  # ssp: how long the last reply to each worker was held
 
     # --- the loop's questions ---
-    def handlers(self) -> dict:
-        if self.cut.shards == 1:
-            return {Tag.PUSH: self.on_push, Tag.EVAL: self.on_eval}
-        if self.shard == 0:  # --servers: rank 0 also takes the EVALs
-            return {Tag.PUSH: self.on_push, Tag.FINISH: self.on_finish, Tag.EVAL: self.on_eval}
-        return {Tag.PUSH: self.on_push, Tag.FINISH: self.on_finish}
-
-    def buffer_for(self, tag: Tag, source: int) -> Message | None:
-        return self.inbox[source] if tag == Tag.PUSH else None
-
-    def whose(self, tag: Tag) -> str:
-        if self.cut.shards == 1 or tag != Tag.PUSH:
-            return ""
-        a, b = self.cut.slice(self.shard)
-        tail = f" and the {self.buffers.size} layer buffers" if self.buffers.size else ""
-        return f" for parameter-server shard {self.shard} of {self.cut.shards} (parameters [{a:,}, {b:,}){tail})"
-
     def warm_up(self) -> None:
         """The optimizer's compiled update and the wire format's compiled codec (fp16) loaded now (`SGD.warm_up`,
         `wire.warm_up`), not at the first push."""
@@ -228,64 +199,8 @@ class AsgdServer(Role):
         if self.periodic.due():  # --eval-interval: the workers running now evaluate their next reply's weights
             self.periodic.ask([w for w in self.workers if w in self.started and w not in self.stopped])
 
-    def answer_finishing(self) -> None:
-        """(--servers) Once this shard has settled: STOP, with its final slice, to each worker owed one (it sent
-        FINISH, or its push was processed after the stop)."""
-        if self.finishing and self.settled():
-            for w in sorted(self.finishing):
-                self.stopped.add(w)
-                self.periodic.withdraw(w)
-                self.send(w, Tag.STOP, self.last_step[w])
-            self.finishing.clear()
-
-    def waits_for_rank0(self, w: int) -> bool:
-        return w not in self.started or w in self.deferred or w in self.finishing
-
-    # --- the stop with S > 1 shards: every shard applies the same pushes ---
-    def settle(self, final: dict[int, int]) -> None:
-        """(--servers S > 1, after the stop) The shards agreed: every shard applies each worker `w`'s pushes up
-        to step `final[w]` and no later one (`mpiasgd.rank0.shards`: the largest step any shard had applied
-        when it heard of the stop; a worker has one push in flight, sent to every shard, so each of those
-        reaches every shard). The pushes deferred until now are processed; ProtocolError if a final step is
-        behind what this shard has already applied."""
-        behind = {w: (self.last_step[w], step) for w, step in final.items() if step < self.last_step[w]}
-        if behind or set(final) != set(self.workers):
-            raise ProtocolError(f"rank {self.rank} (parameter-server shard {self.shard}): the agreed final steps "
-                                f"{final} name other workers than {self.workers} or are behind this shard's "
-                                f"applied steps (worker: (applied, final)) {behind}")
-        self.final = dict(final)
-        while self.deferred:
-            w = self.deferred.pop(0)
-            self.take_push(w, self.inbox[w])
-
-    def settled(self) -> bool:
-        """The run has stopped and this shard's weights are final: with S = 1 at once; with S > 1 once the
-        shards agreed (`settle`) and every push up to each worker's final step was processed here."""
-        if not self.rec.stop_reason:
-            return False
-        if self.cut.shards == 1:
-            return True
-        return (self.final is not None and not self.deferred
-                and all(self.last_step[w] >= step for w, step in self.final.items()))
-
-    def admits(self, step: int, w: int) -> bool:
-        """A finite push `step` of worker `w` is applied: before the stop; after it (S > 1) if the shards agreed
-        to apply it."""
-        if self.final is None:
-            return not self.rec.stop_reason
-        return step <= self.final[w]
-
-    def state(self, reason: str) -> checkpoint.Checkpoint:
-        """The training state now: rank 0 holds all of it (--servers S > 1: it asks the other shards for their
-        slices, `mpiasgd.rank0.shards.ShardHub.assemble`)."""
-        velocity = self.optimizer.velocity
-        params, momentum = self.params, np.zeros_like(self.params) if velocity is None else velocity
-        versions = None
-        if self.cut.shards > 1:
-            params, momentum, versions = self.r0.link.assemble(params, momentum)
-        return self.rec.checkpoint(params, momentum, reason,
-                                   {w: (self.last_step[w], self.cursor[w]) for w in self.workers},
-                                   self.rec.train_time(), self.current_buffers(), versions)
+    def velocity(self) -> np.ndarray | None:
+        return self.optimizer.velocity
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
         super().restore(ckpt)
@@ -361,54 +276,21 @@ class AsgdServer(Role):
     def on_start(self, workers: list[int]) -> None:
         """`workers` get their first weights now (ssp: their clocks start at the slowest's)."""
 
-    def reply(self, w: int, step: int) -> None:
-        """Answer push `step` of worker `w`: WEIGHTS, or STOP once a stopping rule fired (S > 1: once this shard
-        has settled, `answer_finishing`)."""
-        if self.rec.stop_reason and not self.settled():
-            self.finishing.add(w)
-        elif self.rec.stop_reason:
-            self.stopped.add(w)
-            self.periodic.withdraw(w)  # an evaluation it was still to be asked for goes without it
-            self.send(w, Tag.STOP, step)
-        else:
-            self.send(w, Tag.WEIGHTS, step)
-
     def answer(self, w: int, step: int) -> None:
         """How a push is answered: at once (ssp may hold it)."""
         self.reply(w, step)
 
-    def on_finish(self, w: int, msg: Message) -> None:
-        """(--servers S > 1) FINISH from worker `w`: another shard answered its last push with STOP, this one
-        with WEIGHTS. Answered with STOP and this shard's final slice now if it has settled, else once it has
-        (`tick`, after rank 0's SHARD_STOP and SHARD_FINAL). ProtocolError for a FINISH out of turn."""
-        step = int(msg.header["step"])
-        where = f"rank {self.rank} (parameter-server shard {self.shard})"
-        if w in self.stopped or w in self.finishing or w not in self.started:
-            why = "it was sent STOP" if w in self.stopped else "its FINISH" if w in self.finishing else \
-                "before its first weights"
-            raise ProtocolError(f"{where}: FINISH step {step} from worker rank {w} after {why}")
-        if step != self.last_step[w]:
-            raise ProtocolError(f"{where}: FINISH from worker rank {w} has step {step}, expected {self.last_step[w]} "
-                                f"(its last push, answered with WEIGHTS)")
-        self.finishing.add(w)
-        self.answer_finishing()  # at once if this shard has stopped
-
     # --- a push ---
-    def on_push(self, w: int, msg: Message) -> None:
-        """A PUSH from worker `w`, checked, then processed (`take_push`); with S > 1 shards, one that arrives
-        after the stop but before the shards agreed which pushes every shard applies waits in its inbox
-        (`settle`: the worker sends nothing else before this push is answered)."""
-        cfg = self.cfg
-        step, _ = self.check_push(w, msg)
+    def check_push(self, w: int, msg: Message) -> tuple[int, int]:
+        """(step, base version) of a PUSH from worker `w`, after the protocol's checks (`Role.check_push`) and
+        this one: it carries a gradient with nsync 1, an accumulated update (flag DELTA) with nsync > 1."""
+        step, base = super().check_push(w, msg)
         delta = bool(int(msg.header["flags"]) & Flag.DELTA)
-        if delta != (cfg.nsync > 1):
+        if delta != (self.cfg.nsync > 1):
             raise ProtocolError(f"rank 0: PUSH step {step} from worker rank {w} carries "
                                 f"{'an accumulated update' if delta else 'a gradient'}, but nsync is "
-                                f"{cfg.nsync} (expected {'an update' if cfg.nsync > 1 else 'a gradient'})")
-        if self.cut.shards > 1 and self.rec.stop_reason and self.final is None:
-            self.deferred.append(w)
-            return
-        self.take_push(w, msg)
+                                f"{self.cfg.nsync} (expected {'an update' if self.cfg.nsync > 1 else 'a gradient'})")
+        return step, base
 
     def take_push(self, w: int, msg: Message) -> None:
         """Apply (or reject, or drop after the stop) a checked push of worker `w`, log its row and answer it."""
@@ -476,7 +358,7 @@ class AsgdServer(Role):
         return decode(self.wire, self.outbox[w].payload[:self.P], self.pulled_buf)
 
 
-class AsgdWorker(WorkerLoop):
+class AsgdWorker(ShardedWorker):
     """(workers) Push gradients (or nsync-step updates) and pull weights until rank 0 says STOP."""
 
     def compute_round(self, local: LocalSGD | None, pulled: Any, lr: float,
@@ -630,78 +512,13 @@ class AsgdWorker(WorkerLoop):
                                  correct=correct, loss=loss, compute_s=t1 - t0, comm_s=comm_s, wait_s=wait_s,
                                  lr=lr, cursor=self.cursor, data_s=data_s, flags=flags)
             st.before_send()  # each slice of the gradient into its shard's push (encoded: 16-bit wire)
-            receives = self.post_replies(ranks)  # every receive is posted before its push is sent
-            for s in range(S):
-                pushes.post(s, self.comm.Isend(st.send_bufs[s], dest=ranks[s], tag=int(Tag.PUSH)))
+            receives = self.post_exchange(pushes, ranks)
             comm_s = time.perf_counter() - t1
             tags, wait_s = self.receive_replies(receives, ranks, versions, f"reply to push step {self.step}")
         pushes.drain()
         self.finish_shards(tags, ranks, versions)
         self.buffers_from(st.params)  # the final weights, and rank 0's mean buffers: what the snapshot holds
         self.bind(st.params, st.grads)
-
-    def post_replies(self, ranks: list[int]) -> list:
-        """Post the receive of each shard's next reply (WEIGHTS or STOP) into its buffer; the requests."""
-        return [self.comm.Irecv(buf, source=r, tag=MPI.ANY_TAG) for buf, r in zip(self.staging.recv_bufs, ranks,
-                                                                                  strict=True)]
-
-    def receive_replies(self, receives: list, ranks: list[int], versions: list[int], what: str,
-                        timeout: float = 0.0, initial: bool = False) -> tuple[list[Tag], float]:
-        """Wait for every shard's reply (each within `timeout`, default the worker's: CommTimeout naming the
-        shard and its rank), check each (`check_reply`), then copy them into the bound weights; returns
-        (their tags, seconds waited)."""
-        t = time.perf_counter()
-        tags = []
-        for s, (request, r) in enumerate(zip(receives, ranks, strict=True)):
-            status = MPI.Status()
-            wait(request, f"{what} from parameter-server shard {s} (rank {r})", self.rank,
-                 timeout or self.cfg.worker_timeout, status)
-            tags.append(self.check_reply(s, r, status, versions, initial))
-        self.staging.after_receive()
-        return tags, time.perf_counter() - t
-
-    def check_reply(self, s: int, r: int, status: Any, versions: list[int], initial: bool = False) -> Tag:
-        """The tag of shard `s`'s reply (from rank `r`), after the checks of `receive_weights` against that
-        shard's last version (`versions[s]`, updated); a resumed run's initial weights from shard 0 set this
-        worker's step, data position and clock. ProtocolError naming the shard."""
-        msg = self.staging.weights[s]
-        tag = parse_tag(status.Get_tag(), status.Get_source(), self.rank)
-        shard = f"parameter-server shard {s} (rank {r})"
-        if tag not in (Tag.WEIGHTS, Tag.STOP):
-            raise ProtocolError(f"rank {self.rank}: expected WEIGHTS or STOP from {shard}, got {tag.name}")
-        check_size(tag, r, self.rank, status.Get_count(MPI.BYTE), msg.count, msg.wire, f" from {shard}")
-        check(msg, tag, r, self.rank)
-        version, step, flags = int(msg.header["version"]), int(msg.header["step"]), int(msg.header["flags"])
-        if initial and s == 0 and flags & Flag.RESUME:
-            self.resume(msg.header)
-        if tag == Tag.STOP and flags & Flag.PREEMPT:
-            self.preempted = True
-        if step != self.step or version < versions[s]:
-            raise ProtocolError(f"rank {self.rank}: {tag.name} from {shard} answers step {step} at version {version}; "
-                                f"expected step {self.step} at version >= {versions[s]}")
-        versions[s] = version
-        if s == 0:
-            self.version = version
-        return tag
-
-    def finish_shards(self, tags: list[Tag], ranks: list[int], versions: list[int]) -> None:
-        """Some shard answered STOP: ask each shard that answered WEIGHTS for its final slice (FINISH) and wait
-        for its STOP; the bound weights are then every shard's final slice."""
-        open_ = [s for s, tag in enumerate(tags) if tag == Tag.WEIGHTS]
-        if not open_:
-            return
-        ask = Message(0).stamp(Tag.FINISH, self.rank, step=self.step)  # read by every send, written by none
-        receives = {s: self.comm.Irecv(self.staging.recv_bufs[s], source=ranks[s], tag=MPI.ANY_TAG) for s in open_}
-        sends = [self.comm.Isend(ask.buf, dest=ranks[s], tag=int(Tag.FINISH)) for s in open_]
-        for s in open_:
-            status = MPI.Status()
-            wait(receives[s], f"final weights (STOP, after FINISH step {self.step}) from parameter-server shard {s} "
-                 f"(rank {ranks[s]})", self.rank, self.cfg.worker_timeout, status)
-            if self.check_reply(s, ranks[s], status, versions) != Tag.STOP:
-                raise ProtocolError(f"rank {self.rank}: parameter-server shard {s} (rank {ranks[s]}) answered FINISH "
-                                    f"with WEIGHTS, expected STOP")
-        wait_all(sends, "completion of the FINISH sends", self.rank, self.cfg.worker_timeout)
-        self.staging.after_receive()
 
 
 class AsgdMode(Mode):
@@ -750,8 +567,7 @@ class AsgdMode(Mode):
         on its slice of `params`, `decay_mask` and the learning-rate multipliers, with the layer buffers on
         shard 0 only (`mpiasgd.comms.shards`)."""
         scale, buffers = lr_scale(model), initial_buffers(model)
-        cut = ShardCut.balanced(params.size, 0 if buffers is None else buffers.size, r0.cfg.servers)
-        s = cut.shard_of(r0.rank, len(r0.workers))
+        cut, s = server_shard(r0, params.size, buffers)
         a, b = cut.slice(s)
         server = self.server(r0, params[a:b], decay_mask[a:b], None if scale is None else scale[a:b],
                              buffers if s == 0 else None)

@@ -30,6 +30,24 @@ Evaluation during training (--eval-interval; `mpiasgd.rank0.evals`): when one is
 the next WEIGHTS reply to every running worker carries flag EVALUATE; the worker evaluates the center
 that reply carries (the x~ its exchange used, with rank 0's mean buffers) on its test slice before its
 next local steps, sends EVAL (flag EVALUATE) and goes on. Its own x_i is not evaluated.
+
+Rank 0 counts the bytes of every exchange (the summary's `wire_bytes_pushed`, `wire_bytes_pulled`; always
+fp32: `--wire` is async's and ssp's).
+
+`--servers S` (`mpiasgd.comms.shards`): S parameter-server shards, rank 0 and ranks N+1..N+S-1, each an
+EasgdCenter on its contiguous slice of the center (shard 0 also carries the layer buffers), with its own
+version counter; `EasgdMode.rank0` gives each rank its slice. The elastic update is elementwise, so it shards
+exactly: an exchange sends shard s its slice of x_i (PUSH, with the version of shard s's slice the worker last
+got); shard s computes delta = alpha (x_i - x~) on its slice, moves its slice of x~ by it, counts a version
+and answers with its slice of x~ before the update; the worker assembles the S slices and takes its elastic
+step x_i -= alpha (x_i - x~) over the whole vector (`EasgdWorker.train_sharded`, with
+`mpiasgd.modes.shards`). Given the same arrival order, the S shards end with the center of one server, bit
+for bit. The step size and flags come from shard 0. The stop, FINISH, evaluation, checkpoints (every slice,
+velocity zeros, `shard_versions`; `--resume` keeps S), preemption and a dead or hung shard are as for async
+(`mpiasgd.rank0.server`, `mpiasgd.rank0.shards`): only rank 0 decides; the shards agree which exchanges in
+flight each applies, so every shard ends at the same version and every worker evaluates the same final
+center. Each shard's staleness is counted on its own versions (/shard_pushes). With S = 1 nothing of this
+runs.
 """
 
 from __future__ import annotations
@@ -41,11 +59,11 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpiasgd import checkpoint
-from mpiasgd.comms import Flag, Message, Tag, wait
-from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, initial_buffers, need, round_fits
+from mpiasgd.comms import Flag, Message, SendSlots, Tag, wait
+from mpiasgd.modes.base import Mode, WorkerJob, initial_buffers, need, round_fits
+from mpiasgd.modes.shards import ShardedWorker
 from mpiasgd.optim import LocalSGD, Schedule, finite_square, fraction_done
-from mpiasgd.rank0.role import Role
+from mpiasgd.rank0.server import ShardedServer, server_shard
 
 BETA = 0.9  # the paper's beta = p alpha
 
@@ -60,32 +78,27 @@ def elastic_difference(x: Any, center: Any, alpha: float) -> Any:
     return np.float32(alpha) * (x - center)
 
 
-class EasgdCenter(Role):
-    """(rank 0) The center variable x~ (`params`, float32 (P,)) and the exchanges; see the module docstring."""
-
-    checkpoints_here = True
-    snapshots_here = True
+class EasgdCenter(ShardedServer):
+    """(rank 0, or a parameter-server shard) The center variable x~ (`params`, float32 (P,): the whole vector, or
+    this shard's slice) and the exchanges; see the module docstring (`ShardedServer`: the replies, the shards).
+    `buffers` (float32 (B,)): the layers' initial buffers (shard 0)."""
 
     def __init__(self, r0: Any, params: np.ndarray, buffers: np.ndarray | None = None) -> None:
         super().__init__(r0, params, buffers)
         self.alpha = moving_rate(self.cfg, len(self.workers))
         self.schedule = Schedule.of(self.cfg)
-        self.P = P = params.size
-        self.inbox = {w: Message(P + self.buffers.size) for w in self.workers}  # x_i, then its buffers
-        self.outbox = {w: Message(P + self.buffers.size) for w in self.workers}
-
-    def handlers(self) -> dict:
-        return {Tag.PUSH: self.on_exchange, Tag.EVAL: self.on_eval}
-
-    def buffer_for(self, tag: Tag, source: int) -> Message | None:
-        return self.inbox[source] if tag == Tag.PUSH else None
+        # worker -> version of the center an applied exchange used, which its send buffer holds (`take_push`):
+        # the WEIGHTS answering that exchange carries it (any other reply: the center now)
+        self.carried: dict[int, int] = {}
 
     def begin(self) -> None:
         for w in self.workers:
+            self.started.add(w)
             self.send(w, Tag.WEIGHTS, self.last_step[w], initial=True)
 
     def tick(self) -> None:
         self.rec.check_stop()
+        self.answer_finishing()  # (--servers: STOP to the workers owed one, once the shards agreed)
         if self.periodic.due():  # --eval-interval: the running workers evaluate the center of their next reply
             self.periodic.ask([w for w in self.workers if w not in self.stopped])
 
@@ -96,37 +109,45 @@ class EasgdCenter(Role):
         epoch = rec.epoch + ahead
         return self.schedule(epoch, fraction_done(rec.rule, epoch, rec.version, rec.train_time()))
 
-    def send(self, w: int, tag: Tag, step: int, initial: bool = False, center: np.ndarray | None = None) -> None:
-        """Post the center (or `center`, the one an exchange used) to worker `w`: WEIGHTS or STOP."""
+    def send(self, w: int, tag: Tag, step: int, initial: bool = False) -> None:
+        """Post the center (this slice of it) to worker `w`: WEIGHTS or STOP. The WEIGHTS answering an applied
+        exchange carries the center that exchange used (`carried`, already in the send buffer); every other
+        reply the center now."""
         self.out[w].take(0)
         out = self.outbox[w]
-        out.payload[:self.P] = self.params if center is None else center
+        version = self.carried.pop(w, None)  # the version of the center this reply carries
+        if tag != Tag.WEIGHTS or version is None:
+            out.payload[:self.P] = self.params
+            version = self.rec.version
         if self.buffers.size:  # a worker takes them from its first WEIGHTS only (see AsgdServer)
             out.payload[self.P:] = self.current_buffers()
-        flags = Flag.PREEMPT if tag == Tag.STOP and self.r0.preempted else 0
+        flags = Flag.PREEMPT if tag == Tag.STOP and self.r0.stops_on_signal else 0
         if initial and self.rec.resumed is not None:
             flags |= Flag.RESUME
-        # --eval-interval: the center this reply carries is evaluated (`center`: the one before this update)
-        number = (self.periodic.flag(w, self.rec.version - (center is not None))
-                  if tag == Tag.WEIGHTS and not initial else 0)
+        # --eval-interval: the center this reply carries is evaluated
+        number = self.periodic.flag(w, version) if tag == Tag.WEIGHTS and not initial else 0
         if number:
             flags |= Flag.EVALUATE
         out.stamp(tag, self.rank, step=step, version=self.rec.version, flags=flags, cursor=self.cursor[w],
                   elapsed=self.rec.train_time(), lr=self.local_lr(), epoch=number)
         self.post(w, out, tag)
+        self.rec.count_wire(pulled=out.buf.nbytes)
 
-    def on_exchange(self, w: int, msg: Message) -> None:
+    def take_push(self, w: int, msg: Message) -> None:
+        """An exchange of worker `w` (checked: `on_push`): its x_i moves the center unless it is not finite or
+        comes after the stop (S > 1: unless the shards agreed to apply it, `admits`); logged and answered."""
         rec = self.rec
         h = msg.header
-        step, base = self.check_push(w, msg)
+        step, base = int(h["step"]), int(h["version"])
         self.last_step[w] = step
         self.cursor[w] = int(h["cursor"])
         if int(h["flags"]) & Flag.PREEMPT:
             self.r0.signal_from(f"a signal received by worker rank {w}")
         staleness = rec.version - base
+        rec.count_wire(pushed=msg.buf.nbytes)
         x = msg.payload[:self.P]
         rejected = not finite_square(x)[0]
-        applied = not rejected and not rec.stop_reason
+        applied = not rejected and self.admits(step, w)
         if applied:  # (not after the stop: the mean the STOPs carry is the final snapshot's)
             self.take_buffers(w, msg.payload[self.P:])
         norm = 0.0
@@ -134,6 +155,7 @@ class EasgdCenter(Role):
             self.out[w].take(0)
             center = self.outbox[w].payload[:self.P]
             center[:] = self.params                           # the center this exchange uses, sent back
+            self.carried[w] = rec.version
             delta = elastic_difference(x, center, self.alpha)
             self.params += delta                              # x~ <- x~ + alpha (x_i - x~)
             norm = math.sqrt(finite_square(delta)[1])
@@ -151,26 +173,17 @@ class EasgdCenter(Role):
             rec.reject(w, step, "weight vector")
         else:
             rec.accept(w)
-        if rec.stop_reason:
-            self.stopped.add(w)
-            self.periodic.withdraw(w)
-            self.send(w, Tag.STOP, step)
-        elif applied:
-            self.send(w, Tag.WEIGHTS, step, center=self.outbox[w].payload[:self.P].copy())
-        else:  # rejected: the center as it is (the worker's elastic step then moves it toward it)
-            self.send(w, Tag.WEIGHTS, step)
-
-    def state(self, reason: str) -> checkpoint.Checkpoint:
-        """The center, each worker's step and data position (velocity zero: the workers hold theirs)."""
-        return self.rec.checkpoint(self.params, np.zeros_like(self.params), reason,
-                                   {w: (self.last_step[w], self.cursor[w]) for w in self.workers},
-                                   self.rec.train_time(), self.current_buffers())
+        self.reply(w, step)  # (rejected: the center as it is; the worker's elastic step then moves it toward it)
 
 
-class EasgdWorker(WorkerLoop):
-    """(workers) tau local momentum SGD steps on x_i, then an elastic exchange with rank 0; see the module."""
+class EasgdWorker(ShardedWorker):
+    """(workers) tau local momentum SGD steps on x_i, then an elastic exchange with rank 0 (--servers S > 1: with
+    every parameter-server shard, `train_sharded`); see the module docstring."""
 
     def train(self) -> None:
+        if self.cfg.servers > 1:
+            self.train_sharded()
+            return
         cfg, model, rank, staging = self.cfg, self.model, self.rank, self.staging
         ops = model.ops
         request = self.comm.Irecv(staging.recv_buf, source=0, tag=MPI.ANY_TAG)
@@ -190,15 +203,7 @@ class EasgdWorker(WorkerLoop):
                 self.evaluate_during_training(int(staging.weights.header["epoch"]), self.version, staging.params)
                 self.bind(x, grads)
             t0 = time.perf_counter()
-            loss = correct = samples = epoch = 0
-            for _ in range(cfg.easgd_tau):
-                batch_loss, batch_correct, batch_samples, epoch = self.gradient()
-                local.step(lr)
-                loss += batch_loss * batch_samples
-                correct += batch_correct
-                samples += batch_samples
-                if self.signalled() or (cfg.max_time and time.perf_counter() - began >= cfg.max_time):
-                    break  # a signal, --max-time: exchange what this round has; rank 0 then stops the run
+            loss, correct, samples, epoch = self.local_round(local, lr, began)
             staging.grads[:self.P] = x                # the push carries x_i, then this worker's buffers
             self.buffers_into(staging.grads)
             staging.finish_compute()
@@ -206,7 +211,7 @@ class EasgdWorker(WorkerLoop):
             t1 = time.perf_counter()
             self.step += 1
             staging.push.stamp(Tag.PUSH, rank, step=self.step, version=self.version, samples=samples, epoch=epoch,
-                               correct=correct, loss=loss / samples, compute_s=t1 - t0, comm_s=comm_s,
+                               correct=correct, loss=loss, compute_s=t1 - t0, comm_s=comm_s,
                                wait_s=wait_s, lr=lr, cursor=self.cursor, data_s=self.take_data_s(),
                                flags=Flag.PREEMPT if self.signalled() else 0)
             staging.before_send()
@@ -221,6 +226,82 @@ class EasgdWorker(WorkerLoop):
         if tag == Tag.STOP:
             self.buffers_from(staging.params)        # with rank 0's mean buffers, as the last snapshot
         self.bind(staging.params, grads)             # the final center: what this worker evaluates
+
+    def local_round(self, local: LocalSGD, lr: float, began: float) -> tuple[float, int, int, int]:
+        """The tau local steps of one round on the bound x_i at step size `lr` (fewer on a signal or at --max-time,
+        `began` being the training clock's start: the exchange then carries what the round has; rank 0 stops the
+        run). Returns (mean loss over the round's samples, correct, samples, epoch of the last minibatch)."""
+        cfg = self.cfg
+        loss = correct = samples = epoch = 0
+        for _ in range(cfg.easgd_tau):
+            batch_loss, batch_correct, batch_samples, epoch = self.gradient()
+            local.step(lr)
+            loss += batch_loss * batch_samples
+            correct += batch_correct
+            samples += batch_samples
+            if self.signalled() or (cfg.max_time and time.perf_counter() - began >= cfg.max_time):
+                break
+        return loss / samples, correct, samples, epoch
+
+    # --- --servers S > 1: one message per shard each way ---
+    def train_sharded(self) -> None:
+        """The loop of `train` with S parameter-server shards (`mpiasgd.modes.shards`): each exchange sends every
+        shard its slice of x_i (and the version of that shard's center it last got), and x_i takes its elastic
+        step once all S slices of the center have arrived: the same float32 operations on the same values as
+        with one server, elementwise. `self.staging` is a ShardedStaging; the step size and flags come from
+        shard 0 (rank 0). When one shard answers STOP, every shard that answered the same exchange with
+        WEIGHTS is sent FINISH and answers with STOP and its final slice (`finish_shards`)."""
+        cfg, model, rank = self.cfg, self.model, self.rank
+        st = self.staging
+        ranks = self.shard_ranks()
+        S = len(ranks)
+        pushes = SendSlots(list(range(S)), "exchange", rank, cfg.worker_timeout)  # slot s: the push to shard s
+        versions = [-1] * S  # the version of each shard's slice of the center last received
+        tags, wait_s = self.receive_replies(self.post_replies(ranks), ranks, versions, "initial center",
+                                            initial=True)
+        x, grads = model.ops.empty(model.num_params), model.ops.empty(model.num_params)
+        x[...] = st.params[:self.P]                  # x_i starts at the center
+        self.buffers_from(st.params)                 # and the buffers at rank 0's
+        self.bind(x, grads)
+        local = LocalSGD(model, cfg.momentum, cfg.weight_decay, nesterov=cfg.nesterov)
+        alpha = moving_rate(cfg, self.comm.Get_size() - S)
+        began = time.perf_counter() - self.elapsed
+        comm_s = 0.0
+        while Tag.STOP not in tags:
+            head = st.weights[0].header  # rank 0's: the step size, the flags
+            lr = float(head["lr"])
+            if int(head["flags"]) & Flag.EVALUATE:  # --eval-interval: the center received
+                self.bind(st.params, grads)
+                self.evaluate_during_training(int(head["epoch"]), versions[0], st.params)
+                self.bind(x, grads)
+            t0 = time.perf_counter()
+            loss, correct, samples, epoch = self.local_round(local, lr, began)
+            t = time.perf_counter()
+            for s in range(S):  # the previous exchange's sends have completed: the push buffers are free
+                pushes.take(s)
+            comm_s += time.perf_counter() - t
+            st.grads[:self.P] = x                    # the pushes carry x_i, then this worker's buffers
+            self.buffers_into(st.grads)
+            st.finish_compute()  # cupy: device sync point
+            self.straggle(t0)
+            t1 = time.perf_counter()
+            self.step += 1
+            flags, data_s = Flag.PREEMPT if self.signalled() else 0, self.take_data_s()
+            for s in range(S):
+                st.push[s].stamp(Tag.PUSH, rank, step=self.step, version=versions[s], samples=samples, epoch=epoch,
+                                 correct=correct, loss=loss, compute_s=t1 - t0, comm_s=comm_s, wait_s=wait_s,
+                                 lr=lr, cursor=self.cursor, data_s=data_s, flags=flags)
+            st.before_send()  # each slice of x_i into its shard's push
+            receives = self.post_exchange(pushes, ranks)
+            comm_s = time.perf_counter() - t1
+            tags, wait_s = self.receive_replies(receives, ranks, versions, f"reply to exchange {self.step} (the "
+                                                "center)")
+            if Tag.STOP not in tags:                 # x_i <- x_i - alpha (x_i - x~), x~ assembled from S slices
+                x -= elastic_difference(x, st.params[:self.P], alpha)
+        pushes.drain()
+        self.finish_shards(tags, ranks, versions)
+        self.buffers_from(st.params)                 # with rank 0's mean buffers, as the last snapshot
+        self.bind(st.params, grads)                  # the final center: what this worker evaluates
 
 
 class EasgdMode(Mode):
@@ -240,7 +321,14 @@ class EasgdMode(Mode):
 
     def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,
               layout: Any) -> EasgdCenter:
-        return EasgdCenter(r0, params, initial_buffers(model))
+        """The center variable of rank `r0.rank`: the whole vector, or (--servers S) the shard that rank holds, on
+        its slice of `params`, with the layer buffers on shard 0 only (`mpiasgd.comms.shards`)."""
+        buffers = initial_buffers(model)
+        cut, s = server_shard(r0, params.size, buffers)
+        a, b = cut.slice(s)
+        center = EasgdCenter(r0, params[a:b], buffers if s == 0 else None)
+        center.cut, center.shard = cut, s
+        return center
 
     def worker(self, job: WorkerJob) -> EasgdWorker:
         return EasgdWorker(job)

@@ -46,6 +46,7 @@ class ModeSpec:
 
 
 PS_MODES = ("async", "ssp")  # the parameter-server modes of GPU A-SGD
+SERVER_MODES = (*PS_MODES, "easgd")  # the modes whose rank 0 answers every push (`mpiasgd.rank0.server`)
 
 MODES: dict[str, ModeSpec] = {spec.name: spec for spec in (
     ModeSpec("async", "mpiasgd.modes.asgd", "A-SGD through the parameter server"),
@@ -86,10 +87,10 @@ OPTIONS: tuple[Option, ...] = (  # in the order report tables label a variant
            "forward's activations: recompute (keep the input, re-run the forward before the backward: the "
            "activations of the weights then) | store (keep every layer's activations of the forward, FDG's; more "
            "memory, no extra forward)", ("pipeline",), "pipeline", label="activations={}"),
-    Option("servers", 1, "int", "async/ssp: S parameter-server shards, each owning a contiguous slice of the "
-           "parameters (balanced by bytes): rank 0 and ranks N+1..N+S-1 after the N workers (launch N + S ranks); "
-           "each applies its slice with its own version counter; 1 = one server", PS_MODES, fixed_on_resume=True,
-           label="S={}"),
+    Option("servers", 1, "int", "async/ssp/easgd: S parameter-server shards, each owning a contiguous slice of "
+           "the parameters (easgd: of the center variable; balanced by bytes): rank 0 and ranks N+1..N+S-1 after the "
+           "N workers (launch N + S ranks); each applies its slice with its own version counter; 1 = one server",
+           SERVER_MODES, fixed_on_resume=True, label="S={}"),
     Option("nsync", 1, "int", "async/ssp: local optimizer steps between exchanges; a worker pushes the accumulated "
            "update (its weights minus the weights it pulled) every NSYNC minibatches (n_push = n_fetch = NSYNC, "
            "GPU A-SGD / Downpour); 1 = push every gradient", PS_MODES),

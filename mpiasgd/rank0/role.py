@@ -106,7 +106,7 @@ class Role:
 
     def settled(self) -> bool:
         """The state is final after the stop (a checkpoint of it may be written): at once, unless a role waits
-        for something first (`AsgdServer.settled`: the shards' agreement)."""
+        for something first (`ShardedServer.settled`: the shards' agreement)."""
         return True
 
     def on_preempt(self) -> None:

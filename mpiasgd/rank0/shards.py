@@ -29,10 +29,11 @@ push after the decision until the shards agree which pushes each applies:
       of those steps; SHARD_FINAL to every shard    on SHARD_FINAL: `settle`
     role.settle(final)
 
-`AsgdServer.settle` then processes the deferred pushes: applies each worker's up to final[w] and drops later
-ones. A worker has one push in flight and sends it to every shard at once, so every push of that set reaches
-every shard. Once a shard has applied all of them (`settled`), it answers every push and FINISH with STOP
-and its final slice, and FETCH (a checkpoint on a signal: rank 0 writes it once it has settled, `Rank0.tick`).
+`ShardedServer.settle` (`mpiasgd.rank0.server`: the servers of async, ssp and easgd) then processes the
+deferred pushes: applies each worker's up to final[w] and drops later ones. A worker has one push in flight and
+sends it to every shard at once, so every push of that set reaches every shard. Once a shard has applied all
+of them (`settled`), it answers every push and FINISH with STOP and its final slice, and FETCH (a checkpoint
+on a signal: rank 0 writes it once it has settled, `Rank0.tick`).
 So every shard ends at the same version with the same pushes applied, every worker evaluates the same final
 weights, and the final snapshot (rank 0 asks after every EVAL) is those weights.
 
@@ -219,7 +220,7 @@ class ShardHub:
     def tell_stop(self) -> None:
         """SHARD_STOP to every shard (flag PREEMPT when a signal ends the run): they process no more pushes until
         SHARD_FINAL (`agree`). Rank 0's own last steps are those it processed before it decided (it defers
-        every later push: `AsgdServer.on_push`)."""
+        every later push: `ShardedServer.on_push`)."""
         if self.stop_told:
             return
         self.stop_told = True
@@ -230,7 +231,7 @@ class ShardHub:
 
     def agree(self) -> None:
         """Once every shard's SHARD_STOPPED is in: each worker's final step, the largest any shard (rank 0's
-        included) had processed, to every shard (SHARD_FINAL) and to rank 0's role (`AsgdServer.settle`)."""
+        included) had processed, to every shard (SHARD_FINAL) and to rank 0's role (`ShardedServer.settle`)."""
         if len(self.stopped_steps) < len(self.shards):
             return
         final = {w: max([step, *(steps[w] for steps in self.stopped_steps.values())])
@@ -463,7 +464,7 @@ class HubLink:
         """SLICE: this shard's params and velocity now (zeros without momentum), answering FETCH `number`."""
         msg = self.slice.take(0)
         msg.payload[:self.size] = self.role.params
-        velocity = self.role.optimizer.velocity
+        velocity = self.role.velocity()  # (easgd: none; the workers hold theirs)
         msg.payload[self.size:] = 0.0 if velocity is None else velocity
         msg.stamp(Tag.SLICE, self.rank, step=number, version=self.rec.version, samples=self.rec.samples,
                   **wire_fields(self.rec))

@@ -51,7 +51,7 @@ One file per run, `RUN_DIR/NAME.h5`:
     /checkpoints CHECKPOINT_ROW: time, seconds (to write it), version, samples, elapsed (training seconds
                  it holds), reason (interval | end | preempt | failure: a worker died); the file is
                  RUN_DIR/NAME.ckpt.h5
-    /wire_bytes  (async, ssp) WIRE_BYTES_ROW, one row per parameter-server shard with every checkpoint: time
+    /wire_bytes  (async, ssp, easgd) WIRE_BYTES_ROW, one row per parameter-server shard with every checkpoint: time
                  (the checkpoint's log time), shard, pushed, pulled: the bytes of the exchange (PUSH received;
                  WEIGHTS and STOP sent; headers included) the shard had moved by then, so that a resumed run's
                  summary attributes wire_bytes_pushed and wire_bytes_pulled (every shard's) continue from its

@@ -208,7 +208,7 @@ class ShardPushRow(Record):
 @_table("wire_bytes")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WireBytesRow(Record):
-    """The bytes of the parameter-server exchange (async, ssp) one shard had moved when the state of a
+    """The bytes of the parameter-server exchange (async, ssp, easgd) one shard had moved when the state of a
     checkpoint was taken: one row per shard (shard 0 alone with one server) with every checkpoint written, at
     the checkpoint's log time. A resume continues the counts (the summary's wire_bytes_*) from the rows of its
     checkpoint; the modes that do not count them write none."""

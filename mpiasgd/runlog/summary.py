@@ -165,9 +165,10 @@ def megabytes(n: float) -> str:
 
 
 def wire_line(run: dict) -> str:
-    """(async, ssp) The wire format and the bytes moved, from the summary's wire_bytes_pushed and wire_bytes_pulled
-    (every shard's; a resumed run's every job): "fp16: 12.3 MB pushed (2,072 bytes a push), 13.0 MB pulled",
-    with each shard's part under --servers S > 1; "" for a log without them (other modes, a killed run)."""
+    """(async, ssp, easgd) The wire format and the bytes moved, from the summary's wire_bytes_pushed and
+    wire_bytes_pulled (every shard's; a resumed run's every job): "fp16: 12.3 MB pushed (2,072 bytes a push),
+    13.0 MB pulled", with each shard's part under --servers S > 1; "" for a log without them (other modes, a
+    killed run)."""
     pushed, pulled = run.get("wire_bytes_pushed"), run.get("wire_bytes_pulled")
     if pushed is None or pulled is None:
         return ""

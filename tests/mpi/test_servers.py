@@ -151,6 +151,60 @@ def test_two_shards_resume_continues_every_shards_versions(mpirun, tmp_path):
     assert res.returncode == 2 and "config key 'servers' = 1: a resumed run keeps 2" in res.stderr, res.explain()
 
 
+EASGD = ["--mode", "easgd", "--easgd-tau", "2", "--lr", "0.05"]
+
+
+def test_two_shards_train_digits_with_easgd(mpirun, tmp_path):
+    """--mode easgd: each shard holds its slice of the center variable; every exchange moves every slice; the
+    evaluations during training evaluate the center assembled from every shard's slice."""
+    res = mpirun(RANKS, ["train", *FAST, *EASGD, "--servers", str(SERVERS), "--epochs", "3", "--eval-interval", "1ep",
+                         "--name", "e"], timeout=180)
+    assert res.returncode == 0, res.explain()
+    assert f"shard 1 (rank {SHARD_RANK})" in res.stdout, res.explain()
+    attrs, t, params = read_log(tmp_path / "runs" / "e.h5")
+    assert attrs["status"] == "completed" and attrs["mode"] == "easgd" and attrs["num_workers"] == WORKERS
+    check_shards(attrs, t)
+    # every exchange carries x_i, all of it: the bytes of one unsharded push and one more header
+    assert attrs["wire_bytes_pushed"] == len(t["pushes"]) * (message_bytes(attrs["num_params"]) + HEADER_BYTES)
+    assert t["pushes"]["samples"].max() == 2 * 16  # tau 2 local steps of 16 images
+    evals = t["periodic_evals"]
+    assert len(evals) >= 2 and (evals["epoch"] < 3).all() and (evals["count"] == 360).all(), evals
+    assert (evals["top1"] > 0.3).all() and (evals["version_min"] <= evals["version_max"]).all(), evals
+    assert np.isfinite(params).all() and not np.array_equal(params[0], params[-1])
+    assert attrs["test_accuracy"] > 0.8 and attrs["test_count"] == 360, res.explain()  # chance: 0.1
+    ck = checkpoint.load(str(tmp_path / "runs" / "e.ckpt.h5"))  # the final center, assembled
+    np.testing.assert_array_equal(ck.params, params[-1])
+    assert not ck.momentum.any()  # the workers hold their velocity
+    assert ck.shard_versions.tolist() == list(attrs["shard_versions"]) == [attrs["version"]] * SERVERS
+
+
+def test_two_shards_resume_easgd_continues_every_shards_versions(mpirun, tmp_path):
+    common = [*FAST, *EASGD, "--servers", str(SERVERS), "--epochs", "0", "--lr-schedule", "constant"]
+    res = mpirun(RANKS, ["train", *common, "--max-pushes", "40", "--name", "er"], timeout=120)
+    assert res.returncode == 0, res.explain()
+    first = checkpoint.load(str(tmp_path / "runs" / "er.ckpt.h5"))
+    assert first.mode == "easgd" and 40 <= first.version < 40 + WORKERS
+    assert first.shard_versions.tolist() == [first.version] * SERVERS
+    res = run_mpi(RANKS, ["train", "--resume", "runs/er.ckpt.h5", "--max-pushes", "80", "--no-progress"], 120,
+                  tmp_path)
+    assert res.returncode == 0, res.explain()
+    attrs, t, params = read_log(tmp_path / "runs" / "er.h5")
+    assert attrs["status"] == "completed" and 80 <= attrs["version"] < 80 + WORKERS
+    versions = check_shards(attrs, t, resumed_from=first.shard_versions, jobs=2)
+    resume = float(t["events"]["time"][t["events"]["kind"] == b"resume"][0])
+    for s in range(SERVERS):  # after the resume every shard counts on from its checkpointed version
+        rows = shard_rows(t, s)
+        later = rows[(rows["time"] >= resume) & (rows["applied"] == 1)]
+        assert later["version"].tolist() == list(range(int(first.shard_versions[s]) + 1, versions[s] + 1))
+    for w in (1, 2):  # and every worker's exchanges continue
+        steps = t["pushes"]["step"][t["pushes"]["worker"] == w].tolist()
+        assert steps == list(range(1, len(steps) + 1)), steps
+    final = checkpoint.load(str(tmp_path / "runs" / "er.ckpt.h5"))
+    assert final.shard_versions.tolist() == versions
+    np.testing.assert_array_equal(final.params, params[-1])
+    assert np.isfinite(params).all() and attrs["test_accuracy"] > 0.3, res.explain()
+
+
 def shard_pid(runs, name):
     attrs, _, _ = read_log(runs / f"{name}.h5")
     return int(json.loads(attrs["shard_processes"])[0][2])
@@ -185,8 +239,9 @@ def test_killed_shard_ends_the_job_naming_it(tmp_path):
     assert ck.reason == "interval" and ck.shard_versions.size == SERVERS
 
 
-def test_signal_on_a_shard_checkpoints_and_the_run_resumes(tmp_path):
-    proc = start_mpi(RANKS, ["train", *FAST, "--servers", str(SERVERS), "--epochs", "0", "--max-time", "120",
+@pytest.mark.parametrize("mode", [[], EASGD], ids=["async", "easgd"])
+def test_signal_on_a_shard_checkpoints_and_the_run_resumes(tmp_path, mode):
+    proc = start_mpi(RANKS, ["train", *FAST, *mode, "--servers", str(SERVERS), "--epochs", "0", "--max-time", "120",
                              "--name", "p"], tmp_path)
     runs = tmp_path / "runs"
     try:

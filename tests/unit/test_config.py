@@ -93,7 +93,8 @@ def test_missing_toml_file():
     ({"dc_lambda": 0.5, "nsync": 4}, r"'dc_lambda' = 0.5: expected 0 with nsync > 1"),
     ({"dc_lambda": 0.5, "overlap": True}, r"'dc_lambda' = 0.5: expected 0 with --overlap"),
     ({"servers": 0}, r"'servers' = 0: expected an integer >= 1"),
-    ({"mode": "easgd", "servers": 2}, r"'servers' = 2: expected 1 in mode 'easgd'"),
+    ({"mode": "sync", "servers": 2}, r"'servers' = 2: expected 1 in mode 'sync'"),
+    ({"mode": "pipeline", "servers": 2}, r"'servers' = 2: expected 1 in mode 'pipeline'"),
     ({"mode": "sync", "lookahead": 1.0}, r"'lookahead' = 1.0: expected 0.0 in mode 'sync'"),
     ({"lookahead": -2.0}, r"'lookahead' = -2.0: expected updates from 0 \(off\) to 1000, or -1"),
     ({"lookahead": 1.0, "momentum": 0.0}, r"'lookahead' = 1.0: expected 0 with momentum 0"),
@@ -125,6 +126,12 @@ def test_missing_toml_file():
 def test_out_of_range_values(values, match):
     with pytest.raises(ConfigError, match=match):
         from_mapping(values).validate()
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp", "easgd"])
+def test_every_mode_with_a_parameter_server_takes_servers(mode):
+    """--servers S: the modes whose rank 0 answers every push shard it (`mpiasgd.rank0.server`)."""
+    assert from_mapping({"mode": mode, "servers": 3}).validate().servers == 3
 
 
 def test_bad_flags_raise_config_error_not_exit():

@@ -98,6 +98,68 @@ def test_shards_end_with_the_weights_of_one_server(tmp_path, servers, options):
     assert many[3].shards == servers and sum(many[3].size(s) for s in range(servers)) == P
 
 
+EXCHANGES = [1, 2, 3, 1, 1, 2, 3, 3, 1, 2, 2, 1, 3, 1, 2, 3, 3, 3, 1, 2]  # easgd: the arrival order of the exchanges
+NOT_FINITE = 9  # easgd: the exchange whose x_i is NaN everywhere (rejected by every shard)
+
+
+@pytest.mark.parametrize("servers", [2, 3])
+def test_easgd_shards_end_with_the_center_of_one_server(tmp_path, servers):
+    """--mode easgd: S shards, each moving its slice of the center x~ toward its slice of x_i, end with the center
+    of one server bit for bit when the exchanges arrive in the same order; so does every reply (the center before
+    each update, assembled from S slices), and so every worker's elastic step x_i -= alpha (x_i - x~). Both equal
+    a reference computed here: x~ += alpha (x_i - x~) in float32. A non-finite x_i moves no shard's center and is
+    answered with the center as it is."""
+    from mpiasgd.modes.easgd import elastic_difference
+
+    alpha = 0.3
+    rng = np.random.default_rng(7)
+    noise = [rng.standard_normal(P).astype(np.float32) for _ in EXCHANGES]  # each round's local steps, made up
+    runs = {}
+    for S in (1, servers):
+        job, net, cut, _ = shards(tmp_path / f"S{S}", S, mode="easgd", easgd_alpha=alpha, momentum=0.0)
+        for _, server in job:
+            server.role.begin()  # the initial center to every worker
+        x, pulled = {}, {}  # each worker's x_i; the version of each shard's slice of the center it last got
+        for w in range(1, WORKERS + 1):
+            parts = [reply_of(net, w, rank, cut.count(s), "fp32") for s, (rank, _) in enumerate(job)]
+            x[w] = np.concatenate([values for values, _ in parts])  # x_i starts at the center
+            pulled[w] = [version for _, version in parts]
+        steps = dict.fromkeys(range(1, WORKERS + 1), 0)
+        replies, sent = [], []
+        for i, (w, g) in enumerate(zip(EXCHANGES, noise, strict=True)):
+            steps[w] += 1
+            x[w] = x[w] + np.float32(0.1) * g  # tau local steps
+            sent.append(np.full(P, np.nan, np.float32) if i == NOT_FINITE else x[w].copy())
+            push_slices(net, cut, job, w, steps[w], pulled[w], sent[-1], "fp32")
+            for _, server in job:
+                serve_one(server)
+            parts = [reply_of(net, w, rank, cut.count(s), "fp32") for s, (rank, _) in enumerate(job)]
+            pulled[w] = [version for _, version in parts]
+            center = np.concatenate([values for values, _ in parts])
+            replies.append(center)
+            if i != NOT_FINITE:
+                x[w] -= elastic_difference(x[w], center, alpha)  # the worker's elastic step, on the whole vector
+        assert all(len(set(v)) == 1 for v in pulled.values())  # every shard is at the same version: same order
+        params = np.concatenate([server.params for _, server in job])
+        runs[S] = (params, replies, x, [server.rec.version for _, server in job], cut, sent)
+    one, many = runs[1], runs[servers]
+    np.testing.assert_array_equal(many[5][0], one[5][0])          # (the same exchanges, from the same replies)
+    center = np.linspace(-1, 1, P, dtype=np.float32)              # the reference: one center, in this order
+    for i, pushed in enumerate(one[5]):
+        np.testing.assert_array_equal(one[1][i], center)          # the reply: the center before the update
+        if i != NOT_FINITE:
+            center = center + elastic_difference(pushed, center, alpha)
+    assert not np.array_equal(center, np.linspace(-1, 1, P, dtype=np.float32))
+    np.testing.assert_array_equal(one[0], center)
+    np.testing.assert_array_equal(many[0], one[0])                # the center, bit for bit
+    for a, b in zip(many[1], one[1], strict=True):                # every reply: the center before its update
+        np.testing.assert_array_equal(a, b)
+    for w in range(1, WORKERS + 1):
+        np.testing.assert_array_equal(many[2][w], one[2][w])      # every worker's x_i after its elastic step
+    assert many[3] == [len(EXCHANGES) - 1] * servers              # each shard applied every finite exchange
+    assert many[4].shards == servers
+
+
 def test_each_shard_logs_its_own_staleness(tmp_path):
     """Worker 1 pushes twice before worker 2's first push reaches shard 0, and after it at shard 1 (the pushes of
     one worker travel separately to each shard): the shards apply them in different orders, and each logs the
@@ -316,15 +378,17 @@ def test_a_final_step_behind_what_a_shard_applied_or_naming_other_workers_is_ref
         shard.role.settle({1: 0, 2: 0, 3: 0})
 
 
-def test_the_shards_apply_the_same_pushes_whichever_way_the_stop_races_them(tmp_path):
+@pytest.mark.parametrize("mode", ["async", "easgd"])
+def test_the_shards_apply_the_same_pushes_whichever_way_the_stop_races_them(tmp_path, mode):
     """--max-pushes 2. Rank 0 applies worker 1's and worker 2's first pushes and decides to stop; worker 3's first
     push is still on its way to rank 0. Shard 1 has applied worker 1's and worker 3's; worker 2's is still on its
     way to it. Before the agreement each shard would have ended with another set of pushes (rank 0 without
     worker 3's, shard 1 without worker 2's). Now both apply all three, end at version 3, drop worker 1's second
-    push, and every STOP of a shard carries the same final slice; rank 0 logs both shards' pushes alike."""
+    push, and every STOP of a shard carries the same final slice; rank 0 logs both shards' pushes alike. (easgd:
+    the pushes are x_i, the exchanges of the center's slices; the same agreement.)"""
     from mpiasgd.runlog import open_log
 
-    hub, shard, net, cut, rank = started(tmp_path, max_pushes=2)
+    hub, shard, net, cut, rank = started(tmp_path, max_pushes=2, mode=mode)
     rng = np.random.default_rng(5)
     g = {w: rng.standard_normal(P).astype(np.float32) for w in range(1, WORKERS + 1)}
     for w in (1, 2):  # rank 0: version 2, the stop
@@ -451,13 +515,13 @@ def exchange(net, cut, hub, shard, pushes):
         net.take(w, rank)
 
 
-def started(tmp_path, max_pushes=100):
+def started(tmp_path, max_pushes=100, **overrides):
     """`linked` with both shards' initial weights sent and taken by every worker: (hub's loop, shard's loop, net,
     cut, shard 1's rank)."""
-    hub, shard, net, cut = linked(tmp_path, max_pushes=max_pushes)
+    hub, shard, net, cut = linked(tmp_path, max_pushes=max_pushes, **overrides)
     rank = cut.rank(1, WORKERS)
-    hub.role.start_workers()
-    shard.role.start_workers()
+    hub.role.begin()
+    shard.role.begin()
     for w in range(1, WORKERS + 1):
         net.take(w, 0)
         net.take(w, rank)

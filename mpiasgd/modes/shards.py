@@ -1,0 +1,102 @@
+"""The workers' side of the parameter-server shards (`--servers S > 1`, async, ssp and easgd): one message
+each way per shard (`mpiasgd.comms.shards`; on rank 0's side `mpiasgd.rank0.server`).
+
+A worker's exchange with S shards (`AsgdWorker.train_sharded`, `EasgdWorker.train_sharded`): it posts the S
+receives of the replies, then the S pushes, the push to shard s carrying its slice of the vector (the
+staging's `ShardedStaging` cuts it) and the version of shard s's slice it last got (`post_exchange`), and
+waits for all S replies (`receive_replies`: each checked as `receive_weights` checks one server's,
+`check_reply`). The step size, flags and buffers come from shard 0 (rank 0). When one shard answers STOP and
+another WEIGHTS (the push reached it before it had settled after the stop), the worker sends the latter FINISH
+and waits for its STOP (`finish_shards`), so that it ends with every shard's final slice.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from mpi4py import MPI
+
+from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag, check, check_size, parse_tag, wait, wait_all
+from mpiasgd.modes.base import WorkerLoop
+
+
+class ShardedWorker(WorkerLoop):
+    """(workers) A worker loop of a parameter-server mode, with the exchange of `--servers S > 1` (module
+    docstring): `self.staging` is then a ShardedStaging, shard s's messages in `staging.weights[s]` and
+    `staging.push[s]`."""
+
+    def shard_ranks(self) -> list[int]:
+        """The ranks of the S parameter-server shards, shard 0 (rank 0) first."""
+        return self.staging.cut.ranks(self.comm.Get_size() - self.cfg.servers)
+
+    def post_exchange(self, pushes: SendSlots, ranks: list[int]) -> list:
+        """Post the receive of every shard's reply, then every shard's push (stamped and staged: `before_send`
+        done) from slot s of `pushes`; returns the receives. Every receive is posted before its push is sent."""
+        receives = self.post_replies(ranks)
+        for s, r in enumerate(ranks):
+            pushes.post(s, self.comm.Isend(self.staging.send_bufs[s], dest=r, tag=int(Tag.PUSH)))
+        return receives
+
+    def post_replies(self, ranks: list[int]) -> list:
+        """Post the receive of each shard's next reply (WEIGHTS or STOP) into its buffer; the requests."""
+        return [self.comm.Irecv(buf, source=r, tag=MPI.ANY_TAG) for buf, r in zip(self.staging.recv_bufs, ranks,
+                                                                                  strict=True)]
+
+    def receive_replies(self, receives: list, ranks: list[int], versions: list[int], what: str,
+                        timeout: float = 0.0, initial: bool = False) -> tuple[list[Tag], float]:
+        """Wait for every shard's reply (each within `timeout`, default the worker's: CommTimeout naming the
+        shard and its rank), check each (`check_reply`), then copy them into the bound weights; returns
+        (their tags, seconds waited)."""
+        t = time.perf_counter()
+        tags = []
+        for s, (request, r) in enumerate(zip(receives, ranks, strict=True)):
+            status = MPI.Status()
+            wait(request, f"{what} from parameter-server shard {s} (rank {r})", self.rank,
+                 timeout or self.cfg.worker_timeout, status)
+            tags.append(self.check_reply(s, r, status, versions, initial))
+        self.staging.after_receive()
+        return tags, time.perf_counter() - t
+
+    def check_reply(self, s: int, r: int, status: Any, versions: list[int], initial: bool = False) -> Tag:
+        """The tag of shard `s`'s reply (from rank `r`), after the checks of `receive_weights` against that
+        shard's last version (`versions[s]`, updated); a resumed run's initial weights from shard 0 set this
+        worker's step, data position and clock. ProtocolError naming the shard."""
+        msg = self.staging.weights[s]
+        tag = parse_tag(status.Get_tag(), status.Get_source(), self.rank)
+        shard = f"parameter-server shard {s} (rank {r})"
+        if tag not in (Tag.WEIGHTS, Tag.STOP):
+            raise ProtocolError(f"rank {self.rank}: expected WEIGHTS or STOP from {shard}, got {tag.name}")
+        check_size(tag, r, self.rank, status.Get_count(MPI.BYTE), msg.count, msg.wire, f" from {shard}")
+        check(msg, tag, r, self.rank)
+        version, step, flags = int(msg.header["version"]), int(msg.header["step"]), int(msg.header["flags"])
+        if initial and s == 0 and flags & Flag.RESUME:
+            self.resume(msg.header)
+        if tag == Tag.STOP and flags & Flag.PREEMPT:
+            self.preempted = True
+        if step != self.step or version < versions[s]:
+            raise ProtocolError(f"rank {self.rank}: {tag.name} from {shard} answers step {step} at version {version}; "
+                                f"expected step {self.step} at version >= {versions[s]}")
+        versions[s] = version
+        if s == 0:
+            self.version = version
+        return tag
+
+    def finish_shards(self, tags: list[Tag], ranks: list[int], versions: list[int]) -> None:
+        """Some shard answered STOP: ask each shard that answered WEIGHTS for its final slice (FINISH) and wait
+        for its STOP; the bound weights are then every shard's final slice."""
+        open_ = [s for s, tag in enumerate(tags) if tag == Tag.WEIGHTS]
+        if not open_:
+            return
+        ask = Message(0).stamp(Tag.FINISH, self.rank, step=self.step)  # read by every send, written by none
+        receives = {s: self.comm.Irecv(self.staging.recv_bufs[s], source=ranks[s], tag=MPI.ANY_TAG) for s in open_}
+        sends = [self.comm.Isend(ask.buf, dest=ranks[s], tag=int(Tag.FINISH)) for s in open_]
+        for s in open_:
+            status = MPI.Status()
+            wait(receives[s], f"final weights (STOP, after FINISH step {self.step}) from parameter-server shard {s} "
+                 f"(rank {ranks[s]})", self.rank, self.cfg.worker_timeout, status)
+            if self.check_reply(s, ranks[s], status, versions) != Tag.STOP:
+                raise ProtocolError(f"rank {self.rank}: parameter-server shard {s} (rank {ranks[s]}) answered FINISH "
+                                    f"with WEIGHTS, expected STOP")
+        wait_all(sends, "completion of the FINISH sends", self.rank, self.cfg.worker_timeout)
+        self.staging.after_receive()

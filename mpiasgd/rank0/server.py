@@ -1,0 +1,191 @@
+"""What every parameter-server role shares (async and ssp: `AsgdServer`; easgd: `EasgdCenter`): a reply to
+every PUSH on its slice of the parameters, and the parameter-server shards of `--servers S`.
+
+A server holds the slice `cut.slice(shard)` of the flat parameter vector (with S = 1 the whole vector;
+`server_shard` says which slice a rank holds: `mpiasgd.comms.shards`) and answers each worker's PUSH
+(`take_push`, the mode's update rule) with WEIGHTS, or STOP once the run has stopped (`reply`). With
+S > 1 shards every shard runs this role on its own slice, and this class holds the stop's agreement
+(`mpiasgd.rank0.shards`): after the stop a push waits in its inbox (`deferred`) until the shards agree which
+pushes each applies (`settle`: each worker's up to `final[w]`, `admits`); once a shard has applied all of
+them (`settled`) it answers every push, and every FINISH (`on_finish`: another shard answered that worker's
+last push with STOP), with STOP and its final slice (`answer_finishing`). With S = 1 nothing of this runs.
+
+A checkpoint (`state`) holds the whole vector and its velocity (`velocity`; zeros where the server has none):
+rank 0 asks the other shards for their slices (`ShardHub.assemble`), which answer with theirs (`HubLink`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mpiasgd import checkpoint
+from mpiasgd.comms import Message, ProtocolError, Tag
+from mpiasgd.comms.shards import ShardCut
+from mpiasgd.rank0.role import Role
+
+
+def server_shard(r0: Any, num_params: int, buffers: np.ndarray | None) -> tuple[ShardCut, int]:
+    """(the cut, the shard) of rank `r0.rank`: the cut of `num_params` parameters and the layer `buffers` (float32
+    (B,) or None; carried by shard 0) into `r0.cfg.servers` shards, balanced by bytes (`ShardCut.balanced`;
+    S = 1: one slice, shard 0)."""
+    cut = ShardCut.balanced(num_params, 0 if buffers is None else buffers.size, r0.cfg.servers)
+    return cut, cut.shard_of(r0.rank, len(r0.workers))
+
+
+class ShardedServer(Role):
+    """(rank 0, and with --servers S > 1 every parameter-server shard) A server on its slice `params` (float32
+    (P,), P the slice's size) with the layer `buffers` (float32 (B,); shard 0 only); see the module docstring.
+
+    A subclass gives the update rule (`take_push`: apply or drop a checked push, log it, answer it with
+    `reply`) and the replies (`send`: WEIGHTS or STOP from the worker's send buffer `outbox[w]`). Pushes arrive
+    in `inbox[w]` (P + B values in wire format `cfg.wire`). `started` holds the workers sent their first
+    weights; `cut` and `shard` (S = 1: the whole vector, shard 0) are set by the mode's `rank0` after
+    `server_shard`."""
+
+    checkpoints_here = True
+    snapshots_here = True
+
+    def __init__(self, r0: Any, params: np.ndarray, buffers: np.ndarray | None = None) -> None:
+        super().__init__(r0, params, buffers)
+        P, B = params.size, self.buffers.size
+        self.P = P
+        self.cut, self.shard = ShardCut((0, P), B), 0  # the whole vector; the mode's `rank0` sets a shard's
+        self.wire = self.cfg.wire  # (--wire is async's and ssp's: fp32 in easgd)
+        self.inbox = {w: Message(P + B, self.wire) for w in self.workers}
+        self.outbox = {w: Message(P + B, self.wire) for w in self.workers}
+        self.started: set[int] = set()        # workers sent their first weights (--warm-start holds back some)
+        self.finishing: set[int] = set()      # --servers: workers owed STOP once this shard has settled (`settled`)
+        self.final: dict[int, int] | None = None  # --servers: each worker's last step every shard applies (`settle`)
+        self.deferred: list[int] = []         # --servers: workers whose push (in its inbox) awaits `settle`
+
+    # --- what the subclass gives ---
+    def send(self, w: int, tag: Tag, step: int, initial: bool = False) -> None:
+        """Post WEIGHTS or STOP (this slice, and shard 0's buffers) answering step `step` to worker `w`."""
+        raise NotImplementedError
+
+    def take_push(self, w: int, msg: Message) -> None:
+        """Apply (or reject, or drop after the stop: `admits`) a checked push of worker `w`, log its row and
+        answer it (`reply`)."""
+        raise NotImplementedError
+
+    def velocity(self) -> np.ndarray | None:
+        """The optimizer's velocity on this slice (float32 (P,)) that checkpoints hold; None: none (zeros)."""
+        return None
+
+    # --- the loop's questions ---
+    def handlers(self) -> dict:
+        if self.cut.shards == 1:
+            return {Tag.PUSH: self.on_push, Tag.EVAL: self.on_eval}
+        if self.shard == 0:  # --servers: rank 0 also takes the EVALs
+            return {Tag.PUSH: self.on_push, Tag.FINISH: self.on_finish, Tag.EVAL: self.on_eval}
+        return {Tag.PUSH: self.on_push, Tag.FINISH: self.on_finish}
+
+    def buffer_for(self, tag: Tag, source: int) -> Message | None:
+        return self.inbox[source] if tag == Tag.PUSH else None
+
+    def whose(self, tag: Tag) -> str:
+        if self.cut.shards == 1 or tag != Tag.PUSH:
+            return ""
+        a, b = self.cut.slice(self.shard)
+        tail = f" and the {self.buffers.size} layer buffers" if self.buffers.size else ""
+        return f" for parameter-server shard {self.shard} of {self.cut.shards} (parameters [{a:,}, {b:,}){tail})"
+
+    def waits_for_rank0(self, w: int) -> bool:
+        return w not in self.started or w in self.deferred or w in self.finishing
+
+    def state(self, reason: str) -> checkpoint.Checkpoint:
+        """The training state now: rank 0 holds all of it (--servers S > 1: it asks the other shards for their
+        slices, `mpiasgd.rank0.shards.ShardHub.assemble`)."""
+        velocity = self.velocity()
+        params, momentum = self.params, np.zeros_like(self.params) if velocity is None else velocity
+        versions = None
+        if self.cut.shards > 1:
+            params, momentum, versions = self.r0.link.assemble(params, momentum)
+        return self.rec.checkpoint(params, momentum, reason,
+                                   {w: (self.last_step[w], self.cursor[w]) for w in self.workers},
+                                   self.rec.train_time(), self.current_buffers(), versions)
+
+    # --- a push and its answer ---
+    def on_push(self, w: int, msg: Message) -> None:
+        """A PUSH from worker `w`, checked (`check_push`), then processed (`take_push`); with S > 1 shards, one
+        that arrives after the stop but before the shards agreed which pushes every shard applies waits in its
+        inbox (`settle`: the worker sends nothing else before this push is answered)."""
+        self.check_push(w, msg)
+        if self.cut.shards > 1 and self.rec.stop_reason and self.final is None:
+            self.deferred.append(w)
+            return
+        self.take_push(w, msg)
+
+    def reply(self, w: int, step: int) -> None:
+        """Answer push `step` of worker `w`: WEIGHTS, or STOP once a stopping rule fired (S > 1: once this shard
+        has settled, `answer_finishing`)."""
+        if self.rec.stop_reason and not self.settled():
+            self.finishing.add(w)
+        elif self.rec.stop_reason:
+            self.stopped.add(w)
+            self.periodic.withdraw(w)  # an evaluation it was still to be asked for goes without it
+            self.send(w, Tag.STOP, step)
+        else:
+            self.send(w, Tag.WEIGHTS, step)
+
+    def on_finish(self, w: int, msg: Message) -> None:
+        """(--servers S > 1) FINISH from worker `w`: another shard answered its last push with STOP, this one
+        with WEIGHTS. Answered with STOP and this shard's final slice now if it has settled, else once it has
+        (`tick`, after rank 0's SHARD_STOP and SHARD_FINAL). ProtocolError for a FINISH out of turn."""
+        step = int(msg.header["step"])
+        where = f"rank {self.rank} (parameter-server shard {self.shard})"
+        if w in self.stopped or w in self.finishing or w not in self.started:
+            why = "it was sent STOP" if w in self.stopped else "its FINISH" if w in self.finishing else \
+                "before its first weights"
+            raise ProtocolError(f"{where}: FINISH step {step} from worker rank {w} after {why}")
+        if step != self.last_step[w]:
+            raise ProtocolError(f"{where}: FINISH from worker rank {w} has step {step}, expected {self.last_step[w]} "
+                                f"(its last push, answered with WEIGHTS)")
+        self.finishing.add(w)
+        self.answer_finishing()  # at once if this shard has stopped
+
+    def answer_finishing(self) -> None:
+        """(--servers) Once this shard has settled: STOP, with its final slice, to each worker owed one (it sent
+        FINISH, or its push was processed after the stop). Called by the subclass's `tick`."""
+        if self.finishing and self.settled():
+            for w in sorted(self.finishing):
+                self.stopped.add(w)
+                self.periodic.withdraw(w)
+                self.send(w, Tag.STOP, self.last_step[w])
+            self.finishing.clear()
+
+    # --- the stop with S > 1 shards: every shard applies the same pushes ---
+    def settle(self, final: dict[int, int]) -> None:
+        """(--servers S > 1, after the stop) The shards agreed: every shard applies each worker `w`'s pushes up
+        to step `final[w]` and no later one (`mpiasgd.rank0.shards`: the largest step any shard had applied
+        when it heard of the stop; a worker has one push in flight, sent to every shard, so each of those
+        reaches every shard). The pushes deferred until now are processed; ProtocolError if a final step is
+        behind what this shard has already applied."""
+        behind = {w: (self.last_step[w], step) for w, step in final.items() if step < self.last_step[w]}
+        if behind or set(final) != set(self.workers):
+            raise ProtocolError(f"rank {self.rank} (parameter-server shard {self.shard}): the agreed final steps "
+                                f"{final} name other workers than {self.workers} or are behind this shard's "
+                                f"applied steps (worker: (applied, final)) {behind}")
+        self.final = dict(final)
+        while self.deferred:
+            w = self.deferred.pop(0)
+            self.take_push(w, self.inbox[w])
+
+    def settled(self) -> bool:
+        """The run has stopped and this shard's weights are final: with S = 1 at once; with S > 1 once the
+        shards agreed (`settle`) and every push up to each worker's final step was processed here."""
+        if not self.rec.stop_reason:
+            return False
+        if self.cut.shards == 1:
+            return True
+        return (self.final is not None and not self.deferred
+                and all(self.last_step[w] >= step for w, step in self.final.items()))
+
+    def admits(self, step: int, w: int) -> bool:
+        """A finite push `step` of worker `w` is applied: before the stop; after it (S > 1) if the shards agreed
+        to apply it."""
+        if self.final is None:
+            return not self.rec.stop_reason
+        return step <= self.final[w]
