@@ -299,8 +299,6 @@ class AsgdServer(ShardedServer):
         step, base = int(h["step"]), int(h["version"])
         delta = bool(int(h["flags"]) & Flag.DELTA)
         self.last_step[w] = step
-        if int(h["flags"]) & Flag.PREEMPT:
-            self.r0.signal_from(f"a signal received by worker rank {w}")
         staleness = rec.version - base
         rec.count_wire(pushed=msg.buf.nbytes)
         values = msg.payload if self.decoded is None else decode(self.wire, msg.payload, self.decoded)  # (P + B,)
@@ -342,6 +340,10 @@ class AsgdServer(ShardedServer):
                  correct=h["correct"], samples=h["samples"], epoch=h["epoch"], compute_s=h["compute_s"],
                  comm_s=h["comm_s"], wait_s=h["wait_s"], applied=applied, lr=lr, rejected=rejected,
                  held_s=self.held_s[w], data_s=h["data_s"])
+        # a signal on the worker: stop after this push is applied (S > 1: the other shards apply it, as rank 0 had
+        # processed it before its stop decision)
+        if int(h["flags"]) & Flag.PREEMPT:
+            self.r0.signal_from(f"a signal received by worker rank {w}")
         if rejected:
             self.cursor[w] = int(h["cursor"])
             rec.reject(w, step, advice=advice)  # after its row is logged: may stop the run

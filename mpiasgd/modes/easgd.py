@@ -141,8 +141,6 @@ class EasgdCenter(ShardedServer):
         step, base = int(h["step"]), int(h["version"])
         self.last_step[w] = step
         self.cursor[w] = int(h["cursor"])
-        if int(h["flags"]) & Flag.PREEMPT:
-            self.r0.signal_from(f"a signal received by worker rank {w}")
         staleness = rec.version - base
         rec.count_wire(pushed=msg.buf.nbytes)
         x = msg.payload[:self.P]
@@ -169,6 +167,10 @@ class EasgdCenter(ShardedServer):
                  correct=h["correct"], samples=h["samples"], epoch=h["epoch"], compute_s=h["compute_s"],
                  comm_s=h["comm_s"], wait_s=h["wait_s"], applied=applied, lr=h["lr"], rejected=rejected,
                  data_s=h["data_s"])
+        # a signal on the worker: stop after this push is applied (S > 1: the other shards apply it, as rank 0 had
+        # processed it before its stop decision)
+        if int(h["flags"]) & Flag.PREEMPT:
+            self.r0.signal_from(f"a signal received by worker rank {w}")
         if rejected:
             rec.reject(w, step, "weight vector")
         else:

@@ -419,6 +419,11 @@ class Rank0:
             return (f"no checkpoint written now (the slice of parameter-server shard rank {lost} is lost); " +
                     (f"the last one, '{path}', is kept: continue from it with --resume" if os.path.isfile(path)
                      else "there is no earlier one to resume from (see --checkpoint-interval)"))
+        if self.checkpoint_due:  # --servers S > 1: the shards had not agreed on the pushes in flight
+            return ("no checkpoint written now (with --servers the shards' slices are a consistent state only once "
+                    "they have applied every worker's last push, and a worker died first); " +
+                    (f"the last one, '{path}', is kept: continue from it with --resume" if os.path.isfile(path)
+                     else "there is no earlier one to resume from (see --checkpoint-interval)"))
         if os.path.isfile(path):
             return (f"no checkpoint written now (the state is on the workers); the last one, '{path}', is kept: "
                     f"continue from it with --resume")

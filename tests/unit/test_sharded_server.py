@@ -672,3 +672,30 @@ def test_one_servers_bytes_continue_across_a_resume(tmp_path):
     rec.count_wire(pushed=7, pulled=9)
     assert rec.wire_summary() == {"wire_bytes_pushed": 107, "wire_bytes_pulled": 309}
     log.close("completed")
+
+
+@pytest.mark.parametrize("mode", ["async", "easgd"])
+def test_the_push_that_carries_a_workers_signal_is_applied_on_every_shard(tmp_path, mode):
+    """A worker's push flagged PREEMPT (a signal reached it) stops the run on rank 0 after rank 0 applied it, and the
+    shard that hears the stop before the push arrives applies it too: both shards at version 1. (It was dropped on
+    rank 0 and applied on shard 1, so resumes carried the difference on.)"""
+    from mpiasgd.comms import Flag
+
+    hub, shard, net, cut, rank = started(tmp_path, mode=mode)
+    grad = np.full(P, 0.01, np.float32)
+    a, b = cut.slice(0)
+    msg = Message(b - a).stamp(Tag.PUSH, 1, step=1, version=0, samples=32, loss=2.0, flags=Flag.PREEMPT)
+    msg.payload[:] = grad[a:b]
+    net.post(1, 0, Tag.PUSH, msg.buf)
+    serve(hub)  # applied, then the signal: the stop, SHARD_STOP
+    assert hub.preempted and hub.rec.version == 1 and hub.rec.stop_reason
+    hub.checkpoint_due = ""  # (the signal's checkpoint waits for the agreement; not what this test looks at)
+    push_to(net, cut, 1, rank, 1, 1, 0, grad)  # reaches shard 1 after SHARD_STOP: deferred
+    while net.pending(rank):
+        serve(shard)
+    assert shard.rec.version == 0
+    serve(hub)  # shard 1's SHARD_STOPPED {1: 0, ...}: final {1: 1, ...}
+    assert hub.role.final == {1: 1, 2: 0, 3: 0}
+    while net.pending(rank):  # SHARD_FINAL: the deferred push applied
+        serve(shard)
+    assert shard.rec.version == hub.rec.version == 1 and shard.link.preempted
