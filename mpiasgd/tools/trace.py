@@ -10,7 +10,8 @@ clock of their own in the log, so a span is as exact as that arrival time):
 
 Rank 0 gets a "checkpoint" span for every checkpoint written (its duration is the write), instants
 for weight snapshots, for the events of the run (start, stop, skips, warm start, preemption,
-resume, failures) and, for async and ssp, one "apply" instant per applied push with its staleness.
+resume, failures) and, for async, ssp and easgd, one "apply" instant per applied push (exchange) with its
+staleness.
 With `--servers S > 1` each other parameter-server shard (rank N + s) gets a track of its own with an
 "apply" instant per push it applied (its /shard_pushes rows: worker, step, its version and staleness).
 Times are microseconds since the start of training, as the format wants.
@@ -54,7 +55,7 @@ def trace(path: str) -> dict:
                                "ts": round(start * us, 1), "dur": round(durations[name] * us, 1),
                                "args": {"step": int(row["step"]), "staleness": int(row["staleness"])}})
             start += durations[name]
-        if mode in ("async", "ssp") and row["applied"]:
+        if mode in ("async", "ssp", "easgd") and row["applied"]:
             args = {"worker": rank, "version": int(row["version"]), "staleness": int(row["staleness"])}
             events.append({"name": "apply", "cat": "server", "ph": "i", "s": "t", "pid": 0, "tid": 0,
                            "ts": round(end * us, 1), "args": args})

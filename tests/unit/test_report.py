@@ -416,3 +416,5 @@ def test_trace_gives_each_other_shard_a_track_with_the_pushes_it_applied(tmp_pat
     mine = [e for e in events if e["tid"] == 3 and e["ph"] == "i"]
     assert [(e["name"], e["ts"], e["args"]["version"]) for e in mine] == [("apply", 150000.0, 1),
                                                                           ("apply", 250000.0, 2)]
+    easgd = write_log(tmp_path / "e.h5", {"mode": "easgd"}, [push(0.1, 0), push(0.2, 1)])
+    assert len([e for e in trace(easgd)["traceEvents"] if e["name"] == "apply" and e["tid"] == 0]) == 2
