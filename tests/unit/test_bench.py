@@ -490,7 +490,7 @@ def test_resnet20_torch_table_loss_line_and_verdict():
 
 
 def test_decoupling_rows_and_fdg_cuts():
-    assert decoupling.row_list("all") == list(decoupling.ROWS) and len(decoupling.ROWS) == 10
+    assert decoupling.row_list("all") == list(decoupling.ROWS) and len(decoupling.ROWS) == 11
     assert decoupling.row_list(" K1, K2-b0.5-store") == ["K1", "K2-b0.5-store"]
     for bad in ("K4", "K1,K1", ""):
         with pytest.raises(Exception, match="expected distinct names"):
