@@ -75,6 +75,19 @@ def check_shards(attrs, t, model="digits", resumed_from=None, jobs=1):
     return versions
 
 
+def check_continued(t, first, versions):
+    """After a resume from checkpoint `first`, every shard counts on from its checkpointed version up to its final
+    one in `versions`, and every worker's steps (exchanges) continue from 1 without a gap."""
+    resume = float(t["events"]["time"][t["events"]["kind"] == b"resume"][0])
+    for s in range(SERVERS):
+        rows = shard_rows(t, s)
+        later = rows[(rows["time"] >= resume) & (rows["applied"] == 1)]
+        assert later["version"].tolist() == list(range(int(first.shard_versions[s]) + 1, versions[s] + 1))
+    for w in (1, 2):
+        steps = t["pushes"]["step"][t["pushes"]["worker"] == w].tolist()
+        assert steps == list(range(1, len(steps) + 1)), steps
+
+
 def test_two_shards_train_digits(mpirun, tmp_path):
     res = mpirun(RANKS, ["train", *FAST, "--servers", str(SERVERS), "--epochs", "3", "--name", "s"], timeout=180)
     assert res.returncode == 0, res.explain()
@@ -129,14 +142,7 @@ def test_two_shards_resume_continues_every_shards_versions(mpirun, tmp_path):
     attrs, t, _ = read_log(tmp_path / "runs" / "r.h5")
     assert attrs["status"] == "completed" and 120 <= attrs["version"] < 120 + WORKERS
     versions = check_shards(attrs, t, resumed_from=first.shard_versions, jobs=2)  # (bytes and staleness: both jobs')
-    resume = float(t["events"]["time"][t["events"]["kind"] == b"resume"][0])
-    for s in range(SERVERS):  # after the resume every shard counts on from its checkpointed version
-        rows = shard_rows(t, s)
-        later = rows[(rows["time"] >= resume) & (rows["applied"] == 1)]
-        assert later["version"].tolist() == list(range(int(first.shard_versions[s]) + 1, versions[s] + 1))
-    for w in (1, 2):  # and every worker's steps continue
-        steps = t["pushes"]["step"][t["pushes"]["worker"] == w].tolist()
-        assert steps == list(range(1, len(steps) + 1)), steps
+    check_continued(t, first, versions)
     final = checkpoint.load(str(tmp_path / "runs" / "r.ckpt.h5"))
     assert final.shard_versions.tolist() == versions
     # a resume that trains nothing: every shard's staleness and bytes still those of the whole run, not zeros
@@ -191,14 +197,7 @@ def test_two_shards_resume_easgd_continues_every_shards_versions(mpirun, tmp_pat
     attrs, t, params = read_log(tmp_path / "runs" / "er.h5")
     assert attrs["status"] == "completed" and 80 <= attrs["version"] < 80 + WORKERS
     versions = check_shards(attrs, t, resumed_from=first.shard_versions, jobs=2)
-    resume = float(t["events"]["time"][t["events"]["kind"] == b"resume"][0])
-    for s in range(SERVERS):  # after the resume every shard counts on from its checkpointed version
-        rows = shard_rows(t, s)
-        later = rows[(rows["time"] >= resume) & (rows["applied"] == 1)]
-        assert later["version"].tolist() == list(range(int(first.shard_versions[s]) + 1, versions[s] + 1))
-    for w in (1, 2):  # and every worker's exchanges continue
-        steps = t["pushes"]["step"][t["pushes"]["worker"] == w].tolist()
-        assert steps == list(range(1, len(steps) + 1)), steps
+    check_continued(t, first, versions)
     final = checkpoint.load(str(tmp_path / "runs" / "er.ckpt.h5"))
     assert final.shard_versions.tolist() == versions
     np.testing.assert_array_equal(final.params, params[-1])
