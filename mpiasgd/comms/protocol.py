@@ -53,7 +53,16 @@ to rank 0 only. Besides:
                                                                  applies each worker's pushes up to it, drops
                                                                  later ones, and once all have arrived answers
                                                                  every push and FINISH with STOP
-    rank 0 -> shard    FETCH      (step = request number)       send your slice now (snapshot, checkpoint)
+    rank 0 -> shard    SHARD_PAUSE (header only)                an interval checkpoint is due: as after
+                                                                 SHARD_STOP, the shard holds every push
+    shard -> rank 0    SHARD_PAUSED (as SHARD_STOPPED)          each worker's last step it processed before
+                                                                 it heard SHARD_PAUSE
+    rank 0 -> shard    SHARD_FINAL (as after the stop)          the shard applies each worker's pushes up to
+                                                                 it and holds later ones
+    rank 0 -> shard    FETCH      (step = request number;       send your slice now (snapshot, checkpoint);
+                                   flag RESUME)                  RESUME (the paused checkpoint's): once every
+                                                                 agreed push is applied, then process the held
+                                                                 pushes and go on
     shard -> rank 0    SLICE      (step = request number,       its params then its velocity (zeros without
                                    version, samples; 2 x size    momentum), always float32
                                    values)
@@ -76,7 +85,9 @@ agree on one set of pushes (SHARD_STOPPED, SHARD_FINAL): each worker's pushes up
 shard had processed when it heard of the stop. A worker has one push in flight, sent to every shard at once,
 so every push of that set reaches every shard; each applies those it had not, drops later ones, and only
 then answers STOP (and FETCH). Every shard ends at the same version, and every worker evaluates the same
-final weights.
+final weights. An interval checkpoint is the same agreement as a pause (SHARD_PAUSE, SHARD_PAUSED,
+SHARD_FINAL, then FETCH flag RESUME): every shard applies the same pushes, its slice is taken, and the pushes
+beyond the agreed steps, held meanwhile, are processed after it; so the checkpoint is one consistent cut.
 
 Sync mode (workers allreduce among themselves; rank 0 only logs): after the initial WEIGHTS,
 
@@ -148,13 +159,17 @@ class Tag(IntEnum):
     END = 29         # header only, rank 0 -> shard: send your last rows and end
     SHARD_STOPPED = 30  # shard -> rank 0, after SHARD_STOP: the last step it applied of every worker (STOP_STEP rows)
     SHARD_FINAL = 31    # rank 0 -> shard: the last step of every worker that every shard applies (STOP_STEP rows)
+    SHARD_PAUSE = 32    # header only, rank 0 -> shard: an interval checkpoint; hold pushes until SHARD_FINAL
+    SHARD_PAUSED = 33   # shard -> rank 0, after SHARD_PAUSE: the last step it applied of every worker (STOP_STEP rows)
 
 
 class Flag(IntEnum):
     """Bits of the header's `flags` field."""
 
     SKIPPED = 1      # REPORT: the step was skipped by every worker (a non-finite gradient somewhere)
-    NONFINITE = 2    # REPORT: this worker's own gradient was not finite
+    NONFINITE = 2    # REPORT: this worker's own gradient was not finite; PUSH (--servers S > 1, on all S pushes):
+                     # some value of the worker's whole push (its P parameters', as encoded for the wire; not the
+                     # layer buffers) is not finite: every shard rejects it, as a push whose own slice is not finite
     LAST = 4         # REPORT: the workers' last step (the stopping rule fired)
     FINAL = 8        # SNAPSHOT: the final weights (stored, not logged as an interval snapshot); SHARD_ROWS: the
                      # shard's last batch
@@ -162,7 +177,8 @@ class Flag(IntEnum):
     WARMUP = 32      # REPORT (pipeline): no delayed gradient has reached this module yet, no update
     END = 64         # REPORT (pipeline): this unit's last iteration
     RESUME = 128     # WEIGHTS (initial): a resumed run; step, cursor and elapsed continue (sync, pipeline:
-                     # a CHECKPOINT with the optimizer state follows)
+                     # a CHECKPOINT with the optimizer state follows); FETCH (--servers): the slice of a paused
+                     # shard (an interval checkpoint), after which it processes the pushes it held
     PREEMPT = 256    # PUSH: a signal reached this worker; REPORT: the run ends on a signal (sync: every
                      # worker's last step; pipeline: module 0's stop and each unit's end; a unit's own signal);
                      # STOP and CHECKPOINT: the run ends on a signal, skip the final evaluation, exit 75;

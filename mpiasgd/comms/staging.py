@@ -18,6 +18,15 @@ into that shard's push payload. A 16-bit wire decodes the whole vector after the
 server's. On a GPU worker (cupy) the messages live in pinned host memory and each slice crosses on its
 own (the CUDA-aware staging is not used with S > 1: the same copies go through pinned memory).
 
+Each shard checks only its own slice for values that are not finite, so before its S pushes the sharded
+staging checks the whole push as the shards will decode it (`all_finite`: the float32 gradient with fp32, the
+16-bit values themselves otherwise, where a value beyond fp16's range has become inf) and sets flag NONFINITE on
+every push's header if any of the P parameters' values is not; every shard then rejects the push, so all keep
+applying the same pushes. One pass over the values the worker holds, a reduction on the device for cupy (no
+copy). At P = 4M, S = 2, on the 2-core development VM (loaded; medians of 21): fp32 0.33 ms (a dot), fp16 0.4
+and bf16 0.5 ms (a mask and a max over blocks of `CHECK_BLOCK` 16-bit values), of a whole `before_send` of 1.2,
+3.4 and 4.2 ms. The layer buffers after the parameters are not checked (no server checks them).
+
 Every loop that moves model data through MPI uses these objects: the A-SGD and EASGD workers (one
 `Staging` per exchange buffer), sync mode's allreduce (`grads_to_mpi`), and the pipeline units
 (`module_staging`: the module's weights and velocity for snapshots and checkpoints).
@@ -33,14 +42,41 @@ as described above: the host one copies nothing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from mpiasgd.comms.protocol import HEADER, HEADER_BYTES, Message, message_bytes
-from mpiasgd.comms.wire import ErrorFeedback, decode, encode, wire_dtype
+from mpiasgd.comms.protocol import HEADER, HEADER_BYTES, Flag, Message, message_bytes
+from mpiasgd.comms.wire import ErrorFeedback, array_module, decode, encode, wire_dtype
+
+# a 16-bit value (bits b) is inf or NaN iff its exponent bits are all ones: b & 0x7FFF >= this
+NONFINITE_BITS = {"fp16": 0x7C00, "bf16": 0x7F80}
+CHECK_BLOCK = 262144  # values per block of `all_finite` on 16-bit host values (the uint16 scratch: 512 KiB, in L2)
+
+
+def all_finite(values: Any, wire: str = "fp32", scratch: Any = None) -> bool:
+    """Whether every value of `values` is finite as it travels in wire format `wire`: float32 values (fp32), or
+    the encoded 16-bit values themselves (fp16: float16, bf16: uint16), numpy or cupy (reduced on the device;
+    only the answer crosses to the host). fp32: one dot product, as the server's `finite_square`, the exact
+    elementwise check only when the dot is not finite. 16-bit: the largest `bits & 0x7FFF` against
+    NONFINITE_BITS, through `scratch` (uint16, at least one value; as many as `values` for one pass on the
+    device) block by block, stopping at the first block that holds one."""
+    xp = array_module(values)
+    if wire == "fp32":
+        with np.errstate(over="ignore", invalid="ignore"):
+            square = float(values.dot(values))
+        return math.isfinite(square) or bool(xp.isfinite(values).all())
+    bits, limit, n = values.view(xp.uint16), NONFINITE_BITS[wire], scratch.size
+    for i in range(0, bits.size, n):
+        part = bits[i:i + n]
+        masked = scratch[:part.size]
+        xp.bitwise_and(part, xp.uint16(0x7FFF), out=masked)
+        if int(masked.max()) >= limit:
+            return False
+    return True
 
 
 def message_in(buf: np.ndarray, count: int, wire: str = "fp32") -> Message:
@@ -261,7 +297,9 @@ class ShardedStaging:
 
         after_receive()    every shard's reply has arrived: params <- the S payloads (decoded)
         finish_compute()   backward was launched: wait until the gradient exists (device sync point)
-        before_send()      the S pushes are stamped: each push payload <- its slice of grads (encoded)
+        before_send()      the S pushes are stamped: each push payload <- its slice of grads (encoded); every
+                           push's flag NONFINITE set (cleared) when a parameter's value is not finite (is) as
+                           it travels (`all_finite`); `nonfinite` says which
 
     `feedback` is the worker's ErrorFeedback over the P parameters (None: plain rounding); ValueError for
     `feedback` with fp32.
@@ -291,6 +329,12 @@ class ShardedStaging:
                                            dev.empty_bytes(n * dtype.itemsize).view(dtype) for _ in range(2))
         self.recv_bufs = [m.buf for m in self.weights]
         self.send_bufs = [m.buf for m in self.push]
+        self.nonfinite = False  # whether the last push (before_send) held a parameter's value that is not finite
+        self.scratch = None     # 16-bit wire: all_finite's (host: one block; device: the P values, one pass)
+        if wire != "fp32":
+            P = cut.num_params
+            self.scratch = (np.empty(min(P, CHECK_BLOCK), np.uint16) if dev is None else
+                            dev.empty_bytes(2 * P).view(np.uint16))
 
     def pieces(self, s: int) -> list[tuple[int, int, int]]:
         """(start, stop, offset) of each piece of shard `s`'s payload: vector[start:stop] is
@@ -325,7 +369,11 @@ class ShardedStaging:
                 self.feedback.encode(self.grads, out)
             else:
                 encode(self.wire, self.grads, out)
+        # each shard sees its slice only: every push says whether the whole one is finite (on the device for cupy)
+        self.nonfinite = not all_finite(out[:self.cut.num_params], self.wire, self.scratch)
         for s, msg in enumerate(self.push):
+            flags = int(msg.header["flags"]) & ~Flag.NONFINITE
+            msg.header["flags"] = flags | (Flag.NONFINITE if self.nonfinite else 0)
             for a, b, o in self.pieces(s):
                 if self.dev is None:
                     msg.payload[o:o + b - a] = out[a:b]

@@ -35,10 +35,12 @@ instead of t-1 (one more step of staleness), and the wait for the reply overlaps
 once S seconds have passed (GPU A-SGD's warm start).
 
 A push whose payload is not finite is rejected (not applied, counted per worker, answered with the
-current weights); `--max-rejects` of them in a row from one worker stop the run with an error. Once a
-stopping rule fires, each worker's next push is answered with STOP and the final weights instead;
-the worker evaluates its slice of the test set and sends EVAL. Rank 0 holds the whole training
-state, so it checkpoints it itself.
+current weights); `--max-rejects` of them in a row from one worker stop the run with an error. (With
+`--servers S > 1` below, a push whose header carries flag NONFINITE is rejected alike: the worker sets it on
+all S pushes when any value of its whole push is not finite, so every shard rejects the push that one shard's
+slice makes non-finite.) Once a stopping rule fires, each worker's next push is answered with STOP and the
+final weights instead; the worker evaluates its slice of the test set and sends EVAL. Rank 0 holds the whole
+training state, so it checkpoints it itself.
 
 Evaluation during training (--eval-interval; `mpiasgd.rank0.evals`): when one is due on rank 0's clock
 (training seconds or epochs), the next WEIGHTS reply to every running worker carries flag EVALUATE
@@ -58,7 +60,10 @@ AsgdServer (or SspServer) on its contiguous slice of the parameters (shard 0 als
 buffers), with its own optimizer state and version counter; `AsgdMode.rank0` gives each rank its slice. Every
 rule above applies per shard: the staleness of a push is counted on each shard's own versions, DC-ASGD
 corrects each slice with that shard's w_pulled, --lookahead looks ahead along each shard's velocity, ssp
-holds replies on each shard's clocks. A worker (`train_sharded`, with `mpiasgd.modes.shards`) posts its S
+holds replies on each shard's clocks, and a push is rejected on every shard when any value of it is not finite
+(the worker's flag NONFINITE, on all S pushes; `mpiasgd.comms.staging.ShardedStaging`). Not covered: DC-ASGD's
+correction, computed by each shard on its own slice, can make one slice non-finite while the others stay finite;
+that shard alone rejects the push. A worker (`train_sharded`, with `mpiasgd.modes.shards`) posts its S
 receives, then its S pushes (each carrying the version of that shard's slice it was computed from), and waits
 for all S replies; the step size, flags and buffers come from shard 0. Only rank 0 decides when the run stops;
 the shards then agree which pushes in flight each applies, so that all apply the same ones
@@ -303,7 +308,10 @@ class AsgdServer(ShardedServer):
         rec.count_wire(pushed=msg.buf.nbytes)
         values = msg.payload if self.decoded is None else decode(self.wire, msg.payload, self.decoded)  # (P + B,)
         grad = values[:self.P]
-        finite, square = finite_square(grad)  # (an fp16 value beyond its range arrived as inf: rejected here)
+        # (an fp16 value beyond its range arrived as inf: rejected here.) S > 1: flag NONFINITE, the worker found a
+        # value that is not finite in its whole push, maybe in another shard's slice: rejected alike on every shard
+        flagged = bool(int(h["flags"]) & Flag.NONFINITE)
+        finite, square = (False, 0.0) if flagged else finite_square(grad)
         advice = "lower --lr"
         if finite and self.compensation is not None and self.admits(step, w):
             # DC-ASGD: g + lambda g g (w - w_pulled), w_pulled = the weights of w's last reply (in its send buffer)
@@ -513,7 +521,8 @@ class AsgdWorker(ShardedWorker):
                 st.push[s].stamp(Tag.PUSH, rank, step=self.step, version=versions[s], samples=samples, epoch=epoch,
                                  correct=correct, loss=loss, compute_s=t1 - t0, comm_s=comm_s, wait_s=wait_s,
                                  lr=lr, cursor=self.cursor, data_s=data_s, flags=flags)
-            st.before_send()  # each slice of the gradient into its shard's push (encoded: 16-bit wire)
+            st.before_send()  # each slice of the gradient into its shard's push (encoded: 16-bit wire); every
+            # push flagged NONFINITE when any value of the whole one is not finite (every shard rejects it)
             receives = self.post_exchange(pushes, ranks)
             comm_s = time.perf_counter() - t1
             tags, wait_s = self.receive_replies(receives, ranks, versions, f"reply to push step {self.step}")

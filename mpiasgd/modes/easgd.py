@@ -46,8 +46,10 @@ for bit. The step size and flags come from shard 0. The stop, FINISH, evaluation
 velocity zeros, `shard_versions`; `--resume` keeps S), preemption and a dead or hung shard are as for async
 (`mpiasgd.rank0.server`, `mpiasgd.rank0.shards`): only rank 0 decides; the shards agree which exchanges in
 flight each applies, so every shard ends at the same version and every worker evaluates the same final
-center. Each shard's staleness is counted on its own versions (/shard_pushes). With S = 1 nothing of this
-runs.
+center. Each shard's staleness is counted on its own versions (/shard_pushes). An x_i that is not finite in any
+one slice is rejected by every shard: the worker sets flag NONFINITE on all S pushes (`ShardedStaging`), and a
+shard rejects a push so flagged as one whose own slice is not finite, so all keep the same exchanges and count
+the same rejects. With S = 1 nothing of this runs.
 """
 
 from __future__ import annotations
@@ -134,8 +136,9 @@ class EasgdCenter(ShardedServer):
         self.rec.count_wire(pulled=out.buf.nbytes)
 
     def take_push(self, w: int, msg: Message) -> None:
-        """An exchange of worker `w` (checked: `on_push`): its x_i moves the center unless it is not finite or
-        comes after the stop (S > 1: unless the shards agreed to apply it, `admits`); logged and answered."""
+        """An exchange of worker `w` (checked: `on_push`): its x_i moves the center unless it is not finite (S > 1:
+        this slice, or the whole x_i by the worker's flag NONFINITE) or comes after the stop (S > 1: unless the
+        shards agreed to apply it, `admits`); logged and answered."""
         rec = self.rec
         h = msg.header
         step, base = int(h["step"]), int(h["version"])
@@ -144,7 +147,8 @@ class EasgdCenter(ShardedServer):
         staleness = rec.version - base
         rec.count_wire(pushed=msg.buf.nbytes)
         x = msg.payload[:self.P]
-        rejected = not finite_square(x)[0]
+        # S > 1: flag NONFINITE, the worker found a value of x_i that is not finite, maybe in another shard's slice
+        rejected = bool(int(h["flags"]) & Flag.NONFINITE) or not finite_square(x)[0]
         applied = not rejected and self.admits(step, w)
         if applied:  # (not after the stop: the mean the STOPs carry is the final snapshot's)
             self.take_buffers(w, msg.payload[self.P:])
@@ -293,7 +297,7 @@ class EasgdWorker(ShardedWorker):
                 st.push[s].stamp(Tag.PUSH, rank, step=self.step, version=versions[s], samples=samples, epoch=epoch,
                                  correct=correct, loss=loss, compute_s=t1 - t0, comm_s=comm_s, wait_s=wait_s,
                                  lr=lr, cursor=self.cursor, data_s=data_s, flags=flags)
-            st.before_send()  # each slice of x_i into its shard's push
+            st.before_send()  # each slice of x_i into its shard's push; all flagged NONFINITE if x_i is not finite
             receives = self.post_exchange(pushes, ranks)
             comm_s = time.perf_counter() - t1
             tags, wait_s = self.receive_replies(receives, ranks, versions, f"reply to exchange {self.step} (the "

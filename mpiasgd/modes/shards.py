@@ -8,6 +8,13 @@ waits for all S replies (`receive_replies`: each checked as `receive_weights` ch
 `check_reply`). The step size, flags and buffers come from shard 0 (rank 0). When one shard answers STOP and
 another WEIGHTS (the push reached it before it had settled after the stop), the worker sends the latter FINISH
 and waits for its STOP (`finish_shards`), so that it ends with every shard's final slice.
+
+A shard checks only its own slice of a push for values that are not finite. So the staging's `before_send`
+checks the whole push as it travels (after the `--wire` encoding: an fp16 value beyond range is inf) and sets
+flag NONFINITE on all S pushes when any parameter's value is not; every shard rejects a flagged push as one whose
+own slice is not finite (the same row, `applied` 0, the same count against `--max-rejects`, the same reply), so
+all shards keep applying the same pushes. What a shard computes from the push itself is not covered: DC-ASGD's
+correction (`--dc-lambda`) can make one shard's slice non-finite, which that shard alone then rejects.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ class ShardedWorker(WorkerLoop):
 
     def post_exchange(self, pushes: SendSlots, ranks: list[int]) -> list:
         """Post the receive of every shard's reply, then every shard's push (stamped and staged: `before_send`
-        done) from slot s of `pushes`; returns the receives. Every receive is posted before its push is sent."""
+        done, which set flag NONFINITE on each if the whole push is not finite) from slot s of `pushes`; returns
+        the receives. Every receive is posted before its push is sent."""
         receives = self.post_replies(ranks)
         for s, r in enumerate(ranks):
             pushes.post(s, self.comm.Isend(self.staging.send_bufs[s], dest=r, tag=int(Tag.PUSH)))

@@ -227,11 +227,19 @@ class Rank0:
         """The recorder's interval duties: snapshots and checkpoints where rank 0 holds the state, the log's
         flush, the progress bar."""
         rec, role = self.rec, self.role
+        pausing = self.link is not None and self.link.decides and self.link.pausing  # --servers: `ShardHub.pause`
+        if pausing and self.link.paused():  # the interval checkpoint, one consistent cut of every shard
+            rec.write_checkpoint(role.state("interval"))
+            self.link.resume()
+            pausing = False
         self.write_due_checkpoint()
-        if role.snapshots_here and not rec.stop_reason and rec.snapshots.due(rec.now()):
+        if role.snapshots_here and not rec.stop_reason and not pausing and rec.snapshots.due(rec.now()):
             rec.snapshot(*self.weights())
         if role.checkpoints_here and not rec.stop_reason and rec.checkpoints.due(rec.now()):
-            rec.write_checkpoint(role.state("interval"))
+            if self.link is None:
+                rec.write_checkpoint(role.state("interval"))
+            elif self.link.decides:  # --servers S > 1: once the shards agreed on the pushes each applies
+                self.link.pause()
         rec.maybe_flush()  # and the TensorBoard point of the training figures (--tensorboard)
         rec.show_progress()
 

@@ -8,7 +8,9 @@ S > 1 shards every shard runs this role on its own slice, and this class holds t
 (`mpiasgd.rank0.shards`): after the stop a push waits in its inbox (`deferred`) until the shards agree which
 pushes each applies (`settle`: each worker's up to `final[w]`, `admits`); once a shard has applied all of
 them (`settled`) it answers every push, and every FINISH (`on_finish`: another shard answered that worker's
-last push with STOP), with STOP and its final slice (`answer_finishing`). With S = 1 nothing of this runs.
+last push with STOP), with STOP and its final slice (`answer_finishing`). An interval checkpoint runs the same
+agreement as a pause (`pause`): the pushes up to the agreed steps are applied, later ones wait in their inboxes
+(`paused`: the slice is taken now), and `resume` processes them. With S = 1 nothing of this runs.
 
 A checkpoint (`state`) holds the whole vector and its velocity (`velocity`; zeros where the server has none):
 rank 0 asks the other shards for their slices (`ShardHub.assemble`), which answer with theirs (`HubLink`).
@@ -59,6 +61,7 @@ class ShardedServer(Role):
         self.finishing: set[int] = set()      # --servers: workers owed STOP once this shard has settled (`settled`)
         self.final: dict[int, int] | None = None  # --servers: each worker's last step every shard applies (`settle`)
         self.deferred: list[int] = []         # --servers: workers whose push (in its inbox) awaits `settle`
+        self.pausing = False                  # --servers: an interval checkpoint's agreement (`pause` to `resume`)
 
     # --- what the subclass gives ---
     def send(self, w: int, tag: Tag, step: int, initial: bool = False) -> None:
@@ -113,10 +116,20 @@ class ShardedServer(Role):
         that arrives after the stop but before the shards agreed which pushes every shard applies waits in its
         inbox (`settle`: the worker sends nothing else before this push is answered)."""
         self.check_push(w, msg)
-        if self.cut.shards > 1 and self.rec.stop_reason and self.final is None:
+        if self.holds(w, int(msg.header["step"])):
             self.deferred.append(w)
             return
         self.take_push(w, msg)
+
+    def holds(self, w: int, step: int) -> bool:
+        """(S > 1) Push `step` of worker `w` waits in its inbox: the shards are agreeing on the pushes each
+        applies (after the stop, or in a pause, until `settle`), or (a pause, after it) it is beyond the agreed
+        step and waits for `resume`."""
+        if self.cut.shards == 1:
+            return False
+        if self.final is None:
+            return self.pausing or bool(self.rec.stop_reason)
+        return self.pausing and step > self.final[w]
 
     def reply(self, w: int, step: int) -> None:
         """Answer push `step` of worker `w`: WEIGHTS, or STOP once a stopping rule fired (S > 1: once this shard
@@ -158,20 +171,53 @@ class ShardedServer(Role):
 
     # --- the stop with S > 1 shards: every shard applies the same pushes ---
     def settle(self, final: dict[int, int]) -> None:
-        """(--servers S > 1, after the stop) The shards agreed: every shard applies each worker `w`'s pushes up
-        to step `final[w]` and no later one (`mpiasgd.rank0.shards`: the largest step any shard had applied
-        when it heard of the stop; a worker has one push in flight, sent to every shard, so each of those
-        reaches every shard). The pushes deferred until now are processed; ProtocolError if a final step is
-        behind what this shard has already applied."""
+        """(--servers S > 1, after the stop or in a pause) The shards agreed: every shard applies each worker `w`'s
+        pushes up to step `final[w]` and (after the stop) no later one (`mpiasgd.rank0.shards`: the largest step
+        any shard had applied when it heard of the stop or pause; a worker has one push in flight, sent to every
+        shard, so each of those reaches every shard). The pushes deferred until now are processed (in a pause,
+        later ones wait for `resume`); ProtocolError if a final step is behind what this shard has already applied."""
         behind = {w: (self.last_step[w], step) for w, step in final.items() if step < self.last_step[w]}
         if behind or set(final) != set(self.workers):
             raise ProtocolError(f"rank {self.rank} (parameter-server shard {self.shard}): the agreed final steps "
                                 f"{final} name other workers than {self.workers} or are behind this shard's "
                                 f"applied steps (worker: (applied, final)) {behind}")
         self.final = dict(final)
-        while self.deferred:
-            w = self.deferred.pop(0)
-            self.take_push(w, self.inbox[w])
+        self.take_deferred()
+
+    def take_deferred(self) -> None:
+        """Process each held push (in arrival order) that no longer waits (`holds`)."""
+        deferred, self.deferred = self.deferred, []
+        for w in deferred:
+            if self.holds(w, int(self.inbox[w].header["step"])):
+                self.deferred.append(w)
+            else:
+                self.take_push(w, self.inbox[w])
+
+    # --- an interval checkpoint with S > 1 shards: a pause ---
+    def pause(self) -> None:
+        """(--servers S > 1) An interval checkpoint is due: hold every push until the shards agree on the pushes
+        each applies (`settle`, as after the stop); then apply those and hold later ones until `resume`, so that
+        every shard's slice (`paused`) holds the same pushes. ProtocolError when a pause or the stop's agreement
+        is already under way."""
+        if self.pausing or self.final is not None:
+            raise ProtocolError(f"rank {self.rank} (parameter-server shard {self.shard}): a pause while "
+                                + ("another is under way" if self.pausing else "the shards stop"))
+        self.pausing = True
+
+    def paused(self) -> bool:
+        """The pause's slice is ready: the shards agreed and every push up to each worker's agreed step was
+        processed here."""
+        return (self.pausing and self.final is not None
+                and all(self.last_step[w] >= step for w, step in self.final.items()))
+
+    def resume(self) -> None:
+        """After the pause's slice was taken: the held pushes are processed (after the stop, rank 0 holds them
+        again until the stop's agreement)."""
+        if not self.paused():
+            raise ProtocolError(f"rank {self.rank} (parameter-server shard {self.shard}): resumed before the pause's "
+                                "pushes were applied")
+        self.pausing, self.final = False, None
+        self.take_deferred()
 
     def settled(self) -> bool:
         """The run has stopped and this shard's weights are final: with S = 1 at once; with S > 1 once the
@@ -180,12 +226,12 @@ class ShardedServer(Role):
             return False
         if self.cut.shards == 1:
             return True
-        return (self.final is not None and not self.deferred
+        return (not self.pausing and self.final is not None and not self.deferred
                 and all(self.last_step[w] >= step for w, step in self.final.items()))
 
     def admits(self, step: int, w: int) -> bool:
         """A finite push `step` of worker `w` is applied: before the stop; after it (S > 1) if the shards agreed
-        to apply it."""
+        to apply it (in a pause: every push that does not wait, `holds`)."""
         if self.final is None:
             return not self.rec.stop_reason
         return step <= self.final[w]

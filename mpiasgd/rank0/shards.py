@@ -37,6 +37,21 @@ on a signal: rank 0 writes it once it has settled, `Rank0.tick`).
 So every shard ends at the same version with the same pushes applied, every worker evaluates the same final
 weights, and the final snapshot (rank 0 asks after every EVAL) is those weights.
 
+An interval checkpoint is the same agreement as a pause, so that it is one consistent cut (every shard's slice
+holds the same pushes, those the checkpoint's worker rows name), not S slices taken at S moments:
+
+    rank 0: the checkpoint is due (`pause`);       shard s: on SHARD_PAUSE, SHARD_PAUSED: its last steps; it
+      SHARD_PAUSE to every shard; it holds            holds every later push
+      every later push
+    every SHARD_PAUSED in: SHARD_FINAL (as at      on SHARD_FINAL: applies each worker's pushes up to final[w],
+      the stop); applies its own up to final[w]       holds later ones
+    once applied (`paused`): the checkpoint;       on FETCH flag RESUME, once applied: SLICE, then it processes
+      FETCH flag RESUME to every shard; after         the pushes it held and goes on
+      every SLICE it processes the pushes it held
+
+A worker waits at most one round trip between the shards and rank 0 longer than it would have. Snapshots
+wait while a pause is under way; a stop decided meanwhile is told the shards after it.
+
 The bytes a shard has moved (its server's `count_wire`: PUSH received, WEIGHTS and STOP sent, in this job)
 travel in two header fields SHARD_ROWS and SLICE do not otherwise use (`WIRE_FIELDS`: `correct` the bytes
 pushed, `correct5` the bytes pulled); rank 0 adds them to its own for the summary and logs them with every
@@ -115,7 +130,7 @@ class ShardHub:
 
     decides = True
     preempted = False      # (a shard's HubLink learns it from rank 0; rank 0's loop knows it itself)
-    tags = frozenset({Tag.SHARD_ROWS, Tag.SHARD_STOPPED})
+    tags = frozenset({Tag.SHARD_ROWS, Tag.SHARD_STOPPED, Tag.SHARD_PAUSED})
 
     def __init__(self, r0: Any) -> None:
         self.r0, self.comm, self.cfg, self.rec = r0, r0.comm, r0.cfg, r0.rec
@@ -124,7 +139,9 @@ class ShardHub:
         self.shards = {self.cut.rank(s, n): s for s in range(1, self.cut.shards)}  # rank -> shard
         self.stop_told = False
         self.stopped_steps: dict[int, dict[int, int]] = {}  # shard rank -> its SHARD_STOPPED (the stop's agreement)
-        self.own_steps: dict[int, int] = {}                  # rank 0's last steps when it decided
+        self.own_steps: dict[int, int] = {}                  # rank 0's last steps when it decided (or paused)
+        self.pausing = False                                 # an interval checkpoint's pause is under way (`pause`)
+        self.paused_steps: dict[int, dict[int, int]] = {}    # shard rank -> its SHARD_PAUSED (the pause's agreement)
         self.sends: list[tuple[Any, Message]] = []  # (request, its buffer) until the send completed
         self.requests = 0                            # FETCHes sent (the number each SLICE answers)
         self.slices = {r: Message(2 * self.cut.size(s)) for r, s in self.shards.items()}
@@ -142,7 +159,7 @@ class ShardHub:
     def senders(self, tag: Tag) -> list[int]:
         """The ranks a `tag` message may come from on rank 0."""
         workers = list(self.r0.workers)
-        if tag in (Tag.SHARD_ROWS, Tag.SHARD_STOPPED):
+        if tag in (Tag.SHARD_ROWS, Tag.SHARD_STOPPED, Tag.SHARD_PAUSED):
             return list(self.shards)
         if tag == Tag.ERROR:
             return workers + list(self.shards)
@@ -155,13 +172,15 @@ class ShardHub:
 
     def receive(self, tag: Tag, source: int, message: Any, nbytes: int) -> None:
         """A SHARD_ROWS from shard rank `source`: its rows logged, its version and bytes moved kept, a signal it
-        reports acted on. A SHARD_STOPPED: kept (`agree`)."""
-        if tag == Tag.SHARD_STOPPED:
-            if not self.stop_told or source in self.stopped_steps:
-                raise ProtocolError(f"rank 0: SHARD_STOPPED from rank {source} " + (
-                    "a second time" if self.stop_told else "before SHARD_STOP"))
-            self.stopped_steps[source] = steps_of(message, tag, source, 0, nbytes, list(self.r0.workers))
-            self.agree()
+        reports acted on. A SHARD_STOPPED or SHARD_PAUSED: kept (`agree`)."""
+        if tag in (Tag.SHARD_STOPPED, Tag.SHARD_PAUSED):
+            told, steps, asked = ((self.stop_told, self.stopped_steps, "SHARD_STOP") if tag == Tag.SHARD_STOPPED
+                                  else (self.pausing, self.paused_steps, "SHARD_PAUSE"))
+            if not told or source in steps:
+                raise ProtocolError(f"rank 0: {tag.name} from rank {source} " + (
+                    "a second time" if told else f"before {asked}"))
+            steps[source] = steps_of(message, tag, source, 0, nbytes, list(self.r0.workers))
+            self.agree(steps)
             return
         if nbytes < HEADER_BYTES or (nbytes - HEADER_BYTES) % 4:
             raise ProtocolError(f"rank 0: {tag.name} message from rank {source} is {nbytes} bytes, expected the "
@@ -191,8 +210,9 @@ class ShardHub:
             self.ended.add(source)
 
     def tick(self) -> None:
-        """The stop decision told to the shards once; ALIVE every --comm-timeout / 4; completed sends let go."""
-        if self.rec.stop_reason and not self.stop_told:
+        """The stop decision told to the shards once (after a pause under way); ALIVE every --comm-timeout / 4;
+        completed sends let go."""
+        if self.rec.stop_reason and not self.stop_told and not self.pausing:
             self.tell_stop()
         if self.alive.due(self.rec.now()):
             for r in self.shards:
@@ -223,22 +243,48 @@ class ShardHub:
         every later push: `ShardedServer.on_push`)."""
         if self.stop_told:
             return
+        if self.pausing:
+            raise ProtocolError("rank 0: the stop told the shards while an interval checkpoint's pause is under way")
         self.stop_told = True
         self.own_steps = {w: int(self.r0.role.last_step[w]) for w in self.r0.workers}
         flags = Flag.PREEMPT if self.r0.preempted else 0
         for r in self.shards:
             self.post(r, Message(0).stamp(Tag.SHARD_STOP, 0, flags=flags), Tag.SHARD_STOP)
 
-    def agree(self) -> None:
-        """Once every shard's SHARD_STOPPED is in: each worker's final step, the largest any shard (rank 0's
-        included) had processed, to every shard (SHARD_FINAL) and to rank 0's role (`ShardedServer.settle`)."""
-        if len(self.stopped_steps) < len(self.shards):
+    def agree(self, told: dict[int, dict[int, int]]) -> None:
+        """Once every shard's SHARD_STOPPED (or in a pause SHARD_PAUSED: `told`) is in: each worker's final
+        step, the largest any shard (rank 0's included) had processed, to every shard (SHARD_FINAL) and to rank
+        0's role (`ShardedServer.settle`)."""
+        if len(told) < len(self.shards):
             return
-        final = {w: max([step, *(steps[w] for steps in self.stopped_steps.values())])
-                 for w, step in self.own_steps.items()}
+        final = {w: max([step, *(steps[w] for steps in told.values())]) for w, step in self.own_steps.items()}
         for r in self.shards:
             self.post(r, steps_message(Tag.SHARD_FINAL, 0, final), Tag.SHARD_FINAL)
         self.r0.role.settle(final)
+
+    # --- an interval checkpoint: a pause ---
+    def pause(self) -> None:
+        """An interval checkpoint is due: SHARD_PAUSE to every shard, and rank 0's role holds every later push
+        (`ShardedServer.pause`); the checkpoint is written once `paused`. Nothing when a pause is under way or
+        the stop was told."""
+        if self.pausing or self.stop_told:
+            return
+        self.pausing, self.paused_steps = True, {}
+        self.own_steps = {w: int(self.r0.role.last_step[w]) for w in self.r0.workers}
+        self.r0.role.pause()
+        for r in self.shards:
+            self.post(r, Message(0).stamp(Tag.SHARD_PAUSE, 0), Tag.SHARD_PAUSE)
+
+    def paused(self) -> bool:
+        """The pause's checkpoint may be taken: the shards agreed and rank 0 applied every agreed push (the
+        other shards answer its FETCH once they have)."""
+        return self.pausing and self.r0.role.paused()
+
+    def resume(self) -> None:
+        """After the pause's checkpoint (every shard's SLICE in: each shard has resumed): rank 0's held pushes are
+        processed."""
+        self.pausing = False
+        self.r0.role.resume()
 
     # --- the whole vector ---
     def assemble(self, params0: np.ndarray, velocity0: np.ndarray | None = None) -> tuple:
@@ -246,7 +292,7 @@ class ShardHub:
         with every other shard's as it answers FETCH now (after SHARD_STOP when the run is stopping, so that
         a stopped shard's slice is its final one). CommTimeout naming a shard that does not answer within
         --comm-timeout; ProtocolError for an answer of the wrong size or request."""
-        if self.rec.stop_reason:
+        if self.rec.stop_reason and not self.pausing:
             self.tell_stop()
         if self.ended:
             raise CommTimeout(f"rank 0: parameter-server shard rank(s) {sorted(self.ended)} have ended: their "
@@ -261,8 +307,9 @@ class ShardHub:
             velocity[a:b] = velocity0
         versions = [self.rec.version] + [0] * len(self.shards)
         receives = {r: self.comm.Irecv(self.slices[r].buf, source=r, tag=int(Tag.SLICE)) for r in self.shards}
+        flags = Flag.RESUME if self.pausing else 0  # the pause's slice: each shard resumes after sending it
         for r in self.shards:
-            self.post(r, Message(0).stamp(Tag.FETCH, 0, step=number), Tag.FETCH)
+            self.post(r, Message(0).stamp(Tag.FETCH, 0, step=number, flags=flags), Tag.FETCH)
         for r, s in self.shards.items():
             status = MPI.Status()
             msg = self.slices[r]
@@ -301,9 +348,13 @@ class ShardHub:
         from mpiasgd.rank0.loop import WorkerFailed
 
         while not (got := poll()):
-            stopped = self.comm.Improbe(MPI.ANY_SOURCE, int(Tag.SHARD_STOPPED), status)
-            if stopped is not None:  # (a shard answers FETCH after the stop only once the shards agreed)
-                self.receive(Tag.SHARD_STOPPED, status.Get_source(), stopped, status.Get_count(MPI.BYTE))
+            told = None
+            for tag in (Tag.SHARD_STOPPED, Tag.SHARD_PAUSED):
+                told = self.comm.Improbe(MPI.ANY_SOURCE, int(tag), status)
+                if told is not None:  # (after the stop or in a pause a shard answers FETCH once the shards agreed)
+                    self.receive(tag, status.Get_source(), told, status.Get_count(MPI.BYTE))
+                    break
+            if told is not None:
                 continue
             failed = self.comm.Improbe(r, int(Tag.ERROR), status)
             if failed is not None:  # it failed instead of answering: its traceback, as the loop takes it
@@ -365,7 +416,7 @@ class HubLink:
     ShardRecorder)."""
 
     decides = False
-    tags = frozenset({Tag.SHARD_STOP, Tag.SHARD_FINAL, Tag.FETCH, Tag.END})
+    tags = frozenset({Tag.SHARD_STOP, Tag.SHARD_PAUSE, Tag.SHARD_FINAL, Tag.FETCH, Tag.END})
 
     def __init__(self, r0: Any) -> None:
         self.r0, self.comm, self.cfg, self.rec, self.role = r0, r0.comm, r0.cfg, r0.rec, r0.role
@@ -379,6 +430,7 @@ class HubLink:
         self.rows_due = Interval(self.cfg.flush_interval)
         self.last_sent = 0.0
         self.fetch_due = 0       # a FETCH that came after the stop, answered once this shard has settled
+        self.fetch_resumes = False  # ... or in a pause (flag RESUME), answered once paused, then resumes
 
     def name(self) -> str:
         return f"rank {self.rank} (parameter-server shard {self.role.shard})"
@@ -386,7 +438,7 @@ class HubLink:
     # --- what the loop asks ---
     def senders(self, tag: Tag) -> list[int]:
         """The ranks a `tag` message may come from on this shard."""
-        if tag in (Tag.SHARD_STOP, Tag.SHARD_FINAL, Tag.FETCH, Tag.END, Tag.ALIVE):
+        if tag in (Tag.SHARD_STOP, Tag.SHARD_PAUSE, Tag.SHARD_FINAL, Tag.FETCH, Tag.END, Tag.ALIVE):
             return [0]
         if tag in (Tag.PUSH, Tag.FINISH):
             return list(self.r0.workers)
@@ -396,28 +448,44 @@ class HubLink:
         return self.ended
 
     def receive(self, tag: Tag, source: int, message: Any, nbytes: int) -> None:
-        """SHARD_STOP, FETCH or END from rank 0 (header only), or SHARD_FINAL."""
+        """SHARD_STOP, SHARD_PAUSE, FETCH or END from rank 0 (header only), or SHARD_FINAL."""
         if tag == Tag.SHARD_FINAL:
-            if not self.rec.stop_reason or self.role.final is not None:
+            agreeing = bool(self.rec.stop_reason) or self.role.pausing
+            if not agreeing or self.role.final is not None:
                 raise ProtocolError(f"{self.name()}: SHARD_FINAL from rank 0 " + (
-                    "a second time" if self.rec.stop_reason else "before SHARD_STOP"))
+                    "a second time" if agreeing else "before SHARD_STOP or SHARD_PAUSE"))
             self.role.settle(steps_of(message, tag, source, self.rank, nbytes, list(self.r0.workers)))
             return
         msg = self.r0.header_only
         protocol.check_size(tag, source, self.rank, nbytes, 0)
         message.Recv(msg.buf)
         protocol.check(msg, tag, source, self.rank)
-        if tag == Tag.SHARD_STOP:
+        if tag == Tag.SHARD_PAUSE:
+            if self.rec.stop_reason or self.role.pausing:
+                raise ProtocolError(f"{self.name()}: SHARD_PAUSE from rank 0 " + (
+                    "after SHARD_STOP" if self.rec.stop_reason else "while paused"))
+            self.role.pause()  # every push is held from now on until SHARD_FINAL (and later ones until FETCH)
+            steps = {w: int(self.role.last_step[w]) for w in self.r0.workers}
+            paused = steps_message(Tag.SHARD_PAUSED, self.rank, steps)
+            self.sends.append((self.comm.Isend(paused.buf, dest=0, tag=int(Tag.SHARD_PAUSED)), paused))
+        elif tag == Tag.SHARD_STOP:
             if self.rec.stop_reason:
                 raise ProtocolError(f"{self.name()}: a second SHARD_STOP from rank 0")
+            if self.role.pausing:
+                raise ProtocolError(f"{self.name()}: SHARD_STOP from rank 0 while paused (before the pause's FETCH)")
             self.preempted = bool(int(msg.header["flags"]) & Flag.PREEMPT)
             self.rec.stop("rank 0 stopped the run")  # the role defers every push from now on until SHARD_FINAL
             steps = {w: int(self.role.last_step[w]) for w in self.r0.workers}
             stopped = steps_message(Tag.SHARD_STOPPED, self.rank, steps)
             self.sends.append((self.comm.Isend(stopped.buf, dest=0, tag=int(Tag.SHARD_STOPPED)), stopped))
         elif tag == Tag.FETCH:
-            if self.rec.stop_reason and not self.role.settled():
-                self.fetch_due = int(msg.header["step"])  # the final slice: once every agreed push is applied
+            resumes = bool(int(msg.header["flags"]) & Flag.RESUME)
+            if resumes and not self.role.pausing:
+                raise ProtocolError(f"{self.name()}: FETCH flag RESUME from rank 0 without SHARD_PAUSE")
+            if resumes or (self.rec.stop_reason and not self.role.settled()):
+                # the pause's or the final slice: once every agreed push is applied (`tick`)
+                self.fetch_due, self.fetch_resumes = int(msg.header["step"]), resumes
+                self.answer_fetch()
             else:
                 self.send_slice(int(msg.header["step"]))
         else:  # END
@@ -432,10 +500,19 @@ class HubLink:
         now = self.rec.now()
         if (self.rows_due.due(now) and self.rec.rows) or now - self.last_sent >= self.cfg.comm_timeout / 4:
             self.send_rows()
-        if self.fetch_due and self.role.settled():
-            self.send_slice(self.fetch_due)
-            self.fetch_due = 0
+        self.answer_fetch()
         self.sends = [(req, msg) for req, msg in self.sends if not req.Test()]
+
+    def answer_fetch(self) -> None:
+        """A FETCH held until the shards' agreement is applied here: answered once it is (`settled` after the
+        stop; in a pause `paused`, and the pause then ends: `ShardedServer.resume`)."""
+        if not self.fetch_due or not (self.role.paused() if self.fetch_resumes else self.role.settled()):
+            return
+        self.send_slice(self.fetch_due)
+        self.fetch_due = 0
+        if self.fetch_resumes:
+            self.fetch_resumes = False
+            self.role.resume()
 
     def signalled(self, name: str) -> None:
         """A signal reached this shard: rank 0 is told at once (its rows, flag PREEMPT); rank 0 decides."""

@@ -157,6 +157,65 @@ def test_two_shards_resume_continues_every_shards_versions(mpirun, tmp_path):
     assert res.returncode == 2 and "config key 'servers' = 1: a resumed run keeps 2" in res.stderr, res.explain()
 
 
+def test_interval_checkpoints_are_one_cut_of_every_shard_and_a_run_resumes_from_one(tmp_path):
+    """An interval checkpoint with S = 2 is taken in a pause (`mpiasgd.rank0.shards`): both shards hold the same
+    pushes, those its worker rows name (no push is rejected or dropped before the stop: version = the workers'
+    steps), however many pushes were in flight. Before the pause one shard's slice could be a push or two ahead
+    of the other's (seen in 2 of 6 checkpoints). Each checkpoint file the run writes is copied as it appears;
+    the run then resumes from one in the middle and every shard counts on from it."""
+    proc = start_mpi(RANKS, ["train", *FAST, "--servers", str(SERVERS), "--epochs", "0", "--lr-schedule",
+                             "constant", "--max-time", "5", "--checkpoint-interval", "0.25", "--name", "c"], tmp_path)
+    runs, copies, seen = tmp_path / "runs", [], set()
+    try:
+        while proc.poll() is None:
+            try:
+                st = os.stat(runs / "c.ckpt.h5")
+            except FileNotFoundError:
+                st = None
+            if st is not None and (st.st_ino, st.st_mtime_ns) not in seen:  # (written to a temporary, renamed)
+                seen.add((st.st_ino, st.st_mtime_ns))
+                copies.append(tmp_path / f"copy{len(copies)}.ckpt.h5")
+                try:
+                    copies[-1].write_bytes((runs / "c.ckpt.h5").read_bytes())
+                except FileNotFoundError:
+                    copies.pop()
+            time.sleep(0.02)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop_group(proc)
+    assert proc.returncode == 0, err
+    cuts = []
+    for path in copies:
+        try:
+            ck = checkpoint.load(str(path))
+        except checkpoint.CheckpointError:  # copied while the next one replaced it: a torn copy, not the file's
+            continue
+        if ck.reason == "interval":
+            cuts.append((path, ck))
+            assert ck.shard_versions.tolist() == [ck.version] * SERVERS, (path.name, ck.shard_versions, ck.version)
+            assert ck.version == int(ck.workers["step"].sum()) > 0, (path.name, ck.version, ck.workers)
+    assert len(cuts) >= 4, [p.name for p in copies]
+    path, first = cuts[len(cuts) // 2]
+    (runs / "c.ckpt.h5").write_bytes(path.read_bytes())
+    res = run_mpi(RANKS, ["train", "--resume", "runs/c.ckpt.h5", "--max-pushes", str(first.version + 200),
+                          "--no-progress"], 120, tmp_path)
+    assert res.returncode == 0, res.explain()
+    attrs, t, _ = read_log(runs / "c.h5")
+    assert attrs["status"] == "completed" and first.version + 200 <= attrs["version"] < first.version + 200 + WORKERS
+    versions = list(attrs["shard_versions"])
+    assert versions == [attrs["version"]] * SERVERS
+    resume = float(t["events"]["time"][t["events"]["kind"] == b"resume"][0])
+    for s in range(SERVERS):  # every shard counts on from the checkpoint's version, which is every shard's
+        rows = shard_rows(t, s)
+        later = rows[(rows["time"] >= resume) & (rows["applied"] == 1)]
+        assert later["version"].tolist() == list(range(first.version + 1, versions[s] + 1))
+    for w in range(1, WORKERS + 1):  # each worker goes on from its step in the checkpoint
+        row = first.workers[first.workers["rank"] == w][0]
+        pushes = t["pushes"]
+        steps = pushes["step"][(pushes["worker"] == w) & (pushes["time"] >= resume)].tolist()
+        assert steps[0] == int(row["step"]) + 1 and steps == list(range(steps[0], steps[0] + len(steps)))
+
+
 EASGD = ["--mode", "easgd", "--easgd-tau", "2", "--lr", "0.05"]
 
 

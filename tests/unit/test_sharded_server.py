@@ -440,6 +440,157 @@ def test_the_shards_apply_the_same_pushes_whichever_way_the_stop_races_them(tmp_
     assert dropped[0] == dropped[1] == [(1, 2)]
 
 
+def drain(loop, net):
+    """`loop` handles every message queued for its rank (rank 0 may have sent a shard ALIVE meanwhile; a shard may
+    have sent rank 0 its rows), in arrival order."""
+    while net.pending(loop.rank):
+        serve(loop)
+
+
+@pytest.mark.parametrize("mode", ["async", "easgd"])
+def test_an_interval_checkpoint_is_one_cut_whichever_way_the_pause_races_the_pushes(tmp_path, mode):
+    """Rank 0 applies worker 1's and worker 2's first pushes and an interval checkpoint falls due (`pause`); worker
+    3's first push is still on its way to rank 0. Shard 1 has applied worker 1's and worker 3's; worker 2's is
+    still on its way to it. Taken as they stood, the two slices would hold different pushes. In the pause both
+    apply all three (version 3) and hold worker 1's second push; the checkpoint holds version 3 on both shards,
+    the worker rows of those pushes and (async) the weights each shard sent with its reply at version 3. Then
+    each shard processes the held push: version 4, and worker 1 is answered with WEIGHTS by both."""
+    from mpiasgd import checkpoint
+
+    hub, shard, net, cut, rank = started(tmp_path, mode=mode)
+    answering(hub, shard, net)
+    rng = np.random.default_rng(8)
+    g = {w: rng.standard_normal(P).astype(np.float32) for w in range(1, WORKERS + 1)}
+    for w in (1, 2):  # rank 0: version 2, then the pause
+        push_to(net, cut, 0, 0, w, 1, hub.rec.version, g[w])
+        drain(hub, net)
+    hub.link.pause()
+    assert hub.link.pausing and not hub.link.paused()
+    pause = net.take(rank, 0, Tag.SHARD_PAUSE)
+    for w in (1, 3):  # shard 1, before it hears of the pause
+        push_to(net, cut, 1, rank, w, 1, shard.rec.version, g[w])
+        drain(shard, net)
+        assert Tag(net.pending(w)[-1][1]) == Tag.WEIGHTS
+    net.post(0, rank, Tag.SHARD_PAUSE, pause[2])
+    drain(shard, net)
+    paused = net.take(0, rank, Tag.SHARD_PAUSED)
+    assert stop_steps(paused[2]) == {1: 1, 2: 0, 3: 1}  # the last step shard 1 applied of each worker
+    push_to(net, cut, 1, rank, 2, 1, 0, g[2])  # worker 2's first push reaches shard 1: held
+    drain(shard, net)
+    push_to(net, cut, 0, 0, 3, 1, 0, g[3])  # worker 3's reaches rank 0: held
+    drain(hub, net)
+    assert hub.rec.version == 2 and shard.rec.version == 2
+    assert [src for src, _, _ in net.pending(2)] == [0] and [src for src, _, _ in net.pending(3)] == [rank]
+    for s in (0, 1):  # worker 1 got WEIGHTS from both shards: its second push, to both
+        push_to(net, cut, s, (0, rank)[s], 1, 2, (hub, shard)[s].rec.version, g[1])
+    drain(shard, net)  # shard 1 holds it
+    drain(hub, net)  # rank 0 holds it
+    assert hub.rec.version == 2 and hub.role.final is None and hub.role.deferred == [3, 1]
+    assert shard.role.deferred == [2, 1]
+    net.post(rank, 0, Tag.SHARD_PAUSED, paused[2])
+    # shard 1's SHARD_PAUSED: SHARD_FINAL {1: 1, 2: 1, 3: 1}; rank 0 applies worker 3's push, writes the
+    # checkpoint (shard 1 answers its FETCH once it has applied worker 2's), then both process worker 1's second
+    drain(hub, net)
+    ck = checkpoint.load(str(tmp_path / "run.ckpt.h5"))
+    assert ck.reason == "interval" and ck.version == 3 and ck.shard_versions.tolist() == [3, 3]
+    assert {int(r["rank"]): int(r["step"]) for r in ck.workers} == {1: 1, 2: 1, 3: 1}
+    at3 = [reply_of_tag(net, 3, 0, cut.count(0)), reply_of_tag(net, 2, rank, cut.count(1))]  # each at version 3
+    assert [(tag, int(header["version"])) for tag, header, _ in at3] == [(Tag.WEIGHTS, 3)] * 2
+    if mode == "async":  # (easgd replies with the center before the exchange's update)
+        np.testing.assert_array_equal(ck.params, np.concatenate([at3[0][2], at3[1][2]]))
+    assert not hub.link.pausing and not shard.role.pausing and hub.role.final is None is shard.role.final
+    assert hub.rec.version == shard.rec.version == 4  # worker 1's second push, held in the pause
+    for s, src in enumerate((0, rank)):
+        tag, header, _ = reply_of_tag(net, 1, src, cut.count(s))
+        assert tag == Tag.WEIGHTS and int(header["step"]) == 2 and int(header["version"]) == 4
+
+
+def answering(hub, shard, net):
+    """Rank 0's waits for shard 1's answers (a snapshot's or checkpoint's SLICE) serve shard 1 meanwhile."""
+    def await_shard(r, what, poll):
+        while not (got := poll()):
+            drain(shard, net)
+        return got
+
+    hub.link.await_shard = await_shard
+
+
+def test_a_pause_out_of_turn_is_refused(tmp_path):
+    """A shard refuses SHARD_PAUSE while paused or after SHARD_STOP, SHARD_STOP while paused (rank 0 tells the
+    stop after the pause), and FETCH flag RESUME without a pause; rank 0 refuses SHARD_PAUSED it did not ask for."""
+    from mpiasgd.comms import Flag, ProtocolError
+    from mpiasgd.rank0.shards import steps_message
+
+    hub, shard, net, _, rank = started(tmp_path)
+    net.post(0, rank, Tag.FETCH, Message(0).stamp(Tag.FETCH, 0, step=1, flags=Flag.RESUME).buf)
+    with pytest.raises(ProtocolError, match=rf"rank {rank} \(parameter-server shard 1\): FETCH flag RESUME from "
+                                            r"rank 0 without SHARD_PAUSE"):
+        serve(shard)
+    net.post(rank, 0, Tag.SHARD_PAUSED, steps_message(Tag.SHARD_PAUSED, rank, {1: 0, 2: 0, 3: 0}).buf)
+    with pytest.raises(ProtocolError, match=rf"rank 0: SHARD_PAUSED from rank {rank} before SHARD_PAUSE"):
+        serve(hub)
+    net.post(0, rank, Tag.SHARD_PAUSE, Message(0).stamp(Tag.SHARD_PAUSE, 0).buf)
+    drain(shard, net)
+    assert shard.role.pausing and net.take(0, rank, Tag.SHARD_PAUSED) is not None
+    net.post(0, rank, Tag.SHARD_PAUSE, Message(0).stamp(Tag.SHARD_PAUSE, 0).buf)
+    with pytest.raises(ProtocolError, match=r"SHARD_PAUSE from rank 0 while paused"):
+        serve(shard)
+    net.post(0, rank, Tag.SHARD_STOP, Message(0).stamp(Tag.SHARD_STOP, 0).buf)
+    with pytest.raises(ProtocolError, match=r"SHARD_STOP from rank 0 while paused"):
+        serve(shard)
+    with pytest.raises(ProtocolError, match=r"resumed before the pause's pushes were applied"):
+        shard.role.resume()
+    _, other, net2, cut2 = linked(tmp_path / "b")
+    rank2 = cut2.rank(1, WORKERS)
+    net2.post(0, rank2, Tag.SHARD_STOP, Message(0).stamp(Tag.SHARD_STOP, 0).buf)
+    drain(other, net2)
+    net2.post(0, rank2, Tag.SHARD_PAUSE, Message(0).stamp(Tag.SHARD_PAUSE, 0).buf)
+    with pytest.raises(ProtocolError, match=r"SHARD_PAUSE from rank 0 after SHARD_STOP"):
+        serve(other)
+
+
+def test_a_stop_decided_in_a_pause_is_told_the_shards_after_it(tmp_path):
+    """--max-pushes 3: the push that reaches the limit on rank 0 is applied in the pause (it is within the agreed
+    steps). Rank 0 writes the pause's checkpoint (version 3 on both shards) and tells the shards the stop only
+    then. Shard 1 meanwhile processed a push it held in the pause (worker 1's second); the stop's agreement
+    includes it, so rank 0 applies it too: both end at version 4."""
+    from mpiasgd import checkpoint
+
+    hub, shard, net, cut, rank = started(tmp_path, max_pushes=3)
+    answering(hub, shard, net)
+    grad = np.full(P, 0.01, np.float32)
+    for w in (1, 2):  # both shards: version 2
+        for s, r, loop in ((0, 0, hub), (1, rank, shard)):
+            push_to(net, cut, s, r, w, 1, loop.rec.version, grad)
+            drain(loop, net)
+            net.take(w, r)
+    push_to(net, cut, 1, rank, 3, 1, 2, grad)  # worker 3's push reaches shard 1 first: version 3 there
+    drain(shard, net)
+    hub.link.pause()
+    drain(shard, net)  # SHARD_PAUSE: SHARD_PAUSED {1: 1, 2: 1, 3: 1}
+    push_to(net, cut, 1, rank, 1, 2, 3, grad)  # worker 1's second push (as if rank 0 had answered): held
+    drain(shard, net)
+    drain(hub, net)  # SHARD_PAUSED: final {.., 3: 1}; rank 0 waits for worker 3's push
+    assert hub.link.pausing and not hub.link.paused() and not hub.rec.stop_reason
+    push_to(net, cut, 0, 0, 3, 1, 2, grad)
+    drain(hub, net)  # applied (version 3): the stop; then the pause's checkpoint, and the pause ends
+    ck = checkpoint.load(str(tmp_path / "run.ckpt.h5"))
+    assert ck.reason == "interval" and ck.shard_versions.tolist() == [3, 3]
+    assert hub.rec.stop_reason and not hub.link.pausing and not hub.link.stop_told  # told at the next tick
+    assert shard.rec.version == 4 and not shard.rec.stop_reason  # shard 1 processed the push it held
+    assert [src for src, _, _ in net.pending(3)] == [rank]  # rank 0's STOP to worker 3 waits for the agreement
+    hub.tick()
+    assert hub.link.stop_told
+    drain(shard, net)  # SHARD_STOP: SHARD_STOPPED {1: 2, 2: 1, 3: 1}
+    drain(hub, net)  # final {1: 2, 2: 1, 3: 1}: rank 0 waits for worker 1's second push
+    assert hub.role.final == {1: 2, 2: 1, 3: 1} and not hub.role.settled()
+    push_to(net, cut, 0, 0, 1, 2, 3, grad)
+    drain(hub, net)
+    drain(shard, net)
+    assert hub.role.settled() and shard.role.settled() and hub.rec.version == shard.rec.version == 4
+    assert [(src, Tag(tag)) for src, tag, _ in net.pending(3)] == [(rank, Tag.WEIGHTS), (0, Tag.STOP)]
+
+
 def push_to(net, cut, s, rank, worker, step, version, grad):
     """Worker `worker`'s push to shard `s` (rank `rank`): its slice of `grad`."""
     a, b = cut.slice(s)
@@ -699,3 +850,72 @@ def test_the_push_that_carries_a_workers_signal_is_applied_on_every_shard(tmp_pa
     while net.pending(rank):  # SHARD_FINAL: the deferred push applied
         serve(shard)
     assert shard.rec.version == hub.rec.version == 1 and shard.link.preempted
+
+
+# --- a push that is not finite in one shard's slice only: the worker's flag NONFINITE -------------------------------
+
+def push_flagged(net, cut, s, rank, worker, step, version, values, wire, flags):
+    """Worker `worker`'s push to shard `s` (rank `rank`): its slice of `values` in wire format `wire`, with `flags`."""
+    a, b = cut.slice(s)
+    msg = Message(b - a, wire).stamp(Tag.PUSH, worker, step=step, version=version, samples=32, loss=2.0, flags=flags)
+    encode(wire, np.ascontiguousarray(values[a:b]), msg.payload)
+    net.post(worker, rank, Tag.PUSH, msg.buf)
+
+
+def serve_pending(loop, net, rank):
+    """`loop` (of rank `rank`) handles every message queued for it (a push, and an ALIVE rank 0 may have sent)."""
+    while net.pending(rank):
+        serve(loop)
+
+
+@pytest.mark.parametrize("options", [
+    {"mode": "async"},
+    {"mode": "async", "wire": "fp16"},
+    {"mode": "async", "dc_lambda": 2.0},
+    {"mode": "ssp", "staleness_bound": 3},
+    {"mode": "easgd"},
+], ids=["async", "async-fp16", "dc-asgd", "ssp", "easgd"])
+def test_a_push_not_finite_in_one_shards_slice_only_is_rejected_by_every_shard(tmp_path, options):
+    """Worker 2's push holds a NaN in shard 1's slice only (shard 0's slice is finite), and the worker flagged every
+    shard's push NONFINITE, as its staging does: both shards reject it (no update, the same version, the same
+    applied set in the log, one reject counted for worker 2 on each) and answer it with WEIGHTS carrying the
+    weights as they were. (Without the flag shard 0 applied it and shard 1 rejected it: the shards diverged.)"""
+    from mpiasgd.comms import Flag
+    from mpiasgd.comms.wire import roundtrip
+
+    wire = options.get("wire", "fp32")
+    hub, shard, net, cut, rank = started(tmp_path, **options)
+    loops, sources = (hub, shard), (0, rank)
+    rng = np.random.default_rng(9)
+    good = (rng.standard_normal(P) * 0.1).astype(np.float32)
+    for s in range(2):  # worker 1's finite push: applied on both shards
+        push_flagged(net, cut, s, sources[s], 1, 1, 0, good, wire, 0)
+        serve_pending(loops[s], net, sources[s])
+        assert Tag(net.take(1, sources[s])[1]) == Tag.WEIGHTS
+    assert hub.rec.version == shard.rec.version == 1
+    before = [loop.role.params.copy() for loop in loops]
+    bad = (rng.standard_normal(P) * 0.1).astype(np.float32)
+    a = cut.slice(1)[0]
+    bad[a + 7] = np.nan
+    assert np.isfinite(bad[:a]).all()  # shard 0's slice is finite: only the flag tells it
+    for s in range(2):
+        push_flagged(net, cut, s, sources[s], 2, 1, 0, bad, wire, Flag.NONFINITE)
+        serve_pending(loops[s], net, sources[s])
+    assert hub.rec.version == shard.rec.version == 1
+    for s, loop in enumerate(loops):
+        np.testing.assert_array_equal(loop.role.params, before[s])  # no update on either shard
+        weights, version = reply_of(net, 2, sources[s], cut.count(s), wire)  # WEIGHTS, the weights as they are
+        assert version == 1
+        np.testing.assert_array_equal(weights, roundtrip(wire, before[s]))
+        assert loop.rec.rejected[2] == 1 and loop.rec.rejects_in_row[2] == 1 and loop.rec.rejected[1] == 0
+    shard.link.send_rows()
+    serve_pending(hub, net, 0)
+    hub.rec.log.flush()
+    with open_log(hub.rec.log.path) as f:
+        mine = f["pushes"][()]
+        theirs = f["shard_pushes"][()]
+    theirs = theirs[theirs["shard"] == 1]
+    rows = [sorted((int(r["worker"]), int(r["step"]), int(r["applied"]), int(r["version"])) for r in t)
+            for t in (mine, theirs)]
+    assert rows[0] == rows[1] == [(1, 1, 1, 1), (2, 1, 0, 1)]
+    assert mine["rejected"].tolist() == [0, 1]

@@ -170,3 +170,107 @@ def test_worker_names_the_shard_of_a_malformed_reply(digits):
     assert isinstance(outcome.get("error"), ProtocolError)
     assert f"from parameter-server shard 1 (rank {SHARD1})" in str(outcome["error"])
     assert f"expected {Message(cut.count(1)).buf.size}" in str(outcome["error"])
+
+
+# --- flag NONFINITE: every shard's push says whether the whole push is finite as it travels ----------------------
+
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
+def test_all_finite_reads_every_16_bit_pattern_as_the_server_decodes_it(wire):
+    """Each of the 65,536 16-bit patterns, alone and as the last value of a block after finite ones: all_finite
+    says what np.isfinite says of the float32 the server decodes."""
+    from mpiasgd.comms.staging import all_finite
+    from mpiasgd.comms.wire import wire_dtype
+
+    patterns = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(wire_dtype(wire))
+    expected = np.isfinite(decode(wire, patterns, np.empty(65536, np.float32)))
+    scratch = np.empty(4, np.uint16)
+    got = np.array([all_finite(patterns[i:i + 1], wire, scratch) for i in range(65536)])
+    np.testing.assert_array_equal(got, expected)
+    one = encode(wire, np.ones(9, np.float32), np.empty(9, wire_dtype(wire)))  # blocks of 4: 4, 4, then 1
+    for bad in np.flatnonzero(~expected)[::97]:
+        one[-1] = patterns[bad]
+        assert not all_finite(one, wire, scratch)
+    one[-1] = one[0]
+    assert all_finite(one, wire, scratch)
+
+
+NONFINITE_CASES = [  # (where: a shard or the buffers, value, the wire formats in which the push is not finite)
+    (1, np.nan, {"fp32", "fp16", "bf16"}),
+    (0, -np.inf, {"fp32", "fp16", "bf16"}),
+    (2, 1e6, {"fp16"}),    # beyond fp16's range (65504): inf on the wire, the server would reject it
+    (1, 1e30, {"fp16"}),   # finite, but its square overflows float32: the dot is not finite, the exact check is
+    ("buffers", np.nan, set()),  # the layer buffers: no server checks them
+]
+
+
+# (ErrorFeedback's residual of an inf is inf - inf: numpy warns, then the residual is reset; not what this checks)
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
+@pytest.mark.parametrize("kind", ["host", "pinned"])
+@pytest.mark.parametrize("wire,feedback", [("fp32", False), ("fp16", False), ("fp16", True), ("bf16", False),
+                                           ("bf16", True)])
+@pytest.mark.parametrize("where,value,wires", NONFINITE_CASES,
+                         ids=["nan-shard-1", "inf-shard-0", "1e6-shard-2", "1e30-shard-1", "nan-buffers"])
+def test_every_shards_push_is_flagged_when_the_whole_push_is_not_finite(monkeypatch, kind, wire, feedback, where,
+                                                                         value, wires):
+    """A finite push, then one with `value` in one shard's slice (or the buffers), then a finite one again: the
+    second carries flag NONFINITE on all 3 pushes exactly when some parameter's value is not finite as encoded
+    for the wire, though the other shards' slices are finite; the others carry it on none (a stale bit cleared,
+    the other flags kept). The host check runs in blocks (here of 64 values), the device's in one pass."""
+    import mpiasgd.comms.staging as staging_module
+    from mpiasgd.comms import Flag
+
+    monkeypatch.setattr(staging_module, "CHECK_BLOCK", 64)
+    params, buffers, servers = 1000, 37, 3
+    cut = ShardCut.balanced(params, buffers, servers)
+    st = ShardedStaging(cut, wire, ErrorFeedback(wire, params) if feedback else None,
+                        None if kind == "host" else FakeDevice().transfers())
+    rng = np.random.default_rng(4)
+    if where == "buffers":
+        at = params + 5
+    else:
+        at = cut.slice(where)[1] - 3  # past the first blocks of 64
+    for i in range(3):
+        g = (rng.standard_normal(params + buffers) * 1e-2).astype(np.float32)
+        if i == 1:
+            g[at] = value
+            assert np.isfinite(np.delete(g, at)).all()
+        st.grads[:] = g
+        for msg in st.push:  # as the worker stamps them; a stale NONFINITE bit is cleared when the push is finite
+            msg.stamp(Tag.PUSH, 1, step=i + 1, flags=Flag.DELTA | (Flag.NONFINITE if i == 2 else 0))
+        st.finish_compute()
+        st.before_send()
+        flagged = i == 1 and wire in wires
+        assert st.nonfinite == flagged
+        assert [int(m.header["flags"]) for m in st.push] == [Flag.DELTA | (Flag.NONFINITE if flagged else 0)] * 3
+        if i == 1 and where != "buffers":  # the value travels in its shard's push only
+            others = [s for s in range(servers) if s != where]
+            for s in others:
+                assert np.isfinite(decode(wire, st.push[s].payload, np.empty(cut.count(s), np.float32))).all()
+
+
+def test_a_worker_flags_every_shards_push_of_a_gradient_that_is_not_finite(digits):
+    """The loop: a push of the gradient of finite weights carries no flag NONFINITE; weights with a NaN (in shard
+    1's slice) give a gradient that is not finite, and both shards' pushes carry the flag, besides the header
+    the loop stamped."""
+    from mpiasgd.comms import Flag
+
+    net, cut, _, thread, outcome = start_sharded_worker(digits)
+    p0 = build_model("digits").init_params(0)
+    for s in range(2):
+        reply(net, cut, s, Tag.WEIGHTS, p0, version=0, step=0)
+    first = [take(net, 0, Tag.PUSH, cut.count(0)), take(net, SHARD1, Tag.PUSH, cut.count(1))]
+    assert [int(m.header["flags"]) for m in first] == [0, 0]
+    assert all(np.isfinite(m.payload).all() for m in first)
+    p1 = p0.copy()
+    p1[cut.slice(1)[0] + 1] = np.nan
+    for s in range(2):
+        reply(net, cut, s, Tag.WEIGHTS, p1, version=1, step=1)
+    second = [take(net, 0, Tag.PUSH, cut.count(0)), take(net, SHARD1, Tag.PUSH, cut.count(1))]
+    assert [int(m.header["flags"]) for m in second] == [Flag.NONFINITE, Flag.NONFINITE]
+    assert [int(m.header["step"]) for m in second] == [2, 2]
+    assert not np.isfinite(np.concatenate([m.payload[:cut.size(s)] for s, m in enumerate(second)])).all()
+    for s in range(2):  # the run ends: both shards answer with STOP
+        reply(net, cut, s, Tag.STOP, p0, version=1, step=2)
+    take(net, 0, Tag.EVAL, 0)
+    thread.join(10)
+    assert outcome == {"preempted": False}
