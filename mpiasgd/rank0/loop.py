@@ -296,6 +296,8 @@ class Rank0:
         """
         self.skip_pause()
         limit, now = self.cfg.comm_timeout, self.rec.now()
+        if self.link is not None:  # first: workers waiting for a hung shard's reply fall silent with it
+            self.link.check_silence(now, limit)  # (the other shards send their rows at least every limit / 4)
         silent = sorted(((now - self.last_seen[w], w) for w in self.role.waiting_for()
                          if not self.role.waits_for_rank0(w)), reverse=True)
         warn = self.cfg.stall_warning
@@ -309,8 +311,6 @@ class Rank0:
             names = ", ".join(f"rank {w} ({s:.1f} s)" for s, w in silent if s > limit)
             raise CommTimeout(f"rank 0: worker rank {silent[0][1]} has sent nothing for {silent[0][0]:.1f} s "
                               f"(--comm-timeout {limit:g} s): hung or very slow; silent longer than that: {names}")
-        if self.link is not None:  # the other shards send their rows at least every --comm-timeout / 4
-            self.link.check_silence(now, limit)
 
     # --- preemption ---
     def preempt(self, why: str) -> None:
@@ -367,6 +367,20 @@ class Rank0:
         why = f"{self.preempted}; " + ", ".join(f"{self.name_of(w)} (pid {pid} on {host}) has exited"
                                                   for w, host, pid in gone)
         return Preempted(why, self.lost_state, dead=True)
+
+    def worker_died(self, gone: list[tuple[int, str, int]]) -> Preempted:
+        """(--servers) A worker in `gone` ((rank, host, pid): its process exited) was found dead while rank 0 waited
+        for a parameter-server shard (a snapshot's or checkpoint's slice; in a pause the shards may wait for that
+        worker's last push for ever): the run ends as a failure now, without a checkpoint (`resume_note` says
+        why); returns the Preempted to raise."""
+        names = ", ".join(f"{self.name_of(w)} (pid {pid} on {host}) has exited" for w, host, pid in gone)
+        if not self.preempted:
+            self.preempted = f"rank 0 waited for a parameter-server shard; {names}"
+            self.preempt_time, self.preempt_reason = self.rec.now(), "failure"
+            self.checkpoint_due = "failure"  # not written: the shards have not agreed (`resume_note`)
+            self.rec.event("preempt", self.preempted)
+            self.rec.stop(f"failed: {self.preempted}")
+        return Preempted(self.preempted, [w for w, _, _ in gone], dead=True)
 
     def check_grace(self) -> None:
         """Preempted once PREEMPT_GRACE seconds have passed since a signal and the workers have not all

@@ -208,11 +208,10 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
     except BaseException as e:
         if isinstance(e, RunLogError):
             raise  # the log cannot be written (disk full): `train` reports it in one line (`log_unwritable`)
-        if isinstance(e, CommTimeout) and r0.role.checkpoints_here:  # a hung worker: the state on rank 0 is sound
-            try:
-                rec.write_checkpoint(r0.role.state("failure"))
-            except CommTimeout as silent:  # --servers: a hung shard cannot send its slice: the last one is kept
-                rec.warn(f"no checkpoint written at the failure: {silent}")
+        if isinstance(e, CommTimeout) and r0.role.checkpoints_here and r0.link is None:
+            rec.write_checkpoint(r0.role.state("failure"))  # a hung worker: the state on rank 0 is sound
+        elif isinstance(e, CommTimeout) and r0.role.checkpoints_here:  # --servers S > 1
+            rec.warn(f"no checkpoint written at the failure: {SHARDS_NOT_ONE_CUT}; " + kept_note(rec.checkpoint_path))
         rec.event("failed", traceback.format_exc())
         try:
             log.close("failed")
@@ -246,6 +245,16 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
     return 0
 
 
+SHARDS_NOT_ONE_CUT = ("with --servers the shards' slices are one consistent state only when they agree on the "
+                      "pushes each applies (an interval, signal or end checkpoint), which a failure does not allow")
+
+
+def kept_note(path: str) -> str:
+    """What is left to resume from when no checkpoint is written now: the last one at `path`, or none."""
+    return (f"the last one, '{path}', is kept: continue from it with --resume" if os.path.isfile(path)
+            else "there is no earlier one to resume from (see --checkpoint-interval)")
+
+
 def log_unwritable(me: Any, start: Any, error: RunLogError) -> None:
     """(rank 0) The run log cannot be written (disk full, quota, I/O error): print one error line naming
     the file and the cause, end the log as far as the disk allows (`RunLog.abandon`: status "failed";
@@ -261,7 +270,10 @@ def log_unwritable(me: Any, start: Any, error: RunLogError) -> None:
         rec = r0.rec
         print(f"mpiasgd: error: rank 0: {error}; {rec.log.abandon()}", file=sys.stderr, flush=True)
         path = rec.checkpoint_path
-        if r0.role.checkpoints_here:
+        if r0.role.checkpoints_here and r0.link is not None:  # --servers S > 1
+            print(f"mpiasgd: no checkpoint written now: {SHARDS_NOT_ONE_CUT}; {kept_note(path)}", file=sys.stderr,
+                  flush=True)
+        elif r0.role.checkpoints_here:
             if rec.write_checkpoint(r0.role.state("failure")):  # a failed write prints its own warning line
                 print(f"mpiasgd: checkpoint '{path}' written (version {rec.version}); once there is space, "
                       f"continue with --resume {path}", file=sys.stderr, flush=True)

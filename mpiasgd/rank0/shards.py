@@ -332,9 +332,9 @@ class ShardHub:
         """Call `poll()` until it returns something (not None or False), within --comm-timeout (CommTimeout
         "rank 0: no WHAT after T s"); returns that.
         Meanwhile: an ERROR from that shard is raised as the loop raises it (WorkerFailed); and (after a signal,
-        and every second) whether shard rank `r`'s process has exited: a launcher ends the job when a rank
-        dies, and rank 0 must close the log before it does (`Rank0.shard_died` gives the Preempted raised,
-        naming it)."""
+        and every second) whether a shard's or a worker's process has exited: a launcher ends the job when a
+        rank dies, and rank 0 must close the log before it does (`Rank0.shard_died`, `Rank0.worker_died` give
+        the Preempted raised, naming it)."""
         deadline, backoff, look = Deadline(self.cfg.comm_timeout), Backoff(), Interval(1.0, self.rec.now())
         status, start = MPI.Status(), self.rec.now()
         try:
@@ -362,9 +362,11 @@ class ShardHub:
                 failed.Recv(msg.buf[:status.Get_count(MPI.BYTE)])
                 raise WorkerFailed(r, protocol.error_text(msg), "parameter-server shard")
             if signals.received() or look.due(self.rec.now()):
-                gone = [g for g in self.r0.exited_workers() if g[0] == r]
-                if gone:
-                    raise self.r0.shard_died(gone)
+                gone = self.r0.exited_workers()
+                if any(g[0] in self.shards for g in gone):
+                    raise self.r0.shard_died([g for g in gone if g[0] in self.shards])
+                if gone:  # a worker died (its last push may never reach the shard this waits for): end now
+                    raise self.r0.worker_died(gone)
             if deadline.expired():
                 raise CommTimeout(f"rank 0: no {what} after {self.cfg.comm_timeout:.0f} s")
             backoff.pause()

@@ -591,6 +591,22 @@ def test_a_stop_decided_in_a_pause_is_told_the_shards_after_it(tmp_path):
     assert [(src, Tag(tag)) for src, tag, _ in net.pending(3)] == [(rank, Tag.WEIGHTS), (0, Tag.STOP)]
 
 
+def test_a_silent_shard_is_named_before_the_workers_waiting_for_it(tmp_path):
+    """A hung shard: the workers, waiting for its replies, fall silent too (here as long as it). Rank 0 names the
+    shard, not a worker (it named the workers when their silence was looked at first)."""
+    from mpiasgd.comms import CommTimeout
+
+    hub, _, _, _, rank = started(tmp_path)
+    now = hub.rec.now()
+    for r in hub.last_seen:
+        hub.last_seen[r] = now - 10.0  # every worker and shard 1: silent for 10 s (--comm-timeout 2)
+    with pytest.raises(CommTimeout, match=rf"rank 0: parameter-server shard 1 \(rank {rank}\) has sent nothing"):
+        hub.check_stalls()
+    hub.last_seen[rank] = hub.rec.now()  # shard 1 spoke: now a worker is the one named
+    with pytest.raises(CommTimeout, match=r"rank 0: worker rank \d has sent nothing"):
+        hub.check_stalls()
+
+
 def push_to(net, cut, s, rank, worker, step, version, grad):
     """Worker `worker`'s push to shard `s` (rank `rank`): its slice of `grad`."""
     a, b = cut.slice(s)
