@@ -140,7 +140,6 @@ class ShardHub:
         self.stop_told = False
         self.stopped_steps: dict[int, dict[int, int]] = {}  # shard rank -> its SHARD_STOPPED (the stop's agreement)
         self.own_steps: dict[int, int] = {}                  # rank 0's last steps when it decided (or paused)
-        self.pausing = False                                 # an interval checkpoint's pause is under way (`pause`)
         self.paused_steps: dict[int, dict[int, int]] = {}    # shard rank -> its SHARD_PAUSED (the pause's agreement)
         self.sends: list[tuple[Any, Message]] = []  # (request, its buffer) until the send completed
         self.requests = 0                            # FETCHes sent (the number each SLICE answers)
@@ -269,11 +268,16 @@ class ShardHub:
         the stop was told."""
         if self.pausing or self.stop_told:
             return
-        self.pausing, self.paused_steps = True, {}
+        self.paused_steps = {}
         self.own_steps = {w: int(self.r0.role.last_step[w]) for w in self.r0.workers}
         self.r0.role.pause()
         for r in self.shards:
             self.post(r, Message(0).stamp(Tag.SHARD_PAUSE, 0), Tag.SHARD_PAUSE)
+
+    @property
+    def pausing(self) -> bool:
+        """An interval checkpoint's pause is under way (`pause` to `resume`; rank 0's role holds the state)."""
+        return self.r0.role.pausing
 
     def paused(self) -> bool:
         """The pause's checkpoint may be taken: the shards agreed and rank 0 applied every agreed push (the
@@ -283,7 +287,6 @@ class ShardHub:
     def resume(self) -> None:
         """After the pause's checkpoint (every shard's SLICE in: each shard has resumed): rank 0's held pushes are
         processed."""
-        self.pausing = False
         self.r0.role.resume()
 
     # --- the whole vector ---
