@@ -268,15 +268,20 @@ def shard_pid(runs, name):
     return int(json.loads(attrs["shard_processes"])[0][2])
 
 
+def wait_for_checkpoint(runs, name, proc):
+    """Once the running job writing RUNS/NAME.h5 has pushed and written its first checkpoint (within 60 s)."""
+    wait_for_pushes(runs / f"{name}.h5", proc)
+    deadline = time.monotonic() + 60
+    while not (runs / f"{name}.ckpt.h5").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def test_killed_shard_ends_the_job_naming_it(tmp_path):
     proc = start_mpi(RANKS, ["train", *FAST, "--servers", str(SERVERS), "--epochs", "0", "--max-time", "120",
                              "--checkpoint-interval", "0.5", "--name", "k"], tmp_path)
     runs = tmp_path / "runs"
     try:
-        wait_for_pushes(runs / "k.h5", proc)
-        deadline = time.monotonic() + 60
-        while not (runs / "k.ckpt.h5").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for_checkpoint(runs, "k", proc)
         start = time.monotonic()
         pid = shard_pid(runs, "k")
         os.kill(pid, signal.SIGKILL)
@@ -377,10 +382,7 @@ def test_a_hung_or_dead_worker_leaves_the_last_consistent_checkpoint(tmp_path, h
                              "--comm-timeout", "3", "--checkpoint-interval", "0.1", "--name", "w"], tmp_path)
     runs = tmp_path / "runs"
     try:
-        wait_for_pushes(runs / "w.h5", proc)
-        deadline = time.monotonic() + 60
-        while not (runs / "w.ckpt.h5").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for_checkpoint(runs, "w", proc)
         time.sleep(0.5)
         _, t, _ = read_log(runs / "w.h5")
         pid = int(t["workers"]["pid"][t["workers"]["rank"] == 1][0])
