@@ -61,6 +61,12 @@ class WorkerFailed(RuntimeError):
         self.who = who
 
 
+def kept_note(path: str) -> str:
+    """What is left to resume from when no checkpoint is written now: the last one at `path`, or none."""
+    return (f"the last one, '{path}', is kept: continue from it with --resume" if os.path.isfile(path)
+            else "there is no earlier one to resume from (see --checkpoint-interval)")
+
+
 class Preempted(RuntimeError):
     """The run was preempted and `waiting` workers did not answer within PREEMPT_GRACE seconds (hung),
     or (`dead`) their processes had exited when the signal came: the launcher is ending the job
@@ -438,14 +444,11 @@ class Rank0:
             return f"checkpoint '{path}' written, continue with --resume"
         if self.lost_state:
             lost = ", ".join(map(str, self.lost_state))
-            return (f"no checkpoint written now (the slice of parameter-server shard rank {lost} is lost); " +
-                    (f"the last one, '{path}', is kept: continue from it with --resume" if os.path.isfile(path)
-                     else "there is no earlier one to resume from (see --checkpoint-interval)"))
+            return (f"no checkpoint written now (the slice of parameter-server shard rank {lost} is lost); "
+                    f"{kept_note(path)}")
         if self.checkpoint_due:  # --servers S > 1: the shards had not agreed on the pushes in flight
             return ("no checkpoint written now (with --servers the shards' slices are a consistent state only once "
-                    "they have applied every worker's last push, and a worker died first); " +
-                    (f"the last one, '{path}', is kept: continue from it with --resume" if os.path.isfile(path)
-                     else "there is no earlier one to resume from (see --checkpoint-interval)"))
+                    "they have applied every worker's last push, and a worker died first); " + kept_note(path))
         if os.path.isfile(path):
             return (f"no checkpoint written now (the state is on the workers); the last one, '{path}', is kept: "
                     f"continue from it with --resume")

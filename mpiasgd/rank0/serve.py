@@ -139,7 +139,7 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
     Returns 0, EXIT_PREEMPTED when a signal ended the run (the checkpoint is written), or EXIT_DIVERGED when
     --on-divergence stop ended it.
     """
-    from mpiasgd.rank0.loop import PREEMPT_GRACE, Preempted, Rank0, WorkerFailed
+    from mpiasgd.rank0.loop import PREEMPT_GRACE, Preempted, Rank0, WorkerFailed, kept_note
     from mpiasgd.rank0.recorder import Recorder
 
     model, dataset, ckpt = start.model, start.dataset, start.checkpoint
@@ -249,18 +249,14 @@ SHARDS_NOT_ONE_CUT = ("with --servers the shards' slices are one consistent stat
                       "pushes each applies (an interval, signal or end checkpoint), which a failure does not allow")
 
 
-def kept_note(path: str) -> str:
-    """What is left to resume from when no checkpoint is written now: the last one at `path`, or none."""
-    return (f"the last one, '{path}', is kept: continue from it with --resume" if os.path.isfile(path)
-            else "there is no earlier one to resume from (see --checkpoint-interval)")
-
-
 def log_unwritable(me: Any, start: Any, error: RunLogError) -> None:
     """(rank 0) The run log cannot be written (disk full, quota, I/O error): print one error line naming
     the file and the cause, end the log as far as the disk allows (`RunLog.abandon`: status "failed";
     readable up to its last flush either way) and release its lock, write a checkpoint where rank 0
     holds the state (one line says whether it was written), then abort the whole job: the workers end
     with it."""
+    from mpiasgd.rank0.loop import kept_note
+
     r0 = getattr(start, "rank0", None)
     try:
         if r0 is None:  # the log could not even be created or reopened: there is nothing to close
