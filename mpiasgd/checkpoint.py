@@ -110,6 +110,10 @@ class Checkpoint:
     def num_workers(self) -> int:
         return int(self.workers.size)
 
+    def steps(self) -> list[tuple[int, int]]:
+        """(worker rank, step) of every worker: the cut a resume continues from (`RunLog.reopen`)."""
+        return list(zip(self.workers["rank"].tolist(), self.workers["step"].tolist(), strict=True))
+
     def worker(self, rank: int) -> np.void:
         """The WORKER_STATE row of worker `rank`."""
         return self.workers[int(np.flatnonzero(self.workers["rank"] == rank)[0])]

@@ -441,9 +441,10 @@ class Recorder:
                     self.shards.wire_base[shard] = [pushed, pulled]
         if self.shards is not None and "shard_pushes" in f:  # (in pieces: a long run's table is large)
             table, spans = f["shard_pushes"], superseded_spans(f.attrs.get("superseded"))
+            fields = table.fields(["time", "shard", "worker", "step", "staleness", "applied"])
             for start in range(0, table.shape[0], 1 << 20):
-                rows = table.fields(["time", "shard", "staleness", "applied"])[start:start + (1 << 20)]
-                self.shards.restore(not_superseded(rows, spans))
+                rows = fields[start:start + (1 << 20)]
+                self.shards.restore(not_superseded(rows, spans, by_step=True))
 
     # --- the log's flush and the TensorBoard points ---
     def maybe_flush(self) -> None:

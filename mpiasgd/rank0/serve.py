@@ -74,7 +74,8 @@ def start_log(cfg: Any, me: Any, start: Any, workers: list, extra: dict | None =
         attrs.update(sharded)
     rows = [w.row() for w in workers]
     if ckpt is not None and os.path.exists(start.path):
-        log = RunLog.reopen(start.path, rows, cfg.flush_interval, start.lock, resumed_at=ckpt.log_time)
+        log = RunLog.reopen(start.path, rows, cfg.flush_interval, start.lock, resumed_at=ckpt.log_time,
+                            resumed_steps=ckpt.steps())
     else:
         if ckpt is not None:  # the run continues from its checkpoint; its history is gone
             attrs["run_id"] = ckpt.run_id

@@ -93,25 +93,53 @@ def open_run(path: str) -> h5py.File:
     return f
 
 
-def superseded_spans(value: str | bytes | None) -> list[list[float]]:
+def superseded_spans(value: str | bytes | None) -> list[list]:
     """The time spans a resumed run superseded: the attribute `superseded` (JSON [[start, end], ...]) parsed,
-    [] when absent or malformed."""
+    [] when absent or malformed. A span may carry a third element, the steps its checkpoint held
+    ([[rank, step], ...], one per worker: `RunLog.reopen`); one that is not such a list is dropped."""
     if isinstance(value, bytes):
         value = value.decode()
     try:
         spans = json.loads(value or "[]")
     except ValueError:
         return []
-    return spans if isinstance(spans, list) else []
+    if not isinstance(spans, list):
+        return []
+    out = []
+    for span in spans:
+        if not isinstance(span, list) or len(span) < 2 or not all(isinstance(t, (int, float)) for t in span[:2]):
+            return []
+        held = span[2] if len(span) > 2 else None
+        good = isinstance(held, list) and all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(v, int) for v in p) for p in held)
+        out.append([float(span[0]), float(span[1])] + ([held] if good else []))
+    return out
 
 
-def not_superseded(rows: np.ndarray, spans: list[list[float]]) -> np.ndarray:
-    """The `rows` (with a `time` column) outside every superseded span (start, end]."""
+def not_superseded(rows: np.ndarray, spans: list[list], by_step: bool = False) -> np.ndarray:
+    """The `rows` (with a `time` column) outside every superseded span (start, end].
+
+    `by_step` (rows with `worker` and `step` columns: /shard_pushes): a span that records the steps its
+    checkpoint held leaves out instead the rows logged up to its end whose step the checkpoint does not hold
+    (step > that worker's step there). A shard's rows carry its clock mapped onto rank 0's and a shard
+    holds pushes during a checkpoint's pause, so their times cannot tell which side of the checkpoint they
+    fall on; the checkpoint is one cut in every worker's steps (`mpiasgd.rank0.shards`)."""
     if not spans or not len(rows):
         return rows
     keep = np.ones(len(rows), bool)
-    for start, end in spans:
-        keep &= ~((rows["time"] > start) & (rows["time"] <= end))
+    time = rows["time"]
+    for start, end, *held in spans:
+        after = time > start
+        if by_step and held:
+            ranks, steps = rows["worker"], rows["step"]
+            known = np.zeros(len(rows), bool)
+            beyond = np.zeros(len(rows), bool)
+            for rank, step in held[0]:
+                mine = ranks == rank
+                known |= mine
+                beyond |= mine & (steps > step)
+            after = np.where(known, beyond, after)
+        keep &= ~(after & (time <= end))
     return rows[keep]
 
 
@@ -143,8 +171,8 @@ def load(path: str) -> dict:
     spans = superseded_spans(run.get("superseded"))
     for name in ("pushes", "updates", "evals", "periodic_evals", "shard_pushes"):
         if run[name] is not None:
-            run[name] = not_superseded(run[name], spans)
-    run["superseded_s"] = sum(end - start for start, end in spans)
+            run[name] = not_superseded(run[name], spans, by_step=name == "shard_pushes")
+    run["superseded_s"] = sum(span[1] - span[0] for span in spans)
     if run.get("status") == "running" and not writer_alive(path):
         run["status"] = "killed (its writer is gone; rows up to the last flush)"
     return run

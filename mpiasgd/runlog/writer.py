@@ -156,15 +156,16 @@ class RunLog:
 
     @classmethod
     def reopen(cls, path: str, workers: Sequence[WorkerRow], flush_interval: float, lock: WriterLock,
-               resumed_at: float | None = None) -> RunLog:
+               resumed_at: float | None = None, resumed_steps: Sequence[tuple[int, int]] = ()) -> RunLog:
         """Continue the log at `path` for a resumed run (caller holds `lock`): a log left by a killed writer
         is recovered first; status becomes "running"; the workers table is replaced by this job's
         (pids and hosts change); tables added since the log was written are created, and tables whose
         columns are an older version's rewritten (`upgrade_tables`). Rows after
         `resumed_at` (the log time of the checkpoint resumed from) came from a segment that died
         after that checkpoint: their time span is appended to the attribute `superseded` (JSON list of
-        [start, end]), which readers use to leave them out of counts. RunLogError if it cannot be
-        written (disk full)."""
+        [start, end], with `resumed_steps`, the (worker rank, step) pairs the checkpoint held, as a third
+        element [[rank, step], ...]), which readers use to leave them out of counts (`reader.not_superseded`).
+        RunLogError if it cannot be written (disk full)."""
         f = None
         try:
             clear_stale_flags(path, check_writer=False)  # killed inside close's non-SWMR reopen
@@ -177,7 +178,8 @@ class RunLog:
             log = cls(path, f, flush_interval, lock)
             last = log.last_time()
             if resumed_at is not None and last > resumed_at:  # a segment that died after its checkpoint
-                spans = [*json.loads(f.attrs.get("superseded", "[]")), [resumed_at, last]]
+                span = [resumed_at, last] + ([[[int(r), int(s)] for r, s in resumed_steps]] if resumed_steps else [])
+                spans = [*json.loads(f.attrs.get("superseded", "[]")), span]
                 f.attrs["superseded"] = json.dumps(spans)
             del f["workers"]
             f.create_dataset("workers", data=_worker_table(workers))

@@ -2,8 +2,9 @@
 
     python -m mpiasgd watch runs/c10.h5 --interval 5
 
-Each line: seconds of training (the newest row), epoch, applied pushes, mean training loss and
-images/s over the rows flushed since the previous line, mean staleness of those rows. A run with
+Each line: seconds of training (the newest row), epoch, applied pushes (less those a resume superseded,
+as `report` counts them), mean training loss and images/s over the rows flushed since the previous
+line, mean staleness of those rows. A run with
 --eval-interval also gets a line per evaluation during training: its top-1 and top-5 test accuracy
 and loss, and the top-1 curve so far (one bar per evaluation, lowest to highest, the range beside
 it). Only the new rows are read each time, so following a long run costs little. The watch ends when
@@ -22,6 +23,7 @@ import h5py
 import numpy as np
 
 from mpiasgd.runlog import open_log, writer_alive
+from mpiasgd.runlog.reader import not_superseded, superseded_spans
 
 
 def progress_line(rows: np.ndarray, epoch: float, applied_total: int) -> str:
@@ -109,6 +111,7 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
                 pushes, updates = f["pushes"], f["updates"]
                 count = pushes.shape[0]
                 rows = pushes[seen:count] if count > seen else None
+                spans = superseded_spans(f.attrs.get("superseded"))  # a resumed run's: rows of a segment that died
                 epoch = float(updates[updates.shape[0] - 1]["epoch"]) if updates.shape[0] else 0.0
                 during = f["periodic_evals"] if "periodic_evals" in f else None  # (older logs have none)
                 new_evals = (during[evals_seen:during.shape[0]] if during is not None and during.shape[0] > evals_seen
@@ -131,6 +134,8 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
             continue
         if rows is not None:
             seen = count
+            rows = not_superseded(rows, spans)
+        if rows is not None and len(rows):
             applied_total += int((rows["applied"] == 1).sum())
             out(progress_line(rows, epoch, applied_total))
         if new_evals is not None:

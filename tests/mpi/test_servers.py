@@ -20,6 +20,7 @@ from mpiasgd import checkpoint
 from mpiasgd.comms.protocol import HEADER_BYTES, message_bytes
 from mpiasgd.comms.shards import ShardCut
 from mpiasgd.model import build_model
+from mpiasgd.runlog import load
 
 WORKERS, SERVERS = 2, 2
 RANKS = WORKERS + SERVERS
@@ -214,6 +215,15 @@ def test_interval_checkpoints_are_one_cut_of_every_shard_and_a_run_resumes_from_
         pushes = t["pushes"]
         steps = pushes["step"][(pushes["worker"] == w) & (pushes["time"] >= resume)].tolist()
         assert steps[0] == int(row["step"]) + 1 and steps == list(range(steps[0], steps[0] + len(steps)))
+    run = load(str(runs / "c.h5"))  # what a reader counts: the first job's rows after that checkpoint left out
+    for s in range(SERVERS):  # by step (their times, mapped from shard 1's clock, put one on the wrong side)
+        rows = run["shard_pushes"][run["shard_pushes"]["shard"] == s]
+        applied = rows[rows["applied"] == 1]
+        assert sorted(applied["version"].tolist()) == list(range(1, versions[s] + 1))  # each version once
+        pairs = rows[["worker", "step"]].tolist()
+        assert len(set(pairs)) == len(pairs)  # each push once
+        assert attrs["shard_staleness_mean"][s] == pytest.approx(applied["staleness"].mean())
+        assert attrs["shard_staleness_max"][s] == applied["staleness"].max()
 
 
 EASGD = ["--mode", "easgd", "--easgd-tau", "2", "--lr", "0.05"]

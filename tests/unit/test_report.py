@@ -378,6 +378,55 @@ def test_each_shards_staleness_is_over_the_whole_log_as_the_runs_is(tmp_path):
             "2.00 max 2") in summary_lines(killed)
 
 
+def test_a_resumes_span_leaves_out_the_shard_rows_its_checkpoint_does_not_hold_by_step(tmp_path):
+    """--servers S > 1: a span that records its checkpoint's steps (`RunLog.reopen(resumed_steps=...)`) leaves out
+    the /shard_pushes rows logged up to its end whose step the checkpoint does not hold, whatever their time: a
+    shard's clock is mapped onto rank 0's, so a row the checkpoint holds may carry a time just after it and one it
+    does not a time just before (the time alone dropped the first and kept the second). Rows after the span stay;
+    a span without steps (an older log) goes by time; pushes rows always by time."""
+    from mpiasgd.runlog import ShardPushRow, open_log
+    from mpiasgd.runlog.reader import superseded_spans
+
+    def shard_push(time, shard, worker, step):
+        return ShardPushRow(time=time, shard=shard, worker=worker, step=step, base_version=0, version=step,
+                            staleness=0, applied=1)
+
+    path = write_log(tmp_path / "s.h5", {"mode": "async"}, [push(0.4, 0), push(0.6, 0)], close=False)
+    rows = [shard_push(0.4, 0, 1, 3), shard_push(0.6, 0, 1, 4),  # shard 0: time and step agree
+            shard_push(0.51, 1, 1, 3),  # held by the checkpoint (step 3), its time mapped just after 0.5
+            shard_push(0.49, 1, 2, 6),  # not held (worker 2 at step 5 there), its time just before 0.5
+            shard_push(0.3, 1, 2, 5)]
+    log = RunLog.reopen(path, [WORKER] * 2, 60.0, None)
+    for row in rows:
+        log.add(row)
+    log.flush()
+    log.file.close()  # (killed after its checkpoint at 0.5)
+    log = RunLog.reopen(path, [WORKER] * 2, 60.0, None, resumed_at=0.5, resumed_steps=[(1, 3), (2, 5)])
+    log.add(shard_push(0.7, 1, 1, 4))  # the resumed segment's (its clock goes on from the log's last time)
+    log.close("completed")
+    with open_log(path) as f:
+        spans = superseded_spans(f.attrs["superseded"])
+    assert spans == [[0.5, 0.6, [[1, 3], [2, 5]]]]
+    run = load(path)
+    assert run["pushes"]["time"].tolist() == [0.4]
+    kept = run["shard_pushes"][["time", "worker", "step"]].tolist()
+    assert kept == [(0.4, 1, 3), (0.51, 1, 3), (0.3, 2, 5), (0.7, 1, 4)]
+    assert run["superseded_s"] == pytest.approx(0.1)
+    by_time = load_with_spans(path, [[0.5, 0.6]])  # an older log's span: by time
+    assert by_time["shard_pushes"][["time", "worker", "step"]].tolist() == [
+        (0.4, 1, 3), (0.49, 2, 6), (0.3, 2, 5), (0.7, 1, 4)]
+    for malformed in ('[[0.5, 0.6, "x"]]', '[[0.5, 0.6, [[1]]]]'):  # steps that are not pairs: by time
+        assert superseded_spans(malformed) == [[0.5, 0.6]]
+    assert superseded_spans('[[0.5]]') == [] and superseded_spans('{"a": 1}') == []
+
+
+def load_with_spans(path, spans):
+    """`load(path)` after its attribute `superseded` is set to `spans`."""
+    with h5py.File(path, "r+", libver="latest") as f:
+        f.attrs["superseded"] = json.dumps(spans)
+    return load(path)
+
+
 def test_the_summary_says_the_wire_format_and_the_bytes_every_shard_moved(tmp_path):
     """async/ssp: the wire format and the bytes moved (every shard's, each shard's part with --servers S > 1) in the
     summary `train` prints and `report` shows; no such line where the log has no byte counts (sync)."""

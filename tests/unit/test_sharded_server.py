@@ -428,7 +428,7 @@ def test_the_shards_apply_the_same_pushes_whichever_way_the_stop_races_them(tmp_
             np.testing.assert_array_equal(payload, finals[s])
         np.testing.assert_array_equal(finals[s], loop.role.params)
     shard.link.send_rows()
-    serve(hub)
+    drain(hub, net)
     hub.rec.log.flush()
     with open_log(hub.rec.log.path) as f:
         mine = f["pushes"][()]
@@ -710,7 +710,7 @@ def test_rank_0_sums_the_bytes_of_every_shard(tmp_path):
     assert hub.rec.wire_bytes == {"pushed": 2 * size[0], "pulled": (WORKERS + 2) * size[0]}
     assert hub.rec.wire_summary()["wire_bytes_pushed"] == 2 * size[0]  # nothing heard from shard 1 yet
     shard.link.send_rows()
-    serve(hub)
+    drain(hub, net)
     assert hub.rec.shards.wire[1] == [mine["pushed"], mine["pulled"]]
     exchange(net, cut, hub, shard, [(3, 1, 0)])  # then a SLICE (a snapshot's or checkpoint's) says more
     shard.link.send_slice(hub.link.requests + 1)  # (the answer to the FETCH that `assemble` sends)
@@ -738,7 +738,7 @@ def test_a_resume_continues_the_bytes_and_every_shards_staleness_from_the_log(tm
     hub, shard, net, cut, rank = started(tmp_path)
     exchange(net, cut, hub, shard, [(1, 1, 0), (2, 1, 0), (3, 1, 0)])  # staleness 0, 1, 2 on both shards
     shard.link.send_rows()
-    serve(hub)
+    drain(hub, net)
     shard.link.send_slice(hub.link.requests + 1)  # the answer to the checkpoint's FETCH
     assert hub.rec.write_checkpoint(hub.role.state("interval"))
     assert net.take(rank, 0, Tag.FETCH) is not None  # (answered above)
@@ -749,12 +749,13 @@ def test_a_resume_continues_the_bytes_and_every_shards_staleness_from_the_log(tm
     time.sleep(0.05)
     exchange(net, cut, hub, shard, [(1, 2, 0)])  # after the checkpoint: staleness 3, then the segment dies
     shard.link.send_rows()
-    serve(hub)
+    drain(hub, net)
     assert hub.rec.shards.staleness_max == [3, 3]
     hub.rec.log.flush()
     hub.rec.log.file.close()  # (killed: no summary)
     ckpt = checkpoint.load(hub.rec.checkpoint_path)
-    log = RunLog.reopen(hub.rec.log.path, [], 60, None, resumed_at=ckpt.log_time)
+    assert ckpt.steps() == [(1, 1), (2, 1), (3, 1)][:WORKERS]
+    log = RunLog.reopen(hub.rec.log.path, [], 60, None, resumed_at=ckpt.log_time, resumed_steps=ckpt.steps())
     try:
         rec = Recorder(hub.cfg, log, range(1, WORKERS + 1), NUM_TRAIN)
         rec.shards = ShardFigures(2)  # (as the ShardHub makes it, before the restore)
@@ -878,12 +879,6 @@ def push_flagged(net, cut, s, rank, worker, step, version, values, wire, flags):
     net.post(worker, rank, Tag.PUSH, msg.buf)
 
 
-def serve_pending(loop, net, rank):
-    """`loop` (of rank `rank`) handles every message queued for it (a push, and an ALIVE rank 0 may have sent)."""
-    while net.pending(rank):
-        serve(loop)
-
-
 @pytest.mark.parametrize("options", [
     {"mode": "async"},
     {"mode": "async", "wire": "fp16"},
@@ -906,7 +901,7 @@ def test_a_push_not_finite_in_one_shards_slice_only_is_rejected_by_every_shard(t
     good = (rng.standard_normal(P) * 0.1).astype(np.float32)
     for s in range(2):  # worker 1's finite push: applied on both shards
         push_flagged(net, cut, s, sources[s], 1, 1, 0, good, wire, 0)
-        serve_pending(loops[s], net, sources[s])
+        drain(loops[s], net)
         assert Tag(net.take(1, sources[s])[1]) == Tag.WEIGHTS
     assert hub.rec.version == shard.rec.version == 1
     before = [loop.role.params.copy() for loop in loops]
@@ -916,7 +911,7 @@ def test_a_push_not_finite_in_one_shards_slice_only_is_rejected_by_every_shard(t
     assert np.isfinite(bad[:a]).all()  # shard 0's slice is finite: only the flag tells it
     for s in range(2):
         push_flagged(net, cut, s, sources[s], 2, 1, 0, bad, wire, Flag.NONFINITE)
-        serve_pending(loops[s], net, sources[s])
+        drain(loops[s], net)
     assert hub.rec.version == shard.rec.version == 1
     for s, loop in enumerate(loops):
         np.testing.assert_array_equal(loop.role.params, before[s])  # no update on either shard
@@ -925,7 +920,7 @@ def test_a_push_not_finite_in_one_shards_slice_only_is_rejected_by_every_shard(t
         np.testing.assert_array_equal(weights, roundtrip(wire, before[s]))
         assert loop.rec.rejected[2] == 1 and loop.rec.rejects_in_row[2] == 1 and loop.rec.rejected[1] == 0
     shard.link.send_rows()
-    serve_pending(hub, net, 0)
+    drain(hub, net)
     hub.rec.log.flush()
     with open_log(hub.rec.log.path) as f:
         mine = f["pushes"][()]

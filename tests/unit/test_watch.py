@@ -92,3 +92,24 @@ def test_watch_prints_each_evaluation_during_training_of_an_ended_run(tmp_path):
     assert "top-1  50.00 %" in lines[1] and lines[1].endswith("top-1 curve ▄ (50.0..50.0 %)")
     assert "top-1  70.00 %" in lines[2] and lines[2].endswith("top-1 curve ▁█ (50.0..70.0 %)")
     assert lines[3] == "run ended: status completed, test accuracy 75.00 % (top-5 95.00 %)"
+
+
+def test_watch_leaves_out_the_pushes_a_resume_superseded(tmp_path):
+    """A resumed run's log: the pushes a segment logged after its checkpoint and then died are not counted (as
+    `report` leaves them out); the resumed segment's are."""
+    import json
+
+    from mpiasgd.runlog import RunLog
+    from mpiasgd.runlog.records import PushRow
+    from mpiasgd.tools.watch import watch
+
+    path = str(tmp_path / "r.h5")
+    log = RunLog.create(path, {"config": "{}"}, [], 3, flush_interval=60.0)
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):  # 3.0 and 4.0: after the checkpoint at 2.5, then the job died
+        log.add(PushRow(**{**dict.fromkeys(PushRow.dtype.names, 0), "time": t, "worker": 1, "applied": 1,
+                           "samples": 32, "loss": 2.0}))
+    log.file.attrs["superseded"] = json.dumps([[2.5, 4.0]])
+    log.close("completed")
+    lines = []
+    assert watch(path, interval=0.01, wait=1.0, out=lines.append) == 0
+    assert "pushes         3" in lines[0] and lines[0].startswith("     5.0 s")
