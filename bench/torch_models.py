@@ -30,9 +30,15 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import nn
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+except ModuleNotFoundError as e:  # an optional extra: say how to get it, not a traceback
+    if __name__ != "__main__":
+        raise
+    sys.exit(f"bench/torch_models.py: needs PyTorch ({e}); install the optional extra: pip install -e '.[bench]'")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -50,6 +50,10 @@ class BaseConfig:
                       "network: a built-in (digits | cifar10 | cifar10_deep | resnet20 | resnet56 | ...; the "
                       "README lists them), or a file: PATH.py:FUNCTION (returns a list of "
                       "mpiasgd.model.layers) or PATH.json (a stored definition); the run log stores the definition")
+    model_timeout: float = _opt(120.0, "model and data",
+                                "PATH.py:FUNCTION: rank 0 gives importing the file and calling FUNCTION this long, "
+                                "else one start-up error (the workers give up after this plus --comm-timeout); "
+                                "seconds")
     dataset: str = _opt("", "model and data", "dataset: digits | cifar10 | synthetic64 | synthetic224 (default: a "
                         "built-in network's own; "
                         "required with a network from a file)")
@@ -199,6 +203,7 @@ class BaseConfig:
         need(0 <= self.seed < 2**63, "seed", f"an integer from 0 to 2**63 - 1 = {2**63 - 1}")
         need(self.threads >= 0, "threads", "an integer >= 0")
         need(self.comm_timeout > 0, "comm_timeout", "seconds > 0")
+        need(math.isfinite(self.model_timeout) and self.model_timeout > 0, "model_timeout", "seconds > 0")
         need(math.isfinite(self.stall_warning) and self.stall_warning >= 0, "stall_warning", "seconds >= 0")
         need(math.isfinite(self.lr) and self.lr > 0, "lr", "a finite number > 0")
         need(self.lr_scaling in LR_SCALINGS, "lr_scaling", f"one of {LR_SCALINGS}")

@@ -42,6 +42,7 @@ from mpiasgd.launch.startup import (
     definition_text,
     load_data,
     report_startup_errors,
+    send_definition,
     setup,
     shared_definition,
     startup_error,
@@ -50,6 +51,7 @@ from mpiasgd.launch.startup import (
 )
 from mpiasgd.modes.base import WorkerJob
 from mpiasgd.modes.registry import load
+from mpiasgd.rank0.recorder import TrainingDiverged
 from mpiasgd.rank0.serve import ABORT_CODE, EXIT_DIVERGED, EXIT_PREEMPTED, log_unwritable, serve, serve_shard
 from mpiasgd.runlog import RunLogError
 
@@ -98,7 +100,7 @@ def train(cfg: Config, comm: Any = None) -> int:
             text = definition_text(cfg, dataset, resumed)
     except BaseException as e:
         error = startup_error(e)
-    text = me.comm.bcast(text, root=0)  # collective: every rank comes here, failed or not
+    text = send_definition(me, text, cfg.model_timeout + cfg.comm_timeout)  # collective: every rank, failed or not
     if error is None and text is not None:  # (rank 0 failed: it reports why, the others wait for that)
         try:
             spec = shared_definition(text)
@@ -139,8 +141,9 @@ def train(cfg: Config, comm: Any = None) -> int:
         log_unwritable(me, start, e)
         status = ABORT_CODE
     except BaseException as e:
-        # a timeout or a protocol violation says all in its message (naming the rank); anything else: traceback
-        text = str(e) if isinstance(e, (CommTimeout, ProtocolError)) else traceback.format_exc()
+        # a timeout, a protocol violation or divergence (--max-rejects) says all in its message (naming the rank);
+        # anything else: traceback
+        text = str(e) if isinstance(e, (CommTimeout, ProtocolError, TrainingDiverged)) else traceback.format_exc()
         if me.is_rank0:
             abort(me, text)
         else:  # a worker, or a shard: rank 0 logs it first

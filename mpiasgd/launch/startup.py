@@ -182,11 +182,39 @@ def definition_text(cfg: Config, dataset: Any, resumed: checkpoint.Checkpoint | 
         except ValueError as e:
             raise ConfigError(f"{what} is corrupt: {e}") from None
         return to_json(spec)
-    spec = resolve(cfg.model, tuple(dataset.input_shape))
+    spec = resolve(cfg.model, tuple(dataset.input_shape), cfg.model_timeout)
     try:
         return to_json(spec)
     except (TypeError, ValueError, RecursionError) as e:  # (resolve made it from JSON values: a safeguard)
         raise ConfigError(f"--model {cfg.model!r}: its definition cannot be stored as JSON ({e})") from None
+
+
+def send_definition(me: Rank, text: str | None, timeout: float) -> str | None:
+    """(collective) Rank 0's definition text (`definition_text`, None when its start-up failed) on every rank.
+
+    The workers wait for it without blocking, for `timeout` seconds at most: rank 0 bounds a user's file
+    (--model-timeout), but a file stuck where no signal reaches it (a blocked SIGALRM, a C call) must not
+    hang the job, so a worker that waited `timeout` prints one error line and aborts the job (status 2).
+    """
+    if me.is_rank0:
+        data = text.encode() if text is not None else b""
+        size = np.array([len(data) if text is not None else -1], dtype=np.int64)
+        me.comm.Ibcast(size, root=0).Wait()
+    else:
+        size = np.zeros(1, dtype=np.int64)
+        request = me.comm.Ibcast(size, root=0)
+        deadline = time.monotonic() + timeout
+        while not request.Test():
+            if time.monotonic() > deadline:
+                print(f"mpiasgd: error: rank {me.rank}: rank 0 sent no network definition within {timeout:g} s "
+                      "(--model-timeout + --comm-timeout): is its --model file stuck? The job is aborted",
+                      file=sys.stderr, flush=True)
+                me.comm.Abort(2)
+            time.sleep(0.01)
+        data = bytearray(max(int(size[0]), 0))
+    if size[0] > 0:
+        me.comm.Bcast(data, root=0)
+    return None if size[0] < 0 else bytes(data).decode()
 
 
 def shared_definition(text: str) -> dict:
@@ -254,7 +282,7 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
                           "minibatch of at least 2 there")
     classes = max(len(dataset.classes), int(dataset.train_y.max()) + 1 if dataset.train_y.size else 0)
     if model.num_classes < classes:
-        raise ConfigError(f"model '{cfg.model_label}': its last layer {model.names[-1]} "
+        raise ConfigError(f"--model {cfg.model!r}: model '{cfg.model_label}', its last layer {model.names[-1]} "
                           f"({model.layers[-1].describe()}) gives {model.num_classes} logits, dataset "
                           f"'{cfg.dataset_name}' has {classes} classes")
     slow = sorted(r for r in cfg.stragglers() if r > me.num_workers)

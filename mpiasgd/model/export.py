@@ -59,9 +59,13 @@ def export_npz(path: str, spec: dict[str, Any], params: Any, buffers: Any = None
     """Write the weights `params` ((P,)) and layer buffers `buffers` ((B,), None when the network has none)
     of the network `spec` defines to the .npz file `path` (exactly that name: no ".npz" is appended),
     as the module docstring describes. Written to a temporary file in the same folder, then renamed:
-    a failed write leaves no partial file. Raises ValueError (wrong lengths), ModelSpecError, OSError.
+    a failed write leaves no partial file. Raises ValueError (wrong lengths; `path` exists and is not a
+    regular file, such as a folder or /dev/full, which the rename would replace), ModelSpecError, and OSError
+    naming `path` (no such folder, no permission, disk full).
     """
     check_spec(spec)
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"{path!r} exists and is not a regular file: export writes a new file or replaces one")
     arrays = named_arrays(spec, params, buffers)
     arrays[SPEC_KEY] = np.array(to_json(spec))  # 0-d '<U...': no pickle needed to read it
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp.{os.getpid()}")
@@ -69,10 +73,11 @@ def export_npz(path: str, spec: dict[str, Any], params: Any, buffers: Any = None
         with open(tmp, "wb") as f:  # the umask's permissions, as any file written in place
             np.savez(f, **arrays)  # a file object: numpy keeps the name as given
         os.replace(tmp, path)
-    except BaseException:
+    except OSError as e:  # named by the file asked for, not the temporary one
+        raise OSError(e.errno, e.strerror or str(e), path) from None
+    finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise
 
 
 def load_npz(path: str) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:

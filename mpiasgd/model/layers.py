@@ -212,6 +212,12 @@ def _expect_planes(layer: Layer, in_shape: Shape, channels: int | None = None) -
 MAX_EXTENT = 2**31 - 1  # a layer's sizes: the kernels index within one image or filter with 32-bit ints
 
 
+def _shown(value: Any) -> str:
+    """repr(value) for an error message, cut to 40 characters (a 400-digit integer is not echoed whole)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"
+
+
 def _ints(layer: str, **values: tuple[Any, int]) -> list[int]:
     """Each value (value, minimum) as a Python int in [minimum, MAX_EXTENT]; ValueError naming `layer` and
     the argument otherwise (a bool, a float, None, a negative or zero size)."""
@@ -219,7 +225,7 @@ def _ints(layer: str, **values: tuple[Any, int]) -> list[int]:
     for name, (value, minimum) in values.items():
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
                 or not minimum <= int(value) <= MAX_EXTENT:
-            raise ValueError(f"{layer}: {name} must be an integer in [{minimum}, {MAX_EXTENT}], got {value!r}")
+            raise ValueError(f"{layer}: {name} must be an integer in [{minimum}, {MAX_EXTENT}], got {_shown(value)}")
         out.append(int(value))
     return out
 
@@ -231,8 +237,8 @@ def _reals(layer: str, **values: tuple[Any, float, bool]) -> list[float]:
     for name, (value, minimum, strict) in values.items():
         ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
         if not ok or not math.isfinite(float(value)) or float(value) < minimum or (strict and float(value) == minimum):
-            raise ValueError(f"{layer}: {name} must be a finite number {'>' if strict else '>='} {minimum:g}, "
-                             f"got {value!r}")
+            bound = "" if minimum == -math.inf else f" {'>' if strict else '>='} {minimum:g}"
+            raise ValueError(f"{layer}: {name} must be a finite number{bound}, got {_shown(value)}")
         out.append(float(value))
     return out
 

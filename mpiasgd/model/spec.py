@@ -25,12 +25,15 @@ Users name a network (`--model`) as:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import json
 import os
 import re
+import signal
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -40,6 +43,7 @@ from mpiasgd.model.layers import LAYER_TYPES, Layer
 FORMAT = "mpiasgd.model/1"
 KEYS = ("format", "name", "input_shape", "layers")  # a definition's keys, no others
 MAX_DEPTH = 16  # residual blocks nested in residual blocks, at most (a deeper definition is refused, not recursed)
+MAX_LAYERS = 10_000  # layers in a network, those inside residual blocks included (resnet56: 196); more is refused
 USER_FILE = re.compile(r"^(?P<path>.+\.py):(?P<func>[A-Za-z_]\w*)$")
 
 
@@ -70,9 +74,23 @@ def _plain(value: Any) -> Any:
 
 
 def model_spec(name: str, input_shape: tuple[int, ...], layers: list[Layer]) -> dict[str, Any]:
-    """The definition of a network `name` taking per-sample inputs `input_shape` (C, H, W)."""
-    return {"format": FORMAT, "name": str(name), "input_shape": [int(d) for d in input_shape],
+    """The definition of a network `name` taking per-sample inputs `input_shape` (C, H, W); ModelSpecError as
+    `check_spec` (more than MAX_LAYERS layers, say)."""
+    spec = {"format": FORMAT, "name": str(name), "input_shape": [int(d) for d in input_shape],
             "layers": [layer_spec(layer) for layer in layers]}
+    check_spec(spec)
+    return spec
+
+
+def count_layers(layers: list[Any], depth: int = 0) -> int:
+    """How many layers the definitions `layers` hold, those in residual blocks' lists included (a block counts
+    too); counting stops below MAX_DEPTH + 1 levels, where `layer_from_spec` refuses the nesting anyway."""
+    count = 0
+    for spec in layers:
+        count += 1
+        if isinstance(spec, dict) and depth <= MAX_DEPTH:
+            count += sum(count_layers(v, depth + 1) for v in spec.values() if isinstance(v, list))
+    return count
 
 
 _CHECKS = {
@@ -152,6 +170,10 @@ def check_spec(spec: Any) -> None:
         raise ModelSpecError(f"network definition: input_shape must be 3 integers > 0 (C, H, W), got {shape!r}")
     if not isinstance(spec.get("name"), str) or not isinstance(spec.get("layers"), list) or not spec["layers"]:
         raise ModelSpecError("network definition: needs a \"name\" string and a non-empty \"layers\" list")
+    count = count_layers(spec["layers"])
+    if count > MAX_LAYERS:
+        raise ModelSpecError(f"network definition: {count} layers (residual blocks' included), at most {MAX_LAYERS} "
+                             "are allowed: a network this deep would not fit in memory")
 
 
 def to_json(spec: dict[str, Any]) -> str:
@@ -207,13 +229,15 @@ def is_file_ref(ref: str) -> bool:
     return bool(USER_FILE.match(ref)) or ref.endswith(".json")
 
 
-def resolve(ref: str, input_shape: tuple[int, ...] | None = None) -> dict[str, Any]:
+def resolve(ref: str, input_shape: tuple[int, ...] | None = None, limit_s: float | None = None) -> dict[str, Any]:
     """The definition that --model `ref` names (see the module docstring).
 
     A built-in carries its own input shape; a file's network takes `input_shape` (the dataset's
     (C, H, W)) unless its JSON says otherwise. Raises ModelSpecError naming the reference: unknown
     built-in, missing file, a Python file that fails to import or whose function raises or returns
-    something else than a list of mpiasgd layers, invalid JSON.
+    something else than a list of mpiasgd layers, invalid JSON, more than MAX_LAYERS layers. With
+    `limit_s` (seconds; main thread only), importing a Python file and calling its function must end
+    within that time and is stopped by a preemption signal (SIGTERM, SIGUSR1, SIGINT), else ModelSpecError.
     """
     from mpiasgd.model.registry import MODELS
 
@@ -246,7 +270,7 @@ def resolve(ref: str, input_shape: tuple[int, ...] | None = None) -> dict[str, A
         except ModelSpecError as e:
             raise ModelSpecError(f"--model {ref!r}: {e}") from None
         return data
-    layers = _call_user_file(ref, path, m.group("func"))
+    layers = _call_user_file(ref, path, m.group("func"), limit_s)
     if input_shape is None:
         raise ModelSpecError(f"--model {ref!r}: the input shape must come from the dataset")
     try:
@@ -255,7 +279,50 @@ def resolve(ref: str, input_shape: tuple[int, ...] | None = None) -> dict[str, A
         raise ModelSpecError(f"--model {ref!r}: {e}") from None
 
 
-def _call_user_file(ref: str, path: str, func: str) -> list[Layer]:
+class _Stopped(BaseException):
+    """Raised in the main thread by `_bounded`'s signal handler: the time is up, or a signal came."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _bounded(limit_s: float | None) -> Any:
+    """Raise _Stopped in the block after `limit_s` seconds (SIGALRM) or at a preemption signal: a user's
+    file that loops or sleeps ends start-up with an error instead of hanging every rank. The signal
+    handlers before are restored after. Does nothing without `limit_s` or outside the main thread."""
+    if limit_s is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise _Stopped(signum)
+
+    before = {signum: signal.signal(signum, stop)
+              for signum in (signal.SIGALRM, signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    signal.setitimer(signal.ITIMER_REAL, limit_s, 1.0)  # (again each second, should the file catch it)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+def _call_user_file(ref: str, path: str, func: str, limit_s: float | None = None) -> list[Layer]:
+    try:
+        with _bounded(limit_s):
+            return _run_user_file(ref, path, func)
+    except _Stopped as e:
+        if e.signum == signal.SIGALRM:
+            raise ModelSpecError(f"--model {ref!r}: importing {path!r} and calling {func}() took more than "
+                                 f"{limit_s:g} s (--model-timeout): does it loop or wait?") from None
+        raise ModelSpecError(f"--model {ref!r}: {signal.Signals(e.signum).name} received while importing "
+                             f"{path!r} or calling {func}(): start-up stopped") from None
+
+
+def _run_user_file(ref: str, path: str, func: str) -> list[Layer]:
     name = f"mpiasgd_user_model_{abs(hash(os.path.abspath(path)))}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
@@ -267,6 +334,8 @@ def _call_user_file(ref: str, path: str, func: str) -> list[Layer]:
     try:
         try:
             module_spec.loader.exec_module(module)
+        except _Stopped:
+            raise
         except BaseException as e:  # SystemExit, KeyboardInterrupt too: rank 0 must go on to report it
             raise ModelSpecError(f"--model {ref!r}: importing {path!r} failed: {type(e).__name__}: {e}") from None
         build = getattr(module, func, None)
@@ -274,6 +343,8 @@ def _call_user_file(ref: str, path: str, func: str) -> list[Layer]:
             raise ModelSpecError(f"--model {ref!r}: {path!r} has no function {func!r}")
         try:
             layers = build()
+        except _Stopped:
+            raise
         except BaseException as e:
             raise ModelSpecError(f"--model {ref!r}: {func}() raised {type(e).__name__}: {e}") from None
     finally:

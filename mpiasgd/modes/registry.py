@@ -82,7 +82,8 @@ OPTIONS: tuple[Option, ...] = (  # in the order report tables label a variant
     Option("weight_prediction", False, "bool", "pipeline: a module computes a minibatch's forward and its delayed "
            "backward on the weights predicted for when its gradient is applied, w - lr * c * v after the module's "
            "delay d of momentum-only updates, c = m (1 - m^d) / (1 - m) (SpecTrain, Chen et al. 2018); needs "
-           "momentum > 0; default: the current weights", ("pipeline",), "pipeline", label="prediction"),
+           "momentum > 0; the backward uses the forward's predicted weights, so --weight-stashing adds nothing to it; "
+           "default: the current weights", ("pipeline",), "pipeline", label="prediction"),
     Option("pipeline_activations", "recompute", "str", "pipeline: how a module's delayed backward gets its "
            "forward's activations: recompute (keep the input, re-run the forward before the backward: the "
            "activations of the weights then) | store (keep every layer's activations of the forward, FDG's; more "

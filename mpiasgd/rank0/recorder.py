@@ -138,6 +138,7 @@ class Recorder:
         self.samples = 0                      # images in applied updates
         self.staleness_sum = self.staleness_max = self.staleness_count = 0
         self.loss_avg = float("nan")
+        self.loss_seen = False  # (a minibatch loss arrived: the running level is loss_avg)
         self.rejected = dict.fromkeys(workers, 0)       # non-finite gradients per worker
         self.rejects_in_row = dict.fromkeys(workers, 0)
         self.held_total = dict.fromkeys(workers, 0.0)   # ssp: seconds each worker's replies were held
@@ -315,6 +316,7 @@ class Recorder:
         """A minibatch's mean loss (nats), its correct count and images: the running level (progress bar)
         and the divergence watch."""
         self.loss_avg = loss if self.loss_avg != self.loss_avg else 0.95 * self.loss_avg + 0.05 * loss
+        self.loss_seen = True
         if self.health is not None:
             for finding in self.health.observe(self.epoch, loss, correct, samples):
                 self.on_health(finding)
@@ -485,7 +487,11 @@ class Recorder:
         self.progress.n = min(self.samples, self.progress.total or self.samples)
         mean_stale = self.staleness_sum / max(1, self.staleness_count)
         self.progress.set_postfix_str(
-            f"epoch {self.epoch:.2f} loss {self.loss_avg:.3f} staleness {mean_stale:.2f}", refresh=True)
+            f"epoch {self.epoch:.2f} loss {self._shown_loss()} staleness {mean_stale:.2f}", refresh=True)
+
+    def _shown_loss(self) -> str:
+        """The progress bar's loss: "-" before the first minibatch loss arrives (a NaN after it is shown)."""
+        return f"{self.loss_avg:.3f}" if self.loss_seen else "-"
 
     def finish_watch(self) -> None:
         """The divergence watch's last judgement (a dead network seen only at the end)."""

@@ -53,7 +53,8 @@ def test_a_network_that_does_not_fit_the_data_is_one_startup_error(mpirun, tmp_p
             "Conv2d(3->8, k3 s1 p1): expects inputs (3, H, W), got (1, 8, 8)") in res.stderr, res.explain()
     res = mpirun(3, ["train", "--model", f"{NET}:wrong_classes", *RUN, "--epochs", "1", "--name", "bad"], timeout=60)
     assert res.returncode == 2
-    assert ("its last layer fc1 (Linear(8->3)) gives 3 logits, dataset 'digits' has 10 classes") in res.stderr
+    assert (f"--model '{NET}:wrong_classes': model 'small_bn', its last layer fc1 (Linear(8->3)) gives 3 logits, "
+            "dataset 'digits' has 10 classes") in res.stderr, res.explain()
     assert not (tmp_path / "runs" / "bad.h5").exists()
 
 
@@ -69,3 +70,19 @@ def test_a_model_file_that_exits_or_uses_numpy_sizes_never_hangs_startup(mpirun,
     with h5py.File(tmp_path / "runs" / "np.h5", "r") as f:
         layers = json.loads(f.attrs["model_spec"])["layers"]
     assert layers[0]["out_channels"] == 8 and layers[-1]["out_features"] == 10
+
+
+def test_a_model_file_that_never_returns_is_stopped_not_hung(mpirun, tmp_path):
+    """Rank 0 stops a file's function after --model-timeout (one start-up error naming it); a file that blocks
+    that stop leaves rank 0 stuck, and the workers abort the job after --model-timeout + --comm-timeout."""
+    run = [a for a in RUN if a not in ("--comm-timeout", "60")]
+    res = mpirun(3, ["train", "--model", f"{NET}:sleeps", *run, "--epochs", "1", "--model-timeout", "2",
+                     "--name", "x"], timeout=60)
+    assert res.returncode == 2 and res.seconds < 30, res.explain()
+    assert (f"mpiasgd: error (rank 0): --model '{NET}:sleeps': importing '{NET}' and calling sleeps() took more "
+            "than 2 s (--model-timeout): does it loop or wait?") in res.stderr, res.explain()
+    res = mpirun(3, ["train", "--model", f"{NET}:deaf", *run, "--epochs", "1", "--model-timeout", "1",
+                     "--comm-timeout", "2", "--name", "x"], timeout=60)
+    assert res.returncode != 0 and res.seconds < 30, res.explain()
+    assert "rank 0 sent no network definition within 3 s (--model-timeout + --comm-timeout)" in res.stderr
+    assert not (tmp_path / "runs" / "x.h5").exists()

@@ -2,6 +2,8 @@
 networks as stored definitions (mpiasgd.model.spec): built from data, from user files, with clear errors."""
 
 import json
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -24,7 +26,7 @@ from mpiasgd.model.layers import (
     Residual,
     SubsamplePad,
 )
-from mpiasgd.model.spec import FORMAT, ModelSpecError, from_json, layer_from_spec, resolve, stored, to_json
+from mpiasgd.model.spec import FORMAT, ModelSpecError, check_spec, from_json, layer_from_spec, resolve, stored, to_json
 from mpiasgd.ops import get_backend
 
 ops = get_backend("numpy")
@@ -230,7 +232,10 @@ def test_user_files(tmp_path):
     ({"type": "MaxPool2d", "kernel": 0}, "MaxPool2d: kernel must be an integer"),
     ({"type": "AvgPool2d", "kernel": 2, "stride": 0}, "AvgPool2d: stride must be"),
     ({"type": "BatchNorm2d", "num_features": 4, "eps": float("inf")}, "BatchNorm2d: eps must be a finite"),
-    ({"type": "LocalResponseNorm", "size": 5, "beta": float("nan")}, "LocalResponseNorm: beta must be a finite"),
+    ({"type": "LocalResponseNorm", "size": 5, "beta": float("nan")}, "LocalResponseNorm: beta must be a finite "
+                                                                      "number, got nan$"),
+    ({"type": "MaxPool2d", "kernel": 10**400}, r"kernel must be an integer in \[1, \d+\], got 10{29}\.\.\. "
+                                               r"\(401 characters\)$"),
     ({"type": "SubsamplePad", "in_channels": 8, "out_channels": 4}, "need out_channels >= in_channels"),
     ({"type": "Flatten", "x": 1}, "unknown argument 'x'; Flatten takes no arguments"),
 ])
@@ -257,6 +262,40 @@ def test_definitions_are_bounded_and_strict(tmp_path):
     path = tmp_path / "bom.json"
     path.write_text(json.dumps(good["layers"]), encoding="utf-8-sig")
     assert build_model(resolve(str(path), (1, 8, 8))).num_params == 6090
+
+
+def test_a_network_of_more_than_max_layers_is_refused_by_count(tmp_path):
+    relu = {"type": "ReLU"}
+    block = {"type": "Residual", "main": [relu] * 99}  # 100 layers, the block included
+    ok = {"format": FORMAT, "name": "n", "input_shape": [1, 8, 8], "layers": [block] * 100}
+    check_spec(ok)  # 10,000: the limit
+    with pytest.raises(ModelSpecError, match=r"10001 layers \(residual blocks' included\), at most 10000"):
+        check_spec({**ok, "layers": [block] * 100 + [relu]})
+    path = tmp_path / "deep.py"  # a file's network is refused as it is made, before any rank builds it
+    path.write_text("from mpiasgd.model.layers import ReLU\ndef build():\n    return [ReLU() for _ in range(200000)]\n")
+    with pytest.raises(ModelSpecError, match=r"^--model '.*deep.py:build': network definition: 200000 layers"):
+        resolve(f"{path}:build", (1, 8, 8))
+
+
+def test_a_model_file_that_hangs_is_stopped_by_the_time_limit_or_a_signal(tmp_path):
+    path = tmp_path / "stuck.py"
+    path.write_text("import time\ndef build():\n    time.sleep(60)\n"
+                    "def swallows():\n    try:\n        time.sleep(60)\n    except BaseException:\n        pass\n"
+                    "    time.sleep(60)\n"
+                    "def signals():\n    import os, signal\n    os.kill(os.getpid(), signal.SIGUSR1)\n"
+                    "    time.sleep(60)\n")
+    before = signal.getsignal(signal.SIGUSR1)
+    start = time.monotonic()
+    with pytest.raises(ModelSpecError, match=r"^--model '.*stuck.py:build': importing '.*stuck.py' and calling "
+                                             r"build\(\) took more than 0.5 s \(--model-timeout\)"):
+        resolve(f"{path}:build", (1, 8, 8), limit_s=0.5)
+    # a file that catches the first stop is stopped again each second
+    with pytest.raises(ModelSpecError, match=r"swallows\(\) took more than 0.5 s"):
+        resolve(f"{path}:swallows", (1, 8, 8), limit_s=0.5)
+    with pytest.raises(ModelSpecError, match=r"SIGUSR1 received while importing '.*stuck.py' or calling signals\(\)"):
+        resolve(f"{path}:signals", (1, 8, 8), limit_s=30)
+    assert time.monotonic() - start < 10
+    assert signal.getsignal(signal.SIGUSR1) is before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
 def test_a_model_file_may_import_its_neighbours_and_numpy_sizes_are_stored_as_numbers(tmp_path):

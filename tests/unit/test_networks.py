@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import h5py
 import numpy as np
@@ -223,6 +224,16 @@ def test_export_refuses_wrong_vectors_and_foreign_files(tmp_path):
         export_npz(str(tmp_path / "x.npz"), spec, np.zeros(89578, np.float32), np.zeros(3, np.float32))
     with pytest.raises(ModelSpecError):
         export_npz(str(tmp_path / "x.npz"), {"layers": []}, np.zeros(1, np.float32))
+    assert not list(tmp_path.iterdir())
+    params = np.zeros(89578, np.float32)
+    # a target that is not a regular file is never replaced by the rename (a device node, a folder)
+    for target in ("/dev/full", str(tmp_path)):
+        with pytest.raises(ValueError, match=f"'{target}' exists and is not a regular file"):
+            export_npz(target, spec, params)
+    assert os.path.exists("/dev/full") and not os.path.isfile("/dev/full")
+    # an OSError names the file asked for, not the temporary file beside it
+    with pytest.raises(FileNotFoundError, match=f"No such file or directory: '{tmp_path}/no/x.npz'"):
+        export_npz(str(tmp_path / "no" / "x.npz"), spec, params)
     assert not list(tmp_path.iterdir())
     np.savez(tmp_path / "plain.npz", a=np.zeros(3))
     with pytest.raises(ValueError, match="not an mpiasgd model export: it has no '__model_spec__' entry"):

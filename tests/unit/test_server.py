@@ -520,3 +520,21 @@ def test_lookahead_off_is_said(tmp_path, capsys):
     server, _, _ = make_server(tmp_path / "b", num_workers=10, momentum=0.9, lookahead=2.0, async_momentum="workers")
     server.r0.role.begin()
     assert "--lookahead 2 is off: the server's momentum is 0" in capsys.readouterr().out
+
+
+def test_progress_bar_shows_no_loss_before_the_first_push(tmp_path):
+    server, net, _ = make_server(tmp_path)
+
+    class Bar:  # what the recorder uses of tqdm
+        n, total, text = 0, 100, ""
+
+        def set_postfix_str(self, text, refresh):
+            self.text = text
+
+    server.rec.progress = bar = Bar()
+    server.rec.show_progress(force=True)
+    assert bar.text == "epoch 0.00 loss - staleness 0.00"
+    push(net, 1, step=1, version=0, grad=np.ones(P, np.float32), loss=2.5)
+    serve_one(server)
+    server.rec.show_progress(force=True)
+    assert bar.text.startswith("epoch ") and " loss 2.500 staleness 0.00" in bar.text

@@ -45,3 +45,21 @@ def numpy_sizes() -> list:
 
     width = np.int64(8)
     return [Conv2d(1, width, 3, 1, 1), ReLU(), GlobalAvgPool(), Linear(width, np.int32(10), init="zeros")]
+
+
+def sleeps() -> list:
+    """Never returns (a file stuck on something): rank 0 stops it after --model-timeout."""
+    import time
+
+    time.sleep(3600)
+    return build()
+
+
+def deaf() -> list:
+    """Never returns and blocks the signals that would stop it: the workers give up on rank 0 and abort."""
+    import signal
+    import time
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGTERM, signal.SIGUSR1, signal.SIGINT})
+    time.sleep(3600)
+    return build()
