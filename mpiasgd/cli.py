@@ -153,9 +153,29 @@ def _train(argv: list[str]) -> int:
             print(f"mpiasgd: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        return train(cfg, comm)
+        status = train(cfg, comm)
     finally:
         signals.ignore()
+    return _leave_stray_threads(status, comm.Get_rank())
+
+
+def _leave_stray_threads(status: int, rank: int) -> int:
+    """`status`, or, when threads that Python would wait for at exit are still running (a --model file's:
+    no thread of mpiasgd outlives `train`), a warning naming them, then MPI_Finalize and exit with
+    `status` at once: a user's thread must not keep the job from ending."""
+    import threading
+
+    stray = [t.name for t in threading.enumerate()
+             if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if not stray:
+        return status
+    print(f"mpiasgd: warning: rank {rank}: thread(s) {', '.join(stray)} still running (started by the --model "
+          "file?): exiting without waiting for them", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    from mpi4py import MPI
+
+    MPI.Finalize()
+    os._exit(status)
 
 
 def _evaluate(args: argparse.Namespace) -> int:
@@ -170,12 +190,15 @@ def _evaluate(args: argparse.Namespace) -> int:
             header = False
         print(snapshot_line(r), flush=True)
 
+    def warn(text: str) -> None:
+        print(f"mpiasgd evaluate: warning: {text}", file=sys.stderr, flush=True)
+
     status = 0
     for path in args.logs:
         print(f"== {path}", flush=True)
         header = True
         try:
-            rows = evaluate_snapshots(path, args.data_dir, args.batch_size, args.every, show)
+            rows = evaluate_snapshots(path, args.data_dir, args.batch_size, args.every, show, warn)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             print(f"mpiasgd evaluate: error: {e}", file=sys.stderr)
             status = 2

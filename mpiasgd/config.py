@@ -203,7 +203,7 @@ class BaseConfig:
         need(0 <= self.seed < 2**63, "seed", f"an integer from 0 to 2**63 - 1 = {2**63 - 1}")
         need(self.threads >= 0, "threads", "an integer >= 0")
         need(self.comm_timeout > 0, "comm_timeout", "seconds > 0")
-        need(math.isfinite(self.model_timeout) and self.model_timeout > 0, "model_timeout", "seconds > 0")
+        need(0 < self.model_timeout <= 1e6, "model_timeout", "seconds > 0, at most 1e6")
         need(math.isfinite(self.stall_warning) and self.stall_warning >= 0, "stall_warning", "seconds >= 0")
         need(math.isfinite(self.lr) and self.lr > 0, "lr", "a finite number > 0")
         need(self.lr_scaling in LR_SCALINGS, "lr_scaling", f"one of {LR_SCALINGS}")

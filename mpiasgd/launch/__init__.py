@@ -87,6 +87,7 @@ def train(cfg: Config, comm: Any = None) -> int:
     comm = comm or MPI.COMM_WORLD
     me = Rank(comm, comm.Get_rank(), comm.Get_size(), socket.gethostname(), cfg.servers)
     mode = load(cfg.mode)
+    signals.set_rank(None if me.is_rank0 else me.rank)  # (routed by cli._train) a worker's first signal is said at once
     # start-up (all ranks): collective, so bad input gives one message and a clean exit
     # (every failure of a rank is caught here, a user's model file's SystemExit included: no rank may leave
     # the collective start-up early, or the others would wait for it forever)
@@ -123,7 +124,6 @@ def train(cfg: Config, comm: Any = None) -> int:
     from threadpoolctl import threadpool_limits
 
     comms = mode.communicators(cfg, comm, me.rank, start.layout)  # collective: the mode's own
-    signals.set_rank(None if me.is_rank0 else me.rank)  # the signals were routed by cli._train
     status = 0
     try:
         with threadpool_limits(limits=threads, user_api="blas"):

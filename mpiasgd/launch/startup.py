@@ -171,7 +171,7 @@ def definition_text(cfg: Config, dataset: Any, resumed: checkpoint.Checkpoint | 
     checkpoint `resumed` (the network it trained, whatever the file says now; `checkpoint.load` verified
     its CRC), else what --model names, a file's network taking the dataset's image shape. Checked by
     building its layers. Raises ModelSpecError (a ValueError) or CheckpointError naming what is wrong."""
-    from mpiasgd.model.spec import from_json, layers_from_spec, resolve, to_json
+    from mpiasgd.model.spec import from_json, is_file_ref, layers_from_spec, resolve, to_json
 
     stored = resumed.model_spec if resumed is not None else ""
     if stored:
@@ -182,6 +182,10 @@ def definition_text(cfg: Config, dataset: Any, resumed: checkpoint.Checkpoint | 
         except ValueError as e:
             raise ConfigError(f"{what} is corrupt: {e}") from None
         return to_json(spec)
+    if resumed is not None and is_file_ref(cfg.model):  # (a checkpoint from before definitions were stored)
+        raise ConfigError(f"--resume: checkpoint '{cfg.resume}' holds no network definition and names no built-in "
+                          f"network ({cfg.model!r}): a file's network is rebuilt only from its stored definition, "
+                          "never by running the file again")
     spec = resolve(cfg.model, tuple(dataset.input_shape), cfg.model_timeout)
     try:
         return to_json(spec)
@@ -194,7 +198,7 @@ def send_definition(me: Rank, text: str | None, timeout: float) -> str | None:
 
     The workers wait for it without blocking, for `timeout` seconds at most: rank 0 bounds a user's file
     (--model-timeout), but a file stuck where no signal reaches it (a blocked SIGALRM, a C call) must not
-    hang the job, so a worker that waited `timeout` prints one error line and aborts the job (status 2).
+    hang the job, so worker rank 1 (the others 2 s later) prints one error line after `timeout` and aborts the job.
     """
     if me.is_rank0:
         data = text.encode() if text is not None else b""
@@ -203,7 +207,7 @@ def send_definition(me: Rank, text: str | None, timeout: float) -> str | None:
     else:
         size = np.zeros(1, dtype=np.int64)
         request = me.comm.Ibcast(size, root=0)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout + (0.0 if me.rank == 1 else 2.0)  # (one line: rank 1's, usually)
         while not request.Test():
             if time.monotonic() > deadline:
                 print(f"mpiasgd: error: rank {me.rank}: rank 0 sent no network definition within {timeout:g} s "
@@ -366,6 +370,11 @@ def open_run_log(cfg: Config, me: Rank, out: Startup, resumed: checkpoint.Checkp
         raise FileExistsError(f"run log '{out.path}' exists; choose another --name or pass --overwrite"
                               + (f" ({left})" if left else ""))
     if cfg.resume and os.path.exists(out.path):
+        unreadable = log_unreadable(out.path)
+        if unreadable:
+            out.lock.release()
+            raise ConfigError(f"--resume: run log '{out.path}' cannot be read ({unreadable}); move it away to resume "
+                              "into a new log, which starts at the checkpoint")
         trained_on = log_attr(out.path, "data_fingerprint")
         if trained_on and trained_on != out.dataset.fingerprint:
             out.lock.release()
@@ -445,6 +454,19 @@ def run_id_of(path: str) -> str:
     """(holding the writer lock) The `run_id` attribute of the run log at `path` ("" for logs written before run
     ids, or unreadable)."""
     return log_attr(path, "run_id")
+
+
+def log_unreadable(path: str) -> str:
+    """(server only, holding the log's writer lock) Why the run log at `path` cannot be opened (cut short, its
+    metadata damaged), or "" when it can."""
+    from mpiasgd.runlog import open_log
+
+    try:
+        with open_log(path, hold_lock=True) as f:
+            f.attrs.get("status")
+    except (OSError, RuntimeError, KeyError) as e:  # RuntimeError, KeyError: h5py's, for damaged metadata
+        return str(e)
+    return ""
 
 
 def log_attr(path: str, name: str) -> str:

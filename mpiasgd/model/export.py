@@ -18,6 +18,7 @@ sequential networks as nn.Sequential(features, flatten, classifier).
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,12 @@ from mpiasgd.model.registry import build_model
 from mpiasgd.model.spec import ModelSpecError, check_spec, from_json, stored, to_json
 
 SPEC_KEY = "__model_spec__"
+NAME_CHARS = 60  # a network's name in a message: this many characters, then "..."
+
+
+def short(name: str) -> str:
+    """`name` quoted for a message, its first NAME_CHARS characters then "..." (a stored name may be huge)."""
+    return repr(name[:NAME_CHARS]) + ("..." if len(name) > NAME_CHARS else "")
 
 
 def _model(spec: dict[str, Any]) -> Model:
@@ -59,21 +66,26 @@ def export_npz(path: str, spec: dict[str, Any], params: Any, buffers: Any = None
     """Write the weights `params` ((P,)) and layer buffers `buffers` ((B,), None when the network has none)
     of the network `spec` defines to the .npz file `path` (exactly that name: no ".npz" is appended),
     as the module docstring describes. Written to a temporary file in the same folder, then renamed:
-    a failed write leaves no partial file. Raises ValueError (wrong lengths; `path` exists and is not a
-    regular file, such as a folder or /dev/full, which the rename would replace), ModelSpecError, and OSError
-    naming `path` (no such folder, no permission, disk full).
+    a failed write leaves no partial file. Raises ValueError (wrong lengths), ModelSpecError, FileExistsError
+    when `path` exists and is not a regular file (such as a folder or /dev/full, which the rename would
+    replace), and OSError naming `path` (no such folder, no permission, disk full, a folder such as /proc
+    where no file can be created).
     """
     check_spec(spec)
     if os.path.exists(path) and not os.path.isfile(path):
-        raise ValueError(f"{path!r} exists and is not a regular file: export writes a new file or replaces one")
+        raise FileExistsError(errno.EEXIST, f"{path!r} exists and is not a regular file: export writes a new file "
+                                            "or replaces one")
     arrays = named_arrays(spec, params, buffers)
     arrays[SPEC_KEY] = np.array(to_json(spec))  # 0-d '<U...': no pickle needed to read it
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp.{os.getpid()}")
     try:
         with open(tmp, "wb") as f:  # the umask's permissions, as any file written in place
             np.savez(f, **arrays)  # a file object: numpy keeps the name as given
         os.replace(tmp, path)
     except OSError as e:  # named by the file asked for, not the temporary one
+        if e.errno == errno.ENOENT and os.path.isdir(folder):  # the folder is there but takes no new file (/proc)
+            raise OSError(e.errno, f"no file can be created in '{folder}' ({e.strerror})", path) from None
         raise OSError(e.errno, e.strerror or str(e), path) from None
     finally:
         if os.path.exists(tmp):
@@ -201,9 +213,10 @@ def export_run(log: str, output: str, snapshot: int | None = None, checkpoint: b
     /snapshots/buffers); `snapshot` N picks snapshot N (negative: from the end); `checkpoint` takes the
     run's checkpoint file (`checkpoint.checkpoint_path(log)`, or `log` itself when it is a .ckpt.h5: params
     and buffers) instead. The network is the log's (or checkpoint's) `model_spec` attribute; older files
-    without one name a built-in in their `model` attribute (`spec.stored`). Raises FileNotFoundError,
-    ValueError (not a run log, no snapshots, a snapshot out of range, weights that do not fit the network;
-    `checkpoint.CheckpointError` for the checkpoint) and OSError as the readers and `export_npz` do.
+    without one name a built-in in their `model` attribute (`spec.stored`). Every error names the file read
+    or written: FileNotFoundError, ValueError (not a run log, damaged, no snapshots, a snapshot out of range,
+    weights that do not fit the network; `checkpoint.CheckpointError` for the checkpoint), ModelSpecError (a
+    network definition that cannot be built) and OSError as the readers and `export_npz` do.
     """
     if checkpoint and snapshot is not None:
         raise ValueError("export: give --snapshot or --checkpoint, not both")
@@ -217,28 +230,36 @@ def export_run(log: str, output: str, snapshot: int | None = None, checkpoint: b
         from mpiasgd.checkpoint import checkpoint_path, load
 
         ckpt = load(log if log.endswith(".ckpt.h5") else checkpoint_path(log))  # CheckpointError naming it
-        spec = stored({"model_spec": ckpt.model_spec, "model": ckpt.model}, f"checkpoint '{ckpt.path}'")
-        params, buffers, what = ckpt.params, ckpt.buffers, f"checkpoint '{ckpt.path}' (version {ckpt.version})"
+        source = f"checkpoint '{ckpt.path}'"
+        spec = stored({"model_spec": ckpt.model_spec, "model": ckpt.model}, source)
+        params, buffers, what = ckpt.params, ckpt.buffers, f"{source} (version {ckpt.version})"
     else:
         from mpiasgd.runlog import open_run
+        from mpiasgd.runlog.reader import reading, require
 
-        with open_run(log) as f:  # FileNotFoundError / ValueError naming the file
-            spec = stored(f.attrs, f"run log '{log}'")  # older logs: the built-in their `model` names
+        source = f"run log '{log}'"
+        with open_run(log) as f, reading(log):  # FileNotFoundError / ValueError naming the file
+            require(f, log, "snapshots/params")
+            spec = stored(f.attrs, source)  # older logs: the built-in their `model` names
             count = f["snapshots/params"].shape[0]
             if count == 0:
-                raise ValueError(f"run log '{log}' has no weight snapshots")
+                raise ValueError(f"{source} has no weight snapshots")
             index = count - 1 if snapshot is None else snapshot
             if not -count <= index < count:
-                raise ValueError(f"run log '{log}' has {count} weight snapshots (0..{count - 1}, or -{count}..-1); "
+                raise ValueError(f"{source} has {count} weight snapshots (0..{count - 1}, or -{count}..-1); "
                                  f"there is no snapshot {snapshot}")
             index %= count
             params = f["snapshots/params"][index]
             buffers = f["snapshots/buffers"][index] if "snapshots/buffers" in f else None
-            what = f"snapshot {index} of {count} of run log '{log}'"
+            what = f"snapshot {index} of {count} of {source}"
+    try:
+        _model(spec)  # layers are checked when built: an unknown type, a NaN argument
+    except ModelSpecError as e:
+        raise ModelSpecError(f"{source}: its network definition: {e}") from None
     try:
         export_npz(output, spec, params, buffers)
     except ModelSpecError:
         raise
-    except ValueError as e:
-        raise ValueError(f"{what} does not fit its network {spec['name']!r}: {e}") from None
-    return f"{what}, network {spec['name']!r}: written to '{output}'"
+    except ValueError as e:  # the lengths: `export_npz` refuses a target that is not a regular file as an OSError
+        raise ValueError(f"{what} does not fit its network {short(spec['name'])}: {e}") from None
+    return f"{what}, network {short(spec['name'])}: written to '{output}'"

@@ -236,10 +236,14 @@ def _reals(layer: str, **values: tuple[Any, float, bool]) -> list[float]:
     out = []
     for name, (value, minimum, strict) in values.items():
         ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-        if not ok or not math.isfinite(float(value)) or float(value) < minimum or (strict and float(value) == minimum):
+        try:
+            number = float(value) if ok else math.nan
+        except OverflowError:  # an integer of 400 digits
+            number = math.nan
+        if not math.isfinite(number) or number < minimum or (strict and number == minimum):
             bound = "" if minimum == -math.inf else f" {'>' if strict else '>='} {minimum:g}"
             raise ValueError(f"{layer}: {name} must be a finite number{bound}, got {_shown(value)}")
-        out.append(float(value))
+        out.append(number)
     return out
 
 

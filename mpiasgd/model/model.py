@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np  # host side only: initialisation and masks; compute goes through `ops`
 
-from mpiasgd.model.layers import Context, Layer, Param, Shape, SoftmaxCrossEntropy, walk
+from mpiasgd.model.layers import MAX_EXTENT, Context, Layer, Param, Shape, SoftmaxCrossEntropy, walk
 
 
 class Model:
@@ -64,6 +64,10 @@ class Model:
                 shape = tuple(int(d) for d in layer.out_shape(shape))
             except ValueError as e:
                 raise ValueError(f"model {name!r}, layer {lname}: {e}") from None
+            if _size(shape) > MAX_EXTENT:
+                raise ValueError(f"model {name!r}, layer {lname}: its output {shape} holds {_size(shape):,} values "
+                                 f"per image, more than {MAX_EXTENT:,} (the kernels index within one image with 32-bit "
+                                 "ints; the memory would not be there either)")
             fan_ins = layer.param_fan_ins()
             slots = []
             for p, fan_in in zip(layer.params(), fan_ins, strict=True):

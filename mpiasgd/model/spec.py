@@ -250,7 +250,8 @@ def resolve(ref: str, input_shape: tuple[int, ...] | None = None, limit_s: float
                              "path/to/net.py:function or path/to/net.json")
     path = m.group("path") if m else ref
     if not os.path.isfile(path):
-        raise ModelSpecError(f"--model {ref!r}: no such file {path!r}")
+        why = "not a regular file" if os.path.exists(path) else "no such file"
+        raise ModelSpecError(f"--model {ref!r}: {why} {path!r}")
     if m is None:
         with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is allowed)
             text = f.read()
@@ -331,6 +332,7 @@ def _run_user_file(ref: str, path: str, func: str) -> list[Layer]:
     sys.modules[name] = module
     folder = os.path.dirname(os.path.abspath(path))
     sys.path.insert(0, folder)  # the file may import modules beside it
+    cwd = os.getcwd()  # (a file that changes folder must not move the run log)
     try:
         try:
             module_spec.loader.exec_module(module)
@@ -340,7 +342,9 @@ def _run_user_file(ref: str, path: str, func: str) -> list[Layer]:
             raise ModelSpecError(f"--model {ref!r}: importing {path!r} failed: {type(e).__name__}: {e}") from None
         build = getattr(module, func, None)
         if not callable(build):
-            raise ModelSpecError(f"--model {ref!r}: {path!r} has no function {func!r}")
+            got = f"{func!r} is not a function but of type {type(build).__name__}" if hasattr(module, func) else \
+                f"has no function {func!r}"
+            raise ModelSpecError(f"--model {ref!r}: {path!r} {got}")
         try:
             layers = build()
         except _Stopped:
@@ -349,6 +353,7 @@ def _run_user_file(ref: str, path: str, func: str) -> list[Layer]:
             raise ModelSpecError(f"--model {ref!r}: {func}() raised {type(e).__name__}: {e}") from None
     finally:
         sys.path.remove(folder)
+        os.chdir(cwd)
     if not isinstance(layers, (list, tuple)) or not layers or not all(isinstance(x, Layer) for x in layers):
         got = type(layers).__name__ if not isinstance(layers, (list, tuple)) else \
             ", ".join(sorted({type(x).__name__ for x in layers})) or "an empty list"

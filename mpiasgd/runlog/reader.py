@@ -2,14 +2,18 @@
 
 `open_log` opens the HDF5 file (SWMR while a live writer holds the lock; stale flags cleared; a
 truncated file a one-line error), `open_run` checks that a file is an mpiasgd run log, and `load`
-reads what the summary and the offline tools need into a dict.
+reads what the summary and the offline tools need into a dict. Every error names the file: `reading`
+turns what HDF5 raises on a damaged file into one, `require` names a missing table, `run_config` a
+config attribute that is not JSON.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+from collections.abc import Iterator
 
 import h5py
 import numpy as np
@@ -21,6 +25,53 @@ from mpiasgd.runlog.superblock import SWMR_WRITE, clear_stale_flags, superblock_
 
 class TruncatedLogError(OSError):
     """The run log is shorter than its superblock says (cut short): the message names the file and both sizes."""
+
+
+class DamagedLogError(ValueError):
+    """HDF5 opened the run log but cannot read part of it (a bad checksum, an object it cannot open)."""
+
+
+@contextlib.contextmanager
+def reading(path: str) -> Iterator[None]:
+    """Read the run log at `path` inside this block: what h5py raises on a damaged file (OSError, RuntimeError
+    or KeyError: "incorrect metadata checksum", "bad object header version number") becomes a DamagedLogError
+    naming it. Keep only h5py reads inside: an error of another cause would be named damage too."""
+    try:
+        yield
+    except (OSError, RuntimeError, KeyError) as e:
+        text = " ".join(str(e.args[0] if e.args else e).split())  # one line; a KeyError's text without quotes
+        raise DamagedLogError(f"run log '{path}': the file is damaged, HDF5 cannot read it ({text})") from None
+
+
+def require(f: h5py.File, path: str, *names: str) -> None:
+    """ValueError naming the file and the first of the tables `names` ("snapshots/meta") it lacks, or the group
+    above it ("/snapshots"): every log mpiasgd writes has them, so the file was edited or damaged."""
+    for name in names:
+        parts = name.split("/")
+        for depth in range(1, len(parts) + 1):
+            part = "/".join(parts[:depth])
+            if part not in f:
+                kind = "group" if depth < len(parts) else "table"
+                raise ValueError(f"run log '{path}' has no /{part} {kind} (every run log mpiasgd writes has one: "
+                                 f"the file was edited or is damaged)")
+
+
+def run_config(path: str, text: str | bytes | None) -> dict:
+    """The run's config: the `config` attribute `text` of the log at `path`, a JSON object ({} when empty).
+    ValueError naming the file and the attribute when it is not JSON or not an object."""
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"run log '{path}': its config attribute is a {type(text).__name__}, expected JSON text")
+    try:
+        cfg = json.loads(text or "{}")
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"run log '{path}': its config attribute is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        kind = {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(cfg), "number")
+        raise ValueError(f"run log '{path}': its config attribute holds a JSON {kind}, expected an object "
+                         "({\"model\": ...})")
+    return cfg
 
 
 def open_log(path: str, mode: str = "r", hold_lock: bool = False) -> h5py.File:
@@ -71,7 +122,8 @@ def open_run(path: str) -> h5py.File:
     """Open the run log at `path` for reading (`open_log`: SWMR while it is written), checking that it is one.
 
     Raises FileNotFoundError if it does not exist, IsADirectoryError for a directory (naming the .h5
-    files in it), ValueError if it is empty or not an mpiasgd run log.
+    files in it), ValueError if it is empty or not an mpiasgd run log, DamagedLogError (a ValueError) if
+    HDF5 opens it but cannot read its root group.
     """
     if os.path.isdir(path):
         logs = sorted(name for name in os.listdir(path) if name.endswith(".h5") and not name.endswith(".ckpt.h5"))
@@ -87,7 +139,13 @@ def open_run(path: str) -> h5py.File:
         raise ValueError(str(e)) from None
     except OSError as e:
         raise ValueError(f"'{path}' is not a readable HDF5 file ({e})") from None
-    if "config" not in f.attrs or "pushes" not in f:
+    try:
+        with reading(path):
+            foreign = "config" not in f.attrs or "pushes" not in f
+    except DamagedLogError:
+        f.close()
+        raise
+    if foreign:
         f.close()
         raise ValueError(f"'{path}' is not an mpiasgd run log (no 'config' attribute or 'pushes' table)")
     return f
@@ -145,7 +203,7 @@ def not_superseded(rows: np.ndarray, spans: list[list], by_step: bool = False) -
 
 def load(path: str) -> dict:
     """Read what a report needs from the run log at `path` (errors as `open_run`; ValueError for a config
-    attribute that is not JSON).
+    attribute that is not a JSON object, DamagedLogError for a file HDF5 cannot read).
 
     The dict holds every file attribute (bytes decoded to str), "config" parsed from its JSON, "path",
     the tables "pushes", "updates", "evals", "periodic_evals", "workers", "snapshots/meta", "events",
@@ -155,17 +213,14 @@ def load(path: str) -> dict:
     and "superseded_s" (seconds of such spans). A log marked "running" whose writer is gone gets status
     "killed (...)".
     """
-    with open_run(path) as f:
+    with open_run(path) as f, reading(path):
         run = {key: _attr(f, key) for key in f.attrs}
         for name in ("pushes", "updates", "evals", "periodic_evals", "workers", "snapshots/meta", "events",
                      "checkpoints", "shard_pushes"):
             run[name] = f[name][()] if name in f else None
             if run[name] is not None:
                 run[name] = upgrade(run[name], name)
-    try:
-        run["config"] = json.loads(run.get("config") or "{}")
-    except ValueError as e:
-        raise ValueError(f"run log '{path}' has a malformed 'config' attribute ({e})") from None
+    run["config"] = run_config(path, run.get("config"))
     run["path"] = path
     # rows a resumed run superseded (logged by a segment that died after its last checkpoint)
     spans = superseded_spans(run.get("superseded"))

@@ -169,7 +169,7 @@ class RunLog:
         f = None
         try:
             clear_stale_flags(path, check_writer=False)  # killed inside close's non-SWMR reopen
-            with open_log(path) as f:
+            with open_log(path, hold_lock=True) as f:  # (not in SWMR mode: a damaged file fails at once)
                 status = f.attrs.get("status")
             if status == "running":  # its writer was killed (we hold the lock): make it writable again
                 recover(path, check_writer=False)

@@ -129,6 +129,26 @@ def test_resume_refuses_a_log_overwritten_by_another_run(mpirun, tmp_path):
     assert attrs["status"] == "completed" and b"resume" not in t["events"]["kind"].tolist()
 
 
+def test_resume_refuses_a_truncated_log_at_once_and_leaves_no_lock(mpirun, tmp_path):
+    """A log cut short (a copy, a full disk) is one start-up error naming it, not rank 0 retrying it in SWMR mode
+    for minutes; moved away, the run resumes into a new log."""
+    res = mpirun(3, ["train", *FAST, "--epochs", "1", "--name", "cut"], timeout=120)
+    assert res.returncode == 0, res.explain()
+    log = tmp_path / "runs" / "cut.h5"
+    data = log.read_bytes()
+    log.write_bytes(data[:len(data) // 2])
+    res = mpirun(3, ["train", "--resume", "runs/cut.ckpt.h5", "--epochs", "2"], timeout=60)
+    assert res.returncode == 2 and res.seconds < 30, res.explain()
+    assert (f"mpiasgd: error (rank 0): --resume: run log '{log}' cannot be read ('{log}' is truncated "
+            f"({len(data) // 2} bytes, the file says {len(data)}): ") in res.stderr, res.explain()
+    assert "move it away to resume into a new log, which starts at the checkpoint" in res.stderr
+    assert not (tmp_path / "runs" / "cut.h5.lock").exists()
+    log.rename(tmp_path / "runs" / "cut.h5.bad")
+    res = mpirun(3, ["train", "--resume", "runs/cut.ckpt.h5", "--epochs", "2"], timeout=120)
+    assert res.returncode == 0, res.explain()
+    assert read_log(log)[0]["status"] == "completed"
+
+
 def test_resume_refuses_another_number_of_workers(mpirun, tmp_path):
     res = mpirun(3, ["train", *FAST, "--epochs", "1", "--name", "w2"], timeout=120)
     assert res.returncode == 0, res.explain()

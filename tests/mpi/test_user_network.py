@@ -86,3 +86,19 @@ def test_a_model_file_that_never_returns_is_stopped_not_hung(mpirun, tmp_path):
     assert res.returncode != 0 and res.seconds < 30, res.explain()
     assert "rank 0 sent no network definition within 3 s (--model-timeout + --comm-timeout)" in res.stderr
     assert not (tmp_path / "runs" / "x.h5").exists()
+
+
+def test_a_thread_the_model_file_leaves_running_does_not_keep_the_job_alive(mpirun, tmp_path):
+    res = mpirun(3, ["train", "--model", f"{NET}:thread_then_raises", *RUN, "--epochs", "1", "--name", "t"],
+                 timeout=60)
+    assert res.returncode == 2 and res.seconds < 30, res.explain()
+    assert f"mpiasgd: error (rank 0): --model '{NET}:thread_then_raises': thread_then_raises() raised RuntimeError: " \
+           "bad net" in res.stderr
+    warning = ("mpiasgd: warning: rank 0: thread(s) users-thread still running (started by the --model file?): "
+               "exiting without waiting for them")
+    assert warning in res.stderr, res.explain()
+    res = mpirun(3, ["train", "--model", f"{NET}:with_thread", *RUN, "--epochs", "0", "--max-pushes", "4",
+                     "--name", "t"], timeout=60)
+    assert res.returncode == 0 and res.seconds < 30 and warning in res.stderr, res.explain()
+    with h5py.File(tmp_path / "runs" / "t.h5", "r") as f:
+        assert f.attrs["status"] == "completed"

@@ -89,6 +89,8 @@ def test_missing_toml_file():
     ({"mode": "sync", "staleness_lr": "inverse"}, "'staleness_lr' = 'inverse': expected 'none' in mode 'sync'"),
     ({"mode": "sync", "dc_lambda": 0.5}, r"'dc_lambda' = 0.5: expected 0.0 in mode 'sync'"),
     ({"dc_lambda": -1.0}, r"'dc_lambda' = -1.0: expected a number from 0 to 1e6"),
+    ({"model_timeout": 1e10}, r"'model_timeout' = 10000000000.0: expected seconds > 0, at most 1e6"),
+    ({"model_timeout": 0.0}, r"'model_timeout' = 0.0: expected seconds > 0, at most 1e6"),
     ({"dc_lambda": 1e39}, r"'dc_lambda' = 1e\+39: expected a number from 0 to 1e6"),
     ({"dc_lambda": 0.5, "nsync": 4}, r"'dc_lambda' = 0.5: expected 0 with nsync > 1"),
     ({"dc_lambda": 0.5, "overlap": True}, r"'dc_lambda' = 0.5: expected 0 with --overlap"),

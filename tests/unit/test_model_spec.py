@@ -2,6 +2,7 @@
 networks as stored definitions (mpiasgd.model.spec): built from data, from user files, with clear errors."""
 
 import json
+import os
 import signal
 import time
 
@@ -208,6 +209,16 @@ def test_user_files(tmp_path):
         resolve(f"{bad}:build", (1, 8, 8))
     with pytest.raises(ModelSpecError, match="no such file"):
         resolve(str(tmp_path / "missing.py") + ":build", (1, 8, 8))
+    (tmp_path / "folder.json").mkdir()
+    with pytest.raises(ModelSpecError, match=r"folder.json': not a regular file '.*folder.json'$"):
+        resolve(str(tmp_path / "folder.json"), (1, 8, 8))
+    bad.write_text("build = 5\n")
+    with pytest.raises(ModelSpecError, match=r"broken.py' 'build' is not a function but of type int$"):
+        resolve(f"{bad}:build", (1, 8, 8))
+    cwd = os.getcwd()  # a file that changes folder does not move the caller (the run log is written there)
+    bad.write_text(f"import os\nos.chdir({str(tmp_path)!r})\nfrom mpiasgd.model.layers import ReLU\n"
+                   "def build():\n    os.chdir('/')\n    return [ReLU()]\n")
+    assert resolve(f"{bad}:build", (1, 8, 8))["layers"] == [{"type": "ReLU"}] and os.getcwd() == cwd
     custom = tmp_path / "custom.py"
     custom.write_text("from mpiasgd.model.layers import ReLU\nclass Mine(ReLU):\n    pass\n"
                       "def build():\n    return [Mine()]\n")
@@ -232,6 +243,8 @@ def test_user_files(tmp_path):
     ({"type": "MaxPool2d", "kernel": 0}, "MaxPool2d: kernel must be an integer"),
     ({"type": "AvgPool2d", "kernel": 2, "stride": 0}, "AvgPool2d: stride must be"),
     ({"type": "BatchNorm2d", "num_features": 4, "eps": float("inf")}, "BatchNorm2d: eps must be a finite"),
+    ({"type": "BatchNorm2d", "num_features": 4, "eps": 10**400}, r"BatchNorm2d: eps must be a finite number > 0, got "
+                                                                 r"10{29}\.\.\. \(401 characters\)$"),
     ({"type": "LocalResponseNorm", "size": 5, "beta": float("nan")}, "LocalResponseNorm: beta must be a finite "
                                                                       "number, got nan$"),
     ({"type": "MaxPool2d", "kernel": 10**400}, r"kernel must be an integer in \[1, \d+\], got 10{29}\.\.\. "
@@ -324,3 +337,39 @@ def test_batchnorm_refuses_one_value_per_channel_in_training():
         model.forward_backward(x, np.zeros(1, np.int64))
     assert np.isfinite(model.evaluate(x, np.zeros(1, np.int64))[0])  # evaluation uses the running statistics
     model.forward_backward(np.ones((2, 1, 8, 8), np.float32), np.zeros(2, np.int64))
+
+
+def test_resuming_a_checkpoint_without_a_definition_never_runs_the_file_its_config_names(tmp_path):
+    """A checkpoint from before definitions were stored names a built-in; one naming a file (forged: the CRC is a
+    checksum, not a signature) is refused before the file is imported."""
+    from types import SimpleNamespace
+
+    from mpiasgd.config import Config, ConfigError
+    from mpiasgd.launch.startup import definition_text
+
+    marker = tmp_path / "ran"
+    path = tmp_path / "pwn.py"
+    path.write_text(f"open({str(marker)!r}, 'w').close()\nfrom mpiasgd.model.layers import ReLU\n"
+                    "def build():\n    return [ReLU()]\n")
+    old = SimpleNamespace(model_spec="")  # what checkpoint.load gives for a file without one
+    data = SimpleNamespace(input_shape=(1, 8, 8))
+    cfg = Config(model=f"{path}:build", resume="old.ckpt.h5")
+    with pytest.raises(ConfigError, match=r"^--resume: checkpoint 'old.ckpt.h5' holds no network definition and "
+                                          r"names no built-in network \('.*pwn.py:build'\)"):
+        definition_text(cfg, data, old)
+    assert not marker.exists()
+    text = definition_text(Config(model="digits", resume="old.ckpt.h5"), data, old)  # a built-in: by its name
+    assert from_json(text) == resolve("digits")
+
+
+def test_a_layer_output_larger_than_the_kernels_index_is_refused_when_the_model_is_built():
+    """A pad of 1,000,000 passes its own check (an extent < 2^31) but makes 3.2e13 values per image: refused by
+    name before any memory is asked for (train's start-up, evaluate and simulate build the model alike)."""
+    spec = {"format": FORMAT, "name": "bigpad", "input_shape": [1, 8, 8], "layers": [
+        {"type": "Conv2d", "in_channels": 1, "out_channels": 8, "kernel": 3, "pad": 1000000},
+        {"type": "GlobalAvgPool"}, {"type": "Linear", "in_features": 8, "out_features": 10}]}
+    with pytest.raises(ValueError, match=r"^model 'bigpad', layer conv1: its output \(8, 2000006, 2000006\) holds "
+                                         r"32,000,192,000,288 values per image, more than 2,147,483,647 "):
+        build_model(spec)
+    spec["layers"][0]["pad"] = 1000  # 33 million values per image: allowed
+    assert build_model(spec).shapes[0] == (8, 2006, 2006)

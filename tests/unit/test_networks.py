@@ -228,7 +228,7 @@ def test_export_refuses_wrong_vectors_and_foreign_files(tmp_path):
     params = np.zeros(89578, np.float32)
     # a target that is not a regular file is never replaced by the rename (a device node, a folder)
     for target in ("/dev/full", str(tmp_path)):
-        with pytest.raises(ValueError, match=f"'{target}' exists and is not a regular file"):
+        with pytest.raises(FileExistsError, match=f"'{target}' exists and is not a regular file"):
             export_npz(target, spec, params)
     assert os.path.exists("/dev/full") and not os.path.isfile("/dev/full")
     # an OSError names the file asked for, not the temporary file beside it

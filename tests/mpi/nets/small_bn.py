@@ -63,3 +63,22 @@ def deaf() -> list:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGTERM, signal.SIGUSR1, signal.SIGINT})
     time.sleep(3600)
     return build()
+
+
+def _start_thread() -> None:
+    import threading
+    import time
+
+    threading.Thread(target=time.sleep, args=(3600,), name="users-thread").start()  # not a daemon
+
+
+def with_thread() -> list:
+    """Leaves a thread running that Python would wait for at exit: rank 0 must end regardless."""
+    _start_thread()
+    return build()
+
+
+def thread_then_raises() -> list:
+    """The same, then fails: the start-up error, and an exit."""
+    _start_thread()
+    raise RuntimeError("bad net")
