@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import re
+import time
 from collections.abc import Iterator
 
 import h5py
@@ -201,6 +202,21 @@ def not_superseded(rows: np.ndarray, spans: list[list], by_step: bool = False) -
     return rows[keep]
 
 
+LIVE_READ_TRIES = 6  # reads of a log being written, 0.1 s, 0.2 s, ... apart (1.5 s in all) before it is named damaged
+
+
+def _read_tables(path: str) -> dict:
+    """Every attribute and table `load` reads, as stored (errors as `load`)."""
+    with open_run(path) as f, reading(path):
+        run = {key: _attr(f, key) for key in f.attrs}
+        for name in ("pushes", "updates", "evals", "periodic_evals", "workers", "snapshots/meta", "events",
+                     "checkpoints", "shard_pushes"):
+            run[name] = f[name][()] if name in f else None
+            if run[name] is not None:
+                run[name] = upgrade(run[name], name)
+    return run
+
+
 def load(path: str) -> dict:
     """Read what a report needs from the run log at `path` (errors as `open_run`; ValueError for a config
     attribute that is not a JSON object, DamagedLogError for a file HDF5 cannot read).
@@ -211,15 +227,19 @@ def load(path: str) -> dict:
     of an older version with the columns added since, nan: `records.upgrade`; None where the file has no
     such table), rows of pushes, shard pushes, updates and evaluations a resumed run superseded left out,
     and "superseded_s" (seconds of such spans). A log marked "running" whose writer is gone gets status
-    "killed (...)".
+    "killed (...)". A read of a log being written that fails (a flush caught half-way) is tried again,
+    `LIVE_READ_TRIES` times in all, before it is a DamagedLogError.
     """
-    with open_run(path) as f, reading(path):
-        run = {key: _attr(f, key) for key in f.attrs}
-        for name in ("pushes", "updates", "evals", "periodic_evals", "workers", "snapshots/meta", "events",
-                     "checkpoints", "shard_pushes"):
-            run[name] = f[name][()] if name in f else None
-            if run[name] is not None:
-                run[name] = upgrade(run[name], name)
+    for attempt in range(LIVE_READ_TRIES):
+        try:
+            run = _read_tables(path)
+            break
+        except DamagedLogError:
+            # a live writer's flush caught half-way: SWMR orders the tables' metadata, not the global heap that
+            # holds the events' text, so a row may point at text not yet written ("bad heap index"); read again
+            if attempt + 1 == LIVE_READ_TRIES or not writer_alive(path):
+                raise
+            time.sleep(0.1 * (attempt + 1))
     run["config"] = run_config(path, run.get("config"))
     run["path"] = path
     # rows a resumed run superseded (logged by a segment that died after its last checkpoint)

@@ -20,7 +20,7 @@ from mpiasgd.cli import main
 from mpiasgd.model import build_model
 from mpiasgd.model.layers import LAYER_TYPES, BatchNorm2d, Conv2d, Flatten, Linear, ReLU
 from mpiasgd.model.spec import model_spec, to_json
-from mpiasgd.runlog import RunLog, SnapshotRow, WorkerRow
+from mpiasgd.runlog import RunLog, SnapshotRow, WorkerRow, WriterLock
 
 WORKER = WorkerRow(rank=1, host=b"host", pid=1, threads=1, backend=b"numpy", shard_size=100, device=-1,
                    device_name=b"", device_uuid=b"", transfer=b"host", module=-1, replica=-1)
@@ -174,3 +174,39 @@ def test_export_cuts_a_huge_network_name_in_its_messages(tmp_path, capsys):
     assert status == 2 and err.startswith(f"mpiasgd export: error: snapshot 1 of 2 of run log '{log}' does not fit "
                                           f"its network '{'x' * 60}'...: params must be a float vector of shape (")
     assert len(err) < 400, len(err)
+
+
+def test_a_read_of_a_live_log_that_catches_a_flush_half_way_is_read_again(tmp_path, monkeypatch):
+    """A row whose events text is not written yet ("bad heap index": SWMR does not order the global heap) is a
+    read of a live log to try again, not damage; the same failure in a log no one writes is named at once."""
+    from mpiasgd.runlog import load, reader
+
+    spec = network()
+    model = build_model(spec)
+    attrs = {"config": CONFIG, "model": spec["name"], "mode": "async", "num_workers": 1,
+             "num_params": model.num_params, "model_spec": to_json(spec)}
+    path = str(tmp_path / "live.h5")
+    lock = WriterLock(path)
+    lock.acquire()  # as rank 0 does: the log has a live writer
+    log = RunLog.create(path, attrs, [WORKER], model.num_params, flush_interval=0.0, num_buffers=model.num_buffers,
+                        lock=lock)
+    calls, failures = [], [2]
+
+    def flaky(rows, name):  # the first two reads of the events table fail as HDF5 does mid-flush
+        calls.append(name)
+        if name == "events" and failures[0]:
+            failures[0] -= 1
+            raise OSError("Can't synchronously read data (bad heap index, heap object = {800, 16})")
+        return reader_upgrade(rows, name)
+
+    reader_upgrade = reader.upgrade
+    monkeypatch.setattr(reader, "upgrade", flaky)
+    try:
+        run = load(path)  # the writer is alive: read three times
+        assert run["status"] == "running" and calls.count("events") == 3 and failures[0] == 0
+    finally:
+        log.close("completed", {})
+    failures[0], calls[:] = 1, []
+    with pytest.raises(reader.DamagedLogError, match="bad heap index"):
+        load(path)  # closed: no writer, so the failure is damage at the first read
+    assert calls.count("events") == 1
