@@ -370,18 +370,19 @@ def open_run_log(cfg: Config, me: Rank, out: Startup, resumed: checkpoint.Checkp
         raise FileExistsError(f"run log '{out.path}' exists; choose another --name or pass --overwrite"
                               + (f" ({left})" if left else ""))
     if cfg.resume and os.path.exists(out.path):
-        unreadable = log_unreadable(out.path)
-        if unreadable:
+        try:
+            attrs = log_attrs(out.path, "data_fingerprint", "run_id")  # ("" for logs written before either)
+        except (OSError, RuntimeError, KeyError) as e:  # RuntimeError, KeyError: h5py's, for damaged metadata
             out.lock.release()
-            raise ConfigError(f"--resume: run log '{out.path}' cannot be read ({unreadable}); move it away to resume "
-                              "into a new log, which starts at the checkpoint")
-        trained_on = log_attr(out.path, "data_fingerprint")
+            raise ConfigError(f"--resume: run log '{out.path}' cannot be read ({e}); move it away to resume "
+                              "into a new log, which starts at the checkpoint") from None
+        trained_on = attrs["data_fingerprint"]
         if trained_on and trained_on != out.dataset.fingerprint:
             out.lock.release()
             raise ConfigError(f"--resume: the run in '{out.path}' trained on a dataset file {trained_on}; "
                               f"'{cfg.dataset_name}' is another ({out.dataset.fingerprint or 'a built-in set'}): "
                               "pass --data with the file it trained on")
-        owner = run_id_of(out.path)
+        owner = attrs["run_id"]
         if owner and out.checkpoint.run_id and owner != out.checkpoint.run_id:
             out.lock.release()
             raise ConfigError(f"--resume: run log '{out.path}' belongs to another run (run id {owner}) than "
@@ -450,36 +451,15 @@ def left_behind(path: str, lock: WriterLock) -> str:
     return f"a job that died writing run log '{path}'{who} left " + " and ".join(parts)
 
 
-def run_id_of(path: str) -> str:
-    """(holding the writer lock) The `run_id` attribute of the run log at `path` ("" for logs written before run
-    ids, or unreadable)."""
-    return log_attr(path, "run_id")
-
-
-def log_unreadable(path: str) -> str:
-    """(server only, holding the log's writer lock) Why the run log at `path` cannot be opened (cut short, its
-    metadata damaged), or "" when it can."""
+def log_attrs(path: str, *names: str) -> dict[str, str]:
+    """(server only, holding the log's writer lock) The text attributes `names` of the run log at `path` (""
+    where absent), read in one opening. OSError, RuntimeError or KeyError (h5py's) when it cannot be read:
+    cut short, its metadata damaged."""
     from mpiasgd.runlog import open_log
 
-    try:
-        with open_log(path, hold_lock=True) as f:
-            f.attrs.get("status")
-    except (OSError, RuntimeError, KeyError) as e:  # RuntimeError, KeyError: h5py's, for damaged metadata
-        return str(e)
-    return ""
-
-
-def log_attr(path: str, name: str) -> str:
-    """(server only, holding the log's writer lock) The text attribute `name` of the run log at `path` (""
-    when absent, or the log is unreadable)."""
-    from mpiasgd.runlog import open_log
-
-    try:
-        with open_log(path, hold_lock=True) as f:
-            value = f.attrs.get(name, "")
-    except OSError:
-        return ""
-    return value.decode() if isinstance(value, bytes) else str(value)
+    with open_log(path, hold_lock=True) as f:
+        values = {name: f.attrs.get(name, "") for name in names}
+    return {name: value.decode() if isinstance(value, bytes) else str(value) for name, value in values.items()}
 
 
 def tune_convs(cfg: Config, me: Rank, start: Startup, turns: list[int]) -> bool:
