@@ -223,6 +223,50 @@ def test_signal_on_any_rank_checkpoints_and_exits_within_10s(tmp_path, mode, sig
     assert attrs["status"] == "completed" and attrs["version"] > ck.version
 
 
+WIDE_NET = """from mpiasgd.model.layers import Flatten, Linear, ReLU
+
+
+def build():  # 7.5 M parameters: a 60 MB checkpoint (weights and momentum)
+    return [Flatten(), Linear(64, 100000), ReLU(), Linear(100000, 10, init="zeros")]
+"""
+
+
+@pytest.mark.parametrize("sig,delay", [(signal.SIGTERM, 0.7), (signal.SIGTERM, 1.0), (signal.SIGTERM, 1.3),
+                                       (signal.SIGINT, 1.0)])
+def test_sigterm_to_mpiexec_closes_the_log_as_preempted(tmp_path, sig, delay):
+    """SIGTERM (or Ctrl-C's SIGINT) to Open MPI's mpiexec, 0.7 to 1.3 s after the first of 60 MB checkpoints
+    written every 0.5 s: prterun sends the ranks SIGCONT, then SIGTERM 0.25 s later, then SIGKILL 0.25 s
+    after that, and exits 1 (issue 36, defect 2). The log still ends 'preempted', no lock file is left, the
+    checkpoint is sound (the signal's, or the interval one before it), and the resume says nothing was left
+    running."""
+    (tmp_path / "wide.py").write_text(WIDE_NET)
+    runs = tmp_path / "runs"
+    proc = start_mpi(3, ["train", "--model", f"{tmp_path / 'wide.py'}:build", "--dataset", "digits",
+                         "--batch-size", "16", "--lr", "0.001", "--snapshot-interval", "0", "--flush-interval", "0.2",
+                         "--no-progress", "--comm-timeout", "60", "--epochs", "0", "--max-time", "120",
+                         "--checkpoint-interval", "0.5", "--name", "big"], tmp_path)
+    try:
+        wait_for(lambda: checkpoint_version(runs / "big.ckpt.h5") > 0)
+        time.sleep(delay)
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=30)
+        wait_for(lambda: not session_pids(proc.pid), 30)
+    finally:
+        stop_group(proc)
+    attrs, t, _ = read_log(runs / "big.h5")
+    assert attrs["status"] == "preempted", (proc.returncode, attrs["status"], err)
+    assert not (runs / "big.h5.lock").exists()
+    preempt = [e["text"].decode() for e in t["events"] if e["kind"] == b"preempt"]
+    assert len(preempt) == 1 and "received by rank 0" in preempt[0], preempt
+    ck = checkpoint.load(str(runs / "big.ckpt.h5"))  # CRC-checked
+    assert ck.reason in ("preempt", "interval") and ck.version > 0
+    res = resume_for_a_second(tmp_path, 3, "big", ck)
+    assert res.returncode == 0, res.explain()
+    assert "status 'running'" not in res.stderr, res.stderr
+    attrs, _, _ = read_log(runs / "big.h5")
+    assert attrs["status"] == "completed" and attrs["version"] > ck.version
+
+
 def test_signal_during_the_final_evaluation_lets_the_run_complete(tmp_path):
     runs = tmp_path / "runs"
     cmd = mpi_command(3, (str(SCRIPTS / "fault.py"),),
