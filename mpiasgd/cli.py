@@ -107,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return simulate(rest)
     if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from mpiasgd.config import flag_hint
+
+        flags = _leaf(parser, args)._option_string_actions
+        parser.error(f"unrecognized arguments: {' '.join(rest)}{flag_hint(rest, flags)}")
     if args.command == "evaluate":
         return _evaluate(args)
     if args.command == "trace":
@@ -125,6 +128,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return watch(args.log, args.interval, args.wait)
     return _report(args)
+
+
+def _leaf(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser whose flags `args` were parsed by: the subcommand's, or `data`'s action's."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return _leaf(action.choices[getattr(args, action.dest)], args)
+    return parser
 
 
 def _train(argv: list[str]) -> int:

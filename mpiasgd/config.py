@@ -1,8 +1,9 @@
 """Run configuration: one frozen dataclass, filled from defaults < TOML file < command-line flags.
 
 Every field has a default and a one-line help with its unit. Unknown or ill-typed keys are errors
-(`ConfigError`), and so are values out of range. Rank 0 stores the resolved config in the run log
-(attribute `config`, JSON) and prints it once with `--show-config`.
+(`ConfigError`, suggesting the close key or flag), and so are values out of range. A TOML file's
+relative paths are read against its own folder, a flag's against the working folder. Rank 0 stores
+the resolved config in the run log (attribute `config`, JSON) and prints it once with `--show-config`.
 """
 
 from __future__ import annotations
@@ -359,16 +360,67 @@ def _coerce(key: str, value: Any) -> Any:
     return tuple(float(v) for v in value) if kind == "tuple" else value
 
 
+# names other trainers give a key (PyTorch, Keras, Caffe): difflib finds no likeness in them
+SYNONYMS = {"learning_rate": "lr", "base_lr": "lr", "num_epochs": "epochs", "max_epochs": "epochs",
+            "wd": "weight_decay", "bs": "batch_size", "optimizer": "mode"}
+# keys whose value is a path; a TOML file's relative ones are read against the file's folder (`load_toml`)
+PATH_KEYS = ("model", "data", "test_data", "data_dir", "run_dir", "resume")
+
+
+def close_keys(word: str, keys: list[str]) -> list[str]:
+    """The one or two of `keys` that `word` (a mistyped config key, '-' or '_' alike) most likely meant: a known
+    synonym, else difflib's closest matches (a second only when nearly as close as the first); [] if none is."""
+    import difflib
+
+    word = word.replace("-", "_")
+    if SYNONYMS.get(word) in keys:
+        return [SYNONYMS[word]]
+    # two letters swapped ('modle') first: difflib's ratio ranks 'modules' above 'model' there
+    scored = sorted(((sorted(word) == sorted(k), difflib.SequenceMatcher(None, word, k).ratio(), k) for k in keys),
+                    reverse=True)
+    return [k for _, r, k in scored[:2] if r >= 0.6 and r >= scored[0][1] - 0.1]
+
+
+def did_you_mean(word: str, keys: list[str], quote: Any = "'{}'".format) -> str:
+    """' (did you mean 'lr'?)' for `word` among `keys` (each shown through `quote`), '' when none is close."""
+    matches = close_keys(word, keys)
+    return f" (did you mean {' or '.join(map(quote, matches))}?)" if matches else ""
+
+
 def from_mapping(values: dict, base: Config | None = None, source: str = "config") -> Config:
-    """Config from a dict (e.g. a parsed TOML file) over `base`; unknown or ill-typed keys raise ConfigError."""
+    """Config from a dict (e.g. a parsed TOML file) over `base`; unknown or ill-typed keys raise ConfigError
+    (an unknown key with its likely meaning, or the valid keys when none is close)."""
     unknown = sorted(set(values) - set(FIELDS))
     if unknown:
-        raise ConfigError(f"{source}: unknown key(s) {unknown}; valid keys: {sorted(FIELDS)}")
+        hints = [did_you_mean(k, list(FIELDS)) for k in unknown]
+        text = ", ".join(f"'{k}'{hint}" for k, hint in zip(unknown, hints, strict=True))
+        rest = "" if all(hints) else f"; valid keys: {', '.join(sorted(FIELDS))}"
+        raise ConfigError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {text}{rest}")
     return dataclasses.replace(base or Config(), **{k: _coerce(k, v) for k, v in values.items()})
 
 
+def _rebased(key: str, value: Any, folder: str) -> Any:
+    """A TOML file's `value` of path key `key` read against `folder`, the file's own: an absolute path (a built-in
+    network's name, an absolute path, '' and a value of the wrong type are kept)."""
+    if not isinstance(value, str) or not value or os.path.isabs(value):
+        return value
+    if key != "model":
+        return os.path.normpath(os.path.join(folder, value))
+    from mpiasgd.model.spec import USER_FILE
+
+    m = USER_FILE.match(value)
+    if m is None and not value.endswith(".json"):  # a built-in network's name
+        return value
+    path = m.group("path") if m else value
+    if os.path.isabs(path):
+        return value
+    return os.path.normpath(os.path.join(folder, path)) + (f":{m.group('func')}" if m else "")
+
+
 def load_toml(path: str, base: Config | None = None) -> Config:
-    """Config from a TOML file of top-level `key = value` lines (keys as the dataclass fields)."""
+    """Config from a TOML file of top-level `key = value` lines (keys as the dataclass fields). Relative paths in
+    it (PATH_KEYS: the --model file, the dataset files and folders, the run folder, the checkpoint to resume)
+    are read against the TOML file's folder, as a file that includes another does, and kept absolute."""
     try:
         with open(path, "rb") as f:
             values = tomllib.load(f)
@@ -378,6 +430,8 @@ def load_toml(path: str, base: Config | None = None) -> Config:
         raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
     except OSError as e:
         raise ConfigError(f"config file '{path}' cannot be read: {e.strerror}") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    values = {k: _rebased(k, v, folder) if k in PATH_KEYS else v for k, v in values.items()}
     return from_mapping(values, base, source=f"config file '{path}'")
 
 
@@ -385,7 +439,24 @@ class _Parser(argparse.ArgumentParser):
     """An ArgumentParser that raises ConfigError instead of exiting, so MPI ranks can agree on errors."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{self.prog}: {message}")
+        raise ConfigError(f"{self.prog}: {message}{self.hint(message)}")
+
+    def hint(self, message: str) -> str:
+        """`flag_hint` for argparse's "unrecognized arguments: --learning-rate 0.1"; '' for other messages."""
+        if not message.startswith("unrecognized arguments: "):
+            return ""
+        return flag_hint(message.split(": ", 1)[1].split(), self._option_string_actions)
+
+
+def flag_hint(words: list[str], flags: Any) -> str:
+    """' (did you mean --lr?)' for the unrecognized command-line `words` (["--learning-rate", "0.1"]) among the
+    parser's option strings `flags` (Python < 3.14's argparse suggests nothing); '' when no flag is close."""
+    longs = [f[2:] for f in flags if f.startswith("--")]
+    hints: list[str] = []
+    for word in words:
+        if word.startswith("--"):
+            hints += [f"--{m}" for m in close_keys(word[2:].split("=")[0], longs) if f"--{m}" not in hints]
+    return f" (did you mean {' or '.join(hints)}?)" if hints else ""
 
 
 def _parse_milestones(text: str) -> tuple:
@@ -428,6 +499,8 @@ def resume_overrides(saved: Config, cfg: Config) -> dict[str, tuple]:
         old, new = getattr(saved, key), getattr(cfg, key)
         if old == new or key in ("resume", "overwrite", "progress", "show_config"):
             continue
+        if key in PATH_KEYS and _rebased(key, old, os.getcwd()) == new:  # the same path, stored relative (a run
+            continue                                                      # from before TOML paths were absolute)
         if key in FIXED_ON_RESUME:
             shown = f"{old!r} (the default)" if old == FIELDS[key].default else repr(old)
             raise ConfigError(f"config key '{key}' = {new!r}: a resumed run keeps {shown} (the checkpoint "

@@ -35,3 +35,19 @@ def test_the_installed_script_and_the_top_level_help_render():
         res = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         assert res.returncode == 0 and res.stderr == "", (argv, res.stderr)
     assert all(command in res.stdout for command in SUBCOMMANDS), res.stdout
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["report", "x.h5", "--formt", "csv"], "unrecognized arguments: --formt csv (did you mean --format?)"),
+    (["data", "synth", "o.h5", "--count", "3", "--size", "4", "--clases", "3"],
+     "unrecognized arguments: --clases 3 (did you mean --classes?)"),
+    (["evaluate", "x.h5", "--zzz"], "unrecognized arguments: --zzz"),
+])
+def test_an_unknown_flag_of_a_subcommand_suggests_the_close_one(argv, line, capsys):
+    """Python < 3.14's argparse names an unknown flag without a suggestion; mpiasgd adds the likely one."""
+    from mpiasgd.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"mpiasgd: error: {line}"

@@ -35,7 +35,7 @@ def test_flags_of_every_kind():
 
 
 @pytest.mark.parametrize("text,match", [
-    ('modle = "digits"\n', r"unknown key\(s\) \['modle'\]"),
+    ('modle = "digits"\n', r"unknown key 'modle' \(did you mean 'model' or 'mode'\?\)"),
     ('batch_size = "64"\n', "config key 'batch_size' = '64': expected an integer"),
     ("batch_size = 6.5\n", "config key 'batch_size' = 6.5: expected an integer"),
     ("progress = 1\n", "config key 'progress' = 1: expected true or false"),
@@ -209,3 +209,71 @@ def test_nesterov_from_flags_and_toml(tmp_path):
     with pytest.raises(ConfigError, match="config key 'nesterov' = 1: expected true or false"):
         load_toml(str(path))
     assert FIELDS["nesterov"].metadata["group"] == "optimizer"
+
+
+def test_relative_paths_in_a_toml_file_resolve_against_its_folder(tmp_path, monkeypatch):
+    """`--config exp/run.toml` with `model = "net.py:build"` means exp/net.py, from whatever working folder; every
+    path key is read so (stored absolute); flags keep resolving against the working folder; built-in names and
+    absolute paths are kept."""
+    exp, work = tmp_path / "exp", tmp_path / "work"
+    exp.mkdir()
+    work.mkdir()
+    (exp / "run.toml").write_text('model = "nets/net.py:build"\ndata = "data/x.h5"\ntest_data = "../t.h5"\n'
+                                  'data_dir = "cache"\nrun_dir = "out"\n')
+    monkeypatch.chdir(work)
+    cfg = parse(["--config", "../exp/run.toml"])
+    assert (cfg.model, cfg.data, cfg.test_data, cfg.data_dir, cfg.run_dir) == (
+        f"{exp}/nets/net.py:build", f"{exp}/data/x.h5", f"{tmp_path}/t.h5", f"{exp}/cache", f"{exp}/out")
+    cfg = parse(["--config", "../exp/run.toml", "--model", "mine.py:build", "--data", "d.h5", "--run-dir", "r"])
+    assert (cfg.model, cfg.data, cfg.run_dir) == ("mine.py:build", f"{work}/d.h5", "r")
+    (exp / "other.toml").write_text(f'model = "cifar10"\ndata = "{tmp_path}/a.h5"\n')
+    cfg = parse(["--config", "../exp/other.toml"])
+    assert (cfg.model, cfg.data, cfg.run_dir) == ("cifar10", f"{tmp_path}/a.h5", "runs")
+    (exp / "json.toml").write_text('model = "net.json"\ndataset = "digits"\nresume = "runs/x.ckpt.h5"\n')
+    with pytest.raises(ConfigError, match=rf"config key 'resume' in '\.\./exp/json\.toml': .*{exp}/runs/x\.ckpt\.h5"):
+        parse(["--config", "../exp/json.toml"])
+    assert load_toml("../exp/json.toml").model == f"{exp}/net.json"
+
+
+def test_a_resume_takes_the_absolute_model_path_for_the_relative_one_it_stored(tmp_path, monkeypatch):
+    """A checkpoint from before TOML paths were made absolute stored `net.py:build` as written; resuming with the
+    same TOML file (now read as /abs/net.py:build) is the same network, not a changed fixed key."""
+    from mpiasgd.config import resume_overrides
+
+    monkeypatch.chdir(tmp_path)
+    saved = from_mapping({"model": "net.py:build", "dataset": "digits", "run_dir": "out"})
+    now = {"model": f"{tmp_path}/net.py:build", "dataset": "digits", "run_dir": f"{tmp_path}/out"}
+    assert resume_overrides(saved, from_mapping(now)) == {}
+    with pytest.raises(ConfigError, match=r"config key 'model' = '/elsewhere/net\.py:build': a resumed run keeps"):
+        resume_overrides(saved, from_mapping({**now, "model": "/elsewhere/net.py:build"}))
+
+
+@pytest.mark.parametrize("text,message", [
+    ("learning_rate = 0.1\n", "config file '{path}': unknown key 'learning_rate' (did you mean 'lr'?)"),
+    ("batchsize = 64\nmomentun = 0.8\n", "config file '{path}': unknown keys 'batchsize' (did you mean "
+                                         "'batch_size'?), 'momentun' (did you mean 'momentum'?)"),
+    ("weight-decay = 0.1\n", "config file '{path}': unknown key 'weight-decay' (did you mean 'weight_decay'?)"),
+])
+def test_an_unknown_toml_key_suggests_the_close_one(tmp_path, text, message):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_toml(str(path))
+    assert str(e.value) == message.format(path=path)
+
+
+def test_an_unknown_key_without_a_close_one_lists_the_keys(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("zzz = 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_toml(str(path))
+    assert str(e.value) == f"config file '{path}': unknown key 'zzz'; valid keys: {', '.join(sorted(FIELDS))}"
+
+
+def test_an_unknown_flag_suggests_the_close_one():
+    with pytest.raises(ConfigError) as e:
+        parse(["--learning-rate", "0.1", "--epochs", "2"])
+    assert str(e.value) == "mpiasgd train: unrecognized arguments: --learning-rate 0.1 (did you mean --lr?)"
+    with pytest.raises(ConfigError) as e:
+        parse(["--batchsize=64"])
+    assert str(e.value) == "mpiasgd train: unrecognized arguments: --batchsize=64 (did you mean --batch-size?)"
