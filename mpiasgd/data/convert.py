@@ -214,7 +214,7 @@ def _available_cpus() -> int:
 
 
 def convert_image_folder(src: str, out: str, size: int, resize: str = "crop", workers: int | None = None,
-                         seed: int = 0, name: str | None = None, progress: bool = True) -> str:
+                         seed: int = 0, name: str | None = None, progress: bool = True, command: str = "") -> str:
     """Convert an ImageFolder tree (torchvision's layout) into the dataset file `out`; returns out.
 
     src: train/<class>/* and optionally val/<class>/* or test/<class>/* (the file's test split); see
@@ -229,6 +229,7 @@ def convert_image_folder(src: str, out: str, size: int, resize: str = "crop", wo
     `if __name__ == "__main__":` guard), results in order; memory stays within one write block (BLOCK_BYTES)
     plus two windows of decoded images (WINDOW_BYTES each).
     name: the dataset's name (default: src's folder name). progress: a tqdm bar per split on stderr.
+    command: the command line that redoes the conversion, stored in the file (see `H5Writer`).
     Raises DataError naming the file or folder for a bad tree, an undecodable image, size < 1, an unknown
     resize mode, or an output that cannot be created.
     """
@@ -248,7 +249,7 @@ def convert_image_folder(src: str, out: str, size: int, resize: str = "crop", wo
     if workers > 1:  # forkserver: the workers never inherit this process's threads or open HDF5 file
         pool = multiprocessing.get_context("forkserver").Pool(workers)
     try:
-        with H5Writer(out, name, classes, (3, size, size), source) as writer:
+        with H5Writer(out, name, classes, (3, size, size), source, command=command) as writer:
             for split, (paths, labels) in splits.items():
                 writer.create(split, len(paths))
                 if pool is None:
@@ -267,7 +268,7 @@ def convert_image_folder(src: str, out: str, size: int, resize: str = "crop", wo
 # ---------------------------------------------------------------------------------------------- CIFAR-10
 
 
-def convert_cifar10(src: str, out: str, seed: int = 0) -> str:
+def convert_cifar10(src: str, out: str, seed: int = 0, command: str = "") -> str:
     """Convert CIFAR-10 (Krizhevsky 2009) in either official layout into the dataset file `out`; returns out.
 
     src: what `mpiasgd.data.cifar10.load_cifar10` accepts (a folder holding cifar-10-batches-py/ or
@@ -275,12 +276,12 @@ def convert_cifar10(src: str, out: str, seed: int = 0) -> str:
     order `np.random.default_rng(seed).permutation(50000)` of the official one, test (10000, 3, 32, 32) in
     the official order, labels int64 0..9, the official class names, name "cifar10". Both layouts of the
     same data give the same pixels, labels and statistics. Holds the whole set in memory (180 MB).
-    Raises DataError (from load_cifar10, or for an output that cannot be created).
+    command: as `convert_image_folder`'s. Raises DataError (from load_cifar10, or for an output that cannot be created).
     """
     ds = load_cifar10(src)
     order = np.random.default_rng(seed).permutation(len(ds.train_y))
     source = f"CIFAR-10 {ds.source} (train shuffled with seed {seed})"
-    with H5Writer(out, "cifar10", ds.classes, ds.train_x.shape[1:], source) as writer:
+    with H5Writer(out, "cifar10", ds.classes, ds.train_x.shape[1:], source, command=command) as writer:
         writer.create("train", len(order))
         block = _block(writer.image_shape, writer.chunk)
         for i in range(0, len(order), block):  # gathered a block at a time: no second copy of the set
@@ -430,7 +431,7 @@ def read_clsloc(path: str) -> tuple[str, ...]:
     return tuple(wnids[k] for k in range(1, IMAGENET_CLASSES + 1))
 
 
-def convert_imagenet64(src: str, out: str, seed: int = 0, progress: bool = True) -> str:
+def convert_imagenet64(src: str, out: str, seed: int = 0, progress: bool = True, command: str = "") -> str:
     """Convert downsampled ImageNet (Chrabaszcz, Loshchilov & Hutter 2017, arXiv 1707.08819) into `out`.
 
     src (or its direct subfolders) holds `train_data_batch_1..10` and `val_data` as distributed: pickled
@@ -448,8 +449,9 @@ def convert_imagenet64(src: str, out: str, seed: int = 0, progress: bool = True)
     permutation per batch, in batch order) and written after the previous one, so chunks mix the classes
     without a global shuffle. val_data keeps its order. The row counts are needed before writing: npz
     files give them from their labels alone, pickles are read twice (once to count), so converting the
-    npz variant reads about half as much. Raises DataError naming the file for a missing, unreadable,
-    unsafe (a pickle global other than numpy's arrays) or malformed file, or labels outside 1..1000.
+    npz variant reads about half as much. command: as `convert_image_folder`'s. Raises DataError naming the file for
+    a missing, unreadable, unsafe (a pickle global other than numpy's arrays) or malformed file, or labels outside
+    1..1000.
     """
     train_paths, val_path, map_path = find_imagenet64(src)
     classes = read_clsloc(map_path) if map_path else tuple(f"label{k + 1}" for k in range(IMAGENET_CLASSES))
@@ -475,7 +477,8 @@ def convert_imagenet64(src: str, out: str, seed: int = 0, progress: bool = True)
                     source = (f"downsampled ImageNet {s}x{s} (Chrabaszcz et al. 2017) {os.path.abspath(src)}: "
                               f"{len(train_paths)} train batch files{', val_data' if val_path else ''}; "
                               f"each train batch shuffled with seed {seed}")
-                    writer = stack.enter_context(H5Writer(out, f"imagenet{s}", classes, (3, s, s), source))
+                    writer = stack.enter_context(H5Writer(out, f"imagenet{s}", classes, (3, s, s), source,
+                                                          command=command))
                     writer.create("train", sum(counts[p] for p in train_paths))
                     if val_path:
                         writer.create("test", counts[val_path])
@@ -501,7 +504,7 @@ def convert_imagenet64(src: str, out: str, seed: int = 0, progress: bool = True)
 
 
 def synth(out: str, count: int, size: int, classes: int = 1000, test_count: int | None = None, seed: int = 0,
-          progress: bool = True) -> str:
+          progress: bool = True, command: str = "") -> str:
     """Write an ImageNet-shaped synthetic dataset (for throughput work, as Horovod's synthetic benchmarks).
 
     count train and test_count (default max(1, count // 50); 0: no test split) images uint8
@@ -510,7 +513,8 @@ def synth(out: str, count: int, size: int, classes: int = 1000, test_count: int 
     fixed smooth template (8x8 per channel, normal(128, 48), upsampled by nearest neighbour to size x size)
     and an image is its template plus normal(0, 32) noise per pixel, clipped to 0..255, so a network can
     learn the classes. Generated and written a block (BLOCK_BYTES) at a time: any count fits in memory.
-    Everything follows from `seed`. Classes are named "class0".."class{K-1}". Raises DataError for count,
+    Everything follows from `seed`. Classes are named "class0".."class{K-1}". command: as
+    `convert_image_folder`'s. Raises DataError for count,
     size or classes < 1, test_count < 0, or an output that cannot be created.
     """
     test_count = max(1, count // 50) if test_count is None else test_count
@@ -525,7 +529,8 @@ def synth(out: str, count: int, size: int, classes: int = 1000, test_count: int 
         splits["test"] = (np.arange(test_count) % classes).astype(np.int64)
     source = (f"synthetic (mpiasgd.data.convert.synth, seed {seed}): {classes} classes, 8x8 templates + noise "
               "std 32")
-    with H5Writer(out, f"synthetic{size}", [f"class{k}" for k in range(classes)], (3, size, size), source) as writer, \
+    with H5Writer(out, f"synthetic{size}", [f"class{k}" for k in range(classes)], (3, size, size), source,
+                  command=command) as writer, \
             _bar(count + test_count, "synth", progress) as bar:
         block = _block(writer.image_shape, writer.chunk)
         for split, labels in splits.items():

@@ -7,7 +7,8 @@ Layout (format "mpiasgd.data/1"; `mpiasgd data info FILE` prints it for a file):
                       standard deviation of the train split in pixel units 0..255, std 1 where 0),
                       pixel_cov (float64 (C, C): covariance of a pixel's channels over the train
                       split, pixel units: AlexNet's PCA colour noise), source (what it was
-                      converted from), created (ISO 8601 UTC)
+                      converted from), created (ISO 8601 UTC), command (the `mpiasgd data` command
+                      that wrote it, when one did)
     /train/images     uint8 (N, C, H, W), NCHW raw pixels; HDF5 chunks of (chunk, C, H, W) images,
                       uncompressed, so one chunk is one contiguous read of `chunk` whole images
     /train/labels     int64 (N,), 0..K-1
@@ -19,6 +20,10 @@ a second file). The converters (`mpiasgd.data.convert`) shuffle the training ima
 seed, before writing them, so that every chunk mixes the classes: a worker then reads whole chunks
 in a random order and shuffles within a window of them (`mpiasgd.data.sampler.ShardSampler` with
 `chunk` > 1) and still sees a well-mixed stream.
+
+A file is written as PATH.partial and moved into place when complete; mean, std and pixel_cov are
+written last, so a file without them is what a killed conversion left (`unfinished` says so, with
+the command that redoes it).
 
 Nothing in a file is executed: attributes are numbers and strings, `classes` is JSON text.
 """
@@ -38,6 +43,7 @@ import numpy as np
 from mpiasgd.data.dataset import DataError, Splits
 
 FORMAT = "mpiasgd.data/1"
+PARTIAL = ".partial"  # suffix of a file being written (H5Writer), moved into place when complete
 SPLITS = ("train", "test")
 CHUNK_BYTES = 1 << 20  # target bytes of one HDF5 chunk of images (`default_chunk`)
 
@@ -62,19 +68,20 @@ class H5Writer:
             ...
 
     mean/std are accumulated from the train split's writes (a 256-bin histogram per channel: exact).
-    Raises DataError for images of the wrong dtype or shape, labels out of range, or a split written
-    incompletely (at `close`).
+    command: the `mpiasgd data` command line that redoes this file (stored; a reader of PATH.partial left by
+    a killed conversion prints it). Raises DataError for images of the wrong dtype or shape, labels out of
+    range, a split written incompletely (at `close`), or PATH.partial held by a conversion still running.
     """
 
     def __init__(self, path: str, name: str, classes: tuple[str, ...] | list[str], image_shape: tuple[int, ...],
-                 source: str, chunk: int | None = None) -> None:
+                 source: str, chunk: int | None = None, command: str = "") -> None:
         import h5py
 
         if len(image_shape) != 3 or min(image_shape) < 1:
             raise DataError(f"{path}: image shape must be (C, H, W) with positive sizes, got {image_shape}")
         if not classes:
             raise DataError(f"{path}: a dataset needs at least one class name")
-        self.path, self.partial = path, path + ".partial"
+        self.path, self.partial = path, path + PARTIAL
         self.classes = tuple(str(c) for c in classes)
         self.image_shape = tuple(int(d) for d in image_shape)
         self.chunk = int(chunk or default_chunk(self.image_shape))
@@ -84,13 +91,20 @@ class H5Writer:
         self.planned = 0  # bytes of the datasets created so far (checked against the free space)
         self.written: dict[str, int] = {}
         try:
+            if os.path.exists(self.partial):  # HDF5's "w" truncates the file before it tries the lock: ask first
+                _probe(self.partial)
             # no chunk cache: a chunk goes to disk in its write, so a full disk fails there (HDF5 crashes when
             # it cannot flush a cache at close)
             self.file = h5py.File(self.partial, "w", rdcc_nbytes=0)
+        except BlockingIOError:  # HDF5's lock on the file: another process (a conversion) has it open
+            raise DataError(f"{path}: {self.partial}{RUNNING}; wait for it to finish, or stop it, before converting "
+                            "again") from None
         except OSError as e:
             raise DataError(f"{path}: cannot create the dataset file ({e})") from None
         a = self.file.attrs
         a["format"], a["name"], a["source"] = FORMAT, str(name), str(source)
+        if command:
+            a["command"] = command
         a["classes"] = json.dumps(list(self.classes))
         a["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -195,8 +209,59 @@ class H5Writer:
             pass  # its buffers had nowhere to go; the file is gone anyway
 
 
+def _probe(path: str) -> None:
+    """Open and close `path` for reading: BlockingIOError while another process writes it (HDF5's lock); any other
+    failure (a killed conversion's file that cannot be read) is none of the caller's concern."""
+    import h5py
+
+    try:
+        h5py.File(path, "r").close()
+    except BlockingIOError:
+        raise
+    except OSError:
+        pass
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+INTERRUPTED = "the conversion writing it was interrupted before it finished"
+
+
+def _target(path: str) -> str:
+    """The dataset file that `path` (PATH.partial, or an incomplete file under its final name) is to become."""
+    return path[:-len(PARTIAL)] if path.endswith(PARTIAL) else path
+
+
+RUNNING = " is being written by a conversion still running (it holds the file's lock)"
+
+
+def still_running(path: str) -> str:
+    """The end of a message naming `path`, a file another process holds HDF5's lock on: a conversion writing it."""
+    return f"{RUNNING}; wait for it to finish, then use {_target(path)}"
+
+
+def redo_command(path: str, attrs: Any = None) -> str | None:
+    """The command that redoes the conversion which left `path` incomplete (a killed `mpiasgd data convert` or
+    `synth`): the one stored in the file (`H5Writer`'s `command`), else the general form and what it was
+    converting. None while a conversion still writes it (another process holds HDF5's lock on the file).
+    `attrs`: the file's attributes, when it is open already."""
+    import h5py
+
+    command, source = "", ""
+    try:
+        if attrs is None:
+            with h5py.File(path, "r") as f:
+                attrs = dict(f.attrs)
+        command, source = _text(attrs.get("command", "")), _text(attrs.get("source", ""))
+    except BlockingIOError:  # the writer is alive
+        return None
+    except (OSError, KeyError, RuntimeError):  # killed before its first flush: nothing of it can be read
+        pass
+    if command:
+        return command
+    return f"mpiasgd data convert SRC {_target(path)}" + (f" (it was converting: {source})" if source else "")
 
 
 def identity(path: str) -> tuple[int, int, int]:
@@ -324,11 +389,20 @@ class H5Dataset(Splits):
         import h5py
 
         if not os.path.isfile(path):
+            partial = path + PARTIAL
+            if os.path.isfile(partial):  # what a conversion still running, or a killed one, leaves
+                redo = redo_command(partial)
+                if redo is None:
+                    raise DataError(f"dataset file {path} does not exist yet: {partial}{still_running(partial)}")
+                raise DataError(f"dataset file {path} does not exist; {partial} is an incomplete one: {INTERRUPTED}; "
+                                f"redo it: {redo}")
             what = "is not a file" if os.path.exists(path) else "does not exist"
             raise DataError(f"dataset file {path} {what}; expected an HDF5 file written by `mpiasgd data convert`")
         try:
             f = h5py.File(path, "r")
         except OSError as e:
+            if path.endswith(PARTIAL):
+                H5Dataset._incomplete(path, redo_command(path))
             raise DataError(f"{path}: not a readable HDF5 file, truncated or not HDF5 ({e})") from None
         a = f.attrs
         fmt = _text(a.get("format", ""))
@@ -336,12 +410,23 @@ class H5Dataset(Splits):
             f.close()
             raise DataError(f"{path}: attribute format is {fmt!r}, expected {FORMAT!r} (a file written by "
                             "`mpiasgd data convert` or `mpiasgd data synth`)")
+        if "mean" not in a:  # written last (H5Writer.close): the conversion never got there
+            redo = redo_command(path, a)
+            f.close()
+            H5Dataset._incomplete(path, redo)
         if need not in f:
             holds = sorted(f)
             f.close()
             raise DataError(f"{path}: has no '{need}' split (it holds {holds}); expected /{need}/images and "
                             f"/{need}/labels")
         return f, a
+
+    @staticmethod
+    def _incomplete(path: str, redo: str | None) -> None:
+        """Raise the DataError of `path`, a file a conversion is still writing (`redo` None) or left incomplete."""
+        if redo is None:
+            raise DataError(f"{path}{still_running(path)}")
+        raise DataError(f"{path}: an incomplete dataset file: {INTERRUPTED}; redo it: {redo}")
 
     @staticmethod
     def _classes(path: str, a: Any) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 
@@ -85,7 +86,8 @@ def main(args: argparse.Namespace) -> int:
         if os.path.exists(args.out) and not args.overwrite:
             raise ValueError(f"{args.out} exists; pass --overwrite to replace it")
         if args.action == "synth":
-            convert.synth(args.out, args.count, args.size, args.classes, args.test_count, args.seed, args.progress)
+            convert.synth(args.out, args.count, args.size, args.classes, args.test_count, args.seed, args.progress,
+                          redo_command(args))
         else:
             _convert(args)
         print(convert.info(args.out), flush=True)
@@ -112,8 +114,27 @@ def _convert(args: argparse.Namespace) -> None:
             raise ValueError(f"{args.src} is an image folder: pass --size, the side of the stored images in "
                              "pixels (e.g. 64 or 224)")
         convert.convert_image_folder(args.src, args.out, args.size, args.resize, args.workers, args.seed,
-                                     args.name, args.progress)
+                                     args.name, args.progress, redo_command(args))
     elif kind == "cifar10":
-        convert.convert_cifar10(args.src, args.out, args.seed)
+        convert.convert_cifar10(args.src, args.out, args.seed, redo_command(args))
     else:
-        convert.convert_imagenet64(args.src, args.out, args.seed, args.progress)
+        convert.convert_imagenet64(args.src, args.out, args.seed, args.progress, redo_command(args))
+
+
+def redo_command(args: argparse.Namespace) -> str:
+    """`mpiasgd data convert|synth` with `args`, paths absolute: what the file stores, so that a reader of the
+    OUT.partial a killed conversion leaves can say how to redo it (`mpiasgd.data.h5data.redo_command`)."""
+    words = ["mpiasgd", "data", args.action]
+    if args.action == "convert":
+        words += [os.path.abspath(args.src), os.path.abspath(args.out)]
+        words += ["--from", args.kind] if args.kind != "auto" else []
+        words += [w for flag in ("size", "workers", "name") if getattr(args, flag) is not None
+                  for w in (f"--{flag}", str(getattr(args, flag)))]
+        words += ["--resize", args.resize] if args.resize != "crop" else []
+    else:
+        words += [os.path.abspath(args.out), "--count", str(args.count), "--size", str(args.size)]
+        words += ["--classes", str(args.classes)] if args.classes != 1000 else []
+        words += ["--test-count", str(args.test_count)] if args.test_count is not None else []
+    words += ["--seed", str(args.seed)] if args.seed else []
+    words += ["--overwrite"] if args.overwrite else []  # the file it was to replace is still there
+    return shlex.join(words)

@@ -348,3 +348,60 @@ def test_cli_convert_synth_info_and_errors(tmp_path, tiny_cifar, capsys):
     (tmp_path / "junk.h5").write_bytes(b"junk")
     assert main(["data", "info", str(tmp_path / "junk.h5")]) == 2
     assert capsys.readouterr().err.startswith(f"mpiasgd data info: error: {tmp_path / 'junk.h5'}: not a readable HDF5")
+
+
+INTERRUPTED = "the conversion writing it was interrupted before it finished"
+
+
+def test_a_killed_conversion_is_named_with_the_command_that_redoes_it(tmp_path, capsys, monkeypatch):
+    """A conversion killed (SIGKILL, a node lost) leaves OUT.partial without statistics, not moved into place:
+    given either path, the reader says the conversion was interrupted and prints the command that redoes it."""
+    from mpiasgd.data.h5data import H5Writer
+
+    monkeypatch.setattr(H5Writer, "close", lambda self: self.file.close())  # killed: no statistics, no rename
+    out = str(tmp_path / "s.h5")
+    assert main(["data", "synth", out, "--count", "60", "--size", "8", "--classes", "3", "--seed", "4",
+                 "--no-progress"]) == 2
+    capsys.readouterr()
+    redo = f"redo it: mpiasgd data synth {out} --count 60 --size 8 --classes 3 --seed 4"
+    assert main(["data", "info", out + ".partial"]) == 2
+    assert capsys.readouterr().err == (f"mpiasgd data info: error: {out}.partial: an incomplete dataset file: "
+                                       f"{INTERRUPTED}; {redo}\n")
+    with pytest.raises(DataError) as e:
+        H5Dataset(out)
+    assert str(e.value) == (f"dataset file {out} does not exist; {out}.partial is an incomplete one: {INTERRUPTED}; "
+                            f"{redo}")
+    make_tree(tmp_path / "src")
+    folder = str(tmp_path / "f.h5")
+    assert main(["data", "convert", str(tmp_path / "src"), folder, "--size", "8", "--workers", "1",
+                 "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"mpiasgd data convert: error: dataset file {folder} does not exist; "
+                                       f"{folder}.partial is an incomplete one: {INTERRUPTED}; redo it: mpiasgd data "
+                                       f"convert {tmp_path / 'src'} {folder} --size 8 --workers 1\n")
+
+
+def test_a_partial_file_still_being_written_says_so(tmp_path):
+    """OUT.partial that a running conversion holds (HDF5's file lock): wait for it, not redo it."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "s.h5"
+    hold = subprocess.Popen([sys.executable, "-c", "import h5py, sys; f = h5py.File(sys.argv[1], 'w'); f.flush(); "
+                             "print('open', flush=True); sys.stdin.read()", f"{out}.partial"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert hold.stdout.readline() == "open\n"
+        for path, start in ((f"{out}.partial", f"{out}.partial"),
+                            (str(out), f"dataset file {out} does not exist yet: {out}.partial")):
+            with pytest.raises(DataError) as e:
+                H5Dataset(path)
+            assert str(e.value) == (f"{start} is being written by a conversion still running (it holds the file's "
+                                    f"lock); wait for it to finish, then use {out}")
+        size = os.path.getsize(f"{out}.partial")
+        with pytest.raises(DataError) as e:  # a second conversion to the same file: refused, the first one's kept
+            convert.synth(str(out), count=10, size=4, progress=False)
+        assert str(e.value) == (f"{out}: {out}.partial is being written by a conversion still running (it holds the "
+                                "file's lock); wait for it to finish, or stop it, before converting again")
+        assert os.path.getsize(f"{out}.partial") == size > 0
+    finally:
+        hold.communicate("", timeout=30)
