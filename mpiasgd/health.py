@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mpiasgd.comms.wire import RANGE
+
 SPIKE_FACTOR = 3.0          # a loss this many times its running level (and > level + ln C) is a spike
 SPIKE_SAMPLES = 32          # images whose mean loss is judged at once (rows summed until there are this many)
 EMA_WEIGHT = 0.05           # weight of each judged group in the running level
@@ -43,6 +45,42 @@ def likely_cause(workers: int, asynchronous: bool) -> str:
         return (f"the step size is likely too large for {workers} asynchronous worker{'s' * (workers != 1)} "
                 f"(staleness adds momentum): lower --lr, lengthen --warmup-epochs, or try --staleness-lr inverse")
     return "the step size (or the weight decay) is likely too large: lower --lr or --weight-decay"
+
+
+def range_cause(largest: float) -> str:
+    """What a push beyond fp16's range had (`largest`: its largest magnitude, finite, >= 65520)."""
+    return f"the largest magnitude {largest:.6g}; --wire fp16 holds {RANGE}"
+
+
+WIRE_ADVICE = "use --wire bf16 (float32's range)"
+
+
+def rejected_text(w: int, step: int, what: str, largest: float = 0.0) -> str:
+    """The warning of worker `w`'s first rejected push (step `step`) of a kind: a `what` (gradient, weights) that
+    is not finite, or (`largest` > 0) one whose values are finite but beyond fp16's range (--wire fp16: they
+    arrived as inf), named with its largest magnitude and the advice --wire bf16."""
+    if not largest:
+        return f"worker rank {w} pushed a non-finite {what} at step {step}: rejected (not applied)"
+    return (f"worker rank {w} pushed a {what} beyond fp16's range at step {step} (its "
+            f"{range_cause(largest).removeprefix('the ')}): rejected (not applied); {WIRE_ADVICE}")
+
+
+def rejects_text(who: str, w: int, step: int, count: int, limit: int, what: str, advice: str,
+                 beyond: int = 0, largest: float = 0.0) -> str:
+    """The error that ends a run after worker `w` pushed `count` = --max-rejects `limit` rejected `what`s in a row,
+    the last at `step`: `beyond` of them finite but beyond fp16's range (the largest magnitude among them
+    `largest`), the others not finite. A run of only the latter is divergence (ends with `advice`); one with
+    values beyond the range names them and points to --wire bf16."""
+    steps = f"steps {step - count + 1}..{step}; --max-rejects {limit}"
+    whats = f"{count} {what}{'s' * (count != 1)} in a row"
+    if not beyond:
+        return (f"{who}: worker rank {w} pushed {count} non-finite {what}s in a row ({steps}): training has "
+                f"diverged; {advice}")
+    if beyond == count:
+        return (f"{who}: worker rank {w} pushed {whats} beyond fp16's range ({steps}; {range_cause(largest)}): "
+                f"the values are finite, only too large for fp16: {WIRE_ADVICE}")
+    return (f"{who}: worker rank {w} pushed {whats} beyond fp16's range or not finite ({steps}; {beyond} beyond "
+            f"fp16's range, {range_cause(largest)}): {WIRE_ADVICE}; if the non-finite ones continue, {advice}")
 
 
 @dataclass

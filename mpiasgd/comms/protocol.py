@@ -223,6 +223,9 @@ HEADER = np.dtype([
     ("data_s", "<f8"),      # PUSH/REPORT: seconds of compute_s the step waited for its minibatch (input pipeline)
     ("correct5", "<i8"),    # EVAL: images whose label is among the 5 largest logits (top-5); SHARD_ROWS,
                             # SLICE: the shard's wire bytes pulled
+    ("peak", "<f8"),        # PUSH (--wire fp16): the largest magnitude among the values the worker encoded (NaN
+                            # where one is NaN; `wire.encode_peak`), so the server can name a value beyond fp16's
+                            # range, which arrives as inf; 0 otherwise
 ])
 HEADER_BYTES = -(-HEADER.itemsize // 16) * 16  # 160: rounded up to 16 bytes so the payload stays aligned
 

@@ -34,7 +34,9 @@ Every loop that moves model data through MPI uses these objects: the A-SGD and E
 With a 16-bit wire format (`--wire fp16|bf16`, async and ssp; `mpiasgd.comms.wire`) the model still
 computes in float32, so params and grads are float32 arrays of their own on every staging (the host
 one too): after_receive decodes the received payload into params, before_send encodes grads into the
-send payload (through the worker's `ErrorFeedback` with --wire-error-feedback). The pinned staging
+send payload (through the worker's `ErrorFeedback` with --wire-error-feedback); fp16 also stamps the largest
+magnitude it encoded on the push (header `peak`, `wire.encode_peak`), by which the server names a value beyond
+fp16's range, which travels as inf. The pinned staging
 does both on the device, so each host <-> device copy moves the 16-bit payload, half the bytes; the
 device staging decodes from and encodes into its device message buffers. With fp32 every staging is
 as described above: the host one copies nothing.
@@ -50,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from mpiasgd.comms.protocol import HEADER, HEADER_BYTES, Flag, Message, message_bytes
-from mpiasgd.comms.wire import ErrorFeedback, array_module, decode, encode, wire_dtype
+from mpiasgd.comms.wire import ErrorFeedback, array_module, decode, encode_peak, wire_dtype
 
 # a 16-bit value (bits b) is inf or NaN iff its exponent bits are all ones: b & 0x7FFF >= this
 NONFINITE_BITS = {"fp16": 0x7C00, "bf16": 0x7F80}
@@ -173,11 +175,12 @@ class Staging:
             self.encode_grads(self.push.payload)
 
     def encode_grads(self, out: Any) -> None:
-        """(16-bit wire) grads encoded into `out` (the payload, or its device copy), through the error feedback."""
+        """(16-bit wire) grads encoded into `out` (the payload, or its device copy), through the error feedback;
+        the push's header `peak` set to the largest magnitude encoded (fp16; `wire.encode_peak`)."""
         if self.feedback is not None:
-            self.feedback.encode(self.grads, out)
+            self.push.header["peak"] = self.feedback.encode(self.grads, out)
         else:
-            encode(self.wire, self.grads, out)
+            self.push.header["peak"] = encode_peak(self.wire, self.grads, out)
 
     def grads_to_mpi(self) -> Any:
         """(sync mode, whose wire is always fp32) After finish_compute: the array an allreduce of the gradient
@@ -362,18 +365,19 @@ class ShardedStaging:
             self.dev.synchronize()  # device sync point: the gradient is complete before it is copied
 
     def before_send(self) -> None:
-        out = self.grads
+        out, largest = self.grads, 0.0
         if self.sending is not None:  # as one server's: the whole vector encoded, through the error feedback
             out = self.sending
             if self.feedback is not None:
-                self.feedback.encode(self.grads, out)
+                largest = self.feedback.encode(self.grads, out)
             else:
-                encode(self.wire, self.grads, out)
+                largest = encode_peak(self.wire, self.grads, out)
         # each shard sees its slice only: every push says whether the whole one is finite (on the device for cupy)
         self.nonfinite = not all_finite(out[:self.cut.num_params], self.wire, self.scratch)
         for s, msg in enumerate(self.push):
             flags = int(msg.header["flags"]) & ~Flag.NONFINITE
             msg.header["flags"] = flags | (Flag.NONFINITE if self.nonfinite else 0)
+            msg.header["peak"] = largest  # the whole push's (fp16): each shard names a value beyond the range alike
             for a, b, o in self.pieces(s):
                 if self.dev is None:
                     msg.payload[o:o + b - a] = out[a:b]

@@ -21,8 +21,13 @@ Range and what falls outside it:
     fp16   normal |x| in [2^-14, 65504] = [6.1e-5, 6.6e4]: |decode(encode(x)) - x| <= 2^-11 |x|. Subnormal
            below 2^-14 down to 2^-24 = 6.0e-8, absolute error <= 2^-25; |x| < 2^-25 becomes +-0.
            |x| >= 65520 (= 65504 + half its ulp) becomes +-inf: a gradient that large arrives as inf,
-           and the server rejects the push as non-finite, as it rejects a NaN (counted against
-           --max-rejects; lower --lr, or use bf16, whose range is float32's).
+           and the server rejects the push, as it rejects a NaN (counted against --max-rejects), but names
+           the cause: the worker measures the largest magnitude it encodes (`encode_peak`, in the encoder's
+           own pass on numpy) and stamps it on the push (header `peak`), so the server tells a value beyond
+           the range from a NaN or an inf of the float32 gradient, names it and points to bf16, whose range
+           is float32's (`beyond_range`). The server measures its replies the same way and stops the run
+           rather than send weights or buffers beyond the range (they would arrive as inf, and every worker
+           would compute NaN).
     bf16   float32's exponent range: normal |x| >= 2^-126 = 1.2e-38, |decode(encode(x)) - x| <= 2^-8 |x|;
            float32 subnormals keep 7 bits (absolute error <= 2^-134); |x| >= 2^128 (1 - 2^-9) = 3.39e38
            becomes +-inf.
@@ -68,6 +73,7 @@ its NaN payloads as numpy's).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -77,6 +83,8 @@ DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np
 NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # what a size error calls the values
 BOUND = {"fp32": 0.0, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}        # relative error, normal values in range
 BLOCK = 65536  # values per block of the numpy bf16 encoder (its uint32 temporaries: 256 KiB each, in L2)
+FP16_MAX = 65504.0   # fp16's largest finite value
+FP16_INF = 65520.0   # |x| >= this (65504 + half its ulp) encodes to fp16's inf
 
 
 def wire_dtype(wire: str) -> np.dtype:
@@ -123,6 +131,43 @@ def encode(wire: str, values: Any, out: Any) -> Any:
     for a in range(0, values.size, step):
         _bf16(xp, values[a : a + step], out[a : a + step])
     return out
+
+
+def encode_peak(wire: str, values: Any, out: Any) -> float:
+    """`encode(wire, values, out)`, and for fp16 the largest magnitude among `values` (`peak`: what the range
+    check compares with FP16_INF; NaN where a value is NaN), measured in the encoder's own pass on numpy (a
+    reduction on the device for cupy, whose answer crosses to the host). fp32 and bf16 (float32's range): 0.0,
+    not measured."""
+    if wire != "fp16":
+        encode(wire, values, out)
+        return 0.0
+    if array_module(values) is np:  # the compiled encoder returns the largest magnitude's bits
+        _check("encode(fp16): values", values, DTYPES["fp32"], values.size)
+        _check("encode(fp16): out", out, DTYPES["fp16"], values.size)
+        bits = _kernels().fp16_encode(values.view(np.uint32), out.view(np.uint16))
+        return float(np.array(bits, np.uint32).view(np.float32))
+    encode(wire, values, out)
+    return peak(values)
+
+
+def peak(values: Any) -> float:
+    """The largest magnitude among float32 `values` ((n,), numpy or cupy) as a Python float: inf where one is
+    infinite, NaN where one is NaN (a NaN's bits exceed inf's), 0.0 for none. One reduction over the values'
+    bits (on the device for cupy)."""
+    if values.size == 0:
+        return 0.0
+    xp = array_module(values)
+    top = (values.view(xp.uint32) & xp.uint32(0x7FFFFFFF)).max()
+    return float(np.array(int(top), np.uint32).view(np.float32))
+
+
+def beyond_range(wire: str, largest: float) -> bool:
+    """Whether values whose largest magnitude is `largest` (`encode_peak`) leave the range of `wire` while finite
+    in float32: fp16 and FP16_INF <= largest < inf (a NaN or an inf was not finite before the wire)."""
+    return wire == "fp16" and FP16_INF <= largest < math.inf
+
+
+RANGE = f"[-{FP16_MAX:.0f}, {FP16_MAX:.0f}]"  # fp16's range as the messages name it
 
 
 def _kernels() -> Any:
@@ -269,16 +314,17 @@ class ErrorFeedback:
         self.wire, self.size = wire, size
         self.residual: Any = None
 
-    def encode(self, values: Any, out: Any) -> Any:
+    def encode(self, values: Any, out: Any) -> float:
         """Encode float32 `values` ((n,), n >= size) into `out` ((n,) of the wire's dtype), the first `size`
-        through the residual (see the class docstring), which it updates; returns `out`."""
+        through the residual (see the class docstring), which it updates; returns the largest magnitude of
+        what it encoded (`encode_peak`: fp16; 0.0 for bf16)."""
         xp = array_module(values)
         if self.residual is None:
             self.residual = xp.zeros(self.size, xp.float32)
         e, n = self.residual, self.size
         e += values[:n]                                         # p = g + e
-        encode(self.wire, e, out[:n])
+        largest = encode_peak(self.wire, e, out[:n])
         e -= decode(self.wire, out[:n], xp.empty(n, xp.float32))  # e <- p - decode(encode(p))
         e[...] = xp.where(xp.isfinite(e), e, xp.float32(0))     # inf or NaN went out as such: not carried on
-        encode(self.wire, values[n:], out[n:])
-        return out
+        rest = encode_peak(self.wire, values[n:], out[n:])
+        return largest if largest != largest or largest >= rest else rest  # (a NaN wins, as in `peak`)

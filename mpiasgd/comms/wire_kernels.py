@@ -43,12 +43,16 @@ import numpy as np
 
 
 @numba.njit(cache=True, boundscheck=False)
-def fp16_encode(bits: np.ndarray, out: np.ndarray) -> None:
+def fp16_encode(bits: np.ndarray, out: np.ndarray) -> int:
     """bits: float32 values viewed as uint32 (n,); out: uint16 (n,) receives their binary16 bits (the module
-    docstring's cases). int64 arithmetic (module docstring)."""
+    docstring's cases). int64 arithmetic (module docstring). Returns the largest magnitude's bits, max(a) (as
+    float32 bits: the largest |x|, inf, or a NaN where there is one, since a NaN's bits exceed inf's; 0 for n = 0):
+    `wire.encode_peak`'s measure of the range, in the same pass."""
+    peak = np.int64(0)
     for i in range(bits.size):
         u = np.int64(bits[i])
         a = u & 0x7FFFFFFF
+        peak = max(peak, a)
         e = a >> 23
         k = min(max(126 - e, 13), 25)                                   # bits dropped: 13 normal, 14..25 subnormal
         v = a - 0x38000000 if e >= 113 else (a & 0x7FFFFF) | 0x800000  # rebiased bits, or the significand
@@ -56,6 +60,7 @@ def fp16_encode(bits: np.ndarray, out: np.ndarray) -> None:
         h = 0x7C00 if a >= 0x477FF000 else h                            # >= 65520 and inf: inf
         h = (0x7C00 | max((a >> 13) & 0x3FF, 1)) if a > 0x7F800000 else h  # NaN: its payload, kept a NaN
         out[i] = h | ((u >> 16) & 0x8000)
+    return peak
 
 
 U32 = np.uint32

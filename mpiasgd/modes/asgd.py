@@ -79,7 +79,12 @@ update, updates the master weights in place (they no longer move between send bu
 buffer. The weights a worker computed on are decode(encode(w)): DC-ASGD's w_pulled is decoded from the
 last reply still in its send buffer, so the correction uses exactly those. The layer buffers travel in
 the same format. A worker decodes a reply into its float32 weights and encodes its gradient into its
-send buffer (`mpiasgd.comms.staging`), with `--wire-error-feedback` through its `ErrorFeedback`. Rank 0
+send buffer (`mpiasgd.comms.staging`), with `--wire-error-feedback` through its `ErrorFeedback`. fp16's range is
+[-65504, 65504]: a finite value beyond it arrives as inf, so the worker stamps the largest magnitude it encoded
+on the push (header `peak`), and a push rejected for it is named as beyond the range, with that value and the
+advice --wire bf16 (`mpiasgd.health.rejects_text`), not as divergence; the server measures each reply as it
+encodes it (`ShardedServer.encode_reply`) and stops the run rather than send weights or buffers beyond the
+range (the worker would compute NaN on them). Rank 0
 counts the bytes of every PUSH it receives and every WEIGHTS or STOP it sends (the summary's
 `wire_bytes_pushed` and `wire_bytes_pulled`, in every wire format).
 """
@@ -97,7 +102,7 @@ from mpi4py import MPI
 
 from mpiasgd import checkpoint
 from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
-from mpiasgd.comms.wire import WIRES, decode, encode
+from mpiasgd.comms.wire import WIRES, beyond_range, decode
 from mpiasgd.comms.wire import warm_up as warm_up_wire
 from mpiasgd.modes.base import Mode, WorkerJob, initial_buffers, lr_scale, need, round_fits
 from mpiasgd.modes.shards import ShardedWorker
@@ -240,14 +245,14 @@ class AsgdServer(ShardedServer):
             ahead = self.lookahead.reply(self.params, self.optimizer.velocity, lr,
                                          out.payload[:self.P] if self.reply_buf is None else self.reply_buf)
             if self.reply_buf is not None:
-                encode(self.wire, ahead, out.payload[:self.P])
+                self.encode_reply(ahead, out.payload[:self.P], w, tag, step, "weight (looking ahead)")
         elif self.wire != "fp32":  # 16-bit wire: the float32 master weights encoded into the send buffer
-            encode(self.wire, self.params, out.payload[:self.P])
+            self.encode_reply(self.params, out.payload[:self.P], w, tag, step, "weight", initial)
         elif self.weights.get(w) is not self.params:  # (look-ahead: the master weights live in `params`)
             out.payload[:self.P] = self.params
         if self.buffers.size:  # the mean buffers go with weights the worker evaluates (STOP, EVALUATE)
-            encode(self.wire, self.current_buffers() if initial or tag == Tag.STOP or number else self.buffers,
-                   out.payload[self.P:])  # (fp32: a copy)
+            self.encode_reply(self.current_buffers() if initial or tag == Tag.STOP or number else self.buffers,
+                              out.payload[self.P:], w, tag, step, "layer buffer value", initial)  # (fp32: a copy)
         flags = Flag.PREEMPT if tag == Tag.STOP and self.r0.stops_on_signal else 0
         if initial and self.rec.resumed is not None:  # the worker continues its step count and data position
             flags |= Flag.RESUME
@@ -312,6 +317,8 @@ class AsgdServer(ShardedServer):
         # value that is not finite in its whole push, maybe in another shard's slice: rejected alike on every shard
         flagged = bool(int(h["flags"]) & Flag.NONFINITE)
         finite, square = (False, 0.0) if flagged else finite_square(grad)
+        # --wire fp16: finite values beyond its range arrived as inf; the worker's largest magnitude names them
+        beyond = float(h["peak"]) if not finite and beyond_range(self.wire, float(h["peak"])) else 0.0
         advice = "lower --lr"
         if finite and self.compensation is not None and self.admits(step, w):
             # DC-ASGD: g + lambda g g (w - w_pulled), w_pulled = the weights of w's last reply (in its send buffer)
@@ -354,7 +361,7 @@ class AsgdServer(ShardedServer):
             self.r0.signal_from(f"a signal received by worker rank {w}")
         if rejected:
             self.cursor[w] = int(h["cursor"])
-            rec.reject(w, step, advice=advice)  # after its row is logged: may stop the run
+            rec.reject(w, step, "accumulated update" if delta else "gradient", advice, beyond)  # may stop the run
         else:
             rec.accept(w)
         self.held_s[w] = 0.0

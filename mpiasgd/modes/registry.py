@@ -117,7 +117,8 @@ OPTIONS: tuple[Option, ...] = (  # in the order report tables label a variant
     Option("wire", "fp32", "str", "async/ssp: how pushes and the server's replies carry the weights, gradients "
            "and layer buffers: fp32 | fp16 | bf16 (2 bytes a value, half the bytes; rounded to nearest even, "
            "relative error <= 2^-11 | 2^-8; the server keeps float32 weights and state; an fp16 value beyond "
-           "65504 becomes inf and its push is rejected as non-finite)", PS_MODES, label="wire={}"),
+           "65504 becomes inf: its push is rejected, naming the value; weights beyond it stop the run)", PS_MODES,
+           label="wire={}"),
     Option("wire_error_feedback", False, "bool", "async/ssp with --wire fp16|bf16: each worker adds what the "
            "rounding of its last push lost to its next push (error feedback, Seide et al. 2014; "
            "Karimireddy et al. 2019); the residual is not checkpointed", PS_MODES, label="EF"),

@@ -27,7 +27,7 @@ import numpy as np
 
 from mpiasgd import checkpoint
 from mpiasgd.comms import Interval
-from mpiasgd.health import Finding, LossWatch
+from mpiasgd.health import Finding, LossWatch, rejected_text, rejects_text
 from mpiasgd.optim import StopRule, snapshot_seconds
 from mpiasgd.runlog import (
     CheckpointRow,
@@ -141,6 +141,8 @@ class Recorder:
         self.loss_seen = False  # (a minibatch loss arrived: the running level is loss_avg)
         self.rejected = dict.fromkeys(workers, 0)       # non-finite gradients per worker
         self.rejects_in_row = dict.fromkeys(workers, 0)
+        self.beyond_in_row: dict[int, tuple[int, float]] = {}  # --wire fp16: (rejects in the run beyond its range, max)
+        self.warned_rejects: set[tuple[int, bool]] = set()     # (worker, beyond fp16's range) warned about once
         self.held_total = dict.fromkeys(workers, 0.0)   # ssp: seconds each worker's replies were held
         self.diverged = ""                    # --on-divergence stop: the symptom that ended the run
         self.checkpoint_path = checkpoint.checkpoint_path(log.path) if log is not None else ""
@@ -351,22 +353,28 @@ class Recorder:
         self.stop(f"diverged ({finding.kind}; --on-divergence stop)")
         self.stop_workers()
 
-    def reject(self, w: int, step: int, what: str = "gradient", advice: str = "lower --lr") -> None:
+    def reject(self, w: int, step: int, what: str = "gradient", advice: str = "lower --lr",
+               beyond: float = 0.0) -> None:
         """Count a non-finite `what` (a gradient; easgd: weights) of worker `w` at `step`; TrainingDiverged
-        after `max_rejects` in a row, ending with `advice`."""
+        after `max_rejects` in a row, ending with `advice`. `beyond` > 0: the values were finite but beyond
+        fp16's range (--wire fp16), the largest magnitude `beyond`: named as such, not as divergence
+        (`mpiasgd.health.rejects_text`). The first reject of each kind from a worker is warned about."""
         self.rejected[w] += 1
         self.rejects_in_row[w] += 1
-        if self.rejected[w] == 1:
-            self.warn(f"worker rank {w} pushed a non-finite {what} at step {step}: rejected (not applied)")
+        count, largest = self.beyond_in_row.get(w, (0, 0.0))
+        if beyond:
+            self.beyond_in_row[w] = count, largest = count + 1, max(largest, beyond)
+        if (w, bool(beyond)) not in self.warned_rejects:
+            self.warned_rejects.add((w, bool(beyond)))
+            self.warn(rejected_text(w, step, what, beyond))
         if self.rejects_in_row[w] >= self.cfg.max_rejects:
-            raise TrainingDiverged(
-                f"{self.who}: worker rank {w} pushed {self.rejects_in_row[w]} non-finite {what}s in a row "
-                f"(steps {step - self.rejects_in_row[w] + 1}..{step}; --max-rejects {self.cfg.max_rejects}): "
-                f"training has diverged; {advice}")
+            raise TrainingDiverged(rejects_text(self.who, w, step, self.rejects_in_row[w], self.cfg.max_rejects, what,
+                                                advice, count, largest))
 
     def accept(self, w: int) -> None:
         """Worker `w`'s gradient was finite: its run of rejects is over."""
         self.rejects_in_row[w] = 0
+        self.beyond_in_row.pop(w, None)
 
     # --- checkpoints ---
     def checkpoint(self, params: np.ndarray, momentum: np.ndarray, reason: str, steps: dict,

@@ -25,7 +25,15 @@ import numpy as np
 from mpiasgd import checkpoint
 from mpiasgd.comms import Message, ProtocolError, Tag
 from mpiasgd.comms.shards import ShardCut
+from mpiasgd.comms.wire import RANGE, beyond_range, encode_peak
+from mpiasgd.health import WIRE_ADVICE
+from mpiasgd.rank0.recorder import TrainingDiverged
 from mpiasgd.rank0.role import Role
+
+
+class BeyondWireRange(TrainingDiverged):
+    """(--wire fp16) The weights or layer buffers a reply would carry leave fp16's range: they would travel as inf
+    and the worker compute NaN. The message names the server's rank, the reply, the value and the range."""
 
 
 def server_shard(r0: Any, num_params: int, buffers: np.ndarray | None) -> tuple[ShardCut, int]:
@@ -109,6 +117,21 @@ class ShardedServer(Role):
         return self.rec.checkpoint(params, momentum, reason,
                                    {w: (self.last_step[w], self.cursor[w]) for w in self.workers},
                                    self.rec.train_time(), self.current_buffers(), versions)
+
+    def encode_reply(self, values: np.ndarray, out: np.ndarray, w: int, tag: Tag, step: int, what: str,
+                     initial: bool = False) -> None:
+        """Encode float32 `values` (the weights or buffers of a reply to worker `w`, answering `step`) into `out`,
+        the reply's payload, in wire format `cfg.wire`. fp16: measured in the same pass (`wire.encode_peak`);
+        BeyondWireRange before the reply goes out when a value's magnitude reaches 65520 (it would arrive as
+        inf, and every worker compute NaN on it): the run stops, naming the `what` (e.g. "weight"), the value,
+        fp16's range and --wire bf16."""
+        largest = encode_peak(self.wire, values, out)
+        if beyond_range(self.wire, largest):
+            reply = f"initial {tag.name}" if initial else f"{tag.name} reply"
+            raise BeyondWireRange(
+                f"{self.rec.who}: {reply} to worker rank {w} (step {step}, version {self.rec.version}): a {what} of "
+                f"magnitude {largest:.6g} is beyond fp16's range {RANGE} (--wire fp16): it would travel as inf and "
+                f"the worker compute NaN; {WIRE_ADVICE} or lower --lr")
 
     # --- a push and its answer ---
     def on_push(self, w: int, msg: Message) -> None:
