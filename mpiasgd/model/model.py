@@ -289,10 +289,11 @@ class Model:
         """Forward only, in evaluation behaviour (running statistics, no dropout), in chunks of `batch_size`:
         (summed loss over samples, number correct (top-1), number correct in the top 5).
 
-        Top-1 is the loss op's argmax (the first maximum on a tie). Top-5 (`topk_correct`): the label is
-        among the 5 largest logits, counted as fewer than 5 logits strictly greater than the label's (a
+        Top-1 is the argmax (the first maximum on a tie, as the loss op's). Top-5 (`topk_correct`): the label
+        is among the 5 largest logits, counted as fewer than 5 logits strictly greater than the label's (a
         tie counts for the label), so top-5 >= top-1; with 5 classes or fewer every image is a top-5 hit
-        (top-5 accuracy 1.0 by definition). Memory grows with batch_size: the numpy backend keeps
+        (top-5 accuracy 1.0 by definition). An image whose logits are not all finite is wrong for both (the
+        loss op's argmax would put an all-NaN row at class 0). Memory grows with batch_size: the numpy backend keeps
         ~2.8 MB of conv scratch per cifar10 sample (about 1.4 GB of forward-only scratch at 1000; 256 is
         plenty fast on a CPU).
         """
@@ -306,11 +307,12 @@ class Model:
             for layer in self.layers:
                 h = layer.forward(h)
             labels = y[start:start + batch_size]
-            loss, batch_correct = self.loss.forward(h, labels)
+            loss, _ = self.loss.forward(h, labels)
             loss_sum += loss * h.shape[0]
-            correct += batch_correct
             # host copies: (B, K) logits and (B,) labels, small next to the batch's forward pass
-            correct5 += topk_correct(self.ops.to_numpy(h), self.ops.to_numpy(labels), 5)
+            logits, truth = self.ops.to_numpy(h), self.ops.to_numpy(labels)
+            correct += top1_correct(logits, truth)
+            correct5 += topk_correct(logits, truth, 5)
         return loss_sum, correct, correct5
 
     def describe(self) -> str:
@@ -324,18 +326,26 @@ class Model:
         return "\n".join(lines)
 
 
+def top1_correct(logits: np.ndarray, labels: np.ndarray) -> int:
+    """Images whose label is the argmax of their logits (the first maximum on a tie), among those whose logits
+    are all finite: (N, K) float host logits, (N,) int labels. A row with a NaN or an infinite logit is wrong."""
+    finite = np.isfinite(logits).all(axis=1)  # (N,)
+    return int(np.count_nonzero(finite & (logits.argmax(axis=1) == labels)))
+
+
 def topk_correct(logits: np.ndarray, labels: np.ndarray, k: int) -> int:
     """Images whose label is among the `k` largest of their logits: (N, K) float host logits, (N,) int labels.
 
     Counted as fewer than `k` logits strictly greater than the label's, so a tie counts for the label and
-    the top-1 hit of an argmax is always a top-k hit; a NaN label logit is never a hit. With K <= k classes
-    every image with a finite label logit is a hit (top-k accuracy 1.0 by definition).
+    the top-1 hit of an argmax (`top1_correct`) is always a top-k hit; a row with a NaN or an infinite logit is
+    never a hit, for any k (a NaN network scores 0, not the images of one class). With K <= k classes every
+    image with finite logits is a hit (top-k accuracy 1.0 by definition).
     """
     if logits.shape[0] == 0:
         return 0
     own = logits[np.arange(logits.shape[0]), labels.astype(np.int64)]  # (N,) the label's logit
     above = (logits > own[:, None]).sum(axis=1)                       # (N,) logits strictly greater
-    return int(np.count_nonzero((above < k) & ~np.isnan(own)))
+    return int(np.count_nonzero((above < k) & np.isfinite(logits).all(axis=1)))
 
 
 def _size(shape: Shape) -> int:
