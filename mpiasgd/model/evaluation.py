@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 class Evaluation(NamedTuple):
     """What an evaluation of `count` test images gives: summed cross-entropy loss (nats), images whose
     label is the argmax (top-1) and images whose label is among the 5 largest logits (top-5; with 5
-    classes or fewer, every image: see `Model.evaluate`)."""
+    classes or fewer, every image: see `Model.evaluate`). An image whose logits are not all finite counts
+    for neither, so correct5 >= correct always (a NaN network scores 0)."""
 
     loss_sum: float
     correct: int
