@@ -29,6 +29,7 @@ from mpiasgd import checkpoint
 from mpiasgd.comms import Interval
 from mpiasgd.health import Finding, LossWatch, rejected_text, rejects_text
 from mpiasgd.optim import StopRule, snapshot_seconds
+from mpiasgd.rank0.evals import EvalShare
 from mpiasgd.runlog import (
     CheckpointRow,
     EvalRow,
@@ -143,6 +144,7 @@ class Recorder:
         self.rejects_in_row = dict.fromkeys(workers, 0)
         self.beyond_in_row: dict[int, tuple[int, float]] = {}  # --wire fp16: (rejects in the run beyond its range, max)
         self.warned_rejects: set[tuple[int, bool]] = set()     # (worker, beyond fp16's range) warned about once
+        self.eval_share = EvalShare(cfg.eval_interval)   # --eval-interval: the evaluations' share of the time
         self.held_total = dict.fromkeys(workers, 0.0)   # ssp: seconds each worker's replies were held
         self.diverged = ""                    # --on-divergence stop: the symptom that ended the run
         self.checkpoint_path = checkpoint.checkpoint_path(log.path) if log is not None else ""
@@ -268,6 +270,9 @@ class Recorder:
         self.say(f"mpiasgd: evaluation at epoch {samples / self.num_train:.2f} (version {span}): test top-1 "
                  f"{100 * top1:.2f} %, top-5 {100 * top5:.2f} %, loss {loss:.4f} on {count:,} images "
                  f"({seconds:.1f} s)")
+        too_long = self.eval_share.add(seconds, self.train_time() - (self.resumed.elapsed if self.resumed else 0.0))
+        if too_long:  # once: evaluations that take most of the run cut its images per second as much
+            self.warn(too_long)
         target = self.cfg.stop_accuracy
         if target and top1 >= target and not self.stop_reason:  # --stop-accuracy: a stopping rule of its own
             self.stop(f"stop_accuracy: test top-1 {100 * top1:.2f} % >= {100 * target:g} % at epoch "
