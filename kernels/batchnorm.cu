@@ -2,7 +2,11 @@
 //
 //   batchnorm_stats
 //       x (N, C, H, W) -> mean (C,), var (C,) (biased: divisor M = N*H*W), in two passes over the
-//       channel: the mean, then the mean squared deviation from it (no E[x^2] - E[x]^2 cancellation).
+//       channel: a first mean mu0, then the sums of d = x - mu0 and d^2, giving mean = mu0 + sum d/M and
+//       var = (sum d^2 - (sum d)^2/M)/M: the corrected two-pass algorithm (Chan, Golub and LeVeque 1983,
+//       "Algorithms for computing the sample variance", eq. 1.7), which takes mu0's rounding error out
+//       of both (a channel of large mean, x = 1e4 + 0.01 N(0,1), keeps float32's accuracy) and has no
+//       E[x^2] - E[x]^2 cancellation.
 //       When running_mean / running_var are not NULL, thread 0 also updates them in place as
 //       torch.nn.BatchNorm2d: r <- (1 - momentum)*r + momentum*stat, the variance times `unbias`
 //       (M/(M - 1), or 1 for M = 1)
@@ -65,13 +69,17 @@ batchnorm_stats(const float* __restrict__ x, float* __restrict__ mean, float* __
   const float M = (float)((long long)N * HW);
   float s = 0.0f;
   bn_channel_elements(N, C, HW, c, [&](long long i) { s += x[i]; });
-  const float mu = bn_block_sum(part, s) / M;
-  float s2 = 0.0f;
+  const float mu0 = bn_block_sum(part, s) / M;  // the first pass's mean: float32 sums of large values
+  float s1 = 0.0f, s2 = 0.0f;
   bn_channel_elements(N, C, HW, c, [&](long long i) {
-    const float d = x[i] - mu;
+    const float d = x[i] - mu0;  // small where mu0 is close: the deviations carry the digits the sums lost
+    s1 += d;
     s2 += d * d;
   });
-  const float v = bn_block_sum(part, s2) / M;
+  const float sum_d = bn_block_sum(part, s1);
+  // corrected two-pass: mu0's own rounding error comes back as sum d and is taken out of both results
+  const float mu = mu0 + sum_d / M;
+  const float v = fmaxf((bn_block_sum(part, s2) - sum_d * (sum_d / M)) / M, 0.0f);
   if (threadIdx.x == 0) {
     mean[c] = mu;
     var[c] = v;

@@ -78,9 +78,11 @@ PLANTED_ERRORS = [
     ("pool.cu", {"(hp - kernel) / stride + 1 : 0;": "(hp - kernel) / stride + 2 : 0;"},
      "maxpool_pad_ceil"),  # the backward misses a window
     ("batchnorm.cu", {"    if (l >= HW) {": "    if (l > HW) {"}, "batchnorm"),  # the channel walk's carry
-    ("batchnorm.cu", {"const float d = x[i] - mu;\n    s2 += d * d;": "s2 += x[i] * x[i];",
-                      "bn_block_sum(part, s2) / M;": "bn_block_sum(part, s2) / M - mu * mu;"},
+    ("batchnorm.cu", {"    s2 += d * d;": "    s2 += x[i] * x[i];",
+                      "(bn_block_sum(part, s2) - sum_d * (sum_d / M)) / M": "bn_block_sum(part, s2) / M - mu * mu"},
      "batchnorm"),  # a one-pass variance, which cancels on the case's offset data
+    ("batchnorm.cu", {"mu0 + sum_d / M;": "mu0;", " - sum_d * (sum_d / M)": ""},
+     "batchnorm_large_mean"),  # a plain two-pass variance: the first mean's rounding error stays in
     ("batchnorm.cu", {"e = a * invstd * sum_dy_xhat / M;": "e = a * sum_dy_xhat / M;"}, "batchnorm"),
     ("residual.cu", {"dy[((n * K + pad_before + c) * P": "dy[((n * K + c) * P"}, "residual"),
     ("lrn.cu", {"lrn_window(c, C, (size - 1) / 2, size / 2, &lo, &hi);":  # fprop's window: wrong for even sizes

@@ -548,8 +548,9 @@ class CupyBackend:
     def batchnorm_stats(self, x, running_mean=None, running_var=None, momentum: float = 0.1):
         """Per-channel batch statistics: x (N, C, H, W) -> (mean (C,), biased var (C,)), fresh; with
         running_mean and running_var ((C,) float32) also their in-place update (torch.nn.BatchNorm2d's).
-        See `Backend.batchnorm_stats`. Kernel `batchnorm_stats`: one block per channel, two passes (mean,
-        then squared deviations), each a fixed-order float32 tree (no atomics: bit-reproducible).
+        See `Backend.batchnorm_stats`. Kernel `batchnorm_stats`: one block per channel, two passes (a first
+        mean, then the deviations from it and their squares: the corrected two-pass algorithm, Chan, Golub
+        and LeVeque 1983, eq. 1.7), each a fixed-order float32 tree (no atomics: bit-reproducible).
         Raises ValueError also when a running array overlaps the other or x."""
         op = "batchnorm_stats"
         self.check_array(op, "x", x, ndim=4)

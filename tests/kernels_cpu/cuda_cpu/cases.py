@@ -631,6 +631,31 @@ def batchnorm(lib, rng, small: bool) -> None:
             f"{what}: bprop sums not bit-reproducible (or differ without dx)"
 
 
+def batchnorm_large_mean(lib, rng, small: bool) -> None:
+    """batchnorm_stats and batchnorm_bprop on a channel whose mean dwarfs its spread (x = 1e4 + 0.01 N(0,1),
+    float32 spacing 1e-3 there): the variance to float32's accuracy against float64 (a plain two-pass
+    variance from the rounded first-pass mean is off by 2-5e-4 relative here), the mean within two float32
+    ulps, and dx of the stats-then-bprop chain no further from float64 than NumPy's float32 path (x 1.1)."""
+    for threads, shape in [(64, (8, 2, 16, 16))] + ([] if small else [(BATCHNORM_THREADS_MAX, (16, 3, 8, 8))]):
+        what = f"batchnorm large mean {shape} block {threads}"
+        x = (1e4 + 0.01 * rng.standard_normal(shape)).astype(np.float32)  # (N, C, H, W)
+        dy, gamma = f32(rng, *shape), np.ones(shape[1], np.float32)
+        mean_ref, var_ref = numpy_ops.batchnorm_stats(f64(x))  # float64: exact to well below float32
+        ops = cpu_backend(lib, batchnorm_threads=threads)
+        mean, var = ops.batchnorm_stats(x)
+        assert_close(mean, mean_ref, f"{what}: mean", atol=0.0, rtol=2.4e-7)
+        assert_close(var, var_ref, f"{what}: var", atol=0.0, rtol=1e-6)
+        C = shape[1]
+        dx_ref = numpy_ops.batchnorm_bprop(f64(dy), f64(x), f64(gamma), mean_ref, var_ref, 1e-9, np.empty(C),
+                                           np.empty(C))
+        dx = ops.batchnorm_bprop(dy, x, gamma, mean, var, 1e-9, np.empty(C, np.float32), np.empty(C, np.float32))
+        mean32, var32 = numpy_ops.batchnorm_stats(x)
+        dx32 = numpy_ops.batchnorm_bprop(dy, x, gamma, mean32, var32, 1e-9, np.empty(C, np.float32),
+                                         np.empty(C, np.float32))
+        err, err32 = np.abs(dx - dx_ref).max(), np.abs(dx32 - dx_ref).max()
+        assert err <= 1.1 * err32 + 1e-7, f"{what}: dx max error {err:.3g}, NumPy float32's {err32:.3g}"
+
+
 def residual(lib, rng, small: bool) -> None:
     """add (fresh, into a, into b, into a third array) and subsample_pad_fprop / _bprop (strides 1-3,
     odd sizes, pads on either side or none): copies and one float32 add, so equal to numpy_ops exactly."""
@@ -760,6 +785,7 @@ CASES = [
          ("maxpool_fprop_u8", "maxpool_fprop_i32", "maxpool_bprop_u8", "maxpool_bprop_i32")),
     Case("avgpool", avgpool, ("avgpool_fprop", "avgpool_bprop", "global_avgpool_fprop", "global_avgpool_bprop")),
     Case("batchnorm", batchnorm, ("batchnorm_stats", "batchnorm_fprop", "batchnorm_bprop")),
+    Case("batchnorm_large_mean", batchnorm_large_mean, ("batchnorm_stats", "batchnorm_bprop")),
     Case("residual", residual, ("add", "subsample_pad_fprop", "subsample_pad_bprop")),
     Case("dropout", dropout, ("dropout",)),
     Case("lrn", lrn, ("lrn_fprop", "lrn_bprop")),
