@@ -264,10 +264,52 @@ def redo_command(path: str, attrs: Any = None) -> str | None:
     return f"mpiasgd data convert SRC {_target(path)}" + (f" (it was converting: {source})" if source else "")
 
 
-def identity(path: str) -> tuple[int, int, int]:
-    """(inode, size in bytes, modification time in ns) of the file at `path`: what changes when it is rewritten."""
+def identity(path: str) -> tuple[int, int, int, int, int]:
+    """(device, inode, size in bytes, modification time ns, status-change time ns) of the file at `path`: what
+    changes when it is rewritten in place (size, times: a write with its modification time set back still moves
+    the status-change time) or replaced by another file (device, inode)."""
     st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_mtime_ns
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _clock(ns: int) -> str:
+    """A file time in ns as 'YYYY-MM-DD HH:MM:SS.mmm' UTC."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ns // 10**9)) + f".{ns // 10**6 % 1000:03d}"
+
+
+def _created(path: str) -> str:
+    """The `created` attribute of the dataset file at `path` (what a conversion stamps it with); '' if unreadable."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            return _text(f.attrs.get("created", ""))
+    except (OSError, KeyError, RuntimeError):  # still being written, truncated, not HDF5: no stamp to compare
+        return ""
+
+
+def what_changed(path: str, was: tuple[int, ...], now: tuple[int, ...], created: str) -> str:
+    """What differs between two `identity` tuples of the file at `path`, e.g. "replaced by another file: inode
+    51 -> 77; modified 2026-12-06 04:40:01.123 -> 04:40:03.456 UTC; another conversion: created ... -> ...".
+    `created`: the opened file's `created` attribute, compared with the new file's when it was replaced (a copy
+    keeps it; a conversion stamps the second it began). Only what differs is said."""
+    parts = []
+    if was[:2] != now[:2]:
+        where = f"device {was[0]} -> {now[0]}, " if was[0] != now[0] else ""
+        parts.append(f"replaced by another file: {where}inode {was[1]} -> {now[1]}")
+    if was[2] != now[2]:
+        parts.append(f"size {was[2]:,} -> {now[2]:,} bytes")
+    if was[3] != now[3]:
+        old, new = _clock(was[3]), _clock(now[3])
+        parts.append(f"modified {old} -> {new[11:] if new[:10] == old[:10] else new} UTC")
+    elif was[4] != now[4]:
+        parts.append(f"written in place with its modification time kept (status changed {_clock(was[4])} -> "
+                     f"{_clock(now[4])} UTC)")
+    if was[:2] != now[:2] and created:
+        stamp = _created(path)
+        if stamp and stamp != created:
+            parts.append(f"another conversion: created {created} -> {stamp}")
+    return "; ".join(parts)
 
 
 class ChunkCache:
@@ -276,11 +318,12 @@ class ChunkCache:
 
     Before each read from the file it checks that the file at `path` is still the one opened (`identity`):
     HDF5 reads zeros past the end of a file truncated under it, and another file at the same path would
-    mix two datasets. DataError naming the file then."""
+    mix two datasets. DataError naming the file and what changed then (`what_changed`; `created`: the
+    file's `created` attribute)."""
 
-    def __init__(self, images: Any, chunk: int, capacity: int, path: str = "") -> None:
+    def __init__(self, images: Any, chunk: int, capacity: int, path: str = "", created: str = "") -> None:
         self.images, self.chunk, self.capacity = images, chunk, max(1, capacity)
-        self.path = path
+        self.path, self.created = path, created
         self.opened = identity(path) if path else None
         self.recent: OrderedDict[int, np.ndarray] = OrderedDict()
         self.pinned: dict[int, np.ndarray] = {}
@@ -312,8 +355,9 @@ class ChunkCache:
         except OSError as e:
             raise DataError(f"{self.path}: the dataset file went away while the run reads it ({e.strerror})") from None
         if now != self.opened:
-            raise DataError(f"{self.path}: the dataset file changed while the run reads it (size {self.opened[1]:,} -> "
-                            f"{now[1]:,} bytes, or rewritten or replaced); rerun, or --resume, once it is complete")
+            raise DataError(f"{self.path}: the dataset file changed while the run reads it "
+                            f"({what_changed(self.path, self.opened, now, self.created)}); rerun, or --resume, "
+                            "once it is complete")
 
     def pin(self, chunks: np.ndarray) -> None:
         for c in np.unique(chunks):
@@ -373,9 +417,10 @@ class H5Dataset(Splits):
         self.train_y = train[1]
         self.test_y = test[1] if test is not None else np.zeros(0, dtype=np.int64)
         self.chunk = int(train[0].chunks[0])
-        self.caches = {"train": ChunkCache(train[0], self.chunk, cache_chunks, path)}
+        self.caches = {"train": ChunkCache(train[0], self.chunk, cache_chunks, path, _text(a.get("created", "")))}
         if test is not None:
-            self.caches["test"] = ChunkCache(test[0], int(test[0].chunks[0]), cache_chunks, test_path)
+            self.caches["test"] = ChunkCache(test[0], int(test[0].chunks[0]), cache_chunks, test_path,
+                                             _text(tfile.attrs.get("created", "")))
         # what identifies the file's content (a run log keeps it; a resume checks that the file is the same)
         self.fingerprint = json.dumps({"name": self.name, "created": _text(a.get("created", "")),
                                        "train": self.num_train, "test": self.num_test, "chunk": self.chunk,

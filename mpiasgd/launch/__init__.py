@@ -36,6 +36,7 @@ from mpi4py import MPI
 from mpiasgd import checkpoint, signals
 from mpiasgd.comms import CommTimeout, Message, ProtocolError, Tag, error_message, wait
 from mpiasgd.config import Config
+from mpiasgd.data import DataError
 from mpiasgd.device import sharing_error, tuning_turns
 from mpiasgd.launch.ranks import Rank, blas_threads, node_workers
 from mpiasgd.launch.startup import (
@@ -61,16 +62,18 @@ __all__ = ["ABORT_CODE", "EXIT_BAD_INPUT", "EXIT_DIVERGED", "EXIT_PREEMPTED", "R
            "worker_failed"]
 
 
-def abort(me: Rank, text: str) -> None:
-    """Print `text` (a traceback) prefixed with the rank and host, then abort the whole job."""
+def abort(me: Rank, text: str | None) -> None:
+    """Print `text` (a traceback) prefixed with the rank and host (None: nothing, it was said), then abort the
+    whole job."""
     sys.stdout.flush()
-    print(f"mpiasgd: rank {me.rank} on {me.host} failed:\n{text}", file=sys.stderr, flush=True)
+    if text is not None:
+        print(f"mpiasgd: rank {me.rank} on {me.host} failed:\n{text}", file=sys.stderr, flush=True)
     me.comm.Abort(ABORT_CODE)
 
 
-def worker_failed(me: Rank, text: str, timeout: float = 5.0) -> None:
+def worker_failed(me: Rank, text: str, timeout: float = 5.0, said: bool = False) -> None:
     """(all workers, and the parameter-server shards of rank >= 1) Tell rank 0 about this rank's exception, wait
-    briefly for it to close the log, abort."""
+    briefly for it to close the log, abort. `said`: this rank printed its error already (no traceback follows)."""
     try:
         sending = me.comm.Isend(error_message(me.rank, text).buf, dest=0, tag=int(Tag.ERROR))
         ack = Message(0)
@@ -79,7 +82,7 @@ def worker_failed(me: Rank, text: str, timeout: float = 5.0) -> None:
         wait(sending, "the error report send", me.rank, timeout)
     except CommTimeout:
         pass  # rank 0 is gone or stuck: abort regardless
-    abort(me, text)
+    abort(me, None if said else text)
 
 
 def train(cfg: Config, comm: Any = None) -> int:
@@ -140,6 +143,13 @@ def train(cfg: Config, comm: Any = None) -> int:
     except RunLogError as e:  # (rank 0) the disk is full: one line, not a traceback
         log_unwritable(me, start, e)
         status = ABORT_CODE
+    except DataError as e:  # a dataset file changed or failed under the run (workers read it): one line, no traceback
+        # said first: rank 0, told next, closes the log and aborts the job, which may end this process at once
+        print(f"mpiasgd: error: rank {me.rank} on {me.host}: {e}", file=sys.stderr, flush=True)
+        if me.is_rank0:  # (its log is closed by `serve`)
+            abort(me, None)
+        else:
+            worker_failed(me, str(e), said=True)
     except BaseException as e:
         # a timeout, a protocol violation or divergence (--max-rejects) says all in its message (naming the rank);
         # anything else: traceback

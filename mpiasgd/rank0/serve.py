@@ -200,8 +200,11 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
             me.comm.Isend(Message(0).stamp(Tag.ERROR_ACK, 0).buf, dest=stop.rank, tag=int(Tag.ERROR_ACK))
         if bar is not None:
             bar.close()
-        print(f"mpiasgd: {text}; {closed}." + (f"\n{stop.text}" if isinstance(stop, WorkerFailed) else ""),
-              file=sys.stderr, flush=True)
+        if isinstance(stop, WorkerFailed) and "\n" not in stop.text:  # a message, not a traceback: one line
+            print(f"mpiasgd: {text}: {stop.text}; {closed}.", file=sys.stderr, flush=True)
+        else:
+            print(f"mpiasgd: {text}; {closed}." + (f"\n{stop.text}" if isinstance(stop, WorkerFailed) else ""),
+                  file=sys.stderr, flush=True)
         if isinstance(stop, Preempted) and stop.dead:
             time.sleep(0.3)  # the launcher is tearing the job down: let it forward this message first
         me.comm.Abort(code)

@@ -117,3 +117,36 @@ def test_a_file_truncated_during_training_stops_the_run_naming_it(tmp_path, cifa
     assert f"{cifar_file}: the dataset file changed while the run reads it" in err, err
     attrs, _, _ = read_log(tmp_path / "runs" / "cut.h5")
     assert attrs["status"] == "failed"
+
+
+def test_a_file_replaced_during_training_is_one_line_per_worker(tmp_path, cifar_file, tiny_cifar):
+    """The file is rewritten in place by `data convert` (os.replace: a new inode, the same size): every worker
+    that meets it says so in one line naming the file, its rank and what changed; no traceback; rank 0 closes
+    the log as failed and the job ends."""
+    from kit.launch import start_mpi, stop_group
+    from kit.runs import FAST, read_log, wait_for_pushes
+
+    proc = start_mpi(3, ["train", *FAST, "--model", "cifar10", "--batch-size", "8", "--data", str(cifar_file),
+                         "--shuffle-window", "1", "--epochs", "0", "--max-time", "120", "--name", "swap"], tmp_path)
+    try:
+        wait_for_pushes(tmp_path / "runs" / "swap.h5", proc, timeout=60)
+        before = cifar_file.stat()
+        _, (train_x, train_y, test_x, test_y) = tiny_cifar
+        write_dataset_file(cifar_file, train_x[::-1], train_y[::-1], test_x, test_y, chunk=8)  # another inode
+        assert cifar_file.stat().st_size == before.st_size
+        _, err = proc.communicate(timeout=90)
+    finally:
+        stop_group(proc)
+    assert proc.returncode not in (0, None), err
+    assert "Traceback" not in err, err
+    cause = (rf"{re.escape(str(cifar_file))}: the dataset file changed while the run reads it \(replaced by another "
+             r"file: inode \d+ -> \d+; modified [-\d: .]+ -> [-\d: .]+ UTC(; another conversion: created \S+ -> "
+             r"\S+)?\); rerun, or --resume, once it is complete")
+    lines = [line for line in err.splitlines() if "the dataset file changed" in line]
+    workers = [line for line in lines if re.fullmatch(rf"mpiasgd: error: rank [12] on \S+: {cause}", line)]
+    rank0 = [line for line in lines if re.fullmatch(rf"mpiasgd: worker rank [12] on \S+ failed: {cause}; run log "
+                                                     r"'runs/swap\.h5' closed with status 'failed'\.", line)]
+    assert workers and len(rank0) == 1 and len(workers) + len(rank0) == len(lines), err
+    assert "size" not in lines[0], err
+    attrs, _, _ = read_log(tmp_path / "runs" / "swap.h5")
+    assert attrs["status"] == "failed"

@@ -258,3 +258,53 @@ def test_a_disk_that_fills_while_writing_gives_one_error_and_no_file(small_disk,
             for s in range(0, 2000, 250):
                 w.write("train", s, tx[s:s + 250], ty[s:s + 250])
     assert list(small_disk.iterdir()) == []
+
+
+CHANGED = r"{path}: the dataset file changed while the run reads it \({what}\); rerun, or --resume, once it is complete"
+CLOCK = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}"
+
+
+def test_a_file_changed_under_a_reader_says_what_changed(tmp_path, toy, monkeypatch):
+    """Replaced by another file of the same size, written in place with its modification time set back,
+    truncated: the reader's one-line error says which of identity, times, size and conversion stamp differ."""
+    import os
+    import re
+    import time
+
+    path, _ = toy
+    ds = H5Dataset(path)
+    ino = os.stat(path).st_ino
+    created = ds.file.attrs["created"]
+    gmtime = time.gmtime
+    with monkeypatch.context() as m:  # a conversion in 2030, 0 s past midnight
+        m.setattr(time, "gmtime", lambda secs=None: gmtime(1893456000 if secs is None else secs))
+        other = write_file(tmp_path / "other.h5", *make_arrays(300, 50, seed=1))
+    assert os.path.getsize(other) == os.path.getsize(path)
+    time.sleep(0.05)
+    os.replace(other, path)
+    with pytest.raises(DataError) as e:
+        ds.images("train", np.arange(20))
+    what = (rf"replaced by another file: inode {ino} -> {os.stat(path).st_ino}; modified {CLOCK} -> "
+            rf"(\d\d:\d\d:\d\d\.\d{{3}}|{CLOCK}) UTC; another conversion: created {created} -> 2030-01-01T00:00:00Z")
+    assert re.fullmatch(CHANGED.format(path=re.escape(path), what=what), str(e.value)), str(e.value)
+
+    ds = H5Dataset(path)
+    st = os.stat(path)
+    time.sleep(0.05)
+    with open(path, "r+b") as f:  # a byte of the images rewritten, the modification time put back
+        f.seek(st.st_size - 10)
+        f.write(b"x")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(DataError) as e:
+        ds.images("train", np.arange(20))
+    what = rf"written in place with its modification time kept \(status changed {CLOCK} -> {CLOCK} UTC\)"
+    assert re.fullmatch(CHANGED.format(path=re.escape(path), what=what), str(e.value)), str(e.value)
+
+    ds = H5Dataset(path)
+    size = os.path.getsize(path)
+    time.sleep(0.05)
+    os.truncate(path, size // 2)
+    with pytest.raises(DataError) as e:
+        ds.images("train", np.arange(20))
+    what = rf"size {size:,} -> {size // 2:,} bytes; modified {CLOCK} -> (\d\d:\d\d:\d\d\.\d{{3}}|{CLOCK}) UTC"
+    assert re.fullmatch(CHANGED.format(path=re.escape(path), what=what), str(e.value)), str(e.value)
