@@ -1,8 +1,9 @@
 """The compute backend protocol: every op the layers and the model call, with its shapes, dtypes and errors.
 
-Two backends satisfy it, obtained with `mpiasgd.ops.get_backend(name)`:
+Three backends satisfy it, obtained with `mpiasgd.ops.get_backend(name)`:
 
     "numpy"   mpiasgd.ops.numpy_ops.NumpyBackend: im2col + BLAS on the CPU, the reference (ground truth)
+    "cpu"     mpiasgd.ops.cpu_ops: the reference with faster convolutions and BatchNorm on the CPU
     "cupy"    mpiasgd.ops.cuda.backend.CupyBackend: our CUDA C kernels (kernels/*.cu) on one GPU
 
 Layout NCHW. Production dtype is float32; the numpy backend also takes float64 (all float arguments of
@@ -12,6 +13,15 @@ cupy backend takes float32, C-contiguous arrays of its own array type only. The 
 
 Shapes: N minibatch, C input channels, H x W input, K output channels (filters), R x S filter,
 P x Q output, I / O linear inputs / outputs, P (1-D) parameters. `stride`, `pad`, `kernel` in pixels.
+
+Non-finite values, the same on every backend (each op's docstring has its rule; tests/kernels_cpu's
+*_nonfinite cases and tests/unit check them): a NaN or infinity in an input propagates as NumPy's
+float arithmetic propagates it (convolutions, linear layers, sums); max pooling and argmax pick the
+first NaN of a window or row; a row with a NaN or +inf logit has a NaN loss and gradient. ReLU's
+backward is dx = dy * (y > 0): where the forward output y is NaN, dx is 0 for a finite dy (NaN for a
+non-finite one), where PyTorch's threshold_backward, where(y <= 0, 0, dy), passes dy through. Both
+keep NaN in the forward output; ours does not send a gradient through a unit whose output is not a
+number, which is why the two differ at y = NaN only.
 """
 
 from __future__ import annotations
