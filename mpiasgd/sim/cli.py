@@ -8,7 +8,10 @@
 Every `mpiasgd train` option applies (the same parser and config); seconds in them (--warm-start,
 --eval-interval, --max-time, --snapshot-interval, --checkpoint-interval) are virtual seconds, except
 --flush-interval (the log is written in real time). The timing model comes from --profile, --fit or the
-quick flags; quick flags given with --profile or --fit replace those figures of it.
+quick flags; quick flags given with --profile or --fit replace those figures of it. A fitted model (or a
+profile saved from one) applies the fitted run's --straggler factors, so that it reproduces that run, unless
+--straggler is given: then that replaces them. --backend auto computes on cpu, as `train`'s workers without
+a GPU.
 """
 
 from __future__ import annotations
@@ -66,8 +69,11 @@ def make_parser() -> argparse.ArgumentParser:
     sim.add_argument("--profile", metavar="FILE.json", default=None, help="timing model from this JSON profile "
                      "(see mpiasgd.sim.timing; --save-profile writes one)")
     sim.add_argument("--fit", metavar="RUN.h5", default=None, help="timing model fitted from this run log of an "
-                     "async or ssp run: each worker's measured compute times, the round trip's latency, the "
-                     "server's time per update")
+                     "async or ssp run: each worker's measured compute times (its first push's start-up paid "
+                     "once), the run's --straggler factors, the round trip's latency, the server's time per "
+                     "update; by default the simulation reproduces that run, and a line says what the fit took. "
+                     "--straggler RANK:FACTOR replaces the run's factors (RANK:1: that worker at its device's "
+                     "speed); the timing flags replace their figures")
     sim.add_argument("--fit-replay", action="store_true", help="with --fit: each worker replays its measured "
                      "compute times in their order (a trace-driven simulation) instead of drawing them at random")
     sim.add_argument("--compute-s", type=float, default=None, metavar="SECONDS",
@@ -115,6 +121,45 @@ def timing_from(args: argparse.Namespace) -> Any:
     return TimingModel.from_dict(values, f"{'--profile' if args.profile else '--fit'} with the timing flags")
 
 
+def with_stragglers(cfg: Any, timing: Any, num_workers: int) -> Any:
+    """`cfg` with the timing model's `stragglers` (the --straggler of the run it was fitted from, of workers
+    1..num_workers) as its --straggler when it gives none of its own; else `cfg` as it is."""
+    import dataclasses
+
+    from mpiasgd.sim.timing import straggler_text
+
+    kept = {w: f for w, f in timing.stragglers.items() if w <= num_workers}
+    if cfg.straggler.strip() or not kept:
+        return cfg
+    return dataclasses.replace(cfg, straggler=straggler_text(kept))
+
+
+def fit_line(path: str, timing: Any, cfg: Any) -> str:
+    """One line: what --fit took from run log `path` (`timing`, the fitted model) and what this run (`cfg`,
+    after `with_stragglers`) applies of it."""
+    from mpiasgd.sim.timing import straggler_text
+
+    slow = cfg.stragglers()
+    speeds = []
+    for w, c in sorted(timing.workers.items()):
+        factor = slow.get(w, 1.0)
+        times = f"{c.mean:.3g} s x {factor:g} = {c.mean * factor:.3g} s" if factor != 1 else f"{c.mean:.3g} s"
+        speeds.append(f"worker {w} {times}" + (f" (start-up +{c.startup_s * factor:.2g} s once)" if c.startup_s
+                                                else ""))
+    measured = ", ".join(speeds) or f"every worker {timing.compute.describe()} (--compute-s)"
+    run = straggler_text(timing.stragglers) if timing.stragglers else ""
+    if cfg.straggler.strip() and cfg.stragglers() != {w: f for w, f in timing.stragglers.items() if f != 1}:
+        applied = (f"the run's --straggler {run or '(none)'} replaced by this run's --straggler "
+                   f"{straggler_text(slow)}")
+    elif run:
+        applied = f"the run's --straggler {run} applied, as measured (--straggler RANK:1 undoes it)"
+    else:
+        applied = "no --straggler in the run"
+    return (f"mpiasgd simulate: --fit '{path}' took: compute per minibatch {measured}; {applied}; latency "
+            f"{timing.latency_s:.3g} s, server {timing.server_s:.3g} s per update (each replaced by its flag: "
+            "--straggler, --compute-s, --latency-s, --server-s)")
+
+
 def main(argv: list[str]) -> int:
     """`mpiasgd simulate ARGV`; returns the exit status (2: bad input, one line on stderr)."""
     import mpi4py
@@ -143,6 +188,9 @@ def main(argv: list[str]) -> int:
 
         check_simulated(cfg, args.workers)
         timing = timing_from(args)
+        cfg = with_stragglers(cfg, timing, args.workers)
+        if args.fit:
+            print(fit_line(args.fit, timing, cfg), flush=True)
         if args.save_profile:  # refused here; written once the run has started (every other check passed)
             check_profile_path(args.save_profile, args.fit, cfg.overwrite)
         if timing.batch_size and timing.batch_size != cfg.batch_size:

@@ -31,10 +31,10 @@ After each event, when the server is not busy, rank 0's tick runs at the event's
 `Rank0.tick` that apply here: the role's clock duties, snapshots, checkpoints, log flush, progress). The
 run ends when the role is done (every worker's final EVAL handled); then `Rank0.finish`.
 
-One model object (numpy backend) serves every worker: before a worker computes, its own params, grads
-and buffers are bound and its dropout seed set, so N workers cost N sets of message buffers, not N
-models. A virtual worker's work happens all at once at its event: the weights it computes on are its own
-copy, taken on arrival, as a real worker's are.
+One model object (the workers' backend, resolved as `train`'s: numpy or cpu) serves every worker: before
+a worker computes, its own params, grads and buffers are bound and its dropout seed set, so N workers
+cost N sets of message buffers, not N models. A virtual worker's work happens all at once at its event:
+the weights it computes on are its own copy, taken on arrival, as a real worker's are.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def check_simulated(cfg: Any, num_workers: int) -> None:
         raise ConfigError(f"--servers {cfg.servers}: the simulator models one parameter server (its --server-s is "
                           "the time of one update); simulate with --servers 1")
     if cfg.backend == "cupy":
-        raise ConfigError("--backend cupy: the simulator computes on the numpy backend (the "
-                          "timing model stands for the devices); leave --backend at auto, numpy or cpu")
+        raise ConfigError("--backend cupy: the simulator computes on the host (the timing model stands for the "
+                          "devices); leave --backend at auto (cpu), numpy or cpu")
 
 
 class VirtualRecorder(Recorder):
@@ -140,7 +140,8 @@ class Simulation:
     """The asynchronous protocol of `cfg.mode` (async or ssp) with `num_workers` virtual workers on a virtual
     clock; see the module docstring.
 
-    `mode` is the Mode object, `model` the numpy model every worker shares, `dataset` the data, `layout`
+    `mode` is the Mode object, `model` rank 0's (numpy) model, `worker_model` the one every worker shares
+    (the workers' backend, numpy or cpu; default: `model`), `dataset` the data, `layout`
     the mode's layout, `samplers` one ShardSampler per shard (`layout.shard[w]` is worker w's), `test_idx`
     {worker: int64 test indices}, `timing` the TimingModel (its eval_s_per_image resolved), `rec` a
     VirtualRecorder on the run log, `params` the initial weights (float32 (P,)). `run()` returns the
@@ -150,8 +151,9 @@ class Simulation:
 
     def __init__(self, cfg: Any, mode: Any, model: Any, dataset: Any, layout: Any, samplers: list,
                  test_idx: dict[int, np.ndarray], timing: TimingModel, rec: VirtualRecorder,
-                 params: np.ndarray) -> None:
+                 params: np.ndarray, worker_model: Any = None) -> None:
         self.cfg, self.mode, self.model, self.dataset, self.layout = cfg, mode, model, dataset, layout
+        self.worker_model = model if worker_model is None else worker_model
         self.samplers, self.test_idx, self.timing, self.rec, self.params = samplers, test_idx, timing, rec, params
         self.num_workers = len(rec.workers)
         self.heap: list[Event] = []
@@ -169,7 +171,7 @@ class Simulation:
 
     def build(self) -> VirtualRank0:
         """Rank 0 (the mode's role, through the real loop object) and the virtual workers."""
-        cfg, model = self.cfg, self.model
+        cfg, model, computing = self.cfg, self.model, self.worker_model
         size = self.num_workers + 1
         r0 = VirtualRank0(VirtualComm(0, size, self.post), cfg, self.rec,
                           lambda r0: self.mode.rank0(r0, self.params, model.decay_mult(), model, self.dataset,
@@ -178,17 +180,18 @@ class Simulation:
         slow = cfg.stragglers()
         for w in range(1, size):
             comm = VirtualComm(w, size, self.post)
-            job = WorkerJob(comm, worker_cfg, model, self.dataset, self.samplers[self.layout.shard[w]], w,
+            job = WorkerJob(comm, worker_cfg, computing, self.dataset, self.samplers[self.layout.shard[w]], w,
                             self.test_idx[w], layout=self.layout)
             loop = self.mode.worker(job)
-            local = LocalSGD(model, cfg.momentum, cfg.weight_decay, nesterov=cfg.nesterov) if cfg.nsync > 1 else None
+            local = LocalSGD(computing, cfg.momentum, cfg.weight_decay, nesterov=cfg.nesterov) if cfg.nsync > 1 \
+                else None
             compute = self.timing.compute_for(w)
             rng = np.random.default_rng([cfg.seed, 7, w])
             # a replayed trace that is not this worker's own (the pooled one): from a place of its own in it
             offset = int(rng.integers(len(compute.samples))) if compute.replay and w not in self.timing.workers else 0
             self.workers[w] = VirtualWorker(w, loop, comm, compute, slow.get(w, 1.0), rng, local, offset=offset)
         if cfg.nsync > 1:
-            self.pulled = model.ops.empty(model.num_params)
+            self.pulled = computing.ops.empty(computing.num_params)
         self.r0 = r0
         return r0
 
@@ -300,7 +303,7 @@ class Simulation:
     def bind(self, vw: VirtualWorker) -> None:
         """The shared model computes as worker `vw`: its weights, gradient buffer, layer buffers, dropout seed."""
         vw.loop.bind(vw.loop.staging.params, vw.loop.staging.grads)
-        self.model.ctx.seed = dropout_seed(self.cfg.seed, vw.rank)
+        self.worker_model.ctx.seed = dropout_seed(self.cfg.seed, vw.rank)
 
     def push(self, vw: VirtualWorker, t: float, wait_s: float) -> None:
         """Worker `vw` got WEIGHTS at `t`: (flag EVALUATE: evaluate them first), compute its gradient or nsync
@@ -341,7 +344,7 @@ class Simulation:
         loop.buffers_from(staging.params)  # the final weights, and rank 0's mean buffers: what the snapshot holds
         self.bind(vw)
         loop.stream.close()
-        loss_sum, correct, count, correct5 = evaluate(self.model, self.dataset, loop.job.test_idx,
+        loss_sum, correct, count, correct5 = evaluate(self.worker_model, self.dataset, loop.job.test_idx,
                                                       self.cfg.eval_batch_size)
         result = Message(0).stamp(Tag.EVAL, vw.rank, samples=count, correct=correct, loss=loss_sum, correct5=correct5)
         vw.comm.send_time = t + self.timing.eval_seconds(count, self.cfg.batch_size)

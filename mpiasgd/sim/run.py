@@ -38,6 +38,7 @@ def simulate(cfg: Any, num_workers: int, timing: TimingModel, save_profile: str 
     from mpiasgd.launch.ranks import Rank
     from mpiasgd.launch.records import WorkerInfo
     from mpiasgd.launch.startup import definition_text, load_data, setup, shared_definition, test_slice
+    from mpiasgd.model import build_model
     from mpiasgd.modes.registry import load
     from mpiasgd.rank0.serve import announce, make_recorder, start_log
     from mpiasgd.runlog import RunLogError, summary_lines
@@ -50,23 +51,27 @@ def simulate(cfg: Any, num_workers: int, timing: TimingModel, save_profile: str 
     mode = load(cfg.mode)
     me = Rank(None, 0, num_workers + 1, socket.gethostname())  # rank 0 of a job of 1 + N ranks, none of them MPI
     dataset = load_data(cfg)
-    start = setup(cfg, me, mode, dataset, shared_definition(definition_text(cfg, dataset)))  # takes the log's lock
-    model, layout = start.model, start.layout
+    spec = shared_definition(definition_text(cfg, dataset))
+    start = setup(cfg, me, mode, dataset, spec)  # takes the log's lock
+    model, layout = start.model, start.layout  # rank 0's: numpy, as a real rank 0's
     try:
+        backend = worker_backend(cfg.backend)
+        worker_model = model if backend == "numpy" else build_model(spec, backend)
         timing = timing.resolved(cfg.batch_size)
         if save_profile:
             check_profile_path(save_profile, None, cfg.overwrite, start.path)
             save_timing(timing, save_profile)
             print(f"mpiasgd simulate: timing model written to '{save_profile}'", flush=True)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        workers = [WorkerInfo(rank=w, host="simulated", pid=0, threads=cfg.threads or cores, backend="numpy",
+        workers = [WorkerInfo(rank=w, host="simulated", pid=0, threads=cfg.threads or cores, backend=backend,
                               shard_size=len(start.samplers[layout.shard[w]])) for w in range(1, num_workers + 1)]
         if cfg.data_in_memory and hasattr(dataset, "keep_in_memory"):  # every worker's shard: the whole set
             for w in range(1, num_workers + 1):
                 dataset.keep_in_memory(start.samplers[layout.shard[w]].shard_indices())
         announce(cfg, me, start, workers)
         print(f"simulated: {num_workers} virtual worker{'s' * (num_workers != 1)} in one process on a virtual clock "
-              f"(no MPI); {timing.describe()}", flush=True)
+              f"(no MPI), computing on backend {backend}{picked(cfg.backend, backend)}; {timing.describe()}",
+              flush=True)
         log = start_log(cfg, me, start, workers, extra={"simulated": timing.to_json(), "clock": "virtual"})
     except BaseException:
         start.release()
@@ -75,7 +80,7 @@ def simulate(cfg: Any, num_workers: int, timing: TimingModel, save_profile: str 
     bar = rec.progress
     sim = Simulation(cfg, mode, model, dataset, layout, start.samplers,
                      {w: test_slice(dataset.num_test, num_workers, w) for w in range(1, num_workers + 1)},
-                     timing, rec, model.init_params(cfg.seed))
+                     timing, rec, model.init_params(cfg.seed), worker_model=worker_model)
     began = time.perf_counter()
     try:
         summary = _limited(cfg.threads, sim.run)
@@ -104,6 +109,23 @@ def simulate(cfg: Any, num_workers: int, timing: TimingModel, save_profile: str 
         print(f"mpiasgd: error: run stopped (--on-divergence stop): {rec.diverged}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
     return 0
+
+
+def worker_backend(requested: str) -> str:
+    """The backend the virtual workers compute on for --backend `requested`, resolved as `train` resolves a
+    worker's on a node without a GPU (`device.resolve_backend`): auto -> cpu, numpy and cpu as given. The
+    simulator computes on the host whatever GPUs there are (the timing model stands for the devices; cupy is
+    refused by `check_simulated`)."""
+    from mpiasgd.device import resolve_backend
+
+    return resolve_backend(requested, 0)
+
+
+def picked(requested: str, backend: str) -> str:
+    """What the start line says of how `backend` was chosen."""
+    if requested != "auto":
+        return f" (--backend {requested})"
+    return f" (--backend auto: {backend}, as train's workers on a node without a GPU)"
 
 
 def _limited(threads: int, call: Any) -> Any:

@@ -5,7 +5,11 @@ the experiments over the number of clients, nsync and warm start, replayed on a 
     compute    seconds per minibatch of each worker: lognormal with a mean and a coefficient of
                variation (cv 0: always the mean), or an empirical list of measured seconds drawn by
                bootstrap (with replacement); one distribution for every worker and, optionally, one of
-               a worker's own (`workers`). `--straggler RANK:FACTOR` multiplies that worker's draws.
+               a worker's own (`workers`); optionally a start-up (`startup_s`) added to a worker's first
+               minibatch only. `--straggler RANK:FACTOR` multiplies that worker's draws.
+    stragglers the --straggler factors of the run a model was fitted from ({rank: factor}): a simulation
+               without a --straggler of its own applies them, so that it reproduces that run; its own
+               --straggler replaces them (RANK:1: that worker at its device's speed)
     latency_s  seconds one message takes one way, whatever its size
     bandwidth  bytes/s of each link (0 = infinite): a message of n bytes takes latency_s + n / bandwidth
                (n: the message as sent, 160-byte header + 4 or, with --wire fp16|bf16, 2 bytes a value).
@@ -21,7 +25,9 @@ expected), a real run log (`fit_run_log`), or the command line's quick model (`T
 A profile looks like
 
     {"compute": {"mean_s": 0.05, "cv": 0.1},               or {"samples": [0.049, 0.052, ...]}
+                                                            (either: "startup_s": 0.3, optional)
      "workers": {"3": {"mean_s": 0.15, "cv": 0.1}},         optional: a worker's own distribution
+     "stragglers": {"3": 3.0},                              optional: the fitted run's --straggler
      "latency_s": 0.0005, "bandwidth": 1.25e9, "server_s": 0.002,
      "eval_s_per_image": 0.0004,                            optional (null: the default above)
      "batch_size": 32,                                      optional: images per minibatch measured (0: unknown)
@@ -53,12 +59,15 @@ class ProfileError(ConfigError):
 class ComputeTime:
     """Seconds one worker takes per minibatch (data, forward, backward): lognormal of mean `mean_s` (> 0 s)
     and coefficient of variation `cv` (>= 0; 0: always `mean_s`), or, when `samples` is non-empty, a draw
-    with replacement from those measured seconds (each > 0)."""
+    with replacement from those measured seconds (each > 0). `startup_s` (>= 0 s) is added to the first
+    minibatch alone: a worker's one-off start-up (first touch of its memory, compiled kernels, the data
+    file's first read), which a draw must not bring back in mid-run."""
 
     mean_s: float = 0.0
     cv: float = 0.0
     samples: tuple[float, ...] = ()
     replay: bool = False  # with samples: take them in their order (a trace), from the worker's offset, cycling
+    startup_s: float = 0.0  # s added to draw 0 (not with replay: a trace holds its own start-up)
 
     @property
     def mean(self) -> float:
@@ -67,26 +76,30 @@ class ComputeTime:
 
     def draw(self, rng: np.random.Generator, index: int = 0) -> float:
         """One minibatch's seconds: the `index`-th (a worker's count of draws plus its offset) of a replayed
-        trace, else a random draw from `rng`."""
+        trace, else a random draw from `rng` (+ `startup_s` for index 0)."""
         if self.replay:
             return float(self.samples[index % len(self.samples)])
+        startup = self.startup_s if index == 0 else 0.0
         if self.samples:
-            return float(self.samples[int(rng.integers(len(self.samples)))])
+            return float(self.samples[int(rng.integers(len(self.samples)))]) + startup
         if self.cv == 0:
-            return self.mean_s
+            return self.mean_s + startup
         sigma2 = math.log1p(self.cv * self.cv)  # lognormal with E = mean_s, sd / E = cv
-        return float(rng.lognormal(math.log(self.mean_s) - sigma2 / 2, math.sqrt(sigma2)))
+        return float(rng.lognormal(math.log(self.mean_s) - sigma2 / 2, math.sqrt(sigma2))) + startup
 
     def to_dict(self) -> dict:
+        startup = {"startup_s": self.startup_s} if self.startup_s else {}
         if self.samples:
-            return {"samples": list(self.samples), **({"replay": True} if self.replay else {})}
-        return {"mean_s": self.mean_s, "cv": self.cv}
+            return {"samples": list(self.samples), **({"replay": True} if self.replay else {}), **startup}
+        return {"mean_s": self.mean_s, "cv": self.cv, **startup}
 
     def describe(self) -> str:
+        startup = f", start-up +{self.startup_s:.3g} s once" if self.startup_s else ""
         if self.samples:
             how = "replayed in order" if self.replay else "drawn with replacement"
-            return f"empirical ({len(self.samples)} samples {how}, mean {self.mean:.4g} s)"
-        return f"{self.mean_s:.4g} s" + (f" (lognormal, cv {self.cv:g})" if self.cv else "")
+            return f"empirical ({len(self.samples)} samples {how}, mean {self.mean:.4g} s{startup})"
+        return f"{self.mean_s:.4g} s" + (f" (lognormal, cv {self.cv:g}{startup})" if self.cv else
+                                         f" ({startup[2:]})" if startup else "")
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,7 @@ class TimingModel:
     server_s: float = 0.0                   # s per push the parameter server serves
     eval_s_per_image: float | None = None   # s per test image evaluated; None: from the compute time
     workers: dict[int, ComputeTime] = field(default_factory=dict)
+    stragglers: dict[int, float] = field(default_factory=dict)  # the fitted run's --straggler: rank -> factor
     batch_size: int = 0                     # images per minibatch the compute times are for; 0 = unknown
     note: str = ""                          # where the model comes from, for a person
 
@@ -136,10 +150,12 @@ class TimingModel:
     def describe(self) -> str:
         """One line: the model's figures."""
         own = "".join(f"; worker {w}: {c.describe()}" for w, c in sorted(self.workers.items()))
+        slow = (f"; the fitted run's --straggler {straggler_text(self.stragglers)} (unless --straggler is given)"
+                if self.stragglers else "")
         bw = f"{self.bandwidth:.4g} bytes/s" if self.bandwidth else "infinite"
         per_image = "from compute" if self.eval_s_per_image is None else f"{self.eval_s_per_image:.3g} s"
-        return (f"compute {self.compute.describe()} per minibatch{own}; latency {self.latency_s:.4g} s, bandwidth "
-                f"{bw}, server {self.server_s:.4g} s per update, evaluation {per_image} per image")
+        return (f"compute {self.compute.describe()} per minibatch{own}{slow}; latency {self.latency_s:.4g} s, "
+                f"bandwidth {bw}, server {self.server_s:.4g} s per update, evaluation {per_image} per image")
 
     # --- JSON ---
     def to_dict(self) -> dict:
@@ -148,6 +164,8 @@ class TimingModel:
                                "eval_s_per_image": self.eval_s_per_image}
         if self.workers:
             out["workers"] = {str(w): c.to_dict() for w, c in sorted(self.workers.items())}
+        if self.stragglers:
+            out["stragglers"] = {str(w): f for w, f in sorted(self.stragglers.items())}
         if self.batch_size:
             out["batch_size"] = self.batch_size
         if self.note:
@@ -193,11 +211,16 @@ class TimingModel:
         workers = values.get("workers") or {}
         if not isinstance(workers, dict):
             raise ProfileError(f"{source}: key 'workers' = {workers!r}: expected {PROFILE_KEYS['workers']}")
-        own = {}
-        for key, spec in workers.items():
-            if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) >= 1):
-                raise ProfileError(f"{source}: key 'workers' has entry {key!r}: expected a worker rank >= 1")
-            own[int(key)] = _compute(spec, f"workers.{key}", source)
+        own = {_rank(key, "workers", source): _compute(spec, f"workers.{key}", source) for key, spec in workers.items()}
+        slow = values.get("stragglers") or {}
+        if not isinstance(slow, dict):
+            raise ProfileError(f"{source}: key 'stragglers' = {slow!r}: expected {PROFILE_KEYS['stragglers']}")
+        factors = {}
+        for key in slow:
+            factor = _number(slow, key, source, what=f"stragglers.{key}", most=MAX_SECONDS)
+            if factor < 1:
+                raise ProfileError(f"{source}: key 'stragglers.{key}' = {factor!r}: expected a factor >= 1")
+            factors[_rank(key, "stragglers", source)] = factor
         per_image = values.get("eval_s_per_image")
         batch_size = values.get("batch_size", 0)
         if not (isinstance(batch_size, int) and not isinstance(batch_size, bool) and 0 <= batch_size <= 10**6):
@@ -209,18 +232,19 @@ class TimingModel:
                    latency_s=_number(values, "latency_s", source), bandwidth=_bandwidth(values, source),
                    server_s=_number(values, "server_s", source),
                    eval_s_per_image=None if per_image is None else _number(values, "eval_s_per_image", source),
-                   workers=own, batch_size=batch_size, note=note)
+                   workers=own, stragglers=factors, batch_size=batch_size, note=note)
 
 
 # key -> what it must be (the errors say it)
 PROFILE_KEYS = {
     "compute": 'an object {"mean_s": seconds > 0, "cv": number >= 0} or {"samples": [seconds > 0, ...], '
-               '"replay": false}',
+               '"replay": false}, either with "startup_s": seconds >= 0 (optional)',
     "latency_s": "seconds >= 0 (one way, per message)",
     "bandwidth": "bytes/s >= 0 (0 = infinite)",
     "server_s": "seconds >= 0 (per push served)",
     "eval_s_per_image": "seconds >= 0, or null (from the compute time)",
     "workers": 'an object {"RANK": compute object, ...}',
+    "stragglers": 'an object {"RANK": factor >= 1, ...} (the fitted run\'s --straggler)',
     "batch_size": "an integer 0..1000000 (images per minibatch measured; 0 = unknown)",
     "note": "a string",
 }
@@ -259,10 +283,26 @@ def _bandwidth(values: dict, source: str) -> float:
     return value
 
 
+def _rank(key: Any, what: str, source: str) -> int:
+    """A worker rank >= 1 from a JSON object's key under `what`; ProfileError naming it otherwise."""
+    if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) >= 1):
+        raise ProfileError(f"{source}: key '{what}' has entry {key!r}: expected a worker rank >= 1")
+    return int(key)
+
+
+def straggler_text(factors: dict[int, float]) -> str:
+    """{rank: factor} as --straggler writes it: "2:3,4:1.5" (ranks in order)."""
+    return ",".join(f"{w}:{f:g}" if float(f"{f:g}") == f else f"{w}:{f!r}" for w, f in sorted(factors.items()))
+
+
 def _compute(spec: Any, key: str, source: str) -> ComputeTime:
     """A ComputeTime from its JSON object under `key`; ProfileError naming the key."""
     if not isinstance(spec, dict) or not spec:
         raise ProfileError(f"{source}: key '{key}' = {spec!r}: expected {PROFILE_KEYS['compute']}")
+    startup = _number(spec, "startup_s", source, what=f"{key}.startup_s") if "startup_s" in spec else 0.0
+    spec = {k: v for k, v in spec.items() if k != "startup_s"}
+    if not spec:
+        raise ProfileError(f"{source}: key '{key}' has only 'startup_s': expected {PROFILE_KEYS['compute']}")
     if "samples" in spec:
         extra = sorted(set(spec) - {"samples", "replay"})
         samples = spec["samples"]
@@ -277,7 +317,7 @@ def _compute(spec: Any, key: str, source: str) -> ComputeTime:
                                "seconds > 0")
         for i, value in enumerate(samples):
             _number({"s": value}, "s", source, positive=True, what=f"{key}.samples[{i}]")
-        return ComputeTime(samples=tuple(float(v) for v in samples), replay=replay)
+        return ComputeTime(samples=tuple(float(v) for v in samples), replay=replay, startup_s=startup)
     extra = sorted(set(spec) - {"mean_s", "cv"})
     if extra:
         raise ProfileError(f"{source}: key '{key}' has unknown key(s) {extra}: expected {PROFILE_KEYS['compute']}")
@@ -285,7 +325,7 @@ def _compute(spec: Any, key: str, source: str) -> ComputeTime:
         raise ProfileError(f"{source}: key '{key}.mean_s' is missing: expected seconds > 0")
     mean = _number(spec, "mean_s", source, positive=True, what=f"{key}.mean_s")
     cv = _number(spec, "cv", source, what=f"{key}.cv", most=100.0) if "cv" in spec else 0.0
-    return ComputeTime(mean_s=mean, cv=cv)
+    return ComputeTime(mean_s=mean, cv=cv, startup_s=startup)
 
 
 def load_profile(path: str) -> TimingModel:
@@ -317,10 +357,18 @@ def fit_run_log(path: str, replay: bool = False) -> TimingModel:
 
     compute    each worker's empirical distribution: the compute_s of its pushes (data + forward + backward
                of the push's nsync minibatches), divided by the run's nsync and by that worker's --straggler
-               factor (the device's own speed; --straggler in the simulation applies its own); `compute`
-               pools every worker's samples, `workers` keeps each one's. `replay`: the samples are taken in
-               their order (each worker replays its own trace; workers the log does not have replay the
-               pooled one from an offset of their own), else drawn with replacement
+               factor (the device's own speed); `compute` pools every worker's samples, `workers` keeps each
+               one's. A worker's first push is its start-up (first touch, compiled kernels, the first chunk
+               read; several times a later push): drawn again at random it would come back in mid-run as
+               a slow spell of one worker alone, which the real run never had (a long push that others
+               overtake several times: the top of the staleness distribution). So it is left out of the
+               samples and its excess over nsync typical minibatches (the median) is `startup_s`, paid once
+               by that worker's first minibatch (the pooled distribution: the workers' median excess).
+               `replay`: the samples, the first included, are taken in their order (each worker replays its
+               own trace; workers the log does not have replay the pooled one from an offset of their own),
+               else drawn with replacement
+    stragglers the run's --straggler factors (of the workers in the log): a simulation without a --straggler
+               of its own applies them, so by default it reproduces the run as measured
     server_s   the shortest gap between two consecutive updates (the updates table): the server cannot apply
                two pushes faster than it takes per push, and with 2+ workers some pushes arrive while it is
                busy, so the shortest gap is one push's whole handling (receive, update, log, reply); 0 for a
@@ -361,11 +409,15 @@ def fit_run_log(path: str, replay: bool = False) -> TimingModel:
     for w in sorted(set(pushes["worker"].tolist())):
         seconds = pushes["compute_s"][pushes["worker"] == w].astype(np.float64) / nsync / slow.get(int(w), 1.0)
         seconds = seconds[np.isfinite(seconds) & (seconds > 0)]
+        startup = 0.0  # replay: a trace keeps its start-up where it was; one push: it is all there is
+        if not replay and len(seconds) >= 2:  # (the first push's nsync minibatches against as many typical ones)
+            startup, seconds = max(0.0, nsync * (seconds[0] - float(np.median(seconds[1:])))), seconds[1:]
         if len(seconds):
-            own[int(w)] = ComputeTime(samples=tuple(float(s) for s in seconds), replay=replay)
+            own[int(w)] = ComputeTime(samples=tuple(float(s) for s in seconds), replay=replay, startup_s=startup)
     if not own:
         raise ProfileError(f"{source}: no push with a compute time > 0 to fit from")
-    pooled = ComputeTime(samples=tuple(s for c in own.values() for s in c.samples), replay=replay)
+    pooled = ComputeTime(samples=tuple(s for c in own.values() for s in c.samples), replay=replay,
+                         startup_s=float(np.median([c.startup_s for c in own.values()])))
     updates = run["updates"]
     server_s = 0.0
     if int(run.get("num_workers") or len(own)) >= 2 and updates is not None and len(updates) >= 2:
@@ -387,5 +439,7 @@ def fit_run_log(path: str, replay: bool = False) -> TimingModel:
         if len(ok):
             per_image = float(np.median(ok["seconds"].astype(np.float64) / (ok["count"] / workers)))
     return TimingModel(compute=pooled, latency_s=latency, bandwidth=0.0, server_s=server_s,
-                       eval_s_per_image=per_image, workers=own, batch_size=int(cfg.get("batch_size", 0) or 0),
+                       eval_s_per_image=per_image, workers=own,
+                       stragglers={w: f for w, f in slow.items() if w in own and f != 1.0},
+                       batch_size=int(cfg.get("batch_size", 0) or 0),
                        note=f"fitted from run log '{path}' ({len(pushes)} pushes, {len(own)} workers)")

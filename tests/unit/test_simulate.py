@@ -195,8 +195,9 @@ def test_no_mpi_is_initialised(tmp_path):
 # --- the timing model -----------------------------------------------------------------------------------
 
 def test_a_timing_model_round_trips_through_json(tmp_path):
-    model = TimingModel(ComputeTime(0.2, 0.1), latency_s=0.01, bandwidth=1e9, server_s=0.003,
-                        workers={3: ComputeTime(samples=(0.5, 0.6))}, batch_size=32, note="x")
+    model = TimingModel(ComputeTime(0.2, 0.1, startup_s=0.4), latency_s=0.01, bandwidth=1e9, server_s=0.003,
+                        workers={3: ComputeTime(samples=(0.5, 0.6), startup_s=1.5)}, stragglers={3: 2.5},
+                        batch_size=32, note="x")
     assert TimingModel.from_json(model.to_json()) == model
     path = tmp_path / "t.json"
     from mpiasgd.sim import save_profile
@@ -218,6 +219,12 @@ def test_a_timing_model_round_trips_through_json(tmp_path):
     ({"compute": {"mean_s": 0.1}, "latency_s": 0, "bandwidth": 1e-300, "server_s": 0}, "bandwidth"),
     ({"compute": {"mean_s": 0.1}, "latency_s": 0, "bandwidth": 0, "server_s": 0, "workers": {"\u00b2": {}}},
      "workers"),
+    ({"compute": {"mean_s": 0.1, "startup_s": -1}, "latency_s": 0, "bandwidth": 0, "server_s": 0},
+     "compute.startup_s"),
+    ({"compute": {"mean_s": 0.1}, "latency_s": 0, "bandwidth": 0, "server_s": 0, "stragglers": {"2": 0.5}},
+     "stragglers.2"),
+    ({"compute": {"mean_s": 0.1}, "latency_s": 0, "bandwidth": 0, "server_s": 0, "stragglers": {"0": 2}},
+     "stragglers"),
 ])
 def test_a_bad_profile_is_one_error_naming_the_file_and_the_key(tmp_path, capsys, values, key):
     path = profile(tmp_path, values)
@@ -388,3 +395,77 @@ def test_fit_replay_replays_each_workers_measured_compute_times_in_order(tmp_pat
         from mpiasgd.sim.cli import make_parser, timing_from
 
         timing_from(make_parser().parse_args(["--compute-s", "0.1", "--fit-replay"]))
+
+
+# --- issue 36: a fit reproduces its run (the straggler, the start-up); the backend resolves as train's ----
+
+def pushes_per_worker(pushes, workers=(1, 2)):
+    return [int((pushes["worker"] == w).sum()) for w in workers]
+
+
+def p99(pushes):
+    stale = pushes["staleness"][pushes["applied"] == 1]
+    return int(np.percentile(stale, 99, method="inverted_cdf"))
+
+
+def test_fit_keeps_the_straggler_of_the_run_it_fits_and_says_so(tmp_path, capsys):
+    """A run with --straggler 2:3 fitted without any flag: worker 2 stays 3x slower (push counts within 5 %,
+    staleness p99 within one push), the log's config says straggler 2:3, and one line says what the fit
+    took from the log. --straggler 2:1 replaces the run's factor (equal workers); 2:3 repeated changes nothing."""
+    simulate(tmp_path, "--compute-s", "0.02", "--compute-cv", "0.2", "--straggler", "2:3", "--max-pushes", "120",
+             "--epochs", "0", name="measured")
+    _, measured, _ = read_log(tmp_path / "measured.h5")
+    capsys.readouterr()
+    attrs, t, _ = simulate(tmp_path, "--fit", str(tmp_path / "measured.h5"), "--max-pushes", "120", "--epochs", "0",
+                           name="fitted")
+    out = capsys.readouterr().out
+    real, fitted = pushes_per_worker(measured["pushes"]), pushes_per_worker(t["pushes"])
+    assert real[0] > 2.5 * real[1]
+    assert fitted == pytest.approx(real, rel=0.05) and abs(p99(t["pushes"]) - p99(measured["pushes"])) <= 1
+    assert json.loads(attrs["config"])["straggler"] == "2:3"
+    said = [line for line in out.splitlines() if line.startswith("mpiasgd simulate: --fit")]
+    assert len(said) == 1 and "2:3" in said[0] and "worker 2" in said[0], out
+    _, same, _ = simulate(tmp_path, "--fit", str(tmp_path / "measured.h5"), "--straggler", "2:3", "--max-pushes",
+                          "120", "--epochs", "0", name="repeated")
+    assert same["pushes"]["compute_s"].tolist() == pytest.approx(t["pushes"]["compute_s"].tolist(), rel=1e-9)
+    _, even, _ = simulate(tmp_path, "--fit", str(tmp_path / "measured.h5"), "--straggler", "2:1", "--max-pushes",
+                          "120", "--epochs", "0", name="even")
+    ones, twos = pushes_per_worker(even["pushes"])
+    assert twos / ones == pytest.approx(1, abs=0.15)
+
+
+def test_fit_takes_a_workers_start_up_once_and_never_draws_it_again(tmp_path):
+    """A worker's first push carries its start-up (first touch, compiled kernels, the first chunk read): the
+    fit gives it to that worker's first minibatch once; the draws after it come from the other pushes only
+    (drawn again at random, a 10x start-up would land in mid-run as a slow spell the real run never had)."""
+    import h5py
+
+    simulate(tmp_path, "--compute-s", "0.02", "--compute-cv", "0.1", "--max-pushes", "40", "--epochs", "0",
+             name="measured")
+    with h5py.File(tmp_path / "measured.h5", "r+") as f:  # a start-up of 0.5 s on each worker's first push
+        pushes = f["pushes"][()]
+        for w in (1, 2):
+            first = np.flatnonzero(pushes["worker"] == w)[0]
+            pushes["compute_s"][first] = 0.5
+        f["pushes"][...] = pushes
+    fitted = fit_run_log(str(tmp_path / "measured.h5"))
+    for w in (1, 2):
+        assert max(fitted.workers[w].samples) < 0.1
+        assert fitted.workers[w].draw(np.random.default_rng(0), 0) == pytest.approx(0.5, rel=0.2)
+    _, t, _ = simulate(tmp_path, "--fit", str(tmp_path / "measured.h5"), "--max-pushes", "200", "--epochs", "0",
+                       name="fitted")
+    for w in (1, 2):
+        times = t["pushes"]["compute_s"][t["pushes"]["worker"] == w]
+        assert times[0] == pytest.approx(0.5, rel=0.2) and (times[1:] < 0.1).all()
+
+
+def test_backend_auto_resolves_as_trains_and_is_said(tmp_path, capsys):
+    """--backend auto (the default) computes on the cpu backend, as `train` does on a node without a GPU; the
+    log's workers say so and a start line names it. --backend numpy keeps the reference."""
+    _, t, _ = simulate(tmp_path, "--compute-s", "0.01", "--max-pushes", "4", "--epochs", "0", name="auto")
+    out = capsys.readouterr().out
+    assert [r["backend"] for r in t["workers"]] == [b"cpu"] * 2
+    assert any("backend cpu" in line and "auto" in line for line in out.splitlines()), out
+    _, t, _ = simulate(tmp_path, "--compute-s", "0.01", "--max-pushes", "4", "--epochs", "0", "--backend", "numpy",
+                       name="numpy")
+    assert [r["backend"] for r in t["workers"]] == [b"numpy"] * 2

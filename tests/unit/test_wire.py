@@ -339,7 +339,8 @@ def test_a_simulated_fp16_run_has_a_real_runs_numerics_and_bytes(tmp_path):
     argv = ["--workers", "1", "--model", "digits", "--batch-size", str(B), "--no-progress", "--run-dir",
             str(tmp_path), "--name", "w16", "--flush-interval", "60", "--compute-s", "1.0", "--bandwidth",
             str(bandwidth), "--max-pushes", str(steps), "--epochs", "0", "--lr-schedule", "constant",
-            "--warmup-epochs", "0", "--lr", "0.05", "--wire", "fp16"]
+            "--warmup-epochs", "0", "--lr", "0.05", "--wire", "fp16",
+            "--backend", "numpy"]  # the reference below computes on numpy (auto: cpu, other summation orders)
     assert main(argv) == 0
     attrs, t, snapshots = read_log(tmp_path / "w16.h5")
     digits = open_data("digits")
