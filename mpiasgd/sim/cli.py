@@ -134,9 +134,9 @@ def with_stragglers(cfg: Any, timing: Any, num_workers: int) -> Any:
     return dataclasses.replace(cfg, straggler=straggler_text(kept))
 
 
-def fit_line(path: str, timing: Any, cfg: Any) -> str:
-    """One line: what --fit took from run log `path` (`timing`, the fitted model) and what this run (`cfg`,
-    after `with_stragglers`) applies of it."""
+def fit_line(path: str, timing: Any, cfg: Any, num_workers: int) -> str:
+    """One line: what --fit took from run log `path` (`timing`, the fitted model) and what this run of
+    `num_workers` workers (`cfg`, after `with_stragglers`) applies of it."""
     from mpiasgd.sim.timing import straggler_text
 
     slow = cfg.stragglers()
@@ -147,12 +147,14 @@ def fit_line(path: str, timing: Any, cfg: Any) -> str:
         speeds.append(f"worker {w} {times}" + (f" (start-up +{c.startup_s * factor:.2g} s once)" if c.startup_s
                                                 else ""))
     measured = ", ".join(speeds) or f"every worker {timing.compute.describe()} (--compute-s)"
-    run = straggler_text(timing.stragglers) if timing.stragglers else ""
-    if cfg.straggler.strip() and cfg.stragglers() != {w: f for w, f in timing.stragglers.items() if f != 1}:
-        applied = (f"the run's --straggler {run or '(none)'} replaced by this run's --straggler "
-                   f"{straggler_text(slow)}")
-    elif run:
+    run = straggler_text(timing.stragglers) or "(none)"
+    kept = {w: f for w, f in timing.stragglers.items() if w <= num_workers}
+    if slow != kept:
+        applied = f"the run's --straggler {run} replaced by this run's --straggler {straggler_text(slow)}"
+    elif kept:
         applied = f"the run's --straggler {run} applied, as measured (--straggler RANK:1 undoes it)"
+    elif timing.stragglers:
+        applied = f"the run's --straggler {run}: of no simulated worker"
     else:
         applied = "no --straggler in the run"
     return (f"mpiasgd simulate: --fit '{path}' took: compute per minibatch {measured}; {applied}; latency "
@@ -190,7 +192,7 @@ def main(argv: list[str]) -> int:
         timing = timing_from(args)
         cfg = with_stragglers(cfg, timing, args.workers)
         if args.fit:
-            print(fit_line(args.fit, timing, cfg), flush=True)
+            print(fit_line(args.fit, timing, cfg, args.workers), flush=True)
         if args.save_profile:  # refused here; written once the run has started (every other check passed)
             check_profile_path(args.save_profile, args.fit, cfg.overwrite)
         if timing.batch_size and timing.batch_size != cfg.batch_size:

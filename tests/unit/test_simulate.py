@@ -428,10 +428,13 @@ def test_fit_keeps_the_straggler_of_the_run_it_fits_and_says_so(tmp_path, capsys
     _, same, _ = simulate(tmp_path, "--fit", str(tmp_path / "measured.h5"), "--straggler", "2:3", "--max-pushes",
                           "120", "--epochs", "0", name="repeated")
     assert same["pushes"]["compute_s"].tolist() == pytest.approx(t["pushes"]["compute_s"].tolist(), rel=1e-9)
+    capsys.readouterr()
     _, even, _ = simulate(tmp_path, "--fit", str(tmp_path / "measured.h5"), "--straggler", "2:1", "--max-pushes",
                           "120", "--epochs", "0", name="even")
     ones, twos = pushes_per_worker(even["pushes"])
     assert twos / ones == pytest.approx(1, abs=0.15)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("mpiasgd simulate: --fit")]
+    assert "--straggler 2:3 replaced by this run's --straggler 2:1" in said[0]
 
 
 def test_fit_takes_a_workers_start_up_once_and_never_draws_it_again(tmp_path):
