@@ -69,13 +69,14 @@ def make_parser() -> argparse.ArgumentParser:
     sim.add_argument("--profile", metavar="FILE.json", default=None, help="timing model from this JSON profile "
                      "(see mpiasgd.sim.timing; --save-profile writes one)")
     sim.add_argument("--fit", metavar="RUN.h5", default=None, help="timing model fitted from this run log of an "
-                     "async or ssp run: each worker's measured compute times (its first push's start-up paid "
-                     "once), the run's --straggler factors, the round trip's latency, the server's time per "
-                     "update; by default the simulation reproduces that run, and a line says what the fit took. "
-                     "--straggler RANK:FACTOR replaces the run's factors (RANK:1: that worker at its device's "
-                     "speed); the timing flags replace their figures")
+                     "async or ssp run: each worker's measured compute times (in a random order, each once a "
+                     "pass; its first push's start-up paid once), the run's --straggler factors, the round "
+                     "trip's latency, the server's time per update; by default the simulation reproduces that "
+                     "run, and a line says what the fit took. --straggler RANK:FACTOR replaces the run's "
+                     "factors (RANK:1: that worker at its device's speed); the timing flags replace their "
+                     "figures")
     sim.add_argument("--fit-replay", action="store_true", help="with --fit: each worker replays its measured "
-                     "compute times in their order (a trace-driven simulation) instead of drawing them at random")
+                     "compute times in their order (a trace-driven simulation) instead of in a random order")
     sim.add_argument("--compute-s", type=float, default=None, metavar="SECONDS",
                      help="compute seconds per minibatch of every worker (lognormal mean)")
     sim.add_argument("--compute-cv", type=float, default=None, metavar="CV",

@@ -55,7 +55,7 @@ from mpiasgd.optim import LocalSGD
 from mpiasgd.rank0.loop import Rank0
 from mpiasgd.rank0.recorder import Recorder
 from mpiasgd.sim.comm import Arrived, Envelope, VirtualComm
-from mpiasgd.sim.timing import ComputeTime, TimingModel
+from mpiasgd.sim.timing import ComputeDraws, TimingModel
 
 SIMULATED_MODES = ("async", "ssp")  # the parameter-server modes whose workers AsgdWorker is
 
@@ -107,21 +107,18 @@ class VirtualRank0(Rank0):
 @dataclass
 class VirtualWorker:
     """One virtual worker: `loop` is the mode's worker object (stream, staging, buffers, step, version),
-    `compute` its compute-time distribution times `slowdown` (--straggler), `rng` its own generator of
-    draws, `local` its LocalSGD (nsync > 1), `comm` the communicator it sends through."""
+    `times` its compute times per minibatch, multiplied by `slowdown` (--straggler), `local` its LocalSGD
+    (nsync > 1), `comm` the communicator it sends through."""
 
     rank: int
     loop: WorkerLoop
     comm: VirtualComm
-    compute: ComputeTime
+    times: ComputeDraws
     slowdown: float
-    rng: np.random.Generator
     local: LocalSGD | None = None
     posted: float = 0.0             # virtual time its receive was posted: when its last push left (0 at start)
     began: float | None = None      # when its first weights arrived (its local steps' --max-time clock)
     eval_s: float = 0.0             # virtual seconds of its evaluation in progress (the EVAL's compute_s)
-    draws: int = 0                  # compute times drawn so far (+ `offset`: its place in a replayed trace)
-    offset: int = 0
 
 
 @dataclass(order=True)
@@ -189,7 +186,7 @@ class Simulation:
             rng = np.random.default_rng([cfg.seed, 7, w])
             # a replayed trace that is not this worker's own (the pooled one): from a place of its own in it
             offset = int(rng.integers(len(compute.samples))) if compute.replay and w not in self.timing.workers else 0
-            self.workers[w] = VirtualWorker(w, loop, comm, compute, slow.get(w, 1.0), rng, local, offset=offset)
+            self.workers[w] = VirtualWorker(w, loop, comm, ComputeDraws(compute, rng, offset), slow.get(w, 1.0), local)
         if cfg.nsync > 1:
             self.pulled = computing.ops.empty(computing.num_params)
         self.r0 = r0
@@ -321,8 +318,7 @@ class Simulation:
 
         def after_minibatch() -> bool:  # its compute time drawn; --max-time: push what this round has
             nonlocal drawn
-            drawn += vw.compute.draw(vw.rng, vw.offset + vw.draws)
-            vw.draws += 1
+            drawn += vw.times.next()
             return bool(cfg.max_time and start + drawn - vw.began >= cfg.max_time)
 
         loss, correct, samples, epoch = loop.compute_round(vw.local, self.pulled, lr, after_minibatch)

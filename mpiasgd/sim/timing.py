@@ -3,8 +3,8 @@ travels, how long the parameter server takes per update (GPU A-SGD, Paine et al.
 the experiments over the number of clients, nsync and warm start, replayed on a virtual clock).
 
     compute    seconds per minibatch of each worker: lognormal with a mean and a coefficient of
-               variation (cv 0: always the mean), or an empirical list of measured seconds drawn by
-               bootstrap (with replacement); one distribution for every worker and, optionally, one of
+               variation (cv 0: always the mean), or an empirical list of measured seconds taken in a random
+               order, each once a pass (`ComputeDraws`); one distribution for every worker and, optionally, one of
                a worker's own (`workers`); optionally a start-up (`startup_s`) added to a worker's first
                minibatch only. `--straggler RANK:FACTOR` multiplies that worker's draws.
     stragglers the --straggler factors of the run a model was fitted from ({rank: factor}): a simulation
@@ -58,10 +58,11 @@ class ProfileError(ConfigError):
 @dataclass(frozen=True)
 class ComputeTime:
     """Seconds one worker takes per minibatch (data, forward, backward): lognormal of mean `mean_s` (> 0 s)
-    and coefficient of variation `cv` (>= 0; 0: always `mean_s`), or, when `samples` is non-empty, a draw
-    with replacement from those measured seconds (each > 0). `startup_s` (>= 0 s) is added to the first
-    minibatch alone: a worker's one-off start-up (first touch of its memory, compiled kernels, the data
-    file's first read), which a draw must not bring back in mid-run."""
+    and coefficient of variation `cv` (>= 0; 0: always `mean_s`), or, when `samples` is non-empty, those
+    measured seconds (each > 0) in a random order, one pass through all of them after another (a new order
+    each pass), or with `replay` in their own order. `startup_s` (>= 0 s) is added to the first minibatch
+    alone: a worker's one-off start-up (first touch of its memory, compiled kernels, the data file's first
+    read), which a draw must not bring back in mid-run. `ComputeDraws` takes them, one worker's."""
 
     mean_s: float = 0.0
     cv: float = 0.0
@@ -74,19 +75,6 @@ class ComputeTime:
         """The distribution's mean, seconds."""
         return float(np.mean(self.samples)) if self.samples else self.mean_s
 
-    def draw(self, rng: np.random.Generator, index: int = 0) -> float:
-        """One minibatch's seconds: the `index`-th (a worker's count of draws plus its offset) of a replayed
-        trace, else a random draw from `rng` (+ `startup_s` for index 0)."""
-        if self.replay:
-            return float(self.samples[index % len(self.samples)])
-        startup = self.startup_s if index == 0 else 0.0
-        if self.samples:
-            return float(self.samples[int(rng.integers(len(self.samples)))]) + startup
-        if self.cv == 0:
-            return self.mean_s + startup
-        sigma2 = math.log1p(self.cv * self.cv)  # lognormal with E = mean_s, sd / E = cv
-        return float(rng.lognormal(math.log(self.mean_s) - sigma2 / 2, math.sqrt(sigma2))) + startup
-
     def to_dict(self) -> dict:
         startup = {"startup_s": self.startup_s} if self.startup_s else {}
         if self.samples:
@@ -96,10 +84,43 @@ class ComputeTime:
     def describe(self) -> str:
         startup = f", start-up +{self.startup_s:.3g} s once" if self.startup_s else ""
         if self.samples:
-            how = "replayed in order" if self.replay else "drawn with replacement"
+            how = "replayed in order" if self.replay else "shuffled, each once a pass"
             return f"empirical ({len(self.samples)} samples {how}, mean {self.mean:.4g} s{startup})"
         return f"{self.mean_s:.4g} s" + (f" (lognormal, cv {self.cv:g}{startup})" if self.cv else
                                          f" ({startup[2:]})" if startup else "")
+
+
+class ComputeDraws:
+    """One worker's compute seconds, minibatch after minibatch (`next()`), from `compute` with the worker's
+    own generator `rng`; `offset` is its place in a replayed trace (a worker replaying the pooled one).
+
+    Measured samples are taken without replacement, a pass through all of them in a random order, then
+    another: over any pass the worker's times are the measured ones, each once, so a simulation of as many
+    pushes as the run it was fitted from has that run's compute seconds in total and its slow minibatches
+    as often. Drawn with replacement, a run's count of slow minibatches is random (binomial) and with it
+    each worker's push count (about 1 / sqrt(pushes), 5 % for a straggler's 100 pushes) and the top of the
+    staleness distribution (the p99 is a handful of pushes) move from simulation to simulation.
+    """
+
+    def __init__(self, compute: ComputeTime, rng: np.random.Generator, offset: int = 0) -> None:
+        self.compute, self.rng, self.index = compute, rng, offset
+        self.order: np.ndarray | None = None  # the current pass's order of the samples
+
+    def next(self) -> float:
+        """The next minibatch's seconds (+ `startup_s` for the worker's first)."""
+        c, i = self.compute, self.index
+        self.index += 1
+        if c.replay:
+            return float(c.samples[i % len(c.samples)])
+        startup = c.startup_s if i == 0 else 0.0
+        if c.samples:
+            if self.order is None or i % len(c.samples) == 0:  # a new pass
+                self.order = self.rng.permutation(len(c.samples))
+            return float(c.samples[self.order[i % len(c.samples)]]) + startup
+        if c.cv == 0:
+            return c.mean_s + startup
+        sigma2 = math.log1p(c.cv * c.cv)  # lognormal with E = mean_s, sd / E = cv
+        return float(self.rng.lognormal(math.log(c.mean_s) - sigma2 / 2, math.sqrt(sigma2))) + startup
 
 
 @dataclass(frozen=True)
@@ -366,7 +387,7 @@ def fit_run_log(path: str, replay: bool = False) -> TimingModel:
                by that worker's first minibatch (the pooled distribution: the workers' median excess).
                `replay`: the samples, the first included, are taken in their order (each worker replays its
                own trace; workers the log does not have replay the pooled one from an offset of their own),
-               else drawn with replacement
+               else shuffled, each once a pass (`ComputeDraws`)
     stragglers the run's --straggler factors (of the workers in the log): a simulation without a --straggler
                of its own applies them, so by default it reproduces the run as measured
     server_s   the shortest gap between two consecutive updates (the updates table): the server cannot apply

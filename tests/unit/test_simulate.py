@@ -19,7 +19,7 @@ from mpiasgd.data import MinibatchStream, ShardSampler
 from mpiasgd.data.loader import open_data
 from mpiasgd.model import build_model
 from mpiasgd.optim import SGD
-from mpiasgd.sim import ComputeTime, ProfileError, TimingModel, fit_run_log, load_profile
+from mpiasgd.sim import ComputeDraws, ComputeTime, ProfileError, TimingModel, fit_run_log, load_profile
 from mpiasgd.sim.cli import main
 
 B = 16
@@ -454,12 +454,35 @@ def test_fit_takes_a_workers_start_up_once_and_never_draws_it_again(tmp_path):
     fitted = fit_run_log(str(tmp_path / "measured.h5"))
     for w in (1, 2):
         assert max(fitted.workers[w].samples) < 0.1
-        assert fitted.workers[w].draw(np.random.default_rng(0), 0) == pytest.approx(0.5, rel=0.2)
+        assert ComputeDraws(fitted.workers[w], np.random.default_rng(0)).next() == pytest.approx(0.5, rel=0.2)
     _, t, _ = simulate(tmp_path, "--fit", str(tmp_path / "measured.h5"), "--max-pushes", "200", "--epochs", "0",
                        name="fitted")
     for w in (1, 2):
         times = t["pushes"]["compute_s"][t["pushes"]["worker"] == w]
         assert times[0] == pytest.approx(0.5, rel=0.2) and (times[1:] < 0.1).all()
+
+
+def test_fit_takes_each_measured_time_once_a_pass(tmp_path):
+    """A fitted worker's compute times are its measured ones in a random order, each once, pass after pass
+    (drawn with replacement, a simulation's count of slow minibatches, and with it the push counts and the
+    staleness p99, would be random): worker 2's pushes in the simulation carry, pass by pass, exactly the
+    times worker 2's pushes carried in the fitted log (after its first, the start-up)."""
+    simulate(tmp_path, "--compute-s", "0.02", "--compute-cv", "1.0", "--straggler", "2:3", "--max-pushes", "60",
+             "--epochs", "0", name="measured")
+    _, measured, _ = read_log(tmp_path / "measured.h5")
+    _, t, _ = simulate(tmp_path, "--fit", str(tmp_path / "measured.h5"), "--max-pushes", "150", "--epochs", "0",
+                       name="fitted")
+    fitted = fit_run_log(str(tmp_path / "measured.h5"))
+    for w, factor in ((1, 1), (2, 3)):
+        real = measured["pushes"]["compute_s"][measured["pushes"]["worker"] == w][1:]
+        got = t["pushes"]["compute_s"][t["pushes"]["worker"] == w].copy()
+        got[0] -= fitted.workers[w].startup_s * factor  # the first pass's first time, with the start-up
+        assert len(got) >= len(real) >= 10
+        np.testing.assert_allclose(sorted(got[:len(real)]), sorted(real), rtol=1e-6)
+        assert not np.allclose(got[:len(real)], real)  # in another order
+    draws = ComputeDraws(ComputeTime(samples=(1.0, 2.0, 3.0, 4.0)), np.random.default_rng(0))
+    passes = [[draws.next() for _ in range(4)] for _ in range(3)]
+    assert all(sorted(p) == [1.0, 2.0, 3.0, 4.0] for p in passes) and len({tuple(p) for p in passes}) > 1
 
 
 def test_backend_auto_resolves_as_trains_and_is_said(tmp_path, capsys):
