@@ -20,6 +20,11 @@ again (a window's accuracy at least ALIVE_ACCURACY_FACTOR / C) is reported as re
 `--on-divergence stop` ends the run once the network is dead (also when that is first seen in the
 last, partial window at the end); a spike alone is only a warning, since runs often recover from
 one. `final_state` says whether the run ended dead, for the summary and `mpiasgd report`.
+
+Rejected pushes (`Recorder.reject`, --max-rejects) are worded here too: a run of non-finite pushes is
+divergence (`rejects_text` ends with the mode's advice), but under --wire fp16 a push whose values are finite
+and beyond fp16's range [-65504, 65504] arrives as inf too; `rejected_text` and `rejects_text` name those with
+their largest magnitude and point to --wire bf16 instead.
 """
 
 from __future__ import annotations
