@@ -46,6 +46,7 @@ import os
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import h5py
@@ -119,7 +120,7 @@ class Checkpoint:
         return self.workers[int(np.flatnonzero(self.workers["rank"] == rank)[0])]
 
 
-def write(path: str, ckpt: Checkpoint) -> float:
+def write(path: str, ckpt: Checkpoint, between: Callable[[], None] | None = None) -> float:
     """Write `ckpt` to `path` atomically (see the module docstring); returns the seconds it took.
 
     Raises OSError (disk full, permissions) with a one-line text, e.g. "[Errno 28] No space left on
@@ -128,7 +129,12 @@ def write(path: str, ckpt: Checkpoint) -> float:
     (`runlog.ensure_free_space`: params and momentum, 2 x P x 4 bytes, plus 5 % and 1 MiB); a write
     that fails anyway prints nothing (h5py's "Exception ignored" reports of its objects' failing
     closes are kept back and become the OSError).
+
+    `between` is called between the write's steps (after each array, before the fsync), where the write can
+    take long (a 60 MB checkpoint: up to a second on a busy disk): rank 0 answers a signal there at once
+    (`Rank0.close_log_on_signal`) instead of after the write.
     """
+    step = between or (lambda: None)
     t0 = time.perf_counter()
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
@@ -138,7 +144,9 @@ def write(path: str, ckpt: Checkpoint) -> float:
     try:
         with _quiet_hdf5_cleanup(tmp), h5py.File(tmp, "w") as f:
             f.create_dataset("params", data=ckpt.params.astype(np.float32, copy=False))
+            step()
             f.create_dataset("momentum", data=ckpt.momentum.astype(np.float32, copy=False))
+            step()
             f.create_dataset("workers", data=ckpt.workers.astype(WORKER_STATE, copy=False))
             if ckpt.buffers.size:
                 f.create_dataset("buffers", data=ckpt.buffers.astype(np.float32, copy=False))
@@ -159,6 +167,7 @@ def write(path: str, ckpt: Checkpoint) -> float:
             a["num_workers"], a["num_params"] = ckpt.num_workers, int(ckpt.params.size)
             a["crc32"] = crc32(ckpt)
             a["created"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        step()
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)  # the data is on disk before the name points at it

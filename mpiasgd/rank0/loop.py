@@ -103,6 +103,7 @@ class Rank0:
         self.preempted = ""                   # why the run ends on a signal ("" otherwise)
         self.preempt_reason = "preempt"       # the checkpoint's reason ("failure": a worker died)
         self.late_signal = ""                 # a signal that came while the run was already ending
+        self.signal_logged = ""               # the "preempt" event logged in a checkpoint write (`close_log_on_signal`)
         self.preempt_time: float | None = None
         self.preempt_deadline = 0.0
         self.lost_state: list[int] = []       # --servers: shards that died (their slices could not be saved)
@@ -111,6 +112,7 @@ class Rank0:
         self.role = make_role(self)
         self.link = make_link(self) if make_link is not None else None
         rec.stop_workers = self.role.stop_workers
+        rec.meanwhile = self.close_log_on_signal
 
     # --- the loop ---
     @property
@@ -332,18 +334,23 @@ class Rank0:
             text = (f"{why} while the run was ending ({rec.stop_reason}): it completes if the workers finish "
                     f"within {PREEMPT_GRACE:g} s, else it ends as preempted")
             rec.event("signal", text)
+            self.end_log_early(False)  # (killed before it completes, it is a run to resume)
             print(f"mpiasgd: {text}", file=sys.stderr, flush=True)
             return
         self.preempted = why
         self.preempt_time = rec.now()
         self.preempt_reason = "failure" if gone else "preempt"
         self.preempt_deadline = time.perf_counter() + PREEMPT_GRACE
-        rec.event("preempt", why)
+        if why != self.signal_logged:
+            rec.event("preempt", why)
         self.lost_state = [w for w, _, _ in gone if w not in self.workers]  # --servers: a dead shard's slice
         checkpoints = self.role.checkpoints_here and not self.lost_state  # (a lost slice: the last one is kept)
         doing = "ending the run" if gone and not checkpoints else "checkpointing and ending the run"
-        print(f"mpiasgd: {why}: {doing}", file=sys.stderr, flush=True)
         rec.stop(f"{'failed' if gone else 'preempted'}: {why}")  # gone: a worker died
+        # first of all, the log closed with its status: the launcher may kill every rank any moment now (Open MPI's
+        # mpiexec SIGKILLs them 0.25 s after the SIGTERM it sends on its own SIGTERM, or when a rank died)
+        self.end_log_early(bool(gone))
+        print(f"mpiasgd: {why}: {doing}", file=sys.stderr, flush=True)
         if checkpoints:  # now, or (--servers) once the shards agreed on the pushes each applies
             self.checkpoint_due = self.preempt_reason
             self.write_due_checkpoint()
@@ -351,6 +358,24 @@ class Rank0:
         rec.log.flush()
         if gone:  # no use waiting for them: end now, before the launcher's SIGKILL, with the log closed
             raise Preempted(why, [w for w, _, _ in gone], dead=True)
+
+    def close_log_on_signal(self) -> None:
+        """(between the steps of a checkpoint write, `Recorder.meanwhile`) A signal that came during the write closes
+        the run log at once, with the event "preempt", as `preempt` does first (`RunLog.end_early`); the next tick
+        preempts the run (the checkpoint, the workers' STOP)."""
+        if not signals.received() or not self.decides or self.rec.log.ended:
+            return
+        if not self.rec.stop_reason:  # (a run already ending, the final checkpoint's write: it may yet complete)
+            self.signal_logged = f"{signals.received()} received by rank 0"
+            self.rec.event("preempt", self.signal_logged)
+        self.end_log_early(bool(self.exited_workers()))
+
+    def end_log_early(self, failed: bool) -> None:
+        """Close the run log now (`RunLog.end_early`) with status "failed" (a rank died: the event naming it is
+        written as soon as it can be, as the launcher's kill may come any moment) or "preempted" (the rows logged
+        after the signal wait signals.KILL_WINDOW seconds: a launcher tearing the job down kills rank 0 while no
+        file is open)."""
+        self.rec.log.end_early("failed" if failed else "preempted", 0.0 if failed else signals.KILL_WINDOW)
 
     def write_due_checkpoint(self) -> None:
         """The signal's checkpoint, once the role's state is final (`Role.settled`; with --servers S > 1 the
@@ -386,6 +411,7 @@ class Rank0:
             self.checkpoint_due = "failure"  # not written: the shards have not agreed (`resume_note`)
             self.rec.event("preempt", self.preempted)
             self.rec.stop(f"failed: {self.preempted}")
+            self.end_log_early(True)  # (the launcher is ending the job: `preempt`)
         return Preempted(self.preempted, [w for w, _, _ in gone], dead=True)
 
     def check_grace(self) -> None:

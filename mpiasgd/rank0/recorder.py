@@ -158,6 +158,7 @@ class Recorder:
         self.checkpoints = Interval(cfg.checkpoint_interval if log is not None else 0.0)
         self.bar_refresh = Interval(0.5)
         self.stop_workers: Callable[[], None] = lambda: None
+        self.meanwhile: Callable[[], None] = lambda: None  # between a checkpoint write's steps (Rank0: a signal)
         self.tensorboard: TensorBoard | None = None   # --tensorboard (`serve` opens it)
         self.metrics = Interval(cfg.flush_interval)    # a TensorBoard point of the training figures
         self.window = Window()
@@ -407,7 +408,7 @@ class Recorder:
         self.checkpoints.restart(self.now())
         t0 = self.now()
         try:
-            seconds = checkpoint.write(self.checkpoint_path, ckpt)
+            seconds = checkpoint.write(self.checkpoint_path, ckpt, self.meanwhile)
         except OSError as e:
             kept = ("the previous one stays" if os.path.isfile(self.checkpoint_path) else
                     "there is no earlier one")

@@ -108,6 +108,10 @@ class RunLog:
         self.last_flush = time.monotonic()
         self.error: RunLogError | None = None  # the write failure that broke the log (it takes no more rows)
         self.outcome = ""                      # what `abandon` made of a broken log, for the error message
+        self.ended = ""                        # the status `end_early` closed the file with ("": open)
+        self.reopen_at = 0.0                   # (after `end_early`) not opened again before (time.monotonic())
+        self.sizes: dict[str, int] = {}        # (closed by `end_early`) each table's rows in the file
+        self.has_buffers = "snapshots/buffers" in file
         run_id = file.attrs.get("run_id", "")
         self.run_id = run_id.decode() if isinstance(run_id, bytes) else str(run_id)
 
@@ -203,7 +207,8 @@ class RunLog:
 
     def rows(self, table: str) -> int:
         """Rows of `table` (e.g. "snapshots/meta"), flushed and buffered: the index the next row will have."""
-        return self.file[table].shape[0] + len(self.pending[table])
+        flushed = self.file[table].shape[0] if self.file is not None else self.sizes.get(table, 0)
+        return flushed + len(self.pending[table])
 
     def snapshot_values(self) -> int:
         """float32 values in one weight snapshot: the parameters and the layers' buffers."""
@@ -231,7 +236,7 @@ class RunLog:
         the (B,) float32 layer buffers when the log has /snapshots/buffers; copied (the caller may go on
         writing them). ValueError when buffers are missing for a log that keeps them, or given to one that
         does not."""
-        has = "snapshots/buffers" in self.file if self.file is not None else False
+        has = self.has_buffers
         if has != (buffers is not None and buffers.size > 0):
             raise ValueError(f"RunLog.add_snapshot: this log {'keeps' if has else 'has no'} layer buffers, got "
                              f"{'none' if buffers is None else buffers.size}")
@@ -242,8 +247,9 @@ class RunLog:
                 self.pending_buffers.append(buffers.copy())
 
     def maybe_flush(self) -> None:
-        """`flush` if `flush_interval` seconds have passed since the last one (RunLogError as `flush`)."""
-        if time.monotonic() - self.last_flush >= self.flush_interval:
+        """`flush` if `flush_interval` seconds have passed since the last one (RunLogError as `flush`); nothing
+        once `end_early` closed the file (its rows wait for an explicit `flush` or `close`)."""
+        if not self.ended and time.monotonic() - self.last_flush >= self.flush_interval:
             self.flush()
 
     def flush(self) -> None:
@@ -254,9 +260,19 @@ class RunLog:
         RunLogError if the file cannot be written (disk full): the tables this flush grew are cut back
         to their rows before it (readers never see rows that did not reach the disk), the buffered
         rows are dropped and the log is broken: `add` and `flush` do nothing from then on, and `close`
-        ends it as `abandon` does.
+        ends it as `abandon` does. After `end_early` the rows are written in one short opening of the file
+        (`_open_again`, the lock taken and released again; not within its `hold`: they wait); RunLogError also
+        if that cannot be done.
         """
-        if self.error is not None or self.file is None:
+        if self.error is not None:
+            return
+        if self.file is None:
+            if self.ended and any(self.pending.values()) and time.monotonic() >= self.reopen_at:
+                self._open_again()
+                try:
+                    self.flush()
+                finally:
+                    self._set_aside()
             return
         need = sum(p.nbytes for p in self.pending_params) + sum(b.nbytes for b in self.pending_buffers)
         need += sum(len(rows) * TABLES[name].itemsize for name, rows in self.pending.items())
@@ -307,9 +323,14 @@ class RunLog:
     def close(self, status: str, attrs: dict | None = None) -> None:
         """Flush, close, and record the final `status` and summary `attrs` (reopened, in SWMR mode; closed
         cleanly after); release the lock. RunLogError if the file cannot be written: the log is then ended by `abandon`
-        (status "failed" where the disk allows), its `outcome` says how."""
+        (status "failed" where the disk allows), its `outcome` says how. After `end_early` the file is opened
+        again first, once its `hold` has passed (`_open_again`: RunLogError if the lock or the file cannot be
+        had; it then stays as `end_early` left it)."""
         if self.file is None:
-            return
+            if not self.ended or self.error is not None:
+                return
+            time.sleep(max(0.0, self.reopen_at - time.monotonic()))
+            self._open_again()
         try:
             self.flush()
             if self.error is None:
@@ -343,6 +364,8 @@ class RunLog:
         (the file stays in SWMR mode: no new objects), the file closed, the lock released. Returns (and
         keeps in `outcome`) what became of it, for the error message. Readers see every row up to the
         last flush that succeeded, whether or not the status could be written."""
+        if self.file is None and self.ended and not self.outcome:
+            self.outcome = self._ended_note()
         if self.file is not None:
             try:
                 self.file.attrs.modify("status", "failed")
@@ -359,3 +382,64 @@ class RunLog:
         if self.lock is not None:
             self.lock.release()
         return self.outcome
+
+    # --- the end of a run the launcher may kill at any moment ---
+    def end_early(self, status: str, hold: float = 0.0) -> None:
+        """Close the file now with `status` ("preempted", "failed") and release the lock, before the run's last
+        work (its checkpoint, the workers' answers): a launcher may kill this process at any moment from here
+        on (Open MPI's mpiexec, sent SIGTERM or seeing a rank die, SIGKILLs every rank 0.25 s after the
+        SIGTERM it passes on). Killed after this, it leaves a file closed cleanly with `status`, no lock file,
+        and only the rows added since not written. Rows added from now on stay in memory: `flush` writes them
+        in one short opening of the file, `close` with the final status and summary, neither within `hold`
+        seconds from now (`close` waits): a kill expected in that time finds no file open and no lock taken.
+        RunLogError (and the log is broken, as by `flush`) if the rows or the status cannot be written.
+        Nothing happens a second time."""
+        if self.file is None or self.error is not None:
+            return
+        self.reopen_at = time.monotonic() + hold
+        self.flush()
+        try:
+            self.file.attrs.modify("status", status)  # in place: SWMR mode makes no new objects
+        except (OSError, RuntimeError) as e:  # RuntimeError: h5py's, when HDF5 fails to write
+            self.error = RunLogError(self.path, e)
+            raise self.error from e
+        self.ended = status
+        self._set_aside()
+
+    def _set_aside(self) -> None:
+        """(after `end_early`) Close the file, keeping each table's length for `rows`, and release the lock."""
+        try:
+            self.sizes = {name: self.file[name].shape[0] for name in self.pending if name in self.file}
+            self.file.close()
+        except (OSError, RuntimeError) as e:
+            self.error = self.error or RunLogError(self.path, e)
+        finally:
+            self.file = None
+            if self.lock is not None:
+                self.lock.release()
+        if self.error is not None:
+            raise self.error
+
+    def _open_again(self) -> None:
+        """(after `end_early`) Take the lock again and open the file for writing, in SWMR mode at once (readers
+        are not refused). RunLogError naming what stood in the way (another job took the lock over, the file
+        is gone or damaged): nothing is held then, and the log takes no more rows."""
+        try:
+            if self.lock is not None:
+                self.lock.acquire(hint=f"this run, which closed it with status '{self.ended}' when it began to "
+                                       f"end, leaves it to that job")
+            self.file = h5py.File(self.path, "r+", libver="latest")
+            self.file.swmr_mode = True
+        except (OSError, RuntimeError) as e:  # FileExistsError: another live job holds the lock
+            _close_quietly(self.file)
+            self.file = None
+            if self.lock is not None:
+                self.lock.release()
+            self.error = RunLogError(self.path, e, "reopened")
+            self.outcome = self._ended_note()
+            raise self.error from e
+
+    def _ended_note(self) -> str:
+        """What a log `end_early` closed is, when it cannot be opened again: for the error message."""
+        return (f"it stays closed with status '{self.ended}' (set when the run began to end), readable up to its "
+                f"last flush")

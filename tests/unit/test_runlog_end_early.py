@@ -1,0 +1,129 @@
+"""`RunLog.end_early`: a run that begins to end on a signal closes its log first (status, lock released).
+
+Open MPI's mpiexec, sent SIGTERM, SIGKILLs every rank 0.25 s after the SIGTERM it passes on; rank 0 closes
+its log before the checkpoint, so a kill from then on leaves a clean file with status "preempted" and no
+lock file. Rows logged afterwards are written in short re-openings (`flush`, `close`) under the lock.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mpiasgd.launch.startup import left_behind
+from mpiasgd.runlog import (
+    EventRow,
+    RunLog,
+    RunLogError,
+    SnapshotRow,
+    WriterLock,
+    open_log,
+    superblock_flags,
+    writer_alive,
+)
+
+
+def row(t: float) -> EventRow:
+    """A row of the log (an event at time `t`)."""
+    return EventRow(time=t, kind=b"note", text=f"row at {t}")
+
+
+def started(path: str) -> RunLog:
+    lock = WriterLock(path)
+    lock.acquire()
+    log = RunLog.create(path, {"config": "{}", "mode": "async"}, [], 4, flush_interval=60, lock=lock)
+    log.add(row(1.0))
+    return log
+
+
+def attrs_and_rows(path: str) -> tuple[dict, int]:
+    """The log's attributes and its number of rows (events)."""
+    with open_log(path) as f:
+        return dict(f.attrs), f["events"].shape[0]
+
+
+def test_end_early_closes_the_file_with_its_status_and_releases_the_lock(tmp_path):
+    path = str(tmp_path / "run.h5")
+    log = started(path)
+    log.end_early("preempted")
+    attrs, rows = attrs_and_rows(path)
+    assert attrs["status"] == "preempted" and rows == 1  # the rows before it are in the file
+    assert superblock_flags(path) == 0 and not os.path.exists(path + ".lock") and not writer_alive(path)
+    log.end_early("failed")  # a second time: nothing
+    log.add(row(2.0))
+    log.maybe_flush()  # nothing either: the rows wait for an explicit flush
+    assert attrs_and_rows(path)[1] == 1
+    log.flush()  # one short opening under the lock, released after
+    assert attrs_and_rows(path)[1] == 2 and not os.path.exists(path + ".lock")
+    assert log.rows("snapshots/meta") == 0
+    log.add_snapshot(SnapshotRow(time=3.0, version=1, samples=16, epoch=0.0), np.zeros(4, np.float32))
+    assert log.rows("snapshots/meta") == 1
+    log.add(row(3.0))
+    log.close("preempted", {"version": 7})
+    attrs, rows = attrs_and_rows(path)
+    assert (attrs["status"], attrs["version"], rows) == ("preempted", 7, 3)
+    with open_log(path) as f:
+        assert f["snapshots/params"].shape == (1, 4)
+    assert superblock_flags(path) == 0 and not os.path.exists(path + ".lock")
+
+
+def test_a_writer_killed_after_end_early_leaves_a_clean_preempted_log_and_no_lock(tmp_path):
+    path = str(tmp_path / "run.h5")
+    code = ("import os, signal, sys\n"
+            "sys.path.insert(0, sys.argv[2])\n"
+            "from test_runlog_end_early import row, started\n"
+            "log = started(sys.argv[1])\n"
+            "log.end_early('preempted')\n"
+            "log.add(row(2.0))  # a row after it: lost with the process\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    res = subprocess.run([sys.executable, "-c", code, path, os.path.dirname(__file__)], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    attrs, rows = attrs_and_rows(path)
+    assert attrs["status"] == "preempted" and rows == 1 and superblock_flags(path) == 0
+    assert not os.path.exists(path + ".lock")
+    lock = WriterLock(path)  # the next job: nothing to say about what this one left, and it continues the log
+    lock.acquire()
+    assert left_behind(path, lock) == "" and lock.dead_pid == 0
+    log = RunLog.reopen(path, [], 60, lock)
+    log.close("completed")
+    assert attrs_and_rows(path)[0]["status"] == "completed"
+
+
+def test_a_job_that_took_the_lock_after_end_early_keeps_the_log(tmp_path):
+    path = str(tmp_path / "run.h5")
+    log = started(path)
+    log.end_early("preempted")
+    other = WriterLock(path)  # another job of that name started meanwhile
+    other.acquire()
+    log.add(row(2.0))
+    with pytest.raises(RunLogError, match=r"^run log '.*run\.h5' cannot be reopened: run log '.*' is being written "
+                                          r"by a running job"):
+        log.close("preempted")
+    assert "stays closed with status 'preempted'" in log.outcome
+    assert writer_alive(path) and attrs_and_rows(path)[1] == 1  # its lock and the file are untouched
+    log.close("preempted")  # a broken log: nothing more
+    assert log.abandon() == log.outcome and writer_alive(path)
+    other.release()
+
+
+def test_rows_after_end_early_wait_for_its_hold(tmp_path):
+    """`hold`: the seconds in which a launcher's kill is expected (signals.KILL_WINDOW); the file is not opened
+    again before they have passed: `flush` keeps the rows, `close` waits."""
+    path = str(tmp_path / "run.h5")
+    log = started(path)
+    start = time.monotonic()
+    log.end_early("preempted", hold=0.5)
+    log.add(row(2.0))
+    log.flush()
+    assert attrs_and_rows(path)[1] == 1 and not os.path.exists(path + ".lock")
+    log.close("preempted", {"version": 3})
+    assert time.monotonic() - start >= 0.5
+    attrs, rows = attrs_and_rows(path)
+    assert (attrs["status"], attrs["version"], rows) == ("preempted", 3, 2) and not os.path.exists(path + ".lock")
