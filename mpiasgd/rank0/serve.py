@@ -270,6 +270,10 @@ def log_unwritable(me: Any, start: Any, error: RunLogError) -> None:
         rec = r0.rec
         print(f"mpiasgd: error: rank 0: {error}; {rec.log.abandon()}", file=sys.stderr, flush=True)
         path = rec.checkpoint_path
+        if rec.log.taken_over:  # a job of this run started while it was ending (on a signal): the files are its
+            print(f"mpiasgd: no checkpoint written now: another job continues this run; '{path}' is left to it",
+                  file=sys.stderr, flush=True)
+            return
         if r0.role.checkpoints_here and r0.link is not None:  # --servers S > 1
             print(f"mpiasgd: no checkpoint written now: {SHARDS_NOT_ONE_CUT}; {kept_note(path)}", file=sys.stderr,
                   flush=True)

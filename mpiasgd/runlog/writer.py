@@ -110,6 +110,7 @@ class RunLog:
         self.outcome = ""                      # what `abandon` made of a broken log, for the error message
         self.ended = ""                        # the status `end_early` closed the file with ("": open)
         self.reopen_at = 0.0                   # (after `end_early`) not opened again before (time.monotonic())
+        self.taken_over = False                # (after `end_early`) another job took the lock: the log is its now
         self.sizes: dict[str, int] = {}        # (closed by `end_early`) each table's rows in the file
         self.has_buffers = "snapshots/buffers" in file
         run_id = file.attrs.get("run_id", "")
@@ -422,15 +423,16 @@ class RunLog:
 
     def _open_again(self) -> None:
         """(after `end_early`) Take the lock again and open the file for writing, in SWMR mode at once (readers
-        are not refused). RunLogError naming what stood in the way (another job took the lock over, the file
-        is gone or damaged): nothing is held then, and the log takes no more rows."""
+        are not refused). RunLogError naming what stood in the way (another job took the lock over:
+        `taken_over`; the file is gone or damaged): nothing is held then, and the log takes no more rows."""
         try:
             if self.lock is not None:
                 self.lock.acquire(hint=f"this run, which closed it with status '{self.ended}' when it began to "
                                        f"end, leaves it to that job")
             self.file = h5py.File(self.path, "r+", libver="latest")
             self.file.swmr_mode = True
-        except (OSError, RuntimeError) as e:  # FileExistsError: another live job holds the lock
+        except (OSError, RuntimeError) as e:
+            self.taken_over = isinstance(e, FileExistsError)  # another live job holds the lock
             _close_quietly(self.file)
             self.file = None
             if self.lock is not None:

@@ -106,7 +106,7 @@ def test_a_job_that_took_the_lock_after_end_early_keeps_the_log(tmp_path):
     with pytest.raises(RunLogError, match=r"^run log '.*run\.h5' cannot be reopened: run log '.*' is being written "
                                           r"by a running job"):
         log.close("preempted")
-    assert "stays closed with status 'preempted'" in log.outcome
+    assert "stays closed with status 'preempted'" in log.outcome and log.taken_over
     assert writer_alive(path) and attrs_and_rows(path)[1] == 1  # its lock and the file are untouched
     log.close("preempted")  # a broken log: nothing more
     assert log.abandon() == log.outcome and writer_alive(path)
