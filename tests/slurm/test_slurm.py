@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mpiasgd import checkpoint
 from mpiasgd.runlog import open_log
 from slurm.cluster import Cluster, Unavailable, start
 
@@ -249,3 +250,56 @@ def test_resumable_requeues_after_usr1_and_resumes(jobs, launcher):
     assert kinds.index("preempt") < kinds.index("resume") < len(kinds) - 1, kinds
     assert sorted(set(t["pushes"]["worker"].tolist())) == [1, 2]
     assert float(attrs["epochs_done"]) == pytest.approx(60, abs=1) and np.isfinite(attrs["test_loss"])
+
+
+def run_processes(name: str) -> list[int]:
+    """Pids of the processes on this machine that train run NAME (`--name NAME` in their command line)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"mpiasgd" in args and f"--name\0{name}\0".encode() in b"\0".join(args) + b"\0":
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpiexec"])
+def test_scancel_closes_the_log_as_preempted_and_a_resubmit_resumes(jobs, launcher):
+    """A plain `scancel` (SLURM signals every process of the job, mpiexec among them, SIGCONT + SIGTERM, and
+    SIGKILL KillWait later: 2 s here) 1 s after the first of 60 MB checkpoints written every 0.5 s (issue 36):
+    the log ends 'preempted' with no lock file, the checkpoint is sound, and the job resubmitted with the
+    same NAME resumes from it without a word about a log left running. (mpiexec exits at once here, and the
+    ranks its pipes served finish their preemption without their output.)"""
+    model = str(REPO / "tests" / "mpi" / "nets" / "wide.py") + ":build"
+    env = {"LAUNCHER": launcher, "MODEL": model, "NAME": "wide", "EPOCHS": "0", "CKPT_INTERVAL": "0.5",
+           "EXTRA_ARGS": "--dataset digits --batch-size 16 --lr 0.001 --flush-interval 0.2 --snapshot-interval 0 "
+                         "--max-time 120"}
+    jobid = jobs.submit("resumable.sbatch", **env)
+    runs = jobs.workdir / "runs"
+    deadline = time.monotonic() + 60
+    while not (runs / "wide.ckpt.h5").exists():
+        (job,) = jobs.slurm.jobs(jobid)
+        assert job["JobState"] in ("PENDING", "RUNNING") and time.monotonic() < deadline, f"{job}\n{jobs.output()}"
+        time.sleep(0.1)
+    time.sleep(1.0)
+    assert jobs.slurm.run(["scancel", jobid], timeout=10).returncode == 0
+    (job,) = jobs.wait(jobid)
+    deadline = time.monotonic() + 30  # ranks that outlived mpiexec end their preemption by themselves
+    while run_processes("wide") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert job["JobState"] == "CANCELLED" and not run_processes("wide"), f"{job}\n{jobs.output()}"
+    attrs, t = read_log(runs / "wide.h5")
+    assert attrs["status"] == "preempted" and not (runs / "wide.h5.lock").exists(), f"{attrs}\n{jobs.output()}"
+    assert b"preempt" in t["events"]["kind"].tolist()
+    ck = checkpoint.load(str(runs / "wide.ckpt.h5"))  # CRC-checked
+    assert ck.reason in ("preempt", "interval") and ck.version > 0
+    longer = env["EXTRA_ARGS"] + f" --max-time {ck.elapsed + 1}"  # one more second of training
+    again = jobs.submit("resumable.sbatch", **{**env, "EXTRA_ARGS": longer})
+    jobs.completed(again)
+    out = jobs.output()
+    assert "resuming from runs/wide.ckpt.h5" in out and "status 'running'" not in out, out
+    attrs, _ = read_log(runs / "wide.h5")
+    assert attrs["status"] == "completed" and attrs["version"] > ck.version and not (runs / "wide.h5.lock").exists()
