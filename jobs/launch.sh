@@ -18,8 +18,12 @@
 #               outnumber cores).
 # 3. forwards SIGUSR1 and SIGTERM that reach the batch shell (`#SBATCH --signal=B:USR1@T`,
 #    `scancel --batch --signal=USR1`) to the launcher, which passes them on to every rank, and sets
-#    PREEMPTED=1 after a SIGUSR1. (To mpiexec a SIGTERM goes on as SIGUSR1: see `launch`.) (Without B:, SLURM signals job steps only: srun's ranks would get
-#    it, but mpiexec's ranks live in the batch step and would not.)
+#    PREEMPTED=1 after a SIGUSR1. (To mpiexec a SIGTERM goes on as SIGUSR1: see `launch`.) (Without B:,
+#    SLURM signals job steps only: srun's ranks would get it, but mpiexec's ranks live in the batch
+#    step and would not.) A plain `scancel`, the time limit or a preempting scheduler signals every
+#    process of the job instead, mpiexec too, which then exits at once with status 1; its ranks get
+#    SLURM's SIGTERM themselves and end their preemption without it (log `preempted`, checkpoint),
+#    their output lost. Hence --signal=B:USR1@T: the run ends cleanly before the time limit.
 
 if [ -n "${VENV:-}" ] && [ ! -f "${VENV}/bin/activate" ]; then
     echo "jobs/launch.sh: VENV=${VENV} is not a virtual environment (no bin/activate)" >&2
@@ -55,7 +59,9 @@ launch() {
     trap "PREEMPTED=1; SIGNALS=\$((SIGNALS + 1)); kill -USR1 $pid 2>/dev/null" USR1
     # SIGTERM goes on as SIGTERM to srun (which signals every rank) but as SIGUSR1 to mpiexec: Open
     # MPI's mpiexec passes SIGUSR1 to the ranks and exits with their status (75 after the checkpoint),
-    # while on SIGTERM it ends the job itself with status 1 once the ranks have checkpointed
+    # while on SIGTERM it tears the job down (the ranks get SIGTERM 0.25 s later and SIGKILL 0.25 s after
+    # that; no MCA parameter changes those waits) and exits 1: rank 0 closes its log first, but the rows
+    # after the signal and the ranks' last output are lost
     local term=TERM
     [ "${LAUNCHER:-srun}" = mpiexec ] && term=USR1
     # shellcheck disable=SC2064
