@@ -11,8 +11,11 @@ the figures. The loop itself:
              the stall watch; the recorder's snapshot and checkpoint intervals, log flush, progress
     stalls   a worker silent for --comm-timeout (not counting one the role holds, or pauses of
              rank 0's own process) ends the run naming it; --stall-warning warns first
-    preempt  a signal (here, or flagged by a worker): stop, checkpoint where rank 0 holds the state,
-             end within PREEMPT_GRACE seconds (Preempted naming the workers that did not answer)
+    preempt  a signal (here, or flagged by a worker): stop, close the log first (status preempted, lock
+             released: the launcher may kill every rank any moment now; a checkpoint write under way does it
+             between its steps), checkpoint where rank 0 holds the state, end within PREEMPT_GRACE seconds
+             (Preempted naming the workers that did not answer); the rows after the signal reach the log
+             at the end, no earlier than signals.KILL_WINDOW seconds after it
 
 With `--servers S > 1` every parameter-server shard runs this loop with its role (the mode's server on its
 slice), and a `link` (`mpiasgd.rank0.shards`) joins them: on rank 0 the ShardHub (the other shards' rows,

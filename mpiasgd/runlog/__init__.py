@@ -77,7 +77,9 @@ writer without SWMR first, so a truncated file fails at once (TruncatedLogError)
 HDF5's SWMR-read retry loop.
 While the run lives, rank 0 holds an exclusive lock on `NAME.h5.lock` (`WriterLock`): a second job
 cannot overwrite the log, and `writer_alive` tells a running log from a killed one (`recover`
-turns the latter into a clean file with status "killed").
+turns the latter into a clean file with status "killed"). A run that begins to end on a signal closes
+the file and releases the lock at once (`RunLog.end_early`: status "preempted"), as its launcher may
+kill it any moment; the rows it logs after that are written in short re-openings under the lock.
 
 A file that cannot be written (disk full, quota, I/O error) raises RunLogError, one line naming the
 file and the cause ("[Errno 28] No space left on device"), never HDF5's chained messages. A failed
