@@ -49,6 +49,7 @@ from mpiasgd.comms import (
     wait_all,
 )
 from mpiasgd.rank0.recorder import Recorder
+from mpiasgd.runlog import RunLogError
 
 PREEMPT_GRACE = 5.0  # seconds the workers have to answer after a preemption signal
 
@@ -371,7 +372,10 @@ class Rank0:
         if not self.rec.stop_reason:  # (a run already ending, the final checkpoint's write: it may yet complete)
             self.signal_logged = f"{signals.received()} received by rank 0"
             self.rec.event("preempt", self.signal_logged)
-        self.end_log_early(bool(self.exited_workers()))
+        try:
+            self.end_log_early(bool(self.exited_workers()))
+        except RunLogError:  # a full disk: not the checkpoint's failure; the log's close reports it (`log_unwritable`)
+            pass
 
     def end_log_early(self, failed: bool) -> None:
         """Close the run log now (`RunLog.end_early`) with status "failed" (a rank died: the event naming it is
