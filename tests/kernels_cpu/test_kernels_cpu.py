@@ -13,6 +13,7 @@ Skipped when g++ (or its libtsan) is missing. Tolerances: `kernels_cpu.cuda_cpu.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 from kernels_cpu.cuda_cpu import cases, harness
 from mpiasgd.ops import numpy_ops
 from mpiasgd.ops.cuda.device import HostDevice, LaunchLimits
-from mpiasgd.ops.cuda.tiles import CONV_TRIAL_TILES, tile_name, tile_shape
+from mpiasgd.ops.cuda.tiles import CONV_TRIAL_TILES, tile_macros, tile_name, tile_shape
 
 pytestmark = pytest.mark.skipif(harness.find_cxx() is None,
                                 reason="no g++: the CUDA-on-CPU harness needs a C++17 compiler")
@@ -222,19 +223,25 @@ def test_harness_refuses_copies_pending_at_block_end():
 
 # (the one-stage trial tiles are the production tiles with CONV_STAGES=1: that loop runs here in 16x32,
 # in test_pipelined_and_one_stage_loops_agree_bit_for_bit and in the one-stage ThreadSanitizer run)
+def tile_defines(tile: tuple[int, ...]) -> dict[str, int]:
+    """Every conv2d.cu macro of `tile` (tiles.tile_shape), defaults spelled out."""
+    bm, bn, tm, tn, bk, stages = tile_shape(tile)
+    return {"CONV_BM": bm, "CONV_BN": bn, "CONV_TM": tm, "CONV_TN": tn, "CONV_BK": bk, "CONV_STAGES": stages}
+
+
 @pytest.mark.parametrize("tile", [(32, 128, 4, 4, 8), (16, 32, 4, 4, 16), (32, 64, 4, 4, 8), (64, 64, 4, 4, 8),
                                   *(t for t in CONV_TRIAL_TILES if tile_shape(t)[5] != 1),
                                   (32, 64, 8, 8, 8), (16, 32, 4, 4, 16, 1), (32, 64, 4, 4, 8, 2), (16, 32, 4, 4, 8, 4)])
+@pytest.mark.builds(lambda tile: [(False, tile_defines(tile))])
 def test_conv_with_other_tile_shapes(tile):
     """The tile body derives its loader and register-block layout from CONV_BM/CONV_BN/CONV_TM/CONV_TN/
     CONV_BK and its main loop from CONV_STAGES (-D overrides; the default build is the 64x64 tile, 4x4
     per thread, BK 16, 3 stages): each of these, the trial tiles among them, computes every conv shape."""
-    bm, bn, tm, tn, bk, stages = tile_shape(tile)
-    lib = harness.build(defines={"CONV_BM": bm, "CONV_BN": bn, "CONV_TM": tm, "CONV_TN": tn, "CONV_BK": bk,
-                                 "CONV_STAGES": stages})
+    lib = harness.build(defines=tile_defines(tile))
     cases.conv_wrappers(lib, np.random.default_rng(1), True)
 
 
+@pytest.mark.builds(lambda: [(False, {"CONV_BM": 16, "CONV_BN": 32, "CONV_STAGES": s}) for s in (1, 2, 3, 4)])
 def test_pipelined_and_one_stage_loops_agree_bit_for_bit():
     """The cp.async pipeline (CONV_STAGES 2-4) changes when a slab reaches shared memory, not the order
     of the sums: on float inputs (rounding everywhere) every pass equals the one-stage loop's bit for bit,
@@ -258,6 +265,7 @@ def test_pipelined_and_one_stage_loops_agree_bit_for_bit():
 
 AUTOTUNE_TEST_TILES = ((64, 64), (32, 128), (64, 64, 4, 4, 16, 1))
 AUTOTUNE_SPLITS = {"target_blocks": 8, "min_chunk": 16}  # the tiles split the reductions differently
+AUTOTUNE_BUILDS = pytest.mark.builds(lambda: [(False, tile_macros(t)) for t in AUTOTUNE_TEST_TILES])
 
 
 def _autotune_backend(lib, launches: list, device: HostDevice | None = None, **knobs):
@@ -287,6 +295,7 @@ def _gemms(launches: list) -> list:
     return [tile for name, tile in launches if name != "conv2d_split_reduce"]
 
 
+@AUTOTUNE_BUILDS
 def test_autotune_times_every_tile_in_rounds_then_keeps_the_plan(lib):
     """conv_algo "autotune" on the harness backend, host-clock timing: the first call of a pass runs each
     candidate twice untimed, then AUTOTUNE_REPEATS rounds of AUTOTUNE_CALLS calls per tile, then the chosen
@@ -321,6 +330,7 @@ def test_autotune_times_every_tile_in_rounds_then_keeps_the_plan(lib):
 
 
 @pytest.mark.parametrize("winner", AUTOTUNE_TEST_TILES, ids=[tile_name(t) for t in AUTOTUNE_TEST_TILES])
+@AUTOTUNE_BUILDS
 def test_autotune_runs_whichever_tile_wins_correctly(lib, winner):
     """With the timings made up (the winner at half the others' time), the plan keeps the winner and each
     pass gives numpy_ops' result with it, on a geometry the tiles split into different numbers of
@@ -343,6 +353,7 @@ def test_autotune_runs_whichever_tile_wins_correctly(lib, winner):
 
 
 @pytest.mark.parametrize("gain, kept", [(0.02, "heuristic"), (0.05, "faster")])
+@AUTOTUNE_BUILDS
 def test_autotune_keeps_the_heuristic_tile_unless_another_is_clearly_faster(lib, gain, kept):
     """AUTOTUNE_MARGIN (3 %): a tile 2 % faster than conv_tile's does not replace it, one 5 % faster does."""
     launches = []
@@ -358,6 +369,7 @@ def test_autotune_keeps_the_heuristic_tile_unless_another_is_clearly_faster(lib,
     assert ops.conv_plans()[0].tile == (ops.planner.conv_tile(4) if kept == "heuristic" else faster)
 
 
+@AUTOTUNE_BUILDS
 def test_autotune_leaves_out_a_tile_whose_launch_is_refused(lib):
     """With grid y limited to 2 (a stand-in for a layer past the device's grid limits), K = 70 rows need 3
     row tiles of 32: the 32x128 tile is refused and listed, the others are timed, the result is right;
@@ -526,6 +538,10 @@ def run_tsan(*args: str) -> subprocess.CompletedProcess:
         pytest.skip("g++ has no ThreadSanitizer runtime (libtsan)")
     env = harness.tsan_env()
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(TESTS.parent), env.get("PYTHONPATH", "")])
+    # the run's unplanted build, compiled here (or waited for, where the session's prebuild is at it): the
+    # subprocess then finds every object in the cache but a planted file's, instead of compiling them again
+    defines = dict(d.split("=", 1) for flag, d in itertools.pairwise(args) if flag == "--define")
+    harness.library(True, None, {k: int(v) for k, v in defines.items()})
     try:
         return subprocess.run([sys.executable, "-m", "kernels_cpu.cuda_cpu.run_cases", "--tsan", *args], cwd=TESTS,
                               env=env, capture_output=True, text=True, timeout=TSAN_TIMEOUT)
@@ -533,6 +549,7 @@ def run_tsan(*args: str) -> subprocess.CompletedProcess:
         pytest.fail(f"ThreadSanitizer run {args} took over {TSAN_TIMEOUT} s\n{e.stdout}\n{e.stderr}")
 
 
+@pytest.mark.builds(lambda: [(True, {})])
 def test_tsan_clean():
     proc = run_tsan("--full")
     out = f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr[-20000:]}"
@@ -563,6 +580,7 @@ def test_run_cases_refuses_arguments_that_would_pass_vacuously(args, message, ca
 ONE_STAGE = ("--define", "CONV_STAGES=1")  # conv2d.cu's one-stage main loop (the default build runs the pipeline)
 
 
+@pytest.mark.builds(lambda: [(True, {"CONV_STAGES": 1})])
 def test_tsan_clean_with_one_stage():
     """The one-stage main loop of conv2d.cu (sm_75's, and the CONV_STAGES=1 trial tiles') is race-free too."""
     proc = run_tsan("--full", *ONE_STAGE, "--cases", "conv_wrappers,conv_wgrad_splits")

@@ -11,7 +11,8 @@
   and its cubin must define every kernel that the backend launches from it (`runtime.KERNEL_FILES`).
 
 The compiler runs of the selected builds are made at the first of these tests, one per core at a time,
-and kept on disk ($TMPDIR/mpiasgd-compilers/) under the hash of everything a run depends on: the
+and kept on disk (the user's cache directory, `kit.cache`: ~/.cache/mpiasgd/tests/compilers/, shared by
+every clone) under the hash of everything a run depends on: the
 compiler (its path and version), the source text with its headers, the options. A compiler is
 deterministic, so a kept run is the run it would make again; only successful runs are kept.
 """
@@ -33,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from kit.cache import cache_dir, touch
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 ARCHS = ["sm_75", "sm_80", "sm_90"]
@@ -100,7 +102,7 @@ def test_kernel_sources_present():
 # ----------------------------------------------------------------------------------------------
 # compiler runs, kept on disk and made concurrently
 
-CACHE = Path(tempfile.gettempdir()) / "mpiasgd-compilers"
+CACHE = cache_dir("compilers")
 
 
 def cached(key: list[str], run: Callable[[], dict]) -> dict:
@@ -108,6 +110,7 @@ def cached(key: list[str], run: Callable[[], dict]) -> dict:
     the hash of `key`, which must name everything the run depends on; a run with status 0 is kept."""
     path = CACHE / (hashlib.sha256("\0".join(key).encode()).hexdigest()[:24] + ".json")
     if path.exists():
+        touch(path)  # used: kept by the session's prune
         return json.loads(path.read_text())
     result = run()
     if result["status"] == 0:

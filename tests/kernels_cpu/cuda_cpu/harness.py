@@ -11,8 +11,11 @@ parameter a numpy scalar of exactly the C type (np.int32 for int, np.int64 for l
 np.float32 for float), the same rule the CuPy wrappers follow.
 
 The .cu files include kernels/*.cuh (constants.cuh: generated from mpiasgd/ops/cuda/constants.py), found
-through -I kernels/ also for a planted copy of a source. Builds are cached under $TMPDIR/mpiasgd-cuda-cpu/
-(objects per source text, headers, shim and flags; libraries).
+through -I kernels/ also for a planted copy of a source. Builds are cached in the user's cache directory
+(`kit.cache`: ~/.cache/mpiasgd/tests/cuda-cpu/, shared by every clone; objects per source text, headers,
+shim, compiler and flags; libraries). `prebuild(specs)` compiles builds ahead in the background, one g++
+per core at a time; a build asked for while its objects are being compiled waits for that compile
+instead of starting its own.
 A ThreadSanitizer build (`tsan=True`) can only be loaded into a process started with libtsan
 preloaded (`tsan_env()`); tests run it in a subprocess (`python -m kernels_cpu.cuda_cpu.run_cases`).
 """
@@ -25,14 +28,14 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import threading
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from kit.cache import cache_dir, touch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -190,7 +193,46 @@ class Launcher:
         self._fn(*(int(v) for v in grid), *(int(v) for v in block), *c_args)
 
 
-CACHE = Path(tempfile.gettempdir()) / "mpiasgd-cuda-cpu"
+CACHE = cache_dir("cuda-cpu")
+
+
+class _Compiles:
+    """The compiles of this process: each output path is made by one g++ run at a time (a second asker waits
+    for the first one's result), and at most one g++ per core runs at once, whoever asks."""
+
+    def __init__(self, cores: int) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[Path, Future] = {}
+        self.cores = threading.BoundedSemaphore(cores)
+
+    def once(self, out: Path, make: Callable[[], None]) -> Path:
+        """`out` after `make()` wrote it, unless it exists; concurrent askers of the same `out` share one run."""
+        with self._lock:
+            if out.exists():
+                touch(out.parent)
+                return out
+            running = self._running.get(out)
+            if running is None:
+                running = self._running[out] = Future()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            return running.result()
+        try:
+            with self.cores:
+                make()
+            running.set_result(out)
+        except BaseException as e:
+            running.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                del self._running[out]
+        return out
+
+
+_COMPILES = _Compiles(os.cpu_count() or 1)
 
 
 def _digest(*parts: str) -> str:
@@ -205,28 +247,39 @@ def _object(cxx: str, flags: list[str], name: str, text: str) -> Path:
     headers = [part for item in kernel_headers().items() for part in item]
     d = _mkdir(CACHE / "obj" / _digest(SHIM.read_text(), *headers, cxx, *CXXFLAGS, *flags, name, text))
     obj = d / (name + ".o")
-    if obj.exists():
-        return obj
-    cu, tramp = d / name, d / (name + ".cpp")
-    cu.write_text(text)  # same content whoever writes it; the path shows in ThreadSanitizer reports
-    tramp.write_text(_trampolines(cu, parse_kernels(name, text)))
-    tmp = d / f"{name}.{os.getpid()}.{threading.get_ident()}.o"
-    cmd = [cxx, *CXXFLAGS, *flags, f"-I{KERNELS}", "-c", str(tramp), "-o", str(tmp)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"g++ failed on {name}:\n{' '.join(cmd)}\n{proc.stderr}")
-    os.replace(tmp, obj)
-    return obj
+
+    def make() -> None:
+        cu, tramp = d / name, d / (name + ".cpp")
+        cu.write_text(text)  # same content whoever writes it; the path shows in ThreadSanitizer reports
+        tramp.write_text(_trampolines(cu, parse_kernels(name, text)))
+        tmp = d / f"{name}.{os.getpid()}.{threading.get_ident()}.o"
+        cmd = [cxx, *CXXFLAGS, *flags, f"-I{KERNELS}", "-c", str(tramp), "-o", str(tmp)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"g++ failed on {name}:\n{' '.join(cmd)}\n{proc.stderr}")
+        os.replace(tmp, obj)  # atomic: another process building the same key agrees
+
+    return _COMPILES.once(obj, make)
 
 
 def build(tsan: bool = False, sources: Mapping[str, str] | None = None,
           defines: Mapping[str, int] | None = None) -> KernelLib:
-    """Compile `sources` ({file name: CUDA text}; default: every kernels/*.cu) into one shared library.
+    """Compile `sources` ({file name: CUDA text}; default: every kernels/*.cu) into one shared library and
+    load it (a ThreadSanitizer build only into a process started with `tsan_env()`).
 
     `defines` are passed as -DNAME=VALUE (the tile overrides a kernel allows, e.g. CONV_BM).
     Each .cu is its own translation unit (its macros stay private). Raises RuntimeError with
     g++'s output when a source does not compile under the shim.
     """
+    sources = dict(kernel_sources() if sources is None else sources)
+    lib_path, sigs = library(tsan, sources, defines)
+    return KernelLib(lib_path, sigs, dict(defines or {}), tsan, sources)
+
+
+def library(tsan: bool = False, sources: Mapping[str, str] | None = None,
+            defines: Mapping[str, int] | None = None) -> tuple[Path, dict[str, KernelSig]]:
+    """`build`'s shared library compiled (or found in the cache) but not loaded: (its path, its kernels by
+    name). Raises as `build` does."""
     cxx = find_cxx()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) found")
@@ -243,7 +296,8 @@ def build(tsan: bool = False, sources: Mapping[str, str] | None = None,
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         objs = list(pool.map(lambda item: _object(cxx, flags, *item), sorted(sources.items())))
     lib_path = CACHE / "lib" / _digest(*map(str, objs), *flags) / ("kernels_tsan.so" if tsan else "kernels.so")
-    if not lib_path.exists():
+
+    def link() -> None:
         _mkdir(lib_path.parent)
         tmp_lib = lib_path.with_suffix(f".{os.getpid()}.tmp")
         cmd = [cxx, *CXXFLAGS, *flags, "-shared", *map(str, objs), "-o", str(tmp_lib)]
@@ -251,7 +305,18 @@ def build(tsan: bool = False, sources: Mapping[str, str] | None = None,
         if proc.returncode != 0:
             raise RuntimeError(f"g++ link failed:\n{' '.join(cmd)}\n{proc.stderr}")
         os.replace(tmp_lib, lib_path)  # atomic: concurrent builds of the same key agree
-    return KernelLib(lib_path, sigs, defines, tsan, sources)
+
+    return _COMPILES.once(lib_path, link), sigs
+
+
+def prebuild(specs: Iterable[tuple[bool, Mapping[str, int]]]) -> ThreadPoolExecutor:
+    """Start compiling each (tsan, defines) build of every kernels/*.cu in the background, in the order given,
+    and return the pool doing it (its threads end with the work; `shutdown(cancel_futures=True)` drops the
+    rest). A compile that fails is left for the test that asks for that build to report."""
+    pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="prebuild")
+    for tsan, defines in specs:
+        pool.submit(library, tsan, None, defines)
+    return pool
 
 
 def _mkdir(path: Path) -> Path:

@@ -1,0 +1,56 @@
+"""The kernels tier's builds, compiled ahead: at the first test of this folder, every harness build the
+selected tests will ask for starts compiling in the background, one g++ per core at a time, in test
+order; a test whose build is still compiling waits for it (kernels_cpu.cuda_cpu.harness: one compile
+per output), so the cores work while earlier tests run.
+
+A test declares its builds with `@pytest.mark.builds(fn)`, `fn` taking the test's parameters by name
+(none for an unparametrized test) and returning [(tsan, {macro: value}), ...]; a test that takes the
+`lib` fixture needs the plain build of every kernels/*.cu. Cache entries unused for
+`kit.cache.PRUNE_DAYS` days are removed at the same moment.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+from kit import cache
+
+from kernels_cpu.cuda_cpu import harness
+
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "builds(fn): the harness builds a kernels_cpu test needs, compiled ahead")
+
+
+def selected_builds(items) -> list[tuple[bool, dict[str, int]]]:
+    """The (tsan, defines) builds that `items` of this folder need, in item order, each once."""
+    specs: dict[tuple, tuple[bool, dict[str, int]]] = {}
+    for item in items:
+        if HERE not in Path(str(item.path)).parents:
+            continue
+        wanted = [(False, {})] if "lib" in getattr(item, "fixturenames", ()) else []
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        for marker in item.iter_markers("builds"):
+            fn = marker.args[0]
+            names = inspect.signature(fn).parameters
+            wanted += fn(**{name: params[name] for name in names})
+        for tsan, defines in wanted:
+            specs.setdefault((tsan, tuple(sorted(defines.items()))), (tsan, dict(defines)))
+    return list(specs.values())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prebuilt(request):
+    """Starts the selected tests' builds in the background for the session (nothing without g++)."""
+    if harness.find_cxx() is None:
+        yield None
+        return
+    for folder in (harness.CACHE / "obj", harness.CACHE / "lib", cache.cache_dir("compilers")):
+        cache.prune(folder)
+    pool = harness.prebuild(selected_builds(request.session.items))
+    yield pool
+    pool.shutdown(wait=True, cancel_futures=True)
