@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -47,25 +46,24 @@ def test_builds_live_in_the_users_cache_directory_whatever_the_tmpdir(tmp_path):
     assert Path(second).stat().st_mtime_ns == built, "the second process linked the library again"
 
 
-def test_threads_asking_for_one_build_share_one_compile(tmp_path, monkeypatch):
-    """Four threads asking for the same new build at once: one g++ compile and one link, and all get it."""
-    monkeypatch.setattr(harness, "CACHE", tmp_path)
-    runs, real_run = [], subprocess.run
-
-    def counting_run(cmd, *args, **kwargs):
-        runs.append(cmd[-1])
-        time.sleep(0.2)  # the others ask while this one compiles
-        return real_run(cmd, *args, **kwargs)
-
-    monkeypatch.setattr(harness.subprocess, "run", counting_run)
-    got = []
-    threads = [threading.Thread(target=lambda: got.append(harness.library(sources={"tiny.cu": TINY})[0]))
-               for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert len(got) == 4 and len(set(got)) == 1 and got[0].exists()
+def test_threads_asking_for_one_build_share_one_compile(tmp_path):
+    """Four threads asking for the same new build at once: one g++ compile and one link, and all get it. (In a
+    process of its own, with a cache of its own and a g++ that logs its runs: the session's prebuild threads
+    compile in this one.)"""
+    log = tmp_path / "runs.log"
+    cxx = tmp_path / "logging-g++"
+    cxx.write_text(f'#!/bin/sh\necho "$*" >> {log}\nsleep 0.3\nexec {harness.find_cxx()} "$@"\n')
+    cxx.chmod(0o755)
+    env = {**os.environ, "CXX": str(cxx), "MPIASGD_TEST_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
+    code = ("import threading\nfrom kernels_cpu.cuda_cpu import harness\ngot = []\n"
+            f"ask = lambda: got.append(harness.library(sources={{'tiny.cu': {TINY!r}}})[0])\n"
+            "threads = [threading.Thread(target=ask) for _ in range(4)]\n"
+            "[t.start() for t in threads]\n[t.join(60) for t in threads]\n"
+            "assert len(got) == 4 and len(set(got)) == 1 and got[0].exists(), got\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    runs = log.read_text().splitlines()
     assert len(runs) == 2, f"g++ ran {len(runs)} times (one compile and one link expected): {runs}"
 
 
