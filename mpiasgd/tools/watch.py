@@ -22,7 +22,7 @@ from collections.abc import Callable
 import h5py
 import numpy as np
 
-from mpiasgd.runlog import open_log, writer_alive
+from mpiasgd.runlog import TruncatedLogError, open_log, writer_alive
 from mpiasgd.runlog.reader import not_superseded, superseded_spans
 
 
@@ -95,7 +95,8 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
     """Follow the run log at `path` until its writer is gone; returns 0 if it completed, 1 otherwise.
 
     Waits up to `wait` seconds for the log to appear (a job still starting); FileNotFoundError
-    after that, ValueError if the file is not a run log (or is still empty after `wait` seconds).
+    after that, ValueError if the file is not a run log (or is still empty after `wait` seconds), or at once
+    if it is a truncated one (no live writer and shorter than its superblock says: `TruncatedLogError`).
     Prints a line every `interval` seconds when new rows were flushed, and one per evaluation during
     training (`eval_line`, its curve drawn with `bars`).
     """
@@ -116,6 +117,8 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
                 during = f["periodic_evals"] if "periodic_evals" in f else None  # (older logs have none)
                 new_evals = (during[evals_seen:during.shape[0]] if during is not None and during.shape[0] > evals_seen
                              else None)
+        except TruncatedLogError as e:  # no writer and cut short: waiting will not mend it (as `report` says)
+            raise ValueError(str(e)) from None
         except (FileNotFoundError, OSError):  # not there yet, or created but not yet in SWMR mode
             if os.path.isfile(path) and os.path.getsize(path) >= 8 and not h5py.is_hdf5(path):
                 raise ValueError(f"'{path}' is not an mpiasgd run log (not an HDF5 file)") from None

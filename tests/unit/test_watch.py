@@ -53,6 +53,32 @@ def test_watch_says_an_empty_file_is_empty_and_refuses_a_directory(tmp_path):
     assert f"'{tmp_path}' is a directory, expected a run log file" in res.stderr, res.stderr
 
 
+def test_watch_refuses_a_truncated_log_at_once_as_report_does(tmp_path):
+    """A run log cut short (its superblock readable, the file shorter than it says) with no writer is refused at
+    once with `report`'s message, not waited for as a log "with no HDF5 header yet" (issue 36)."""
+    from mpiasgd.runlog import PushRow, RunLog
+
+    path = tmp_path / "good.h5"
+    log = RunLog.create(str(path), {"config": "{}"}, [], 3, flush_interval=60.0)
+    for i in range(200):
+        log.add(PushRow(**{**dict.fromkeys(PushRow.dtype.names, 0), "time": float(i), "worker": 1, "applied": 1,
+                           "samples": 32, "loss": 2.0}))
+    log.close("completed", {})
+    size = path.stat().st_size
+    cut = tmp_path / "trunc.h5"
+    cut.write_bytes(path.read_bytes()[:size // 2])
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "mpiasgd", "watch", str(cut), "--wait", "30"], capture_output=True,
+                         text=True, timeout=60)
+    assert time.monotonic() - t0 < 20, res.stderr
+    assert res.returncode == 2 and "waiting" not in res.stderr, res.stderr
+    assert (f"mpiasgd watch: error: '{cut}' is truncated ({size // 2} bytes, the file says {size}): it was cut "
+            "short") in res.stderr, res.stderr
+    report = subprocess.run([sys.executable, "-m", "mpiasgd", "report", str(cut)], capture_output=True, text=True,
+                            timeout=60)
+    assert report.stderr.split("error: ", 1)[1] == res.stderr.split("error: ", 1)[1]
+
+
 def test_the_curve_and_the_evaluation_line():
     """One bar per evaluation from the lowest level (smallest value) to the highest; equal values the middle
     level; the line carries top-1, top-5, loss, images, versions and the curve's range."""
