@@ -50,7 +50,8 @@ class Startup:
     """What start-up leaves a rank. Every rank: `mode`, `dataset`, `model` (the server ranks': numpy),
     `backend`, `device` (a DeviceInfo, or None), `layout`, `samplers` (every data shard's ShardSampler, by
     shard number), `cut` (--servers S > 1: the parameter-server shards' ShardCut; None with one server).
-    Rank 0: `path` of the run log, `lock` (held until the log is closed), `checkpoint` (resuming).
+    Rank 0: `path` of the run log, `lock` (held until the log is closed), `checkpoint` (resuming),
+    `replace_log` (--resume --overwrite: why the checkpoint's log is replaced by a new one; "" to continue it).
     A worker: `sampler`, `test_idx` (int64), its `staging` (with S > 1 a ShardedStaging) and `make_staging()`
     for another like it (None with S > 1), `autotune` (plans chosen at start-up). A shard of rank >= 1 keeps
     only what every rank has."""
@@ -71,6 +72,7 @@ class Startup:
     autotune: list[str] = field(default_factory=list)
     samplers: list[ShardSampler] = field(default_factory=list)
     cut: ShardCut | None = None
+    replace_log: str = ""  # (rank 0, --resume --overwrite) why the log is not continued: "cannot be read (...)"
     rank0: Any = None  # rank 0's loop once it runs (`mpiasgd.rank0.serve.log_unwritable` needs it)
 
     def release(self) -> None:
@@ -339,7 +341,11 @@ def test_slice(num_test: int, num_workers: int, rank: int) -> np.ndarray:
 
 def open_run_log(cfg: Config, me: Rank, out: Startup, resumed: checkpoint.Checkpoint | None = None) -> None:
     """(rank 0) The run log's path, its writer lock, and on --resume the checkpoint (`resumed` when already
-    read, checked against this job): into `out`. ConfigError / FileExistsError naming the file."""
+    read, checked against this job): into `out`. ConfigError / FileExistsError naming the file.
+
+    On --resume, a log that cannot be read (cut short, damaged) or belongs to another run is an error unless
+    --overwrite: then `out.replace_log` says why, and the resumed run writes a new log that starts at the
+    checkpoint (`rank0.serve.start_log`). A readable log of this run is continued either way."""
     out.path = os.path.join(cfg.run_dir, run_name(cfg, me.num_workers) + ".h5")
     if cfg.resume:
         ckpt = out.checkpoint = resumed if resumed is not None else checkpoint.load(cfg.resume)
@@ -373,9 +379,13 @@ def open_run_log(cfg: Config, me: Rank, out: Startup, resumed: checkpoint.Checkp
         try:
             attrs = log_attrs(out.path, "data_fingerprint", "run_id")  # ("" for logs written before either)
         except (OSError, RuntimeError, KeyError) as e:  # RuntimeError, KeyError: h5py's, for damaged metadata
-            out.lock.release()
-            raise ConfigError(f"--resume: run log '{out.path}' cannot be read ({e}); move it away to resume "
-                              "into a new log, which starts at the checkpoint") from None
+            if not cfg.overwrite:
+                out.lock.release()
+                raise ConfigError(f"--resume: run log '{out.path}' cannot be read ({e}); move it away to resume "
+                                  "into a new log, which starts at the checkpoint (or pass --overwrite to "
+                                  "replace it)") from None
+            out.replace_log = f"cannot be read ({e})"
+            attrs = {"data_fingerprint": "", "run_id": ""}  # (a new log: nothing of the old one to check)
         trained_on = attrs["data_fingerprint"]
         if trained_on and trained_on != out.dataset.fingerprint:
             out.lock.release()
@@ -383,11 +393,13 @@ def open_run_log(cfg: Config, me: Rank, out: Startup, resumed: checkpoint.Checkp
                               f"'{cfg.dataset_name}' is another ({out.dataset.fingerprint or 'a built-in set'}): "
                               "pass --data with the file it trained on")
         owner = attrs["run_id"]
-        if owner and out.checkpoint.run_id and owner != out.checkpoint.run_id:
+        if owner and out.checkpoint.run_id and owner != out.checkpoint.run_id and cfg.overwrite:
+            out.replace_log = f"belongs to another run (run id {owner})"
+        elif owner and out.checkpoint.run_id and owner != out.checkpoint.run_id:
             out.lock.release()
             raise ConfigError(f"--resume: run log '{out.path}' belongs to another run (run id {owner}) than "
                               f"checkpoint '{cfg.resume}' (run id {out.checkpoint.run_id}): it was overwritten "
-                              f"since; move it away to resume into a new log")
+                              f"since; move it away to resume into a new log (or pass --overwrite to replace it)")
     if left:
         print(f"mpiasgd: note: {left}", file=sys.stderr, flush=True)
 

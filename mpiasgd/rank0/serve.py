@@ -51,7 +51,8 @@ def announce(cfg: Any, me: Any, start: Any, workers: list) -> None:
 
 def start_log(cfg: Any, me: Any, start: Any, workers: list, extra: dict | None = None,
               shards: list | None = None) -> RunLog:
-    """Create the run log, or (resuming) continue it; logs the resume's config changes and autotune events.
+    """Create the run log, or (resuming) continue it (a new one when it is missing, or `start.replace_log`:
+    --overwrite of one that cannot be read); logs the resume's config changes and autotune events.
     `extra`: more attributes of a new log (`mpiasgd simulate`: that it is simulated, and how). `shards`
     (--servers S > 1): the other shards' ShardInfo records; the cut and their processes become attributes."""
     from mpiasgd.config import from_mapping, resume_overrides
@@ -73,13 +74,14 @@ def start_log(cfg: Any, me: Any, start: Any, workers: list, extra: dict | None =
         sharded = {**start.cut.attrs(), "shard_processes": [[i.rank, i.host, i.pid] for i in shards or []]}
         attrs.update(sharded)
     rows = [w.row() for w in workers]
-    if ckpt is not None and os.path.exists(start.path):
+    if ckpt is not None and os.path.exists(start.path) and not start.replace_log:
         log = RunLog.reopen(start.path, rows, cfg.flush_interval, start.lock, resumed_at=ckpt.log_time,
                             resumed_steps=ckpt.steps())
     else:
-        if ckpt is not None:  # the run continues from its checkpoint; its history is gone
+        if ckpt is not None:  # the run continues from its checkpoint; its history is gone (or replaced: --overwrite)
             attrs["run_id"] = ckpt.run_id
-            print(f"mpiasgd: warning: run log '{start.path}' of checkpoint '{ckpt.path}' is missing: a new log "
+            why = f"{start.replace_log}; --overwrite replaces it" if start.replace_log else "is missing"
+            print(f"mpiasgd: warning: run log '{start.path}' of checkpoint '{ckpt.path}' {why}: a new log "
                   f"starts at the checkpoint (version {ckpt.version})", file=sys.stderr, flush=True)
         log = RunLog.create(start.path, attrs, rows, model.num_params, cfg.flush_interval, start.lock,
                             num_buffers=model.num_buffers)

@@ -142,12 +142,34 @@ def test_resume_refuses_a_truncated_log_at_once_and_leaves_no_lock(mpirun, tmp_p
     assert res.returncode == 2 and res.seconds < 30, res.explain()
     assert (f"mpiasgd: error (rank 0): --resume: run log '{log}' cannot be read ('{log}' is truncated "
             f"({len(data) // 2} bytes, the file says {len(data)}): ") in res.stderr, res.explain()
-    assert "move it away to resume into a new log, which starts at the checkpoint" in res.stderr
+    assert "move it away to resume into a new log, which starts at the checkpoint (or pass --overwrite" in res.stderr
     assert not (tmp_path / "runs" / "cut.h5.lock").exists()
     log.rename(tmp_path / "runs" / "cut.h5.bad")
     res = mpirun(3, ["train", "--resume", "runs/cut.ckpt.h5", "--epochs", "2"], timeout=120)
     assert res.returncode == 0, res.explain()
     assert read_log(log)[0]["status"] == "completed"
+
+
+def test_resume_with_overwrite_replaces_a_truncated_log_with_a_new_one(mpirun, tmp_path):
+    """--resume --overwrite over a log that cannot be read: not ignored (issue 36); the resumed run writes a new
+    log that starts at the checkpoint, said in one line."""
+    res = mpirun(3, ["train", *FAST, "--max-pushes", "40", "--name", "ow"], timeout=120)
+    assert res.returncode == 0, res.explain()
+    log = tmp_path / "runs" / "ow.h5"
+    data = log.read_bytes()
+    log.write_bytes(data[:len(data) // 2])
+    ckpt = checkpoint.load(str(tmp_path / "runs" / "ow.ckpt.h5"))
+    res = mpirun(3, ["train", "--resume", "runs/ow.ckpt.h5", "--max-pushes", "80", "--overwrite"], timeout=120)
+    assert res.returncode == 0, res.explain()
+    lines = [line for line in res.stderr.splitlines() if "--overwrite replaces it" in line]
+    assert lines == [f"mpiasgd: warning: run log '{log}' of checkpoint 'runs/ow.ckpt.h5' cannot be read ('{log}' is "
+                     f"truncated ({len(data) // 2} bytes, the file says {len(data)}): it was cut short (a copy or a "
+                     f"disk that filled up); it cannot be read); --overwrite replaces it: a new log starts at the "
+                     f"checkpoint (version {ckpt.version})"], res.explain()
+    attrs, t, _ = read_log(log)
+    assert attrs["status"] == "completed" and attrs["version"] == 80 and attrs["run_id"] == ckpt.run_id
+    applied = t["pushes"][t["pushes"]["applied"] == 1]
+    assert applied["version"].tolist() == list(range(ckpt.version + 1, 81))  # only the resumed segment's rows
 
 
 def test_resume_refuses_another_number_of_workers(mpirun, tmp_path):
