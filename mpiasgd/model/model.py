@@ -277,12 +277,13 @@ class Model:
         self.ctx.minibatch = self.ctx.minibatch + 1 if minibatch is None else int(minibatch)
         self.train()
         h = x
-        for layer in self.layers:
-            h = layer.forward(h)
-        loss, correct = self.loss.forward(h, y)
-        d = self.loss.backward()
-        for layer in reversed(self.layers):
-            d = layer.backward(d)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # a diverging network
+            for layer in self.layers:  # overflows (numpy backend); its non-finite loss and gradient are checked
+                h = layer.forward(h)   # by the caller (the push rejected, the divergence reported)
+            loss, correct = self.loss.forward(h, y)
+            d = self.loss.backward()
+            for layer in reversed(self.layers):
+                d = layer.backward(d)
         return loss, correct
 
     def evaluate(self, x: Any, y: Any, batch_size: int = 1000) -> tuple[float, int, int]:
@@ -290,8 +291,9 @@ class Model:
         (summed loss over samples, number correct (top-1), number correct in the top 5).
 
         Top-1 is the argmax (the first maximum on a tie, as the loss op's). Top-5 (`topk_correct`): the label
-        is among the 5 largest logits, counted as fewer than 5 logits strictly greater than the label's (a
-        tie counts for the label), so top-5 >= top-1; with 5 classes or fewer every image is a top-5 hit
+        is among the 5 largest logits with ties broken against it (fewer than 5 other logits >= the label's),
+        so a network of constant outputs is not a top-5 hit everywhere; top-5 >= top-1 unless 5 or more
+        classes tie for the maximum; with 5 classes or fewer every image is a top-5 hit
         (top-5 accuracy 1.0 by definition). An image whose logits are not all finite is wrong for both (the
         loss op's argmax would put an all-NaN row at class 0). Memory grows with batch_size: the numpy backend keeps
         ~2.8 MB of conv scratch per cifar10 sample (about 1.4 GB of forward-only scratch at 1000; 256 is
@@ -304,10 +306,11 @@ class Model:
         self.eval()
         for start in range(0, x.shape[0], batch_size):
             h = x[start:start + batch_size]
-            for layer in self.layers:
-                h = layer.forward(h)
-            labels = y[start:start + batch_size]
-            loss, _ = self.loss.forward(h, labels)
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # as in forward_backward: a
+                for layer in self.layers:  # diverged network's rows are non-finite, scored wrong below
+                    h = layer.forward(h)
+                labels = y[start:start + batch_size]
+                loss, _ = self.loss.forward(h, labels)
             loss_sum += loss * h.shape[0]
             # host copies: (B, K) logits and (B,) labels, small next to the batch's forward pass
             logits, truth = self.ops.to_numpy(h), self.ops.to_numpy(labels)
@@ -336,16 +339,18 @@ def top1_correct(logits: np.ndarray, labels: np.ndarray) -> int:
 def topk_correct(logits: np.ndarray, labels: np.ndarray, k: int) -> int:
     """Images whose label is among the `k` largest of their logits: (N, K) float host logits, (N,) int labels.
 
-    Counted as fewer than `k` logits strictly greater than the label's, so a tie counts for the label and
-    the top-1 hit of an argmax (`top1_correct`) is always a top-k hit; a row with a NaN or an infinite logit is
-    never a hit, for any k (a NaN network scores 0, not the images of one class). With K <= k classes every
-    image with finite logits is a hit (top-k accuracy 1.0 by definition).
+    Ties are broken against the label (pessimistic, as evaluators without torch.topk's arbitrary order do):
+    a hit has fewer than `k` other logits greater than or equal to the label's, so constant outputs (every
+    logit equal) are no hit at all rather than a hit for every image; the top-1 hit of an argmax
+    (`top1_correct`) is a top-k hit unless k or more classes tie for the maximum. A row with a NaN or an
+    infinite logit is never a hit, for any k (a NaN network scores 0, not the images of one class). With
+    K <= k classes every image with finite logits is a hit (top-k accuracy 1.0 by definition).
     """
     if logits.shape[0] == 0:
         return 0
     own = logits[np.arange(logits.shape[0]), labels.astype(np.int64)]  # (N,) the label's logit
-    above = (logits > own[:, None]).sum(axis=1)                       # (N,) logits strictly greater
-    return int(np.count_nonzero((above < k) & np.isfinite(logits).all(axis=1)))
+    rivals = (logits >= own[:, None]).sum(axis=1) - 1                 # (N,) other logits >= it (ties lose)
+    return int(np.count_nonzero((rivals < k) & np.isfinite(logits).all(axis=1)))
 
 
 def _size(shape: Shape) -> int:

@@ -161,6 +161,12 @@ def test_forward_backward_overwrites_grads(digits_batch):
     assert np.array_equal(model.grads, first)
 
 
+def first_grad(model: Model, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Minus the gradient of `model` on (x, y): a descent direction."""
+    model.forward_backward(x, y)
+    return -model.grads.copy()
+
+
 def test_evaluate_sums_loss_and_is_independent_of_chunking(digits_batch):
     model = bound("digits")
     x, y = digits_batch
@@ -169,22 +175,45 @@ def test_evaluate_sums_loss_and_is_independent_of_chunking(digits_batch):
     assert loss_sum == pytest.approx(mean_loss * 64, rel=1e-5) and correct_all == correct
     loss_chunked, correct_chunked, correct5_chunked = model.evaluate(x, y, batch_size=7)
     assert loss_chunked == pytest.approx(loss_sum, rel=1e-5) and correct_chunked == correct
-    assert correct5_chunked == correct5 >= correct
+    # the initial last layer is zero: every logit ties, so no image is a top-5 hit (ties count against the label)
+    assert correct5_chunked == correct5 == 0 < correct
+    model.bind(model.params + np.float32(0.05) * np.sign(first_grad(model, x, y)), model.grads)
+    _, correct, correct5 = model.evaluate(x, y)
+    assert correct5 == model.evaluate(x, y, batch_size=7)[2] >= correct > 0  # untied logits after a step
+
+
+def test_constant_outputs_are_no_top5_hit():
+    """A network whose logits are all equal (issue 36: it scored top-5 100 %): every label ties with 9 other
+    classes, so no image is a top-5 hit; a model with zero weights evaluates so too."""
+    from mpiasgd.model import build_model
+    from mpiasgd.model.model import topk_correct
+
+    logits = np.zeros((50, 10), np.float32)
+    labels = np.arange(50) % 10
+    assert [topk_correct(logits, labels, k) for k in (1, 5, 9, 10)] == [0, 0, 0, 50]
+    model = build_model("digits")
+    params = np.zeros(model.num_params, np.float32)
+    model.bind(params, np.zeros_like(params))
+    x = np.random.default_rng(0).random((40, 1, 8, 8), dtype=np.float32)
+    _, correct, correct5 = model.evaluate(x, (np.arange(40) % 10).astype(np.int64), batch_size=16)
+    assert (correct, correct5) == (4, 0)  # top-1: argmax is class 0 on a tie; top-5: ties count against
 
 
 def test_top5_counts_the_label_among_the_five_largest_logits():
-    """Top-k by hand: the label's logit beaten by fewer than k others (a tie counts for the label); with k or
+    """Top-k by hand: fewer than k other logits >= the label's (a tie counts against the label); with k or
     fewer classes every image is a hit; a NaN label logit never is."""
     from mpiasgd.model.model import topk_correct
 
     logits = np.array([[9, 8, 7, 6, 5, 4, 3],      # label 4: 4 logits above it -> top-5 hit
                        [9, 8, 7, 6, 5, 4, 3],      # label 5: 5 above -> miss
-                       [1, 1, 1, 1, 1, 1, 1],      # all tied: a hit whatever the label
-                       [0, 0, np.nan, 0, 0, 0, 0]],  # NaN label logit: a miss
+                       [1, 1, 1, 1, 1, 1, 1],      # all tied: 6 others >= the label's -> miss
+                       [0, 0, np.nan, 0, 0, 0, 0],   # NaN label logit: a miss
+                       [5, 5, 5, 5, 0, 0, 0]],     # label 3 tied with 3 others: 3 < 5 -> top-5 hit, top-1 miss
                       dtype=np.float32)
-    labels = np.array([4, 5, 6, 2])
+    labels = np.array([4, 5, 6, 2, 3])
     assert topk_correct(logits, labels, 5) == 2
-    assert topk_correct(logits, labels, 1) == 1           # only the all-tied row: its label is not beaten
+    assert topk_correct(logits, labels, 4) == 1           # row 0: 4 others above -> miss; row 4: 3 tied -> hit
+    assert topk_correct(logits, labels, 1) == 0           # no label is the unique maximum
     assert topk_correct(logits[:2, :5], np.array([4, 3]), 5) == 2  # 5 classes: every image a top-5 hit
     assert topk_correct(logits[:0], labels[:0], 5) == 0
     rng = np.random.default_rng(0)

@@ -36,3 +36,31 @@ def test_a_nan_network_scores_zero_for_top1_and_top5():
     params[:10] = np.nan  # the first layer's weights: NaN rows in some images only
     _, correct, correct5 = model.evaluate(x, y, batch_size=20)
     assert correct5 >= correct
+
+
+def test_a_diverging_network_overflows_without_runtime_warnings():
+    """Weights of 1e30: the numpy backend's forward and backward overflow; the loss and the gradient are
+    non-finite (the caller rejects the push, the run reports the divergence) and numpy's "overflow encountered"
+    RuntimeWarnings stay out of `train`'s and `evaluate`'s output (issue 36)."""
+    import warnings
+
+    data = load_digits()
+    x = (data.images[:32] / 16.0).astype(np.float32).reshape(32, 1, 8, 8)
+    y = data.target[:32].astype(np.int64)
+    model = build_model("digits")
+    params = np.full(model.num_params, 1e30, np.float32)
+    grads = np.empty_like(params)
+    model.bind(params, grads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any RuntimeWarning fails the test
+        loss, _ = model.forward_backward(x, y)
+        loss_sum, correct, correct5 = model.evaluate(x, y, batch_size=16)
+        with np.errstate(over="warn"):  # the silencing is local: numpy's own setting is left as it was
+            try:
+                np.float32(1e30) * np.float32(1e30)
+            except RuntimeWarning as e:
+                assert "overflow" in str(e)
+            else:
+                raise AssertionError("np.errstate leaked out of the model")
+    assert not np.isfinite(loss) and not np.isfinite(grads).all()
+    assert not np.isfinite(loss_sum) and (correct, correct5) == (0, 0)
