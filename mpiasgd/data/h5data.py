@@ -226,6 +226,14 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def mpiasgd_file_kind(f: Any) -> str:
+    """What other mpiasgd file the open HDF5 file `f` is: "run log" (its /pushes and /updates tables),
+    "checkpoint" (its format attribute, `checkpoint.FORMAT`'s prefix), or "" (neither)."""
+    if _text(f.attrs.get("format", "")).startswith("mpiasgd-checkpoint"):
+        return "checkpoint"
+    return "run log" if "pushes" in f and "updates" in f else ""
+
+
 INTERRUPTED = "the conversion writing it was interrupted before it finished"
 
 
@@ -452,7 +460,11 @@ class H5Dataset(Splits):
         a = f.attrs
         fmt = _text(a.get("format", ""))
         if fmt != FORMAT:
+            kind = mpiasgd_file_kind(f)
             f.close()
+            if kind:
+                raise DataError(f"{path} is an mpiasgd {kind}, not a dataset; --data takes a file written by "
+                                "`mpiasgd data convert`")
             raise DataError(f"{path}: attribute format is {fmt!r}, expected {FORMAT!r} (a file written by "
                             "`mpiasgd data convert` or `mpiasgd data synth`)")
         if "mean" not in a:  # written last (H5Writer.close): the conversion never got there

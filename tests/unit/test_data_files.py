@@ -121,6 +121,26 @@ def test_broken_files_name_the_file(tmp_path, toy):
     assert H5Dataset(testonly).num_test == 0
 
 
+def test_a_run_log_or_checkpoint_given_as_data_is_named_as_such(tmp_path):
+    """`train --data runs/x.h5` with a run log (or a checkpoint) says what the file is, not "attribute format is
+    ''" (issue 36); real files of both kinds, written by the run log's writer and the checkpoint's."""
+    from mpiasgd import checkpoint
+    from mpiasgd.runlog import RunLog
+
+    log = tmp_path / "x.h5"
+    RunLog.create(str(log), {"config": "{}"}, [], 3, flush_interval=60.0).close("completed", {})
+    with pytest.raises(DataError) as e:
+        H5Dataset(str(log))
+    assert str(e.value) == (f"{log} is an mpiasgd run log, not a dataset; --data takes a file written by "
+                            "`mpiasgd data convert`")
+    ckpt = tmp_path / "x.ckpt.h5"
+    with h5py.File(ckpt, "w") as f:  # the checkpoint's own format attribute, as checkpoint.save writes it
+        f.attrs["format"] = checkpoint.FORMAT
+        f["params"] = np.zeros(3, np.float32)
+    with pytest.raises(DataError, match=r"x\.ckpt\.h5 is an mpiasgd checkpoint, not a dataset; --data takes"):
+        H5Dataset(str(ckpt))
+
+
 def test_open_data_reads_no_training_images(toy):
     path, _ = toy
     ds = open_data(path)
