@@ -146,6 +146,7 @@ class ShardHub:
         self.slices = {r: Message(2 * self.cut.size(s)) for r, s in self.shards.items()}
         self.alive = Interval(self.cfg.comm_timeout / 4)
         self.ended: set[int] = set()                 # shards whose last rows (flag FINAL) arrived
+        self.warned: set[int] = set()                # shards warned about (--stall-warning) in their current silence
         self.offsets: dict[int, float] = {}          # rank 0's clock minus each shard's (`receive`)
         self.rec.shards = ShardFigures(self.cut.shards)
         for r in self.shards:
@@ -220,10 +221,22 @@ class ShardHub:
 
     def check_silence(self, now: float, limit: float) -> None:
         """CommTimeout naming a shard that has sent nothing for more than `limit` seconds (it sends its rows at
-        least every limit / 4)."""
+        least every limit / 4); before that, one --stall-warning per silence. The loop asks before it looks at
+        the workers (`Rank0Loop.check_stalls`), so a stopped shard is named before the workers that wait for
+        its replies and fall silent with it."""
+        warn = self.cfg.stall_warning
         for r in self.shards:
             quiet = now - self.r0.last_seen[r]
-            if r not in self.ended and quiet > limit:
+            if r in self.ended:
+                continue
+            if warn and warn < limit and quiet > warn and r not in self.warned:
+                self.warned.add(r)
+                self.rec.warn(f"{self.name(r)} has sent nothing for {quiet:.1f} s (--stall-warning {warn:g} s): the "
+                              "workers waiting for its replies fall silent with it; the run ends if it stays silent "
+                              f"for {limit:g} s (--comm-timeout)")
+            elif quiet <= (warn or 0):
+                self.warned.discard(r)  # it spoke again: warn anew next time
+            if quiet > limit:
                 raise CommTimeout(f"rank 0: {self.name(r)} has sent nothing for {quiet:.1f} s (--comm-timeout "
                                   f"{limit:g} s; a shard sends its rows at least every {limit / 4:g} s): hung or "
                                   f"very slow")

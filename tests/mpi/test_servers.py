@@ -380,6 +380,30 @@ def test_hung_shard_is_named_and_the_job_ends(tmp_path, snapshots, timeout, chec
     assert "rank 0 was paused" not in err and not (t["events"]["kind"] == b"pause").any(), err
 
 
+def test_a_stopped_shard_is_warned_about_before_the_workers_waiting_for_it(tmp_path):
+    """A SIGSTOPped shard, --stall-warning 1: the first stall warning names the shard, not the workers that wait
+    for its replies and fall silent with it (issue 36: they were named first); the run then ends naming it."""
+    proc = start_mpi(RANKS, ["train", *FAST, "--servers", str(SERVERS), "--epochs", "0", "--max-time", "120",
+                             "--comm-timeout", "5", "--stall-warning", "1", "--checkpoint-interval", "0",
+                             "--snapshot-interval", "0", "--name", "sw"], tmp_path)  # (no snapshot: no SLICE wait)
+    runs = tmp_path / "runs"
+    try:
+        wait_for_pushes(runs / "sw.h5", proc)
+        os.kill(shard_pid(runs, "sw"), signal.SIGSTOP)  # hung: alive, silent
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop_group(proc)
+    assert proc.returncode != 0, err
+    warnings = [line for line in err.splitlines() if "has sent nothing for" in line and "--stall-warning" in line]
+    assert warnings, err
+    first = f"mpiasgd: warning: parameter-server shard 1 (rank {SHARD_RANK}) has sent nothing for "
+    assert warnings[0].startswith(first), err
+    assert "the workers waiting for its replies fall silent with it" in warnings[0], err
+    assert sum("parameter-server shard 1" in line for line in warnings) == 1, err  # once per silence
+    assert f"rank 0: parameter-server shard 1 (rank {SHARD_RANK}) has sent nothing for " in err or \
+        f"from parameter-server shard 1 (rank {SHARD_RANK}) after" in err, err  # the end names it too
+
+
 @pytest.mark.parametrize("how", ["hung", "killed"])
 def test_a_hung_or_dead_worker_leaves_the_last_consistent_checkpoint(tmp_path, how):
     """With S = 2 and interval checkpoints: a SIGSTOPped worker ends the job naming it after --comm-timeout; a
