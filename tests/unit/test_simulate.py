@@ -462,6 +462,30 @@ def test_fit_takes_a_workers_start_up_once_and_never_draws_it_again(tmp_path):
         assert times[0] == pytest.approx(0.5, rel=0.2) and (times[1:] < 0.1).all()
 
 
+def test_fit_line_shows_no_start_up_for_a_worker_whose_first_push_was_not_slower(tmp_path):
+    """The --fit line as README shows it (issue 36: it showed a start-up for every worker): worker 1's first push
+    no slower than its others has none; worker 2's, 0.3 s slower than its typical one, has one."""
+    import h5py
+
+    from mpiasgd.config import Config
+    from mpiasgd.sim.cli import fit_line
+
+    simulate(tmp_path, "--compute-s", "0.02", "--compute-cv", "0.1", "--max-pushes", "40", "--epochs", "0",
+             name="measured")
+    with h5py.File(tmp_path / "measured.h5", "r+") as f:
+        pushes = f["pushes"][()]
+        ones, twos = (np.flatnonzero(pushes["worker"] == w) for w in (1, 2))
+        pushes["compute_s"][ones[0]] = pushes["compute_s"][ones[1:]].min()  # no start-up
+        typical = float(np.median(pushes["compute_s"][twos[1:]]))
+        pushes["compute_s"][twos[0]] = typical + 0.3
+        f["pushes"][...] = pushes
+    fitted = fit_run_log(str(tmp_path / "measured.h5"))
+    assert fitted.workers[1].startup_s == 0 and fitted.workers[2].startup_s == pytest.approx(0.3)
+    line = fit_line(str(tmp_path / "measured.h5"), fitted, Config(), 2)
+    assert f"worker 1 {fitted.workers[1].mean:.3g} s, worker 2 {fitted.workers[2].mean:.3g} s (start-up +0.3 s " \
+           "once);" in line, line
+
+
 def test_fit_takes_each_measured_time_once_a_pass(tmp_path):
     """A fitted worker's compute times are its measured ones in a random order, each once, pass after pass
     (drawn with replacement, a simulation's count of slow minibatches, and with it the push counts and the
