@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import h5py
 import numpy as np
 
-from mpiasgd.runlog import ensure_free_space, os_error
+from mpiasgd.runlog import PIECE, ensure_free_space, os_error
 
 FORMAT = "mpiasgd-checkpoint-1"
 WORKER_STATE = np.dtype([("rank", "<i4"), ("step", "<i8"), ("cursor", "<i8"), ("rejected", "<i8")])
@@ -130,9 +130,9 @@ def write(path: str, ckpt: Checkpoint, between: Callable[[], None] | None = None
     that fails anyway prints nothing (h5py's "Exception ignored" reports of its objects' failing
     closes are kept back and become the OSError).
 
-    `between` is called between the write's steps (after each array, before the fsync), where the write can
-    take long (a 60 MB checkpoint: up to a second on a busy disk): rank 0 answers a signal there at once
-    (`Rank0.close_log_on_signal`) instead of after the write.
+    `between` is called between the write's steps (after each piece of PIECE values of params and momentum, and
+    before the fsync), where the write can take long (a 60 MB checkpoint: up to a second on a busy disk): rank 0
+    answers a signal there (`Rank0.close_log_on_signal`) instead of after the write.
     """
     step = between or (lambda: None)
     t0 = time.perf_counter()
@@ -143,10 +143,8 @@ def write(path: str, ckpt: Checkpoint, between: Callable[[], None] | None = None
     ensure_free_space(tmp, size)  # ENOSPC before HDF5 is called: on a full disk it fails noisily, even crashes
     try:
         with _quiet_hdf5_cleanup(tmp), h5py.File(tmp, "w") as f:
-            f.create_dataset("params", data=ckpt.params.astype(np.float32, copy=False))
-            step()
-            f.create_dataset("momentum", data=ckpt.momentum.astype(np.float32, copy=False))
-            step()
+            _write_in_pieces(f, "params", ckpt.params, step)
+            _write_in_pieces(f, "momentum", ckpt.momentum, step)
             f.create_dataset("workers", data=ckpt.workers.astype(WORKER_STATE, copy=False))
             if ckpt.buffers.size:
                 f.create_dataset("buffers", data=ckpt.buffers.astype(np.float32, copy=False))
@@ -186,6 +184,20 @@ def write(path: str, ckpt: Checkpoint, between: Callable[[], None] | None = None
             raise os_error(e) from e
         raise
     return time.perf_counter() - t0
+
+
+def _write_in_pieces(f: h5py.File, name: str, values: np.ndarray, step: Callable[[], None]) -> None:
+    """Write the (P,) `values` as float32 dataset `name` of `f`, PIECE values at a time, calling `step` after
+    each: h5py serialises every HDF5 call of the process, so rank 0's signal thread, closing the run log the
+    moment a signal arrives (`signals.watching`), waits for one piece at most, not for the whole array."""
+    values = values.astype(np.float32, copy=False)
+    ds = f.create_dataset(name, shape=values.shape, dtype=np.float32)
+    flat = values.reshape(-1)
+    for start in range(0, flat.size, PIECE):
+        ds[start:start + PIECE] = flat[start:start + PIECE]
+        step()
+    if not flat.size:
+        step()
 
 
 @contextlib.contextmanager

@@ -15,13 +15,22 @@ The launcher may be gone by then: SLURM ending a job signals every process of it
 among them, which then exits at once, and with it the pipes that carry the ranks' output. `install()`
 therefore makes stdout and stderr drop what can no longer be written (`LossyStream`): the run still ends
 with its checkpoint and its log closed, instead of failing on its first line of output.
+
+Python runs a signal handler in the main thread only between two bytecodes, so not while that thread is
+inside one long C call (a NumPy update of a large network, an MPI wait, an fsync), and the launcher's
+SIGKILL may come first. `install()` therefore also makes the C-level handler write each signal to a pipe
+(`signal.set_wakeup_fd`) read by a thread of its own, which runs the callbacks given to `watching` at
+once (rank 0: close the run log, `Rank0.close_log_on_signal`): NumPy, MPI and file I/O release the GIL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -32,28 +41,97 @@ KILL_WINDOW = 1.0
 
 _received: list[str] = []
 _rank: int | None = None
+_seen = {"handler": 0, "watcher": 0}  # the signals each path has taken (each delivery reaches both)
+_callbacks: list[Callable[[str], None]] = []
+_wakeup: tuple[int, int] | None = None  # (read, write) ends of the pipe the C-level handler writes to
+_noting = threading.Lock()  # (the main thread's handler and the signal thread)
 
 
-def _handler(signum: int, frame: Any) -> None:
-    _received.append(signal.Signals(signum).name)
-    if len(_received) == 1 and _rank is not None:  # the job's output names the rank that got it
+def _note(path: str, name: str) -> bool:
+    """Take one delivery of signal `name` seen by `path` ("handler", "watcher"); True for the run's first
+    signal (whichever path sees it first records it, and says it: `_say_first`)."""
+    with _noting:
+        _seen[path] += 1
+        if _seen[path] > len(_received):
+            _received.append(name)
+            return len(_received) == 1
+        return False
+
+
+def _say_first(name: str) -> None:
+    """(the first signal) A worker's line naming its rank: the job's output says which rank got what."""
+    if _rank is not None:
         try:
-            os.write(2, f"mpiasgd: rank {_rank}: {_received[0]} received: the run ends with a checkpoint\n".encode())
+            os.write(2, f"mpiasgd: rank {_rank}: {name} received: this rank stops; rank 0 ends the run and "
+                        f"checkpoints it where it can\n".encode())
         except OSError:  # the launcher is gone (LossyStream): a line less, and the run goes on
             pass
 
 
+def _handler(signum: int, frame: Any) -> None:
+    name = signal.Signals(signum).name
+    if _note("handler", name):
+        _say_first(name)
+
+
+def _watch(read_end: int) -> None:
+    """(a daemon thread) Take each signal byte the C-level handler writes, at once: record it, say the first,
+    run the callbacks (an exception in one is printed, not raised: the main thread still sees the signal)."""
+    while True:
+        try:
+            data = os.read(read_end, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        for signum in data:
+            if signum not in PREEMPT_SIGNALS:
+                continue
+            name = signal.Signals(signum).name
+            if _note("watcher", name):
+                _say_first(name)
+            for callback in list(_callbacks):
+                try:
+                    callback(name)
+                except Exception as e:
+                    try:
+                        os.write(2, f"mpiasgd: on {name}: {type(e).__name__}: {e}\n".encode())
+                    except OSError:
+                        pass
+
+
 def install() -> None:
-    """Route PREEMPT_SIGNALS to the flag read by `received()` (main thread only), and make stdout and stderr
-    outlive the launcher (`LossyStream`). `mpiasgd train` does it first thing, so a signal during start-up is
-    not lost: the run then ends at its first step."""
+    """Route PREEMPT_SIGNALS to the flag read by `received()` (main thread only), start the thread that runs the
+    `watching` callbacks the moment a signal arrives, and make stdout and stderr outlive the launcher
+    (`LossyStream`). `mpiasgd train` does it first thing, so a signal during start-up is not lost: the run then
+    ends at its first step."""
+    global _wakeup
     _received.clear()
+    _seen.update(handler=0, watcher=0)
     for signum in PREEMPT_SIGNALS:
         signal.signal(signum, _handler)
+    if _wakeup is None:
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)  # the C-level handler must never block
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        _wakeup = (read_end, write_end)
+        threading.Thread(target=_watch, args=(read_end,), name="mpiasgd-signals", daemon=True).start()
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if not isinstance(stream, LossyStream):
             setattr(sys, name, LossyStream(stream))
+
+
+@contextlib.contextmanager
+def watching(callback: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, call `callback(name)` ("SIGTERM", ...) from the signal thread the moment a preemption
+    signal arrives (after `install()`; without it, never), while the main thread may be inside a long C call.
+    The callback runs concurrently with the main thread: what it touches must be guarded (`RunLog.guard`)."""
+    _callbacks.append(callback)
+    try:
+        yield
+    finally:
+        _callbacks.remove(callback)
 
 
 class LossyStream:

@@ -126,14 +126,16 @@ class Rank0:
         return self.link is None or self.link.decides
 
     def run(self) -> dict:
-        """Serve until the role is done; returns the summary dict."""
-        self.role.warm_up()  # before the clocks: the run's time is the training's
-        self.rec.begin()
-        if self.decides:
-            self.rec.snapshot(*self.weights())
-        self.role.begin()
-        self.serve()
-        return self.finish()
+        """Serve until the role is done; returns the summary dict. A signal closes the run log the moment it
+        arrives (`close_log_on_signal`, from the signal thread), wherever the loop is."""
+        with signals.watching(lambda name: self.close_log_on_signal()):
+            self.role.warm_up()  # before the clocks: the run's time is the training's
+            self.rec.begin()
+            if self.decides:
+                self.rec.snapshot(*self.weights())
+            self.role.begin()
+            self.serve()
+            return self.finish()
 
     def done(self) -> bool:
         """The loop's end: the role's (every worker's EVAL); a shard of rank >= 1: rank 0's END."""
@@ -345,15 +347,16 @@ class Rank0:
         self.preempt_time = rec.now()
         self.preempt_reason = "failure" if gone else "preempt"
         self.preempt_deadline = time.perf_counter() + PREEMPT_GRACE
-        if why != self.signal_logged:
-            rec.event("preempt", why)
-        self.lost_state = [w for w, _, _ in gone if w not in self.workers]  # --servers: a dead shard's slice
-        checkpoints = self.role.checkpoints_here and not self.lost_state  # (a lost slice: the last one is kept)
-        doing = "ending the run" if gone and not checkpoints else "checkpointing and ending the run"
-        rec.stop(f"{'failed' if gone else 'preempted'}: {why}")  # gone: a worker died
-        # first of all, the log closed with its status: the launcher may kill every rank any moment now (Open MPI's
-        # mpiexec SIGKILLs them 0.25 s after the SIGTERM it sends on its own SIGTERM, or when a rank died)
-        self.end_log_early(bool(gone))
+        with rec.log.guard:  # (the signal thread may be closing the log: one "preempt" event)
+            if why != self.signal_logged:
+                rec.event("preempt", why)
+            self.lost_state = [w for w, _, _ in gone if w not in self.workers]  # --servers: a dead shard's slice
+            checkpoints = self.role.checkpoints_here and not self.lost_state  # (a lost slice: the last one is kept)
+            doing = "ending the run" if gone and not checkpoints else "checkpointing and ending the run"
+            rec.stop(f"{'failed' if gone else 'preempted'}: {why}")  # gone: a worker died
+            # first of all, the log closed with its status: the launcher may kill every rank any moment now (Open
+            # MPI's mpiexec SIGKILLs them 0.25 s after the SIGTERM it sends on its own SIGTERM, or when a rank died)
+            self.end_log_early(bool(gone))
         print(f"mpiasgd: {why}: {doing}", file=sys.stderr, flush=True)
         if checkpoints:  # now, or (--servers) once the shards agreed on the pushes each applies
             self.checkpoint_due = self.preempt_reason
@@ -364,18 +367,24 @@ class Rank0:
             raise Preempted(why, [w for w, _, _ in gone], dead=True)
 
     def close_log_on_signal(self) -> None:
-        """(between the steps of a checkpoint write, `Recorder.meanwhile`) A signal that came during the write closes
-        the run log at once, with the event "preempt", as `preempt` does first (`RunLog.end_early`); the next tick
-        preempts the run (the checkpoint, the workers' STOP)."""
-        if not signals.received() or not self.decides or self.rec.log.ended:
+        """(the signal thread, the moment a signal arrives, `signals.watching`; and between the steps of a
+        checkpoint write, `Recorder.meanwhile`) Close the run log at once, with the event "preempt", as `preempt`
+        does first (`RunLog.end_early`), wherever the main thread is (a long NumPy update, an MPI wait, an fsync:
+        Open MPI's mpiexec kills every rank 0.25 s after the SIGTERM it passes on); the next tick preempts the
+        run (the checkpoint, the workers' STOP)."""
+        log = self.rec.log
+        if not signals.received() or not self.decides or log.ended or self.preempted:
             return
-        if not self.rec.stop_reason:  # (a run already ending, the final checkpoint's write: it may yet complete)
-            self.signal_logged = f"{signals.received()} received by rank 0"
-            self.rec.event("preempt", self.signal_logged)
-        try:
-            self.end_log_early(bool(self.exited_workers()))
-        except RunLogError:  # a full disk: not the checkpoint's failure; the log's close reports it (`log_unwritable`)
-            pass
+        with log.ending_now():  # (a snapshot write under way stops at its next chunk)
+            if log.ended or self.preempted:  # (the main thread got there first)
+                return
+            if not self.rec.stop_reason:  # (a run already ending, the final checkpoint's write: it may yet complete)
+                self.signal_logged = f"{signals.received()} received by rank 0"
+                self.rec.event("preempt", self.signal_logged)
+            try:
+                self.end_log_early(bool(self.exited_workers()))
+            except RunLogError:  # a full disk: not the checkpoint's failure; the log's close reports it
+                pass  # (`log_unwritable`)
 
     def end_log_early(self, failed: bool) -> None:
         """Close the run log now (`RunLog.end_early`) with status "failed" (a rank died: the event naming it is

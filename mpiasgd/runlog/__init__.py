@@ -100,10 +100,10 @@ EventRow, CheckpointRow, ShardPushRow, WireBytesRow, WorkerRow) whose fields are
     tensorboard.py TensorBoard: the metrics as TensorBoard event files (--tensorboard; tensorboardX)
     lock.py        WriterLock, writer_alive
     superblock.py  the superblock's consistency flags: clear_stale_flags, lookup3
-    disk.py        RunLogError, ensure_free_space (a full disk)
+    disk.py        RunLogError, ensure_free_space (a full disk), PIECE
 """
 
-from mpiasgd.runlog.disk import FREE_MARGIN, RunLogError, ensure_free_space, os_error
+from mpiasgd.runlog.disk import FREE_MARGIN, PIECE, RunLogError, ensure_free_space, os_error
 from mpiasgd.runlog.lock import WriterLock, writer_alive
 from mpiasgd.runlog.reader import TruncatedLogError, load, open_log, open_run
 from mpiasgd.runlog.records import (
@@ -136,8 +136,8 @@ from mpiasgd.runlog.superblock import SIGNATURE, SWMR_WRITE, clear_stale_flags, 
 from mpiasgd.runlog.writer import RunLog, append, recover, upgrade_tables
 
 __all__ = [
-    "CHECKPOINT_ROW", "EVAL_ROW", "EVENT_ROW", "FREE_MARGIN", "PERIODIC_EVAL_ROW", "PUSH_ROW", "SHARD_PUSH_ROW",
-    "SIGNATURE", "SNAPSHOT_ROW", "SWMR_WRITE", "TABLES", "UPDATE_ROW", "WIRE_BYTES_ROW", "WORKER_ROW",
+    "CHECKPOINT_ROW", "EVAL_ROW", "EVENT_ROW", "FREE_MARGIN", "PERIODIC_EVAL_ROW", "PIECE", "PUSH_ROW",
+    "SHARD_PUSH_ROW", "SIGNATURE", "SNAPSHOT_ROW", "SWMR_WRITE", "TABLES", "UPDATE_ROW", "WIRE_BYTES_ROW", "WORKER_ROW",
     "CheckpointRow", "EvalRow", "EventRow", "PeriodicEvalRow", "PushRow", "Record", "RunLog", "RunLogError",
     "ShardPushRow", "SnapshotRow", "TruncatedLogError", "UpdateRow", "WireBytesRow", "WorkerRow", "WriterLock",
     "append", "clear_stale_flags", "ensure_free_space", "health_line", "load", "lookup3", "open_log", "open_run",

@@ -7,6 +7,9 @@ import errno
 import os
 import re
 
+PIECE = 1 << 20  # float32 values one HDF5 call writes (4 MiB) where a long write must leave way to another thread:
+# h5py holds its global lock, and the GIL, for a whole call (checkpoint arrays; run-log snapshots, their chunks)
+
 
 class RunLogError(OSError):
     """The run log at `path` cannot be `doing` ("written", "created", "reopened"): disk full, quota, I/O error.

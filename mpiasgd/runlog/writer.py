@@ -7,17 +7,20 @@ record's type. Times are seconds since the start of training.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import json
 import os
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import h5py
 import numpy as np
 
-from mpiasgd.runlog.disk import RunLogError, ensure_free_space
+from mpiasgd.runlog.disk import PIECE, RunLogError, ensure_free_space
 from mpiasgd.runlog.lock import WriterLock, writer_alive
 from mpiasgd.runlog.reader import open_log
 from mpiasgd.runlog.records import TABLES, WORKER_ROW, Record, SnapshotRow, WorkerRow, upgrade
@@ -90,17 +93,30 @@ def _worker_table(workers: Sequence[WorkerRow]) -> np.ndarray:
     return np.array([w.row() for w in workers], dtype=WORKER_ROW)
 
 
+def _guarded(method: Callable) -> Callable:
+    """A RunLog method run holding the log's `guard`: rank 0's signal thread (`signals.watching`) may close the
+    log (`end_early`) while the main thread adds or flushes."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.guard:
+            return method(self, *args, **kwargs)
+    return run
+
+
 class RunLog:
     """Buffered, appendable writer of one run log (server only). Use `RunLog.create`.
 
     Rows are records (`mpiasgd.runlog.records`) given to `add` (snapshots: `add_snapshot`); they reach
-    the file at the next `flush` (`maybe_flush`: every `flush_interval` seconds).
+    the file at the next `flush` (`maybe_flush`: every `flush_interval` seconds). Every method that adds,
+    writes or closes holds `guard` (a re-entrant lock): another thread may end the log early (`end_early`).
     """
 
     def __init__(self, path: str, file: h5py.File, flush_interval: float, lock: WriterLock | None = None) -> None:
         self.path = path
         self.file = file
         self.lock = lock
+        self.guard = threading.RLock()
+        self.hurry = threading.Event()  # set by `ending_now`: a snapshot write under way stops at its next chunk
         self.flush_interval = flush_interval
         self.pending: dict[str, list] = {name: [] for name in TABLES}
         self.pending_params: list[np.ndarray] = []
@@ -152,11 +168,12 @@ class RunLog:
         f.create_dataset("workers", data=_worker_table(workers))
         for name, dtype in TABLES.items():
             f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
+        # chunks of PIECE values at most: a snapshot is written a chunk at a time (`_append_snapshots`)
         f.create_dataset("snapshots/params", shape=(0, num_params), maxshape=(None, num_params),
-                         dtype=np.float32, chunks=(1, num_params))
+                         dtype=np.float32, chunks=(1, max(1, min(num_params, PIECE))))
         if num_buffers:
             f.create_dataset("snapshots/buffers", shape=(0, num_buffers), maxshape=(None, num_buffers),
-                             dtype=np.float32, chunks=(1, num_buffers))
+                             dtype=np.float32, chunks=(1, min(num_buffers, PIECE)))
         f.swmr_mode = True
 
     @classmethod
@@ -206,6 +223,7 @@ class RunLog:
                 latest = max(latest, float(ds[ds.shape[0] - 1]["time"]))
         return latest
 
+    @_guarded
     def rows(self, table: str) -> int:
         """Rows of `table` (e.g. "snapshots/meta"), flushed and buffered: the index the next row will have."""
         flushed = self.file[table].shape[0] if self.file is not None else self.sizes.get(table, 0)
@@ -216,6 +234,7 @@ class RunLog:
         return sum(self.file[name].shape[1] for name in ("snapshots/params", "snapshots/buffers") if name in self.file)
 
     # --- appending (server only; rows reach the file at the next flush; a broken log drops them) ---
+    @_guarded
     def add(self, record: Record) -> None:
         """Buffer one row: appended to the record's table (`record.table`), its values taken by field name
         (`record.row()`).
@@ -232,6 +251,7 @@ class RunLog:
         if self.error is None:
             self.pending[record.table].append(record.row())
 
+    @_guarded
     def add_snapshot(self, record: SnapshotRow, params: np.ndarray, buffers: np.ndarray | None = None) -> None:
         """Buffer one weight snapshot: its metadata `record`, `params`, the (P,) float32 weights, and `buffers`,
         the (B,) float32 layer buffers when the log has /snapshots/buffers; copied (the caller may go on
@@ -247,12 +267,14 @@ class RunLog:
             if has:
                 self.pending_buffers.append(buffers.copy())
 
+    @_guarded
     def maybe_flush(self) -> None:
         """`flush` if `flush_interval` seconds have passed since the last one (RunLogError as `flush`); nothing
         once `end_early` closed the file (its rows wait for an explicit `flush` or `close`)."""
         if not self.ended and time.monotonic() - self.last_flush >= self.flush_interval:
             self.flush()
 
+    @_guarded
     def flush(self) -> None:
         """Write every buffered row and make it visible to readers.
 
@@ -265,17 +287,24 @@ class RunLog:
         (`_open_again`, the lock taken and released again; not within its `hold`: they wait); RunLogError also
         if that cannot be done.
         """
+        self._write(snapshots=not self.hurry.is_set())
+
+    def _write(self, snapshots: bool) -> None:
+        """`flush`; the buffered snapshots (their weights and their rows of /snapshots/meta) stay buffered when
+        not `snapshots`, or when `hurry` is set during their write (the rows written of them are cut back)."""
         if self.error is not None:
             return
         if self.file is None:
             if self.ended and any(self.pending.values()) and time.monotonic() >= self.reopen_at:
                 self._open_again()
                 try:
-                    self.flush()
+                    self._write(snapshots)
                 finally:
                     self._set_aside()
             return
+        snapshots = snapshots and bool(self.pending_params)
         need = sum(p.nbytes for p in self.pending_params) + sum(b.nbytes for b in self.pending_buffers)
+        need *= snapshots
         need += sum(len(rows) * TABLES[name].itemsize for name, rows in self.pending.items())
         try:
             if need:
@@ -289,18 +318,10 @@ class RunLog:
             raise self.error from None
         before: dict[str, int] = {}  # the rows of each table this flush grows, before it
         try:
-            if self.pending_params:
-                ds = self.file["snapshots/params"]
-                before["snapshots/params"] = ds.shape[0]
-                append(ds, np.stack(self.pending_params))
-                ds.flush()
-            if self.pending_buffers:
-                ds = self.file["snapshots/buffers"]
-                before["snapshots/buffers"] = ds.shape[0]
-                append(ds, np.stack(self.pending_buffers))
-                ds.flush()
+            if snapshots:
+                snapshots = self._append_snapshots(before)
             for name, rows in self.pending.items():
-                if rows:
+                if rows and (snapshots or name != "snapshots/meta"):
                     ds = self.file[name]
                     before[name] = ds.shape[0]
                     append(ds, np.array(rows, dtype=TABLES[name]))
@@ -315,12 +336,37 @@ class RunLog:
                     pass
             raise self.error from e
         finally:
-            self.pending_params.clear()
-            self.pending_buffers.clear()
-            for rows in self.pending.values():
-                rows.clear()
+            if snapshots or self.error is not None:
+                self.pending_params.clear()
+                self.pending_buffers.clear()
+            for name, rows in self.pending.items():
+                if snapshots or self.error is not None or name != "snapshots/meta":
+                    rows.clear()
         self.last_flush = time.monotonic()
 
+    def _append_snapshots(self, before: dict[str, int]) -> bool:
+        """(`_write`) Append the buffered snapshots' weights (and buffers) a chunk at a time (at most PIECE
+        values: h5py holds its lock and the GIL for each write); False, with the rows cut back to `before`'s,
+        when `hurry` was set meanwhile (another thread ends the log: they wait)."""
+        for name, rows in (("snapshots/params", self.pending_params), ("snapshots/buffers", self.pending_buffers)):
+            if not rows:
+                continue
+            ds = self.file[name]
+            n, width = ds.shape[0], (ds.chunks or ds.shape)[1]
+            before[name] = n
+            ds.resize(n + len(rows), axis=0)
+            for i, values in enumerate(rows):
+                for start in range(0, ds.shape[1], width):
+                    if self.hurry.is_set():
+                        for written, count in before.items():
+                            self.file[written].resize(count, axis=0)
+                        before.clear()
+                        return False
+                    ds[n + i, start:start + width] = values[start:start + width]
+            ds.flush()
+        return True
+
+    @_guarded
     def close(self, status: str, attrs: dict | None = None) -> None:
         """Flush, close, and record the final `status` and summary `attrs` (reopened, in SWMR mode; closed
         cleanly after); release the lock. RunLogError if the file cannot be written: the log is then ended by `abandon`
@@ -360,6 +406,7 @@ class RunLog:
             if self.lock is not None:
                 self.lock.release()
 
+    @_guarded
     def abandon(self) -> str:
         """End a log that cannot be written (after RunLogError), never raising: status "failed" set in place
         (the file stays in SWMR mode: no new objects), the file closed, the lock released. Returns (and
@@ -385,20 +432,21 @@ class RunLog:
         return self.outcome
 
     # --- the end of a run the launcher may kill at any moment ---
+    @_guarded
     def end_early(self, status: str, hold: float = 0.0) -> None:
         """Close the file now with `status` ("preempted", "failed") and release the lock, before the run's last
         work (its checkpoint, the workers' answers): a launcher may kill this process at any moment from here
         on (Open MPI's mpiexec, sent SIGTERM or seeing a rank die, SIGKILLs every rank 0.25 s after the
         SIGTERM it passes on). Killed after this, it leaves a file closed cleanly with `status`, no lock file,
-        and only the rows added since not written. Rows added from now on stay in memory: `flush` writes them
-        in one short opening of the file, `close` with the final status and summary, neither within `hold`
-        seconds from now (`close` waits): a kill expected in that time finds no file open and no lock taken.
-        RunLogError (and the log is broken, as by `flush`) if the rows or the status cannot be written.
-        Nothing happens a second time."""
+        and only the rows added since not written, and the buffered snapshots (megabytes: they are not written
+        now). Rows added from now on stay in memory: `flush` writes them in one short opening of the file,
+        `close` with the final status and summary, neither within `hold` seconds from now (`close` waits): a
+        kill expected in that time finds no file open and no lock taken. RunLogError (and the log is broken,
+        as by `flush`) if the rows or the status cannot be written. Nothing happens a second time."""
         if self.file is None or self.error is not None:
             return
         self.reopen_at = time.monotonic() + hold
-        self.flush()
+        self._write(snapshots=False)
         try:
             self.file.attrs.modify("status", status)  # in place: SWMR mode makes no new objects
         except (OSError, RuntimeError) as e:  # RuntimeError: h5py's, when HDF5 fails to write
@@ -406,6 +454,17 @@ class RunLog:
             raise self.error from e
         self.ended = status
         self._set_aside()
+
+    @contextlib.contextmanager
+    def ending_now(self) -> Iterator[None]:
+        """Hold `guard` (from another thread: rank 0's signal thread, to `end_early`), taking it as soon as the
+        thread that holds it has written the snapshot chunk under way (`hurry`): the snapshots wait."""
+        self.hurry.set()
+        try:
+            with self.guard:
+                yield
+        finally:
+            self.hurry.clear()
 
     def _set_aside(self) -> None:
         """(after `end_early`) Close the file, keeping each table's length for `rows`, and release the lock."""

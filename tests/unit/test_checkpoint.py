@@ -37,6 +37,22 @@ def test_checkpoint_round_trip_keeps_every_field(tmp_path):
     assert os.listdir(tmp_path) == ["x.ckpt.h5"]  # no temporary file left behind
 
 
+def test_a_large_checkpoint_is_written_in_pieces_with_between_after_each(tmp_path):
+    """h5py holds its global lock for a whole HDF5 call: the arrays go in pieces of checkpoint.PIECE values, so the
+    signal thread closing the run log waits for one piece, and `between` runs after each."""
+    path = str(tmp_path / "x.ckpt.h5")
+    ck = make_ckpt(P=2 * checkpoint.PIECE + 3)
+    calls = []
+    checkpoint.write(path, ck, between=lambda: calls.append(1))
+    assert len(calls) == 3 + 3 + 1  # three pieces of params, three of momentum, and before the fsync
+    got = checkpoint.load(path)
+    np.testing.assert_array_equal(got.params, ck.params)
+    np.testing.assert_array_equal(got.momentum, ck.momentum)
+    calls.clear()
+    checkpoint.write(path, make_ckpt(P=0), between=lambda: calls.append(1))
+    assert len(calls) == 3 and checkpoint.load(path).params.shape == (0,)
+
+
 def test_corrupt_foreign_and_missing_checkpoints_are_refused(tmp_path):
     import h5py
 
