@@ -50,7 +50,7 @@ import time
 
 from launch import add_run_arguments, launcher, run_dir, run_steps
 
-from mpiasgd.cli import fraction, positive
+from mpiasgd.argtypes import fraction, positive
 from mpiasgd.runlog.reader import load
 from mpiasgd.runlog.summary import final_eval
 from mpiasgd.tools.report import time_to_accuracy

@@ -41,7 +41,7 @@ import time
 
 from launch import add_run_arguments, launcher, run, run_dir
 
-from mpiasgd.cli import fraction, positive
+from mpiasgd.argtypes import fraction, positive
 from mpiasgd.modes.registry import MODES as REGISTRY
 from mpiasgd.runlog import summary_lines
 

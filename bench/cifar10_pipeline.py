@@ -32,7 +32,7 @@ import time
 from launch import add_run_arguments, launcher, run, run_dir
 from trainrun import name_list
 
-from mpiasgd.cli import positive
+from mpiasgd.argtypes import positive
 from mpiasgd.runlog import load
 
 CONFIGS = {  # name -> (modules K, shrink beta)

@@ -30,7 +30,7 @@ import time
 from input_pipeline import ensure_file
 from trainrun import Trainer, cores
 
-from mpiasgd.cli import positive
+from mpiasgd.argtypes import positive
 
 WORKERS = 2
 FLAGS = ["--model", "cifar10", "--mode", "sync", "--lr", "0.02", "--lr-schedule", "cosine", "--eval-interval", "0.5ep",

@@ -34,7 +34,7 @@ import time
 
 from launch import launcher, run
 
-from mpiasgd.cli import positive
+from mpiasgd.argtypes import positive
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOAL_MIB = 600

@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass
 from launch import launcher, run, seconds
 from trainrun import cores, epochs_type, name_list, nonnegative
 
-from mpiasgd.cli import positive
+from mpiasgd.argtypes import positive
 
 MODEL = "resnet20"
 GOAL_POINTS = 1.5  # K = 2 rows at most this many points below K = 1

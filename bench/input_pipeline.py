@@ -36,7 +36,7 @@ import numpy as np
 from launch import run
 from trainrun import Trainer, add_benchmark_arguments, command_limit, cores, rounds, time_limited
 
-from mpiasgd.cli import positive
+from mpiasgd.argtypes import positive
 
 WORKERS = 2
 BATCH = 64

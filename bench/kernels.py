@@ -68,7 +68,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpiasgd.cli import positive  # argparse type: an integer >= 1
+from mpiasgd.argtypes import positive  # argparse type: an integer >= 1
 from mpiasgd.model import build_model
 from mpiasgd.ops import cuda_probe
 from mpiasgd.ops.cuda.constants import CONV_BLOCKS_PER_SM

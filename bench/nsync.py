@@ -53,7 +53,7 @@ import tempfile
 import numpy as np
 from trainrun import Trainer, add_benchmark_arguments, cores, int_list, rounds
 
-from mpiasgd.cli import positive
+from mpiasgd.argtypes import positive
 
 WORKERS = 2
 MODEL = "digits"

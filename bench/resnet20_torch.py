@@ -50,7 +50,7 @@ import numpy as np
 from launch import launcher, run, seconds
 from trainrun import cores, epochs_type, nonnegative
 
-from mpiasgd.cli import positive
+from mpiasgd.argtypes import positive
 from mpiasgd.data import MinibatchStream, ShardSampler, load_dataset
 from mpiasgd.model import Model, build_model
 from mpiasgd.model.layers import BatchNorm2d, walk

@@ -55,7 +55,7 @@ from typing import Any
 
 from launch import Finished, add_run_arguments, distinct_ints, run, run_dir
 
-from mpiasgd.cli import fraction
+from mpiasgd.argtypes import fraction
 from mpiasgd.config import FIELDS, ConfigError
 from mpiasgd.runlog.reader import load
 from mpiasgd.runlog.summary import final_eval

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from launch import launcher, run
 
-from mpiasgd.cli import positive
+from mpiasgd.argtypes import positive
 from mpiasgd.runlog import load
 from mpiasgd.tools.report import DEFAULT_TARGET, comparison_row
 

@@ -142,7 +142,7 @@ import numpy as np  # noqa: E402
 from launch import launcher, run, seconds  # noqa: E402  (bench/ is on sys.path when a script in it is run)
 from trainrun import int_list, name_list  # noqa: E402
 
-from mpiasgd.cli import positive  # noqa: E402
+from mpiasgd.argtypes import positive  # noqa: E402
 from mpiasgd.model import MODELS, Model, build_model  # noqa: E402
 from mpiasgd.model.layers import BatchNorm2d, Conv2d, walk  # noqa: E402
 from mpiasgd.ops import BACKENDS  # noqa: E402
@@ -999,7 +999,7 @@ def fraction_list(text: str) -> list[float]:
 
 
 def add_race_parser(sub: Any) -> argparse.ArgumentParser:
-    from mpiasgd.cli import fraction
+    from mpiasgd.argtypes import fraction
 
     race = sub.add_parser("race", help="time to a test accuracy: mpiasgd sync vs PyTorch DDP, 2 workers x 1 thread",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import h5py
 import numpy as np
 
-from mpiasgd.runlog import PIECE, ensure_free_space, os_error
+from mpiasgd.files import PIECE, checkpoint_path, ensure_free_space, os_error  # noqa: F401 (checkpoint_path: callers name it here)
 
 FORMAT = "mpiasgd-checkpoint-1"
 WORKER_STATE = np.dtype([("rank", "<i4"), ("step", "<i8"), ("cursor", "<i8"), ("rejected", "<i8")])
@@ -60,11 +60,6 @@ WORKER_STATE = np.dtype([("rank", "<i4"), ("step", "<i8"), ("cursor", "<i8"), ("
 
 class CheckpointError(ValueError):
     """A checkpoint file is missing, unreadable, torn or from another run (the message names the file)."""
-
-
-def checkpoint_path(log_path: str) -> str:
-    """The checkpoint file of the run log `RUN_DIR/NAME.h5`: `RUN_DIR/NAME.ckpt.h5`."""
-    return log_path[:-3] + ".ckpt.h5" if log_path.endswith(".h5") else log_path + ".ckpt.h5"
 
 
 SCALARS = ("mode", "model", "config", "log", "reason", "run_id", "version", "samples", "staleness_sum",

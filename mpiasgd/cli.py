@@ -14,43 +14,16 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
+import threading
 
 from mpiasgd import __version__
+from mpiasgd.argtypes import DEFAULT_TARGET, FORMATS, command, fraction, positive, seconds
+from mpiasgd.tools.data_cli import add_parser as add_data_parser  # argparse only: `train` loads no data tools
 
-# `mpiasgd report`'s defaults (here, so that `mpiasgd train` loads none of the offline tools)
-DEFAULT_TARGET = 0.9  # test accuracy (fraction) of the "time to" column unless --target-accuracy says otherwise
-FORMATS = ("text", "markdown", "csv")
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def seconds(text: str) -> float:
-    """A positive, finite number of seconds."""
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
-    return value
-
-
-def fraction(text: str) -> float:
-    """A test accuracy given as a fraction in (0, 1]; a percentage such as 60 is refused, not guessed."""
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], e.g. 0.6 for 60 %; got {text}")
-    return value
-
-
-def command(sub: argparse._SubParsersAction, name: str, text: str) -> argparse.ArgumentParser:
-    """A subcommand whose one-line `text` is both its entry in `mpiasgd --help` and its own description."""
-    return sub.add_parser(name, help=text, description=text)
+# the validators lived here before mpiasgd.argtypes: scripts that import them from here still run
+__all__ = ["DEFAULT_TARGET", "FORMATS", "command", "fraction", "main", "positive", "seconds"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,8 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--checkpoint", action="store_true",
                        help="the run's checkpoint (RUN.ckpt.h5) instead of a snapshot")
     ex.add_argument("-o", "--output", default=None, help="the .npz file to write (default: RUN.npz beside the log)")
-    from mpiasgd.tools.data_cli import add_parser as add_data_parser  # argparse only: `train` loads no data tools
-
     add_data_parser(sub)
     args, rest = parser.parse_known_args(argv)
 
@@ -174,8 +145,6 @@ def _leave_stray_threads(status: int, rank: int) -> int:
     """`status`, or, when threads that Python would wait for at exit are still running (a --model file's:
     no thread of mpiasgd outlives `train`), a warning naming them, then MPI_Finalize and exit with
     `status` at once: a user's thread must not keep the job from ending."""
-    import threading
-
     stray = [t.name for t in threading.enumerate()
              if t is not threading.main_thread() and not t.daemon and t.is_alive()]
     if not stray:
@@ -219,7 +188,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from mpiasgd.model.export import export_run
+    from mpiasgd.tools.export import export_run
 
     stem = args.log[:-3] if args.log.endswith(".h5") else args.log
     output = args.output or (stem[:-5] if stem.endswith(".ckpt") else stem) + ".npz"

@@ -13,7 +13,8 @@ The file holds, and np.load(path, allow_pickle=False) reads:
 
 `torch_names(spec)` maps those names to the state_dict keys of the network's reference PyTorch
 definition (bench/torch_models.py): the CIFAR ResNets as FDG's/akamaster's ResNet_cifar.py names them,
-sequential networks as nn.Sequential(features, flatten, classifier).
+sequential networks as nn.Sequential(features, flatten, classifier). Reading the weights out of a run log
+or a checkpoint (`mpiasgd export`) is `mpiasgd.tools.export`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 from mpiasgd.model.layers import Flatten, Residual
 from mpiasgd.model.model import Model
 from mpiasgd.model.registry import build_model
-from mpiasgd.model.spec import ModelSpecError, check_spec, from_json, stored, to_json
+from mpiasgd.model.spec import check_spec, from_json, to_json
 
 SPEC_KEY = "__model_spec__"
 NAME_CHARS = 60  # a network's name in a message: this many characters, then "..."
@@ -199,67 +200,3 @@ def _resnet_rename(model: Model, spec: dict[str, Any]) -> Callable[[str, str], s
         return f"{prefix[top]}.{child}.{rest}" if child else f"{prefix[top]}.{rest}"
 
     return rename
-
-
-# ----------------------------------------------------------------------------------------------
-# from a run log or its checkpoint (`mpiasgd export`)
-
-
-def export_run(log: str, output: str, snapshot: int | None = None, checkpoint: bool = False) -> str:
-    """Export the weights of the run log `log` to the .npz file `output` (`export_npz`); returns a one-line
-    description of what was written.
-
-    By default the last weight snapshot (/snapshots/params and, when the network has buffers,
-    /snapshots/buffers); `snapshot` N picks snapshot N (negative: from the end); `checkpoint` takes the
-    run's checkpoint file (`checkpoint.checkpoint_path(log)`, or `log` itself when it is a .ckpt.h5: params
-    and buffers) instead. The network is the log's (or checkpoint's) `model_spec` attribute; older files
-    without one name a built-in in their `model` attribute (`spec.stored`). Every error names the file read
-    or written: FileNotFoundError, ValueError (not a run log, damaged, no snapshots, a snapshot out of range,
-    weights that do not fit the network; `checkpoint.CheckpointError` for the checkpoint), ModelSpecError (a
-    network definition that cannot be built) and OSError as the readers and `export_npz` do.
-    """
-    if checkpoint and snapshot is not None:
-        raise ValueError("export: give --snapshot or --checkpoint, not both")
-    sources = [log] + ([] if log.endswith(".ckpt.h5") else [log[:-3] + ".ckpt.h5" if log.endswith(".h5") else ""])
-    if os.path.isdir(output):
-        raise ValueError(f"export: output '{output}' is a directory; give a file name (e.g. '{output}/net.npz')")
-    for source in sources:
-        if source and os.path.exists(source) and os.path.exists(output) and os.path.samefile(source, output):
-            raise ValueError(f"export: output '{output}' is the run's own file '{source}'; choose another name")
-    if checkpoint:
-        from mpiasgd.checkpoint import checkpoint_path, load
-
-        ckpt = load(log if log.endswith(".ckpt.h5") else checkpoint_path(log))  # CheckpointError naming it
-        source = f"checkpoint '{ckpt.path}'"
-        spec = stored({"model_spec": ckpt.model_spec, "model": ckpt.model}, source)
-        params, buffers, what = ckpt.params, ckpt.buffers, f"{source} (version {ckpt.version})"
-    else:
-        from mpiasgd.runlog import open_run
-        from mpiasgd.runlog.reader import reading, require
-
-        source = f"run log '{log}'"
-        with open_run(log) as f, reading(log):  # FileNotFoundError / ValueError naming the file
-            require(f, log, "snapshots/params")
-            spec = stored(f.attrs, source)  # older logs: the built-in their `model` names
-            count = f["snapshots/params"].shape[0]
-            if count == 0:
-                raise ValueError(f"{source} has no weight snapshots")
-            index = count - 1 if snapshot is None else snapshot
-            if not -count <= index < count:
-                raise ValueError(f"{source} has {count} weight snapshots (0..{count - 1}, or -{count}..-1); "
-                                 f"there is no snapshot {snapshot}")
-            index %= count
-            params = f["snapshots/params"][index]
-            buffers = f["snapshots/buffers"][index] if "snapshots/buffers" in f else None
-            what = f"snapshot {index} of {count} of {source}"
-    try:
-        _model(spec)  # layers are checked when built: an unknown type, a NaN argument
-    except ModelSpecError as e:
-        raise ModelSpecError(f"{source}: its network definition: {e}") from None
-    try:
-        export_npz(output, spec, params, buffers)
-    except ModelSpecError:
-        raise
-    except ValueError as e:  # the lengths: `export_npz` refuses a target that is not a regular file as an OSError
-        raise ValueError(f"{what} does not fit its network {short(spec['name'])}: {e}") from None
-    return f"{what}, network {short(spec['name'])}: written to '{output}'"

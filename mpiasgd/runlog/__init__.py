@@ -100,10 +100,10 @@ EventRow, CheckpointRow, ShardPushRow, WireBytesRow, WorkerRow) whose fields are
     tensorboard.py TensorBoard: the metrics as TensorBoard event files (--tensorboard; tensorboardX)
     lock.py        WriterLock, writer_alive
     superblock.py  the superblock's consistency flags: clear_stale_flags, lookup3
-    disk.py        RunLogError, ensure_free_space (a full disk), PIECE
+    (mpiasgd/files.py: RunLogError, ensure_free_space (a full disk), PIECE, checkpoint_path)
 """
 
-from mpiasgd.runlog.disk import FREE_MARGIN, PIECE, RunLogError, ensure_free_space, os_error
+from mpiasgd.files import FREE_MARGIN, PIECE, RunLogError, ensure_free_space, os_error
 from mpiasgd.runlog.lock import WriterLock, writer_alive
 from mpiasgd.runlog.reader import TruncatedLogError, load, open_log, open_run
 from mpiasgd.runlog.records import (

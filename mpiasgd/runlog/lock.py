@@ -10,7 +10,7 @@ import fcntl
 import os
 import time
 
-from mpiasgd.runlog.disk import os_error
+from mpiasgd.files import os_error
 
 
 class WriterLock:

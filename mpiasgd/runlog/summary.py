@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpiasgd.files import checkpoint_path
 from mpiasgd.runlog.reader import load
 
 
@@ -110,8 +111,6 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
         lines.append("simulated        by `mpiasgd simulate`: every time below is virtual seconds (the timing model is "
                      "the log's attribute 'simulated')")
     if run.get("status") == "preempted":
-        from mpiasgd.checkpoint import checkpoint_path
-
         lines.append(f"checkpoint       {checkpoint_path(path)}  (no final evaluation; continue with "
                      f"'--resume {checkpoint_path(path)}')")
     if final is not None:

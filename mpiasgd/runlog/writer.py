@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 import h5py
 import numpy as np
 
-from mpiasgd.runlog.disk import PIECE, RunLogError, ensure_free_space
+from mpiasgd.files import PIECE, RunLogError, ensure_free_space
 from mpiasgd.runlog.lock import WriterLock, writer_alive
 from mpiasgd.runlog.reader import open_log
 from mpiasgd.runlog.records import TABLES, WORKER_ROW, Record, SnapshotRow, WorkerRow, upgrade

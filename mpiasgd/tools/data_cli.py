@@ -17,7 +17,7 @@ import shlex
 import signal
 import sys
 
-from mpiasgd.cli import command, positive
+from mpiasgd.argtypes import command, positive
 
 KINDS = ("auto", "imagefolder", "cifar10", "imagenet64")
 

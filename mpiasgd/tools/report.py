@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from mpiasgd.cli import DEFAULT_TARGET, FORMATS
+from mpiasgd.argtypes import DEFAULT_TARGET, FORMATS
 from mpiasgd.modes.registry import variant
 from mpiasgd.runlog import load
 from mpiasgd.runlog.summary import (

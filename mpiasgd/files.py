@@ -1,5 +1,7 @@
-"""Writes that fail on a full disk (the run log and checkpoints): a one-line error, and a free-space check
-made before HDF5 is called (HDF5 fails badly on a full disk: chained errors, a crash)."""
+"""The files of a run on disk: where a run log's checkpoint is, and writes that fail on a full disk (the run
+log and checkpoints): a one-line error, and a free-space check made before HDF5 is called (HDF5 fails badly
+on a full disk: chained errors, a crash). It imports nothing of mpiasgd: the run log, the checkpoint and
+the tools that name their files all use it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,11 @@ import re
 
 PIECE = 1 << 20  # float32 values one HDF5 call writes (4 MiB) where a long write must leave way to another thread:
 # h5py holds its global lock, and the GIL, for a whole call (checkpoint arrays; run-log snapshots, their chunks)
+
+
+def checkpoint_path(log_path: str) -> str:
+    """The checkpoint file of the run log `RUN_DIR/NAME.h5`: `RUN_DIR/NAME.ckpt.h5`."""
+    return log_path[:-3] + ".ckpt.h5" if log_path.endswith(".h5") else log_path + ".ckpt.h5"
 
 
 class RunLogError(OSError):
