@@ -7,12 +7,15 @@
         idx = sampler.indices(epoch)[start:start + batch_size]
         x, y = ds.batch("train", idx, rng)          # float32 (B, C, H, W) normalised, int64 (B,)
 
-Files: dataset.py (Dataset, DataError, load_dataset), digits.py and cifar10.py (one loader each),
+Files: dataset.py (Dataset), errors.py (DataError), digits.py, cifar10.py and synthetic.py (one loader
+each), loader.py (load_dataset: a built-in by name; open_data: a name or a dataset file, h5data.py),
 sampler.py (ShardSampler), augment.py (random crop + flip), stream.py (MinibatchStream: a worker's
 minibatches and their augmentation, reproducible from its cursor).
 """
 
-from mpiasgd.data.dataset import DATASETS, DataError, Dataset, default_data_dir, load_dataset
+from mpiasgd.data.dataset import DATASETS, Dataset, default_data_dir
+from mpiasgd.data.errors import DataError
+from mpiasgd.data.loader import load_dataset
 from mpiasgd.data.sampler import ShardSampler
 from mpiasgd.data.stream import MinibatchStream, batch_rng, minibatches
 

@@ -37,7 +37,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from mpiasgd.data.dataset import DataError
+from mpiasgd.data.errors import DataError
 
 PAD = 4  # pixels of zero padding on each side before the random crop
 

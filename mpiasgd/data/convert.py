@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from mpiasgd.data.cifar10 import CifarUnpickler, load_cifar10
+from mpiasgd.data.cifar10 import CifarUnpickler, find_cifar10, load_cifar10
 from mpiasgd.data.dataset import DataError
 from mpiasgd.data.h5data import FORMAT, H5Dataset, H5Writer, default_chunk
 
@@ -552,8 +552,6 @@ def detect_source(src: str) -> str:
     """Which converter `src` is for: "imagefolder" (src/train/ exists), "cifar10" (either official layout, see
     `mpiasgd.data.cifar10.find_cifar10`) or "imagenet64" (train_data_batch_K files). Raises DataError naming
     src and listing the three layouts when it is none of them."""
-    from mpiasgd.data.cifar10 import find_cifar10
-
     if not os.path.isdir(src):
         what = "is not a folder" if os.path.exists(src) else "does not exist"
         hint = " (an archive: extract it first)" if os.path.isfile(src) else ""

@@ -1,8 +1,9 @@
-"""The in-memory dataset every worker trains from, its error type, and `load_dataset`.
+"""The in-memory dataset every worker trains from (its error type, `DataError`, is `errors.py`'s).
 
 A `Dataset` keeps raw uint8 pixels (NCHW) in memory, a few hundred MB at most for CIFAR-10, and
 turns a minibatch of indices into normalised float32 on request (`Dataset.batch`). Loaders for
-each named dataset live beside this file (`digits.py`, `cifar10.py`); `load_dataset` picks one.
+each named dataset live beside this file (`digits.py`, `cifar10.py`, `synthetic.py`); `load_dataset`
+(`loader.py`) picks one.
 """
 
 from __future__ import annotations
@@ -15,14 +16,12 @@ from typing import Any
 
 import numpy as np
 
+from mpiasgd.data.augment import Augmentation
+from mpiasgd.data.errors import DataError
+
+__all__ = ["DATASETS", "DataError", "Dataset", "Splits", "channel_stats", "default_data_dir"]
+
 DATASETS = ("digits", "cifar10", "synthetic64", "synthetic224")  # names load_dataset accepts
-
-
-class DataError(ValueError):
-    """Bad input data: a missing or malformed file or folder, or an impossible request.
-
-    The message names the file or folder and says what was expected and what was found.
-    """
 
 
 def default_data_dir() -> str:
@@ -149,8 +148,6 @@ class Dataset(Splits):
         mean, std = channel_stats(arrays["train"][0])
         mean.setflags(write=False)
         std.setflags(write=False)
-        from mpiasgd.data.augment import Augmentation
-
         return cls(
             name=name,
             train_x=arrays["train"][0],
@@ -212,26 +209,3 @@ class Dataset(Splits):
             cov = self.pixel_cov if self.augmentation.pca_noise > 0 else None
             return self.augmentation.train(raw, rng, self.mean, self.std, cov), ys[idx]
         return self.augmentation.test(raw, self.mean, self.std), ys[idx]
-
-
-def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
-    """Load a dataset by name: "digits" (bundled with scikit-learn), "cifar10", or "synthetic64" /
-    "synthetic224" (ImageNet-shaped images generated in memory: `mpiasgd.data.synthetic`).
-
-    data_dir: where to look for CIFAR-10 (see `cifar10.load_cifar10`); None means
-    `default_data_dir()`. Ignored for "digits", which never touches the disk beyond scikit-learn.
-    Raises DataError for an unknown name (listing the valid ones) or missing/malformed files.
-    """
-    # Imported here, not at the top: both loaders import Dataset from this module.
-    from mpiasgd.data.cifar10 import load_cifar10
-    from mpiasgd.data.digits import load_digits
-
-    if name == "digits":
-        return load_digits()
-    if name == "cifar10":
-        return load_cifar10(default_data_dir() if data_dir is None else data_dir)
-    if name.startswith("synthetic") and name in DATASETS:
-        from mpiasgd.data.synthetic import load_synthetic
-
-        return load_synthetic(name)
-    raise DataError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")

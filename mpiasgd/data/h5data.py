@@ -40,7 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from mpiasgd.data.dataset import DataError, Splits
+from mpiasgd.data.augment import Augmentation
+from mpiasgd.data.dataset import Splits
+from mpiasgd.data.errors import DataError
 
 FORMAT = "mpiasgd.data/1"
 PARTIAL = ".partial"  # suffix of a file being written (H5Writer), moved into place when complete
@@ -433,8 +435,6 @@ class H5Dataset(Splits):
         self.fingerprint = json.dumps({"name": self.name, "created": _text(a.get("created", "")),
                                        "train": self.num_train, "test": self.num_test, "chunk": self.chunk,
                                        "shape": list(self.image_shape), "classes": len(self.classes)})
-        from mpiasgd.data.augment import Augmentation
-
         self.augmentation = augmentation if augmentation is not None else Augmentation.default(self.image_shape)
 
     @staticmethod

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpiasgd.data.dataset import DATASETS, DataError, default_data_dir, load_dataset
+from mpiasgd.data.augment import Augmentation
+from mpiasgd.data.cifar10 import load_cifar10
+from mpiasgd.data.dataset import DATASETS, Dataset, default_data_dir
+from mpiasgd.data.digits import load_digits
+from mpiasgd.data.errors import DataError
+from mpiasgd.data.h5data import H5Dataset
+from mpiasgd.data.synthetic import load_synthetic
 
 
 def is_data_file(name: str) -> bool:
@@ -29,11 +35,7 @@ def open_data(name: str, data_dir: str | None = None, test_file: str = "", augme
     Reads no training images (a file's labels and attributes only: rank 0 calls it too). Raises DataError
     naming the file or the name, and what was expected.
     """
-    from mpiasgd.data.augment import Augmentation
-
     if is_data_file(name):
-        from mpiasgd.data.h5data import H5Dataset
-
         dataset = H5Dataset(name, test_file or None, cache_chunks=cache_chunks)
     else:
         if test_file:
@@ -42,3 +44,20 @@ def open_data(name: str, data_dir: str | None = None, test_file: str = "", augme
     if augment:
         dataset = dataset.with_augmentation(Augmentation.parse(augment))
     return dataset
+
+
+def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
+    """Load a dataset by name: "digits" (bundled with scikit-learn), "cifar10", or "synthetic64" /
+    "synthetic224" (ImageNet-shaped images generated in memory: `mpiasgd.data.synthetic`).
+
+    data_dir: where to look for CIFAR-10 (see `cifar10.load_cifar10`); None means
+    `default_data_dir()`. Ignored for "digits", which never touches the disk beyond scikit-learn.
+    Raises DataError for an unknown name (listing the valid ones) or missing/malformed files.
+    """
+    if name == "digits":
+        return load_digits()
+    if name == "cifar10":
+        return load_cifar10(default_data_dir() if data_dir is None else data_dir)
+    if name.startswith("synthetic") and name in DATASETS:
+        return load_synthetic(name)
+    raise DataError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")

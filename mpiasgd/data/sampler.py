@@ -25,7 +25,7 @@ import operator
 
 import numpy as np
 
-from mpiasgd.data.dataset import DataError
+from mpiasgd.data.errors import DataError
 
 
 class ShardSampler:

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from mpiasgd.model.errors import ModelSpecError
 from mpiasgd.ops.contract import pool_output_size
 
 Shape = tuple[int, ...]
@@ -836,8 +837,6 @@ class Residual(Layer):
         return total
 
     def config(self) -> dict[str, Any]:
-        from mpiasgd.model.spec import layer_spec
-
         return dict(main=[layer_spec(x) for x in self.main], shortcut=[layer_spec(x) for x in self.shortcut],
                     after=[layer_spec(x) for x in self.after])
 
@@ -930,3 +929,25 @@ def walk(layers: list[Layer]) -> list[Layer]:
 LAYER_TYPES: dict[str, type[Layer]] = {cls.__name__: cls for cls in (
     Conv2d, ReLU, MaxPool2d, AvgPool2d, GlobalAvgPool, Flatten, Linear, BatchNorm2d, Dropout, LocalResponseNorm,
     SubsamplePad, Residual)}
+
+
+def layer_spec(layer: Layer) -> dict[str, Any]:
+    """{"type": class name, **layer.config()}; ModelSpecError for a layer class that is not built in (a user's
+    own Layer subclass cannot be stored as data)."""
+    name = type(layer).__name__
+    if LAYER_TYPES.get(name) is not type(layer):
+        raise ModelSpecError(f"layer {layer.describe()} is a {type(layer).__module__}.{name}, not one of mpiasgd's "
+                             f"layer types ({', '.join(LAYER_TYPES)}): a network must be made of them to be "
+                             "stored in the run log and rebuilt from it")
+    return {"type": name, **{key: _plain(value) for key, value in layer.config().items()}}
+
+
+def _plain(value: Any) -> Any:
+    """A config value as plain JSON data: numpy scalars as Python numbers (a user's np.int64 channel count)."""
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    return value

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np  # host side only: initialisation and masks; compute goes through `ops`
 
+from mpiasgd.model.definition import model_spec
 from mpiasgd.model.layers import MAX_EXTENT, Context, Layer, Param, Shape, SoftmaxCrossEntropy, walk
 
 
@@ -247,8 +248,6 @@ class Model:
 
     def spec(self) -> dict[str, Any]:
         """This network's stored definition (`mpiasgd.model.spec`): JSON data to rebuild it from."""
-        from mpiasgd.model.spec import model_spec
-
         return model_spec(self.name, self.input_shape, self.layers)
 
     # ------------------------------------------------------------------------------------------

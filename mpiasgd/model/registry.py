@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mpiasgd.model.definition import layers_from_spec
 from mpiasgd.model.layers import (
     BatchNorm2d,
     Conv2d,
@@ -150,8 +151,6 @@ def build_model(name: str | dict, backend: str = "numpy") -> Model:
     Raises ValueError listing the valid names (or backends) when unknown; `spec.ModelSpecError` (a
     ValueError) naming the layer for a definition that cannot be built.
     """
-    from mpiasgd.model.spec import layers_from_spec
-
     if isinstance(name, dict):
         layers = layers_from_spec(name)
         ops = get_backend(backend)
