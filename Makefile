@@ -4,7 +4,7 @@
 #   make test   the whole test suite (ruff + pytest over every tier under tests/); .ci/run calls exactly this
 #   make test-fast  the inner loop: ruff + tests/unit + tests/kernels_cpu (no mpiexec ranks, SLURM or GPU)
 #
-# Clusters with their own MPI: `make venv EXTRAS=test` skips the Open MPI wheel; see README.md.
+# Clusters with their own MPI: `make venv EXTRAS=test` skips the Open MPI wheel; see docs/clusters.md.
 
 PYTHON  ?= python3
 VENV    ?= .venv
@@ -36,7 +36,7 @@ test: venv
 	$(PY) -m pytest -q tests
 
 # the inner loop: tests/unit (in-process) and tests/kernels_cpu (the CUDA-on-CPU harness, NVRTC/nvcc);
-# no mpiexec ranks, SLURM or GPU (under 3 minutes on 2 cores; README.md, "Tests", has the times)
+# no mpiexec ranks, SLURM or GPU (docs/testing.md has the measured times)
 test-fast: venv
 	$(VENV)/bin/ruff check mpiasgd tests bench dev
 	$(PY) -m pytest -q tests/unit tests/kernels_cpu

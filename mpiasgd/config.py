@@ -49,7 +49,7 @@ class BaseConfig:
     # --- model and data ---
     model: str = _opt("digits", "model and data",
                       "network: a built-in (digits | cifar10 | cifar10_deep | resnet20 | resnet56 | ...; the "
-                      "README lists them), or a file: PATH.py:FUNCTION (returns a list of "
+                      "docs/networks.md lists them), or a file: PATH.py:FUNCTION (returns a list of "
                       "mpiasgd.model.layers) or PATH.json (a stored definition); the run log stores the definition")
     model_timeout: float = _opt(120.0, "model and data",
                                 "PATH.py:FUNCTION: rank 0 gives importing the file and calling FUNCTION this long, "
@@ -210,7 +210,7 @@ class BaseConfig:
         need(self.lr_scaling in LR_SCALINGS, "lr_scaling", f"one of {LR_SCALINGS}")
         need(self.lr_scaling == "none" or self.mode in ("sync", "pipeline"), "lr_scaling",
              f"'none' in mode '{self.mode}' (an update there is one worker's minibatch: the linear rule would "
-             f"multiply by 1; see the README's 'Step size and momentum for N workers')")
+             f"multiply by 1; see docs/modes.md, 'Step size and momentum for N workers')")
         need(0 <= self.momentum < 1, "momentum", "0 <= momentum < 1")
         need(not (self.nesterov and self.momentum == 0), "nesterov",
              "False with momentum 0 (Nesterov momentum needs a momentum > 0)")

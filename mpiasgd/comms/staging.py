@@ -23,9 +23,8 @@ staging checks the whole push as the shards will decode it (`all_finite`: the fl
 16-bit values themselves otherwise, where a value beyond fp16's range has become inf) and sets flag NONFINITE on
 every push's header if any of the P parameters' values is not; every shard then rejects the push, so all keep
 applying the same pushes. One pass over the values the worker holds, a reduction on the device for cupy (no
-copy). At P = 4M, S = 2, on the 2-core development VM (loaded; medians of 21): fp32 0.33 ms (a dot), fp16 0.4
-and bf16 0.5 ms (a mask and a max over blocks of `CHECK_BLOCK` 16-bit values), of a whole `before_send` of 1.2,
-3.4 and 4.2 ms. The layer buffers after the parameters are not checked (no server checks them).
+copy). Its cost against the whole `before_send`: docs/benchmarks/server.md, "The wire codecs".
+The layer buffers after the parameters are not checked (no server checks them).
 
 Every loop that moves model data through MPI uses these objects: the A-SGD and EASGD workers (one
 `Staging` per exchange buffer), sync mode's allreduce (`grads_to_mpi`), and the pipeline units

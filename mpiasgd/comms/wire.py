@@ -36,24 +36,11 @@ Range and what falls outside it:
 
 Costs (P values): the payload is 2P bytes instead of 4P, so a push and its reply each move half the
 bytes (the 160-byte header is unchanged). The parameter server (numpy) decodes every push and encodes
-every reply. numpy's casts convert fp16's subnormal range (|x| < 2^-14, where small gradients live) in
-slow scalar code (40M values of about 1e-6: 3,592 ms to encode, 772 to decode); the blocked numpy path
-that replaced them (`_fp16_numpy`, `_fp16_decode_numpy`: that range by integer arithmetic, several
-passes over each block) still cost several times the update itself: on an H200 host's server
-(alexnet_1gpu_64, 40M parameters) GPU workers waited a median 1,588 ms for their pull under fp16
-against 226 ms under fp32. numpy fp16 is now one compiled pass each way (`wire_kernels`, numba), equal
-bit for bit to numpy's casts (all 2^32 float32 inputs were checked once, in 6 minutes; the tests take
-every exponent, every tie, every NaN payload class and all 65,536 fp16 patterns). ms, medians of 15
-interleaved rounds on one core of the 2-core development VM (shared with another job while measured:
-noisy; copy bandwidth 15 GB/s), `python bench/server.py --sweep` (P = 4M) and its `codec_sweep` at
-P = 40M, values about 1e-6 / about 1:
-
-                   blocked numpy path               compiled (wire_kernels)     bf16 (numpy, same run)
-                   encode         decode            encode       decode         encode       decode
-    P = 4M         34.5 / 27.8    50.4 / 17.7       2.4 / 2.5    0.94 / 0.91    4.8 / 3.9    1.5 / 1.5
-    P = 40M        236 / 230      651 / 160         32 / 31      13.2 / 12.6    54 / 52      20 / 22
-
-against 2.5 ms for the SGD step itself at P = 4M (`optim.SGD`, same run). The encoder is bound by its
+every reply. numpy's casts convert fp16's subnormal range (|x| < 2^-14, where small gradients live) in slow
+scalar code, so numpy fp16 is one compiled pass each way (`wire_kernels`, numba), equal bit for bit to numpy's
+casts (all 2^32 float32 inputs were checked once; the tests take every exponent, every tie, every NaN payload
+class and all 65,536 fp16 patterns). Its costs against the blocked numpy path it replaced and against bf16
+(`python bench/server.py --sweep`): docs/benchmarks/server.md, "The wire codecs". The encoder is bound by its
 arithmetic (int64 lanes, see `wire_kernels`), the decoder by memory. So on a CPU server fp16 now costs
 less than bf16 (whose numpy codec makes several integer passes over blocks of `BLOCK` values, whose
 temporaries stay in L2), and either pays off where the link, not the server's core, limits the pushes

@@ -23,7 +23,7 @@ runs instead of rows of Q values:
 
 The wide columns cost Wp / Q more multiply-adds than the reference's (1.27 for cifar10's 15x15 maps
 with a 5x5 kernel), paid back by GEMMs that run from L2: 1.3-2.8x the reference's speed on the
-stride-1 convolutions of cifar10 and resnet20 (BENCHMARKS.md, issue 22). Strides other than 1 run
+stride-1 convolutions of cifar10 and resnet20 (docs/benchmarks/cpu.md). Strides other than 1 run
 the reference's im2col.
 
 Batch normalisation: `mpiasgd.ops.cpu_kernels` (numba), the reference's float64 sums and float32

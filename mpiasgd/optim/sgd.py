@@ -120,20 +120,9 @@ class NumpySGD:
     decay multipliers made of contiguous runs, never read a (P,) decay vector, and lr multipliers made
     of runs never read a (P,) vector either (see `run_blocks`); a vector of lr multipliers all 1 is
     dropped (`lr_scale` None). Nesterov adds two passes over each block in L2, lr multipliers read
-    as an array one pass and one (P,) read. Blocks of `chunk` values (default `CHUNK`), measured on
-    one core of an otherwise quiet 2-core AMD EPYC VM (L2 1 MiB, L3 32 MiB), P = 4M, ms per step out
-    of place / in place, medians of 21 interleaved steps (`python bench/server.py --sweep`, copy
-    bandwidth 32 GB/s):
-
-        block                  8K       16K      32K      64K      128K     256K     none (whole vector)
-        momentum + decay runs  5.8/5.6  4.6/4.2  4.2/3.9  3.8/3.6  3.9/3.8  3.8/3.5  4.4/4.5
-        decay as an array      5.4/5.4  5.0/4.7  4.5/4.3  4.2/3.8  4.4/4.3  4.6/3.9  5.8/5.6
-        momentum 0, decay 0    2.7/2.7  2.4/2.4  1.9/2.0  1.9/1.8  1.9/1.8  1.9/1.7  2.2/2.1
-
-    against 2.3/1.9, 2.9/2.4 and 1.5/1.1 for the compiled loop of `SGD` in the same run (its table
-    has the other variants). Two threads (numpy releases the GIL) were no faster on the idle 2-core
-    machine (2.7 vs 2.7 ms) and gained only by taking cores from other processes when they ran
-    (4.3 vs 6.6 ms with two busy processes): the server has none, its workers need the cores.
+    as an array one pass and one (P,) read. Blocks of `chunk` values (default `CHUNK`); the block size,
+    and no threads (the server's workers need the cores), were chosen by `python bench/server.py --sweep`
+    (docs/benchmarks/server.md).
     """
 
     def __init__(self, params: np.ndarray, decay_mult: np.ndarray, momentum: float, weight_decay: float,
@@ -242,32 +231,12 @@ class SGD(NumpySGD):
 
     Each element is read and written once: 20 bytes per parameter with momentum (gradient, weights
     and velocity read, velocity and new weights written), 12 with momentum 0, 4 more for each
-    multiplier vector read as an array; numpy makes six passes over each block in L2. The roofline
-    is those bytes at the machine's copy bandwidth (STREAM's count: bytes read + written, the
-    write-allocate read of a destination not counted; a copy has one per two streams counted, this
-    loop one per five, none in place, so it can beat the roofline). One core of an otherwise quiet
-    2-core AMD EPYC VM, P = 4M, ms per step out of place / in place, medians of interleaved steps,
-    two runs (A: `python bench/server.py --sweep`, 21 steps, copy bandwidth 30 GB/s; B: the other
-    variants, now columns of `--sweep` too, 31 steps, 34 GB/s):
-
-                                      SGD       NumpySGD (64K blocks)  roofline  roofline / SGD (out)
-        A  momentum + decay runs      2.3/1.9   3.8/3.6                2.7       1.16
-           decay as an array          2.9/2.4   4.2/3.8                3.2       1.10
-           momentum 0, decay 0        1.5/1.1   1.9/1.8                1.6       1.08
-           apply_delta                1.5/1.1   2.3/1.9 (whole vector) 1.6       1.08
-        B  momentum + decay runs      1.9/1.6   3.5/3.2                2.3       1.21
-           nesterov                   1.9/1.7   4.4/4.0                2.3       1.23
-           lr multipliers in runs     1.8/1.6   3.6/3.2                2.3       1.27
-           lr multipliers as array    3.3/3.2   4.8/4.4                2.8       0.84
-
-    In the server (`python bench/server.py`, 2 workers, quiet) the update takes 2.3 ms a push against
-    4.1 for `NumpySGD` in the same run, and a push's whole handling reaches 0.77-0.91 of the roofline
-    of rank 0's core over four runs (0.54 with `NumpySGD`; see the bench). Not done: fusing the
-    server's finite check (`finite_square`, 0.5-0.6 ms a push) into this loop. A non-finite push must
-    leave the weights and the velocity as they were, and the loop cannot know that before it has read
-    the whole gradient: it would have to write the new velocity into a second buffer (+1.1 ms a step
-    for that buffer's write-allocate reads, more than the check's read) and could not update in place
-    at all (one worker: the reply buffer holds the weights). No threads (see `NumpySGD`).
+    multiplier vector read as an array; numpy makes six passes over each block in L2. Its time against that roofline
+    (`python bench/server.py --sweep`) is in docs/benchmarks/server.md. Not done: fusing the server's finite
+    check (`finite_square`) into this loop. A non-finite push must leave the weights and the velocity as they
+    were, and the loop cannot know that before it has read the whole gradient: it would have to write the new
+    velocity into a second buffer (its write-allocate reads cost more than the check's read) and could not
+    update in place at all (one worker: the reply buffer holds the weights). No threads (see `NumpySGD`).
 
     A process's first updates import numba and load the machine code an earlier process cached: 0.4-0.5
     s in all (0.6-0.8 on a loaded machine). With no cache, compiling what a server runs (SGD and
