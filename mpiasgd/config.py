@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -17,7 +18,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpiasgd.modes.registry import MODES, OPTIONS
+from mpiasgd.data import DATASETS, DataError
+from mpiasgd.data.augment import Augmentation
+from mpiasgd.model import MODELS
+from mpiasgd.model.spec import USER_FILE, is_file_ref, label
+from mpiasgd.modes.registry import MODES, OPTIONS, load
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -168,16 +173,11 @@ class BaseConfig:
             if not ok:
                 raise ConfigError(f"config key '{key}' = {getattr(self, key)!r}: expected {expected}")
 
-        from mpiasgd.model import MODELS  # late import: the model registry pulls in the ops
-        from mpiasgd.model.spec import is_file_ref
-
         need(self.model in MODELS or is_file_ref(self.model), "model",
              f"one of {sorted(MODELS)}, or a file PATH.py:FUNCTION or PATH.json")
-        from mpiasgd.data import DATASETS
 
         need(self.dataset in ("", *DATASETS), "dataset", " | ".join(DATASETS))
         need(self.mode in MODES, "mode", f"one of {tuple(MODES)}")
-        from mpiasgd.modes.registry import load
 
         for name in MODES:  # the ranges of every mode's keys (a key of another mode is at its default: valid)
             load(name).check_config(self)
@@ -243,9 +243,6 @@ class BaseConfig:
         need(self.model in MODELS or self.dataset != "" or self.data != "", "dataset",
              f"a dataset name or a --data file for the network from file {self.model!r}")
         if self.augment:
-            from mpiasgd.data import DataError
-            from mpiasgd.data.augment import Augmentation
-
             try:
                 Augmentation.parse(self.augment)
             except DataError as e:
@@ -298,8 +295,6 @@ class BaseConfig:
     @property
     def dataset_name(self) -> str:
         """The dataset to load: `dataset`, or the built-in model's own when empty."""
-        from mpiasgd.model import MODELS
-
         if self.data:
             return self.data
         return self.dataset or MODELS[self.model].dataset
@@ -307,8 +302,6 @@ class BaseConfig:
     @property
     def model_label(self) -> str:
         """A short name of the network: the built-in's, or the file's stem (run names, messages)."""
-        from mpiasgd.model.spec import label
-
         return label(self.model)
 
     def to_json(self) -> str:
@@ -370,8 +363,6 @@ PATH_KEYS = ("model", "data", "test_data", "data_dir", "run_dir", "resume")
 def close_keys(word: str, keys: list[str]) -> list[str]:
     """The one or two of `keys` that `word` (a mistyped config key, '-' or '_' alike) most likely meant: a known
     synonym, else difflib's closest matches (a second only when nearly as close as the first); [] if none is."""
-    import difflib
-
     word = word.replace("-", "_")
     if SYNONYMS.get(word) in keys:
         return [SYNONYMS[word]]
@@ -406,7 +397,6 @@ def _rebased(key: str, value: Any, folder: str) -> Any:
         return value
     if key != "model":
         return os.path.normpath(os.path.join(folder, value))
-    from mpiasgd.model.spec import USER_FILE
 
     m = USER_FILE.match(value)
     if m is None and not value.endswith(".json"):  # a built-in network's name

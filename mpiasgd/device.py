@@ -16,10 +16,13 @@ How weights and gradients then meet MPI: `mpiasgd.comms.staging`.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from mpiasgd.ops import cuda_driver
 
 
 class DeviceError(RuntimeError):
@@ -121,10 +124,6 @@ def driver_uuid(index: int) -> bytes:
     """The 16 bytes of device `index`'s UUID from the CUDA driver (cuDeviceGetUuid_v2, cuDeviceGetUuid
     before CUDA 11.4), for the UUIDs CuPy cuts at a zero byte; b"" when there is no driver or it fails.
     Call it after the CUDA runtime has initialised the driver (`use_device` does)."""
-    import ctypes
-
-    from mpiasgd.ops import cuda_driver
-
     lib = cuda_driver()
     get = None if lib is None else getattr(lib, "cuDeviceGetUuid_v2", None) or getattr(lib, "cuDeviceGetUuid", None)
     if get is None:  # no driver library, or one without the call
@@ -201,8 +200,6 @@ def mpix_cuda_support(maps: str = "/proc/self/maps") -> Callable[[], bool] | Non
     when the library was built with CUDA and the runtime takes CUDA buffers, and must be called after
     MPI_Init. None when no loaded libmpi* (found in `maps`, Linux's /proc/self/maps) exports it.
     """
-    import ctypes
-
     paths = set()
     try:
         with open(maps) as f:

@@ -47,6 +47,11 @@ _wakeup: tuple[int, int] | None = None  # (read, write) ends of the pipe the C-l
 _noting = threading.Lock()  # (the main thread's handler and the signal thread)
 
 
+class Terminated(KeyboardInterrupt):
+    """(`mpiasgd simulate`) SIGTERM reached the simulation: it ends as on Ctrl-C (the log closed 'failed'), with
+    status 143."""
+
+
 def _note(path: str, name: str) -> bool:
     """Take one delivery of signal `name` seen by `path` ("handler", "watcher"); True for the run's first
     signal (whichever path sees it first records it, and says it: `_say_first`)."""

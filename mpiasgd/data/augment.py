@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 import numpy as np
+from PIL import Image
 
 from mpiasgd.data.errors import DataError
 
@@ -325,8 +326,6 @@ def resize_windows(raw: np.ndarray, top: np.ndarray, left: np.ndarray, win_h: np
     Returns a new uint8 (B, C, size, size). One Pillow call per image and channel (an "L" image each:
     faster than an RGB image, which needs an HWC copy, and bit-identical to it).
     """
-    from PIL import Image
-
     raw = np.ascontiguousarray(raw)
     b, c = raw.shape[:2]
     out = np.empty((b, c, size, size), dtype=np.uint8)

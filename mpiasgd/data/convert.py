@@ -26,6 +26,8 @@ from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
+from PIL import Image
+from tqdm import tqdm
 
 from mpiasgd.data.cifar10 import CifarUnpickler, find_cifar10, load_cifar10
 from mpiasgd.data.dataset import DataError
@@ -49,8 +51,6 @@ def _block(image_shape: tuple[int, ...], chunk: int) -> int:
 
 def _bar(total: int, desc: str, progress: bool, unit: str = "img") -> Any:
     """A tqdm progress bar on stderr (a no-op one when progress is False)."""
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, disable=not progress,
                 dynamic_ncols=True)
 
@@ -164,8 +164,6 @@ def load_image(path: str, size: int, resize: str = "crop") -> np.ndarray:
     Grey, palette, CMYK and alpha images become RGB (alpha dropped, as torchvision's loader does; EXIF
     orientation is ignored, as there). Raises DataError naming the file if it cannot be decoded.
     """
-    from PIL import Image
-
     try:
         with Image.open(path) as im:
             im.draft(im.mode, (size, size))  # JPEG only (a no-op elsewhere): DCT scaling, never below size

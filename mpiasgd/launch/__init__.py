@@ -20,8 +20,8 @@ SIGTERM, SIGUSR1 and SIGINT on any rank end the run with a checkpoint (`mpiasgd.
 rank exits with EXIT_PREEMPTED (75), and `--resume RUN_DIR/NAME.ckpt.h5` continues it
 (`mpiasgd.checkpoint`).
 
-Files: ranks.py (who each process is), startup.py (the collective start-up), records.py (the
-typed start-up record each worker sends rank 0).
+Files: ranks.py (who each process is), startup.py (the collective start-up); the typed start-up
+record each worker sends rank 0 is `mpiasgd.runlog.startup`'s.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import traceback
 from typing import Any
 
 from mpi4py import MPI
+from threadpoolctl import threadpool_limits
 
 from mpiasgd import checkpoint, signals
 from mpiasgd.comms import CommTimeout, Message, ProtocolError, Tag, error_message, wait
@@ -123,8 +124,6 @@ def train(cfg: Config, comm: Any = None) -> int:
                                               tune_convs(cfg, me, start, tuning_turns(devices))):
         start.release()
         return EXIT_BAD_INPUT
-
-    from threadpoolctl import threadpool_limits
 
     comms = mode.communicators(cfg, comm, me.rank, start.layout)  # collective: the mode's own
     status = 0

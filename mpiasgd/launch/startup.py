@@ -9,7 +9,6 @@ workers, its communicators, the lines it prints.
 from __future__ import annotations
 
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpiasgd import __version__, checkpoint
+from mpiasgd import checkpoint
 from mpiasgd.comms import Staging, make_staging
 from mpiasgd.comms.protocol import HEADER_BYTES
 from mpiasgd.comms.shards import ShardCut
@@ -36,10 +35,13 @@ from mpiasgd.device import (
     visible_hint,
 )
 from mpiasgd.launch.ranks import Rank
-from mpiasgd.launch.records import WorkerInfo
+from mpiasgd.model import build_model
+from mpiasgd.model.layers import BatchNorm2d, walk
+from mpiasgd.model.spec import from_json, is_file_ref, layers_from_spec, resolve, to_json
 from mpiasgd.modes.base import Layout, Mode, message_count, worker_feedback
 from mpiasgd.ops import BackendUnavailable, cuda_probe, get_backend
-from mpiasgd.runlog import WriterLock
+from mpiasgd.runlog import WriterLock, clear_stale_flags, open_log
+from mpiasgd.runlog.startup import WorkerInfo
 
 STARTUP_ERRORS = (ConfigError, DataError, OSError, ValueError, BackendUnavailable, DeviceError)
 MAX_MESSAGE_VALUES = (2**31 - 1 - HEADER_BYTES) // 4  # float32 values in one message of < 2 GiB
@@ -85,15 +87,6 @@ def run_name(cfg: Config, num_workers: int) -> str:
     return cfg.name or f"{cfg.model_label}-{cfg.mode}-{num_workers}w-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def versions() -> dict:
-    import h5py
-    import mpi4py
-
-    return {"mpiasgd": __version__, "python": platform.python_version(), "numpy": np.__version__,
-            "mpi4py": mpi4py.__version__, "mpi": MPI.Get_library_version().splitlines()[0].strip(),
-            "h5py": h5py.version.version, "hdf5": h5py.version.hdf5_version}
-
-
 def worker_backend(cfg: Config, me: Rank, local_rank: int) -> tuple[str, object]:
     """(all workers) Resolve the backend and, for cupy, select this worker's GPU before anything is allocated.
 
@@ -132,8 +125,6 @@ def autotune_convs(cfg: Config, dataset: Any, first: int = 0, last: int | None =
     training step. The input: the training set's first `batch_size` images, or for a module after
     the first, standard-normal activations of the shape it receives. Returns the plans' descriptions
     (tile chosen, ms per call of each tile). Raises BackendUnavailable naming the failure."""
-    from mpiasgd.model import build_model
-
     model = build_model(cfg.model if spec is None else spec, "cupy")  # spec: the run's network definition
     ops, layers = model.ops, model.layers[first:last]
     try:
@@ -173,8 +164,6 @@ def definition_text(cfg: Config, dataset: Any, resumed: checkpoint.Checkpoint | 
     checkpoint `resumed` (the network it trained, whatever the file says now; `checkpoint.load` verified
     its CRC), else what --model names, a file's network taking the dataset's image shape. Checked by
     building its layers. Raises ModelSpecError (a ValueError) or CheckpointError naming what is wrong."""
-    from mpiasgd.model.spec import from_json, is_file_ref, layers_from_spec, resolve, to_json
-
     stored = resumed.model_spec if resumed is not None else ""
     if stored:
         what = f"--resume: checkpoint '{cfg.resume}': its network definition"
@@ -226,8 +215,6 @@ def send_definition(me: Rank, text: str | None, timeout: float) -> str | None:
 def shared_definition(text: str) -> dict:
     """The definition rank 0 sent (JSON text, `definition_text`), on every rank: every worker builds the
     network rank 0 logs, from data (no rank but 0 runs a user's model file)."""
-    from mpiasgd.model.spec import from_json
-
     return from_json(text)
 
 
@@ -248,9 +235,6 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
 
     `local_rank` is a worker's index among the workers of its node (its GPU, modulo visible devices).
     """
-    from mpiasgd.model import build_model
-    from mpiasgd.model.layers import BatchNorm2d, walk
-
     if me.size < 2 and cfg.servers <= 1:  # (--servers S > 1: the message below, which counts the shards)
         raise ConfigError(f"mpiasgd train needs at least 2 MPI ranks (1 parameter server + workers), got {me.size}; "
                           "launch it with e.g. 'mpiexec -n 3 python -m mpiasgd train'")
@@ -440,8 +424,6 @@ def left_behind(path: str, lock: WriterLock) -> str:
     writer is gone: this job holds the lock; a resume recovers and continues it, --overwrite replaces
     it) and the temporary checkpoint files of processes that no longer exist, which are removed here
     (`checkpoint.remove_stale_temporaries`: a live process's file is kept)."""
-    from mpiasgd.runlog import clear_stale_flags, open_log
-
     removed = checkpoint.remove_stale_temporaries(checkpoint.checkpoint_path(path))
     parts = []
     try:
@@ -467,8 +449,6 @@ def log_attrs(path: str, *names: str) -> dict[str, str]:
     """(server only, holding the log's writer lock) The text attributes `names` of the run log at `path` (""
     where absent), read in one opening. OSError, RuntimeError or KeyError (h5py's) when it cannot be read:
     cut short, its metadata damaged."""
-    from mpiasgd.runlog import open_log
-
     with open_log(path, hold_lock=True) as f:
         values = {name: f.attrs.get(name, "") for name in names}
     return {name: value.decode() if isinstance(value, bytes) else str(value) for name, value in values.items()}

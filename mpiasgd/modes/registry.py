@@ -11,6 +11,7 @@ take it), so a flag never silently does nothing.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +146,4 @@ def variant(cfg: dict) -> str:
 
 def load(name: str) -> Any:
     """The `Mode` object of mode `name` (imports its module); KeyError for an unknown name."""
-    import importlib
-
     return importlib.import_module(MODES[name].module).MODE

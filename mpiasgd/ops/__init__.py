@@ -12,6 +12,7 @@ set for both backends: `mpiasgd.ops.contract`. The CUDA backend's parts: `mpiasg
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 from typing import TYPE_CHECKING, Literal, overload
@@ -56,8 +57,6 @@ def cuda_probe() -> tuple[int, str]:
 
 def cuda_driver():
     """The CUDA driver library (libcuda.so.1) loaded through ctypes, or None where it does not load."""
-    import ctypes
-
     try:
         return ctypes.CDLL("libcuda.so.1")
     except OSError:

@@ -16,9 +16,21 @@ import time
 import traceback
 from typing import Any
 
+from tqdm import tqdm
+
 from mpiasgd import signals
 from mpiasgd.comms import CommTimeout, Message, Tag
+from mpiasgd.config import from_mapping, resume_overrides
+from mpiasgd.health import LossWatch
+from mpiasgd.model.spec import to_json
+from mpiasgd.optim import StopRule
+from mpiasgd.rank0.loop import PREEMPT_GRACE, Preempted, Rank0, WorkerFailed, kept_note
+from mpiasgd.rank0.recorder import Recorder
+from mpiasgd.rank0.shard_recorder import ShardRecorder
+from mpiasgd.rank0.shards import HubLink, ShardHub
 from mpiasgd.runlog import EventRow, RunLog, RunLogError, summary_lines
+from mpiasgd.runlog.startup import ShardInfo, versions
+from mpiasgd.runlog.tensorboard import TensorBoard, TensorBoardUnavailable, require, tensorboard_dir
 
 EXIT_DIVERGED = 3  # --on-divergence stop ended the run (log status 'diverged')
 EXIT_PREEMPTED = signals.EXIT_PREEMPTED  # 75: checkpointed on a signal; requeue and --resume
@@ -55,12 +67,7 @@ def start_log(cfg: Any, me: Any, start: Any, workers: list, extra: dict | None =
     --overwrite of one that cannot be read); logs the resume's config changes and autotune events.
     `extra`: more attributes of a new log (`mpiasgd simulate`: that it is simulated, and how). `shards`
     (--servers S > 1): the other shards' ShardInfo records; the cut and their processes become attributes."""
-    from mpiasgd.config import from_mapping, resume_overrides
-    from mpiasgd.launch.startup import versions
-    from mpiasgd.optim import StopRule
-
     model, dataset, ckpt = start.model, start.dataset, start.checkpoint
-    from mpiasgd.model.spec import to_json
 
     attrs = {"config": cfg.to_json(), "versions": versions(), "layout": model.layout(), "model": cfg.model,
              "model_spec": to_json(model.spec()), "buffer_layout": model.buffer_layout(),
@@ -112,11 +119,6 @@ def make_recorder(cfg: Any, start: Any, log: RunLog, num_workers: int, kind: typ
     (--progress, labelled `desc`), the divergence watch of the mode, the network's definition for the
     checkpoints and, with --tensorboard, the event files (a resume hides what the replaced segment wrote after
     its checkpoint). `start` is the Startup (model, dataset, mode, checkpoint, path)."""
-    from tqdm import tqdm
-
-    from mpiasgd.health import LossWatch
-    from mpiasgd.model.spec import to_json
-
     dataset, ckpt = start.dataset, start.checkpoint
     bar = None
     if cfg.progress:
@@ -129,8 +131,6 @@ def make_recorder(cfg: Any, start: Any, log: RunLog, num_workers: int, kind: typ
     rec = kind(cfg, log, range(1, num_workers + 1), dataset.train_y.size, bar, health)
     rec.model_spec = to_json(start.model.spec())
     if cfg.tensorboard:  # RUN_DIR/NAME.tb/
-        from mpiasgd.runlog.tensorboard import TensorBoard, tensorboard_dir
-
         rec.tensorboard = TensorBoard(tensorboard_dir(start.path), purge_step=None if ckpt is None else ckpt.samples,
                                       warn=rec.warn)
     return rec
@@ -142,13 +142,8 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
     Returns 0, EXIT_PREEMPTED when a signal ended the run (the checkpoint is written), or EXIT_DIVERGED when
     --on-divergence stop ended it.
     """
-    from mpiasgd.rank0.loop import PREEMPT_GRACE, Preempted, Rank0, WorkerFailed, kept_note
-    from mpiasgd.rank0.recorder import Recorder
-
     model, dataset, ckpt = start.model, start.dataset, start.checkpoint
     if cfg.tensorboard:  # before the log exists: an error like those of start-up, the job ends with status 2
-        from mpiasgd.runlog.tensorboard import TensorBoardUnavailable, require
-
         try:
             require()
         except TensorBoardUnavailable as e:
@@ -166,7 +161,6 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
     rec = make_recorder(cfg, start, log, me.num_workers, Recorder)
     bar = rec.progress
     hosts = {w.rank: w.host for w in [*workers, *shards]}
-    from mpiasgd.rank0.shards import ShardHub
 
     r0 = Rank0(me.comm, cfg, rec, lambda r0: start.mode.rank0(r0, params, model.decay_mult(), model, dataset,
                                                               start.layout),
@@ -261,8 +255,6 @@ def log_unwritable(me: Any, start: Any, error: RunLogError) -> None:
     readable up to its last flush either way) and release its lock, write a checkpoint where rank 0
     holds the state (one line says whether it was written), then abort the whole job: the workers end
     with it."""
-    from mpiasgd.rank0.loop import kept_note
-
     r0 = getattr(start, "rank0", None)
     try:
         if r0 is None:  # the log could not even be created or reopened: there is nothing to close
@@ -298,11 +290,6 @@ def serve_shard(cfg: Any, me: Any, start: Any) -> int:
     rank 0's RESTORE when resuming, then serve this shard's slice with the mode's server in rank 0's loop,
     linked to rank 0 (`mpiasgd.rank0.shards.HubLink`), until rank 0 says END. Returns 0, or EXIT_PREEMPTED
     when a signal ended the run. Raises what the loop raises (the caller reports it to rank 0)."""
-    from mpiasgd.launch.records import ShardInfo
-    from mpiasgd.rank0.loop import Rank0
-    from mpiasgd.rank0.shard_recorder import ShardRecorder
-    from mpiasgd.rank0.shards import HubLink
-
     shard = start.cut.shard_of(me.rank, me.num_workers)
     me.comm.gather(ShardInfo(rank=me.rank, shard=shard, host=me.host, pid=os.getpid()), root=0)
     model, dataset = start.model, start.dataset

@@ -82,6 +82,7 @@ from mpiasgd.comms import (
     wait,
 )
 from mpiasgd.comms.protocol import HEADER_BYTES, STOP_STEP, rows_message, rows_of
+from mpiasgd.rank0.loop import WorkerFailed
 from mpiasgd.rank0.recorder import ShardFigures
 from mpiasgd.runlog import SHARD_PUSH_ROW
 
@@ -361,8 +362,6 @@ class ShardHub:
     def _await(self, r: int, what: str, poll: Any, deadline: Deadline, backoff: Backoff, look: Interval,
                status: Any) -> Any:
         """`await_shard`'s loop."""
-        from mpiasgd.rank0.loop import WorkerFailed
-
         while not (got := poll()):
             told = None
             for tag in (Tag.SHARD_STOPPED, Tag.SHARD_PAUSED):

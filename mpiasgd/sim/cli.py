@@ -17,10 +17,27 @@ a GPU.
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import signal
 import sys
 from typing import Any
+
+import mpi4py
+
+from mpiasgd.config import ConfigError, resolve
+from mpiasgd.config import make_parser as train_parser
+from mpiasgd.runlog import RunLogError
+from mpiasgd.signals import Terminated
+from mpiasgd.sim.timing import (
+    ProfileError,
+    TimingModel,
+    check_profile_path,
+    fit_run_log,
+    load_profile,
+    straggler_text,
+)
+
+__all__ = ["Terminated", "check_profile_path", "main", "make_parser"]  # (the first two lived here)
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -28,36 +45,12 @@ EXIT_INTERRUPTED = 130  # as a shell reports SIGINT
 EXIT_TERMINATED = 143  # as a shell reports SIGTERM
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM reached the simulation: it ends as on Ctrl-C (the log closed 'failed'), with status 143."""
-
-
 def _terminate(signum: int, frame: Any) -> None:
     raise Terminated
 
 
-def check_profile_path(path: str, fitted: str | None, overwrite: bool, run_log: str | None = None) -> None:
-    """ProfileError unless `path` may take --save-profile's JSON: never the --fit run log, this run's own log
-    or checkpoint (`run_log`, once known) or another HDF5 file (a run log), and an existing file only with
-    --overwrite."""
-    from mpiasgd.checkpoint import checkpoint_path
-    from mpiasgd.sim.timing import ProfileError
-
-    if run_log and os.path.abspath(path) in (os.path.abspath(run_log), os.path.abspath(checkpoint_path(run_log))):
-        raise ProfileError(f"--save-profile '{path}' is this run's own log or checkpoint: give another file")
-    if fitted and os.path.exists(fitted) and os.path.exists(path) and os.path.samefile(path, fitted):
-        raise ProfileError(f"--save-profile '{path}' is the run log --fit reads: give another file")
-    if os.path.exists(path):
-        with open(path, "rb") as f:
-            if f.read(8) == b"\x89HDF\r\n\x1a\n":
-                raise ProfileError(f"--save-profile '{path}' is an HDF5 file (a run log?): it is not replaced")
-        if not overwrite:
-            raise ProfileError(f"--save-profile '{path}' exists: give another file, or --overwrite to replace it")
-
-
 def make_parser() -> argparse.ArgumentParser:
     """`mpiasgd train`'s parser (every config key) plus --workers and the timing model's flags."""
-    from mpiasgd.config import make_parser as train_parser
 
     parser = train_parser("mpiasgd simulate")
     parser.description = ("Simulate asynchronous SGD (modes async and ssp) with N virtual workers in one process, "
@@ -97,7 +90,6 @@ def make_parser() -> argparse.ArgumentParser:
 def timing_from(args: argparse.Namespace) -> Any:
     """The TimingModel the flags give: --profile's or --fit's with any quick flag replacing that figure, or
     the quick model. ProfileError (a ConfigError) naming the file or the flag when it is not valid."""
-    from mpiasgd.sim.timing import ProfileError, TimingModel, fit_run_log, load_profile
 
     if args.fit_replay and not args.fit:
         raise ProfileError("--fit-replay needs --fit RUN.h5 (the measured times it replays)")
@@ -125,9 +117,7 @@ def timing_from(args: argparse.Namespace) -> Any:
 def with_stragglers(cfg: Any, timing: Any, num_workers: int) -> Any:
     """`cfg` with the timing model's `stragglers` (the --straggler of the run it was fitted from, of workers
     1..num_workers) as its --straggler when it gives none of its own; else `cfg` as it is."""
-    import dataclasses
 
-    from mpiasgd.sim.timing import straggler_text
 
     kept = {w: f for w, f in timing.stragglers.items() if w <= num_workers}
     if cfg.straggler.strip() or not kept:
@@ -138,7 +128,6 @@ def with_stragglers(cfg: Any, timing: Any, num_workers: int) -> Any:
 def fit_line(path: str, timing: Any, cfg: Any, num_workers: int) -> str:
     """One line: what --fit took from run log `path` (`timing`, the fitted model) and what this run of
     `num_workers` workers (`cfg`, after `with_stragglers`) applies of it."""
-    from mpiasgd.sim.timing import straggler_text
 
     slow = cfg.stragglers()
     speeds = []
@@ -165,12 +154,9 @@ def fit_line(path: str, timing: Any, cfg: Any, num_workers: int) -> str:
 
 def main(argv: list[str]) -> int:
     """`mpiasgd simulate ARGV`; returns the exit status (2: bad input, one line on stderr)."""
-    import mpi4py
-
     # no MPI here: mpiasgd's modules import mpi4py.MPI (for its constants), which must not initialise MPI
     mpi4py.rc.initialize = False
     mpi4py.rc.finalize = False
-    from mpiasgd.config import ConfigError, resolve
 
     parser = make_parser()
     if "-h" in argv or "--help" in argv:
@@ -178,7 +164,6 @@ def main(argv: list[str]) -> int:
         return 0
     from mpiasgd.launch.startup import STARTUP_ERRORS
     from mpiasgd.rank0.recorder import TrainingDiverged
-    from mpiasgd.runlog import RunLogError
     from mpiasgd.sim.run import simulate
 
     previous = signal.signal(signal.SIGTERM, _terminate)

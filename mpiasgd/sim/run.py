@@ -16,9 +16,20 @@ import time
 import traceback
 from typing import Any
 
-from mpiasgd.sim.cli import Terminated, check_profile_path
+from threadpoolctl import threadpool_limits
+
+from mpiasgd.device import resolve_backend
+from mpiasgd.launch.ranks import Rank
+from mpiasgd.launch.startup import definition_text, load_data, setup, shared_definition, test_slice
+from mpiasgd.model import build_model
+from mpiasgd.modes.registry import load
+from mpiasgd.rank0.serve import announce, make_recorder, start_log
+from mpiasgd.runlog import RunLogError, summary_lines
+from mpiasgd.runlog.startup import WorkerInfo
+from mpiasgd.runlog.tensorboard import require
+from mpiasgd.signals import Terminated
 from mpiasgd.sim.engine import Simulation, VirtualRecorder, check_simulated
-from mpiasgd.sim.timing import TimingModel
+from mpiasgd.sim.timing import TimingModel, check_profile_path
 from mpiasgd.sim.timing import save_profile as save_timing
 
 EXIT_DIVERGED = 3  # as `mpiasgd train`: --on-divergence stop ended the run (log status 'diverged')
@@ -34,19 +45,8 @@ def simulate(cfg: Any, num_workers: int, timing: TimingModel, save_profile: str 
     what is not simulated: `check_simulated`); once the log exists, RunLogError (it cannot be written) or
     TrainingDiverged (--max-rejects), the log closed with status "failed".
     """
-
-    from mpiasgd.launch.ranks import Rank
-    from mpiasgd.launch.records import WorkerInfo
-    from mpiasgd.launch.startup import definition_text, load_data, setup, shared_definition, test_slice
-    from mpiasgd.model import build_model
-    from mpiasgd.modes.registry import load
-    from mpiasgd.rank0.serve import announce, make_recorder, start_log
-    from mpiasgd.runlog import RunLogError, summary_lines
-
     check_simulated(cfg, num_workers)
     if cfg.tensorboard:  # before the log exists, as `train`
-        from mpiasgd.runlog.tensorboard import require
-
         require()
     mode = load(cfg.mode)
     me = Rank(None, 0, num_workers + 1, socket.gethostname())  # rank 0 of a job of 1 + N ranks, none of them MPI
@@ -116,8 +116,6 @@ def worker_backend(requested: str) -> str:
     worker's on a node without a GPU (`device.resolve_backend`): auto -> cpu, numpy and cpu as given. The
     simulator computes on the host whatever GPUs there are (the timing model stands for the devices; cupy is
     refused by `check_simulated`)."""
-    from mpiasgd.device import resolve_backend
-
     return resolve_backend(requested, 0)
 
 
@@ -132,7 +130,6 @@ def _limited(threads: int, call: Any) -> Any:
     """`call()` with BLAS limited to `threads` threads (0: as many as it likes: the simulator is one process)."""
     if not threads:
         return call()
-    from threadpoolctl import threadpool_limits
 
     with threadpool_limits(limits=threads, user_api="blas"):
         return call()

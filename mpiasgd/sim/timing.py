@@ -42,12 +42,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from mpiasgd.config import ConfigError
+from mpiasgd.config import Config, ConfigError
+from mpiasgd.files import checkpoint_path
+from mpiasgd.modes.registry import PS_MODES
+from mpiasgd.runlog import load
 
 
 class ProfileError(ConfigError):
@@ -373,6 +377,22 @@ def save_profile(model: TimingModel, path: str) -> None:
         raise ProfileError(f"--save-profile '{path}': cannot write it ({e.strerror})") from None
 
 
+def check_profile_path(path: str, fitted: str | None, overwrite: bool, run_log: str | None = None) -> None:
+    """ProfileError unless `path` may take --save-profile's JSON: never the --fit run log, this run's own log
+    or checkpoint (`run_log`, once known) or another HDF5 file (a run log), and an existing file only with
+    --overwrite."""
+    if run_log and os.path.abspath(path) in (os.path.abspath(run_log), os.path.abspath(checkpoint_path(run_log))):
+        raise ProfileError(f"--save-profile '{path}' is this run's own log or checkpoint: give another file")
+    if fitted and os.path.exists(fitted) and os.path.exists(path) and os.path.samefile(path, fitted):
+        raise ProfileError(f"--save-profile '{path}' is the run log --fit reads: give another file")
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            if f.read(8) == b"\x89HDF\r\n\x1a\n":
+                raise ProfileError(f"--save-profile '{path}' is an HDF5 file (a run log?): it is not replaced")
+        if not overwrite:
+            raise ProfileError(f"--save-profile '{path}' exists: give another file, or --overwrite to replace it")
+
+
 def fit_run_log(path: str, replay: bool = False) -> TimingModel:
     """A TimingModel fitted from the run log at `path` of an async or ssp run (real or simulated).
 
@@ -404,9 +424,6 @@ def fit_run_log(path: str, replay: bool = False) -> TimingModel:
     A run with --overlap hides part of its wait behind compute: its latency comes out too low. Raises
     ProfileError naming the file when it is not a run log, not of an async/ssp run, or has too few pushes.
     """
-    from mpiasgd.modes.registry import PS_MODES
-    from mpiasgd.runlog import load
-
     source = f"--fit '{path}'"
     try:
         run = load(path)
@@ -423,8 +440,6 @@ def fit_run_log(path: str, replay: bool = False) -> TimingModel:
                            "a timing model")
     pushes = pushes[pushes["samples"] > 0]
     nsync = max(1, int(cfg.get("nsync", 1) or 1))
-    from mpiasgd.config import Config
-
     slow = Config(straggler=str(cfg.get("straggler", "") or "")).stragglers()
     own = {}
     for w in sorted(set(pushes["worker"].tolist())):

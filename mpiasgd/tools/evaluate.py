@@ -14,6 +14,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from mpiasgd.data.loader import open_data
+from mpiasgd.model import MODELS, build_model, evaluate
+from mpiasgd.model.spec import ModelSpecError, stored
 from mpiasgd.runlog import EVAL_ROW, EvalRow, append, open_log, open_run, recover, upgrade, writer_alive
 from mpiasgd.runlog.reader import reading, require, run_config
 
@@ -51,10 +54,6 @@ def evaluate_snapshots(path: str, data_dir: str | None = None, batch_size: int =
     a config or network definition that is not valid, a dataset whose images the network does not take;
     `DataError` for the dataset) or RuntimeError (the run is still being written).
     """
-    from mpiasgd.data.loader import open_data  # late imports: the models pull in the ops backends
-    from mpiasgd.model import MODELS, build_model, evaluate
-    from mpiasgd.model.spec import ModelSpecError, stored
-
     if writer_alive(path):
         raise RuntimeError(f"run log '{path}' is still being written by a running job; evaluate it when it has ended")
     with open_run(path) as f, reading(path):  # FileNotFoundError / ValueError naming the file

@@ -18,6 +18,8 @@ import os
 import numpy as np
 
 from mpiasgd.argtypes import DEFAULT_TARGET, FORMATS
+from mpiasgd.model import build_model
+from mpiasgd.model.spec import ModelSpecError, from_json
 from mpiasgd.modes.registry import variant
 from mpiasgd.runlog import load
 from mpiasgd.runlog.summary import (
@@ -111,9 +113,6 @@ def network_lines(run: dict) -> list[str]:
     """The network the run trained, rebuilt from the log's stored definition (data, never a model file): one
     line per top-level layer with its output shape and parameters (`Model.describe`); [] for a log from
     before definitions were stored, or one line saying why the definition cannot be built."""
-    from mpiasgd.model import build_model
-    from mpiasgd.model.spec import ModelSpecError, from_json
-
     text = run.get("model_spec")
     if not text:
         return []

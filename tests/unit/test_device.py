@@ -633,8 +633,8 @@ def test_pinned_staging_round_trips_grads_for_the_allreduce():
 def test_start_up_records_give_worker_rows_and_autotune_events():
     """The server's gather: WORKER_ROW fields for the log's workers table, and one "autotune" event per
     worker that tuned (its rank, host and plans); numpy workers and heuristic ones send no plans."""
-    from mpiasgd.launch.records import WorkerInfo
     from mpiasgd.runlog import WORKER_ROW
+    from mpiasgd.runlog.startup import WorkerInfo
 
     row1 = (1, "gpu1", 11, 1, "cupy", 500, 0, "H200", "GPU-1", "pinned", -1, -1)
     row2 = (2, "cpu2", 12, 1, "numpy", 500, -1, "", "", "host", -1, -1)

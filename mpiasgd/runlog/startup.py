@@ -1,11 +1,31 @@
-"""The typed records of start-up: what every worker (and every parameter-server shard) tells rank 0 before
-training."""
+"""What start-up puts into the run log: the typed record every worker (and every parameter-server shard)
+tells rank 0 before training (the /workers table, the shards' attributes), and the library versions.
+
+Below rank 0 and start-up alike (`mpiasgd.rank0.serve` and `mpiasgd.launch.startup` import it), like the
+rest of the run log.
+"""
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
 
-from mpiasgd.runlog import WorkerRow
+import h5py
+import mpi4py
+import numpy as np
+
+from mpiasgd import __version__
+from mpiasgd.runlog.records import WorkerRow
+
+
+def versions() -> dict:
+    """{library: version} of mpiasgd, Python, NumPy, mpi4py, the MPI library, h5py and HDF5 (the run log's
+    `versions` attribute)."""
+    from mpi4py import MPI  # its import runs MPI_Init: the run log's readers must not, only its writer calls this
+
+    return {"mpiasgd": __version__, "python": platform.python_version(), "numpy": np.__version__,
+            "mpi4py": mpi4py.__version__, "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "h5py": h5py.version.version, "hdf5": h5py.version.hdf5_version}
 
 
 @dataclass(frozen=True)
