@@ -112,3 +112,15 @@ def test_a_package_whose_init_imports_upward_is_an_arrow_of_its_modules_importer
     assert structure.cycles(arrows) == [["mpiasgd.launch", "mpiasgd.rank0.serve"]]
     assert sorted((a.source, a.target) for a in structure.wrong_way(arrows)) == [
         ("mpiasgd.rank0.serve", "mpiasgd.launch"), ("mpiasgd.rank0.serve", "mpiasgd.launch.ranks")]
+
+
+def test_scripts_take_the_argparse_types_from_argtypes_not_the_command_line():
+    """bench/ and dev/ scripts import `positive`, `fraction`, ... from mpiasgd.argtypes: mpiasgd.cli is the top of
+    the graph, and importing it would load the command line's own imports."""
+    found = []
+    for folder in ("bench", "dev"):
+        for name in sorted(os.listdir(os.path.join(ROOT, folder))):
+            if name.endswith(".py"):
+                with open(os.path.join(ROOT, folder, name), encoding="utf-8") as f:
+                    found += [f"{folder}/{name}" for line in f if line.strip().startswith("from mpiasgd.cli import")]
+    assert found == []
