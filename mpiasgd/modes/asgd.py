@@ -102,7 +102,7 @@ from mpi4py import MPI
 
 from mpiasgd import checkpoint
 from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
-from mpiasgd.comms.wire import WIRES, beyond_range, decode
+from mpiasgd.comms.wire import WIRES, decode
 from mpiasgd.comms.wire import warm_up as warm_up_wire
 from mpiasgd.modes.base import Mode, WorkerJob, initial_buffers, lr_scale, need, round_fits
 from mpiasgd.modes.shards import ShardedWorker
@@ -111,14 +111,11 @@ from mpiasgd.optim import (
     DelayCompensation,
     LocalSGD,
     LookAhead,
-    Schedule,
-    apply_delta,
     explicit_momentum,
-    finite_square,
     fraction_done,
     lookahead_steps,
-    staleness_factor,
 )
+from mpiasgd.optim.rules import AsyncRule, DelayCompensated
 from mpiasgd.rank0.server import ShardedServer, server_shard
 
 STALENESS_LR = ("none", "inverse", "sqrt")
@@ -162,8 +159,8 @@ class AsgdServer(ShardedServer):
         self.pulled_buf = np.empty(P, np.float32) if cfg.dc_lambda and self.wire != "fp32" else None  # DC's w_pulled
         # --dc-lambda: the weights worker w computed its push on are those of its last reply, in weights[w]
         self.compensation = DelayCompensation(P, cfg.dc_lambda, cfg.dc_adaptive) if cfg.dc_lambda else None
-        self.schedule = Schedule.of(cfg)
-        self.held_s = dict.fromkeys(self.workers, 0.0)  # ssp: how long the last reply to each worker was held
+        rule = AsyncRule(self.optimizer, cfg.staleness_lr)  # the update; DC-ASGD corrects the gradient first
+        self.rule = rule if self.compensation is None else DelayCompensated(rule, self.compensation)
 
     # --- the loop's questions ---
     def warm_up(self) -> None:
@@ -286,10 +283,6 @@ class AsgdServer(ShardedServer):
     def on_start(self, workers: list[int]) -> None:
         """`workers` get their first weights now (ssp: their clocks start at the slowest's)."""
 
-    def answer(self, w: int, step: int) -> None:
-        """How a push is answered: at once (ssp may hold it)."""
-        self.reply(w, step)
-
     # --- a push ---
     def check_push(self, w: int, msg: Message) -> tuple[int, int]:
         """(step, base version) of a PUSH from worker `w`, after the protocol's checks (`Role.check_push`) and
@@ -302,74 +295,19 @@ class AsgdServer(ShardedServer):
                                 f"{self.cfg.nsync} (expected {'an update' if self.cfg.nsync > 1 else 'a gradient'})")
         return step, base
 
-    def take_push(self, w: int, msg: Message) -> None:
-        """Apply (or reject, or drop after the stop) a checked push of worker `w`, log its row and answer it."""
-        rec, cfg = self.rec, self.cfg
-        h = msg.header
-        step, base = int(h["step"]), int(h["version"])
-        delta = bool(int(h["flags"]) & Flag.DELTA)
-        self.last_step[w] = step
-        staleness = rec.version - base
-        rec.count_wire(pushed=msg.buf.nbytes)
-        values = msg.payload if self.decoded is None else decode(self.wire, msg.payload, self.decoded)  # (P + B,)
-        grad = values[:self.P]
-        # (an fp16 value beyond its range arrived as inf: rejected here.) S > 1: flag NONFINITE, the worker found a
-        # value that is not finite in its whole push, maybe in another shard's slice: rejected alike on every shard
-        flagged = bool(int(h["flags"]) & Flag.NONFINITE)
-        finite, square = (False, 0.0) if flagged else finite_square(grad)
-        # --wire fp16: finite values beyond its range arrived as inf; the worker's largest magnitude names them
-        beyond = float(h["peak"]) if not finite and beyond_range(self.wire, float(h["peak"])) else 0.0
-        advice = "lower --lr"
-        if finite and self.compensation is not None and self.admits(step, w):
-            # DC-ASGD: g + lambda g g (w - w_pulled), w_pulled = the weights of w's last reply (in its send buffer)
-            self.compensation.correct(grad, self.params, self.pulled(w))
-            finite, square = finite_square(grad)
-            if not finite:
-                advice = "delay compensation made finite gradients non-finite: lower --dc-lambda (or --lr)"
-        rejected = not finite
-        applied = not rejected and self.admits(step, w)  # after the stop, pushes are drained (S > 1: `settle`)
-        if applied:  # (the mean the STOPs carry, after every applied push, is the final snapshot's)
-            self.take_buffers(w, values[self.P:])
-        lr = 0.0
-        if applied:
-            factor = staleness_factor(cfg.staleness_lr, staleness)
-            # fp32: the new weights are written straight into w's send buffer (its previous send has completed:
-            # w pushed after receiving it), which then holds the master weights until the next update
-            self.out[w].take(0)
-            out = self.weights.get(w, self.params)  # 16-bit wire, look-ahead: in place
-            if delta:  # already scaled by the worker's own step size: added, scaled by the staleness rule only
-                lr = float(h["lr"]) * factor
-                self.params = self.optimizer.params = apply_delta(self.params, grad, factor, out=out)
-            else:  # the staleness factor scales the gradient entering the momentum, not the velocity's step
-                step_size = self.schedule(rec.epoch, rec.fraction_done())
-                self.params = self.optimizer.step(grad, step_size, out=out, grad_scale=factor)
-                lr = step_size * factor  # logged: the step this push's gradient enters with
-            rec.version += 1
-            rec.samples += int(h["samples"])
-            self.cursor[w] = int(h["cursor"])
-            rec.count_staleness(staleness)
-            rec.update(version=rec.version, lr=lr, grad_norm=math.sqrt(square))
-            rec.training_loss(float(h["loss"]), int(h["correct"]), int(h["samples"]))
-            rec.check_stop()
-        rec.push(worker=w, step=step, base_version=base, version=rec.version, staleness=staleness, loss=h["loss"],
-                 correct=h["correct"], samples=h["samples"], epoch=h["epoch"], compute_s=h["compute_s"],
-                 comm_s=h["comm_s"], wait_s=h["wait_s"], applied=applied, lr=lr, rejected=rejected,
-                 held_s=self.held_s[w], data_s=h["data_s"])
-        # a signal on the worker: stop after this push is applied (S > 1: the other shards apply it, as rank 0 had
-        # processed it before its stop decision)
-        if int(h["flags"]) & Flag.PREEMPT:
-            self.r0.signal_from(f"a signal received by worker rank {w}")
-        if rejected:
-            self.cursor[w] = int(h["cursor"])
-            rec.reject(w, step, "accumulated update" if delta else "gradient", advice, beyond)  # may stop the run
-        else:
-            rec.accept(w)
-        self.held_s[w] = 0.0
-        self.answer(w, step)
+    def update_target(self, w: int) -> np.ndarray:
+        """fp32: the new weights go straight into worker `w`'s send buffer (its previous send has completed: w
+        pushed after receiving it), which then holds the master weights until the next update; 16-bit wire and
+        look-ahead: into `params`, in place."""
+        self.out[w].take(0)
+        return self.weights.get(w, self.params)
 
-    def pulled(self, w: int) -> np.ndarray:
-        """The weights worker `w` computed its push on (float32 (P,)): those of its last reply, in its send
-        buffer (fp32: a view; 16-bit wire: decoded, as the worker did, into a buffer of its own)."""
+    def pulled(self, w: int) -> np.ndarray | None:
+        """(DC-ASGD; None without it) The weights worker `w` computed its push on (float32 (P,)): those of its
+        last reply, in its send buffer (fp32: a view; 16-bit wire: decoded, as the worker did, into a buffer of
+        its own)."""
+        if self.compensation is None:
+            return None
         if self.wire == "fp32":
             return self.outbox[w].payload[:self.P]
         return decode(self.wire, self.outbox[w].payload[:self.P], self.pulled_buf)

@@ -61,10 +61,11 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpiasgd.comms import Flag, Message, SendSlots, Tag, wait
+from mpiasgd.comms import Flag, SendSlots, Tag, wait
 from mpiasgd.modes.base import Mode, WorkerJob, initial_buffers, need, round_fits
 from mpiasgd.modes.shards import ShardedWorker
-from mpiasgd.optim import LocalSGD, Schedule, finite_square, fraction_done
+from mpiasgd.optim import LocalSGD, fraction_done
+from mpiasgd.optim.rules import ElasticRule, elastic_difference
 from mpiasgd.rank0.server import ShardedServer, server_shard
 
 BETA = 0.9  # the paper's beta = p alpha
@@ -75,11 +76,6 @@ def moving_rate(cfg: Any, num_workers: int) -> float:
     return cfg.easgd_alpha or BETA / num_workers
 
 
-def elastic_difference(x: Any, center: Any, alpha: float) -> Any:
-    """delta = alpha (x - center) in float32 (numpy or cupy; both sides of an exchange call this)."""
-    return np.float32(alpha) * (x - center)
-
-
 class EasgdCenter(ShardedServer):
     """(rank 0, or a parameter-server shard) The center variable x~ (`params`, float32 (P,): the whole vector, or
     this shard's slice) and the exchanges; see the module docstring (`ShardedServer`: the replies, the shards).
@@ -88,7 +84,8 @@ class EasgdCenter(ShardedServer):
     def __init__(self, r0: Any, params: np.ndarray, buffers: np.ndarray | None = None) -> None:
         super().__init__(r0, params, buffers)
         self.alpha = moving_rate(self.cfg, len(self.workers))
-        self.schedule = Schedule.of(self.cfg)
+        self.rule = ElasticRule(self.params, self.alpha)  # x~ <- x~ + alpha (x_i - x~)
+        self.pushed_what = "weight vector"
         # worker -> version of the center an applied exchange used, which its send buffer holds (`take_push`):
         # the WEIGHTS answering that exchange carries it (any other reply: the center now)
         self.carried: dict[int, int] = {}
@@ -135,51 +132,16 @@ class EasgdCenter(ShardedServer):
         self.post(w, out, tag)
         self.rec.count_wire(pulled=out.buf.nbytes)
 
-    def take_push(self, w: int, msg: Message) -> None:
-        """An exchange of worker `w` (checked: `on_push`): its x_i moves the center unless it is not finite (S > 1:
-        this slice, or the whole x_i by the worker's flag NONFINITE) or comes after the stop (S > 1: unless the
-        shards agreed to apply it, `admits`); logged and answered."""
-        rec = self.rec
-        h = msg.header
-        step, base = int(h["step"]), int(h["version"])
-        self.last_step[w] = step
-        self.cursor[w] = int(h["cursor"])
-        staleness = rec.version - base
-        rec.count_wire(pushed=msg.buf.nbytes)
-        x = msg.payload[:self.P]
-        # S > 1: flag NONFINITE, the worker found a value of x_i that is not finite, maybe in another shard's slice
-        rejected = bool(int(h["flags"]) & Flag.NONFINITE) or not finite_square(x)[0]
-        applied = not rejected and self.admits(step, w)
-        if applied:  # (not after the stop: the mean the STOPs carry is the final snapshot's)
-            self.take_buffers(w, msg.payload[self.P:])
-        norm = 0.0
-        if applied:
-            self.out[w].take(0)
-            center = self.outbox[w].payload[:self.P]
-            center[:] = self.params                           # the center this exchange uses, sent back
-            self.carried[w] = rec.version
-            delta = elastic_difference(x, center, self.alpha)
-            self.params += delta                              # x~ <- x~ + alpha (x_i - x~)
-            norm = math.sqrt(finite_square(delta)[1])
-            rec.version += 1
-            rec.samples += int(h["samples"])
-            rec.count_staleness(staleness)
-            rec.update(version=rec.version, lr=float(h["lr"]), grad_norm=norm)
-            rec.training_loss(float(h["loss"]), int(h["correct"]), int(h["samples"]))
-            rec.check_stop()
-        rec.push(worker=w, step=step, base_version=base, version=rec.version, staleness=staleness, loss=h["loss"],
-                 correct=h["correct"], samples=h["samples"], epoch=h["epoch"], compute_s=h["compute_s"],
-                 comm_s=h["comm_s"], wait_s=h["wait_s"], applied=applied, lr=h["lr"], rejected=rejected,
-                 data_s=h["data_s"])
-        # a signal on the worker: stop after this push is applied (S > 1: the other shards apply it, as rank 0 had
-        # processed it before its stop decision)
-        if int(h["flags"]) & Flag.PREEMPT:
-            self.r0.signal_from(f"a signal received by worker rank {w}")
-        if rejected:
-            rec.reject(w, step, "weight vector")
-        else:
-            rec.accept(w)
-        self.reply(w, step)  # (rejected: the center as it is; the worker's elastic step then moves it toward it)
+    def update_target(self, w: int) -> np.ndarray:
+        """The center this exchange uses goes back to worker `w` (copied into its send buffer once its previous
+        send completed: `carried`); the center itself is updated in place."""
+        self.out[w].take(0)
+        self.outbox[w].payload[:self.P] = self.params
+        self.carried[w] = self.rec.version
+        return self.params
+
+    def unapplied_lr(self, h: np.void) -> float:
+        return float(h["lr"])  # (the worker's step size, as an applied exchange's row)
 
 
 class EasgdWorker(ShardedWorker):

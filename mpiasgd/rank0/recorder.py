@@ -227,6 +227,26 @@ class Recorder:
             win.correct += int(correct)
             win.images += int(samples)
 
+    def push_taken(self, w: int, h: np.void, *, base_version: int, staleness: int, applied: bool, rejected: bool,
+                   lr: float, norm: float, held_s: float = 0.0) -> None:
+        """A push of worker `w` (header `h`) that a server took: applied (the version and images trained move on,
+        its staleness counts, an updates row, its training loss, the stopping rules), rejected (not finite:
+        `reject` follows) or dropped after the stop; then its pushes row, and a finite push ends the worker's
+        run of rejects. `lr`: the step size it entered with (logged), `norm` the norm of what was applied."""
+        if applied:
+            self.version += 1
+            self.samples += int(h["samples"])
+            self.count_staleness(staleness)
+            self.update(version=self.version, lr=lr, grad_norm=norm)
+            self.training_loss(float(h["loss"]), int(h["correct"]), int(h["samples"]))
+            self.check_stop()
+        self.push(worker=w, step=int(h["step"]), base_version=base_version, version=self.version,
+                  staleness=staleness, loss=h["loss"], correct=h["correct"],
+                  samples=h["samples"], epoch=h["epoch"], compute_s=h["compute_s"], comm_s=h["comm_s"],
+                  wait_s=h["wait_s"], applied=applied, lr=lr, rejected=rejected, held_s=held_s, data_s=h["data_s"])
+        if not rejected:
+            self.accept(w)
+
     def shard_push(self, *, shard: int, time: float, worker: int, step: int, base_version: int, version: int,
                    staleness: int, applied: bool) -> None:
         """(--servers S > 1) One row of /shard_pushes: a push as shard `shard` saw it, at `time` (rank 0's

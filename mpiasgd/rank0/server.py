@@ -23,10 +23,12 @@ from typing import Any
 import numpy as np
 
 from mpiasgd import checkpoint
-from mpiasgd.comms import Message, ProtocolError, Tag
+from mpiasgd.comms import Flag, Message, ProtocolError, Tag
 from mpiasgd.comms.shards import ShardCut
-from mpiasgd.comms.wire import RANGE, beyond_range, encode_peak
+from mpiasgd.comms.wire import RANGE, beyond_range, decode, encode_peak
 from mpiasgd.health import WIRE_ADVICE
+from mpiasgd.optim import Schedule, finite_square
+from mpiasgd.optim.rules import Push, UpdateRule
 from mpiasgd.rank0.recorder import TrainingDiverged
 from mpiasgd.rank0.role import Role
 
@@ -48,8 +50,9 @@ class ShardedServer(Role):
     """(rank 0, and with --servers S > 1 every parameter-server shard) A server on its slice `params` (float32
     (P,), P the slice's size) with the layer `buffers` (float32 (B,); shard 0 only); see the module docstring.
 
-    A subclass gives the update rule (`take_push`: apply or drop a checked push, log it, answer it with
-    `reply`) and the replies (`send`: WEIGHTS or STOP from the worker's send buffer `outbox[w]`). Pushes arrive
+    A subclass gives the update rule (`rule`, a `mpiasgd.optim.rules.UpdateRule`, and where the new weights go:
+    `update_target`) and the replies (`send`: WEIGHTS or STOP from the worker's send buffer `outbox[w]`);
+    `take_push` is the path of a push, the same for every rule. Pushes arrive
     in `inbox[w]` (P + B values in wire format `cfg.wire`). `started` holds the workers sent their first
     weights; `cut` and `shard` (S = 1: the whole vector, shard 0) are set by the mode's `rank0` after
     `server_shard`."""
@@ -70,15 +73,20 @@ class ShardedServer(Role):
         self.final: dict[int, int] | None = None  # --servers: each worker's last step every shard applies (`settle`)
         self.deferred: list[int] = []         # --servers: workers whose push (in its inbox) awaits `settle`
         self.pausing = False                  # --servers: an interval checkpoint's agreement (`pause` to `resume`)
+        self.rule: UpdateRule | None = None   # the mode's update rule (its subclass sets it)
+        self.decoded: np.ndarray | None = None  # a 16-bit push decoded (float32 (P + B,)); None: fp32, not decoded
+        self.pushed_what = "gradient"         # what a push carries, in a reject's message
+        self.held_s = dict.fromkeys(self.workers, 0.0)  # ssp: how long the last reply to each worker was held
+        self.schedule = Schedule.of(self.cfg)  # the step size now, from the recorder's clock
 
     # --- what the subclass gives ---
     def send(self, w: int, tag: Tag, step: int, initial: bool = False) -> None:
         """Post WEIGHTS or STOP (this slice, and shard 0's buffers) answering step `step` to worker `w`."""
         raise NotImplementedError
 
-    def take_push(self, w: int, msg: Message) -> None:
-        """Apply (or reject, or drop after the stop: `admits`) a checked push of worker `w`, log its row and
-        answer it (`reply`)."""
+    def update_target(self, w: int) -> np.ndarray:
+        """(before an update) The float32 (P,) vector the new weights are written into for worker `w`'s push
+        (its send buffer, once its previous send completed, or `params` itself: in place)."""
         raise NotImplementedError
 
     def velocity(self) -> np.ndarray | None:
@@ -143,6 +151,64 @@ class ShardedServer(Role):
             self.deferred.append(w)
             return
         self.take_push(w, msg)
+
+    def take_push(self, w: int, msg: Message) -> None:
+        """A checked push of worker `w`: decoded (`--wire`), checked to be finite, applied by the rule unless it
+        comes after the stop (S > 1: unless the shards agreed to apply it, `admits`), logged in one row, and
+        answered (`answer`); a push that is not finite is rejected (`Recorder.reject`: --max-rejects)."""
+        rec, h = self.rec, msg.header
+        step, base, flags = int(h["step"]), int(h["version"]), int(h["flags"])
+        self.last_step[w], staleness = step, rec.version - base
+        rec.count_wire(pushed=msg.buf.nbytes)
+        push, beyond = self.decode_push(w, msg, staleness)
+        update = None if push is None or not self.admits(step, w) else self.rule.apply(
+            push, self.schedule(rec.epoch, rec.fraction_done()), self.update_target(w))
+        applied = update is not None and update.params is not None
+        rejected = push is None or (not applied and update is not None)  # (not finite, or the rule refused it)
+        if applied:  # (the mean the STOPs carry, after every applied push, is the final snapshot's)
+            self.params = update.params
+            self.take_buffers(w, (msg.payload if self.decoded is None else self.decoded)[self.P:])
+        if applied or rejected:
+            self.cursor[w] = int(h["cursor"])
+        rec.push_taken(w, h, base_version=base, staleness=staleness, applied=applied, rejected=rejected,
+                       lr=update.lr if applied else self.unapplied_lr(h), norm=update.norm if applied else 0.0,
+                       held_s=self.held_s[w])
+        if flags & Flag.PREEMPT:  # a signal on the worker: stop after this push (S > 1: as rank 0 did)
+            self.r0.signal_from(f"a signal received by worker rank {w}")
+        if rejected:  # may stop the run (--max-rejects)
+            rec.reject(w, step, "accumulated update" if flags & Flag.DELTA else self.pushed_what,
+                       update.refused if update is not None else "lower --lr", beyond)
+        self.held_s[w] = 0.0
+        self.answer(w, step)
+
+    def decode_push(self, w: int, msg: Message, staleness: int) -> tuple[Push | None, float]:
+        """(the push as the rule takes it, or None when a value is not finite; the largest magnitude of a
+        --wire fp16 push whose values left its range, 0 otherwise)."""
+        h = msg.header
+        values = msg.payload if self.decoded is None else decode(self.wire, msg.payload, self.decoded)  # (P + B,)
+        grad = values[:self.P]
+        # S > 1: flag NONFINITE, the worker found a value that is not finite in its whole push, maybe in another
+        # shard's slice: rejected alike on every shard. --wire fp16: a value beyond its range arrived as inf; the
+        # worker's largest magnitude (header peak) names it
+        flagged = bool(int(h["flags"]) & Flag.NONFINITE)
+        finite, square = (False, 0.0) if flagged else finite_square(grad)
+        if not finite:
+            return None, float(h["peak"]) if beyond_range(self.wire, float(h["peak"])) else 0.0
+        delta = bool(int(h["flags"]) & Flag.DELTA)
+        return Push(grad, square, staleness, delta=delta, lr=float(h["lr"]), pulled=self.pulled(w)), 0.0
+
+    def pulled(self, w: int) -> np.ndarray | None:
+        """The weights worker `w` computed its push on (float32 (P,)) where the rule needs them (DC-ASGD), else
+        None."""
+        return None
+
+    def unapplied_lr(self, h: np.void) -> float:
+        """The step size a push row logs when the push was not applied: 0 (easgd: the worker's)."""
+        return 0.0
+
+    def answer(self, w: int, step: int) -> None:
+        """How a push is answered: at once (ssp may hold it)."""
+        self.reply(w, step)
 
     def holds(self, w: int, step: int) -> bool:
         """(S > 1) Push `step` of worker `w` waits in its inbox: the shards are agreeing on the pushes each

@@ -432,7 +432,7 @@ def test_a_hung_or_dead_worker_leaves_the_last_consistent_checkpoint(tmp_path, h
         assert "worker rank 1 has sent nothing" in err, err
         assert "no checkpoint written at the failure: with --servers" in err, err
         assert attrs["status"] == "failed", err
-    elif attrs["status"] != "running":  # (the launcher's SIGKILL may reach rank 0 first: docs/checkpoints.md, "usually")
+    elif attrs["status"] != "running":  # (the launcher's SIGKILL may reach rank 0 first: docs: "usually")
         assert attrs["status"] == "failed" and "worker rank 1 on" in err, err
     ck = checkpoint.load(str(runs / "w.ckpt.h5"))
     assert ck.reason == "interval" and ck.shard_versions.tolist() == [ck.version] * SERVERS, (ck.reason, ck.version)

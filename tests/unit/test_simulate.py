@@ -463,7 +463,7 @@ def test_fit_takes_a_workers_start_up_once_and_never_draws_it_again(tmp_path):
 
 
 def test_fit_line_shows_no_start_up_for_a_worker_whose_first_push_was_not_slower(tmp_path):
-    """The --fit line as docs/simulator.md shows it (issue 36: it showed a start-up for every worker): worker 1's first push
+    """The --fit line as the docs show it (issue 36: it showed a start-up for every worker): worker 1's first push
     no slower than its others has none; worker 2's, 0.3 s slower than its typical one, has one."""
     import h5py
 
