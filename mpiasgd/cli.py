@@ -23,11 +23,12 @@ from mpiasgd.argtypes import DEFAULT_TARGET, FORMATS, command, fraction, positiv
 from mpiasgd.tools.data_cli import add_parser as add_data_parser  # argparse only: `train` loads no data tools
 
 # the validators lived here before mpiasgd.argtypes: scripts that import them from here still run
-__all__ = ["DEFAULT_TARGET", "FORMATS", "command", "fraction", "main", "positive", "seconds"]
+__all__ = ["DEFAULT_TARGET", "FORMATS", "command", "fraction", "main", "make_parser", "positive", "seconds"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def make_parser() -> argparse.ArgumentParser:
+    """The `mpiasgd` parser: its commands and their flags (`train` and `simulate` take theirs from
+    `mpiasgd.config.make_parser` and `mpiasgd.sim.cli.make_parser`; here they take the rest of the line)."""
     parser = argparse.ArgumentParser(prog="mpiasgd", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"mpiasgd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -59,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     tr = command(sub, "trace", "write a Chrome trace of a run (Perfetto, chrome://tracing): a track per rank")
     tr.add_argument("log", metavar="RUN.h5", help="a run log written by mpiasgd train (runs/NAME.h5)")
     tr.add_argument("-o", "--output", default="trace.json", help="the JSON file to write (default trace.json)")
-    ex = command(sub, "export", "write a run's weights to a NumPy .npz keyed by parameter name (see README, "
-                                "Model export)")
+    ex = command(sub, "export", "write a run's weights to a NumPy .npz keyed by parameter name (see "
+                                "docs/networks.md, Model export)")
     ex.add_argument("log", metavar="RUN.h5", help="a run log written by mpiasgd train (runs/NAME.h5)")
     which = ex.add_mutually_exclusive_group()
     which.add_argument("--snapshot", type=int, default=None, metavar="N",
@@ -69,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="the run's checkpoint (RUN.ckpt.h5) instead of a snapshot")
     ex.add_argument("-o", "--output", default=None, help="the .npz file to write (default: RUN.npz beside the log)")
     add_data_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = make_parser()
     args, rest = parser.parse_known_args(argv)
 
     if args.command == "train":
