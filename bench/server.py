@@ -27,7 +27,7 @@ One mpiexec job (this script starts it) measures, alternating, in rounds:
           (stamped headers, STOP, EVAL). Rate = (gradient bytes in + weights bytes out) per second,
           over the applied pushes after a warm-up of 10 per worker.
 
-  sharded the parameter server cut into S = `--servers` shards (default 2; `mpiasgd.comms.shards`): rank 0 and
+  sharded the parameter server cut into S = `--servers` shards (default 2; `mpiasgd.comms.shard_cut`): rank 0 and
           rank K + 1 (the job's last rank, asleep during the other runs) each run rank 0's loop with the async
           role on its half of the vector, rank 0 with its ShardHub, the other shard as `serve_shard`
           (mpiasgd.rank0.serve) builds it, with its HubLink and ShardRecorder; the K fake workers (K in
@@ -405,7 +405,7 @@ def bare_floor(comm: Any, shard_comm: Any, cfg: Config, P: int, is_server: bool)
     (`shard_comm`) does its slice's at the same time. Rank 0 gets {"one_s", "shards_s": [per shard]}."""
     from mpi4py import MPI
 
-    from mpiasgd.comms.shards import ShardCut
+    from mpiasgd.comms.shard_cut import ShardCut
 
     one = bare_push_cpu(P, cfg) if is_server else 0.0
     idle_wait(comm.Ibarrier(), "start of the concurrent bare pushes", comm.Get_rank(), 120.0)
@@ -464,7 +464,7 @@ def fake_worker(comm: Any, cfg: Config, P: int) -> None:
 
     from mpiasgd.comms import protocol, wait, wait_all
     from mpiasgd.comms.protocol import HEADER, Message, ProtocolError, Tag
-    from mpiasgd.comms.shards import ShardCut
+    from mpiasgd.comms.shard_cut import ShardCut
 
     rank = comm.Get_rank()
     cut = ShardCut.balanced(P, 0, cfg.servers)
@@ -645,10 +645,10 @@ def serve(comm: Any, cfg: Config, P: int, workers: int, path: str, numpy_update:
     `cfg.servers` S > 1, rank 0 is shard 0 (with its ShardHub) and the result's "shards" holds every shard's
     figures, shard 0's first (each other shard sends its own after the run: `shard`)."""
     from mpiasgd.comms import protocol
-    from mpiasgd.comms.shards import ShardCut
+    from mpiasgd.comms.shard_cut import ShardCut
     from mpiasgd.rank0.loop import Rank0
     from mpiasgd.rank0.recorder import Recorder
-    from mpiasgd.rank0.shards import ShardHub
+    from mpiasgd.rank0.shard_hub import ShardHub
     from mpiasgd.runlog import RunLog
 
     cut, model, mode = ShardCut.balanced(P, 0, cfg.servers), ServerModel(P), TimedMode(numpy_update)
@@ -680,7 +680,7 @@ def shard(comm: Any, cfg: Config, P: int, workers: int) -> None:
     from types import SimpleNamespace
 
     from mpiasgd.comms import protocol
-    from mpiasgd.comms.shards import ShardCut
+    from mpiasgd.comms.shard_cut import ShardCut
     from mpiasgd.launch.ranks import Rank
     from mpiasgd.rank0.serve import serve_shard
 
@@ -850,7 +850,7 @@ def shard_ratios(sharded: list[dict], single: list[dict]) -> list[float]:
 def shard_table(args: argparse.Namespace, plan: list, rates: dict[str, list[dict]], nranks: int) -> None:
     """The sharded runs against the one-server runs of as many workers: CPU seconds per push of each server
     process, the busiest shard's over the one server's, (for information) push/s; then the CPU split by part."""
-    from mpiasgd.comms.shards import ShardCut
+    from mpiasgd.comms.shard_cut import ShardCut
 
     if not plan:
         return

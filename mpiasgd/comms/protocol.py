@@ -32,7 +32,7 @@ Message flow, async and ssp modes (GPU A-SGD of Paine et al. 2013, n_fetch = n_p
     worker -> server  ERROR    (UTF-8 traceback)             a worker failed; the server logs, acks
     server -> worker  ERROR_ACK                              log closed, the job may now abort
 
-Sharded parameter server (`--servers S`, async, ssp and easgd; `mpiasgd.comms.shards`): shard 0 is rank 0,
+Sharded parameter server (`--servers S`, async, ssp and easgd; `mpiasgd.comms.shard_cut`): shard 0 is rank 0,
 shard s >= 1 is rank N + s. Every shard exchanges WEIGHTS, PUSH and STOP with every worker as above, on its
 own slice of count_s values (shard 0's messages also carry the B layer buffers) and with its own version
 counter: a push to shard s carries the version of shard s's slice it was computed from (easgd: the push
@@ -207,7 +207,7 @@ HEADER = np.dtype([
     ("epoch", "<i8"),       # PUSH: the worker's epoch over its shard; WEIGHTS with flag EVALUATE: the evaluation's
                             # number
     ("correct", "<i8"),     # PUSH: correct predictions in the minibatch; EVAL: over the slice; SHARD_ROWS, SLICE:
-                            # the shard's wire bytes pushed (rank0.shards.WIRE_FIELDS)
+                            # the shard's wire bytes pushed (rank0.shard_hub.WIRE_FIELDS)
     ("count", "<i8"),       # values in the payload (float32; 16-bit ones with --wire fp16|bf16)
     ("loss", "<f8"),        # PUSH: minibatch mean loss; EVAL: summed loss
     ("compute_s", "<f8"),   # PUSH: seconds of data + forward + backward for this gradient

@@ -10,7 +10,7 @@ Staging (one object per worker, chosen once; the worker loop calls the same thre
               (and sync mode's gradient: Open MPI's MPI_Iallreduce takes no device buffers)
 
 ShardedStaging (`--servers S > 1`; async, ssp, easgd): one message each way per parameter-server shard
-(`mpiasgd.comms.shards`). The model still binds one contiguous float32 vector (P + B: the parameters,
+(`mpiasgd.comms.shard_cut`). The model still binds one contiguous float32 vector (P + B: the parameters,
 then the layer buffers), so the worker copies: after its S replies arrived, each payload into its slice
 of params (shard 0's payload is its slice, then the B buffers); before its S pushes, each slice of grads
 into that shard's push payload. A 16-bit wire decodes the whole vector after the copies in and encodes it

@@ -15,7 +15,7 @@ from mpiasgd.device import local_worker_rank
 class Rank:
     """Who this process is: `rank` in `comm` of `size`, in a job of `servers` parameter-server shards
     (--servers S) and size - S workers. Rank 0 is the parameter server (shard 0) and the only writer of the
-    run log; workers are ranks 1..N; shard s >= 1 is rank N + s (`mpiasgd.comms.shards`)."""
+    run log; workers are ranks 1..N; shard s >= 1 is rank N + s (`mpiasgd.comms.shard_cut`)."""
 
     comm: Any
     rank: int

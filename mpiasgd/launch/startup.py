@@ -20,7 +20,7 @@ from mpi4py import MPI
 from mpiasgd import checkpoint
 from mpiasgd.comms import Staging, make_staging
 from mpiasgd.comms.protocol import HEADER_BYTES
-from mpiasgd.comms.shards import ShardCut
+from mpiasgd.comms.shard_cut import ShardCut
 from mpiasgd.comms.staging import make_sharded_staging
 from mpiasgd.config import HOST_BACKENDS, Config, ConfigError
 from mpiasgd.data import DataError, ShardSampler, default_data_dir

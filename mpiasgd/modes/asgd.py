@@ -55,7 +55,7 @@ of a send buffer (numpy backend; a GPU worker's `Staging` moves them). A receive
 push it answers is sent; a buffer is written only after its send completed and read only after its
 receive completed. With `--overlap` there are two of each.
 
-`--servers S` (`mpiasgd.comms.shards`): S parameter-server shards, rank 0 and ranks N+1..N+S-1, each an
+`--servers S` (`mpiasgd.comms.shard_cut`): S parameter-server shards, rank 0 and ranks N+1..N+S-1, each an
 AsgdServer (or SspServer) on its contiguous slice of the parameters (shard 0 also carries the layer
 buffers), with its own optimizer state and version counter; `AsgdMode.rank0` gives each rank its slice. Every
 rule above applies per shard: the staleness of a push is counted on each shard's own versions, DC-ASGD
@@ -63,7 +63,7 @@ corrects each slice with that shard's w_pulled, --lookahead looks ahead along ea
 holds replies on each shard's clocks, and a push is rejected on every shard when any value of it is not finite
 (the worker's flag NONFINITE, on all S pushes; `mpiasgd.comms.staging.ShardedStaging`). Not covered: DC-ASGD's
 correction, computed by each shard on its own slice, can make one slice non-finite while the others stay finite;
-that shard alone rejects the push. A worker (`train_sharded`, with `mpiasgd.modes.shards`) posts its S
+that shard alone rejects the push. A worker (`train_sharded`, with `mpiasgd.modes.sharded_worker`) posts its S
 receives, then its S pushes (each carrying the version of that shard's slice it was computed from), and waits
 for all S replies; the step size, flags and buffers come from shard 0. Only rank 0 decides when the run stops;
 the shards then agree which pushes in flight each applies, so that all apply the same ones
@@ -105,7 +105,7 @@ from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
 from mpiasgd.comms.wire import WIRES, decode
 from mpiasgd.comms.wire import warm_up as warm_up_wire
 from mpiasgd.modes.base import Mode, WorkerJob, initial_buffers, lr_scale, need, round_fits
-from mpiasgd.modes.shards import ShardedWorker
+from mpiasgd.modes.sharded_worker import ShardedWorker
 from mpiasgd.optim import (
     SGD,
     DelayCompensation,
@@ -420,7 +420,7 @@ class AsgdWorker(ShardedWorker):
 
     # --- --servers S > 1: one message per shard each way ---
     def train_sharded(self) -> None:
-        """The loop of `train` with S parameter-server shards (`mpiasgd.comms.shards`): after each round the S
+        """The loop of `train` with S parameter-server shards (`mpiasgd.comms.shard_cut`): after each round the S
         pushes (the push to shard s carries its slice of the gradient and the version of shard s's slice it
         was computed from) are posted together, after the S receives of their replies, and the next round
         starts once all S replies arrived. `self.staging` is a ShardedStaging. The replies' flags, step size
@@ -521,7 +521,7 @@ class AsgdMode(Mode):
               layout: Any) -> AsgdServer:
         """The parameter server of rank `r0.rank`: the whole vector, or (--servers S) the shard that rank holds,
         on its slice of `params`, `decay_mask` and the learning-rate multipliers, with the layer buffers on
-        shard 0 only (`mpiasgd.comms.shards`)."""
+        shard 0 only (`mpiasgd.comms.shard_cut`)."""
         scale, buffers = lr_scale(model), initial_buffers(model)
         cut, s = server_shard(r0, params.size, buffers)
         a, b = cut.slice(s)

@@ -34,17 +34,17 @@ next local steps, sends EVAL (flag EVALUATE) and goes on. Its own x_i is not eva
 Rank 0 counts the bytes of every exchange (the summary's `wire_bytes_pushed`, `wire_bytes_pulled`; always
 fp32: `--wire` is async's and ssp's).
 
-`--servers S` (`mpiasgd.comms.shards`): S parameter-server shards, rank 0 and ranks N+1..N+S-1, each an
+`--servers S` (`mpiasgd.comms.shard_cut`): S parameter-server shards, rank 0 and ranks N+1..N+S-1, each an
 EasgdCenter on its contiguous slice of the center (shard 0 also carries the layer buffers), with its own
 version counter; `EasgdMode.rank0` gives each rank its slice. The elastic update is elementwise, so it shards
 exactly: an exchange sends shard s its slice of x_i (PUSH, with the version of shard s's slice the worker last
 got); shard s computes delta = alpha (x_i - x~) on its slice, moves its slice of x~ by it, counts a version
 and answers with its slice of x~ before the update; the worker assembles the S slices and takes its elastic
 step x_i -= alpha (x_i - x~) over the whole vector (`EasgdWorker.train_sharded`, with
-`mpiasgd.modes.shards`). Given the same arrival order, the S shards end with the center of one server, bit
+`mpiasgd.modes.sharded_worker`). Given the same arrival order, the S shards end with the center of one server, bit
 for bit. The step size and flags come from shard 0. The stop, FINISH, evaluation, checkpoints (every slice,
 velocity zeros, `shard_versions`; `--resume` keeps S), preemption and a dead or hung shard are as for async
-(`mpiasgd.rank0.server`, `mpiasgd.rank0.shards`): only rank 0 decides; the shards agree which exchanges in
+(`mpiasgd.rank0.server`, `mpiasgd.rank0.shard_hub`): only rank 0 decides; the shards agree which exchanges in
 flight each applies, so every shard ends at the same version and every worker evaluates the same final
 center. Each shard's staleness is counted on its own versions (/shard_pushes). An x_i that is not finite in any
 one slice is rejected by every shard: the worker sets flag NONFINITE on all S pushes (`ShardedStaging`), and a
@@ -63,7 +63,7 @@ from mpi4py import MPI
 
 from mpiasgd.comms import Flag, SendSlots, Tag, wait
 from mpiasgd.modes.base import Mode, WorkerJob, initial_buffers, need, round_fits
-from mpiasgd.modes.shards import ShardedWorker
+from mpiasgd.modes.sharded_worker import ShardedWorker
 from mpiasgd.optim import LocalSGD, fraction_done
 from mpiasgd.optim.rules import ElasticRule, elastic_difference
 from mpiasgd.rank0.server import ShardedServer, server_shard
@@ -213,7 +213,7 @@ class EasgdWorker(ShardedWorker):
 
     # --- --servers S > 1: one message per shard each way ---
     def train_sharded(self) -> None:
-        """The loop of `train` with S parameter-server shards (`mpiasgd.modes.shards`): each exchange sends every
+        """The loop of `train` with S parameter-server shards (`modes.sharded_worker`): each exchange sends every
         shard its slice of x_i (and the version of that shard's center it last got), and x_i takes its elastic
         step once all S slices of the center have arrived: the same float32 operations on the same values as
         with one server, elementwise. `self.staging` is a ShardedStaging; the step size and flags come from
@@ -290,7 +290,7 @@ class EasgdMode(Mode):
     def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,
               layout: Any) -> EasgdCenter:
         """The center variable of rank `r0.rank`: the whole vector, or (--servers S) the shard that rank holds, on
-        its slice of `params`, with the layer buffers on shard 0 only (`mpiasgd.comms.shards`)."""
+        its slice of `params`, with the layer buffers on shard 0 only (`mpiasgd.comms.shard_cut`)."""
         buffers = initial_buffers(model)
         cut, s = server_shard(r0, params.size, buffers)
         a, b = cut.slice(s)

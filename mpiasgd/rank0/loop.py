@@ -18,7 +18,7 @@ the figures. The loop itself:
              at the end, no earlier than signals.KILL_WINDOW seconds after it
 
 With `--servers S > 1` every parameter-server shard runs this loop with its role (the mode's server on its
-slice), and a `link` (`mpiasgd.rank0.shards`) joins them: on rank 0 the ShardHub (the other shards' rows,
+slice), and a `link` (`mpiasgd.rank0.shard_hub`) joins them: on rank 0 the ShardHub (the other shards' rows,
 their slices for snapshots and checkpoints, the stop decision told to them, their silence watched), on a
 shard of rank >= 1 the HubLink (rank 0's messages; its rows sent; a signal reported to rank 0, which alone
 decides). The link names which ranks may send which message (`senders`). A shard keeps no log: its
@@ -395,7 +395,7 @@ class Rank0:
 
     def write_due_checkpoint(self) -> None:
         """The signal's checkpoint, once the role's state is final (`Role.settled`; with --servers S > 1 the
-        shards first agree on the pushes each applies, `mpiasgd.rank0.shards`)."""
+        shards first agree on the pushes each applies, `mpiasgd.rank0.shard_hub`)."""
         if self.checkpoint_due and self.role.settled():
             reason, self.checkpoint_due = self.checkpoint_due, ""
             self.rec.write_checkpoint(self.role.state(reason))

@@ -26,8 +26,8 @@ from mpiasgd.model.spec import to_json
 from mpiasgd.optim import StopRule
 from mpiasgd.rank0.loop import PREEMPT_GRACE, Preempted, Rank0, WorkerFailed, kept_note
 from mpiasgd.rank0.recorder import Recorder
+from mpiasgd.rank0.shard_hub import HubLink, ShardHub
 from mpiasgd.rank0.shard_recorder import ShardRecorder
-from mpiasgd.rank0.shards import HubLink, ShardHub
 from mpiasgd.runlog import EventRow, RunLog, RunLogError, summary_lines
 from mpiasgd.runlog.startup import ShardInfo, versions
 from mpiasgd.runlog.tensorboard import TensorBoard, TensorBoardUnavailable, require, tensorboard_dir
@@ -288,7 +288,7 @@ def log_unwritable(me: Any, start: Any, error: RunLogError) -> None:
 def serve_shard(cfg: Any, me: Any, start: Any) -> int:
     """(a parameter-server shard of rank >= 1, --servers S > 1) Join the start-up gather (a ShardInfo), take
     rank 0's RESTORE when resuming, then serve this shard's slice with the mode's server in rank 0's loop,
-    linked to rank 0 (`mpiasgd.rank0.shards.HubLink`), until rank 0 says END. Returns 0, or EXIT_PREEMPTED
+    linked to rank 0 (`mpiasgd.rank0.shard_hub.HubLink`), until rank 0 says END. Returns 0, or EXIT_PREEMPTED
     when a signal ended the run. Raises what the loop raises (the caller reports it to rank 0)."""
     shard = start.cut.shard_of(me.rank, me.num_workers)
     me.comm.gather(ShardInfo(rank=me.rank, shard=shard, host=me.host, pid=os.getpid()), root=0)

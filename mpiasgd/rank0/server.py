@@ -2,10 +2,10 @@
 every PUSH on its slice of the parameters, and the parameter-server shards of `--servers S`.
 
 A server holds the slice `cut.slice(shard)` of the flat parameter vector (with S = 1 the whole vector;
-`server_shard` says which slice a rank holds: `mpiasgd.comms.shards`) and answers each worker's PUSH
+`server_shard` says which slice a rank holds: `mpiasgd.comms.shard_cut`) and answers each worker's PUSH
 (`take_push`, the mode's update rule) with WEIGHTS, or STOP once the run has stopped (`reply`). With
 S > 1 shards every shard runs this role on its own slice, and this class holds the stop's agreement
-(`mpiasgd.rank0.shards`): after the stop a push waits in its inbox (`deferred`) until the shards agree which
+(`mpiasgd.rank0.shard_hub`): after the stop a push waits in its inbox (`deferred`) until the shards agree which
 pushes each applies (`settle`: each worker's up to `final[w]`, `admits`); once a shard has applied all of
 them (`settled`) it answers every push, and every FINISH (`on_finish`: another shard answered that worker's
 last push with STOP), with STOP and its final slice (`answer_finishing`). An interval checkpoint runs the same
@@ -24,7 +24,7 @@ import numpy as np
 
 from mpiasgd import checkpoint
 from mpiasgd.comms import Flag, Message, ProtocolError, Tag
-from mpiasgd.comms.shards import ShardCut
+from mpiasgd.comms.shard_cut import ShardCut
 from mpiasgd.comms.wire import RANGE, beyond_range, decode, encode_peak
 from mpiasgd.health import WIRE_ADVICE
 from mpiasgd.optim import Schedule, finite_square
@@ -116,7 +116,7 @@ class ShardedServer(Role):
 
     def state(self, reason: str) -> checkpoint.Checkpoint:
         """The training state now: rank 0 holds all of it (--servers S > 1: it asks the other shards for their
-        slices, `mpiasgd.rank0.shards.ShardHub.assemble`)."""
+        slices, `mpiasgd.rank0.shard_hub.ShardHub.assemble`)."""
         velocity = self.velocity()
         params, momentum = self.params, np.zeros_like(self.params) if velocity is None else velocity
         versions = None
@@ -261,7 +261,7 @@ class ShardedServer(Role):
     # --- the stop with S > 1 shards: every shard applies the same pushes ---
     def settle(self, final: dict[int, int]) -> None:
         """(--servers S > 1, after the stop or in a pause) The shards agreed: every shard applies each worker `w`'s
-        pushes up to step `final[w]` and (after the stop) no later one (`mpiasgd.rank0.shards`: the largest step
+        pushes up to step `final[w]` and (after the stop) no later one (`mpiasgd.rank0.shard_hub`: the largest step
         any shard had applied when it heard of the stop or pause; a worker has one push in flight, sent to every
         shard, so each of those reaches every shard). The pushes deferred until now are processed (in a pause,
         later ones wait for `resume`); ProtocolError if a final step is behind what this shard has already applied."""

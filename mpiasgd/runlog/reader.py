@@ -182,7 +182,7 @@ def not_superseded(rows: np.ndarray, spans: list[list], by_step: bool = False) -
     checkpoint held leaves out instead the rows logged up to its end whose step the checkpoint does not hold
     (step > that worker's step there). A shard's rows carry its clock mapped onto rank 0's and a shard
     holds pushes during a checkpoint's pause, so their times cannot tell which side of the checkpoint they
-    fall on; the checkpoint is one cut in every worker's steps (`mpiasgd.rank0.shards`)."""
+    fall on; the checkpoint is one cut in every worker's steps (`mpiasgd.rank0.shard_hub`)."""
     if not spans or not len(rows):
         return rows
     keep = np.ones(len(rows), bool)

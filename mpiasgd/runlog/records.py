@@ -193,7 +193,7 @@ class CheckpointRow(Record):
 class ShardPushRow(Record):
     """One push as one parameter-server shard saw it (--servers S > 1; empty with one server): each shard
     applies its slice of every push with its own version counter, so each has its own staleness. Shard 0's
-    rows are rank 0's; the other shards send theirs in batches (`mpiasgd.rank0.shards`)."""
+    rows are rank 0's; the other shards send theirs in batches (`mpiasgd.rank0.shard_hub`)."""
 
     time: Float64        # s, when the shard received it (rank 0's clock; a batch's rows are mapped onto it)
     shard: Int32         # the shard (0 = rank 0; s >= 1 = rank N + s)

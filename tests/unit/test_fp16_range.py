@@ -12,7 +12,7 @@ from kit.fakempi import Network
 from kit.server import P, make_server, push, reply, serve_one
 
 from mpiasgd.comms.protocol import Flag, Tag
-from mpiasgd.comms.shards import ShardCut
+from mpiasgd.comms.shard_cut import ShardCut
 from mpiasgd.comms.staging import ShardedStaging, Staging
 from mpiasgd.comms.wire import ErrorFeedback, encode_peak, peak
 from mpiasgd.config import Config
@@ -144,8 +144,8 @@ def test_a_shard_names_itself_when_its_slice_leaves_the_range():
     """--servers 2: shard 1 (rank 3, its ShardRecorder) holds a weight beyond fp16's range in its slice."""
     from mpiasgd.modes.registry import load
     from mpiasgd.rank0.loop import Rank0
+    from mpiasgd.rank0.shard_hub import HubLink
     from mpiasgd.rank0.shard_recorder import ShardRecorder
-    from mpiasgd.rank0.shards import HubLink
 
     cfg = Config(lr=1.0, momentum=0.0, epochs=0, max_pushes=100, snapshot_interval=0, progress=False,
                  comm_timeout=60.0, servers=2, wire="fp16")

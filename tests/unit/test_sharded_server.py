@@ -9,7 +9,7 @@ from kit.fakempi import Network, rank0
 from kit.server import serve_one
 
 from mpiasgd.comms.protocol import HEADER_BYTES, Message, Tag
-from mpiasgd.comms.shards import ShardCut
+from mpiasgd.comms.shard_cut import ShardCut
 from mpiasgd.comms.wire import decode, encode, wire_dtype
 from mpiasgd.config import Config
 from mpiasgd.runlog import RunLog, open_log
@@ -202,8 +202,8 @@ def linked(tmp_path, servers=2, **overrides):
     from mpiasgd.modes.registry import load
     from mpiasgd.rank0.loop import Rank0
     from mpiasgd.rank0.recorder import Recorder
+    from mpiasgd.rank0.shard_hub import HubLink, ShardHub
     from mpiasgd.rank0.shard_recorder import ShardRecorder
-    from mpiasgd.rank0.shards import HubLink, ShardHub
 
     cfg = Config(**{"lr": 0.1, "momentum": 0.9, "epochs": 0, "max_pushes": 4, "snapshot_interval": 0,
                     "progress": False, "comm_timeout": 2.0, "servers": servers, **overrides})
@@ -282,7 +282,7 @@ def test_a_shard_stops_on_rank_0s_word_and_finishes_its_workers(tmp_path):
     (flag PREEMPT) and its final slice, and FETCH with its slice and velocity; END before every worker got STOP is
     refused; its rows reach rank 0's log."""
     from mpiasgd.comms import Flag, ProtocolError
-    from mpiasgd.rank0.shards import steps_message
+    from mpiasgd.rank0.shard_hub import steps_message
     from mpiasgd.runlog import open_log
 
     hub, shard, net, cut = linked(tmp_path, max_pushes=2)
@@ -356,7 +356,7 @@ def test_a_shard_stops_on_rank_0s_word_and_finishes_its_workers(tmp_path):
 
 def test_a_final_step_behind_what_a_shard_applied_or_naming_other_workers_is_refused(tmp_path):
     from mpiasgd.comms import ProtocolError
-    from mpiasgd.rank0.shards import steps_message
+    from mpiasgd.rank0.shard_hub import steps_message
 
     _, shard, net, cut = linked(tmp_path)
     rank = cut.rank(1, WORKERS)
@@ -519,7 +519,7 @@ def test_a_pause_out_of_turn_is_refused(tmp_path):
     """A shard refuses SHARD_PAUSE while paused or after SHARD_STOP, SHARD_STOP while paused (rank 0 tells the
     stop after the pause), and FETCH flag RESUME without a pause; rank 0 refuses SHARD_PAUSED it did not ask for."""
     from mpiasgd.comms import Flag, ProtocolError
-    from mpiasgd.rank0.shards import steps_message
+    from mpiasgd.rank0.shard_hub import steps_message
 
     hub, shard, net, _, rank = started(tmp_path)
     net.post(0, rank, Tag.FETCH, Message(0).stamp(Tag.FETCH, 0, step=1, flags=Flag.RESUME).buf)

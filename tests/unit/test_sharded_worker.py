@@ -14,7 +14,7 @@ from kit.runs import B
 from kit.worker import reference_grad
 
 from mpiasgd.comms import Message, ProtocolError, Staging, Tag
-from mpiasgd.comms.shards import ShardCut
+from mpiasgd.comms.shard_cut import ShardCut
 from mpiasgd.comms.staging import ShardedStaging
 from mpiasgd.comms.wire import ErrorFeedback, decode, encode
 from mpiasgd.config import Config

@@ -1,10 +1,10 @@
-"""The cut of the parameter vector into parameter-server shards (`mpiasgd.comms.shards`)."""
+"""The cut of the parameter vector into parameter-server shards (`mpiasgd.comms.shard_cut`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mpiasgd.comms.shards import ALIGN, ShardCut, ShardError
+from mpiasgd.comms.shard_cut import ALIGN, ShardCut, ShardError
 
 
 @pytest.mark.parametrize("params,buffers,shards", [(4_000_000, 0, 2), (85_098, 0, 4), (1000, 600, 2),

@@ -1,5 +1,5 @@
 """The workers' side of the parameter-server shards (`--servers S > 1`, async, ssp and easgd): one message
-each way per shard (`mpiasgd.comms.shards`; on rank 0's side `mpiasgd.rank0.server`).
+each way per shard (`mpiasgd.comms.shard_cut`; on rank 0's side `mpiasgd.rank0.server`).
 
 A worker's exchange with S shards (`AsgdWorker.train_sharded`, `EasgdWorker.train_sharded`): it posts the S
 receives of the replies, then the S pushes, the push to shard s carrying its slice of the vector (the

@@ -1,5 +1,5 @@
 """Rank 0 and the other parameter-server shards (`--servers S > 1`): the ShardHub on rank 0, a HubLink on each
-shard of rank >= 1 (the messages: `mpiasgd.comms.protocol`; the cut: `mpiasgd.comms.shards`).
+shard of rank >= 1 (the messages: `mpiasgd.comms.protocol`; the cut: `mpiasgd.comms.shard_cut`).
 
 Every shard runs rank 0's loop (`mpiasgd.rank0.loop.Rank0`) with its mode's server on its slice; the loop
 hands the messages between the shards to its link and asks it what only rank 0 may do:
