@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 
-from mpiasgd import __version__, signals
+from mpiasgd import __version__
 from mpiasgd.argtypes import DEFAULT_TARGET, FORMATS, command, fraction, positive, seconds
 from mpiasgd.tools.data_cli import add_parser as add_data_parser  # argparse only: `train` loads no data tools
 
@@ -117,6 +117,7 @@ def _leaf(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
 
 
 def _train(argv: list[str]) -> int:
+    from mpiasgd import signals
     from mpiasgd.config import ConfigError, make_parser, resolve
 
     signals.install()  # SIGTERM, SIGUSR1, SIGINT from now on: checkpoint and end the run (exit status 75)
