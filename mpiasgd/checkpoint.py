@@ -52,7 +52,9 @@ from dataclasses import dataclass, field
 import h5py
 import numpy as np
 
-from mpiasgd.files import PIECE, checkpoint_path, ensure_free_space, os_error  # noqa: F401 (checkpoint_path: callers name it here)
+from mpiasgd.data.h5data import FORMAT as DATA_FORMAT
+from mpiasgd.data.h5data import mpiasgd_file_kind
+from mpiasgd.files import PIECE, checkpoint_path, ensure_free_space, os_error  # (checkpoint_path: callers name it here)
 
 FORMAT = "mpiasgd-checkpoint-1"
 WORKER_STATE = np.dtype([("rank", "<i4"), ("step", "<i8"), ("cursor", "<i8"), ("rejected", "<i8")])
@@ -249,13 +251,31 @@ def _opened(path: str):
     try:
         with h5py.File(path, "r") as f:
             if f.attrs.get("format") != FORMAT:
-                raise CheckpointError(f"'{path}' is not an mpiasgd checkpoint (format attribute "
-                                      f"{f.attrs.get('format')!r}, expected {FORMAT!r})")
+                raise CheckpointError(_not_a_checkpoint(path, f))
             yield f
     except CheckpointError:
         raise
     except (OSError, KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"checkpoint '{path}' cannot be read: {e}") from None
+
+
+def _not_a_checkpoint(path: str, f: h5py.File) -> str:
+    """What the open HDF5 file `f` at `path` is instead of a checkpoint, and which file to give: a run log
+    (its run's name, and its checkpoint NAME.ckpt.h5 when that is beside it), a dataset, or another file."""
+    if mpiasgd_file_kind(f) == "run log":
+        try:
+            name = json.loads(f.attrs["config"])["name"]
+        except (KeyError, TypeError, ValueError):  # (a log without a readable config: its file's name)
+            name = os.path.basename(path)[:-3] if path.endswith(".h5") else os.path.basename(path)
+        ckpt = checkpoint_path(path)
+        where = (f"its checkpoint is '{ckpt}'" if os.path.isfile(ckpt) else
+                 f"its run's checkpoint would be '{ckpt}', which does not exist (a run writes it every "
+                 "--checkpoint-interval seconds and at its end)")
+        return f"'{path}' is the run log of run '{name}', not a checkpoint: {where}"
+    if f.attrs.get("format") == DATA_FORMAT:
+        return (f"'{path}' is a dataset file (made by `mpiasgd data`), not a checkpoint: a run's "
+                "checkpoint is the NAME.ckpt.h5 beside its run log NAME.h5")
+    return f"'{path}' is not an mpiasgd checkpoint (format attribute {f.attrs.get('format')!r}, expected {FORMAT!r})"
 
 
 def load(path: str) -> Checkpoint:

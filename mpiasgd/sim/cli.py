@@ -10,8 +10,9 @@ Every `mpiasgd train` option applies (the same parser and config); seconds in th
 --flush-interval (the log is written in real time). The timing model comes from --profile, --fit or the
 quick flags; quick flags given with --profile or --fit replace those figures of it. A fitted model (or a
 profile saved from one) applies the fitted run's --straggler factors, so that it reproduces that run, unless
---straggler is given: then that replaces them. --backend auto computes on cpu, as `train`'s workers without
-a GPU.
+--straggler is given: then that replaces them; a warning says when its compute times were measured with
+another --batch-size or on another network (`timing.mismatch_warnings`). --backend auto computes on cpu, as
+`train`'s workers without a GPU.
 """
 
 from __future__ import annotations
@@ -181,10 +182,6 @@ def main(argv: list[str]) -> int:
             print(fit_line(args.fit, timing, cfg, args.workers), flush=True)
         if args.save_profile:  # refused here; written once the run has started (every other check passed)
             check_profile_path(args.save_profile, args.fit, cfg.overwrite)
-        if timing.batch_size and timing.batch_size != cfg.batch_size:
-            print(f"mpiasgd simulate: warning: the timing model's compute times are for minibatches of "
-                  f"{timing.batch_size} images; this run's are {cfg.batch_size} (--batch-size)", file=sys.stderr,
-                  flush=True)
         return simulate(cfg, args.workers, timing, save_profile=args.save_profile)
     except RunLogError as e:  # the log cannot be written (disk full): one line, the log ended as far as it can be
         outcome = getattr(e, "outcome", "")

@@ -29,7 +29,7 @@ from mpiasgd.runlog.startup import WorkerInfo
 from mpiasgd.runlog.tensorboard import require
 from mpiasgd.signals import Terminated
 from mpiasgd.sim.engine import Simulation, VirtualRecorder, check_simulated
-from mpiasgd.sim.timing import TimingModel, check_profile_path
+from mpiasgd.sim.timing import TimingModel, check_profile_path, mismatch_warnings
 from mpiasgd.sim.timing import save_profile as save_timing
 
 EXIT_DIVERGED = 3  # as `mpiasgd train`: --on-divergence stop ended the run (log status 'diverged')
@@ -55,6 +55,8 @@ def simulate(cfg: Any, num_workers: int, timing: TimingModel, save_profile: str 
     start = setup(cfg, me, mode, dataset, spec)  # takes the log's lock
     model, layout = start.model, start.layout  # rank 0's: numpy, as a real rank 0's
     try:
+        for line in mismatch_warnings(timing, cfg.batch_size, cfg.model, model.spec()):  # (the spec the log stores)
+            print(f"mpiasgd simulate: warning: {line}", file=sys.stderr, flush=True)
         backend = worker_backend(cfg.backend)
         worker_model = model if backend == "numpy" else build_model(spec, backend)
         timing = timing.resolved(cfg.batch_size)

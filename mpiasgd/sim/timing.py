@@ -31,6 +31,8 @@ A profile looks like
      "latency_s": 0.0005, "bandwidth": 1.25e9, "server_s": 0.002,
      "eval_s_per_image": 0.0004,                            optional (null: the default above)
      "batch_size": 32,                                      optional: images per minibatch measured (0: unknown)
+     "model": "cifar10", "network": "5f0c...",              optional: the network measured, its --model and
+                                                            the digest of its definition (`network_digest`)
      "note": "fitted from runs/c10.h5"}                     optional free text
 
 Draws come from numpy Generators seeded by (the run's --seed, the worker's rank), one per worker, so a
@@ -40,6 +42,7 @@ simulation is deterministic and a worker's compute times do not depend on what t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -141,6 +144,8 @@ class TimingModel:
     workers: dict[int, ComputeTime] = field(default_factory=dict)
     stragglers: dict[int, float] = field(default_factory=dict)  # the fitted run's --straggler: rank -> factor
     batch_size: int = 0                     # images per minibatch the compute times are for; 0 = unknown
+    model: str = ""                         # the --model the compute times were measured on; "" = unknown
+    network: str = ""                       # that network's `network_digest`; "" = unknown (then by `model`)
     note: str = ""                          # where the model comes from, for a person
 
     @classmethod
@@ -193,6 +198,10 @@ class TimingModel:
             out["stragglers"] = {str(w): f for w, f in sorted(self.stragglers.items())}
         if self.batch_size:
             out["batch_size"] = self.batch_size
+        if self.model:
+            out["model"] = self.model
+        if self.network:
+            out["network"] = self.network
         if self.note:
             out["note"] = self.note
         return out
@@ -250,14 +259,15 @@ class TimingModel:
         batch_size = values.get("batch_size", 0)
         if not (isinstance(batch_size, int) and not isinstance(batch_size, bool) and 0 <= batch_size <= 10**6):
             raise ProfileError(f"{source}: key 'batch_size' = {batch_size!r}: expected {PROFILE_KEYS['batch_size']}")
-        note = values.get("note", "")
-        if not isinstance(note, str):
-            raise ProfileError(f"{source}: key 'note' = {note!r}: expected {PROFILE_KEYS['note']}")
+        for key in ("model", "network", "note"):
+            if not isinstance(values.get(key, ""), str):
+                raise ProfileError(f"{source}: key '{key}' = {values[key]!r}: expected {PROFILE_KEYS[key]}")
         return cls(compute=_compute(values["compute"], "compute", source),
                    latency_s=_number(values, "latency_s", source), bandwidth=_bandwidth(values, source),
                    server_s=_number(values, "server_s", source),
                    eval_s_per_image=None if per_image is None else _number(values, "eval_s_per_image", source),
-                   workers=own, stragglers=factors, batch_size=batch_size, note=note)
+                   workers=own, stragglers=factors, batch_size=batch_size, model=values.get("model", ""),
+                   network=values.get("network", ""), note=values.get("note", ""))
 
 
 # key -> what it must be (the errors say it)
@@ -271,6 +281,8 @@ PROFILE_KEYS = {
     "workers": 'an object {"RANK": compute object, ...}',
     "stragglers": 'an object {"RANK": factor >= 1, ...} (the fitted run\'s --straggler)',
     "batch_size": "an integer 0..1000000 (images per minibatch measured; 0 = unknown)",
+    "model": "a string (the --model whose compute times these are)",
+    "network": "a string (the digest of that network's definition: mpiasgd.sim.timing.network_digest)",
     "note": "a string",
 }
 REQUIRED_KEYS = ("compute", "latency_s", "bandwidth", "server_s")
@@ -393,6 +405,38 @@ def check_profile_path(path: str, fitted: str | None, overwrite: bool, run_log: 
             raise ProfileError(f"--save-profile '{path}' exists: give another file, or --overwrite to replace it")
 
 
+def network_digest(spec: dict) -> str:
+    """A network definition's (`mpiasgd.model.spec`) input shape and layers as 16 hex digits of their SHA-256:
+    equal for the same network whatever its name (a built-in and its copy in a JSON file), different when a
+    layer or an argument differs."""
+    network = {"input_shape": spec.get("input_shape"), "layers": spec.get("layers")}
+    return hashlib.sha256(json.dumps(network, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def mismatch_warnings(timing: TimingModel, batch_size: int, model: str, spec: dict) -> list[str]:
+    """What a run of minibatches of `batch_size` images of network `spec` (its --model `model`) takes from
+    `timing` that was measured for another run, one line each ([] when nothing is): another minibatch size, or
+    another network (by `network_digest` when `timing` has one, else by the --model name; nothing when the
+    timing model names no network, as the quick flags' model)."""
+    lines = []
+    if timing.batch_size and timing.batch_size != batch_size:
+        lines.append(f"the timing model's compute times are for minibatches of {timing.batch_size} images; this "
+                     f"run's are {batch_size} (--batch-size)")
+    if timing.network:  # the definitions compared: a renamed copy is the same network, an edited file is not
+        other = timing.network != network_digest(spec)
+    else:  # an older log or profile: by name
+        other = bool(timing.model) and timing.model != model
+    if other:
+        measured = repr(timing.model or "(unnamed)")
+        if timing.model == model:
+            measured += " as it was defined then (another definition than this run's)"
+        note = f" ({timing.note})" if timing.note else ""
+        lines.append(f"the timing model's compute times were measured on network {measured}{note}; this run "
+                     f"simulates network {model!r} (--model): its compute times are the other network's, not "
+                     "this one's")
+    return lines
+
+
 def fit_run_log(path: str, replay: bool = False) -> TimingModel:
     """A TimingModel fitted from the run log at `path` of an async or ssp run (real or simulated).
 
@@ -420,6 +464,8 @@ def fit_run_log(path: str, replay: bool = False) -> TimingModel:
                is folded in: bandwidth = 0 (infinite)
     eval_s_per_image  from the run's evaluations during training when it has any (the slowest worker's seconds
                over its slice's images, median), else None (from the compute time)
+    batch_size, model, network  the run's --batch-size, --model and `network_digest` of its stored definition
+               (`mismatch_warnings` compares them with a simulation's)
 
     A run with --overlap hides part of its wait behind compute: its latency comes out too low. Raises
     ProfileError naming the file when it is not a run log, not of an async/ssp run, or has too few pushes.
@@ -478,4 +524,16 @@ def fit_run_log(path: str, replay: bool = False) -> TimingModel:
                        eval_s_per_image=per_image, workers=own,
                        stragglers={w: f for w, f in slow.items() if w in own and f != 1.0},
                        batch_size=int(cfg.get("batch_size", 0) or 0),
+                       model=str(run.get("model") or cfg.get("model") or ""),
+                       network=_stored_digest(run.get("model_spec")),
                        note=f"fitted from run log '{path}' ({len(pushes)} pushes, {len(own)} workers)")
+
+
+def _stored_digest(text: Any) -> str:
+    """`network_digest` of a run log's stored definition (JSON text); "" for none (an older log) or one that is
+    not a JSON object (the network is then known by its --model name alone)."""
+    try:
+        spec = json.loads(text) if text else None
+    except (TypeError, ValueError, RecursionError):
+        return ""
+    return network_digest(spec) if isinstance(spec, dict) else ""

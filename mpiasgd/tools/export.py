@@ -8,6 +8,7 @@ NumPy .npz of `mpiasgd.model.export` (keyed by parameter name, with the network'
 
 from __future__ import annotations
 
+import errno
 import os
 
 from mpiasgd.checkpoint import checkpoint_path, load
@@ -29,16 +30,17 @@ def export_run(log: str, output: str, snapshot: int | None = None, checkpoint: b
     without one name a built-in in their `model` attribute (`spec.stored`). Every error names the file read
     or written: FileNotFoundError, ValueError (not a run log, damaged, no snapshots, a snapshot out of range,
     weights that do not fit the network; `checkpoint.CheckpointError` for the checkpoint), ModelSpecError (a
-    network definition that cannot be built) and OSError as the readers and `export_npz` do.
+    network definition that cannot be built), OSError as the readers do, and for `output` an OSError of one
+    sentence naming it and what to do (`unwritable`).
     """
     if checkpoint and snapshot is not None:
         raise ValueError("export: give --snapshot or --checkpoint, not both")
     sources = [log] + ([] if log.endswith(".ckpt.h5") else [log[:-3] + ".ckpt.h5" if log.endswith(".h5") else ""])
     if os.path.isdir(output):
-        raise ValueError(f"export: output '{output}' is a directory; give a file name (e.g. '{output}/net.npz')")
+        raise ValueError(f"output '{output}' is a directory; give a file name (e.g. '{output}/net.npz')")
     for source in sources:
         if source and os.path.exists(source) and os.path.exists(output) and os.path.samefile(source, output):
-            raise ValueError(f"export: output '{output}' is the run's own file '{source}'; choose another name")
+            raise ValueError(f"output '{output}' is the run's own file '{source}'; choose another name")
     if checkpoint:
         ckpt = load(log if log.endswith(".ckpt.h5") else checkpoint_path(log))  # CheckpointError naming it
         source = f"checkpoint '{ckpt.path}'"
@@ -68,6 +70,25 @@ def export_run(log: str, output: str, snapshot: int | None = None, checkpoint: b
         export_npz(output, spec, params, buffers)
     except ModelSpecError:
         raise
+    except OSError as e:
+        raise OSError(unwritable(output, e)) from None
     except ValueError as e:  # the lengths: `export_npz` refuses a target that is not a regular file as an OSError
         raise ValueError(f"{what} does not fit its network {short(spec['name'])}: {e}") from None
     return f"{what}, network {short(spec['name'])}: written to '{output}'"
+
+
+def unwritable(output: str, error: OSError) -> str:
+    """One sentence for `export_npz`'s OSError `error` on `output`: the file, why it cannot be written and what
+    to do (no bare "[Errno N]")."""
+    folder = os.path.dirname(output) or "."
+    if error.errno == errno.EEXIST:  # export_npz: a target that is not a regular file (a device, a socket)
+        return f"output '{output}' exists and is not a regular file; choose another -o (export replaces only a file)"
+    if error.errno == errno.ENOENT and not os.path.isdir(folder):
+        return f"output '{output}': its folder '{folder}' does not exist; create it or choose another -o"
+    if error.errno == errno.ENOENT:  # the folder is there but takes no new file (/proc)
+        return f"output '{output}': no file can be created in '{folder}'; choose another -o"
+    if error.errno == errno.ENOTDIR:
+        return f"output '{output}': '{folder}' is not a folder; choose another -o"
+    remedy = "free some space or choose another -o" if error.errno in (errno.ENOSPC, errno.EDQUOT) else \
+        "choose another -o"
+    return f"output '{output}' cannot be written ({error.strerror or error}); {remedy}"

@@ -170,6 +170,39 @@ def test_resume_takes_the_checkpoint_config_and_refuses_fixed_keys(tmp_path):
         resolve(make_parser().parse_args(["--resume", str(tmp_path / "missing.h5")]))
 
 
+def test_resume_given_a_run_log_or_a_dataset_says_what_it_is_and_names_the_checkpoint(tmp_path):
+    """`train --resume runs/x.h5` with the run log (or a dataset file) says what the file is and which file to
+    give, not "format attribute None" (issue 36); the log's checkpoint is named when it is beside it. Real files
+    of each kind, written by the run log's writer, the checkpoint's and the dataset's format attribute."""
+    import h5py
+
+    from mpiasgd.config import Config
+    from mpiasgd.data.h5data import FORMAT as DATA_FORMAT
+    from mpiasgd.runlog import RunLog
+
+    log = str(tmp_path / "x.h5")
+    RunLog.create(log, {"config": Config(name="night").to_json()}, [], 3, flush_interval=60.0).close("completed", {})
+    with pytest.raises(ConfigError) as e:
+        resolve(make_parser().parse_args(["--resume", log]))
+    assert str(e.value) == (f"--resume: '{log}' is the run log of run 'night', not a checkpoint: its run's checkpoint "
+                            f"would be '{tmp_path / 'x.ckpt.h5'}', which does not exist (a run writes it every "
+                            "--checkpoint-interval seconds and at its end)")
+    checkpoint.write(str(tmp_path / "x.ckpt.h5"), make_ckpt())
+    with pytest.raises(ConfigError) as e:
+        resolve(make_parser().parse_args(["--resume", log]))
+    assert str(e.value) == (f"--resume: '{log}' is the run log of run 'night', not a checkpoint: its checkpoint is "
+                            f"'{tmp_path / 'x.ckpt.h5'}'")
+    with pytest.raises(CheckpointError, match="is the run log of run 'night', not a checkpoint: its checkpoint is"):
+        checkpoint.load(log)  # (as launch reads it)
+    data = str(tmp_path / "c10.h5")
+    with h5py.File(data, "w") as f:
+        f.attrs["format"] = DATA_FORMAT
+    with pytest.raises(ConfigError) as e:
+        resolve(make_parser().parse_args(["--resume", data]))
+    assert str(e.value) == (f"--resume: '{data}' is a dataset file (made by `mpiasgd data`), not a "
+                            "checkpoint: a run's checkpoint is the NAME.ckpt.h5 beside its run log NAME.h5")
+
+
 def test_resume_in_a_config_file_works_as_the_flag(tmp_path):
     """`resume = PATH` in a --config TOML file takes the checkpoint's config as the defaults, as the flag
     does (helper-23: it was merged over the built-in defaults, so a cifar10 checkpoint read as 'digits')."""

@@ -390,6 +390,24 @@ def test_export_cli_checkpoint_and_errors(tmp_path, capsys):
         capsys.readouterr().err
 
 
+def test_export_output_errors_are_one_sentence_naming_the_file_and_what_to_do(tmp_path, capsys):
+    """-o a file in a folder that does not exist, under a file, in /proc, or a device: one line naming the output
+    and what to do, no bare "[Errno 17]" (issue 36); nothing written beside."""
+    model = build_model("digits")
+    log = write_run(tmp_path / "d.h5", "digits", [random_state(model, 0)])
+    missing = str(tmp_path / "no" / "x.npz")
+    cases = {missing: f"output '{missing}': its folder '{tmp_path / 'no'}' does not exist; create it or choose "
+                      "another -o",
+             f"{log}/x.npz": f"output '{log}/x.npz': '{log}' is not a folder; choose another -o",
+             "/proc/x.npz": "output '/proc/x.npz': no file can be created in '/proc'; choose another -o",
+             "/dev/full": "output '/dev/full' exists and is not a regular file; choose another -o (export replaces "
+                          "only a file)"}
+    for output, says in cases.items():
+        assert main(["export", log, "-o", output]) == 2
+        assert capsys.readouterr().err == f"mpiasgd export: error: {says}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.h5"]
+
+
 def test_export_never_writes_over_the_run_or_into_a_directory(tmp_path, capsys):
     model = build_model("digits")
     log = write_run(tmp_path / "d.h5", "digits", [random_state(model, 0)])

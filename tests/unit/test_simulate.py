@@ -519,3 +519,31 @@ def test_backend_auto_resolves_as_trains_and_is_said(tmp_path, capsys):
     _, t, _ = simulate(tmp_path, "--compute-s", "0.01", "--max-pushes", "4", "--epochs", "0", "--backend", "numpy",
                        name="numpy")
     assert [r["backend"] for r in t["workers"]] == [b"numpy"] * 2
+
+
+def test_fit_of_another_network_warns_naming_both(tmp_path, capsys):
+    """--fit of a run of another network (or --profile saved from such a fit) says, as a batch-size mismatch
+    does, that the compute times are the other network's, naming both (issue 36); the same network under
+    another name (the digits definition copied into a JSON file) is no mismatch."""
+    simulate(tmp_path, "--compute-s", "0.02", "--max-pushes", "8", "--epochs", "0", name="measured")
+    fitted = str(tmp_path / "measured.h5")
+    other = tmp_path / "linear.json"  # the digits images through one linear layer: another network
+    other.write_text(json.dumps({"input_shape": [1, 8, 8], "layers": [
+        {"type": "Flatten"}, {"type": "Linear", "in_features": 64, "out_features": 10}]}))
+    same = tmp_path / "copy.json"
+    same.write_text(json.dumps(build_model("digits").spec()))
+    capsys.readouterr()
+
+    def warnings(*flags: str, name: str) -> list[str]:
+        simulate(tmp_path, *flags, "--dataset", "digits", "--max-pushes", "4", "--epochs", "0", name=name)
+        return [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+
+    said = warnings("--fit", fitted, "--model", str(other), "--save-profile", str(tmp_path / "p.json"), name="other")
+    assert len(said) == 1 and said[0].startswith(
+        "mpiasgd simulate: warning: the timing model's compute times were measured on network 'digits' (fitted from "
+        f"run log '{fitted}' (") and said[0].endswith(
+        f"this run simulates network '{other}' (--model): its compute times are the other network's, not this one's")
+    assert warnings("--fit", fitted, "--model", str(same), name="same") == []
+    assert warnings("--fit", fitted, name="digits") == []
+    said = warnings("--profile", str(tmp_path / "p.json"), "--model", str(other), name="profiled")
+    assert len(said) == 1 and "measured on network 'digits'" in said[0]

@@ -132,12 +132,12 @@ def test_a_network_whose_input_is_not_the_datasets_images_is_named(tmp_path, cap
 def test_export_to_a_target_that_is_not_a_regular_file_says_only_that(tmp_path, capsys):
     log = write_log(tmp_path / "r.h5")
     status, _, err = run(["export", log, "-o", "/dev/null"], capsys)
-    assert (status, err) == (2, "mpiasgd export: error: [Errno 17] '/dev/null' exists and is not a regular file: "
-                                "export writes a new file or replaces one\n")
+    assert (status, err) == (2, "mpiasgd export: error: output '/dev/null' exists and is not a regular file; "
+                                "choose another -o (export replaces only a file)\n")
     if os.path.isfile("/proc/self/mem"):  # Linux: stat calls it a regular file, but /proc takes no new file
         status, _, err = run(["export", log, "-o", "/proc/self/mem"], capsys)
-        assert (status, err) == (2, "mpiasgd export: error: [Errno 2] no file can be created in '/proc/self' (No "
-                                    "such file or directory): '/proc/self/mem'\n")
+        assert (status, err) == (2, "mpiasgd export: error: output '/proc/self/mem': no file can be created in "
+                                    "'/proc/self'; choose another -o\n")
 
 
 def test_evaluate_warns_of_a_snapshot_that_is_not_finite(tmp_path, capsys):
