@@ -16,12 +16,10 @@ what was expected; the output file appears only when complete (H5Writer writes O
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 import re
 import sys
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from contextlib import ExitStack
 from typing import Any
 
@@ -31,13 +29,14 @@ from tqdm import tqdm
 
 from mpiasgd.data.cifar10 import CifarUnpickler, find_cifar10, load_cifar10
 from mpiasgd.data.dataset import DataError
+from mpiasgd.data.decoders import AHEAD, Decoders
 from mpiasgd.data.h5data import FORMAT, H5Dataset, H5Writer, default_chunk
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")  # compared in lower case
 RESIZE_MODES = ("crop", "squash")
 TEST_FOLDERS = ("val", "test")  # an image folder's held-out split, stored as the file's test split
 BLOCK_BYTES = 16 << 20  # pixels per H5Writer.write call
-WINDOW_BYTES = 256 << 20  # decoded pixels one imap call covers; at most two are in flight (`_decode_in_order`)
+WINDOW_BYTES = 256 << 20  # decoded pixels in flight between the decoding processes and the writer
 IMAGENET_CLASSES = 1000  # downsampled ImageNet labels are 1..1000
 _TRAIN_BATCH = re.compile(r"train_data_batch_(\d+)(\.npz)?")
 _VAL_BATCH = re.compile(r"val_data(\.npz)?")
@@ -187,23 +186,6 @@ def load_image(path: str, size: int, resize: str = "crop") -> np.ndarray:
                         f"{'/'.join(x[1:] for x in IMAGE_EXTENSIONS)} file") from None
 
 
-def _decode_in_order(pool: Any, decode: Callable[[str], np.ndarray], paths: list[str], workers: int,
-                     image_bytes: int) -> Iterator[np.ndarray]:
-    """decode(path) for every path, in order, computed by `pool`: one imap call per window of WINDOW_BYTES of
-    decoded images, the next window queued before the current one is consumed, so the workers stay busy while
-    at most two windows wait in memory (one imap over everything would queue every result when decoding
-    outpaces writing)."""
-    window = max(4 * workers, WINDOW_BYTES // image_bytes)
-    chunksize = max(2, min(64, window // (4 * workers)))  # images a worker takes at a time
-    queued: deque[Iterator[np.ndarray]] = deque()
-    for start in range(0, len(paths), window):
-        queued.append(pool.imap(decode, paths[start:start + window], chunksize=chunksize))
-        if len(queued) == 2:
-            yield from queued.popleft()
-    while queued:
-        yield from queued.popleft()
-
-
 def _available_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))  # the CPUs this process may use (a SLURM job's share, not the node)
@@ -223,9 +205,9 @@ def convert_image_folder(src: str, out: str, size: int, resize: str = "crop", wo
     The train images are put in the order `np.random.default_rng(seed).permutation(N)` of their sorted
     list before decoding, so each HDF5 chunk mixes the classes (the reader relies on it); the test split
     keeps class order. Decoding runs in `workers` processes (default: the CPUs this process may use;
-    multiprocessing's forkserver start method, so a script calling this needs the usual
-    `if __name__ == "__main__":` guard), results in order; memory stays within one write block (BLOCK_BYTES)
-    plus two windows of decoded images (WINDOW_BYTES each).
+    `mpiasgd.data.decoders`, multiprocessing's forkserver start method, so a script calling this needs the
+    usual `if __name__ == "__main__":` guard), results in order; memory stays within one write block
+    (BLOCK_BYTES) plus WINDOW_BYTES of decoded images in flight.
     name: the dataset's name (default: src's folder name). progress: a tqdm bar per split on stderr.
     command: the command line that redoes the conversion, stored in the file (see `H5Writer`).
     Raises DataError naming the file or folder for a bad tree, an undecodable image, size < 1, an unknown
@@ -243,23 +225,17 @@ def convert_image_folder(src: str, out: str, size: int, resize: str = "crop", wo
     decode = functools.partial(load_image, size=size, resize=resize)
     name = name or os.path.basename(os.path.normpath(os.path.abspath(src)))
     source = f"image folder {os.path.abspath(src)} ({resize} to {size}x{size}, train shuffled with seed {seed})"
-    pool = None
-    if workers > 1:  # forkserver: the workers never inherit this process's threads or open HDF5 file
-        pool = multiprocessing.get_context("forkserver").Pool(workers)
-    try:
-        with H5Writer(out, name, classes, (3, size, size), source, command=command) as writer:
-            for split, (paths, labels) in splits.items():
-                writer.create(split, len(paths))
-                if pool is None:
-                    images: Iterator[np.ndarray] = map(decode, paths)
-                else:
-                    images = _decode_in_order(pool, decode, paths, workers, 3 * size * size)
-                with _bar(len(paths), split, progress) as bar:
-                    _write_stream(writer, split, images, labels, bar)
-    finally:
-        if pool is not None:
-            pool.terminate()  # also on an error: workers still decoding are stopped, not waited for
-            pool.join()
+    # images a worker decodes at a time: all the workers' chunks in flight hold at most WINDOW_BYTES
+    chunksize = max(1, min(64, WINDOW_BYTES // (AHEAD * workers * 3 * size * size)))
+    with ExitStack() as stack:
+        pool = stack.enter_context(Decoders(decode, workers)) if workers > 1 else None
+        writer = stack.enter_context(H5Writer(out, name, classes, (3, size, size), source, command=command,
+                                              images=sum(len(p) for p, _ in splits.values())))
+        for split, (paths, labels) in splits.items():
+            writer.create(split, len(paths))
+            images = map(decode, paths) if pool is None else pool.imap(paths, chunksize)
+            with _bar(len(paths), split, progress) as bar:
+                _write_stream(writer, split, images, labels, bar)
     return out
 
 
@@ -279,7 +255,8 @@ def convert_cifar10(src: str, out: str, seed: int = 0, command: str = "") -> str
     ds = load_cifar10(src)
     order = np.random.default_rng(seed).permutation(len(ds.train_y))
     source = f"CIFAR-10 {ds.source} (train shuffled with seed {seed})"
-    with H5Writer(out, "cifar10", ds.classes, ds.train_x.shape[1:], source, command=command) as writer:
+    with H5Writer(out, "cifar10", ds.classes, ds.train_x.shape[1:], source, command=command,
+                  images=len(order) + len(ds.test_y)) as writer:
         writer.create("train", len(order))
         block = _block(writer.image_shape, writer.chunk)
         for i in range(0, len(order), block):  # gathered a block at a time: no second copy of the set
@@ -476,7 +453,7 @@ def convert_imagenet64(src: str, out: str, seed: int = 0, progress: bool = True,
                               f"{len(train_paths)} train batch files{', val_data' if val_path else ''}; "
                               f"each train batch shuffled with seed {seed}")
                     writer = stack.enter_context(H5Writer(out, f"imagenet{s}", classes, (3, s, s), source,
-                                                          command=command))
+                                                          command=command, images=sum(counts.values())))
                     writer.create("train", sum(counts[p] for p in train_paths))
                     if val_path:
                         writer.create("test", counts[val_path])
@@ -528,7 +505,7 @@ def synth(out: str, count: int, size: int, classes: int = 1000, test_count: int 
     source = (f"synthetic (mpiasgd.data.convert.synth, seed {seed}): {classes} classes, 8x8 templates + noise "
               "std 32")
     with H5Writer(out, f"synthetic{size}", [f"class{k}" for k in range(classes)], (3, size, size), source,
-                  command=command) as writer, \
+                  command=command, images=count + test_count) as writer, \
             _bar(count + test_count, "synth", progress) as bar:
         block = _block(writer.image_shape, writer.chunk)
         for split, labels in splits.items():

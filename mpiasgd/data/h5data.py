@@ -30,8 +30,10 @@ Nothing in a file is executed: attributes are numbers and strings, `classes` is 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -70,13 +72,17 @@ class H5Writer:
             ...
 
     mean/std are accumulated from the train split's writes (a 256-bin histogram per channel: exact).
-    command: the `mpiasgd data` command line that redoes this file (stored; a reader of PATH.partial left by
-    a killed conversion prints it). Raises DataError for images of the wrong dtype or shape, labels out of
-    range, a split written incompletely (at `close`), or PATH.partial held by a conversion still running.
+    command: the `mpiasgd data` command line that redoes this file (stored and flushed at once, so that a
+    reader of the PATH.partial a killed conversion leaves prints it). images: how many images the file will
+    hold, all splits together (0: not known yet): the free space is checked for them before the file is
+    created, and each `create` checks it again. Raises DataError for images of the wrong dtype or shape,
+    labels out of range, a split written incompletely (at `close`), PATH.partial held by a conversion still
+    running, or a disk without room for the file (one line: the folder, the bytes still needed and those
+    free; PATH.partial removed).
     """
 
     def __init__(self, path: str, name: str, classes: tuple[str, ...] | list[str], image_shape: tuple[int, ...],
-                 source: str, chunk: int | None = None, command: str = "") -> None:
+                 source: str, chunk: int | None = None, command: str = "", images: int = 0) -> None:
         import h5py
 
         if len(image_shape) != 3 or min(image_shape) < 1:
@@ -95,13 +101,19 @@ class H5Writer:
         try:
             if os.path.exists(self.partial):  # HDF5's "w" truncates the file before it tries the lock: ask first
                 _probe(self.partial)
-            # no chunk cache: a chunk goes to disk in its write, so a full disk fails there (HDF5 crashes when
-            # it cannot flush a cache at close)
-            self.file = h5py.File(self.partial, "w", rdcc_nbytes=0)
         except BlockingIOError:  # HDF5's lock on the file: another process (a conversion) has it open
             raise DataError(f"{path}: {self.partial}{RUNNING}; wait for it to finish, or stop it, before converting "
                             "again") from None
+        self._check_space(images * self._row_bytes(), 0)
+        try:
+            # no chunk cache: a chunk goes to disk in its write, so a full disk fails there (HDF5 crashes when
+            # it cannot flush a cache at close)
+            self.file = h5py.File(self.partial, "w", rdcc_nbytes=0)
         except OSError as e:
+            if os.path.exists(self.partial):  # made (or truncated) before HDF5 failed to write its first bytes
+                os.remove(self.partial)
+            if e.errno == errno.ENOSPC:
+                raise self._no_space(images * self._row_bytes(), "[Errno 28] No space left on device") from None
             raise DataError(f"{path}: cannot create the dataset file ({e})") from None
         a = self.file.attrs
         a["format"], a["name"], a["source"] = FORMAT, str(name), str(source)
@@ -109,6 +121,14 @@ class H5Writer:
             a["command"] = command
         a["classes"] = json.dumps(list(self.classes))
         a["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        try:
+            self.file.flush()  # the command on disk before the first image: a killed conversion's file names it
+        except (OSError, RuntimeError) as e:
+            self.abort()
+            if _errno(e) == errno.ENOSPC:
+                raise self._no_space(images * self._row_bytes(), _reason(e)) from None
+            raise DataError(f"{path}: cannot create the dataset file ({_reason(e)}); the partial file was "
+                            "removed") from None
 
     def __enter__(self) -> H5Writer:
         return self
@@ -125,14 +145,12 @@ class H5Writer:
             raise DataError(f"{self.path}: split must be one of {SPLITS}, got {split!r}")
         if count < 1:
             raise DataError(f"{self.path}: split '{split}' needs at least one image, got {count}")
-        self.planned += count * (int(np.prod(self.image_shape)) + 8)
-        folder = os.path.dirname(os.path.abspath(self.partial))
-        free = shutil.disk_usage(folder).free
-        needed = self.planned - os.path.getsize(self.partial) + (1 << 20)
-        if free < needed:
+        self.planned += count * self._row_bytes()
+        try:
+            self._check_space(self.planned, os.path.getsize(self.partial))
+        except DataError:
             self.abort()
-            raise DataError(f"{self.path}: not enough free space in {folder}: the file needs {needed / 1e9:.2f} GB "
-                            f"more, {free / 1e9:.2f} GB are free")
+            raise
         g = self.file.create_group(split)
         g.create_dataset("images", shape=(count, *self.image_shape), dtype=np.uint8,
                          chunks=(min(self.chunk, count), *self.image_shape))
@@ -160,9 +178,11 @@ class H5Writer:
             g["images"][start:start + n] = images
             g["labels"][start:start + n] = labels
         except OSError as e:  # a full disk or quota, an I/O error: the partial file goes, one error names it
+            size = os.path.getsize(self.partial)
             self.abort()
-            why = f"[Errno {e.errno}] {os.strerror(e.errno)}" if e.errno else str(e).splitlines()[0]
-            raise DataError(f"{self.path}: writing failed ({why}); the partial file was removed") from None
+            if _errno(e) == errno.ENOSPC:  # another process took the space the check saw free
+                raise self._no_space(self.planned - size, f"writing failed: {_reason(e)}") from None
+            raise DataError(f"{self.path}: writing failed ({_reason(e)}); the partial file was removed") from None
         self.written[split] += n
         if split == "train":
             for c in range(self.image_shape[0]):
@@ -171,6 +191,27 @@ class H5Writer:
             for s in range(0, n, per):
                 pixels = images[s:s + per].transpose(1, 0, 2, 3).reshape(self.image_shape[0], -1).astype(np.float64)
                 self.moments += pixels @ pixels.T  # (C, C)
+
+    def _row_bytes(self) -> int:
+        """Bytes of one image and its label in the file."""
+        return int(np.prod(self.image_shape)) + 8
+
+    def _check_space(self, planned: int, written: int) -> None:
+        """DataError (`_no_space`) unless the disk has room for `planned` bytes of datasets, `written` of them
+        on disk already, plus 1 MiB for HDF5's own structures."""
+        folder = os.path.dirname(os.path.abspath(self.partial))
+        if shutil.disk_usage(folder).free < planned - written + (1 << 20):
+            raise self._no_space(planned - written)
+
+    def _no_space(self, needed: int, cause: str = "") -> DataError:
+        """The one-line error of a disk without room for the file: the folder, what it needs (`needed` bytes of
+        datasets not yet on disk, plus 1 MiB for HDF5), what is free, and `cause` (the failed call's error)."""
+        folder = os.path.dirname(os.path.abspath(self.partial))
+        free = shutil.disk_usage(folder).free
+        why = f" ({cause})" if cause else ""
+        gone = "; the partial file was removed" if cause else ""
+        return DataError(f"{self.path}: not enough free space in {folder}{why}: the file needs "
+                         f"{_amount(max(0, needed) + (1 << 20))} more, {_amount(free)} are free{gone}")
 
     def close(self) -> None:
         """Write mean/std, check every split is complete, and move the file into place."""
@@ -209,6 +250,25 @@ class H5Writer:
             self.file.close()
         except (OSError, RuntimeError):
             pass  # its buffers had nowhere to go; the file is gone anyway
+
+
+def _amount(nbytes: int) -> str:
+    """A byte count for a message: "1.57 GB", "3.1 MB", "40 kB"."""
+    if nbytes >= 10**9:
+        return f"{nbytes / 1e9:.2f} GB"
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 10**6 else f"{nbytes / 1e3:.0f} kB"
+
+
+def _reason(e: BaseException) -> str:
+    """The cause of a failed HDF5 call in a few words: "[Errno 28] No space left on device" (h5py puts the errno
+    in its multi-line text), else the text's first line."""
+    number = _errno(e)
+    return f"[Errno {number}] {os.strerror(number)}" if number else str(e).splitlines()[0]
+
+
+def _errno(e: BaseException) -> int | None:
+    """The errno of a failed HDF5 call: the exception's, else the one in h5py's text ("errno = 28")."""
+    return getattr(e, "errno", None) or next((int(m) for m in re.findall(r"errno = (\d+)", str(e))), None)
 
 
 def _probe(path: str) -> None:
@@ -252,11 +312,12 @@ def still_running(path: str) -> str:
     return f"{RUNNING}; wait for it to finish, then use {_target(path)}"
 
 
-def redo_command(path: str, attrs: Any = None) -> str | None:
-    """The command that redoes the conversion which left `path` incomplete (a killed `mpiasgd data convert` or
-    `synth`): the one stored in the file (`H5Writer`'s `command`), else the general form and what it was
-    converting. None while a conversion still writes it (another process holds HDF5's lock on the file).
-    `attrs`: the file's attributes, when it is open already."""
+def redo_advice(path: str, attrs: Any = None) -> str | None:
+    """How to redo the conversion which left `path` incomplete (a killed `mpiasgd data convert` or `synth`):
+    "redo it: COMMAND" with the command stored in the file (`H5Writer`'s `command`), else a sentence saying the
+    file does not record it, with what it was converting where the file says. None while a conversion still
+    writes it (another process holds HDF5's lock on the file). `attrs`: the file's attributes, when it is open
+    already."""
     import h5py
 
     command, source = "", ""
@@ -270,8 +331,10 @@ def redo_command(path: str, attrs: Any = None) -> str | None:
     except (OSError, KeyError, RuntimeError):  # killed before its first flush: nothing of it can be read
         pass
     if command:
-        return command
-    return f"mpiasgd data convert SRC {_target(path)}" + (f" (it was converting: {source})" if source else "")
+        return f"redo it: {command}"
+    what = f" (it was converting: {source})" if source else ""
+    return (f"the file does not record the command that wrote it{what}; run that `mpiasgd data convert` or "
+            f"`mpiasgd data synth` again, with {_target(path)} as OUT.h5")
 
 
 def identity(path: str) -> tuple[int, int, int, int, int]:
@@ -444,18 +507,18 @@ class H5Dataset(Splits):
         if not os.path.isfile(path):
             partial = path + PARTIAL
             if os.path.isfile(partial):  # what a conversion still running, or a killed one, leaves
-                redo = redo_command(partial)
+                redo = redo_advice(partial)
                 if redo is None:
                     raise DataError(f"dataset file {path} does not exist yet: {partial}{still_running(partial)}")
                 raise DataError(f"dataset file {path} does not exist; {partial} is an incomplete one: {INTERRUPTED}; "
-                                f"redo it: {redo}")
+                                f"{redo}")
             what = "is not a file" if os.path.exists(path) else "does not exist"
             raise DataError(f"dataset file {path} {what}; expected an HDF5 file written by `mpiasgd data convert`")
         try:
             f = h5py.File(path, "r")
         except OSError as e:
             if path.endswith(PARTIAL):
-                H5Dataset._incomplete(path, redo_command(path))
+                H5Dataset._incomplete(path, redo_advice(path))
             raise DataError(f"{path}: not a readable HDF5 file, truncated or not HDF5 ({e})") from None
         a = f.attrs
         fmt = _text(a.get("format", ""))
@@ -468,7 +531,7 @@ class H5Dataset(Splits):
             raise DataError(f"{path}: attribute format is {fmt!r}, expected {FORMAT!r} (a file written by "
                             "`mpiasgd data convert` or `mpiasgd data synth`)")
         if "mean" not in a:  # written last (H5Writer.close): the conversion never got there
-            redo = redo_command(path, a)
+            redo = redo_advice(path, a)
             f.close()
             H5Dataset._incomplete(path, redo)
         if need not in f:
@@ -483,7 +546,7 @@ class H5Dataset(Splits):
         """Raise the DataError of `path`, a file a conversion is still writing (`redo` None) or left incomplete."""
         if redo is None:
             raise DataError(f"{path}{still_running(path)}")
-        raise DataError(f"{path}: an incomplete dataset file: {INTERRUPTED}; redo it: {redo}")
+        raise DataError(f"{path}: an incomplete dataset file: {INTERRUPTED}; {redo}")
 
     @staticmethod
     def _classes(path: str, a: Any) -> tuple[str, ...]:

@@ -6,7 +6,8 @@
     mpiasgd data synth synthetic64.h5 --count 128000 --size 64             # ImageNet-shaped, 1000 classes
     mpiasgd data info imagenet64.h5
 
-A bad source or file prints one line, `mpiasgd data ACTION: error: ...`, and exits with status 2.
+A bad source or file prints one line, `mpiasgd data ACTION: error: ...`, and exits with status 2; Ctrl-C
+(SIGINT) and SIGTERM stop it with no output file left, status 130 and 143 (128 + the signal's number).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 import sys
 
 from mpiasgd.argtypes import command, positive
+from mpiasgd.signals import Terminated
 
 KINDS = ("auto", "imagefolder", "cifar10", "imagenet64")
 
@@ -72,13 +74,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run `mpiasgd data ACTION` for parsed args; returns the exit status (2: bad input, message on stderr;
-    130: interrupted by SIGINT or SIGTERM, the partial output removed)."""
+    130: interrupted by SIGINT, 143: by SIGTERM, the partial output removed either way)."""
     from mpiasgd.data import convert
 
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt  # unwinds through the writer, which removes OUT.partial
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated  # a KeyboardInterrupt: unwinds through the writer, which removes OUT.partial
 
-    signal.signal(signal.SIGTERM, interrupt)  # scancel, a time limit: as Ctrl-C
+    previous = signal.signal(signal.SIGTERM, terminate)  # scancel, a time limit: as Ctrl-C
     try:
         if args.action == "info":
             print(convert.info(args.file), flush=True)
@@ -94,9 +96,12 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:  # DataError is a ValueError
         print(f"mpiasgd data {args.action}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"mpiasgd data {args.action}: interrupted; no output file written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+        print(f"mpiasgd data {args.action}: interrupted ({signum.name}); no output file written", file=sys.stderr)
+        return 128 + signum  # as a shell reports a process the signal ended
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 
@@ -123,7 +128,7 @@ def _convert(args: argparse.Namespace) -> None:
 
 def redo_command(args: argparse.Namespace) -> str:
     """`mpiasgd data convert|synth` with `args`, paths absolute: what the file stores, so that a reader of the
-    OUT.partial a killed conversion leaves can say how to redo it (`mpiasgd.data.h5data.redo_command`)."""
+    OUT.partial a killed conversion leaves can say how to redo it (`mpiasgd.data.h5data.redo_advice`)."""
     words = ["mpiasgd", "data", args.action]
     if args.action == "convert":
         words += [os.path.abspath(args.src), os.path.abspath(args.out)]

@@ -99,7 +99,7 @@ def test_image_folder_counts_classes_colours_and_order(tmp_path, monkeypatch):
 
 def test_image_folder_is_deterministic_per_seed_and_in_parallel(tmp_path, monkeypatch):
     make_tree(tmp_path / "src", val=False)
-    monkeypatch.setattr(convert, "WINDOW_BYTES", 3 * SIZE * SIZE)  # 8-image windows (4 per worker): 2 imap calls
+    monkeypatch.setattr(convert, "WINDOW_BYTES", 3 * SIZE * SIZE)  # 1-image chunks, to the workers in turn
     src = str(tmp_path / "src")
     one = read(convert.convert_image_folder(src, str(tmp_path / "1.h5"), SIZE, workers=1, progress=False))
     two = read(convert.convert_image_folder(src, str(tmp_path / "2.h5"), SIZE, workers=2, progress=False))
@@ -405,3 +405,108 @@ def test_a_partial_file_still_being_written_says_so(tmp_path):
         assert os.path.getsize(f"{out}.partial") == size > 0
     finally:
         hold.communicate("", timeout=30)
+
+
+def test_a_partial_file_that_records_no_command_says_so(tmp_path):
+    """A .partial cut off before its first write (a full disk under an older version, a kill at once) or written
+    without a command: the message says the file does not record it, never a placeholder command."""
+    from mpiasgd.data.h5data import H5Writer
+
+    out = tmp_path / "s.h5"
+    (tmp_path / "s.h5.partial").write_bytes(b"")
+    advice = (f"the file does not record the command that wrote it; run that `mpiasgd data convert` or `mpiasgd "
+              f"data synth` again, with {out} as OUT.h5")
+    with pytest.raises(DataError) as e:
+        convert.info(f"{out}.partial")
+    assert str(e.value) == f"{out}.partial: an incomplete dataset file: {INTERRUPTED}; {advice}"
+    with pytest.raises(DataError) as e:
+        H5Dataset(str(out))
+    assert str(e.value) == f"dataset file {out} does not exist; {out}.partial is an incomplete one: {INTERRUPTED}; " \
+                           f"{advice}"
+    w = H5Writer(str(tmp_path / "t.h5"), "t", ["a"], (3, 4, 4), source="image folder /data/x")  # no command
+    w.create("train", 2)
+    w.file.close()  # killed: no statistics, no rename
+    with pytest.raises(DataError) as e:
+        convert.info(f"{tmp_path / 't.h5'}.partial")
+    assert str(e.value).endswith("; the file does not record the command that wrote it (it was converting: image "
+                                 "folder /data/x); run that `mpiasgd data convert` or `mpiasgd data synth` again, "
+                                 f"with {tmp_path / 't.h5'} as OUT.h5")
+
+
+def test_the_command_is_on_disk_before_the_first_image(tmp_path):
+    """A conversion killed right after it created OUT.partial (here: os._exit) has already stored its command."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "s.h5"
+    code = ("import os, sys; from mpiasgd.data.h5data import H5Writer\n"
+            "w = H5Writer(sys.argv[1], 's', ['a'], (3, 4, 4), 'synthetic', command='mpiasgd data synth X --count 9')\n"
+            "os._exit(0)")
+    subprocess.run([sys.executable, "-c", code, str(out)], check=True, timeout=60)
+    with pytest.raises(DataError) as e:
+        convert.info(f"{out}.partial")
+    assert str(e.value) == f"{out}.partial: an incomplete dataset file: {INTERRUPTED}; redo it: mpiasgd data synth X " \
+                           "--count 9"
+
+
+@pytest.mark.parametrize("signum, status", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_stops_a_conversion_with_128_plus_its_number(tmp_path, capsys, monkeypatch, signum, status):
+    """SIGTERM (scancel, kill) and Ctrl-C unwind as one: the partial file removed, one line, 128 + the signal."""
+    import signal
+
+    from mpiasgd.data.h5data import H5Writer
+
+    def signalled(self, *args):
+        if signum == "SIGTERM":
+            os.kill(os.getpid(), signal.SIGTERM)  # the real signal: main's handler turns it into an exception
+        raise KeyboardInterrupt  # Ctrl-C, as Python's own SIGINT handler raises it
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(H5Writer, "write", signalled)
+    assert main(["data", "synth", str(tmp_path / "s.h5"), "--count", "60", "--size", "8", "--no-progress"]) == status
+    assert capsys.readouterr().err == f"mpiasgd data synth: interrupted ({signum}); no output file written\n"
+    assert os.listdir(tmp_path) == []
+    assert signal.getsignal(signal.SIGTERM) == before  # main's handler is not left behind
+
+
+def test_workers_of_a_killed_conversion_exit_quietly(tmp_path):
+    """`data convert` killed with SIGKILL while its 2 decoding processes work: they exit when they find their
+    parent gone, printing nothing (no BrokenPipeError, no leaked-semaphore warning), and none stays behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    for name, colour in COLOURS.items():  # 2 x 6000 links to one 96x96 JPEG: a few seconds of decoding
+        folder = tmp_path / "src" / "train" / name
+        folder.mkdir(parents=True)
+        Image.fromarray(picture(colour, 96, 96)).save(folder / "0.jpg")
+        for i in range(1, 6000):
+            os.link(folder / "0.jpg", folder / f"{i}.jpg")
+    out = tmp_path / "out.h5"
+    conv = subprocess.Popen([sys.executable, "-m", "mpiasgd", "data", "convert", str(tmp_path / "src"), str(out),
+                             "--size", "32", "--workers", "2", "--no-progress"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+
+    def children(pid):
+        try:
+            return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+        except OSError:
+            return []
+
+    deadline = time.monotonic() + 60
+    while not (out.with_suffix(".h5.partial").exists() and os.path.getsize(f"{out}.partial") > 200_000):
+        assert conv.poll() is None and time.monotonic() < deadline, "the conversion ended before it was killed"
+        time.sleep(0.02)
+    workers = [g for c in children(conv.pid) for g in children(c)]  # forkserver -> workers
+    conv.send_signal(signal.SIGKILL)
+    _, err = conv.communicate(timeout=60)  # stderr closes when the last process holding it has exited
+    assert conv.returncode == -signal.SIGKILL and len(workers) == 2
+    assert err == ""
+    alive = []
+    for w in workers:  # an exited worker may stay a zombie a while (its reaper is whatever adopted it)
+        try:
+            alive += [w] if open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[0] != "Z" else []
+        except OSError:
+            pass
+    assert alive == []

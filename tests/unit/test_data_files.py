@@ -254,9 +254,9 @@ def test_writer_refuses_a_file_the_disk_cannot_hold(tmp_path, monkeypatch):
     from collections import namedtuple
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 10**9 - 50_000, 50_000))
-    with pytest.raises(DataError, match=r"big\.h5: not enough free space in .*: the file needs 0\.00 GB more, "
-                                        r"0\.00 GB are free"):
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 10**9 - 2 * 10**6, 2 * 10**6))
+    with pytest.raises(DataError, match=r"big\.h5: not enough free space in .*: the file needs 4\.1 MB more, "
+                                        r"2\.0 MB are free$"):
         with H5Writer(str(tmp_path / "big.h5"), "toy", CLASSES, (3, 32, 32), source="t") as w:
             w.create("train", 1000)  # 3 MB
     assert list(tmp_path.iterdir()) == []
@@ -271,13 +271,52 @@ def test_a_disk_that_fills_while_writing_gives_one_error_and_no_file(small_disk,
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**12, 0, 10**12))
     tx, ty, _, _ = make_arrays(2000, 0)  # 6 MB
-    with pytest.raises(DataError, match=r"full\.h5: writing failed \(\[Errno 28\] No space left on device\); "
-                                        r"the partial file was removed"):
+    with pytest.raises(DataError, match=r"full\.h5: not enough free space in .* \(writing failed: \[Errno 28\] No "
+                                        r"space left on device\): the file needs \d\.\d MB more, 1000\.00 GB are "
+                                        r"free; the partial file was removed$"):
         with H5Writer(str(small_disk / "full.h5"), "toy", CLASSES, (3, 32, 32), source="t") as w:
             w.create("train", 2000)
             for s in range(0, 2000, 250):
                 w.write("train", s, tx[s:s + 250], ty[s:s + 250])
     assert list(small_disk.iterdir()) == []
+
+
+def test_free_space_is_checked_before_the_file_is_created(tmp_path, monkeypatch):
+    """Told how many images the file will hold, the writer refuses a disk without room for them before HDF5 makes
+    a file: one line with what the file needs, nothing left behind."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 10**9, 0))
+    monkeypatch.setattr(h5py, "File", lambda *a, **k: pytest.fail("HDF5 called on a full disk"))
+    with pytest.raises(DataError) as e:
+        H5Writer(str(tmp_path / "big.h5"), "toy", CLASSES, (3, 64, 64), source="t", images=130560)
+    assert str(e.value) == (f"{tmp_path / 'big.h5'}: not enough free space in {tmp_path}: the file needs 1.61 GB "
+                            "more, 0 kB are free")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_hdf5_cannot_create_is_one_line_and_no_partial(tmp_path, monkeypatch):
+    """The free-space check passed, then the disk filled: HDF5 makes OUT.partial and fails to write its first
+    bytes (ENOSPC, its multi-line text). One line with the cause and what the file needs; the empty partial goes."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**12, 0, 10**12))
+
+    def full(path, mode, **kwargs):
+        open(path, "wb").close()  # as HDF5: the file is made, its superblock does not fit
+        raise OSError(28, "Unable to synchronously create file (file write failed: time = Sun Dec  6 18:44:05 2026\n"
+                          f", filename = '{path}', errno = 28, error message = 'No space left on device')")
+
+    monkeypatch.setattr(h5py, "File", full)
+    with pytest.raises(DataError) as e:
+        H5Writer(str(tmp_path / "s.h5"), "toy", CLASSES, (3, 8, 8), source="t", images=1000)
+    assert str(e.value) == (f"{tmp_path / 's.h5'}: not enough free space in {tmp_path} ([Errno 28] No space left on "
+                            "device): the file needs 1.2 MB more, 1000.00 GB are free; the partial file was removed")
+    assert list(tmp_path.iterdir()) == []
 
 
 CHANGED = r"{path}: the dataset file changed while the run reads it \({what}\); rerun, or --resume, once it is complete"

@@ -272,3 +272,28 @@ def test_checkpoint_write_failing_inside_hdf5_on_a_real_tmpfs_prints_nothing(sma
     assert res.stdout == "[Errno 28] No space left on device\n", res.stdout + res.stderr
     assert res.stderr == "", res.stderr
     assert sorted(os.listdir(small_disk)) == ["filler"]
+
+
+def test_data_synth_onto_a_full_disk_is_one_line_and_leaves_nothing(small_disk, monkeypatch, capsys):
+    """`mpiasgd data synth` onto a 100 % full tmpfs: one line naming the file, the lack of space and what the file
+    needs, and no OUT.h5.partial; also when the free-space check is fooled and HDF5 itself fails to create the
+    file (the trial's raw multi-line HDF5 error and 0-byte partial)."""
+    import shutil
+    from collections import namedtuple
+
+    from mpiasgd.cli import main
+
+    subprocess.run(["fallocate", "-l", "3m", str(small_disk / "filler")], check=True)
+    out = small_disk / "s.h5"
+    args = ["data", "synth", str(out), "--count", "1000", "--size", "64", "--no-progress"]
+    assert main(args) == 2
+    assert capsys.readouterr().err == (f"mpiasgd data synth: error: {out}: not enough free space in {small_disk}: "
+                                       "the file needs 13.6 MB more, 0 kB are free\n")
+    assert os.listdir(small_disk) == ["filler"]
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**12, 0, 10**12))
+    assert main(args) == 2
+    assert capsys.readouterr().err == (f"mpiasgd data synth: error: {out}: not enough free space in {small_disk} "
+                                       "([Errno 28] No space left on device): the file needs 13.6 MB more, 1000.00 GB "
+                                       "are free; the partial file was removed\n")
+    assert os.listdir(small_disk) == ["filler"]
