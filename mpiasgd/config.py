@@ -503,7 +503,8 @@ def resolve(args: argparse.Namespace) -> Config:
     """Defaults < TOML (`args.config`) < flags given on the command line; validated.
 
     With `--resume PATH` the defaults are the config stored in that checkpoint (CheckpointError, a
-    ConfigError, if it cannot be read), and keys in FIXED_ON_RESUME may not change.
+    ConfigError, if it cannot be read), but for `overwrite` (a run started with --overwrite does not make its
+    resume replace an unreadable log), and keys in FIXED_ON_RESUME may not change.
     """
     base = Config()
     resume, named_by = getattr(args, "resume", None), "--resume"
@@ -516,6 +517,8 @@ def resolve(args: argparse.Namespace) -> Config:
             base = from_mapping(load_config(resume), source=f"checkpoint '{resume}'")
         except CheckpointError as e:
             raise ConfigError(f"{named_by}: {e}") from None
+        # what the run was started with is not what this job asks for: --overwrite is this command's only
+        base = dataclasses.replace(base, overwrite=False)
     cfg = load_toml(args.config, base) if getattr(args, "config", None) else base
     flags = {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
     for key, value in flags.items():

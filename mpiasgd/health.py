@@ -70,14 +70,21 @@ def rejected_text(w: int, step: int, what: str, largest: float = 0.0) -> str:
             f"{range_cause(largest).removeprefix('the ')}): rejected (not applied); {WIRE_ADVICE}")
 
 
+AT_START = ("before any update was applied: the network computes non-finite values at its initial weights (its "
+            "layers, their initialisation or the scale of its inputs), not because of the step size")
+
+
 def rejects_text(who: str, w: int, step: int, count: int, limit: int, what: str, advice: str,
-                 beyond: int = 0, largest: float = 0.0) -> str:
+                 beyond: int = 0, largest: float = 0.0, updated: bool = True) -> str:
     """The error that ends a run after worker `w` pushed `count` = --max-rejects `limit` rejected `what`s in a row,
     the last at `step`: `beyond` of them finite but beyond fp16's range (the largest magnitude among them
-    `largest`), the others not finite. A run of only the latter is divergence (ends with `advice`); one with
-    values beyond the range names them and points to --wire bf16."""
+    `largest`), the others not finite. A run of only the latter is divergence (ends with `advice`), unless no
+    update was applied yet (`updated` False: the initial weights, AT_START); one with values beyond the range
+    names them and points to --wire bf16."""
     steps = f"steps {step - count + 1}..{step}; --max-rejects {limit}"
     whats = f"{count} {what}{'s' * (count != 1)} in a row"
+    if not beyond and not updated:
+        return f"{who}: worker rank {w} pushed {count} non-finite {what}s in a row ({steps}) {AT_START}"
     if not beyond:
         return (f"{who}: worker rank {w} pushed {count} non-finite {what}s in a row ({steps}): training has "
                 f"diverged; {advice}")

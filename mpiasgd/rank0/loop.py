@@ -76,12 +76,13 @@ class Preempted(RuntimeError):
     or (`dead`) their processes had exited when the signal came: the launcher is ending the job
     because a rank died. The checkpoint is written; the job must be aborted."""
 
-    def __init__(self, why: str, waiting: list[int], dead: bool = False) -> None:
+    def __init__(self, why: str, waiting: list[int], dead: bool = False, evaluating: bool = False) -> None:
         super().__init__(f"{why}; workers {waiting} " + ("have exited" if dead else
                                                          f"did not answer within {PREEMPT_GRACE:g} s"))
         self.why = why
         self.waiting = waiting
         self.dead = dead
+        self.evaluating = evaluating  # the signal came during the final evaluation, which `waiting` had not ended
 
 
 class Rank0:
@@ -181,7 +182,9 @@ class Rank0:
 
     def handle(self, message: Any, status: Any) -> None:
         """Receive one probed message and hand it to the role (or the link); ProtocolError on anything outside
-        the protocol."""
+        the protocol. A pause of rank 0 that ended just now is taken first (`skip_pause`): the message waited
+        through it, and its push must not find the training clock past --max-time for it."""
+        self.skip_pause()
         source = status.Get_source()
         tag = protocol.parse_tag(status.Get_tag(), source, self.rank)
         nbytes = status.Get_count(MPI.BYTE)
@@ -279,7 +282,8 @@ class Rank0:
         """Rank 0's own loop did not run for more than PAUSE_GAP seconds since its last tick (its process was
         stopped, SIGSTOP then SIGCONT, or starved, or busy writing): the workers' messages waited in the
         queue meanwhile, so that gap is not their silence. It is taken off every worker's silence
-        (--stall-warning, --comm-timeout) and logged as one event "pause" instead of stall warnings; a
+        (--stall-warning, --comm-timeout) and, while the run trains, off its training time (`Recorder.lost`:
+        --max-time, the schedule, images/s), and logged as one event "pause" instead of stall warnings; a
         hung worker is still named once it has been silent that long while rank 0 ran."""
         now = self.rec.now()
         gap = 0.0 if self.last_tick is None else now - self.last_tick
@@ -288,9 +292,12 @@ class Rank0:
             return
         for w in self.last_seen:  # the workers (and, --servers, the other shards)
             self.last_seen[w] = min(now, self.last_seen[w] + gap)
+        training = not self.rec.stop_reason
+        if training:  # nothing was trained meanwhile: --max-time and the schedule count training time only
+            self.rec.lost += gap
         who = "rank 0" if self.decides else f"parameter-server shard rank {self.rank}"
         text = (f"{who} was paused for {gap:.1f} s (its loop did not run: the process was stopped, starved or "
-                f"busy); not counted as the workers' silence")
+                f"busy); not counted as the workers' silence" + (" nor as training time" if training else ""))
         self.rec.event("pause", text, at=now)
         print(f"mpiasgd: note: {text}", file=sys.stderr, flush=True)
 
@@ -434,8 +441,9 @@ class Rank0:
         """Preempted once PREEMPT_GRACE seconds have passed since a signal and the workers have not all
         answered (naming them); a signal that came while the run was ending first checkpoints (`end_late`)."""
         if (self.preempted or self.late_signal) and time.perf_counter() > self.preempt_deadline:
+            evaluating = bool(self.late_signal) and not self.preempted
             self.end_late()
-            raise Preempted(self.preempted, self.role.waiting_for())
+            raise Preempted(self.preempted, self.role.waiting_for(), evaluating=evaluating)
 
     def signal_from(self, why: str) -> None:
         """A worker's message flagged a signal (PREEMPT): preempt, unless the run already is (or this is a shard
@@ -453,6 +461,7 @@ class Rank0:
         checkpoint of the final state (rank 0 holds it in the parameter-server modes; the others sent theirs)."""
         if self.late_signal and not self.preempted:
             self.preempted = self.late_signal
+            self.preempt_time = self.rec.now()  # (the checkpoint below is this preemption's: `resume_note`)
             self.rec.event("preempt", self.late_signal)
             if self.role.checkpoints_here:
                 self.rec.write_checkpoint(self.role.state("preempt"))

@@ -17,6 +17,7 @@ is logged.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -27,7 +28,7 @@ import numpy as np
 
 from mpiasgd import checkpoint
 from mpiasgd.comms import Interval
-from mpiasgd.health import Finding, LossWatch, rejected_text, rejects_text
+from mpiasgd.health import AT_START, Finding, LossWatch, rejected_text, rejects_text
 from mpiasgd.optim import StopRule, snapshot_seconds
 from mpiasgd.rank0.evals import EvalShare
 from mpiasgd.runlog import (
@@ -395,7 +396,7 @@ class Recorder:
             self.warn(rejected_text(w, step, what, beyond))
         if self.rejects_in_row[w] >= self.cfg.max_rejects:
             raise TrainingDiverged(rejects_text(self.who, w, step, self.rejects_in_row[w], self.cfg.max_rejects, what,
-                                                advice, count, largest))
+                                                advice, count, largest, updated=self.version > 0))
 
     def accept(self, w: int) -> None:
         """Worker `w`'s gradient was finite: its run of rejects is over."""
@@ -574,11 +575,22 @@ class Recorder:
             "rejected": sum(self.rejected.values()),
             "held_s": sum(self.held_total.values()),
             "preempted": preempted,
-            "health": self.health.final_state() if self.health is not None else "",
+            "health": self.final_health(test_loss, count),
             "diverged": self.diverged,
             **self.wire_summary(),
             **(self.shards.summary() if self.shards is not None else {}),
         }
+
+    def final_health(self, test_loss: float, count: int) -> str:
+        """The summary's `health`: the divergence watch's state at the end (`LossWatch.final_state`), or, for a
+        network whose final weights compute a non-finite test loss (every push rejected, --max-rejects set high;
+        the watch sees no finite loss), a line saying so; "" if healthy."""
+        state = self.health.final_state() if self.health is not None else ""
+        if state or not count or math.isfinite(test_loss):
+            return state
+        rejected = sum(self.rejected.values())
+        return (f"non-finite: the final weights compute a non-finite test loss ({test_loss}); {rejected:,} pushes "
+                f"were rejected as non-finite" + (f", {AT_START}" if self.version == 0 else ""))
 
     def wire_summary(self) -> dict:
         """The summary's byte counts (`count_wire`): wire_bytes_pushed and wire_bytes_pulled over every shard,

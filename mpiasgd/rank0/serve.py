@@ -180,6 +180,11 @@ def serve(cfg: Any, me: Any, start: Any) -> int:
             names = ", ".join(f"{r0.name_of(w)} on {hosts[w]}" for w in stop.waiting)
             status, code = "failed", ABORT_CODE
             text = f"{names} died (its process exited; the launcher ended the job); {r0.resume_note()}"
+        elif stop.evaluating:  # a signal during the final evaluation, which took longer than the grace
+            names = ", ".join(f"rank {w} on {hosts[w]}" for w in stop.waiting)
+            status, code = "preempted", EXIT_PREEMPTED
+            text = (f"{stop.why}; {r0.resume_note()} (a resume evaluates it); worker(s) {names} had not finished "
+                    f"the final evaluation within {PREEMPT_GRACE:g} s of the signal: the run ends without it")
         else:  # a signal, and some workers did not answer: hung, or dead on another host
             names = ", ".join(f"rank {w} on {hosts[w]}" for w in stop.waiting)
             status, code = "preempted", EXIT_PREEMPTED

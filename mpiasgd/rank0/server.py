@@ -139,7 +139,7 @@ class ShardedServer(Role):
             raise BeyondWireRange(
                 f"{self.rec.who}: {reply} to worker rank {w} (step {step}, version {self.rec.version}): a {what} of "
                 f"magnitude {largest:.6g} is beyond fp16's range {RANGE} (--wire fp16): it would travel as inf and "
-                f"the worker compute NaN; {WIRE_ADVICE} or lower --lr")
+                f"the worker compute NaN; {WIRE_ADVICE}" + ("" if initial else " or lower --lr"))
 
     # --- a push and its answer ---
     def on_push(self, w: int, msg: Message) -> None:

@@ -289,23 +289,46 @@ def test_sigterm_to_mpiexec_closes_the_log_as_preempted(tmp_path, sig, delay, sn
     assert attrs["status"] == "completed" and attrs["version"] >= ck.version  # (loaded: 1 s may bring no update)
 
 
-def test_signal_during_the_final_evaluation_lets_the_run_complete(tmp_path):
+def signal_rank0_during_the_final_evaluation(tmp_path, kind: str, sig: int) -> tuple[int, str]:
+    """A 3-rank run of fault.py `kind` on worker 2 (its evaluation made slow) stops after 50 pushes; `sig` goes to
+    rank 0 while worker 2 evaluates. (exit status, stderr)"""
     runs = tmp_path / "runs"
     cmd = mpi_command(3, (str(SCRIPTS / "fault.py"),),
-                      ["sloweval", "2", *FAST, "--epochs", "0", "--max-pushes", "50", "--name", "e"])
+                      [kind, "2", *FAST, "--epochs", "0", "--max-pushes", "50", "--name", "e"])
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         wait_for(lambda: (runs / "e.h5.lock").exists() and b"stop" in events_of(runs / "e.h5"))
-        os.kill(rank_pid(runs, "e", 0), signal.SIGUSR1)  # worker 2 is still evaluating
+        os.kill(rank_pid(runs, "e", 0), sig)
         _, err = proc.communicate(timeout=60)
     finally:
         stop_group(proc)
-    assert proc.returncode == 0, err  # finished within the grace: completed, not a run to requeue and redo
+    return proc.returncode, err
+
+
+def test_signal_during_the_final_evaluation_lets_the_run_complete(tmp_path):
+    runs = tmp_path / "runs"
+    code, err = signal_rank0_during_the_final_evaluation(tmp_path, "sloweval", signal.SIGUSR1)  # worker 2: 3 s
+    assert code == 0, err  # finished within the grace: completed, not a run to requeue and redo
     attrs, t, _ = read_log(runs / "e.h5")
     assert attrs["status"] == "completed" and attrs["test_count"] == 360
     assert b"signal" in t["events"]["kind"].tolist() and b"preempt" not in t["events"]["kind"].tolist()
     assert checkpoint.load(str(runs / "e.ckpt.h5")).reason == "end"
+
+
+def test_signal_during_a_final_evaluation_longer_than_the_grace_ends_preempted_from_a_checkpoint(tmp_path):
+    """(trial of issue 36) The final evaluation outlasts the grace after a signal (worker 2's takes 6 s): the run
+    ends preempted from a checkpoint of the final state, and the message says so and that the workers were
+    evaluating (not "no checkpoint written now (the state is on the workers)", not "dead or hung")."""
+    runs = tmp_path / "runs"
+    code, err = signal_rank0_during_the_final_evaluation(tmp_path, "longeval", signal.SIGTERM)  # worker 2: 6 s
+    assert code == PREEMPTED, err
+    assert "checkpoint 'runs/e.ckpt.h5' written, continue with --resume (a resume evaluates it); worker(s) rank 2 " \
+           "on " in err and "had not finished the final evaluation within 5 s of the signal" in err, err
+    assert "state is on the workers" not in err and "hung" not in err, err
+    attrs, _, _ = read_log(runs / "e.h5")
+    assert attrs["status"] == "preempted"
+    assert checkpoint.load(str(runs / "e.ckpt.h5")).reason == "preempt"
 
 
 def events_of(path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -277,3 +278,16 @@ def test_an_unknown_flag_suggests_the_close_one():
     with pytest.raises(ConfigError) as e:
         parse(["--batchsize=64"])
     assert str(e.value) == "mpiasgd train: unrecognized arguments: --batchsize=64 (did you mean --batch-size?)"
+
+
+def test_a_resume_does_not_take_overwrite_from_the_run_it_continues(tmp_path, monkeypatch):
+    """A run started with --overwrite stores overwrite = true; its resume must not replace an unreadable log
+    because of that (trial of issue 36): --overwrite counts only when this command gives it."""
+    import mpiasgd.checkpoint
+
+    stored = dataclasses.asdict(from_mapping({"model": "digits", "dataset": "digits", "overwrite": True}))
+    monkeypatch.setattr(mpiasgd.checkpoint, "load_config", lambda path: stored)
+    ckpt = tmp_path / "x.ckpt.h5"
+    ckpt.write_bytes(b"")
+    assert stored["overwrite"] is True and parse(["--resume", str(ckpt)]).overwrite is False
+    assert parse(["--resume", str(ckpt), "--overwrite"]).overwrite is True

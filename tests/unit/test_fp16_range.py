@@ -5,6 +5,7 @@ travel as inf and every worker compute NaN), naming the rank, the worker, the va
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -89,14 +90,34 @@ def test_a_push_beyond_fp16_range_is_named_with_its_value_not_as_divergence(tmp_
 
 def test_a_nan_push_under_fp16_is_still_divergence(tmp_path):
     server, net, _ = make_server(tmp_path, wire="fp16", max_rejects=2)
+    push(net, 1, step=1, version=0, grad=np.ones(P, np.float32), wire="fp16")
+    serve_one(server)  # one update applied: the NaNs after it are the training's
     bad = HUGE.copy()
     bad[0] = np.nan
-    for step in (1, 2):
-        push(net, 1, step=step, version=0, grad=bad, wire="fp16", peak=math.nan)
+    stop = two_rejects(server, net, bad, first_step=2, version=1, wire="fp16", peak=math.nan)
+    assert re.fullmatch(r"rank 0: worker rank 1 pushed 2 non-finite gradients in a row \(steps 2..3; --max-rejects "
+                        r"2\): training has diverged; lower --lr", stop), stop
+
+
+def two_rejects(server, net, grad, first_step=1, version=0, **fields) -> str:
+    """Push `grad` twice from worker 1 (steps first_step, first_step + 1) to a server with --max-rejects 2;
+    the TrainingDiverged message that ends the run."""
+    for step in (first_step, first_step + 1):
+        push(net, 1, step=step, version=version, grad=grad, **fields)
     serve_one(server)
-    with pytest.raises(TrainingDiverged, match=r"^rank 0: worker rank 1 pushed 2 non-finite gradients in a row "
-                                               r"\(steps 1..2; --max-rejects 2\): training has diverged; lower --lr$"):
+    with pytest.raises(TrainingDiverged) as stop:
         serve_one(server)
+    return str(stop.value)
+
+
+def test_non_finite_pushes_before_any_update_blame_the_network_not_the_step_size(tmp_path):
+    """(trial of issue 36) NaN gradients from the first push on come from the initial weights or the inputs:
+    "training has diverged; lower --lr" would send the user after the wrong cause."""
+    server, net, _ = make_server(tmp_path, max_rejects=2)
+    assert two_rejects(server, net, np.full(P, np.nan, np.float32)) == (
+        "rank 0: worker rank 1 pushed 2 non-finite gradients in a row (steps 1..2; --max-rejects 2) before any "
+        "update was applied: the network computes non-finite values at its initial weights (its layers, their "
+        "initialisation or the scale of its inputs), not because of the step size")
 
 
 def test_a_run_of_rejects_that_ends_beyond_the_range_names_both(tmp_path):
@@ -136,8 +157,9 @@ def test_initial_weights_beyond_fp16_range_are_refused(tmp_path):
     server, _, _ = make_server(tmp_path, wire="fp16")
     server.params[0] = -1e5
     with pytest.raises(TrainingDiverged, match=r"^rank 0: initial WEIGHTS to worker rank 1 \(step 0, version 0\): "
-                                               r"a weight of magnitude 100000 is beyond fp16's range"):
+                                               r"a weight of magnitude 100000 is beyond fp16's range") as stop:
         server.start_workers()
+    assert str(stop.value).endswith("use --wire bf16 (float32's range)")  # no step size has acted yet
 
 
 def test_a_shard_names_itself_when_its_slice_leaves_the_range():
@@ -161,7 +183,7 @@ def test_a_shard_names_itself_when_its_slice_leaves_the_range():
     assert str(stop.value) == (
         f"rank {rank} (parameter-server shard 1): initial WEIGHTS to worker rank 1 (step 0, version 0): a weight of "
         "magnitude 65530 is beyond fp16's range [-65504, 65504] (--wire fp16): it would travel as inf and the worker "
-        "compute NaN; use --wire bf16 (float32's range) or lower --lr")
+        "compute NaN; use --wire bf16 (float32's range)")  # (initial weights: not the step size's doing)
 
 
 def test_a_flagged_sharded_push_beyond_the_range_is_named_on_every_shard(tmp_path, capsys):
@@ -171,3 +193,19 @@ def test_a_flagged_sharded_push_beyond_the_range_is_named_on_every_shard(tmp_pat
     with pytest.raises(TrainingDiverged, match=r"pushed 1 gradient in a row beyond fp16's range .*the largest "
                                                r"magnitude 70000"):
         serve_one(server)
+
+
+def test_a_run_whose_final_loss_is_not_finite_says_so_in_its_health_line(tmp_path):
+    """(trial of issue 36) --max-rejects set high, every push rejected: the run completes, and its summary's
+    health line (train's end, report) names the non-finite loss instead of staying empty."""
+    server, net, _ = make_server(tmp_path, max_rejects=1000)
+    for step in (1, 2, 3):
+        push(net, 1, step=step, version=0, grad=np.full(P, np.nan, np.float32))
+        serve_one(server)
+    summary = server.rec.summary({1: (math.nan, 0, 50, 0), 2: (math.nan, 0, 50, 0)}, "")
+    assert summary["health"] == (
+        "non-finite: the final weights compute a non-finite test loss (nan); 3 pushes were rejected as non-finite, "
+        "before any update was applied: the network computes non-finite values at its initial weights (its layers, "
+        "their initialisation or the scale of its inputs), not because of the step size")
+    healthy = server.rec.summary({1: (40.0, 30, 50, 45), 2: (40.0, 30, 50, 45)}, "")
+    assert healthy["health"] == ""

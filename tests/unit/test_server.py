@@ -538,3 +538,28 @@ def test_progress_bar_shows_no_loss_before_the_first_push(tmp_path):
     serve_one(server)
     server.rec.show_progress(force=True)
     assert bar.text.startswith("epoch ") and " loss 2.500 staleness 0.00" in bar.text
+
+
+def test_a_pause_of_rank0_is_not_training_time_and_a_push_after_it_does_not_end_the_run(tmp_path, monkeypatch):
+    """(trial of issue 36) Rank 0 stopped for 12.5 s of a --max-time 12 run: the push that waited through the pause
+    is handled before any tick, and must neither find the training clock past 12 s nor leave the pause unlogged."""
+    import time
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    server, net, log = make_server(tmp_path, max_pushes=0, max_time=12.0, checkpoint_interval=0)
+    server.rec.start = 0.0
+    server.start_workers()
+    for t in (0.1, 0.2, 0.3):
+        clock[0] = t
+        server.tick()
+    clock[0] = 12.8  # SIGSTOP at 0.3 s ... SIGCONT at 12.8 s: the push waited in the queue
+    push(net, 1, step=1, version=0, grad=np.ones(P, np.float32))
+    serve_one(server)
+    assert not server.rec.stop_reason and server.rec.version == 1
+    assert server.rec.train_time() == pytest.approx(0.3)  # 0.3 s trained; the 12.5 s pause is not training
+    log.flush()
+    with open_log(log.path) as f:
+        pauses = [e["text"].decode() for e in f["events"][()] if e["kind"] == b"pause"]
+    assert pauses == ["rank 0 was paused for 12.5 s (its loop did not run: the process was stopped, starved or "
+                      "busy); not counted as the workers' silence nor as training time"]
