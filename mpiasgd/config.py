@@ -22,7 +22,16 @@ from mpiasgd.data import DATASETS, DataError
 from mpiasgd.data.augment import Augmentation
 from mpiasgd.model import MODELS
 from mpiasgd.model.spec import USER_FILE, is_file_ref, label
-from mpiasgd.modes.registry import MODES, OPTIONS, load
+from mpiasgd.modes.registry import (
+    MODES,
+    OPTIONS,
+    AsyncOptions,
+    EasgdOptions,
+    PipelineOptions,
+    ShardOptions,
+    SspOptions,
+    load,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -313,14 +322,14 @@ class BaseConfig:
         return "\n".join(f"  {f.name:<{width}} = {getattr(self, f.name)!r}" for f in dataclasses.fields(self))
 
 
-Config = dataclasses.make_dataclass(
-    "Config", [(o.name, o.type, _opt(o.default, o.group, o.help)) for o in OPTIONS], bases=(BaseConfig,),
-    frozen=True)
-Config.__module__ = __name__
-Config.__doc__ = """The run configuration: `BaseConfig`'s keys and those the modes own (`mpiasgd.modes.registry`).
+@dataclass(frozen=True)
+class Config(EasgdOptions, AsyncOptions, ShardOptions, PipelineOptions, SspOptions, BaseConfig):
+    """The run configuration: `BaseConfig`'s keys, then those the modes own, each mode's as a typed dataclass
+    of `mpiasgd.modes.registry` (the fields in that order: the bases in reverse).
 
-Frozen; `validate()` checks every value (ConfigError naming the key), `to_json()` is what the run
-log and checkpoints store."""
+    Frozen; `validate()` checks every value (ConfigError naming the key), `to_json()` is what the run
+    log and checkpoints store."""
+
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 

@@ -104,6 +104,7 @@ from mpiasgd import checkpoint
 from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
 from mpiasgd.comms.wire import WIRES, decode
 from mpiasgd.comms.wire import warm_up as warm_up_wire
+from mpiasgd.config import Config
 from mpiasgd.modes.base import Mode, WorkerJob, initial_buffers, lr_scale, need, round_fits
 from mpiasgd.modes.sharded_worker import ShardedWorker
 from mpiasgd.optim import (
@@ -481,7 +482,7 @@ class AsgdMode(Mode):
     name = "async"
     asynchronous = True
 
-    def check_config(self, cfg: Any) -> None:
+    def check_config(self, cfg: Config) -> None:
         need(cfg.nsync >= 1, cfg, "nsync", "an integer >= 1")
         need(math.isfinite(cfg.warm_start) and cfg.warm_start >= 0, cfg, "warm_start", "seconds >= 0")
         need(cfg.staleness_lr in STALENESS_LR, cfg, "staleness_lr", f"one of {STALENESS_LR}")
@@ -510,7 +511,7 @@ class AsgdMode(Mode):
             need(not cfg.overlap, cfg, "dc_lambda", "0 with --overlap (a push is then computed on the weights of "
                  "the reply before the last, which the server no longer holds)")
 
-    def layout(self, cfg: Any, model: Any, num_workers: int, num_train: int) -> Any:
+    def layout(self, cfg: Config, model: Any, num_workers: int, num_train: int) -> Any:
         if cfg.nsync > 1:
             round_fits(cfg, "nsync", cfg.nsync, num_workers, num_train)
         return super().layout(cfg, model, num_workers, num_train)

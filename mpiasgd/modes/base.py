@@ -19,7 +19,7 @@ from mpi4py import MPI
 from mpiasgd import signals
 from mpiasgd.comms import Flag, Message, ProtocolError, Staging, Tag, check, check_size, parse_tag, wait
 from mpiasgd.comms.wire import ErrorFeedback
-from mpiasgd.config import ConfigError
+from mpiasgd.config import Config, ConfigError
 from mpiasgd.data import MinibatchStream, ShardSampler
 from mpiasgd.model import Evaluation, evaluate
 
@@ -53,7 +53,7 @@ class WorkerJob:
     mode's layout."""
 
     comm: Any
-    cfg: Any
+    cfg: Config
     model: Any
     dataset: Any
     sampler: ShardSampler
@@ -73,20 +73,20 @@ class Mode:
     asynchronous = False  # the training rows come from different weights at once (the divergence watch)
     advice = ""           # what the divergence watch advises ("": mpiasgd.health.likely_cause)
 
-    def check_config(self, cfg: Any) -> None:
+    def check_config(self, cfg: Config) -> None:
         """ConfigError naming a key this mode owns that is out of range. `config.validate` calls every mode's
         (the keys of other modes are at their defaults, which pass), before it checks that the keys of
         other modes than `cfg.mode` are at their defaults."""
 
-    def layout(self, cfg: Any, model: Any, num_workers: int, num_train: int) -> Layout:
+    def layout(self, cfg: Config, model: Any, num_workers: int, num_train: int) -> Layout:
         """The workers' layout for `num_workers` workers; ConfigError when the job does not fit the mode."""
         return Layout.data_parallel(num_workers)
 
-    def communicators(self, cfg: Any, comm: Any, rank: int, layout: Layout) -> Any:
+    def communicators(self, cfg: Config, comm: Any, rank: int, layout: Layout) -> Any:
         """Collective (every rank calls it): the mode's worker-only communicators; None on rank 0."""
         return None
 
-    def describe(self, cfg: Any, model: Any, layout: Layout, num_workers: int) -> str:
+    def describe(self, cfg: Config, model: Any, layout: Layout, num_workers: int) -> str:
         """Lines rank 0 prints at start-up about the layout ("" for nothing)."""
         return ""
 
@@ -102,13 +102,13 @@ class Mode:
         raise NotImplementedError
 
 
-def need(ok: bool, cfg: Any, key: str, expected: str) -> None:
+def need(ok: bool, cfg: Config, key: str, expected: str) -> None:
     """ConfigError "config key 'KEY' = VALUE: expected EXPECTED" unless `ok`."""
     if not ok:
         raise ConfigError(f"config key '{key}' = {getattr(cfg, key)!r}: expected {expected}")
 
 
-def round_fits(cfg: Any, key: str, steps: int, num_workers: int, num_train: int) -> None:
+def round_fits(cfg: Config, key: str, steps: int, num_workers: int, num_train: int) -> None:
     """ConfigError naming config key `key` when one round of `steps` local minibatches by every one of
     `num_workers` workers is longer than the whole run (`cfg.epochs` of `num_train` images): it would
     train with the step size the schedule has past the end (nsync, easgd's tau)."""
@@ -123,7 +123,7 @@ def message_count(model: Any) -> int:
     return model.num_params + model.num_buffers
 
 
-def worker_feedback(cfg: Any, model: Any) -> ErrorFeedback | None:
+def worker_feedback(cfg: Config, model: Any) -> ErrorFeedback | None:
     """A worker's error feedback for its pushes (--wire-error-feedback; on the model's P parameters, not its
     buffers), None without it."""
     return ErrorFeedback(cfg.wire, model.num_params) if cfg.wire_error_feedback else None

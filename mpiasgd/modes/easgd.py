@@ -62,6 +62,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpiasgd.comms import Flag, SendSlots, Tag, wait
+from mpiasgd.config import Config
 from mpiasgd.modes.base import Mode, WorkerJob, initial_buffers, need, round_fits
 from mpiasgd.modes.sharded_worker import ShardedWorker
 from mpiasgd.optim import LocalSGD, fraction_done
@@ -71,7 +72,7 @@ from mpiasgd.rank0.server import ShardedServer, server_shard
 BETA = 0.9  # the paper's beta = p alpha
 
 
-def moving_rate(cfg: Any, num_workers: int) -> float:
+def moving_rate(cfg: Config, num_workers: int) -> float:
     """alpha: `--easgd-alpha`, or (0) the paper's rule beta / p, beta = 0.9, p = `num_workers`."""
     return cfg.easgd_alpha or BETA / num_workers
 
@@ -278,12 +279,12 @@ class EasgdMode(Mode):
     advice = ("the step size of the local steps is likely too large: lower --lr or lengthen --warmup-epochs "
               "(or exchange more often: a smaller --easgd-tau)")
 
-    def check_config(self, cfg: Any) -> None:
+    def check_config(self, cfg: Config) -> None:
         need(cfg.easgd_tau >= 1, cfg, "easgd_tau", "an integer >= 1 (local steps between exchanges)")
         need(math.isfinite(cfg.easgd_alpha) and 0 <= cfg.easgd_alpha < 1, cfg, "easgd_alpha",
              "0 < alpha < 1, or 0 for the paper's rule 0.9 / workers")
 
-    def layout(self, cfg: Any, model: Any, num_workers: int, num_train: int) -> Any:
+    def layout(self, cfg: Config, model: Any, num_workers: int, num_train: int) -> Any:
         round_fits(cfg, "easgd_tau", cfg.easgd_tau, num_workers, num_train)
         return super().layout(cfg, model, num_workers, num_train)
 

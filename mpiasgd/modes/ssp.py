@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from mpiasgd.config import Config
 from mpiasgd.modes.asgd import AsgdMode, AsgdServer
 from mpiasgd.modes.base import need
 
@@ -70,7 +71,7 @@ class SspServer(AsgdServer):
 class SspMode(AsgdMode):
     name = "ssp"
 
-    def check_config(self, cfg: Any) -> None:
+    def check_config(self, cfg: Config) -> None:
         super().check_config(cfg)
         need(cfg.staleness_bound >= 0, cfg, "staleness_bound", "an integer >= 0")
 

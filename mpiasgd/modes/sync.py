@@ -42,6 +42,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpiasgd.comms import Flag, Interval, Message, ProtocolError, SendSlots, Tag, check, wait, weights_digest
+from mpiasgd.config import Config
 from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, initial_buffers
 from mpiasgd.optim import EvalSchedule, LocalSGD, Schedule, StopRule, finite_square, fraction_done, snapshot_seconds
 from mpiasgd.rank0.evals import PeriodicEvals
@@ -314,7 +315,7 @@ class SyncWorker(WorkerLoop):
 class SyncMode(Mode):
     name = "sync"
 
-    def communicators(self, cfg: Any, comm: Any, rank: int, layout: Any) -> Any:
+    def communicators(self, cfg: Config, comm: Any, rank: int, layout: Any) -> Any:
         """The workers' own communicator, for the allreduces (rank 0: MPI.COMM_NULL)."""
         return comm.Split(0 if rank else MPI.UNDEFINED, rank)
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from mpiasgd.comms import Flag, ProtocolError
+from mpiasgd.config import Config
 from mpiasgd.optim import EvalSchedule
 
 EVAL_SHARE_WARN = 0.25  # evaluations during training taking more than this share of the training time: warned
@@ -86,7 +87,7 @@ class PeriodicEvals:
     a snapshot of the same weights (-1: none).
     """
 
-    def __init__(self, rec: Any, cfg: Any, workers: Any, decided_by_workers: bool = False,
+    def __init__(self, rec: Any, cfg: Config, workers: Any, decided_by_workers: bool = False,
                  samples_at: Callable[[int], float] | None = None,
                  snapshot_of: Callable[[int], int] | None = None) -> None:
         self.rec, self.cfg, self.workers = rec, cfg, list(workers)

@@ -48,6 +48,7 @@ from mpiasgd.comms import (
     protocol,
     wait_all,
 )
+from mpiasgd.config import Config
 from mpiasgd.rank0.recorder import Recorder
 from mpiasgd.runlog import RunLogError
 
@@ -94,7 +95,7 @@ class Rank0:
     the link to the other shards (module docstring); None: one server.
     """
 
-    def __init__(self, comm: Any, cfg: Any, rec: Recorder, make_role: Any, pids: dict | None = None,
+    def __init__(self, comm: Any, cfg: Config, rec: Recorder, make_role: Any, pids: dict | None = None,
                  make_link: Any = None) -> None:
         self.comm, self.cfg, self.rec = comm, cfg, rec
         self.rank = comm.Get_rank() if comm is not None else 0  # 0, or a parameter-server shard's (--servers)

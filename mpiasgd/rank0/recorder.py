@@ -28,6 +28,7 @@ import numpy as np
 
 from mpiasgd import checkpoint
 from mpiasgd.comms import Interval
+from mpiasgd.config import Config
 from mpiasgd.health import AT_START, Finding, LossWatch, rejected_text, rejects_text
 from mpiasgd.optim import StopRule, snapshot_seconds
 from mpiasgd.rank0.evals import EvalShare
@@ -127,7 +128,7 @@ class Recorder:
     keeps_log = True   # it writes the run log, snapshots and checkpoints (a shard's recorder does not)
     who = "rank 0"     # how its errors name the process
 
-    def __init__(self, cfg: Any, log: RunLog, workers: range, num_train: int, progress: Any = None,
+    def __init__(self, cfg: Config, log: RunLog, workers: range, num_train: int, progress: Any = None,
                  health: LossWatch | None = None) -> None:
         self.cfg, self.log, self.workers, self.num_train = cfg, log, workers, num_train
         self.progress, self.health = progress, health

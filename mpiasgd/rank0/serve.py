@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from mpiasgd import signals
 from mpiasgd.comms import CommTimeout, Message, Tag
-from mpiasgd.config import from_mapping, resume_overrides
+from mpiasgd.config import Config, from_mapping, resume_overrides
 from mpiasgd.health import LossWatch
 from mpiasgd.model.spec import to_json
 from mpiasgd.optim import StopRule
@@ -37,7 +37,7 @@ EXIT_PREEMPTED = signals.EXIT_PREEMPTED  # 75: checkpointed on a signal; requeue
 ABORT_CODE = 1
 
 
-def announce(cfg: Any, me: Any, start: Any, workers: list) -> None:
+def announce(cfg: Config, me: Any, start: Any, workers: list) -> None:
     """The first lines rank 0 prints: workers and their kind, model, dataset, the mode's layout, and (--servers
     S > 1) the shards' cut."""
     from mpiasgd import __version__
@@ -61,7 +61,7 @@ def announce(cfg: Any, me: Any, start: Any, workers: list) -> None:
         print(start.cut.describe(me.num_workers), flush=True)
 
 
-def start_log(cfg: Any, me: Any, start: Any, workers: list, extra: dict | None = None,
+def start_log(cfg: Config, me: Any, start: Any, workers: list, extra: dict | None = None,
               shards: list | None = None) -> RunLog:
     """Create the run log, or (resuming) continue it (a new one when it is missing, or `start.replace_log`:
     --overwrite of one that cannot be read); logs the resume's config changes and autotune events.
@@ -114,7 +114,7 @@ def start_log(cfg: Any, me: Any, start: Any, workers: list, extra: dict | None =
     return log
 
 
-def make_recorder(cfg: Any, start: Any, log: RunLog, num_workers: int, kind: type, desc: str = "training") -> Any:
+def make_recorder(cfg: Config, start: Any, log: RunLog, num_workers: int, kind: type, desc: str = "training") -> Any:
     """Rank 0's recorder of class `kind` (a Recorder) on `log` for `num_workers` workers: with the progress bar
     (--progress, labelled `desc`), the divergence watch of the mode, the network's definition for the
     checkpoints and, with --tensorboard, the event files (a resume hides what the replaced segment wrote after
@@ -136,7 +136,7 @@ def make_recorder(cfg: Any, start: Any, log: RunLog, num_workers: int, kind: typ
     return rec
 
 
-def serve(cfg: Any, me: Any, start: Any) -> int:
+def serve(cfg: Config, me: Any, start: Any) -> int:
     """(rank 0) Create (or, resuming, continue) the run log, serve, close the log, print the summary.
 
     Returns 0, EXIT_PREEMPTED when a signal ended the run (the checkpoint is written), or EXIT_DIVERGED when
@@ -290,7 +290,7 @@ def log_unwritable(me: Any, start: Any, error: RunLogError) -> None:
         me.comm.Abort(ABORT_CODE)
 
 
-def serve_shard(cfg: Any, me: Any, start: Any) -> int:
+def serve_shard(cfg: Config, me: Any, start: Any) -> int:
     """(a parameter-server shard of rank >= 1, --servers S > 1) Join the start-up gather (a ShardInfo), take
     rank 0's RESTORE when resuming, then serve this shard's slice with the mode's server in rank 0's loop,
     linked to rank 0 (`mpiasgd.rank0.shard_hub.HubLink`), until rank 0 says END. Returns 0, or EXIT_PREEMPTED

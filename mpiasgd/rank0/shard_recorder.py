@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from mpiasgd import checkpoint
+from mpiasgd.config import Config
 from mpiasgd.rank0.recorder import Recorder
 from mpiasgd.runlog import ShardPushRow
 
@@ -30,7 +31,7 @@ class ShardRecorder(Recorder):
 
     keeps_log = False
 
-    def __init__(self, cfg: Any, workers: range, num_train: int, shard: int, rank: int) -> None:
+    def __init__(self, cfg: Config, workers: range, num_train: int, shard: int, rank: int) -> None:
         super().__init__(cfg, None, workers, num_train)
         self.shard, self.rank = shard, rank
         self.who = f"rank {rank} (parameter-server shard {shard})"

@@ -25,7 +25,7 @@ from typing import Any
 
 import mpi4py
 
-from mpiasgd.config import ConfigError, resolve
+from mpiasgd.config import Config, ConfigError, resolve
 from mpiasgd.config import make_parser as train_parser
 from mpiasgd.runlog import RunLogError
 from mpiasgd.signals import Terminated
@@ -115,7 +115,7 @@ def timing_from(args: argparse.Namespace) -> Any:
     return TimingModel.from_dict(values, f"{'--profile' if args.profile else '--fit'} with the timing flags")
 
 
-def with_stragglers(cfg: Any, timing: Any, num_workers: int) -> Any:
+def with_stragglers(cfg: Config, timing: Any, num_workers: int) -> Any:
     """`cfg` with the timing model's `stragglers` (the --straggler of the run it was fitted from, of workers
     1..num_workers) as its --straggler when it gives none of its own; else `cfg` as it is."""
 
@@ -126,7 +126,7 @@ def with_stragglers(cfg: Any, timing: Any, num_workers: int) -> Any:
     return dataclasses.replace(cfg, straggler=straggler_text(kept))
 
 
-def fit_line(path: str, timing: Any, cfg: Any, num_workers: int) -> str:
+def fit_line(path: str, timing: Any, cfg: Config, num_workers: int) -> str:
     """One line: what --fit took from run log `path` (`timing`, the fitted model) and what this run of
     `num_workers` workers (`cfg`, after `with_stragglers`) applies of it."""
 

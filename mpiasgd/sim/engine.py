@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from mpiasgd.comms import Flag, Message, ProtocolError, Tag, check, check_size, parse_tag
-from mpiasgd.config import ConfigError
+from mpiasgd.config import Config, ConfigError
 from mpiasgd.model import evaluate
 from mpiasgd.modes.base import WorkerJob, WorkerLoop, dropout_seed
 from mpiasgd.optim import LocalSGD
@@ -60,7 +60,7 @@ from mpiasgd.sim.timing import ComputeDraws, TimingModel
 SIMULATED_MODES = ("async", "ssp")  # the parameter-server modes whose workers AsgdWorker is
 
 
-def check_simulated(cfg: Any, num_workers: int) -> None:
+def check_simulated(cfg: Config, num_workers: int) -> None:
     """ConfigError naming what `mpiasgd simulate` does not do: a mode other than async/ssp, --overlap,
     --resume, --backend cupy, --servers > 1, fewer than 1 worker."""
     if num_workers < 1:
@@ -146,7 +146,7 @@ class Simulation:
     breaks the protocol (or nothing is left to happen before the role is done).
     """
 
-    def __init__(self, cfg: Any, mode: Any, model: Any, dataset: Any, layout: Any, samplers: list,
+    def __init__(self, cfg: Config, mode: Any, model: Any, dataset: Any, layout: Any, samplers: list,
                  test_idx: dict[int, np.ndarray], timing: TimingModel, rec: VirtualRecorder,
                  params: np.ndarray, worker_model: Any = None) -> None:
         self.cfg, self.mode, self.model, self.dataset, self.layout = cfg, mode, model, dataset, layout

@@ -18,6 +18,7 @@ from typing import Any
 
 from threadpoolctl import threadpool_limits
 
+from mpiasgd.config import Config
 from mpiasgd.device import resolve_backend
 from mpiasgd.launch.ranks import Rank
 from mpiasgd.launch.startup import definition_text, load_data, setup, shared_definition, test_slice
@@ -35,7 +36,7 @@ from mpiasgd.sim.timing import save_profile as save_timing
 EXIT_DIVERGED = 3  # as `mpiasgd train`: --on-divergence stop ended the run (log status 'diverged')
 
 
-def simulate(cfg: Any, num_workers: int, timing: TimingModel, save_profile: str | None = None) -> int:
+def simulate(cfg: Config, num_workers: int, timing: TimingModel, save_profile: str | None = None) -> int:
     """Simulate run `cfg` (mode async or ssp) with `num_workers` virtual workers under `timing`; write its run
     log, print the start lines and the summary as `mpiasgd train` does. Returns 0, or EXIT_DIVERGED when
     --on-divergence stop ended it. `save_profile`: a JSON file to write the timing model used to, once every

@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpiasgd.config import ConfigError
+from mpiasgd.config import Config, ConfigError
 from mpiasgd.modes.base import Layout, Mode, WorkerJob, need
 from mpiasgd.modes.pipeline.monitor import PipelineMonitor
 from mpiasgd.modes.pipeline.partition import Module, describe_partition, layer_costs, partition
@@ -75,7 +75,7 @@ __all__ = ["MODE", "Module", "PipelineMode", "PipelineMonitor", "PipelineUnit", 
            "layer_costs", "partition"]
 
 
-def cut_points(cfg: Any) -> tuple[int, ...]:
+def cut_points(cfg: Config) -> tuple[int, ...]:
     """`cuts` parsed: increasing layer indices > 0 where modules 1..K-1 start; ConfigError if malformed."""
     try:
         cuts = tuple(int(c) for c in cfg.cuts.split(",") if c.strip())
@@ -90,7 +90,7 @@ def cut_points(cfg: Any) -> tuple[int, ...]:
 class PipelineMode(Mode):
     name = "pipeline"
 
-    def check_config(self, cfg: Any) -> None:
+    def check_config(self, cfg: Config) -> None:
         need(cfg.modules >= 1, cfg, "modules", "an integer >= 1")
         need(cfg.replicas >= 0, cfg, "replicas", "an integer >= 0 (0: derived from the number of ranks)")
         need(cfg.balance in BALANCE, cfg, "balance", f"one of {BALANCE}")
@@ -103,7 +103,7 @@ class PipelineMode(Mode):
         need(not cuts or len(cuts) == cfg.modules - 1, cfg, "cuts", f"{cfg.modules - 1} layer indices (--modules "
              f"{cfg.modules})")
 
-    def layout(self, cfg: Any, model: Any, num_workers: int, num_train: int) -> Layout:
+    def layout(self, cfg: Config, model: Any, num_workers: int, num_train: int) -> Layout:
         """N replicas x K modules: unit (n, k) on rank 1 + n*K + k reads shard n and computes module k;
         ConfigError unless the workers are exactly N x K."""
         K = cfg.modules
@@ -120,14 +120,14 @@ class PipelineMode(Mode):
                       {"module_bounds": bounds},  # module k: layers bounds[k]..bounds[k+1]-1
                       {w: ((w - 1) % K, (w - 1) // K) for w in workers})
 
-    def communicators(self, cfg: Any, comm: Any, rank: int, layout: Layout) -> Any:
+    def communicators(self, cfg: Config, comm: Any, rank: int, layout: Layout) -> Any:
         """(the replica's pipeline communicator along k, the module's data communicator along n) for unit
         (n, k) on rank 1 + n*K + k; rank 0 gets MPI.COMM_NULL twice."""
         worker = rank > 0
         n, k = divmod(rank - 1, cfg.modules)
         return (comm.Split(n if worker else MPI.UNDEFINED, k), comm.Split(k if worker else MPI.UNDEFINED, n))
 
-    def describe(self, cfg: Any, model: Any, layout: Layout, num_workers: int) -> str:
+    def describe(self, cfg: Config, model: Any, layout: Layout, num_workers: int) -> str:
         cuts = describe_partition(model, layout.attrs["module_bounds"], cfg.balance, cfg.decoupling)
         replicas = num_workers // cfg.modules
         return (f"pipeline: {replicas} replica{'s' * (replicas != 1)} x {cfg.modules} modules, decoupling "
