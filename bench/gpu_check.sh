@@ -3,6 +3,7 @@
 # installs nothing into the Python environment (the GPU machine has cupy, torch, mpi4py and no network).
 #
 #     bash bench/gpu_check.sh            # output on stdout, and in $OUT/gpu_check.txt when OUT is set
+#     bash bench/gpu_check.sh --dry-run  # no device: the steps' imports, test collection and arguments (CI)
 #     (exit 0: tests passed and kernels timed; 1: a step failed; 2: no usable GPU, nothing measured)
 #     PYTHON=python3 bash bench/gpu_check.sh    # default: .venv/bin/python when present, else python3
 #
@@ -31,8 +32,12 @@
 # Under 8.5 minutes on one GPU: every step has its own timeout (at most 30+10+20+20+270+95+25 s, plus 5 s
 # grace each: 505 s); a step that fails prints its exit status and the script goes on to the next.
 set -u
-if [ $# -gt 0 ]; then
-    echo "gpu_check.sh: takes no arguments (got: $*); PYTHON=... selects the interpreter, OUT=... a folder" >&2
+DRY=0
+if [ "$*" = "--dry-run" ]; then
+    DRY=1  # CI: every step's command checked without a device (imports, test collection, arguments), exit 0
+elif [ $# -gt 0 ]; then
+    echo "gpu_check.sh: takes no arguments but --dry-run (got: $*); PYTHON=... selects the interpreter, OUT=... a" \
+         "folder" >&2
     exit 2
 fi
 cd "$(dirname "$0")/.."
@@ -50,6 +55,17 @@ fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 echo "== $(date -Is) gpu_check on $(hostname), python: $PY"
+if [ "$DRY" = 1 ]; then
+    echo "== dry run: the steps' commands, checked without a device"
+    rc=0
+    timeout -k 5 60 "$PY" -c "import mpiasgd.ops, mpiasgd.device, mpi4py; print('imports: mpiasgd, mpi4py')" || rc=1
+    timeout -k 5 120 "$PY" -m pytest -q --collect-only -p no:cacheprovider tests/gpu | tail -n 1
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    timeout -k 5 60 "$PY" bench/kernels.py --tiles --dry-run || rc=1
+    timeout -k 5 60 "$PY" bench/kernels.py --ops --runs 30 --warmup 5 --dry-run || rc=1
+    echo "== dry run exit status: $rc (0: every step would start)"
+    exit $rc
+fi
 
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     echo "== carried wheels -> /tmp/mpi: $(cd .whl && echo *.whl)"

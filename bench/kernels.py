@@ -864,6 +864,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ops", action="store_true",
                         help="instead of the conv layers, time the other kernels (pooling, batch norm, residual "
                              "shortcut, dropout, LRN, sgd) against PyTorch's on resnet20 and AlexNet shapes")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no device needed: check the arguments and imports, print what would be timed, exit 0 "
+                             "(CI runs it, so that GPU time is not spent on a typo)")
     args = parser.parse_args(argv)
     if args.warmup < 0:
         parser.error(f"argument --warmup: expected an integer >= 0, got {args.warmup}")
@@ -916,8 +919,27 @@ def run_ops(args: argparse.Namespace, ops, cupy, torch, stream, on_torch_stream,
     return 0
 
 
+def dry_run(args: argparse.Namespace) -> int:
+    """--dry-run: what a run with these arguments would time, from what needs no device; exit status 0."""
+    if args.ops:
+        print(f"dry run: --ops would time the non-conv kernels against PyTorch, {args.runs} calls after "
+              f"{args.warmup} warm-up call(s) each (the cases are built on the device)")
+        return 0
+    layers = [layer for layer in bench_layers(args.batch) if layer.name in args.layers]
+    against = "nothing (--no-torch)" if args.no_torch else "cuDNN through PyTorch"
+    print(f"dry run: {len(layers)} layer(s), each pass of each (fprop, dgrad, wgrad), {args.runs} calls after "
+          f"{args.warmup} warm-up call(s) each, against {against}:")
+    for layer in layers:
+        print("  " + layer.describe())
+    if args.tiles:
+        print("  and every tile: " + ", ".join(tile_name(t) for t in (*CONV_TILES, *CONV_TRIAL_TILES)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.dry_run:
+        return dry_run(args)
     why = no_device_reason()
     if why is not None:
         print(f"bench/kernels.py: no CUDA device visible ({why}): nothing to time", file=sys.stderr)

@@ -830,3 +830,24 @@ def test_server_bench_pairs_each_sharded_run_with_a_one_server_run_and_takes_the
     sharded = [{"shards": [{"cpu_s": 3.0}, {"cpu_s": 2.5}]}, {"shards": [{"cpu_s": 2.0}, {"cpu_s": 2.6}]}]
     single = [{"cpu_s": 5.0}, {"cpu_s": 4.0}]
     assert shard_ratios(sharded, single) == pytest.approx([0.6, 0.65])  # shard 0 busiest, then shard 1
+
+
+def test_the_gpu_check_dry_run_starts_every_step_without_a_device():
+    """`bash bench/gpu_check.sh --dry-run` (the brief: device time is never spent on a typo or an install): the
+    imports, tests/gpu's collection and bench/kernels.py's arguments of every step, checked on the CPU."""
+    res = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--dry-run"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHON": sys.executable}, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "imports: mpiasgd, mpi4py" in out and " tests collected" in out and "error" not in out.lower(), out
+    assert "dry run: 4 layer(s)" in out and "and every tile: 64x64, 32x128" in out, out
+    assert "dry run: --ops would time the non-conv kernels" in out and "dry run exit status: 0" in out, out
+
+
+def test_a_typo_in_a_gpu_scripts_arguments_fails_its_dry_run():
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "kernels.py"), "--layers", "conv9", "--dry-run"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert res.returncode == 2 and "invalid choice: 'conv9'" in res.stderr, res.stderr
+    res = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--dry-rn"], capture_output=True,
+                         text=True, timeout=60, cwd=REPO)
+    assert res.returncode == 2 and "takes no arguments but --dry-run (got: --dry-rn)" in res.stderr, res.stderr
