@@ -120,6 +120,8 @@ class LossWatch:
         self.group = [0.0, 0]                    # rows not judged for a spike yet: loss * samples, samples
         self.level = self.chance_loss            # running level of the loss, nats
         self.spiked = False                      # a spike was reported (once per run)
+        self.judged = 0                          # groups of rows judged for a spike so far
+        self.at_start = ""                       # the first group's loss was a spike: the network, not the step
         self.dead_since: float | None = None     # start epoch of the first dead window of the current spell
         self.dead_reported = False
         self.bin_start: float | None = None      # the window being summed: start epoch, loss*samples, correct, samples
@@ -140,9 +142,17 @@ class LossWatch:
             if not self.spiked and mean > max(SPIKE_FACTOR * self.level, self.level + self.chance_loss):
                 self.spiked = True
                 ratio = f"{mean / self.level:.1f}x" if mean < 1000 * self.level else "over 1000x"
-                found.append(Finding("diverged", (
-                    f"training loss spiked to {mean:.4g} at epoch {epoch:.2f}, {ratio} its running level "
-                    f"{self.level:.4g}: {self.cause}")))
+                if not self.judged:  # no level measured yet: the loss of the initial weights themselves
+                    self.at_start = (f"the training loss was {mean:.4g} from the first minibatches, {ratio} ln "
+                                     f"{round(1 / self.chance_accuracy)} = {self.chance_loss:.3f} (a network that "
+                                     f"knows nothing): its initial outputs are far too large (its layers' "
+                                     f"initialisation or the scale of its inputs), not the step size")
+                    found.append(Finding("diverged", self.at_start))
+                else:
+                    found.append(Finding("diverged", (
+                        f"training loss spiked to {mean:.4g} at epoch {epoch:.2f}, {ratio} its running level "
+                        f"{self.level:.4g}: {self.cause}")))
+            self.judged += 1
             self.level = (1 - EMA_WEIGHT) * self.level + EMA_WEIGHT * mean
         self.last_epoch = epoch
         if self.bin_start is None:

@@ -67,8 +67,8 @@ def _say_first(name: str) -> None:
     """(the first signal) A worker's line naming its rank: the job's output says which rank got what."""
     if _rank is not None:
         try:
-            os.write(2, f"mpiasgd: rank {_rank}: {name} received: this rank stops; rank 0 ends the run and "
-                        f"checkpoints it where it can\n".encode())
+            os.write(2, f"mpiasgd: rank {_rank}: {name} received: this rank stops (rank 0, while it runs, ends the "
+                        f"run with a checkpoint where it holds the state)\n".encode())
         except OSError:  # the launcher is gone (LossyStream): a line less, and the run goes on
             pass
 

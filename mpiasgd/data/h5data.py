@@ -179,9 +179,10 @@ class H5Writer:
             g["labels"][start:start + n] = labels
         except OSError as e:  # a full disk or quota, an I/O error: the partial file goes, one error names it
             size = os.path.getsize(self.partial)
+            free = shutil.disk_usage(os.path.dirname(os.path.abspath(self.partial))).free  # before the removal
             self.abort()
             if _errno(e) == errno.ENOSPC:  # another process took the space the check saw free
-                raise self._no_space(self.planned - size, f"writing failed: {_reason(e)}") from None
+                raise self._no_space(self.planned - size, f"writing failed: {_reason(e)}", free) from None
             raise DataError(f"{self.path}: writing failed ({_reason(e)}); the partial file was removed") from None
         self.written[split] += n
         if split == "train":
@@ -203,11 +204,12 @@ class H5Writer:
         if shutil.disk_usage(folder).free < planned - written + (1 << 20):
             raise self._no_space(planned - written)
 
-    def _no_space(self, needed: int, cause: str = "") -> DataError:
+    def _no_space(self, needed: int, cause: str = "", free: int | None = None) -> DataError:
         """The one-line error of a disk without room for the file: the folder, what it needs (`needed` bytes of
-        datasets not yet on disk, plus 1 MiB for HDF5), what is free, and `cause` (the failed call's error)."""
+        datasets not yet on disk, plus 1 MiB for HDF5), what is free (`free`: measured before the partial file
+        was removed, which frees its bytes again; default now), and `cause` (the failed call's error)."""
         folder = os.path.dirname(os.path.abspath(self.partial))
-        free = shutil.disk_usage(folder).free
+        free = shutil.disk_usage(folder).free if free is None else free
         why = f" ({cause})" if cause else ""
         gone = "; the partial file was removed" if cause else ""
         return DataError(f"{self.path}: not enough free space in {folder}{why}: the file needs "

@@ -395,6 +395,8 @@ class Recorder:
         if (w, bool(beyond)) not in self.warned_rejects:
             self.warned_rejects.add((w, bool(beyond)))
             self.warn(rejected_text(w, step, what, beyond))
+        if self.health is not None and self.health.at_start and advice == "lower --lr":
+            advice = self.health.at_start  # the network was broken before any step size acted
         if self.rejects_in_row[w] >= self.cfg.max_rejects:
             raise TrainingDiverged(rejects_text(self.who, w, step, self.rejects_in_row[w], self.cfg.max_rejects, what,
                                                 advice, count, largest, updated=self.version > 0))

@@ -214,7 +214,9 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
         if isinstance(e, RunLogError):
             raise  # the log cannot be written (disk full): `train` reports it in one line (`log_unwritable`)
         if isinstance(e, CommTimeout) and r0.role.checkpoints_here and r0.link is None:
-            rec.write_checkpoint(r0.role.state("failure"))  # a hung worker: the state on rank 0 is sound
+            if rec.write_checkpoint(r0.role.state("failure")):  # a hung worker: the state on rank 0 is sound
+                print(f"mpiasgd: checkpoint '{rec.checkpoint_path}' written at the failure (version {rec.version}); "
+                      f"continue with --resume {rec.checkpoint_path}", file=sys.stderr, flush=True)
         elif isinstance(e, CommTimeout) and r0.role.checkpoints_here:  # --servers S > 1
             rec.warn(f"no checkpoint written at the failure: {SHARDS_NOT_ONE_CUT}; " + kept_note(rec.checkpoint_path))
         rec.event("failed", traceback.format_exc())

@@ -375,6 +375,8 @@ def test_hung_worker_ends_the_run_with_a_checkpoint(tmp_path):
     assert proc.returncode != 0 and "worker rank 2 has sent nothing" in err, err
     ck = checkpoint.load(str(runs / "h.ckpt.h5"))
     assert ck.reason == "failure" and ck.version > 0
+    # said, as after a dead worker (trial of issue 36: it was written without a word)
+    assert f"checkpoint 'runs/h.ckpt.h5' written at the failure (version {ck.version}); continue with --resume" in err
 
 
 def test_rank0_stopped_and_continued_gives_no_stale_stall_warnings(tmp_path):

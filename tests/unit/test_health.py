@@ -12,6 +12,7 @@ from kit.server import make_server, push, reply, serve_one
 
 from mpiasgd.comms.protocol import Tag
 from mpiasgd.health import LossWatch
+from mpiasgd.rank0.recorder import TrainingDiverged
 
 LN10 = math.log(10)
 
@@ -143,3 +144,25 @@ def test_the_advice_fits_the_mode():
     assert "3 asynchronous workers (staleness adds momentum)" in LossWatch(10, 3).cause
     assert LossWatch(10, 1, asynchronous=False).cause == ("the step size (or the weight decay) is likely too "
                                                           "large: lower --lr or --weight-decay")
+
+
+def test_a_loss_far_above_ln_c_from_the_first_minibatches_blames_the_network_not_the_step_size(tmp_path):
+    """(trial of issue 36) A network whose initial outputs are huge (loss 4.5e30 at once): the finding and a later
+    --max-rejects stop name the initial outputs, not the step size, which had not acted yet."""
+    watch = LossWatch(10, 2)
+    found = watch.observe(0.0, 4.5e30, 3, 32)
+    assert [f.kind for f in found] == ["diverged"] and found[0].text == watch.at_start == (
+        "the training loss was 4.5e+30 from the first minibatches, over 1000x ln 10 = 2.303 (a network that knows "
+        "nothing): its initial outputs are far too large (its layers' initialisation or the scale of its inputs), "
+        "not the step size")
+    later = LossWatch(10, 2)
+    feed(later, [(i / 100, LN10, 3, 32) for i in range(50)])
+    assert "step size is likely too large" in feed(later, [(0.5, 40.0, 3, 32)])[0].text and not later.at_start
+    server, net, _ = make_server(tmp_path, max_rejects=2)
+    server.health = watch
+    server.rec.version = 3  # updates were applied (the huge gradients, finite): "diverged", but not the lr's doing
+    for step in (1, 2):
+        push(net, 1, step=step, version=3, grad=np.full(6, np.nan, np.float32))
+    serve_one(server)
+    with pytest.raises(TrainingDiverged, match=r"training has diverged; the training loss was 4\.5e\+30 from"):
+        serve_one(server)
