@@ -18,8 +18,10 @@ Shared helpers live in tests/kit/ (importable as `kit`), never in a test module.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,12 @@ MPI_NAMES = {"mpirun", "start_mpi", "run_mpi", "mpi_command", "signal_a_rank", "
 
 
 def pytest_configure(config):
+    # pytest keeps the 3 newest numbered temporary folders of a user (/tmp/pytest-of-USER/pytest-N) and deletes
+    # older ones when a session starts: a second session on the machine (make test-fast while CI runs) deleted
+    # the folders of the tests of the first under them. Each session gets a folder of its own instead.
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        config.option.basetemp = tempfile.mkdtemp(prefix="pytest-mpiasgd-")
+        config.own_basetemp = config.option.basetemp
     # Open MPI's libfabric transport (btl "ofi") probes for fabric providers in every MPI_Init, ~1 s per
     # process here with no fabric to find; on one node the ranks talk through shared memory ("sm")
     # either way. Left out for this session and the jobs it launches, unless OMPI_MCA_btl is set.
@@ -49,6 +57,14 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "mpi: launches mpiexec ranks (tests/mpi; seconds each)")
     config.addinivalue_line("markers", "slurm: submits jobs to the SLURM test cluster (tests/slurm)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (tests/gpu; skipped without one)")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session's own temporary folder goes at its end when every test passed (pytest would prune it); a
+    failed session keeps it, for a look at what the tests left."""
+    own = getattr(session.config, "own_basetemp", None)
+    if own and exitstatus in (0, 5):
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def launches_ranks(item) -> set[str]:

@@ -56,7 +56,7 @@ push it answers is sent; a buffer is written only after its send completed and r
 receive completed. With `--overlap` there are two of each.
 
 `--servers S` (`mpiasgd.comms.shard_cut`): S parameter-server shards, rank 0 and ranks N+1..N+S-1, each an
-AsgdServer (or SspServer) on its contiguous slice of the parameters (shard 0 also carries the layer
+AsgdServer (ssp: with its SspGate) on its contiguous slice of the parameters (shard 0 also carries the layer
 buffers), with its own optimizer state and version counter; `AsgdMode.rank0` gives each rank its slice. Every
 rule above applies per shard: the staleness of a push is counted on each shard's own versions, DC-ASGD
 corrects each slice with that shard's w_pulled, --lookahead looks ahead along each shard's velocity, ssp
@@ -117,7 +117,7 @@ from mpiasgd.optim import (
     lookahead_steps,
 )
 from mpiasgd.optim.rules import AsyncRule, DelayCompensated
-from mpiasgd.rank0.server import ShardedServer, server_shard
+from mpiasgd.rank0.server import ReplyNow, ShardedServer, server_shard
 
 STALENESS_LR = ("none", "inverse", "sqrt")
 ASYNC_MOMENTUM = ("fixed", "workers")
@@ -206,6 +206,7 @@ class AsgdServer(ShardedServer):
         self.answer_finishing()
         if self.periodic.due():  # --eval-interval: the workers running now evaluate their next reply's weights
             self.periodic.ask([w for w in self.workers if w in self.started and w not in self.stopped])
+        self.gate.tick()  # (ssp: a stop, or a worker that caught up, releases held replies)
 
     def velocity(self) -> np.ndarray | None:
         return self.optimizer.velocity
@@ -272,7 +273,7 @@ class AsgdServer(ShardedServer):
             if rec.stop_reason and self.shard == 0:
                 print(f"mpiasgd: warning: {text} (--warm-start {self.cfg.warm_start:g} s)", file=sys.stderr,
                       flush=True)
-        self.on_start(late)
+        self.gate.on_start(late)  # (ssp: their clocks start at the slowest's)
         for w in late:
             self.started.add(w)
             self.r0.last_seen[w] = rec.now()
@@ -280,9 +281,6 @@ class AsgdServer(ShardedServer):
             if rec.stop_reason:
                 self.stopped.add(w)
                 self.periodic.withdraw(w)
-
-    def on_start(self, workers: list[int]) -> None:
-        """`workers` get their first weights now (ssp: their clocks start at the slowest's)."""
 
     # --- a push ---
     def check_push(self, w: int, msg: Message) -> tuple[int, int]:
@@ -516,7 +514,11 @@ class AsgdMode(Mode):
             round_fits(cfg, "nsync", cfg.nsync, num_workers, num_train)
         return super().layout(cfg, model, num_workers, num_train)
 
-    server = AsgdServer  # the rank-0 role (ssp: its own)
+    server = AsgdServer  # the rank-0 role: a variant with another update rule subclasses it and sets `rule`
+
+    def gate(self, server: AsgdServer) -> Any:
+        """When `server` answers a push: at once (`ReplyNow`); ssp: once the staleness bound allows."""
+        return ReplyNow(server)
 
     def rank0(self, r0: Any, params: np.ndarray, decay_mask: np.ndarray, model: Any, dataset: Any,
               layout: Any) -> AsgdServer:
@@ -528,7 +530,7 @@ class AsgdMode(Mode):
         a, b = cut.slice(s)
         server = self.server(r0, params[a:b], decay_mask[a:b], None if scale is None else scale[a:b],
                              buffers if s == 0 else None)
-        server.cut, server.shard = cut, s
+        server.cut, server.shard, server.gate = cut, s, self.gate(server)
         return server
 
     def worker(self, job: WorkerJob) -> AsgdWorker:

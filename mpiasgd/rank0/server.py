@@ -46,13 +46,37 @@ def server_shard(r0: Any, num_params: int, buffers: np.ndarray | None) -> tuple[
     return cut, cut.shard_of(r0.rank, len(r0.workers))
 
 
+class ReplyNow:
+    """How a server answers each push: at once (async, easgd). A mode that holds some replies gives its server
+    another gate with the same four methods (`mpiasgd.modes.ssp.SspGate`); the server calls them."""
+
+    def __init__(self, server: ShardedServer) -> None:
+        self.server = server
+        self.held: dict[int, tuple[int, float]] = {}  # worker -> (its clock, held since): none held here
+
+    def answer(self, w: int, step: int) -> None:
+        """Answer push `step` of worker `w` (now: `ShardedServer.reply`)."""
+        self.server.reply(w, step)
+
+    def on_start(self, workers: list[int]) -> None:
+        """`workers` get their first weights now."""
+
+    def tick(self) -> None:
+        """Clock-driven duties (a stop releases what a gate holds)."""
+
+    def holding(self, w: int) -> bool:
+        """Worker `w` waits for a reply the gate holds (its silence is no stall)."""
+        return False
+
+
 class ShardedServer(Role):
     """(rank 0, and with --servers S > 1 every parameter-server shard) A server on its slice `params` (float32
     (P,), P the slice's size) with the layer `buffers` (float32 (B,); shard 0 only); see the module docstring.
 
     A subclass gives the update rule (`rule`, a `mpiasgd.optim.rules.UpdateRule`, and where the new weights go:
     `update_target`) and the replies (`send`: WEIGHTS or STOP from the worker's send buffer `outbox[w]`);
-    `take_push` is the path of a push, the same for every rule. Pushes arrive
+    `take_push` is the path of a push, the same for every rule, and `gate` says when a push is answered
+    (`ReplyNow`; ssp's `SspGate` holds a worker that runs ahead). Pushes arrive
     in `inbox[w]` (P + B values in wire format `cfg.wire`). `started` holds the workers sent their first
     weights; `cut` and `shard` (S = 1: the whole vector, shard 0) are set by the mode's `rank0` after
     `server_shard`."""
@@ -74,6 +98,7 @@ class ShardedServer(Role):
         self.deferred: list[int] = []         # --servers: workers whose push (in its inbox) awaits `settle`
         self.pausing = False                  # --servers: an interval checkpoint's agreement (`pause` to `resume`)
         self.rule: UpdateRule | None = None   # the mode's update rule (its subclass sets it)
+        self.gate: ReplyNow = ReplyNow(self)  # when a push is answered: at once (ssp: `SspGate`, the mode sets it)
         self.decoded: np.ndarray | None = None  # a 16-bit push decoded (float32 (P + B,)); None: fp32, not decoded
         self.pushed_what = "gradient"         # what a push carries, in a reject's message
         self.held_s = dict.fromkeys(self.workers, 0.0)  # ssp: how long the last reply to each worker was held
@@ -112,7 +137,7 @@ class ShardedServer(Role):
         return f" for parameter-server shard {self.shard} of {self.cut.shards} (parameters [{a:,}, {b:,}){tail})"
 
     def waits_for_rank0(self, w: int) -> bool:
-        return w not in self.started or w in self.deferred or w in self.finishing
+        return w not in self.started or w in self.deferred or w in self.finishing or self.gate.holding(w)
 
     def state(self, reason: str) -> checkpoint.Checkpoint:
         """The training state now: rank 0 holds all of it (--servers S > 1: it asks the other shards for their
@@ -207,8 +232,13 @@ class ShardedServer(Role):
         return 0.0
 
     def answer(self, w: int, step: int) -> None:
-        """How a push is answered: at once (ssp may hold it)."""
-        self.reply(w, step)
+        """Answer a push as the gate says: at once, or (ssp) once the bound allows."""
+        self.gate.answer(w, step)
+
+    @property
+    def held(self) -> dict[int, tuple[int, float]]:
+        """The workers whose reply the gate holds: {worker: (its clock, held since)}."""
+        return self.gate.held
 
     def holds(self, w: int, step: int) -> bool:
         """(S > 1) Push `step` of worker `w` waits in its inbox: the shards are agreeing on the pushes each
