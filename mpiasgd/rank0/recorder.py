@@ -381,12 +381,12 @@ class Recorder:
         self.stop(f"diverged ({finding.kind}; --on-divergence stop)")
         self.stop_workers()
 
-    def reject(self, w: int, step: int, what: str = "gradient", advice: str = "lower --lr",
-               beyond: float = 0.0) -> None:
+    def reject(self, w: int, step: int, what: str = "gradient", advice: str = "", beyond: float = 0.0) -> None:
         """Count a non-finite `what` (a gradient; easgd: weights) of worker `w` at `step`; TrainingDiverged
-        after `max_rejects` in a row, ending with `advice`. `beyond` > 0: the values were finite but beyond
-        fp16's range (--wire fp16), the largest magnitude `beyond`: named as such, not as divergence
-        (`mpiasgd.health.rejects_text`). The first reject of each kind from a worker is warned about."""
+        after `max_rejects` in a row, ending with `advice` ("": "lower --lr", or the divergence watch's word when
+        the loss was far too large from the first minibatches, `LossWatch.at_start`). `beyond` > 0: the values
+        were finite but beyond fp16's range (--wire fp16), the largest magnitude `beyond`: named as such, not as
+        divergence (`mpiasgd.health.rejects_text`). The first reject of each kind from a worker is warned about."""
         self.rejected[w] += 1
         self.rejects_in_row[w] += 1
         count, largest = self.beyond_in_row.get(w, (0, 0.0))
@@ -395,8 +395,8 @@ class Recorder:
         if (w, bool(beyond)) not in self.warned_rejects:
             self.warned_rejects.add((w, bool(beyond)))
             self.warn(rejected_text(w, step, what, beyond))
-        if self.health is not None and self.health.at_start and advice == "lower --lr":
-            advice = self.health.at_start  # the network was broken before any step size acted
+        if not advice:  # the network broken before any step size acted, or the step size
+            advice = self.health.at_start if self.health is not None and self.health.at_start else "lower --lr"
         if self.rejects_in_row[w] >= self.cfg.max_rejects:
             raise TrainingDiverged(rejects_text(self.who, w, step, self.rejects_in_row[w], self.cfg.max_rejects, what,
                                                 advice, count, largest, updated=self.version > 0))

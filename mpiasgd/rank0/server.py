@@ -202,7 +202,7 @@ class ShardedServer(Role):
             self.r0.signal_from(f"a signal received by worker rank {w}")
         if rejected:  # may stop the run (--max-rejects)
             rec.reject(w, step, "accumulated update" if flags & Flag.DELTA else self.pushed_what,
-                       update.refused if update is not None else "lower --lr", beyond)
+                       update.refused if update is not None else "", beyond)
         self.held_s[w] = 0.0
         self.answer(w, step)
 

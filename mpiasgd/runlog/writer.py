@@ -303,8 +303,7 @@ class RunLog:
                     self._set_aside()
             return
         snapshots = snapshots and bool(self.pending_params)
-        need = sum(p.nbytes for p in self.pending_params) + sum(b.nbytes for b in self.pending_buffers)
-        need *= snapshots
+        need = sum(p.nbytes for p in (*self.pending_params, *self.pending_buffers)) if snapshots else 0
         need += sum(len(rows) * TABLES[name].itemsize for name, rows in self.pending.items())
         try:
             if need:
