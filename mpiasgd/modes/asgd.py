@@ -67,7 +67,7 @@ that shard alone rejects the push. A worker (`train_sharded`, with `mpiasgd.mode
 receives, then its S pushes (each carrying the version of that shard's slice it was computed from), and waits
 for all S replies; the step size, flags and buffers come from shard 0. Only rank 0 decides when the run stops;
 the shards then agree which pushes in flight each applies, so that all apply the same ones
-(`mpiasgd.rank0.server`: `settle`); a worker that gets STOP from one shard and WEIGHTS from another sends the
+(`mpiasgd.rank0.shard_agreement`); a worker that gets STOP from one shard and WEIGHTS from another sends the
 latter FINISH and waits for its STOP, so all evaluate the same final weights. With S = 1 nothing of this
 runs. --overlap is refused with S > 1.
 
@@ -203,7 +203,7 @@ class AsgdServer(ShardedServer):
         late = len(self.started) < len(self.workers)
         if late and ((self.rec.now() >= self.cfg.warm_start and not self.rec.stop_reason) or self.settled()):
             self.start_workers()
-        self.answer_finishing()
+        self.agreement.answer_finishing()
         if self.periodic.due():  # --eval-interval: the workers running now evaluate their next reply's weights
             self.periodic.ask([w for w in self.workers if w in self.started and w not in self.stopped])
         self.gate.tick()  # (ssp: a stop, or a worker that caught up, releases held replies)
@@ -223,7 +223,7 @@ class AsgdServer(ShardedServer):
         rec = self.rec
         ahead = 0.5 * self.cfg.nsync * self.cfg.batch_size * len(self.workers) / rec.num_train
         epoch = rec.epoch + ahead
-        return self.schedule(epoch, fraction_done(rec.rule, epoch, rec.version, rec.train_time()))
+        return self.schedule(epoch, fraction_done(rec.rule, epoch, self.counter.version, rec.train_time()))
 
     def send(self, w: int, tag: Tag, step: int, initial: bool = False) -> None:
         """Post the current weights to worker `w` from its send buffer (copied there unless they live there).
@@ -236,7 +236,7 @@ class AsgdServer(ShardedServer):
         self.out[w].take(0)
         out = self.outbox[w]
         # --eval-interval: this reply asks for evaluation `number` of the weights it carries
-        number = self.periodic.flag(w, self.rec.version) if tag == Tag.WEIGHTS and not initial else 0
+        number = self.periodic.flag(w, self.counter.version) if tag == Tag.WEIGHTS and not initial else 0
         if self.lookahead is not None and tag == Tag.WEIGHTS and not number and not initial:
             # --lookahead: w - lr * lr_mult * c * v (then encoded, 16-bit wire); the weights a worker evaluates
             # (STOP, EVALUATE) and the first ones are the master weights themselves
@@ -257,7 +257,7 @@ class AsgdServer(ShardedServer):
             flags |= Flag.RESUME
         if number:
             flags |= Flag.EVALUATE
-        out.stamp(tag, self.rank, step=step, version=self.rec.version, flags=flags, cursor=self.cursor[w],
+        out.stamp(tag, self.rank, step=step, version=self.counter.version, flags=flags, cursor=self.cursor[w],
                   elapsed=self.rec.train_time(), lr=self.local_lr() if self.cfg.nsync > 1 else 0.0, epoch=number)
         self.post(w, out, tag)
         self.rec.count_wire(pulled=out.buf.nbytes)
@@ -268,7 +268,7 @@ class AsgdServer(ShardedServer):
         late = [w for w in self.workers if w not in self.started]
         if self.started:
             text = (f"the run stopped before the warm start ended: workers {late} never trained" if rec.stop_reason
-                    else f"the other workers start at version {rec.version}")
+                    else f"the other workers start at version {self.counter.version}")
             rec.event("warm_start_end", text)
             if rec.stop_reason and self.shard == 0:
                 print(f"mpiasgd: warning: {text} (--warm-start {self.cfg.warm_start:g} s)", file=sys.stderr,
@@ -530,7 +530,7 @@ class AsgdMode(Mode):
         a, b = cut.slice(s)
         server = self.server(r0, params[a:b], decay_mask[a:b], None if scale is None else scale[a:b],
                              buffers if s == 0 else None)
-        server.cut, server.shard, server.gate = cut, s, self.gate(server)
+        server.place(cut, s, self.gate(server))
         return server
 
     def worker(self, job: WorkerJob) -> AsgdWorker:

@@ -98,7 +98,7 @@ class EasgdCenter(ShardedServer):
 
     def tick(self) -> None:
         self.rec.check_stop()
-        self.answer_finishing()  # (--servers: STOP to the workers owed one, once the shards agreed)
+        self.agreement.answer_finishing()  # (--servers: STOP to the workers owed one, once the shards agreed)
         if self.periodic.due():  # --eval-interval: the running workers evaluate the center of their next reply
             self.periodic.ask([w for w in self.workers if w not in self.stopped])
 
@@ -107,7 +107,7 @@ class EasgdCenter(ShardedServer):
         rec = self.rec
         ahead = 0.5 * self.cfg.easgd_tau * self.cfg.batch_size * len(self.workers) / rec.num_train
         epoch = rec.epoch + ahead
-        return self.schedule(epoch, fraction_done(rec.rule, epoch, rec.version, rec.train_time()))
+        return self.schedule(epoch, fraction_done(rec.rule, epoch, self.counter.version, rec.train_time()))
 
     def send(self, w: int, tag: Tag, step: int, initial: bool = False) -> None:
         """Post the center (this slice of it) to worker `w`: WEIGHTS or STOP. The WEIGHTS answering an applied
@@ -118,7 +118,7 @@ class EasgdCenter(ShardedServer):
         version = self.carried.pop(w, None)  # the version of the center this reply carries
         if tag != Tag.WEIGHTS or version is None:
             out.payload[:self.P] = self.params
-            version = self.rec.version
+            version = self.counter.version
         if self.buffers.size:  # a worker takes them from its first WEIGHTS only (see AsgdServer)
             out.payload[self.P:] = self.current_buffers()
         flags = Flag.PREEMPT if tag == Tag.STOP and self.r0.stops_on_signal else 0
@@ -128,7 +128,7 @@ class EasgdCenter(ShardedServer):
         number = self.periodic.flag(w, version) if tag == Tag.WEIGHTS and not initial else 0
         if number:
             flags |= Flag.EVALUATE
-        out.stamp(tag, self.rank, step=step, version=self.rec.version, flags=flags, cursor=self.cursor[w],
+        out.stamp(tag, self.rank, step=step, version=self.counter.version, flags=flags, cursor=self.cursor[w],
                   elapsed=self.rec.train_time(), lr=self.local_lr(), epoch=number)
         self.post(w, out, tag)
         self.rec.count_wire(pulled=out.buf.nbytes)
@@ -138,7 +138,7 @@ class EasgdCenter(ShardedServer):
         send completed: `carried`); the center itself is updated in place."""
         self.out[w].take(0)
         self.outbox[w].payload[:self.P] = self.params
-        self.carried[w] = self.rec.version
+        self.carried[w] = self.counter.version
         return self.params
 
     def unapplied_lr(self, h: np.void) -> float:
@@ -296,7 +296,7 @@ class EasgdMode(Mode):
         cut, s = server_shard(r0, params.size, buffers)
         a, b = cut.slice(s)
         center = EasgdCenter(r0, params[a:b], buffers if s == 0 else None)
-        center.cut, center.shard = cut, s
+        center.place(cut, s)
         return center
 
     def worker(self, job: WorkerJob) -> EasgdWorker:

@@ -115,7 +115,7 @@ class SyncMonitor(Role):
             out.payload[:self.P] = self.params
             out.payload[self.P:] = self.buffers
             flags = Flag.RESUME if ck is not None else 0
-            out.stamp(Tag.WEIGHTS, self.rank, step=self.last_step[w], version=self.rec.version, flags=flags,
+            out.stamp(Tag.WEIGHTS, self.rank, step=self.last_step[w], version=self.counter.version, flags=flags,
                       cursor=self.cursor[w], elapsed=self.rec.train_time())
             self.out[w].take(0)
             self.post(w, out, Tag.WEIGHTS)
@@ -157,9 +157,8 @@ class SyncMonitor(Role):
                                 f"{self.last_step[w] + 1} (duplicate or out-of-order report)")
         self.last_step[w] = step
         applied, nonfinite = not flags & Flag.SKIPPED, bool(flags & Flag.NONFINITE)
-        if version > rec.version:  # the first report of a step that updated the weights
-            rec.version = version
-            rec.samples = version * self.cfg.batch_size * len(self.workers)
+        if version > self.counter.version:  # the first report of a step that updated the weights
+            self.counter.set(version, version * self.cfg.batch_size * len(self.workers))
             rec.update(version=version, lr=float(h["lr"]))
         rec.training_loss(float(h["loss"]), int(h["correct"]), int(h["samples"]))
         rec.push(worker=w, step=step, base_version=version - applied, version=version, staleness=0, loss=h["loss"],

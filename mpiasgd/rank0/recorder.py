@@ -1,9 +1,10 @@
 """The recorder: the sole owner of the run log on rank 0, and of what it says about the run.
 
-It keeps the run's figures (version, images trained, staleness, rejected pushes, the training
-loss's running level), judges the stopping rule and the divergence watch on them, writes every
-row (by field name), the weight snapshots and the checkpoints, and builds the summary. Every
-mode's rank-0 role reports to it; none of them touches the log.
+It keeps the run's figures (staleness, rejected pushes, the training loss's running level; the
+version and images trained it reads from the server's `VersionCounter`, which the role advances),
+judges the stopping rule and the divergence watch on them, writes every row (by field name), the
+weight snapshots and the checkpoints, and builds the summary. Every mode's rank-0 role reports to
+it; none of them touches the log.
 
 Clocks: `now()` is the run log's clock (seconds since the run's first start, a resume included);
 `train_time()` the training the state holds (the schedule's and --max-time's clock), up to the
@@ -31,6 +32,7 @@ from mpiasgd.comms import Interval
 from mpiasgd.config import Config
 from mpiasgd.health import AT_START, Finding, LossWatch, rejected_text, rejects_text
 from mpiasgd.optim import StopRule, snapshot_seconds
+from mpiasgd.rank0.counter import VersionCounter
 from mpiasgd.rank0.evals import EvalShare
 from mpiasgd.runlog import (
     CheckpointRow,
@@ -137,8 +139,7 @@ class Recorder:
         self.lost = 0.0                       # log clock minus training clock: time lost to a resume
         self.stop_reason = ""
         self.stop_time = 0.0
-        self.version = 0                      # updates of the weights (async: pushes applied; sync: steps; ...)
-        self.samples = 0                      # images in applied updates
+        self.counter = VersionCounter()             # the server's version and images (`reads`: the role's)
         self.staleness_sum = self.staleness_max = self.staleness_count = 0
         self.loss_avg = float("nan")
         self.loss_seen = False  # (a minibatch loss arrived: the running level is loss_avg)
@@ -167,6 +168,20 @@ class Recorder:
         self.lr = float("nan")                         # the step size of the last update
         self.wire_bytes: dict[str, int] | None = None  # parameter-server modes: bytes pushed and pulled (count_wire)
         self.shards: ShardFigures | None = None        # --servers S > 1: every shard's figures (`shard_push`)
+
+    def reads(self, counter: VersionCounter) -> None:
+        """Read the version and images from `counter`, the server's (the role that advances it calls this)."""
+        self.counter = counter
+
+    @property
+    def version(self) -> int:
+        """Updates the server applied (`VersionCounter.version`; read only: the role advances it)."""
+        return self.counter.version
+
+    @property
+    def samples(self) -> int:
+        """Images in the updates the server applied (`VersionCounter.samples`)."""
+        return self.counter.samples
 
     # --- clocks ---
     def now(self) -> float:
@@ -231,13 +246,11 @@ class Recorder:
 
     def push_taken(self, w: int, h: np.void, *, base_version: int, staleness: int, applied: bool, rejected: bool,
                    lr: float, norm: float, held_s: float = 0.0) -> None:
-        """A push of worker `w` (header `h`) that a server took: applied (the version and images trained move on,
+        """A push of worker `w` (header `h`) that a server took: applied (the server advanced its counter first;
         its staleness counts, an updates row, its training loss, the stopping rules), rejected (not finite:
         `reject` follows) or dropped after the stop; then its pushes row, and a finite push ends the worker's
         run of rejects. `lr`: the step size it entered with (logged), `norm` the norm of what was applied."""
         if applied:
-            self.version += 1
-            self.samples += int(h["samples"])
             self.count_staleness(staleness)
             self.update(version=self.version, lr=lr, grad_norm=norm)
             self.training_loss(float(h["loss"]), int(h["correct"]), int(h["samples"]))
@@ -451,9 +464,9 @@ class Recorder:
         return True
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
-        """The figures of checkpoint `ckpt` (before `begin`): version, images, staleness, rejects; and from the
-        reopened log (`restore_from_log`) the bytes moved and, --servers S > 1, each shard's staleness."""
-        self.version, self.samples = ckpt.version, ckpt.samples
+        """The figures of checkpoint `ckpt` (before `begin`; the role restores the version and images): staleness,
+        rejects; and from the reopened log (`restore_from_log`) the bytes moved and, --servers S > 1, each
+        shard's staleness."""
         self.staleness_sum, self.staleness_max = ckpt.staleness_sum, ckpt.staleness_max
         self.staleness_count = ckpt.staleness_count
         for row in ckpt.workers:

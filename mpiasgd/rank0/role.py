@@ -4,7 +4,8 @@ The loop (`mpiasgd.rank0.loop.Rank0`) asks the role which messages it takes (`ha
 receive buffer each: `buffer_for`), what it sends first (`begin`), its clock duties (`tick`),
 whether the run is over (`done`) and whom it still waits for, and for the state to checkpoint
 when rank 0 holds it (`checkpoints_here`). The role reports everything it learns to the recorder
-(`self.rec`), never to the log itself.
+(`self.rec`), never to the log itself. The role owns the server's version counter (`counter`, a
+`VersionCounter`): it advances it; the recorder reads it.
 
 This base class holds what every role shares: the workers' EVALs at the end (`on_eval`) and during
 training (`periodic`, --eval-interval: `mpiasgd.rank0.evals`), the header-only STOP of the modes
@@ -20,6 +21,7 @@ import numpy as np
 
 from mpiasgd import checkpoint
 from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
+from mpiasgd.rank0.counter import VersionCounter
 from mpiasgd.rank0.evals import PeriodicEvals
 
 
@@ -30,7 +32,8 @@ class Role:
     (B,), the layers' buffers it snapshots with them: `current_buffers`), `stopped`
     (workers sent STOP), `evals` ({worker: (loss sum, correct, images, top-5 correct)}: the final
     evaluation), `periodic` (the evaluations during training), `last_step` and `cursor` ({worker: int}:
-    its last step and data position, for checkpoints).
+    its last step and data position, for checkpoints), `counter` (the server's version and images, a
+    `VersionCounter` the recorder reads).
     """
 
     checkpoints_here = False  # rank 0 holds the whole training state (it writes checkpoints itself)
@@ -40,6 +43,8 @@ class Role:
         self.r0, self.rec, self.comm, self.cfg = r0, r0.rec, r0.comm, r0.cfg
         self.rank = r0.rank  # 0, or a parameter-server shard's (--servers)
         self.workers = r0.workers
+        self.counter = VersionCounter()
+        self.rec.reads(self.counter)
         self.params = params
         self.buffers = np.zeros(0, np.float32) if buffers is None else buffers
         self.worker_buffers: dict[int, np.ndarray] = {}  # async modes: each worker's latest pushed buffers
@@ -118,8 +123,9 @@ class Role:
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
         """Continue from `ckpt` (before `begin`): the weights, the layers' buffers (a checkpoint written before
-        networks had buffers holds none: they stay at their initial values) and each worker's step and
-        data position."""
+        networks had buffers holds none: they stay at their initial values), the version and images, and each
+        worker's step and data position."""
+        self.counter.set(ckpt.version, ckpt.samples)
         self.params[:] = ckpt.params
         if ckpt.buffers.size == self.buffers.size:
             self.buffers[:] = ckpt.buffers
@@ -145,9 +151,9 @@ class Role:
         if step != self.last_step[w] + 1:
             raise ProtocolError(f"rank 0: PUSH from worker rank {w} has step {step}, expected "
                                 f"{self.last_step[w] + 1} (duplicate or out-of-order push)")
-        if not 0 <= base <= self.rec.version:
+        if not 0 <= base <= self.counter.version:
             raise ProtocolError(f"rank 0: PUSH step {step} from worker rank {w} was computed from version "
-                                f"{base}, but the server is at version {self.rec.version}")
+                                f"{base}, but the server is at version {self.counter.version}")
         return step, base
 
     def on_eval(self, w: int, msg: Message) -> None:
@@ -167,7 +173,7 @@ class Role:
         CHECKPOINT message; it follows the initial WEIGHTS."""
         state = Message(velocity.size)
         state.payload[:] = velocity
-        state.stamp(Tag.CHECKPOINT, self.rank, version=self.rec.version)
+        state.stamp(Tag.CHECKPOINT, self.rank, version=self.counter.version)
         self.state_slots.send(self.comm, self.state_slots.add(state), w, int(Tag.CHECKPOINT))
 
     def post(self, w: int, msg: Message, tag: Tag) -> None:

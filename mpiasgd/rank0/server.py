@@ -4,13 +4,10 @@ every PUSH on its slice of the parameters, and the parameter-server shards of `-
 A server holds the slice `cut.slice(shard)` of the flat parameter vector (with S = 1 the whole vector;
 `server_shard` says which slice a rank holds: `mpiasgd.comms.shard_cut`) and answers each worker's PUSH
 (`take_push`, the mode's update rule) with WEIGHTS, or STOP once the run has stopped (`reply`). With
-S > 1 shards every shard runs this role on its own slice, and this class holds the stop's agreement
-(`mpiasgd.rank0.shard_hub`): after the stop a push waits in its inbox (`deferred`) until the shards agree which
-pushes each applies (`settle`: each worker's up to `final[w]`, `admits`); once a shard has applied all of
-them (`settled`) it answers every push, and every FINISH (`on_finish`: another shard answered that worker's
-last push with STOP), with STOP and its final slice (`answer_finishing`). An interval checkpoint runs the same
-agreement as a pause (`pause`): the pushes up to the agreed steps are applied, later ones wait in their inboxes
-(`paused`: the slice is taken now), and `resume` processes them. With S = 1 nothing of this runs.
+S > 1 shards every shard runs this role on its own slice and takes part in the shards' agreement
+(`agreement`, `mpiasgd.rank0.shard_agreement`): after the stop, and in an interval checkpoint's pause, every
+shard applies the same pushes. With S = 1 the agreement is `OneServer`: a push is applied unless the run
+has stopped.
 
 A checkpoint (`state`) holds the whole vector and its velocity (`velocity`; zeros where the server has none):
 rank 0 asks the other shards for their slices (`ShardHub.assemble`), which answer with theirs (`HubLink`).
@@ -23,14 +20,15 @@ from typing import Any
 import numpy as np
 
 from mpiasgd import checkpoint
-from mpiasgd.comms import Flag, Message, ProtocolError, Tag
+from mpiasgd.comms import Flag, Message, Tag
 from mpiasgd.comms.shard_cut import ShardCut
 from mpiasgd.comms.wire import RANGE, beyond_range, decode, encode_peak
 from mpiasgd.health import WIRE_ADVICE
 from mpiasgd.optim import Schedule, finite_square
-from mpiasgd.optim.rules import Push, UpdateRule
+from mpiasgd.optim.rules import Push, Update, UpdateRule
 from mpiasgd.rank0.recorder import TrainingDiverged
 from mpiasgd.rank0.role import Role
+from mpiasgd.rank0.shard_agreement import OneServer, ShardAgreement
 
 
 class BeyondWireRange(TrainingDiverged):
@@ -93,16 +91,21 @@ class ShardedServer(Role):
         self.inbox = {w: Message(P + B, self.wire) for w in self.workers}
         self.outbox = {w: Message(P + B, self.wire) for w in self.workers}
         self.started: set[int] = set()        # workers sent their first weights (--warm-start holds back some)
-        self.finishing: set[int] = set()      # --servers: workers owed STOP once this shard has settled (`settled`)
-        self.final: dict[int, int] | None = None  # --servers: each worker's last step every shard applies (`settle`)
-        self.deferred: list[int] = []         # --servers: workers whose push (in its inbox) awaits `settle`
-        self.pausing = False                  # --servers: an interval checkpoint's agreement (`pause` to `resume`)
+        # --servers S > 1: the shards' agreement on the pushes each applies (`place` sets it); S = 1: none
+        self.agreement: OneServer | ShardAgreement = OneServer(self)
         self.rule: UpdateRule | None = None   # the mode's update rule (its subclass sets it)
         self.gate: ReplyNow = ReplyNow(self)  # when a push is answered: at once (ssp: `SspGate`, the mode sets it)
         self.decoded: np.ndarray | None = None  # a 16-bit push decoded (float32 (P + B,)); None: fp32, not decoded
         self.pushed_what = "gradient"         # what a push carries, in a reject's message
         self.held_s = dict.fromkeys(self.workers, 0.0)  # ssp: how long the last reply to each worker was held
         self.schedule = Schedule.of(self.cfg)  # the step size now, from the recorder's clock
+
+    def place(self, cut: ShardCut, shard: int, gate: ReplyNow | None = None) -> None:
+        """The mode's `rank0`: this server holds slice `shard` of `cut` (`server_shard`), and with S > 1 takes part
+        in the shards' agreement (`mpiasgd.rank0.shard_agreement`); `gate` answers its pushes (None: at once)."""
+        self.cut, self.shard = cut, shard
+        self.agreement = ShardAgreement(self) if cut.shards > 1 else OneServer(self)
+        self.gate = gate or ReplyNow(self)
 
     # --- what the subclass gives ---
     def send(self, w: int, tag: Tag, step: int, initial: bool = False) -> None:
@@ -123,8 +126,8 @@ class ShardedServer(Role):
         if self.cut.shards == 1:
             return {Tag.PUSH: self.on_push, Tag.EVAL: self.on_eval}
         if self.shard == 0:  # --servers: rank 0 also takes the EVALs
-            return {Tag.PUSH: self.on_push, Tag.FINISH: self.on_finish, Tag.EVAL: self.on_eval}
-        return {Tag.PUSH: self.on_push, Tag.FINISH: self.on_finish}
+            return {Tag.PUSH: self.on_push, Tag.FINISH: self.agreement.on_finish, Tag.EVAL: self.on_eval}
+        return {Tag.PUSH: self.on_push, Tag.FINISH: self.agreement.on_finish}
 
     def buffer_for(self, tag: Tag, source: int) -> Message | None:
         return self.inbox[source] if tag == Tag.PUSH else None
@@ -137,7 +140,7 @@ class ShardedServer(Role):
         return f" for parameter-server shard {self.shard} of {self.cut.shards} (parameters [{a:,}, {b:,}){tail})"
 
     def waits_for_rank0(self, w: int) -> bool:
-        return w not in self.started or w in self.deferred or w in self.finishing or self.gate.holding(w)
+        return w not in self.started or self.agreement.waiting(w) or self.gate.holding(w)
 
     def state(self, reason: str) -> checkpoint.Checkpoint:
         """The training state now: rank 0 holds all of it (--servers S > 1: it asks the other shards for their
@@ -162,18 +165,18 @@ class ShardedServer(Role):
         if beyond_range(self.wire, largest):
             reply = f"initial {tag.name}" if initial else f"{tag.name} reply"
             raise BeyondWireRange(
-                f"{self.rec.who}: {reply} to worker rank {w} (step {step}, version {self.rec.version}): a {what} of "
-                f"magnitude {largest:.6g} is beyond fp16's range {RANGE} (--wire fp16): it would travel as inf and "
+                f"{self.rec.who}: {reply} to worker rank {w} (step {step}, version {self.counter.version}): a {what} "
+                f"of magnitude {largest:.6g} is beyond fp16's range {RANGE} (--wire fp16): it would travel as inf and "
                 f"the worker compute NaN; {WIRE_ADVICE}" + ("" if initial else " or lower --lr"))
 
     # --- a push and its answer ---
     def on_push(self, w: int, msg: Message) -> None:
         """A PUSH from worker `w`, checked (`check_push`), then processed (`take_push`); with S > 1 shards, one
         that arrives after the stop but before the shards agreed which pushes every shard applies waits in its
-        inbox (`settle`: the worker sends nothing else before this push is answered)."""
+        inbox (`agreement`: the worker sends nothing else before this push is answered)."""
         self.check_push(w, msg)
-        if self.holds(w, int(msg.header["step"])):
-            self.deferred.append(w)
+        if self.agreement.holds(w, int(msg.header["step"])):
+            self.agreement.defer(w)
             return
         self.take_push(w, msg)
 
@@ -183,16 +186,15 @@ class ShardedServer(Role):
         answered (`answer`); a push that is not finite is rejected (`Recorder.reject`: --max-rejects)."""
         rec, h = self.rec, msg.header
         step, base, flags = int(h["step"]), int(h["version"]), int(h["flags"])
-        self.last_step[w], staleness = step, rec.version - base
+        self.last_step[w], staleness = step, self.counter.version - base
         rec.count_wire(pushed=msg.buf.nbytes)
         push, beyond = self.decode_push(w, msg, staleness)
-        update = None if push is None or not self.admits(step, w) else self.rule.apply(
+        update = None if push is None or not self.agreement.admits(step, w) else self.rule.apply(
             push, self.schedule(rec.epoch, rec.fraction_done()), self.update_target(w))
         applied = update is not None and update.params is not None
         rejected = push is None or (not applied and update is not None)  # (not finite, or the rule refused it)
-        if applied:  # (the mean the STOPs carry, after every applied push, is the final snapshot's)
-            self.params = update.params
-            self.take_buffers(w, (msg.payload if self.decoded is None else self.decoded)[self.P:])
+        if applied:
+            self.adopt(w, update, msg)
         if applied or rejected:
             self.cursor[w] = int(h["cursor"])
         rec.push_taken(w, h, base_version=base, staleness=staleness, applied=applied, rejected=rejected,
@@ -205,6 +207,13 @@ class ShardedServer(Role):
                        update.refused if update is not None else "", beyond)
         self.held_s[w] = 0.0
         self.answer(w, step)
+
+    def adopt(self, w: int, update: Update, msg: Message) -> None:
+        """An applied push of worker `w`: its update's weights (the mean the STOPs carry, after every applied push,
+        is the final snapshot's), the next version (`clock`) and the layers' buffers it carried."""
+        self.params = update.params
+        self.counter.advance(int(msg.header["samples"]))
+        self.take_buffers(w, (msg.payload if self.decoded is None else self.decoded)[self.P:])
 
     def decode_push(self, w: int, msg: Message, staleness: int) -> tuple[Push | None, float]:
         """(the push as the rule takes it, or None when a value is not finite; the largest magnitude of a
@@ -240,21 +249,11 @@ class ShardedServer(Role):
         """The workers whose reply the gate holds: {worker: (its clock, held since)}."""
         return self.gate.held
 
-    def holds(self, w: int, step: int) -> bool:
-        """(S > 1) Push `step` of worker `w` waits in its inbox: the shards are agreeing on the pushes each
-        applies (after the stop, or in a pause, until `settle`), or (a pause, after it) it is beyond the agreed
-        step and waits for `resume`."""
-        if self.cut.shards == 1:
-            return False
-        if self.final is None:
-            return self.pausing or bool(self.rec.stop_reason)
-        return self.pausing and step > self.final[w]
-
     def reply(self, w: int, step: int) -> None:
         """Answer push `step` of worker `w`: WEIGHTS, or STOP once a stopping rule fired (S > 1: once this shard
-        has settled, `answer_finishing`)."""
+        has settled, `ShardAgreement.answer_finishing`)."""
         if self.rec.stop_reason and not self.settled():
-            self.finishing.add(w)
+            self.agreement.owe_stop(w)
         elif self.rec.stop_reason:
             self.stopped.add(w)
             self.periodic.withdraw(w)  # an evaluation it was still to be asked for goes without it
@@ -262,95 +261,7 @@ class ShardedServer(Role):
         else:
             self.send(w, Tag.WEIGHTS, step)
 
-    def on_finish(self, w: int, msg: Message) -> None:
-        """(--servers S > 1) FINISH from worker `w`: another shard answered its last push with STOP, this one
-        with WEIGHTS. Answered with STOP and this shard's final slice now if it has settled, else once it has
-        (`tick`, after rank 0's SHARD_STOP and SHARD_FINAL). ProtocolError for a FINISH out of turn."""
-        step = int(msg.header["step"])
-        where = f"rank {self.rank} (parameter-server shard {self.shard})"
-        if w in self.stopped or w in self.finishing or w not in self.started:
-            why = "it was sent STOP" if w in self.stopped else "its FINISH" if w in self.finishing else \
-                "before its first weights"
-            raise ProtocolError(f"{where}: FINISH step {step} from worker rank {w} after {why}")
-        if step != self.last_step[w]:
-            raise ProtocolError(f"{where}: FINISH from worker rank {w} has step {step}, expected {self.last_step[w]} "
-                                f"(its last push, answered with WEIGHTS)")
-        self.finishing.add(w)
-        self.answer_finishing()  # at once if this shard has stopped
-
-    def answer_finishing(self) -> None:
-        """(--servers) Once this shard has settled: STOP, with its final slice, to each worker owed one (it sent
-        FINISH, or its push was processed after the stop). Called by the subclass's `tick`."""
-        if self.finishing and self.settled():
-            for w in sorted(self.finishing):
-                self.stopped.add(w)
-                self.periodic.withdraw(w)
-                self.send(w, Tag.STOP, self.last_step[w])
-            self.finishing.clear()
-
-    # --- the stop with S > 1 shards: every shard applies the same pushes ---
-    def settle(self, final: dict[int, int]) -> None:
-        """(--servers S > 1, after the stop or in a pause) The shards agreed: every shard applies each worker `w`'s
-        pushes up to step `final[w]` and (after the stop) no later one (`mpiasgd.rank0.shard_hub`: the largest step
-        any shard had applied when it heard of the stop or pause; a worker has one push in flight, sent to every
-        shard, so each of those reaches every shard). The pushes deferred until now are processed (in a pause,
-        later ones wait for `resume`); ProtocolError if a final step is behind what this shard has already applied."""
-        behind = {w: (self.last_step[w], step) for w, step in final.items() if step < self.last_step[w]}
-        if behind or set(final) != set(self.workers):
-            raise ProtocolError(f"rank {self.rank} (parameter-server shard {self.shard}): the agreed final steps "
-                                f"{final} name other workers than {self.workers} or are behind this shard's "
-                                f"applied steps (worker: (applied, final)) {behind}")
-        self.final = dict(final)
-        self.take_deferred()
-
-    def take_deferred(self) -> None:
-        """Process each held push (in arrival order) that no longer waits (`holds`)."""
-        deferred, self.deferred = self.deferred, []
-        for w in deferred:
-            if self.holds(w, int(self.inbox[w].header["step"])):
-                self.deferred.append(w)
-            else:
-                self.take_push(w, self.inbox[w])
-
-    # --- an interval checkpoint with S > 1 shards: a pause ---
-    def pause(self) -> None:
-        """(--servers S > 1) An interval checkpoint is due: hold every push until the shards agree on the pushes
-        each applies (`settle`, as after the stop); then apply those and hold later ones until `resume`, so that
-        every shard's slice (`paused`) holds the same pushes. ProtocolError when a pause or the stop's agreement
-        is already under way."""
-        if self.pausing or self.final is not None:
-            raise ProtocolError(f"rank {self.rank} (parameter-server shard {self.shard}): a pause while "
-                                + ("another is under way" if self.pausing else "the shards stop"))
-        self.pausing = True
-
-    def paused(self) -> bool:
-        """The pause's slice is ready: the shards agreed and every push up to each worker's agreed step was
-        processed here."""
-        return (self.pausing and self.final is not None
-                and all(self.last_step[w] >= step for w, step in self.final.items()))
-
-    def resume(self) -> None:
-        """After the pause's slice was taken: the held pushes are processed (after the stop, rank 0 holds them
-        again until the stop's agreement)."""
-        if not self.paused():
-            raise ProtocolError(f"rank {self.rank} (parameter-server shard {self.shard}): resumed before the pause's "
-                                "pushes were applied")
-        self.pausing, self.final = False, None
-        self.take_deferred()
-
     def settled(self) -> bool:
         """The run has stopped and this shard's weights are final: with S = 1 at once; with S > 1 once the
-        shards agreed (`settle`) and every push up to each worker's final step was processed here."""
-        if not self.rec.stop_reason:
-            return False
-        if self.cut.shards == 1:
-            return True
-        return (not self.pausing and self.final is not None and not self.deferred
-                and all(self.last_step[w] >= step for w, step in self.final.items()))
-
-    def admits(self, step: int, w: int) -> bool:
-        """A finite push `step` of worker `w` is applied: before the stop; after it (S > 1) if the shards agreed
-        to apply it (in a pause: every push that does not wait, `holds`)."""
-        if self.final is None:
-            return not self.rec.stop_reason
-        return step <= self.final[w]
+        shards agreed and every push up to each worker's final step was processed here (`agreement`)."""
+        return self.agreement.settled()

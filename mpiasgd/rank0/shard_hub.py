@@ -27,9 +27,9 @@ push after the decision until the shards agree which pushes each applies:
       before it decided; it defers any later push)    every later push (in its inbox: the worker waits)
     every SHARD_STOPPED in: final[w] = the largest
       of those steps; SHARD_FINAL to every shard    on SHARD_FINAL: `settle`
-    role.settle(final)
+    role.agreement.settle(final)
 
-`ShardedServer.settle` (`mpiasgd.rank0.server`: the servers of async, ssp and easgd) then processes the
+`ShardAgreement.settle` (`mpiasgd.rank0.shard_agreement`, in the servers of async, ssp and easgd) processes the
 deferred pushes: applies each worker's up to final[w] and drops later ones. A worker has one push in flight and
 sends it to every shard at once, so every push of that set reaches every shard. Once a shard has applied all
 of them (`settled`), it answers every push and FINISH with STOP and its final slice, and FETCH (a checkpoint
@@ -267,41 +267,41 @@ class ShardHub:
     def agree(self, told: dict[int, dict[int, int]]) -> None:
         """Once every shard's SHARD_STOPPED (or in a pause SHARD_PAUSED: `told`) is in: each worker's final
         step, the largest any shard (rank 0's included) had processed, to every shard (SHARD_FINAL) and to rank
-        0's role (`ShardedServer.settle`)."""
+        0's role (`ShardAgreement.settle`)."""
         if len(told) < len(self.shards):
             return
         final = {w: max([step, *(steps[w] for steps in told.values())]) for w, step in self.own_steps.items()}
         for r in self.shards:
             self.post(r, steps_message(Tag.SHARD_FINAL, 0, final), Tag.SHARD_FINAL)
-        self.r0.role.settle(final)
+        self.r0.role.agreement.settle(final)
 
     # --- an interval checkpoint: a pause ---
     def pause(self) -> None:
         """An interval checkpoint is due: SHARD_PAUSE to every shard, and rank 0's role holds every later push
-        (`ShardedServer.pause`); the checkpoint is written once `paused`. Nothing when a pause is under way or
+        (`ShardAgreement.pause`); the checkpoint is written once `paused`. Nothing when a pause is under way or
         the stop was told."""
         if self.pausing or self.stop_told:
             return
         self.paused_steps = {}
         self.own_steps = {w: int(self.r0.role.last_step[w]) for w in self.r0.workers}
-        self.r0.role.pause()
+        self.r0.role.agreement.pause()
         for r in self.shards:
             self.post(r, Message(0).stamp(Tag.SHARD_PAUSE, 0), Tag.SHARD_PAUSE)
 
     @property
     def pausing(self) -> bool:
         """An interval checkpoint's pause is under way (`pause` to `resume`; rank 0's role holds the state)."""
-        return self.r0.role.pausing
+        return self.r0.role.agreement.pausing
 
     def paused(self) -> bool:
         """The pause's checkpoint may be taken: the shards agreed and rank 0 applied every agreed push (the
         other shards answer its FETCH once they have)."""
-        return self.pausing and self.r0.role.paused()
+        return self.pausing and self.r0.role.agreement.paused()
 
     def resume(self) -> None:
         """After the pause's checkpoint (every shard's SLICE in: each shard has resumed): rank 0's held pushes are
         processed."""
-        self.r0.role.resume()
+        self.r0.role.agreement.resume()
 
     # --- the whole vector ---
     def assemble(self, params0: np.ndarray, velocity0: np.ndarray | None = None) -> tuple:
@@ -322,7 +322,7 @@ class ShardHub:
         params[a:b] = params0
         if velocity is not None:
             velocity[a:b] = velocity0
-        versions = [self.rec.version] + [0] * len(self.shards)
+        versions = [self.r0.role.counter.version] + [0] * len(self.shards)
         receives = {r: self.comm.Irecv(self.slices[r].buf, source=r, tag=int(Tag.SLICE)) for r in self.shards}
         flags = Flag.RESUME if self.pausing else 0  # the pause's slice: each shard resumes after sending it
         for r in self.shards:
@@ -467,28 +467,28 @@ class HubLink:
     def receive(self, tag: Tag, source: int, message: Any, nbytes: int) -> None:
         """SHARD_STOP, SHARD_PAUSE, FETCH or END from rank 0 (header only), or SHARD_FINAL."""
         if tag == Tag.SHARD_FINAL:
-            agreeing = bool(self.rec.stop_reason) or self.role.pausing
-            if not agreeing or self.role.final is not None:
+            agreeing = bool(self.rec.stop_reason) or self.role.agreement.pausing
+            if not agreeing or self.role.agreement.final is not None:
                 raise ProtocolError(f"{self.name()}: SHARD_FINAL from rank 0 " + (
                     "a second time" if agreeing else "before SHARD_STOP or SHARD_PAUSE"))
-            self.role.settle(steps_of(message, tag, source, self.rank, nbytes, list(self.r0.workers)))
+            self.role.agreement.settle(steps_of(message, tag, source, self.rank, nbytes, list(self.r0.workers)))
             return
         msg = self.r0.header_only
         protocol.check_size(tag, source, self.rank, nbytes, 0)
         message.Recv(msg.buf)
         protocol.check(msg, tag, source, self.rank)
         if tag == Tag.SHARD_PAUSE:
-            if self.rec.stop_reason or self.role.pausing:
+            if self.rec.stop_reason or self.role.agreement.pausing:
                 raise ProtocolError(f"{self.name()}: SHARD_PAUSE from rank 0 " + (
                     "after SHARD_STOP" if self.rec.stop_reason else "while paused"))
-            self.role.pause()  # every push is held from now on until SHARD_FINAL (and later ones until FETCH)
+            self.role.agreement.pause()  # every push is held from now on until SHARD_FINAL (and later ones until FETCH)
             steps = {w: int(self.role.last_step[w]) for w in self.r0.workers}
             paused = steps_message(Tag.SHARD_PAUSED, self.rank, steps)
             self.sends.append((self.comm.Isend(paused.buf, dest=0, tag=int(Tag.SHARD_PAUSED)), paused))
         elif tag == Tag.SHARD_STOP:
             if self.rec.stop_reason:
                 raise ProtocolError(f"{self.name()}: a second SHARD_STOP from rank 0")
-            if self.role.pausing:
+            if self.role.agreement.pausing:
                 raise ProtocolError(f"{self.name()}: SHARD_STOP from rank 0 while paused (before the pause's FETCH)")
             self.preempted = bool(int(msg.header["flags"]) & Flag.PREEMPT)
             self.rec.stop("rank 0 stopped the run")  # the role defers every push from now on until SHARD_FINAL
@@ -497,7 +497,7 @@ class HubLink:
             self.sends.append((self.comm.Isend(stopped.buf, dest=0, tag=int(Tag.SHARD_STOPPED)), stopped))
         elif tag == Tag.FETCH:
             resumes = bool(int(msg.header["flags"]) & Flag.RESUME)
-            if resumes and not self.role.pausing:
+            if resumes and not self.role.agreement.pausing:
                 raise ProtocolError(f"{self.name()}: FETCH flag RESUME from rank 0 without SHARD_PAUSE")
             if resumes or (self.rec.stop_reason and not self.role.settled()):
                 # the pause's or the final slice: once every agreed push is applied (`tick`)
@@ -522,14 +522,14 @@ class HubLink:
 
     def answer_fetch(self) -> None:
         """A FETCH held until the shards' agreement is applied here: answered once it is (`settled` after the
-        stop; in a pause `paused`, and the pause then ends: `ShardedServer.resume`)."""
-        if not self.fetch_due or not (self.role.paused() if self.fetch_resumes else self.role.settled()):
+        stop; in a pause `paused`, and the pause then ends: `ShardAgreement.resume`)."""
+        if not self.fetch_due or not (self.role.agreement.paused() if self.fetch_resumes else self.role.settled()):
             return
         self.send_slice(self.fetch_due)
         self.fetch_due = 0
         if self.fetch_resumes:
             self.fetch_resumes = False
-            self.role.resume()
+            self.role.agreement.resume()
 
     def signalled(self, name: str) -> None:
         """A signal reached this shard: rank 0 is told at once (its rows, flag PREEMPT); rank 0 decides."""
@@ -549,7 +549,8 @@ class HubLink:
     # --- sends ---
     def send_rows(self, flags: int = 0) -> None:
         rows = self.rec.take_rows()
-        msg = rows_message(Tag.SHARD_ROWS, self.rank, rows, version=self.rec.version, samples=self.rec.samples,
+        counter = self.role.counter
+        msg = rows_message(Tag.SHARD_ROWS, self.rank, rows, version=counter.version, samples=counter.samples,
                            elapsed=self.rec.now(), flags=flags, **wire_fields(self.rec))
         self.sends.append((self.comm.Isend(msg.buf, dest=0, tag=int(Tag.SHARD_ROWS)), msg))
         self.last_sent = self.rec.now()
@@ -560,7 +561,8 @@ class HubLink:
         msg.payload[:self.size] = self.role.params
         velocity = self.role.velocity()  # (easgd: none; the workers hold theirs)
         msg.payload[self.size:] = 0.0 if velocity is None else velocity
-        msg.stamp(Tag.SLICE, self.rank, step=number, version=self.rec.version, samples=self.rec.samples,
+        counter = self.role.counter
+        msg.stamp(Tag.SLICE, self.rank, step=number, version=counter.version, samples=counter.samples,
                   **wire_fields(self.rec))
         self.slice.send(self.comm, 0, 0, int(Tag.SLICE))
 

@@ -91,9 +91,10 @@ class ShardRecorder(Recorder):
         pass
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
-        """Continue from `ckpt`, this shard's slice of rank 0's checkpoint (its version; its images and training
-        seconds): staleness, rejects and bytes moved count from the resume (rank 0 keeps the run's)."""
-        self.version, self.samples, self.resumed = ckpt.version, ckpt.samples, ckpt
+        """Continue from `ckpt`, this shard's slice of rank 0's checkpoint (its training seconds; the role restores
+        its version and images): staleness, rejects and bytes moved count from the resume (rank 0 keeps the
+        run's)."""
+        self.resumed = ckpt
 
     def summary(self, evals: dict, preempted: str) -> dict:
         return {}

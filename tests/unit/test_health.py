@@ -160,7 +160,7 @@ def test_a_loss_far_above_ln_c_from_the_first_minibatches_blames_the_network_not
     assert "step size is likely too large" in feed(later, [(0.5, 40.0, 3, 32)])[0].text and not later.at_start
     server, net, _ = make_server(tmp_path, max_rejects=2)
     server.health = watch
-    server.rec.version = 3  # updates were applied (the huge gradients, finite): "diverged", but not the lr's doing
+    server.counter.version = 3  # updates were applied (the huge gradients, finite): "diverged", but not the lr's doing
     for step in (1, 2):
         push(net, 1, step=step, version=3, grad=np.full(6, np.nan, np.float32))
     serve_one(server)

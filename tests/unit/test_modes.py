@@ -66,7 +66,7 @@ def test_nsync_push_carries_the_accumulated_update(digits):
 def test_server_adds_accumulated_update_scaled_by_staleness_rule(tmp_path, rule, factor):
     server, net, log = make_server(tmp_path, nsync=4, staleness_lr=rule, momentum=0.9, weight_decay=0.1)
     before = server.params.copy()
-    server.version = 2  # the push below was computed from version 0: staleness 2
+    server.counter.version = 2  # the push below was computed from version 0: staleness 2
     u = np.linspace(-1, 1, 6).astype(np.float32)
     push(net, 1, step=1, version=0, grad=u, lr=0.03, flags=Flag.DELTA)
     serve_one(server)

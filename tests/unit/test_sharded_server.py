@@ -375,7 +375,7 @@ def test_a_final_step_behind_what_a_shard_applied_or_naming_other_workers_is_ref
         serve(shard)
     with pytest.raises(ProtocolError, match=r"the agreed final steps \{1: 0, 2: 0, 3: 0\} .* behind this shard's "
                                             r"applied steps \(worker: \(applied, final\)\) \{2: \(1, 0\)\}"):
-        shard.role.settle({1: 0, 2: 0, 3: 0})
+        shard.role.agreement.settle({1: 0, 2: 0, 3: 0})
 
 
 @pytest.mark.parametrize("mode", ["async", "easgd"])
@@ -412,10 +412,10 @@ def test_the_shards_apply_the_same_pushes_whichever_way_the_stop_races_them(tmp_
         push_to(net, cut, w, (0, rank)[w], 1, 2, (hub, shard)[w].rec.version, g[1])
     serve(hub)  # rank 0 takes worker 1's second push (deferred) ...
     serve(hub)  # ... and shard 1's SHARD_STOPPED: SHARD_FINAL {1: 1, 2: 1, 3: 1}; rank 0 applies worker 3's push
-    assert hub.role.final == {1: 1, 2: 1, 3: 1} and hub.rec.version == 3
+    assert hub.role.agreement.final == {1: 1, 2: 1, 3: 1} and hub.rec.version == 3
     while net.pending(rank):  # shard 1: worker 1's second push (deferred), SHARD_FINAL: worker 2's applied
         serve(shard)
-    assert shard.role.final == {1: 1, 2: 1, 3: 1} and shard.rec.version == 3
+    assert shard.role.agreement.final == {1: 1, 2: 1, 3: 1} and shard.rec.version == 3
     finals = {}
     for s, (loop, src) in enumerate(((hub, 0), (shard, rank))):
         for w in range(1, WORKERS + 1):
@@ -485,8 +485,8 @@ def test_an_interval_checkpoint_is_one_cut_whichever_way_the_pause_races_the_pus
         push_to(net, cut, s, (0, rank)[s], 1, 2, (hub, shard)[s].rec.version, g[1])
     drain(shard, net)  # shard 1 holds it
     drain(hub, net)  # rank 0 holds it
-    assert hub.rec.version == 2 and hub.role.final is None and hub.role.deferred == [3, 1]
-    assert shard.role.deferred == [2, 1]
+    assert hub.rec.version == 2 and hub.role.agreement.final is None and hub.role.agreement.deferred == [3, 1]
+    assert shard.role.agreement.deferred == [2, 1]
     net.post(rank, 0, Tag.SHARD_PAUSED, paused[2])
     # shard 1's SHARD_PAUSED: SHARD_FINAL {1: 1, 2: 1, 3: 1}; rank 0 applies worker 3's push, writes the
     # checkpoint (shard 1 answers its FETCH once it has applied worker 2's), then both process worker 1's second
@@ -498,7 +498,8 @@ def test_an_interval_checkpoint_is_one_cut_whichever_way_the_pause_races_the_pus
     assert [(tag, int(header["version"])) for tag, header, _ in at3] == [(Tag.WEIGHTS, 3)] * 2
     if mode == "async":  # (easgd replies with the center before the exchange's update)
         np.testing.assert_array_equal(ck.params, np.concatenate([at3[0][2], at3[1][2]]))
-    assert not hub.link.pausing and not shard.role.pausing and hub.role.final is None is shard.role.final
+    assert not hub.link.pausing and not shard.role.agreement.pausing
+    assert hub.role.agreement.final is None is shard.role.agreement.final
     assert hub.rec.version == shard.rec.version == 4  # worker 1's second push, held in the pause
     for s, src in enumerate((0, rank)):
         tag, header, _ = reply_of_tag(net, 1, src, cut.count(s))
@@ -531,7 +532,7 @@ def test_a_pause_out_of_turn_is_refused(tmp_path):
         serve(hub)
     net.post(0, rank, Tag.SHARD_PAUSE, Message(0).stamp(Tag.SHARD_PAUSE, 0).buf)
     drain(shard, net)
-    assert shard.role.pausing and net.take(0, rank, Tag.SHARD_PAUSED) is not None
+    assert shard.role.agreement.pausing and net.take(0, rank, Tag.SHARD_PAUSED) is not None
     net.post(0, rank, Tag.SHARD_PAUSE, Message(0).stamp(Tag.SHARD_PAUSE, 0).buf)
     with pytest.raises(ProtocolError, match=r"SHARD_PAUSE from rank 0 while paused"):
         serve(shard)
@@ -539,7 +540,7 @@ def test_a_pause_out_of_turn_is_refused(tmp_path):
     with pytest.raises(ProtocolError, match=r"SHARD_STOP from rank 0 while paused"):
         serve(shard)
     with pytest.raises(ProtocolError, match=r"resumed before the pause's pushes were applied"):
-        shard.role.resume()
+        shard.role.agreement.resume()
     _, other, net2, cut2 = linked(tmp_path / "b")
     rank2 = cut2.rank(1, WORKERS)
     net2.post(0, rank2, Tag.SHARD_STOP, Message(0).stamp(Tag.SHARD_STOP, 0).buf)
@@ -583,7 +584,7 @@ def test_a_stop_decided_in_a_pause_is_told_the_shards_after_it(tmp_path):
     assert hub.link.stop_told
     drain(shard, net)  # SHARD_STOP: SHARD_STOPPED {1: 2, 2: 1, 3: 1}
     drain(hub, net)  # final {1: 2, 2: 1, 3: 1}: rank 0 waits for worker 1's second push
-    assert hub.role.final == {1: 2, 2: 1, 3: 1} and not hub.role.settled()
+    assert hub.role.agreement.final == {1: 2, 2: 1, 3: 1} and not hub.role.settled()
     push_to(net, cut, 0, 0, 1, 2, 3, grad)
     drain(hub, net)
     drain(shard, net)
@@ -650,7 +651,7 @@ def test_a_shards_recorder_keeps_rows_for_rank_0_and_decides_nothing(tmp_path):
     rec = ShardRecorder(cfg, range(1, 3), NUM_TRAIN, 1, 4)
     assert not rec.keeps_log and rec.snapshots.seconds == 0 and rec.checkpoints.seconds == 0
     rec.begin()
-    rec.version = 5
+    rec.counter.version = 5
     rec.check_stop()  # past --max-pushes 1: only rank 0 decides
     assert not rec.stop_reason
     rec.push(worker=2, step=3, base_version=3, version=5, staleness=1, applied=True, loss=2.0, samples=32)
@@ -863,7 +864,7 @@ def test_the_push_that_carries_a_workers_signal_is_applied_on_every_shard(tmp_pa
         serve(shard)
     assert shard.rec.version == 0
     serve(hub)  # shard 1's SHARD_STOPPED {1: 0, ...}: final {1: 1, ...}
-    assert hub.role.final == {1: 1, 2: 0, 3: 0}
+    assert hub.role.agreement.final == {1: 1, 2: 0, 3: 0}
     while net.pending(rank):  # SHARD_FINAL: the deferred push applied
         serve(shard)
     assert shard.rec.version == hub.rec.version == 1 and shard.link.preempted

@@ -95,7 +95,7 @@ class PipelineMonitor(Role):
             if ck is None:
                 out.stamp(Tag.WEIGHTS, 0, version=0)
             else:
-                out.stamp(Tag.WEIGHTS, 0, version=self.rec.version, step=self.last_step[w], cursor=self.cursor[w],
+                out.stamp(Tag.WEIGHTS, 0, version=self.counter.version, step=self.last_step[w], cursor=self.cursor[w],
                           elapsed=ck.elapsed, flags=Flag.RESUME)
                 self.send_state(w, ck.momentum[start:stop])
             self.out[w].take(0)
@@ -157,9 +157,9 @@ class PipelineMonitor(Role):
         applied = not flags & Flag.WARMUP
         k = self.module_of(w)
         if applied and k == self.K - 1 and w <= self.K:  # the last module of replica 0: one minibatch done
-            rec.version = int(h["epoch"]) + 1
-            rec.samples = rec.version * self.cfg.batch_size * self.N
-            rec.update(version=rec.version, lr=float(h["lr"]))
+            version = int(h["epoch"]) + 1
+            self.counter.set(version, version * self.cfg.batch_size * self.N)
+            rec.update(version=version, lr=float(h["lr"]))
             rec.training_loss(float(h["loss"]), int(h["correct"]), int(h["samples"]))
         nonfinite = bool(flags & Flag.NONFINITE)
         staleness = t - version if applied or nonfinite else 0
@@ -231,7 +231,8 @@ class PipelineMonitor(Role):
             rec.event("evaluation", f"the evaluation of snapshot {index} during training not logged: rank 0 "
                                     f"abandoned it ({signals.received()} received)")
             return
-        rec.periodic_eval(taken=taken, samples=float(rec.samples), versions=(rec.version, rec.version),
+        version = self.counter.version
+        rec.periodic_eval(taken=taken, samples=float(self.counter.samples), versions=(version, version),
                           loss_sum=result.loss_sum, correct=result.correct, correct5=result.correct5,
                           count=result.count, seconds=seconds, snapshot=index)
 
