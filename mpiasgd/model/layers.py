@@ -36,6 +36,7 @@ import numpy as np
 
 from mpiasgd.model.errors import ModelSpecError
 from mpiasgd.ops.contract import pool_output_size
+from mpiasgd.ops.protocol import LossStats
 
 Shape = tuple[int, ...]
 
@@ -902,6 +903,7 @@ class SoftmaxCrossEntropy:
     """Softmax cross-entropy loss, mean over the minibatch (not a layer of the sequence).
 
     forward(logits (N, K), labels (N,) int) -> (loss: float, correct: int);
+    forward_deferred(logits, labels) -> LossStats (the same values, read later: `ops.softmax_xent_deferred`);
     backward() -> dlogits (N, K) = (softmax - onehot) / N, computed during forward.
     """
 
@@ -912,6 +914,10 @@ class SoftmaxCrossEntropy:
     def forward(self, logits: Any, labels: Any) -> tuple[float, int]:
         loss, self.dlogits, correct = self.ops.softmax_xent(logits, labels)
         return loss, correct
+
+    def forward_deferred(self, logits: Any, labels: Any) -> LossStats:
+        stats, self.dlogits = self.ops.softmax_xent_deferred(logits, labels)
+        return stats
 
     def backward(self) -> Any:
         return self.dlogits

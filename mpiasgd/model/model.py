@@ -21,6 +21,7 @@ import numpy as np  # host side only: initialisation and masks; compute goes thr
 
 from mpiasgd.model.definition import model_spec
 from mpiasgd.model.layers import MAX_EXTENT, Context, Layer, Param, Shape, SoftmaxCrossEntropy, walk
+from mpiasgd.ops.protocol import LossStats
 
 
 class Model:
@@ -272,6 +273,16 @@ class Model:
         `minibatch` numbers it for dropout's key (`ctx.minibatch`); None: one more than the last.
         Raises RuntimeError before `bind`, ValueError on wrong shapes/dtypes or out-of-range labels.
         """
+        stats = self.forward_backward_deferred(x, y, minibatch)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return stats.get()
+
+    def forward_backward_deferred(self, x: Any, y: Any, minibatch: int | None = None) -> LossStats:
+        """`forward_backward` whose (mean loss, number correct) are read later: returns a
+        `mpiasgd.ops.protocol.LossStats` (`get()`). On a GPU nothing here waits for the device, so the
+        host queues the whole step's kernels while the first ones run; the loss and hits are copied
+        when `get()` is called (a worker: once per push, when its gradient is copied out anyway).
+        The errors of `forward_backward`; an out-of-range label may be named by `get()` instead."""
         self._check_batch("forward_backward", x, y)
         self.ctx.minibatch = self.ctx.minibatch + 1 if minibatch is None else int(minibatch)
         self.train()
@@ -279,11 +290,11 @@ class Model:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # a diverging network
             for layer in self.layers:  # overflows (numpy backend); its non-finite loss and gradient are checked
                 h = layer.forward(h)   # by the caller (the push rejected, the divergence reported)
-            loss, correct = self.loss.forward(h, y)
+            stats = self.loss.forward_deferred(h, y)
             d = self.loss.backward()
             for layer in reversed(self.layers):
                 d = layer.backward(d)
-        return loss, correct
+        return stats
 
     def evaluate(self, x: Any, y: Any, batch_size: int = 1000) -> tuple[float, int, int]:
         """Forward only, in evaluation behaviour (running statistics, no dropout), in chunks of `batch_size`:

@@ -105,7 +105,7 @@ from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag
 from mpiasgd.comms.wire import WIRES, decode
 from mpiasgd.comms.wire import warm_up as warm_up_wire
 from mpiasgd.config import Config
-from mpiasgd.modes.base import Mode, WorkerJob, initial_buffers, lr_scale, need, round_fits
+from mpiasgd.modes.base import LossTally, Mode, WorkerJob, initial_buffers, lr_scale, need, round_fits
 from mpiasgd.modes.sharded_worker import ShardedWorker
 from mpiasgd.optim import (
     SGD,
@@ -327,13 +327,10 @@ class AsgdWorker(ShardedWorker):
         model = self.model
         if local is not None:
             pulled[...] = model.params
-        loss = 0.0
-        correct = samples = epoch = 0
+        tally, epoch = LossTally(), 0
         for _ in range(self.cfg.nsync):
-            batch_loss, batch_correct, batch_samples, epoch = self.gradient()
-            loss += batch_loss * batch_samples
-            correct += batch_correct
-            samples += batch_samples
+            stats, batch_samples, epoch = self.gradient()
+            tally.add(stats, batch_samples)
             if local is not None:
                 local.step(lr)
             if after_minibatch():
@@ -341,6 +338,7 @@ class AsgdWorker(ShardedWorker):
         if local is not None:  # the accumulated update: the weights now minus the weights at the start
             model.grads[...] = model.params
             model.grads -= pulled
+        loss, correct, samples = tally.totals()  # (a GPU: the round's kernels are queued; this waits for them)
         return loss / samples, correct, samples, epoch
 
     def train(self) -> None:

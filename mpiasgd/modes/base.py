@@ -22,6 +22,7 @@ from mpiasgd.comms.wire import ErrorFeedback
 from mpiasgd.config import Config, ConfigError
 from mpiasgd.data import MinibatchStream, ShardSampler
 from mpiasgd.model import Evaluation, evaluate
+from mpiasgd.ops.protocol import LossStats
 
 
 @dataclass
@@ -172,6 +173,31 @@ class Heartbeat:
             self.sending = None
 
 
+class LossTally:
+    """The loss and hits of a round's minibatches (`WorkerLoop.gradient`), read from the device once, when the
+    round's totals are asked for (`totals`): a worker's push then carries them without a device
+    synchronisation per minibatch."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[LossStats, int]] = []
+
+    def add(self, stats: LossStats, samples: int) -> None:
+        """One minibatch of `samples` images and its (deferred) loss and hits."""
+        self.parts.append((stats, samples))
+
+    def totals(self) -> tuple[float, int, int]:
+        """(loss summed over the images, hits, images) of the minibatches added: the mean loss of each times
+        its images, summed in the order they were added."""
+        loss = 0.0
+        correct = samples = 0
+        for stats, n in self.parts:
+            batch_loss, batch_correct = stats.get()
+            loss += batch_loss * n
+            correct += batch_correct
+            samples += n
+        return loss, correct, samples
+
+
 class EvaluationAbandoned(Exception):
     """An evaluation during training gives way to a signal, or to the end of the run (raised between batches)."""
 
@@ -218,15 +244,15 @@ class WorkerLoop:
         self.step, self.elapsed = int(header["step"]), float(header["elapsed"])
         self.stream.seek(int(header["cursor"]))
 
-    def gradient(self) -> tuple[float, int, int, int]:
-        """Forward and backward on the next minibatch into the bound grads; (loss, correct, samples, epoch).
-        The minibatch's number in the worker's stream (`cursor`) keys its dropout masks."""
+    def gradient(self) -> tuple[LossStats, int, int]:
+        """Forward and backward on the next minibatch into the bound grads; (its loss and hits, read later:
+        a LossStats, `LossTally`; samples; epoch). The minibatch's number in the worker's stream (`cursor`)
+        keys its dropout masks."""
         ops = self.model.ops
         x, y, epoch = self.stream.next()                   # (B, C, H, W) float32, (B,) int64, host
         self.data_s += self.stream.data_s
         x, y = ops.asarray(x), ops.asarray(y, y.dtype)     # cupy: host -> device; numpy: the same arrays
-        loss, correct = self.model.forward_backward(x, y, minibatch=self.cursor)
-        return loss, correct, y.shape[0], epoch
+        return self.model.forward_backward_deferred(x, y, minibatch=self.cursor), y.shape[0], epoch
 
     def take_data_s(self) -> float:
         """Seconds this worker waited for its minibatches since the last call (a push's or report's `data_s`)."""

@@ -63,7 +63,7 @@ from mpi4py import MPI
 
 from mpiasgd.comms import Flag, SendSlots, Tag, wait
 from mpiasgd.config import Config
-from mpiasgd.modes.base import Mode, WorkerJob, initial_buffers, need, round_fits
+from mpiasgd.modes.base import LossTally, Mode, WorkerJob, initial_buffers, need, round_fits
 from mpiasgd.modes.sharded_worker import ShardedWorker
 from mpiasgd.optim import LocalSGD, fraction_done
 from mpiasgd.optim.rules import ElasticRule, elastic_difference
@@ -201,15 +201,14 @@ class EasgdWorker(ShardedWorker):
         `began` being the training clock's start: the exchange then carries what the round has; rank 0 stops the
         run). Returns (mean loss over the round's samples, correct, samples, epoch of the last minibatch)."""
         cfg = self.cfg
-        loss = correct = samples = epoch = 0
+        tally, epoch = LossTally(), 0
         for _ in range(cfg.easgd_tau):
-            batch_loss, batch_correct, batch_samples, epoch = self.gradient()
+            stats, batch_samples, epoch = self.gradient()
             local.step(lr)
-            loss += batch_loss * batch_samples
-            correct += batch_correct
-            samples += batch_samples
+            tally.add(stats, batch_samples)
             if self.signalled() or (cfg.max_time and time.perf_counter() - began >= cfg.max_time):
                 break
+        loss, correct, samples = tally.totals()
         return loss / samples, correct, samples, epoch
 
     # --- --servers S > 1: one message per shard each way ---

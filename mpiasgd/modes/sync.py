@@ -234,8 +234,9 @@ class SyncWorker(WorkerLoop):
             t0 = time.perf_counter()
             if kept is not None:
                 kept[...] = self.buffers
-            loss, correct, samples, epoch = self.gradient()
+            stats, samples, epoch = self.gradient()
             staging.finish_compute()
+            loss, correct = stats.get()
             self.straggle(t0)
             t1 = time.perf_counter()
             grads = model.grads

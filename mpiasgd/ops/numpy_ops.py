@@ -55,6 +55,7 @@ from mpiasgd.ops.contract import (
     label_outside,
     shape4,
 )
+from mpiasgd.ops.protocol import LossStats
 
 # ----------------------------------------------------------------------------------------------
 # array helpers (layers and the model allocate through these, never through numpy directly)
@@ -1026,6 +1027,11 @@ class NumpyBackend:
     linear_wgrad = staticmethod(linear_wgrad)
     softmax_xent = staticmethod(softmax_xent)
     sgd_momentum = staticmethod(sgd_momentum)
+
+    def softmax_xent_deferred(self, logits: np.ndarray, labels: np.ndarray) -> tuple[LossStats, np.ndarray]:
+        """`softmax_xent`, its loss and hits ready at once (`LossStats.ready`)."""
+        loss, dlogits, correct = self.softmax_xent(logits, labels)
+        return LossStats.ready(loss, correct), dlogits
 
     def __repr__(self) -> str:
         return "NumpyBackend()"

@@ -33,6 +33,32 @@ import numpy as np
 Array = Any  # numpy.ndarray or cupy.ndarray (the backend's `ndarray`)
 
 
+class LossStats:
+    """A minibatch's (mean loss, number correct) as `softmax_xent_deferred` returns it: on the host at once
+    (numpy, cpu) or still on the device (cupy: its per-row losses and hits, copied to the host by `get()`,
+    which waits for the kernels that compute them). Reading it late lets a worker queue a whole step's
+    kernels (forward, backward, update) without waiting for the GPU in between.
+
+    `get()` -> (loss: float, correct: int), the same values `softmax_xent` returns; computed once. It raises
+    what `softmax_xent` raises for the minibatch (ValueError naming a label outside [0, K) and its index).
+    """
+
+    __slots__ = ("_fetch", "_value")
+
+    def __init__(self, fetch: Any = None, value: tuple[float, int] | None = None) -> None:
+        self._fetch, self._value = fetch, value
+
+    @classmethod
+    def ready(cls, loss: float, correct: int) -> LossStats:
+        """Values already on the host."""
+        return cls(value=(float(loss), int(correct)))
+
+    def get(self) -> tuple[float, int]:
+        if self._value is None:
+            self._value, self._fetch = self._fetch(), None
+        return self._value
+
+
 @runtime_checkable
 class Workspace(Protocol):
     """Scratch arrays of one layer, kept between minibatches and reused while shapes match."""
@@ -282,6 +308,12 @@ class Backend(Protocol):
         maximum. Raises ValueError on a wrong shape/dtype or a label outside [0, K) (naming it and its
         index).
         """
+
+    def softmax_xent_deferred(self, logits: Array, labels: Array) -> tuple[LossStats, Array]:
+        """`softmax_xent` without waiting for its loss and hits: (stats, dlogits), `stats.get()` giving the
+        (loss, correct) `softmax_xent` gives, with the same bits. cupy: no device synchronisation here (the
+        label check runs in `get()`); numpy and cpu: computed at once. Raises ValueError on a wrong
+        shape/dtype here, on a label outside [0, K) here or (cupy) in `get()`."""
 
     def sgd_momentum(self, params: Array, velocity: Array, grad: Array, decay: Array, momentum: float,
                      lr: float, nesterov: bool = False, lr_scale: Array | None = None) -> None:

@@ -607,3 +607,40 @@ def test_tsan_catches_missing_syncthreads(plant, case, defines):
     assert "WARNING: ThreadSanitizer: data race" in proc.stderr, (
         f"no race reported with the barrier removed ({plant}):\n{proc.stdout}\n{proc.stderr[-5000:]}")
     assert proc.returncode != 0
+
+
+def test_a_training_step_queues_every_kernel_without_waiting_for_the_device(lib, monkeypatch):
+    """Model.forward_backward_deferred on the CUDA backend (harness kernels): the forward, the loss and the
+    backward are launched with no device-to-host copy in between (nothing waits for the GPU inside a
+    step); `get()` then makes the one copy of the loss and hits, with the values and gradients that
+    forward_backward gives, bit for bit."""
+    import mpiasgd.model.registry
+    from mpiasgd.model import build_model
+
+    events = []
+    ops = cases.cpu_backend(lib, record=lambda name, tile: events.append(name))
+    to_numpy = ops.to_numpy
+    monkeypatch.setattr(ops, "to_numpy", lambda a: (events.append("to_host"), to_numpy(a))[1])
+    monkeypatch.setattr(mpiasgd.model.registry, "get_backend", lambda name: ops)
+    rng = np.random.default_rng(7)
+    results = []
+    for deferred in (True, False):
+        model = build_model("digits", "cupy")
+        params, grads = model.init_params(3), np.zeros(model.num_params, np.float32)
+        model.bind(params, grads)
+        if not results:  # (the same minibatch for both)
+            x, y = rng.standard_normal((8, *model.input_shape)).astype(np.float32), rng.integers(0, 10, 8)
+        events.clear()
+        if deferred:
+            stats = model.forward_backward_deferred(x, y, minibatch=1)
+            queued = list(events)
+            assert "to_host" not in queued and queued.index("softmax_xent") < len(queued) - 1  # backward follows
+            values = stats.get()
+            assert events[len(queued):] == ["to_host", "to_host"]  # the rows' hits and losses, once
+            assert stats.get() == values and events[len(queued) + 2:] == []
+        else:
+            values = model.forward_backward(x, y, minibatch=1)
+        results.append((values, grads.copy()))
+    (deferred_values, deferred_grads), (eager_values, eager_grads) = results
+    assert deferred_values == eager_values and np.isfinite(deferred_values[0])
+    assert np.array_equal(deferred_grads, eager_grads) and np.abs(eager_grads).max() > 0

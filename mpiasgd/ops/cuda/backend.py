@@ -68,6 +68,7 @@ from mpiasgd.ops.cuda.device import CudaDevice, Device, Grid, HostDevice
 from mpiasgd.ops.cuda.planner import ConvPlan, Planner, autotune_tiles
 from mpiasgd.ops.cuda.runtime import KERNEL_FILES, CudaKernels, Kernels, check_args, check_kernel_sources
 from mpiasgd.ops.cuda.tiles import CONV_TILES, tile_defines
+from mpiasgd.ops.protocol import LossStats
 
 ELEMENTWISE_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 65535  # grid-stride loops cover the rest
@@ -774,12 +775,18 @@ class CupyBackend:
 
     def softmax_xent(self, logits, labels) -> tuple[float, Any, int]:
         """Softmax cross-entropy, mean over the minibatch: (loss, dlogits (N, K), correct). See
-        `Backend.softmax_xent`.
-
-        One kernel computes dlogits, per-row losses and hits; their sums are taken here (a device sync).
-        labels: integer array (N,) on the device (or host), cast to int32. Raises ValueError on a label
-        outside [0, K), naming it and its index.
+        `Backend.softmax_xent`: `softmax_xent_deferred` with its sums taken at once (a device sync).
+        Raises ValueError on a label outside [0, K), naming it and its index.
         """
+        stats, dlogits = self.softmax_xent_deferred(logits, labels)
+        loss, correct = stats.get()
+        return loss, dlogits, correct
+
+    def softmax_xent_deferred(self, logits, labels) -> tuple[LossStats, Any]:
+        """(stats, dlogits (N, K)): one kernel computes dlogits, per-row losses and hits; `stats.get()` copies
+        the rows to the host (waiting for the kernel), checks the labels and sums them (float64 mean, as
+        numpy_ops). labels: integer array (N,) on the device (or host), cast to int32. See
+        `Backend.softmax_xent_deferred`."""
         op = "softmax_xent"
         xp = self.xp
         self.check_array(op, "logits", logits, ndim=2)
@@ -793,16 +800,19 @@ class CupyBackend:
         row_loss = xp.empty((N,), dtype=np.float32)
         row_correct = xp.empty((N,), dtype=np.int32)
         if N == 0:
-            return 0.0, dlogits, 0
+            return LossStats.ready(0.0, 0), dlogits
         grid, block = (N, 1, 1), (self.blocks.reduce_threads, 1, 1)  # one block per row
         self.launch(op, grid, block, (logits, labels32, dlogits, row_loss, row_correct, c_int32(op, "N", N),
                                       c_int32(op, "K", K), c_float32(op, "scale", 1.0 / N)))
-        correct = self.to_numpy(row_correct)  # (N,) device sync point
-        if correct.min() < 0:
-            bad = int(np.flatnonzero(correct < 0)[0])
-            raise label_outside(op, int(self.to_numpy(labels[bad:bad + 1])[0]), bad, K)
-        loss = float(self.to_numpy(row_loss).astype(np.float64).mean())
-        return loss, dlogits, int(correct.sum())
+
+        def fetch() -> tuple[float, int]:
+            correct = self.to_numpy(row_correct)  # (N,) device sync point
+            if correct.min() < 0:
+                bad = int(np.flatnonzero(correct < 0)[0])
+                raise label_outside(op, int(self.to_numpy(labels[bad:bad + 1])[0]), bad, K)
+            return float(self.to_numpy(row_loss).astype(np.float64).mean()), int(correct.sum())
+
+        return LossStats(fetch), dlogits
 
     def sgd_momentum(self, params, velocity, grad, decay, momentum: float, lr: float, nesterov: bool = False,
                      lr_scale=None) -> None:

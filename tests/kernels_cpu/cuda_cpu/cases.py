@@ -436,14 +436,21 @@ def softmax_xent(lib, rng, small: bool) -> None:
             assert_close(loss, loss_ref, f"softmax_xent loss {(N, K)} block {threads}", atol=1e-5, rtol=1e-5)
             assert_close(d, d_ref, f"softmax_xent dlogits {(N, K)} block {threads}", atol=1e-6, rtol=1e-5)
             assert correct == correct_ref, f"softmax_xent correct {correct} != {correct_ref}"
+            stats, d2 = ops.softmax_xent_deferred(logits, labels)  # the same bits, read later
+            assert stats.get() == (loss, correct) and np.array_equal(d2, d), "softmax_xent_deferred differs"
     bad = np.array([1, 2, 10, -1], dtype=np.int64)
     ops = cpu_backend(lib, reduce_threads=32)
-    try:
-        ops.softmax_xent(f32(rng, 4, 10), bad)
-    except ValueError as e:
-        assert "label 10 at index 2" in str(e), str(e)
-    else:
-        raise AssertionError("softmax_xent accepted label 10 of 10 classes")
+    for deferred in (False, True):
+        try:
+            if deferred:
+                stats, _ = ops.softmax_xent_deferred(f32(rng, 4, 10), bad)
+                stats.get()  # (the kernel's flags are read here)
+            else:
+                ops.softmax_xent(f32(rng, 4, 10), bad)
+        except ValueError as e:
+            assert "label 10 at index 2" in str(e), str(e)
+        else:
+            raise AssertionError(f"softmax_xent{'_deferred' if deferred else ''} accepted label 10 of 10 classes")
 
 
 def softmax_xent_nonfinite(lib, rng, small: bool) -> None:
