@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Training modes compared on CIFAR-10 with 1 parameter server + 2 workers, the same epochs each:
 synchronous, asynchronous, asynchronous with staleness-aware steps, stale-synchronous. One
-markdown table for BENCHMARKS.md.
+markdown table for docs/benchmarks/modes.md.
 
     python bench/cifar10_modes.py                     # cifar10, 10 epochs, the four modes below, one after another
     python bench/cifar10_modes.py --model digits --epochs 3 --modes async,async-inverse   # ~10 s check of the script

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Decoupled backpropagation on CIFAR-10: plain backprop (K = 1) against K = 2 and 3 pipeline modules,
-with and without FDG's gradient shrinking, the same epochs each. One markdown table for BENCHMARKS.md.
+with and without FDG's gradient shrinking, the same epochs each. One markdown table for docs/benchmarks/pipeline.md.
 
     python bench/cifar10_pipeline.py                    # cifar10_deep (six 3x3 convs), 5 epochs, 5 configurations
     python bench/cifar10_pipeline.py --model digits --epochs 3 --configs K1,K2   # a few seconds: checks the script

@@ -21,7 +21,9 @@ class Evaluation(NamedTuple):
     """What an evaluation of `count` test images gives: summed cross-entropy loss (nats), images whose
     label is the argmax (top-1) and images whose label is among the 5 largest logits (top-5; with 5
     classes or fewer, every image: see `Model.evaluate`). An image whose logits are not all finite counts
-    for neither, so correct5 >= correct always (a NaN network scores 0)."""
+    for neither (a NaN network scores 0). Top-5 breaks ties against the label, so correct5 >= correct unless
+    5 or more classes tie for the maximum: a network of constant outputs (all logits equal, e.g. zero
+    weights) scores top-1 1/K and top-5 0."""
 
     loss_sum: float
     correct: int
