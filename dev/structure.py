@@ -7,9 +7,10 @@ higher one) and the imports made inside functions.
     python dev/structure.py [PACKAGE_DIR]        # default: mpiasgd/ next to this file's parent
     python dev/structure.py -v                   # ... and every allowed in-function import, with its reason
 
-A mode branch is a comparison whose one side is an attribute named `mode` (`cfg.mode == "sync"`,
-`self.cfg.mode in (...)`) or a call of it; the registry of modes (`modes/`) and the config, which
-checks each mode's keys, are where such knowledge belongs and are not counted.
+A mode branch is a comparison of a value named `mode` (`cfg.mode`, `mode`) with a mode's name or a list
+of them (`cfg.mode == "sync"`, `mode not in PS_MODES`; not Pillow's `im.mode == "P"`); the registry of
+modes (`modes/`) and the config, which checks each mode's keys, are where such knowledge belongs and are
+not counted.
 
 The import graph holds every `import` of a module of the package, at module level and inside functions
 (`from mpiasgd.ops import cpu_kernels` is an arrow to `mpiasgd.ops` and to `mpiasgd.ops.cpu_kernels`;
@@ -298,12 +299,26 @@ def lazy_imports(arrows: list[Import]) -> tuple[list[tuple[Import, str]], list[I
     return allowed, rest
 
 
+MODE_NAMES = {"async", "ssp", "sync", "pipeline", "easgd"}  # (modes/registry.py MODES)
+
+
+def names_a_mode(node: ast.AST) -> bool:
+    """`node` is a mode's name ("sync"), a collection of them, or a constant that lists modes (`PS_MODES`)."""
+    if isinstance(node, ast.Constant):
+        return node.value in MODE_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(names_a_mode(e) for e in node.elts)
+    name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+    return name.endswith("MODES")
+
+
 def mode_branches(tree: ast.AST) -> int:
     count = 0
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
-            if any(isinstance(s, ast.Attribute) and s.attr == "mode" for s in sides):
+            is_mode = [(s.attr if isinstance(s, ast.Attribute) else getattr(s, "id", "")) == "mode" for s in sides]
+            if any(is_mode) and any(names_a_mode(s) for s, m in zip(sides, is_mode, strict=True) if not m):
                 count += 1
     return count
 
