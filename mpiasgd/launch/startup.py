@@ -308,8 +308,10 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
     cuda_aware = backend == "cupy" and resolve_cuda_aware(cfg.cuda_aware, query)
     count = message_count(model)  # weights or gradient, then the layers' buffers
     feedback = worker_feedback(cfg, model)  # --wire-error-feedback: one residual, shared by both stagings
-    if cut is not None:  # one message per shard each way (no --overlap: one staging)
+    if cut is not None:  # one message per shard each way
         out.staging = make_sharded_staging(backend, cut, wire=cfg.wire, feedback=feedback)
+        out.make_staging = lambda: make_sharded_staging(backend, cut, wire=cfg.wire,
+                                                        feedback=feedback)  # --overlap: a second one
         return out
     out.staging = make_staging(backend, cuda_aware, count, wire=cfg.wire, feedback=feedback)  # reused every step
     out.make_staging = lambda: make_staging(backend, cuda_aware, count, wire=cfg.wire,

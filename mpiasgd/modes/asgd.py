@@ -69,7 +69,7 @@ for all S replies; the step size, flags and buffers come from shard 0. Only rank
 the shards then agree which pushes in flight each applies, so that all apply the same ones
 (`mpiasgd.rank0.shard_agreement`); a worker that gets STOP from one shard and WEIGHTS from another sends the
 latter FINISH and waits for its STOP, so all evaluate the same final weights. With S = 1 nothing of this
-runs. --overlap is refused with S > 1.
+runs. With --overlap a worker keeps two ShardedStagings, one in use while the S replies arrive in the other.
 
 `--wire fp16|bf16` (`mpiasgd.comms.wire`): PUSH, WEIGHTS and STOP carry their P + B values in 2 bytes
 each, rounded to nearest even. Rank 0 keeps the master weights, the momentum and all other state in
@@ -420,58 +420,84 @@ class AsgdWorker(ShardedWorker):
         """The loop of `train` with S parameter-server shards (`mpiasgd.comms.shard_cut`): after each round the S
         pushes (the push to shard s carries its slice of the gradient and the version of shard s's slice it
         was computed from) are posted together, after the S receives of their replies, and the next round
-        starts once all S replies arrived. `self.staging` is a ShardedStaging. The replies' flags, step size
-        and buffers come from shard 0 (rank 0). When one shard answers STOP, every shard that answered the
-        same push with WEIGHTS is sent FINISH and answers with STOP and its final slice (`finish_shards`)."""
+        starts once all S replies arrived (--overlap: the next round runs on the weights at hand while the S
+        replies are in flight, into a second ShardedStaging, as `train` does with one server). The replies'
+        flags, step size and buffers come from shard 0 (rank 0). When one shard answers STOP, every shard that
+        answered the same push with WEIGHTS is sent FINISH and answers with STOP and its final slice
+        (`finish_shards`)."""
         cfg, model, rank = self.cfg, self.model, self.rank
-        st = self.staging
-        ranks = st.cut.ranks(self.comm.Get_size() - cfg.servers)
+        stagings = [self.staging, self.make_staging()] if cfg.overlap else [self.staging]  # ShardedStagings
+        n = len(stagings)
+        ranks = self.shard_ranks()
         S = len(ranks)
-        pushes = SendSlots(list(range(S)), "push", rank, cfg.worker_timeout)  # slot s: the push to shard s
-        versions = [-1] * S  # the version of each shard's slice the weights in use came with
-        receives = self.post_replies(ranks)
-        tags, wait_s = self.receive_replies(receives, ranks, versions, "initial weights",
-                                            cfg.worker_timeout + cfg.warm_start, initial=True)
-        self.buffers_from(st.params)  # rank 0's buffers to start from; this worker's own after
+        pushes = SendSlots(list(range(n * S)), "push", rank, cfg.worker_timeout)  # slot out*S + s: to shard s
+        versions = [-1] * S  # the version of each shard's slice last received
+        cur = 0  # the staging whose params hold the weights in use
+        tags, wait_s = self.receive_replies(self.post_replies(ranks, stagings[cur]), ranks, versions,
+                                            "initial weights", cfg.worker_timeout + cfg.warm_start, initial=True,
+                                            staging=stagings[cur])
+        in_use = list(versions)  # the versions of the slices of the weights in use
+        self.buffers_from(stagings[cur].params)  # rank 0's buffers to start from; this worker's own after
         began = time.perf_counter() - self.elapsed
         local = LocalSGD(model, cfg.momentum, cfg.weight_decay, nesterov=cfg.nesterov) if cfg.nsync > 1 else None
         pulled = model.ops.empty(model.num_params) if local else None  # the weights at the start of this round
+        reply = None  # --overlap: (the S receives, staging index) of the replies in flight
         comm_s = 0.0
-        self.bind(st.params, st.grads)
+        bound = None
         while Tag.STOP not in tags:
-            head = st.weights[0].header  # rank 0's: the step size, the flags
+            head = stagings[cur].weights[0].header  # rank 0's: the step size, the flags
             lr = float(head["lr"])
+            out = (self.step + 1) % n  # the staging whose send buffers take this push
             t = time.perf_counter()
             for s in range(S):
-                pushes.take(s)
+                pushes.take(out * S + s)
             t0 = time.perf_counter()
             comm_s += t0 - t
+            if bound != (cur, out):
+                self.bind(stagings[cur].params, stagings[out].grads)
+                bound = (cur, out)
             if int(head["flags"]) & Flag.EVALUATE:  # --eval-interval: these weights first (rank 0's buffers)
-                self.evaluate_during_training(int(head["epoch"]), versions[0], st.params)
+                self.evaluate_during_training(int(head["epoch"]), in_use[0], stagings[cur].params)
                 t0 = time.perf_counter()
             loss, correct, samples, epoch = self.compute_round(
                 local, pulled, lr, lambda: self.signalled() or bool(
                     cfg.max_time and time.perf_counter() - began >= cfg.max_time))
-            self.buffers_into(st.grads)
-            st.finish_compute()  # cupy: device sync point
+            self.buffers_into(stagings[out].grads)
+            stagings[out].finish_compute()  # cupy: device sync point
             self.straggle(t0)
             t1 = time.perf_counter()
+            if reply is not None:  # --overlap: the replies to the previous push, usually here already
+                receives, cur = reply
+                reply = None
+                tags, wait_s = self.receive_replies(receives, ranks, versions, f"reply to push step {self.step}",
+                                                    staging=stagings[cur])
+                if Tag.STOP in tags:
+                    break  # the gradient just computed is dropped: no shard takes a push after its STOP
+            t2 = time.perf_counter()
             self.step += 1
             flags = (Flag.DELTA if local is not None else 0) | (Flag.PREEMPT if self.signalled() else 0)
             data_s = self.take_data_s()
             for s in range(S):
-                st.push[s].stamp(Tag.PUSH, rank, step=self.step, version=versions[s], samples=samples, epoch=epoch,
-                                 correct=correct, loss=loss, compute_s=t1 - t0, comm_s=comm_s, wait_s=wait_s,
-                                 lr=lr, cursor=self.cursor, data_s=data_s, flags=flags)
-            st.before_send()  # each slice of the gradient into its shard's push (encoded: 16-bit wire); every
-            # push flagged NONFINITE when any value of the whole one is not finite (every shard rejects it)
-            receives = self.post_exchange(pushes, ranks)
-            comm_s = time.perf_counter() - t1
-            tags, wait_s = self.receive_replies(receives, ranks, versions, f"reply to push step {self.step}")
+                stagings[out].push[s].stamp(Tag.PUSH, rank, step=self.step, version=in_use[s], samples=samples,
+                                            epoch=epoch, correct=correct, loss=loss, compute_s=t1 - t0,
+                                            comm_s=comm_s, wait_s=wait_s, lr=lr, cursor=self.cursor, data_s=data_s,
+                                            flags=flags)
+            stagings[out].before_send()  # each slice of the gradient into its shard's push (encoded: 16-bit
+            # wire); every push flagged NONFINITE when any value of the whole one is not finite (every shard rejects)
+            into = (cur + 1) % n  # --overlap: the replies land in the staging not in use
+            receives = self.post_exchange(pushes, ranks, stagings[out], stagings[into], out * S)
+            comm_s = time.perf_counter() - t2
+            if cfg.overlap:
+                reply = (receives, into)
+                in_use = list(versions)  # the weights now in use came with the replies received above
+                continue
+            tags, wait_s = self.receive_replies(receives, ranks, versions, f"reply to push step {self.step}",
+                                                staging=stagings[into])
+            cur, in_use = into, list(versions)
         pushes.drain()
-        self.finish_shards(tags, ranks, versions)
-        self.buffers_from(st.params)  # the final weights, and rank 0's mean buffers: what the snapshot holds
-        self.bind(st.params, st.grads)
+        self.finish_shards(tags, ranks, versions, stagings[cur])
+        self.buffers_from(stagings[cur].params)  # the final weights, and rank 0's mean buffers: the snapshot's
+        self.bind(stagings[cur].params, stagings[cur].grads)
 
 
 class AsgdMode(Mode):
@@ -489,8 +515,6 @@ class AsgdMode(Mode):
         need(0 <= cfg.dc_adaptive < 1, cfg, "dc_adaptive", "a decay 0 <= m < 1 (0 = a constant lambda)")
         need(not cfg.dc_adaptive or cfg.dc_lambda > 0, cfg, "dc_adaptive", "0 without --dc-lambda (it adapts lambda)")
         need(cfg.servers >= 1, cfg, "servers", "an integer >= 1 (parameter-server shards)")
-        need(cfg.servers == 1 or not cfg.overlap, cfg, "overlap", "False with --servers > 1 (a worker exchanges "
-             "with every shard at once; overlapping that with compute is not built)")
         need(cfg.lookahead == -1 or 0 <= cfg.lookahead <= 1e3, cfg, "lookahead", "updates from 0 (off) to 1000, or "
              "-1 (auto: the other workers, N - 1)")
         if cfg.lookahead:

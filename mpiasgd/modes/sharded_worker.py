@@ -37,40 +37,46 @@ class ShardedWorker(WorkerLoop):
         """The ranks of the S parameter-server shards, shard 0 (rank 0) first."""
         return self.staging.cut.ranks(self.comm.Get_size() - self.cfg.servers)
 
-    def post_exchange(self, pushes: SendSlots, ranks: list[int]) -> list:
-        """Post the receive of every shard's reply, then every shard's push (stamped and staged: `before_send`
-        done, which set flag NONFINITE on each if the whole push is not finite) from slot s of `pushes`; returns
-        the receives. Every receive is posted before its push is sent."""
-        receives = self.post_replies(ranks)
+    def post_exchange(self, pushes: SendSlots, ranks: list[int], staging: Any = None, replies: Any = None,
+                      first_slot: int = 0) -> list:
+        """Post the receive of every shard's reply (into `replies`, default `staging`), then every shard's push
+        (stamped and staged: `before_send` done, which set flag NONFINITE on each if the whole push is not
+        finite) from `staging` (default `self.staging`), shard s's from slot `first_slot + s` of `pushes`;
+        returns the receives. Every receive is posted before its push is sent."""
+        staging = staging or self.staging
+        receives = self.post_replies(ranks, replies or staging)
         for s, r in enumerate(ranks):
-            pushes.post(s, self.comm.Isend(self.staging.send_bufs[s], dest=r, tag=int(Tag.PUSH)))
+            pushes.post(first_slot + s, self.comm.Isend(staging.send_bufs[s], dest=r, tag=int(Tag.PUSH)))
         return receives
 
-    def post_replies(self, ranks: list[int]) -> list:
-        """Post the receive of each shard's next reply (WEIGHTS or STOP) into its buffer; the requests."""
-        return [self.comm.Irecv(buf, source=r, tag=MPI.ANY_TAG) for buf, r in zip(self.staging.recv_bufs, ranks,
-                                                                                  strict=True)]
+    def post_replies(self, ranks: list[int], staging: Any = None) -> list:
+        """Post the receive of each shard's next reply (WEIGHTS or STOP) into its buffer of `staging` (default
+        `self.staging`); the requests."""
+        bufs = (staging or self.staging).recv_bufs
+        return [self.comm.Irecv(buf, source=r, tag=MPI.ANY_TAG) for buf, r in zip(bufs, ranks, strict=True)]
 
     def receive_replies(self, receives: list, ranks: list[int], versions: list[int], what: str,
-                        timeout: float = 0.0, initial: bool = False) -> tuple[list[Tag], float]:
-        """Wait for every shard's reply (each within `timeout`, default the worker's: CommTimeout naming the
-        shard and its rank), check each (`check_reply`), then copy them into the bound weights; returns
-        (their tags, seconds waited)."""
+                        timeout: float = 0.0, initial: bool = False, staging: Any = None) -> tuple[list[Tag], float]:
+        """Wait for every shard's reply into `staging` (default `self.staging`; each within `timeout`, default the
+        worker's: CommTimeout naming the shard and its rank), check each (`check_reply`), then copy them into
+        its weights; returns (their tags, seconds waited)."""
+        staging = staging or self.staging
         t = time.perf_counter()
         tags = []
         for s, (request, r) in enumerate(zip(receives, ranks, strict=True)):
             status = MPI.Status()
             wait(request, f"{what} from parameter-server shard {s} (rank {r})", self.rank,
                  timeout or self.cfg.worker_timeout, status)
-            tags.append(self.check_reply(s, r, status, versions, initial))
-        self.staging.after_receive()
+            tags.append(self.check_reply(s, r, status, versions, initial, staging))
+        staging.after_receive()
         return tags, time.perf_counter() - t
 
-    def check_reply(self, s: int, r: int, status: Any, versions: list[int], initial: bool = False) -> Tag:
-        """The tag of shard `s`'s reply (from rank `r`), after the checks of `receive_weights` against that
-        shard's last version (`versions[s]`, updated); a resumed run's initial weights from shard 0 set this
-        worker's step, data position and clock. ProtocolError naming the shard."""
-        msg = self.staging.weights[s]
+    def check_reply(self, s: int, r: int, status: Any, versions: list[int], initial: bool = False,
+                    staging: Any = None) -> Tag:
+        """The tag of shard `s`'s reply (from rank `r`, in `staging`, default `self.staging`), after the checks of
+        `receive_weights` against that shard's last version (`versions[s]`, updated); a resumed run's initial
+        weights from shard 0 set this worker's step, data position and clock. ProtocolError naming the shard."""
+        msg = (staging or self.staging).weights[s]
         tag = parse_tag(status.Get_tag(), status.Get_source(), self.rank)
         shard = f"parameter-server shard {s} (rank {r})"
         if tag not in (Tag.WEIGHTS, Tag.STOP):
@@ -90,21 +96,23 @@ class ShardedWorker(WorkerLoop):
             self.version = version
         return tag
 
-    def finish_shards(self, tags: list[Tag], ranks: list[int], versions: list[int]) -> None:
+    def finish_shards(self, tags: list[Tag], ranks: list[int], versions: list[int], staging: Any = None) -> None:
         """Some shard answered STOP: ask each shard that answered WEIGHTS for its final slice (FINISH) and wait
-        for its STOP; the bound weights are then every shard's final slice."""
+        for its STOP (into `staging`, default `self.staging`, the one the replies of `tags` are in); its weights
+        are then every shard's final slice."""
+        staging = staging or self.staging
         open_ = [s for s, tag in enumerate(tags) if tag == Tag.WEIGHTS]
         if not open_:
             return
         ask = Message(0).stamp(Tag.FINISH, self.rank, step=self.step)  # read by every send, written by none
-        receives = {s: self.comm.Irecv(self.staging.recv_bufs[s], source=ranks[s], tag=MPI.ANY_TAG) for s in open_}
+        receives = {s: self.comm.Irecv(staging.recv_bufs[s], source=ranks[s], tag=MPI.ANY_TAG) for s in open_}
         sends = [self.comm.Isend(ask.buf, dest=ranks[s], tag=int(Tag.FINISH)) for s in open_]
         for s in open_:
             status = MPI.Status()
             wait(receives[s], f"final weights (STOP, after FINISH step {self.step}) from parameter-server shard {s} "
                  f"(rank {ranks[s]})", self.rank, self.cfg.worker_timeout, status)
-            if self.check_reply(s, ranks[s], status, versions) != Tag.STOP:
+            if self.check_reply(s, ranks[s], status, versions, staging=staging) != Tag.STOP:
                 raise ProtocolError(f"rank {self.rank}: parameter-server shard {s} (rank {ranks[s]}) answered FINISH "
                                     f"with WEIGHTS, expected STOP")
         wait_all(sends, "completion of the FINISH sends", self.rank, self.cfg.worker_timeout)
-        self.staging.after_receive()
+        staging.after_receive()
