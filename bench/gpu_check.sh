@@ -63,6 +63,9 @@ if [ "$DRY" = 1 ]; then
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
     timeout -k 5 60 "$PY" bench/kernels.py --tiles --dry-run || rc=1
     timeout -k 5 60 "$PY" bench/kernels.py --ops --runs 30 --warmup 5 --dry-run || rc=1
+    # bench/gpu_e2e.py is its own device call (docs/gpus.md, "The end-to-end check"), not a step below:
+    # here every one of its parts on the cpu backend at tiny sizes (under a minute on 2 idle cores)
+    OUT= timeout -k 5 300 "$PY" bench/gpu_e2e.py --dry-run >/dev/null || { rc=1; echo "!! bench/gpu_e2e.py --dry-run failed"; }
     echo "== dry run exit status: $rc (0: every step would start)"
     exit $rc
 fi
