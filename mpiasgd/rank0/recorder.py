@@ -32,6 +32,7 @@ from mpiasgd.comms import Interval
 from mpiasgd.config import Config
 from mpiasgd.health import AT_START, Finding, LossWatch, rejected_text, rejects_text
 from mpiasgd.optim import StopRule, snapshot_seconds
+from mpiasgd.rank0.advice import ExchangeWatch
 from mpiasgd.rank0.counter import VersionCounter
 from mpiasgd.rank0.evals import EvalShare
 from mpiasgd.runlog import (
@@ -168,6 +169,7 @@ class Recorder:
         self.lr = float("nan")                         # the step size of the last update
         self.wire_bytes: dict[str, int] | None = None  # parameter-server modes: bytes pushed and pulled (count_wire)
         self.shards: ShardFigures | None = None        # --servers S > 1: every shard's figures (`shard_push`)
+        self.exchange: ExchangeWatch | None = None     # parameter-server modes: the workers' wait (the one advice)
 
     def reads(self, counter: VersionCounter) -> None:
         """Read the version and images from `counter`, the server's (the role that advances it calls this)."""
@@ -217,6 +219,12 @@ class Recorder:
     def event(self, kind: str, text: str, at: float | None = None) -> None:
         self.log.add(EventRow(time=self.now() if at is None else at, kind=kind.encode(), text=text))
 
+    def advise(self, text: str) -> None:
+        """Advice on the flags (`mpiasgd.rank0.advice`; "": none): an event "advice" and one line on stderr."""
+        if text and self.keeps_log:
+            self.event("advice", text)
+            print(f"mpiasgd: advice: {text}", file=sys.stderr, flush=True)
+
     def warn(self, text: str) -> None:
         """A warning: an event of kind "warning" and one line on stderr."""
         self.event("warning", text)
@@ -261,6 +269,9 @@ class Recorder:
                   wait_s=h["wait_s"], applied=applied, lr=lr, rejected=rejected, held_s=held_s, data_s=h["data_s"])
         if not rejected:
             self.accept(w)
+        if self.exchange is not None:
+            self.exchange.push(w, h["compute_s"], h["wait_s"])
+            self.advise(self.exchange.advice(self.train_time() - (self.resumed.elapsed if self.resumed else 0.0)))
 
     def shard_push(self, *, shard: int, time: float, worker: int, step: int, base_version: int, version: int,
                    staleness: int, applied: bool) -> None:

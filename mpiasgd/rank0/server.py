@@ -15,6 +15,7 @@ rank 0 asks the other shards for their slices (`ShardHub.assemble`), which answe
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from mpiasgd.comms.wire import RANGE, beyond_range, decode, encode_peak
 from mpiasgd.health import WIRE_ADVICE
 from mpiasgd.optim import Schedule, finite_square
 from mpiasgd.optim.rules import Push, Update, UpdateRule
+from mpiasgd.rank0.advice import ExchangeWatch
 from mpiasgd.rank0.recorder import TrainingDiverged
 from mpiasgd.rank0.role import Role
 from mpiasgd.rank0.shard_agreement import OneServer, ShardAgreement
@@ -99,6 +101,7 @@ class ShardedServer(Role):
         self.pushed_what = "gradient"         # what a push carries, in a reject's message
         self.held_s = dict.fromkeys(self.workers, 0.0)  # ssp: how long the last reply to each worker was held
         self.schedule = Schedule.of(self.cfg)  # the step size now, from the recorder's clock
+        self.rec.exchange = ExchangeWatch(self.cfg)  # whether the workers wait for this server (the advice)
 
     def place(self, cut: ShardCut, shard: int, gate: ReplyNow | None = None) -> None:
         """The mode's `rank0`: this server holds slice `shard` of `cut` (`server_shard`), and with S > 1 takes part
@@ -178,7 +181,9 @@ class ShardedServer(Role):
         if self.agreement.holds(w, int(msg.header["step"])):
             self.agreement.defer(w)
             return
+        t = time.perf_counter()
         self.take_push(w, msg)
+        self.rec.exchange.served(time.perf_counter() - t)
 
     def take_push(self, w: int, msg: Message) -> None:
         """A checked push of worker `w`: decoded (`--wire`), checked to be finite, applied by the rule unless it

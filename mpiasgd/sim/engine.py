@@ -92,6 +92,10 @@ class VirtualRecorder(Recorder):
     def now(self) -> float:
         return self.clock
 
+    def advise(self, text: str) -> None:
+        """No advice on the flags (`mpiasgd.rank0.advice`): the timing model sets the workers' waits, and rank 0's
+        busy time is real seconds, not virtual ones."""
+
 
 class VirtualRank0(Rank0):
     """Rank 0's loop as the engine drives it: `handle` (the real dispatch and checks) and `finish` as they

@@ -158,7 +158,7 @@ def option_strings(parser: argparse.ArgumentParser) -> set[str]:
 
 def known_flags() -> set[str]:
     flags = option_strings(make_parser()) | option_strings(config.make_parser()) | option_strings(sim_cli.make_parser())
-    for script in (REPO / "bench").glob("*.py"):
+    for script in [*(REPO / "bench").glob("*.py"), *(REPO / "dev").glob("*.py")]:
         flags |= set(re.findall(r"[\"'](--[a-z0-9][a-z0-9-]*)[\"']", script.read_text(encoding="utf-8")))
     return flags | OTHER_FLAGS
 
@@ -291,9 +291,9 @@ def resolves(name: str) -> bool:
     return False
 
 
-def test_every_file_and_module_the_docs_name_exists():
-    bad = [f"{where(page, number)}: {ref}" for page in PAGES
-           for number, ref in stale_references(page.read_text(encoding="utf-8"))]
+def test_every_file_module_and_page_the_docs_name_exists():
+    bad = [f"{where(page, number)}: {ref}" for page in PAGES for text in [page.read_text(encoding="utf-8")]
+           for number, ref in [*stale_references(text), *missing_pages(text)]]
     assert not bad, "named in the docs, not in the repository:\n" + "\n".join(bad)
 
 
@@ -303,3 +303,22 @@ def test_a_moved_file_or_a_renamed_function_in_the_docs_is_caught():
             "`rank0/server.py` exists (under mpiasgd/), `rank0/servers.py` does not\n")
     assert stale_references(text) == [(2, "mpiasgd/runlog/disk.py"), (2, "mpiasgd.optim.rules.AsyncRules"),
                                        (2, "mpiasgd.model.exports"), (3, "rank0/servers.py")]
+
+
+PAGE_NAME = re.compile(r"(?<![\w/.(-])([\w-]+\.md)\b")  # a page named in prose (not a link target or a path)
+
+
+def missing_pages(text: str) -> list[tuple[int, str]]:
+    """(line number, name) of every Markdown page `text` names in prose ("see BENCHMARKS.md") that no file of
+    the repository is called: a page that moved or was removed."""
+    names = {p.name for p in REPO.rglob("*.md") if ".git" not in p.parts and ".venv" not in p.parts}
+    bad = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = re.sub(r"\]\([^)]*\)", "]", line)  # link targets are checked by the link test
+        bad.extend((number, name) for name in PAGE_NAME.findall(line) if name not in names)
+    return bad
+
+
+def test_a_removed_page_named_in_prose_is_caught():
+    text = "numbers in BENCHMARKS.md and [the summary](benchmarks/README.md);\nsee README.md and docs/gpus.md\n"
+    assert missing_pages(text) == [(1, "BENCHMARKS.md")]
