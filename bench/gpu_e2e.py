@@ -37,7 +37,7 @@ Parts (`--only step|alexnet|hops|race`, comma-separated):
            fifth), its ratio to the ceiling, and the worker's share of time waiting. The ceiling's compute alone
            (batch / median compute_s: forward + backward, no exchange, no sync-mode digest of the weights) is
            the issue's "one GPU alone"; steady images/s is also given over it. A combination the Config
-           refuses (today: --overlap with --servers > 1) is recorded as "refused" with the reason.
+           refuses (a combination a later Config forbids) is recorded as "refused" with the reason.
   hops     one push and pull of alexnet_1gpu_64's parameter count, hop by hop, in a 2-rank job of this script
            (rank 1 the worker, rank 0 the server): device->host (the worker's `PinnedStaging.before_send`), the
            push over MPI (Irecv on rank 0 completed by `mpiasgd.comms.waits.wait`, as the server does), the
@@ -125,7 +125,7 @@ class Sizes:
 GPU = Sizes()
 DRY = Sizes(cli_models=("cifar10",), batch=8, warmup=1, steps=2, cli_steps=6,
             alexnet_model="digits", alexnet_dataset="digits", alexnet_seconds=0.5,
-            alexnet_runs=((4, 1, "bf16", True), (1, 2, "fp32", False), (1, 2, "fp32", True)),  # the last: refused
+            alexnet_runs=((4, 1, "bf16", True), (1, 2, "fp32", False), (1, 2, "fp32", True)),
             hops_params=1 << 16, hops_rounds=3, race_epochs=1.0, race_eval_every=0.5, race_target=0.05,
             race_timeout=120.0)
 

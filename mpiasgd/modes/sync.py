@@ -21,7 +21,8 @@ step: bit for bit the same buffers everywhere, as the weights. The running stati
 updated with the replicas' mean batch statistics (the momentum update is affine: averaging the
 updated buffers is updating with the averaged batch mean and unbiased variance). A step every
 worker skips (a non-finite gradient somewhere) leaves the buffers as they were before it, as the
-weights. The REPORT digest covers weights and buffers. The initial WEIGHTS carry rank 0's buffers
+weights. The REPORT digest covers weights and buffers (0 with one worker: nothing to compare).
+The initial WEIGHTS carry rank 0's buffers
 (initial, or the checkpoint's on a resume), which the workers take; the first worker's SNAPSHOTs and
 CHECKPOINTs carry the common buffers after the weights (and velocity), which rank 0 logs and stores.
 
@@ -271,7 +272,8 @@ class SyncWorker(WorkerLoop):
             flags = ((Flag.SKIPPED if skipped else 0) | (Flag.NONFINITE if nonfinite else 0)
                      | (Flag.LAST if last else 0) | (Flag.PREEMPT if self.preempted else 0))
             report = reports.take(self.step)
-            digest = replica_digest(ops.to_numpy(model.params), ops.to_numpy(self.buffers))  # rank 0 compares
+            digest = (replica_digest(ops.to_numpy(model.params), ops.to_numpy(self.buffers))  # rank 0 compares
+                      if nworkers > 1 else 0)  # (one replica: nothing to compare, no copy of the weights per step)
             report.stamp(Tag.REPORT, rank, step=self.step, version=applied, samples=samples, epoch=epoch,
                          correct=correct, loss=loss, compute_s=t1 - t0, comm_s=t2 - t1 - wait_s, wait_s=wait_s,
                          lr=lr, flags=flags, digest=digest, cursor=self.cursor, data_s=self.take_data_s())
