@@ -183,6 +183,11 @@ def sweep(args: argparse.Namespace) -> None:
         rows[name] = [NumpySGD(bufs[0], mk, m, wd, chunk=chunk, nesterov=n, lr_scale=lr) for _, (mk, m, wd, n, lr), _
                       in columns]
     rows["compiled"] = [SGD(bufs[0], mk, m, wd, nesterov=n, lr_scale=lr) for _, (mk, m, wd, n, lr), _ in columns]
+    threads = [t for t in args.threads if t > 1]  # the compiled loops with the blocks shared among t threads
+    for t in threads:
+        rows[f"{t} thr"] = [SGD(bufs[0], mk, m, wd, nesterov=n, lr_scale=lr, threads=t)
+                            for _, (mk, m, wd, n, lr), _ in columns]
+        rows[f"{t} thr"][0].warm_up()
     times: dict[tuple, list[float]] = {}
     copies = []
 
@@ -203,6 +208,9 @@ def sweep(args: argparse.Namespace) -> None:
         delta = len(columns)  # the last column: apply_delta, and numpy's whole-vector formula
         timed(("compiled", delta, "out"), lambda: apply_delta(bufs[0], grad, 0.5, out=bufs[1]))
         timed(("compiled", delta, "in"), lambda: apply_delta(bufs[0], grad, 0.5))
+        for t in threads:
+            timed((f"{t} thr", delta, "out"), lambda t=t: apply_delta(bufs[0], grad, 0.5, out=bufs[1], threads=t))
+            timed((f"{t} thr", delta, "in"), lambda t=t: apply_delta(bufs[0], grad, 0.5, threads=t))
         timed(("P (none)", delta, "out"), lambda: np.add(bufs[0], half * grad, out=bufs[1]))
         timed(("P (none)", delta, "in"), lambda: np.add(bufs[0], half * grad, out=bufs[0]))
     bw = statistics.median(copies)
@@ -924,6 +932,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=lambda s: [int(c) for c in s.split(",")],
                         default=[8192, 16384, 32768, 65536, 131072, 262144], help="--sweep: block sizes")
     parser.add_argument("--repeats", type=int, default=15, help="--sweep: timings per figure (median)")
+    parser.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")],
+                        default=[t for t in (2, 4, 8, 16) if t <= (os.cpu_count() or 1)],
+                        help="--sweep: thread counts of the threaded compiled loops (rows 'T thr'; SGD(threads=T))")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # set on the ranks of the job
     args = parser.parse_args()
     if args.sweep:

@@ -73,6 +73,20 @@ def sgd_blocks(w: np.ndarray, g: np.ndarray, out: np.ndarray | None, v: np.ndarr
                    coefs[k], momentum, nesterov, lr, grad_scale, lr * mults[k])  # lr * mult: float32, as numpy
 
 
+@numba.njit(cache=True, boundscheck=False, parallel=True)
+def sgd_blocks_parallel(w: np.ndarray, g: np.ndarray, out: np.ndarray | None, v: np.ndarray | None,
+                        decay: np.ndarray | None, lr_scale: np.ndarray | None, starts: np.ndarray, stops: np.ndarray,
+                        coefs: np.ndarray, mults: np.ndarray, momentum: np.float32, nesterov: bool, lr: np.float32,
+                        grad_scale: np.float32) -> None:
+    """`sgd_blocks` with the blocks shared among numba's threads (`numba.set_num_threads`): each block is the
+    same loop on its own slices, so the results are equal to `sgd_blocks`' bit for bit."""
+    for k in numba.prange(starts.size):
+        a, b = starts[k], stops[k]
+        _sgd_block(w[a:b], g[a:b], None if out is None else out[a:b], None if v is None else v[a:b],
+                   None if decay is None else decay[a:b], None if lr_scale is None else lr_scale[a:b],
+                   coefs[k], momentum, nesterov, lr, grad_scale, lr * mults[k])
+
+
 @numba.njit(cache=True, boundscheck=False)
 def add_scaled(params: np.ndarray, delta: np.ndarray, scale: np.float32, out: np.ndarray | None) -> None:
     """out = params + scale * delta (float32 (P,), scale float32); `out` None: in place into `params`."""
@@ -81,3 +95,14 @@ def add_scaled(params: np.ndarray, delta: np.ndarray, scale: np.float32, out: np
             params[i] = params[i] + delta[i] * scale
         else:
             out[i] = params[i] + delta[i] * scale
+
+
+@numba.njit(cache=True, boundscheck=False, parallel=True)
+def add_scaled_parallel(params: np.ndarray, delta: np.ndarray, scale: np.float32, out: np.ndarray | None,
+                        chunk: int) -> None:
+    """`add_scaled` in blocks of `chunk` values shared among numba's threads (the same bits)."""
+    n = params.size
+    for k in numba.prange((n + chunk - 1) // chunk):
+        a = k * chunk
+        b = min(n, a + chunk)
+        add_scaled(params[a:b], delta[a:b], scale, None if out is None else out[a:b])

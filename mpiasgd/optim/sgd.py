@@ -236,7 +236,9 @@ class SGD(NumpySGD):
     check (`finite_square`) into this loop. A non-finite push must leave the weights and the velocity as they
     were, and the loop cannot know that before it has read the whole gradient: it would have to write the new
     velocity into a second buffer (its write-allocate reads cost more than the check's read) and could not
-    update in place at all (one worker: the reply buffer holds the weights). No threads (see `NumpySGD`).
+    update in place at all (one worker: the reply buffer holds the weights). `threads` > 1 shares the blocks
+    among that many threads (`compiled.sgd_blocks_parallel`, the same bits): for a node whose server rank has
+    cores to spare (`python bench/server.py --sweep` times 1, 2, 4, ... threads).
 
     A process's first updates import numba and load the machine code an earlier process cached: 0.4-0.5
     s in all (0.6-0.8 on a loaded machine). With no cache, compiling what a server runs (SGD and
@@ -245,8 +247,12 @@ class SGD(NumpySGD):
     """
 
     def __init__(self, params: np.ndarray, decay_mult: np.ndarray, momentum: float, weight_decay: float,
-                 chunk: int = CHUNK, nesterov: bool = False, lr_scale: np.ndarray | None = None) -> None:
+                 chunk: int = CHUNK, nesterov: bool = False, lr_scale: np.ndarray | None = None,
+                 threads: int = 1) -> None:
         super().__init__(params, decay_mult, momentum, weight_decay, chunk, nesterov, lr_scale)
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"SGD: threads must be an integer >= 1, got {threads!r}")
+        self.threads = threads  # > 1: the blocks shared among that many threads (`compiled.sgd_blocks_parallel`)
         blocks = self.blocks
         # the blocks as the loop takes them: (K,) starts, stops, decay coefficients, lr multipliers
         self.starts = np.array([block[0] for block in blocks], np.int64)
@@ -274,6 +280,11 @@ class SGD(NumpySGD):
             compiled.sgd_blocks(w, g, out, v, decay, lr_scale, starts, stops, scratch()[:1], scratch()[:1],
                                 self.momentum, self.nesterov, np.float32(0), np.float32(1))
             compiled.add_scaled(w, g, np.float32(0), out)
+            if self.threads > 1:
+                numba_threads(self.threads)
+                compiled.sgd_blocks_parallel(w, g, out, v, decay, lr_scale, starts, stops, scratch()[:1],
+                                             scratch()[:1], self.momentum, self.nesterov, np.float32(0), np.float32(1))
+                compiled.add_scaled_parallel(w, g, np.float32(0), out, CHUNK)
 
     def step(self, grad: np.ndarray, lr: float, out: np.ndarray | None = None, grad_scale: float = 1.0) -> np.ndarray:
         """As `NumpySGD.step`: same arguments, result and errors."""
@@ -281,17 +292,30 @@ class SGD(NumpySGD):
 
         w = self.params
         out, _ = self._target(grad, out)
-        compiled.sgd_blocks(w, grad, None if out is w else out, self.velocity,
-                            self.decay if self.read_decay else None, self.lr_scale if self.read_lr else None,
-                            self.starts, self.stops, self.coefs, self.mults, self.momentum, self.nesterov,
-                            np.float32(lr), np.float32(grad_scale))
+        loop = compiled.sgd_blocks
+        if self.threads > 1:
+            numba_threads(self.threads)
+            loop = compiled.sgd_blocks_parallel
+        loop(w, grad, None if out is w else out, self.velocity, self.decay if self.read_decay else None,
+             self.lr_scale if self.read_lr else None, self.starts, self.stops, self.coefs, self.mults, self.momentum,
+             self.nesterov, np.float32(lr), np.float32(grad_scale))
         self.params = out
         return out
 
 
-def apply_delta(params: np.ndarray, delta: np.ndarray, scale: float, out: np.ndarray | None = None) -> np.ndarray:
+def numba_threads(threads: int) -> None:
+    """Let numba's parallel loops use `threads` threads (at most its pool's, `numba.config.NUMBA_NUM_THREADS`,
+    the cores it saw at import or $NUMBA_NUM_THREADS)."""
+    import numba
+
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
+def apply_delta(params: np.ndarray, delta: np.ndarray, scale: float, out: np.ndarray | None = None,
+                threads: int = 1) -> np.ndarray:
     """out = params + scale * delta in float32 (float32(scale) * delta first, as numpy would), one
-    compiled loop (`mpiasgd.optim.compiled`); returns `out`.
+    compiled loop (`mpiasgd.optim.compiled`; `threads` > 1: in blocks of `CHUNK` shared among that many
+    threads, the same bits); returns `out`.
 
     The server's update for an accumulated push (nsync > 1): `delta` (float32 (P,)) is the change of
     the worker's weights since its last pull, already scaled by its own learning rate. `out`
@@ -307,7 +331,11 @@ def apply_delta(params: np.ndarray, delta: np.ndarray, scale: float, out: np.nda
     _check("delta", delta, size)
     out = params if out is None else out
     _scratch_needed(out, (params, delta), size)  # the overlap check
-    compiled.add_scaled(params, delta, np.float32(scale), None if out is params else out)
+    if threads > 1:
+        numba_threads(threads)
+        compiled.add_scaled_parallel(params, delta, np.float32(scale), None if out is params else out, CHUNK)
+    else:
+        compiled.add_scaled(params, delta, np.float32(scale), None if out is params else out)
     return out
 
 

@@ -643,3 +643,36 @@ def test_local_sgd_on_the_numpy_backend_matches_the_server(nesterov):
         # the op's float32 operations are the server's (lr * lr_mult formed first): equal bit for bit
         np.testing.assert_array_equal(model.params.view(np.uint32), server.params.view(np.uint32))
         np.testing.assert_array_equal(local.velocity.view(np.uint32), server.velocity.view(np.uint32))
+
+
+@pytest.mark.parametrize("decay_kind", ["runs", "array"])
+@pytest.mark.parametrize("momentum_kind", list(MOMENTA))
+@pytest.mark.parametrize("in_place", [True, False])
+def test_threaded_update_equals_the_serial_one_bit_for_bit(decay_kind, momentum_kind, in_place):
+    """SGD(threads=2) and apply_delta(threads=2) share the blocks among threads: every bit of the weights and the
+    velocity as with one thread, over three steps on awkward inputs (overflow to inf and NaN included); P is
+    not a multiple of the block."""
+    from mpiasgd.optim import apply_delta
+
+    decay_mult = {"runs": MASKS["runs"], "array": DECAYS["array"]}[decay_kind]
+    momentum, nesterov = MOMENTA[momentum_kind]
+    P = decay_mult.size
+    rng = np.random.default_rng(21)
+    w = awkward(rng, P, 3.4e38)
+    serial = SGD(w.copy(), decay_mult, momentum, 5e-4, chunk=4096, nesterov=nesterov)
+    threaded = SGD(w.copy(), decay_mult, momentum, 5e-4, chunk=4096, nesterov=nesterov, threads=2)
+    threaded.warm_up()
+    for k in range(3):
+        g = awkward(rng, P, -3.4e38)
+        outs = (None, None) if in_place else (np.empty(P, np.float32), np.empty(P, np.float32))
+        a = serial.step(g, 0.1 * (k + 1), out=outs[0])
+        b = threaded.step(g, 0.1 * (k + 1), out=outs[1])
+        np.testing.assert_array_equal(b.view(np.uint32), a.view(np.uint32))
+        if momentum:
+            np.testing.assert_array_equal(threaded.velocity.view(np.uint32), serial.velocity.view(np.uint32))
+    delta = rng.standard_normal(P, dtype=np.float32)
+    a = apply_delta(serial.params.copy(), delta, 0.37, out=None if in_place else np.empty(P, np.float32))
+    b = apply_delta(serial.params.copy(), delta, 0.37, out=None if in_place else np.empty(P, np.float32), threads=2)
+    np.testing.assert_array_equal(b.view(np.uint32), a.view(np.uint32))
+    with pytest.raises(ValueError, match=r"SGD: threads must be an integer >= 1, got 0"):
+        SGD(w.copy(), decay_mult, momentum, 5e-4, threads=0)
