@@ -63,31 +63,15 @@ if [ "$DRY" = 1 ]; then
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
     timeout -k 5 60 "$PY" bench/kernels.py --tiles --dry-run || rc=1
     timeout -k 5 60 "$PY" bench/kernels.py --ops --runs 30 --warmup 5 --dry-run || rc=1
-    # bench/gpu_e2e.py is its own device call (docs/gpus.md, "The end-to-end check"), not a step below:
+    # bench/gpu_e2e.sh is its own device call (docs/gpus.md, "The end-to-end check"), not a step below:
     # here every one of its parts on the cpu backend at tiny sizes (under a minute on 2 idle cores)
-    OUT= timeout -k 5 300 "$PY" bench/gpu_e2e.py --dry-run >/dev/null || { rc=1; echo "!! bench/gpu_e2e.py --dry-run failed"; }
+    OUT= PYTHON="$PY" timeout -k 5 400 bash bench/gpu_e2e.sh --dry-run >/dev/null \
+        || { rc=1; echo "!! bash bench/gpu_e2e.sh --dry-run failed"; }
     echo "== dry run exit status: $rc (0: every step would start)"
     exit $rc
 fi
 
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-    echo "== carried wheels -> /tmp/mpi: $(cd .whl && echo *.whl)"
-    # local files only; --ignore-installed: a wheel already in the environment would be skipped, not unpacked
-    if PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 timeout -k 5 30 "$PY" -m pip install -q \
-            --no-index --no-deps --no-compile --no-cache-dir --ignore-installed --prefix /tmp/mpi .whl/*.whl; then
-        export PATH="/tmp/mpi/bin:$PATH" LD_LIBRARY_PATH="/tmp/mpi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-        for site in /tmp/mpi/lib/python3*/site-packages; do  # in case a wheel holds Python modules
-            [ -d "$site" ] && export PYTHONPATH="$PYTHONPATH:$site"
-        done
-    else
-        echo "!! the carried wheels could not be installed under /tmp/mpi"
-    fi
-fi
-# the tests' launcher: the one beside the Python that runs them (a venv's Open MPI wheel), else PATH's
-launcher=$(dirname "$(command -v "$PY")")/mpiexec
-[ -x "$launcher" ] || launcher=$(command -v mpiexec)
-[ -n "$launcher" ] && echo "mpiexec: $launcher" \
-    || echo "!! no mpiexec beside $PY or on PATH: the MPI training tests of tests/gpu will skip"
+. bench/gpu_env.sh  # the carried Open MPI wheel under /tmp/mpi; `launcher`
 
 echo "== device and libraries"
 timeout -k 5 10 nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total,clocks.max.sm,compute_mode --format=csv 2>&1 \
