@@ -25,6 +25,7 @@ from mpiasgd.model.spec import USER_FILE, is_file_ref, label
 from mpiasgd.modes.registry import (
     MODES,
     OPTIONS,
+    SERVER_WAITS,
     AsyncOptions,
     EasgdOptions,
     PipelineOptions,
@@ -206,6 +207,7 @@ class BaseConfig:
         need(not (self.backend in HOST_BACKENDS and self.cuda_aware == "on"), "cuda_aware",
              f"'auto' or 'off' with --backend {self.backend} (device buffers need GPU workers: --backend cupy or auto)")
         need(self.conv_algo in CONV_ALGOS, "conv_algo", f"one of {CONV_ALGOS}")
+        need(self.server_wait in SERVER_WAITS, "server_wait", f"one of {SERVER_WAITS}")
         need(not (self.backend in HOST_BACKENDS and self.conv_algo == "autotune"), "conv_algo",
              f"'heuristic' with --backend {self.backend} (it chooses the tiles of the cupy backend's conv kernels: "
              "--backend cupy or auto, or pass --conv-algo heuristic, also over a --resume checkpoint's config)")

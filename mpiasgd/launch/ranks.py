@@ -22,6 +22,8 @@ class Rank:
     size: int
     host: str
     servers: int = 1
+    node_ranks: int = 1  # ranks of the job on this rank's node (set by `node_workers`)
+    node_cores: int = 1  # cores those ranks may use between them: the union of their CPU affinities (idem)
 
     @property
     def num_workers(self) -> int:
@@ -46,10 +48,12 @@ def node_workers(me: Rank) -> tuple[int, int]:
     """Collective: (workers on this rank's node, this worker's index among them; -1 on a server rank).
 
     The index is the local rank used to pick a GPU; the parameter-server ranks (rank 0 and the shards) take
-    none, so they are not counted.
+    none, so they are not counted. Sets `me.node_ranks` and `me.node_cores` (--server-wait auto).
     """
     node = me.comm.Split_type(MPI.COMM_TYPE_SHARED)  # collective: every rank calls it
-    is_worker = node.allgather(me.is_worker)
+    gathered = node.allgather((me.is_worker, sorted(cpus())))
+    is_worker = [w for w, _ in gathered]
+    me.node_ranks, me.node_cores = len(gathered), len(set().union(*(c for _, c in gathered)))
     node_rank = node.Get_rank()
     node.Free()
     if not me.is_worker:
@@ -68,5 +72,9 @@ def blas_threads(me: Rank, requested: int, workers_here: int) -> int:
         return 1
     if requested:
         return requested
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, workers_here))
+    return max(1, len(cpus()) // max(1, workers_here))
+
+
+def cpus() -> set[int]:
+    """The CPUs this process may run on (its affinity; where there is none to read, every CPU)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))

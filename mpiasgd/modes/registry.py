@@ -50,6 +50,7 @@ class ModeSpec:
 
 PS_MODES = ("async", "ssp")  # the parameter-server modes of GPU A-SGD
 SERVER_MODES = (*PS_MODES, "easgd")  # the modes whose rank 0 answers every push (`mpiasgd.rank0.server`)
+SERVER_WAITS = ("auto", "spin", "backoff")  # --server-wait: how the server ranks poll (`mpiasgd.comms.waits`)
 
 MODES: dict[str, ModeSpec] = {spec.name: spec for spec in (
     ModeSpec("async", "mpiasgd.modes.asgd", "A-SGD through the parameter server"),
@@ -118,6 +119,9 @@ class ShardOptions:
         "the parameters (easgd: of the center variable; balanced by bytes): rank 0 and ranks N+1..N+S-1 after the "
         "N workers (launch N + S ranks); each applies its slice with its own version counter; 1 = one server",
         SERVER_MODES, fixed_on_resume=True, label="S={}")
+    server_wait: str = option("auto", "async/ssp/easgd: how every parameter-server rank waits for its next message: "
+        "spin (polls without sleeping: it owns a core) | backoff (sleeps 10 us to 2 ms between polls: shares a "
+        "core) | auto (spin where the node has a core per rank, else backoff)", SERVER_MODES)
 
 
 @dataclass(frozen=True)

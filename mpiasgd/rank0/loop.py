@@ -38,7 +38,6 @@ from mpi4py import MPI
 from mpiasgd import signals
 from mpiasgd.comms import (
     PAUSE_GAP,
-    Backoff,
     CommTimeout,
     Interval,
     Message,
@@ -48,6 +47,7 @@ from mpiasgd.comms import (
     protocol,
     wait_all,
 )
+from mpiasgd.comms.waits import pauser
 from mpiasgd.config import Config
 from mpiasgd.rank0.recorder import Recorder
 from mpiasgd.runlog import RunLogError
@@ -92,12 +92,15 @@ class Rank0:
 
     `cfg` gives comm_timeout and stall_warning (seconds). `pids` ({rank: (host, pid)} of the workers and the
     other shards) names dead ones on this host when a signal comes. `make_link(rank0)` (--servers S > 1) makes
-    the link to the other shards (module docstring); None: one server.
+    the link to the other shards (module docstring); None: one server. `server_wait` is how this rank waits for
+    its next message, "spin" or "backoff" (--server-wait resolved for its node: `mpiasgd.comms.waits.server_wait`),
+    and `wait_note` the start-up line that said so, logged as the event "server_wait" when the clocks start.
     """
 
     def __init__(self, comm: Any, cfg: Config, rec: Recorder, make_role: Any, pids: dict | None = None,
-                 make_link: Any = None) -> None:
+                 make_link: Any = None, server_wait: str = "backoff", wait_note: str = "") -> None:
         self.comm, self.cfg, self.rec = comm, cfg, rec
+        self.server_wait, self.wait_note = server_wait, wait_note
         self.rank = comm.Get_rank() if comm is not None else 0  # 0, or a parameter-server shard's (--servers)
         self.workers = rec.workers
         self.pids: dict[int, tuple[str, int]] = pids or {}
@@ -133,6 +136,8 @@ class Rank0:
         with signals.watching(lambda name: self.close_log_on_signal()):
             self.role.warm_up()  # before the clocks: the run's time is the training's
             self.rec.begin()
+            if self.wait_note and self.decides:  # (on the log's clock, after a resume's rows)
+                self.rec.event("server_wait", self.wait_note)
             if self.decides:
                 self.rec.snapshot(*self.weights())
             self.role.begin()
@@ -151,7 +156,7 @@ class Rank0:
 
     def serve(self) -> None:
         """Handle messages until `done()`, then complete every send."""
-        backoff = Backoff()
+        backoff = pauser(self.server_wait)  # spin: this rank owns a core and answers a message the moment it comes
         while not self.done():
             self.check_grace()
             try:

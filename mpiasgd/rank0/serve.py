@@ -20,9 +20,11 @@ from tqdm import tqdm
 
 from mpiasgd import signals
 from mpiasgd.comms import CommTimeout, Message, Tag
+from mpiasgd.comms.waits import server_wait
 from mpiasgd.config import Config, from_mapping, resume_overrides
 from mpiasgd.health import LossWatch
 from mpiasgd.model.spec import to_json
+from mpiasgd.modes.registry import SERVER_MODES
 from mpiasgd.optim import StopRule
 from mpiasgd.rank0.loop import PREEMPT_GRACE, Preempted, Rank0, WorkerFailed, kept_note
 from mpiasgd.rank0.recorder import Recorder
@@ -59,6 +61,20 @@ def announce(cfg: Config, me: Any, start: Any, workers: list) -> None:
         print(lines, flush=True)
     if start.cut is not None:
         print(start.cut.describe(me.num_workers), flush=True)
+
+
+def server_wait_of(cfg: Config, me: Any) -> tuple[str, str]:
+    """(how this server rank waits for its next message, "spin" | "backoff"; the start-up line that says so and
+    why, "" where there is nothing to say): --server-wait resolved for the ranks and cores of its node
+    (`mpiasgd.comms.waits.server_wait`; `me.node_ranks`, `me.node_cores`). The rank 0 of sync and pipeline,
+    which only logs, backs off as before."""
+    if cfg.mode not in SERVER_MODES:
+        return "backoff", ""
+    choice, why = server_wait(cfg.server_wait, me.node_ranks, me.node_cores)
+    doing = "spins on its requests (no sleep between polls)" if choice == "spin" else \
+        "sleeps between polls of its requests (backoff, 10 us to 2 ms)"
+    shards = "; each other shard decides for its own node" if cfg.servers > 1 and cfg.server_wait == "auto" else ""
+    return choice, f"the parameter server {doing}: {why}{shards}"
 
 
 def start_log(cfg: Config, me: Any, start: Any, workers: list, extra: dict | None = None,
@@ -162,10 +178,13 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
     bar = rec.progress
     hosts = {w.rank: w.host for w in [*workers, *shards]}
 
+    wait, note = server_wait_of(cfg, me)
+    if note:  # said once, on the console and (when the clocks start) in the log's events
+        print(f"mpiasgd: {note}", flush=True)
     r0 = Rank0(me.comm, cfg, rec, lambda r0: start.mode.rank0(r0, params, model.decay_mult(), model, dataset,
                                                               start.layout),
                pids={w.rank: (w.host, w.pid) for w in [*workers, *shards]},
-               make_link=ShardHub if start.cut is not None else None)
+               make_link=ShardHub if start.cut is not None else None, server_wait=wait, wait_note=note)
     if ckpt is not None:
         rec.restore(ckpt)
         r0.role.restore(ckpt if r0.link is None else r0.link.restore(ckpt))  # (the other shards: their slices)
@@ -303,7 +322,8 @@ def serve_shard(cfg: Config, me: Any, start: Any) -> int:
     params = model.init_params(cfg.seed)  # rank 0's seed: the same initial weights; its slice is this shard's
     rec = ShardRecorder(cfg, range(1, me.num_workers + 1), dataset.train_y.size, shard, me.rank)
     r0 = Rank0(me.comm, cfg, rec, lambda r0: start.mode.rank0(r0, params, model.decay_mult(), model, dataset,
-                                                              start.layout), make_link=HubLink)
+                                                              start.layout), make_link=HubLink,
+               server_wait=server_wait_of(cfg, me)[0])
     r0.role.periodic.on = False  # rank 0 asks for the evaluations during training
     if cfg.resume:
         r0.link.restore()

@@ -69,7 +69,6 @@ from mpi4py import MPI
 
 from mpiasgd import checkpoint, signals
 from mpiasgd.comms import (
-    Backoff,
     CommTimeout,
     Deadline,
     Flag,
@@ -82,6 +81,7 @@ from mpiasgd.comms import (
     wait,
 )
 from mpiasgd.comms.protocol import HEADER_BYTES, STOP_STEP, rows_message, rows_of
+from mpiasgd.comms.waits import Backoff, Spin, pauser
 from mpiasgd.rank0.loop import WorkerFailed
 from mpiasgd.rank0.recorder import ShardFigures
 from mpiasgd.runlog import SHARD_PUSH_ROW
@@ -352,14 +352,15 @@ class ShardHub:
         and every second) whether a shard's or a worker's process has exited: a launcher ends the job when a
         rank dies, and rank 0 must close the log before it does (`Rank0.shard_died`, `Rank0.worker_died` give
         the Preempted raised, naming it)."""
-        deadline, backoff, look = Deadline(self.cfg.comm_timeout), Backoff(), Interval(1.0, self.rec.now())
+        deadline, look = Deadline(self.cfg.comm_timeout), Interval(1.0, self.rec.now())
+        backoff = pauser(self.r0.server_wait)  # (rank 0 waits for a shard's slice or answer as for any message)
         status, start = MPI.Status(), self.rec.now()
         try:
             return self._await(r, what, poll, deadline, backoff, look, status)
         finally:  # rank 0 was busy waiting for a shard: not the workers' silence, and not a pause of rank 0
             self.r0.excuse(self.rec.now() - start)
 
-    def _await(self, r: int, what: str, poll: Any, deadline: Deadline, backoff: Backoff, look: Interval,
+    def _await(self, r: int, what: str, poll: Any, deadline: Deadline, backoff: Backoff | Spin, look: Interval,
                status: Any) -> Any:
         """`await_shard`'s loop."""
         while not (got := poll()):
