@@ -29,10 +29,11 @@ ADVISE_AFTER_S = 10.0      # training seconds of this job before judging
 
 class ExchangeWatch:
     """The workers' compute and wait seconds over their pushes, rank 0's busy seconds, and the advice (module
-    docstring). `cfg` gives the flags already in use (overlap, wire, nsync, servers, server_wait)."""
+    docstring). `cfg` gives the flags already in use (overlap, wire, nsync, servers); `spinning`: rank 0
+    polls without sleeping already (--server-wait, as resolved for its node)."""
 
-    def __init__(self, cfg: Any) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: Any, spinning: bool = False) -> None:
+        self.cfg, self.spinning = cfg, spinning
         self.compute = self.wait = self.busy = 0.0
         self.pushes = 0
         self.seen: set[int] = set()   # workers whose first push (start-up, compiled code) was left out
@@ -76,7 +77,7 @@ class ExchangeWatch:
             flags.append("--wire bf16 (half the bytes)")
         if cfg.nsync == 1:
             flags.append("--nsync 4 (a quarter of the exchanges)")
-        if getattr(cfg, "server_wait", "spin") == "backoff":
-            flags.append("--server-wait spin (rank 0 polls without sleeping; it needs a core of its own)")
+        if not self.spinning:
+            flags.append("--server-wait spin (rank 0 polls without sleeping; give it a core of its own)")
         what = "try " + ", ".join(flags) if flags else "a faster interconnect, or more compute per push"
         return said + f"rank 0 was busy only {100 * busy:.0f} % of the time: the exchange is the bottleneck; {what}"

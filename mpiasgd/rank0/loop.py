@@ -346,7 +346,7 @@ class Rank0:
         rec = self.rec
         gone = self.exited_workers()
         if gone:  # a launcher sends SIGTERM to the other ranks when one dies: say which
-            why += "; " + ", ".join(f"{self.name_of(w)} (pid {pid} on {host}) has exited" for w, host, pid in gone)
+            why += self.exited_text(gone)
         elif rec.stop_reason:  # the run is already ending (final evaluation): let it, within the grace
             self.late_signal = why
             self.preempt_deadline = time.perf_counter() + PREEMPT_GRACE
@@ -391,13 +391,19 @@ class Rank0:
         with log.ending_now():  # (a snapshot write under way stops at its next chunk)
             if log.ended or self.preempted:  # (the main thread got there first)
                 return
+            gone = self.exited_workers()  # (a launcher's SIGTERM after a rank died: the event names it, as `preempt`)
             if not self.rec.stop_reason:  # (a run already ending, the final checkpoint's write: it may yet complete)
-                self.signal_logged = f"{signals.received()} received by rank 0"
+                self.signal_logged = f"{signals.received()} received by rank 0" + (self.exited_text(gone) if gone
+                                                                                   else "")
                 self.rec.event("preempt", self.signal_logged)
             try:
-                self.end_log_early(bool(self.exited_workers()))
+                self.end_log_early(bool(gone))
             except RunLogError:  # a full disk: not the checkpoint's failure; the log's close reports it
                 pass  # (`log_unwritable`)
+
+    def exited_text(self, gone: list[tuple[int, str, int]]) -> str:
+        """"; worker rank R (pid P on HOST) has exited, ..." for the ranks of `gone` (`exited_workers`)."""
+        return "; " + ", ".join(f"{self.name_of(w)} (pid {pid} on {host}) has exited" for w, host, pid in gone)
 
     def end_log_early(self, failed: bool) -> None:
         """Close the run log now (`RunLog.end_early`) with status "failed" (a rank died: the event naming it is

@@ -101,7 +101,8 @@ class ShardedServer(Role):
         self.pushed_what = "gradient"         # what a push carries, in a reject's message
         self.held_s = dict.fromkeys(self.workers, 0.0)  # ssp: how long the last reply to each worker was held
         self.schedule = Schedule.of(self.cfg)  # the step size now, from the recorder's clock
-        self.rec.exchange = ExchangeWatch(self.cfg)  # whether the workers wait for this server (the advice)
+        # whether the workers wait for this server (the advice)
+        self.rec.exchange = ExchangeWatch(self.cfg, spinning=getattr(r0, "server_wait", "backoff") == "spin")
 
     def place(self, cut: ShardCut, shard: int, gate: ReplyNow | None = None) -> None:
         """The mode's `rank0`: this server holds slice `shard` of `cut` (`server_shard`), and with S > 1 takes part

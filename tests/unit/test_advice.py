@@ -11,8 +11,9 @@ from mpiasgd.rank0 import advice
 from mpiasgd.rank0.advice import ExchangeWatch
 
 
-def fed(cfg: Config, compute_s: float, wait_s: float, busy_s: float, pushes: int = 60) -> ExchangeWatch:
-    watch = ExchangeWatch(cfg)
+def fed(cfg: Config, compute_s: float, wait_s: float, busy_s: float, pushes: int = 60,
+        spinning: bool = False) -> ExchangeWatch:
+    watch = ExchangeWatch(cfg, spinning)
     for i in range(pushes):
         watch.push(1 + i % 2, compute_s, wait_s)
         watch.served(busy_s)
@@ -25,12 +26,13 @@ def test_workers_waiting_on_an_idle_server_are_told_the_flags_that_hide_the_exch
     assert text.startswith("the workers waited for the parameter server 75 % of their time (6.0 ms a push against "
                            "2.0 ms of compute); rank 0 was busy only 0 % of the time: the exchange is the bottleneck")
     assert "--overlap" in text and "--wire bf16" in text and "--nsync 4" in text and "--servers" not in text
+    assert "--server-wait spin" in text
     assert watch.pushes == 58  # each worker's first push (start-up) left out
     assert watch.advice(elapsed=30.0) == ""  # once
 
 
 def test_the_flags_a_run_uses_already_are_not_named():
-    text = fed(Config(overlap=True, wire="bf16", nsync=4), 0.002, 0.006, 0.0005).advice(elapsed=20.0)
+    text = fed(Config(overlap=True, wire="bf16", nsync=4), 0.002, 0.006, 0.0005, spinning=True).advice(elapsed=20.0)
     assert "the exchange is the bottleneck; a faster interconnect, or more compute per push" in text, text
 
 

@@ -221,3 +221,30 @@ def test_a_snapshot_write_stops_at_its_next_chunk_when_another_thread_ends_the_l
         assert [int(v) for v in f["snapshots/meta"]["version"]] == [1, 2]
         np.testing.assert_array_equal(f["snapshots/params"][1], second)
     log.close("completed")
+
+
+def test_the_early_close_on_a_launchers_sigterm_names_the_worker_that_died(tmp_path, monkeypatch):
+    """A launcher SIGTERMs the other ranks when one dies, and SIGKILLs them soon after: rank 0's early close on
+    that signal (`Rank0.close_log_on_signal`) already names the dead worker in its "preempt" event and
+    closes the log as failed, since the later "failed" event may never be written."""
+    import socket
+
+    from kit.server import make_server
+
+    from mpiasgd import signals
+    from mpiasgd.runlog import open_log
+
+    server, _, log = make_server(tmp_path)
+    server.begin()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    server.r0.pids = {1: (socket.gethostname(), dead.pid), 2: (socket.gethostname(), os.getpid())}
+    monkeypatch.setattr(signals, "received", lambda: "SIGTERM")
+    server.close_log_on_signal()
+    assert log.ended
+    with open_log(str(tmp_path / "run.h5")) as f:
+        events = [(e["kind"].decode(), e["text"].decode()) for e in f["events"][()]]
+        status = f.attrs["status"]
+    host = socket.gethostname()
+    assert ("preempt", f"SIGTERM received by rank 0; worker rank 1 (pid {dead.pid} on {host}) has exited") in events
+    assert status == "failed"
