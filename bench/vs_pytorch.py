@@ -394,7 +394,8 @@ class OursProfile:
 
     def _loss(self) -> None:
         loss = self.ours.model.loss
-        for method, what, mark in (("forward", "fprop", "loss_f0"), ("backward", "bprop", "loss_b1")):
+        # (the methods `Model.forward_backward` calls: the deferred forward, whose loss is read after backward)
+        for method, what, mark in (("forward_deferred", "fprop", "loss_f0"), ("backward", "bprop", "loss_b1")):
             fn = getattr(loss, method)
 
             def wrapper(*a: Any, fn: Any = fn, what: str = what, mark: str = mark, **k: Any) -> Any:

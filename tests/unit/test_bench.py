@@ -405,13 +405,13 @@ def test_resnet20_torch_reproduces_what_a_sync_worker_draws_and_steps_with(tmp_p
     worker = load("sync").worker(WorkerJob(net.comm(1), cfg, model, dataset, sampler, 1,
                                            np.arange(dataset.test_y.size, dtype=np.int64), comms=group.comm(0)))
     seen = []
-    train_step = model.forward_backward
+    train_step = model.forward_backward_deferred  # (what a worker's step calls)
 
     def spy(x, y, minibatch=None):
         seen.append((x.copy(), y.copy()))
         return train_step(x, y, minibatch)
 
-    model.forward_backward = spy
+    model.forward_backward_deferred = spy
     errors = []
 
     def call(fn):

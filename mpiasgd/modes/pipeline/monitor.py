@@ -157,9 +157,9 @@ class PipelineMonitor(Role):
         applied = not flags & Flag.WARMUP
         k = self.module_of(w)
         if applied and k == self.K - 1 and w <= self.K:  # the last module of replica 0: one minibatch done
-            version = int(h["epoch"]) + 1
-            self.counter.set(version, version * self.cfg.batch_size * self.N)
-            rec.update(version=version, lr=float(h["lr"]))
+            done = int(h["epoch"]) + 1  # minibatches of replica 0 done: the version
+            self.counter.set(done, done * self.cfg.batch_size * self.N)
+            rec.update(version=done, lr=float(h["lr"]))
             rec.training_loss(float(h["loss"]), int(h["correct"]), int(h["samples"]))
         nonfinite = bool(flags & Flag.NONFINITE)
         staleness = t - version if applied or nonfinite else 0

@@ -149,7 +149,7 @@ if kind == "server" and rank == target:
 if kind in ("nan", "nan1") and rank == target:
     from mpiasgd.model import Model
 
-    original_fb, steps = Model.forward_backward, [0]
+    original_fb, steps = Model.forward_backward_deferred, [0]  # (what a worker's step calls)
 
     def nan_forward_backward(self, x, y, minibatch=None):
         out = original_fb(self, x, y, minibatch)
@@ -158,7 +158,7 @@ if kind in ("nan", "nan1") and rank == target:
             self.grads[:] = np.nan
         return out
 
-    Model.forward_backward = nan_forward_backward
+    Model.forward_backward_deferred = nan_forward_backward
 
 if kind == "perturb" and rank == target:
     from mpiasgd.optim import LocalSGD
