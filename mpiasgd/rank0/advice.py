@@ -10,10 +10,12 @@ worker's compute and wait seconds; rank 0 also knows how long it was busy with e
 - rank 0 busy most of the time (BUSY_SHARE): the update is the bottleneck, so cut the server into shards
   (`--servers S`) or push less often (`--nsync`);
 - rank 0 mostly idle: the exchange itself is (bytes, latency, rank 0's sleeps between polls), so overlap it
-  (`--overlap`), halve its bytes (`--wire bf16`), exchange less often (`--nsync`), or let rank 0 spin
-  (`--server-wait spin`, where it has a core of its own).
+  (`--overlap`), halve its bytes (`--wire bf16`), exchange less often (`--nsync`; easgd: `--easgd-tau`),
+  or let rank 0 spin (`--server-wait spin`, named only where the run asked for backoff: auto backs off
+  where the node has no core to spare).
 
-Only the flags a run does not use already are named. The advice is an event "advice" in the run log and one
+Only the flags a run does not use already, and would accept, are named (no `--nsync` with DC-ASGD or the
+look-ahead, which need nsync 1). The advice is an event "advice" in the run log and one
 line on stderr, once per job.
 """
 
@@ -65,19 +67,21 @@ class ExchangeWatch:
         busy = min(1.0, self.busy / elapsed)
         said = (f"the workers waited for the parameter server {100 * self.wait / total:.0f} % of their time "
                 f"({1e3 * self.wait / n:.1f} ms a push against {1e3 * self.compute / n:.1f} ms of compute); ")
+        easgd = cfg.mode == "easgd"  # (--overlap, --wire and --nsync are async's and ssp's)
+        fewer = (f"--easgd-tau {2 * cfg.easgd_tau} (exchanges half as often)" if easgd else
+                 "--nsync 4 (a push every 4 minibatches)" if cfg.nsync == 1 and not cfg.dc_lambda
+                 and not cfg.lookahead else "")  # (DC-ASGD and the look-ahead need nsync 1)
         if busy > BUSY_SHARE:
-            flags = [f"--servers {2 * cfg.servers} (shards: that many parameter-server ranks)"]
-            if cfg.nsync == 1:
-                flags.append("--nsync 4 (a push every 4 minibatches)")
+            flags = [f"--servers {2 * cfg.servers} (shards: that many parameter-server ranks)", *filter(None, [fewer])]
             return said + f"rank 0 was busy {100 * busy:.0f} % of the time with the updates: try " + ", ".join(flags)
         flags = []
-        if not cfg.overlap and not cfg.dc_lambda:
+        if not easgd and not cfg.overlap and not cfg.dc_lambda:
             flags.append("--overlap (compute the next minibatch while the reply travels)")
-        if cfg.wire == "fp32":
+        if not easgd and cfg.wire == "fp32":
             flags.append("--wire bf16 (half the bytes)")
-        if cfg.nsync == 1:
-            flags.append("--nsync 4 (a quarter of the exchanges)")
-        if not self.spinning:
+        if fewer:
+            flags.append(fewer)
+        if not self.spinning and cfg.server_wait == "backoff":  # (auto backed off: the node has no core to spare)
             flags.append("--server-wait spin (rank 0 polls without sleeping; give it a core of its own)")
         what = "try " + ", ".join(flags) if flags else "a faster interconnect, or more compute per push"
         return said + f"rank 0 was busy only {100 * busy:.0f} % of the time: the exchange is the bottleneck; {what}"

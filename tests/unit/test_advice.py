@@ -26,7 +26,9 @@ def test_workers_waiting_on_an_idle_server_are_told_the_flags_that_hide_the_exch
     assert text.startswith("the workers waited for the parameter server 75 % of their time (6.0 ms a push against "
                            "2.0 ms of compute); rank 0 was busy only 0 % of the time: the exchange is the bottleneck")
     assert "--overlap" in text and "--wire bf16" in text and "--nsync 4" in text and "--servers" not in text
-    assert "--server-wait spin" in text
+    assert "--server-wait" not in text  # auto backed off: the node has no core to spare
+    forced = fed(Config(server_wait="backoff"), compute_s=0.002, wait_s=0.006, busy_s=0.0005).advice(elapsed=20.0)
+    assert "--server-wait spin (rank 0 polls without sleeping; give it a core of its own)" in forced
     assert watch.pushes == 58  # each worker's first push (start-up) left out
     assert watch.advice(elapsed=30.0) == ""  # once
 
@@ -34,6 +36,18 @@ def test_workers_waiting_on_an_idle_server_are_told_the_flags_that_hide_the_exch
 def test_the_flags_a_run_uses_already_are_not_named():
     text = fed(Config(overlap=True, wire="bf16", nsync=4), 0.002, 0.006, 0.0005, spinning=True).advice(elapsed=20.0)
     assert "the exchange is the bottleneck; a faster interconnect, or more compute per push" in text, text
+
+
+@pytest.mark.parametrize("flags", [{"dc_lambda": 0.1}, {"lookahead": -1}])
+def test_no_nsync_where_the_run_needs_nsync_1(flags):
+    text = fed(Config(**flags), 0.002, 0.006, 0.0005).advice(elapsed=20.0)
+    assert "--wire bf16" in text and "--nsync" not in text, text
+
+
+def test_easgd_is_told_its_own_period_not_asyncs_flags():
+    text = fed(Config(mode="easgd", easgd_tau=4), 0.002, 0.006, 0.0005).advice(elapsed=20.0)
+    assert "try --easgd-tau 8 (exchanges half as often)" in text, text
+    assert "--overlap" not in text and "--wire" not in text and "--nsync" not in text
 
 
 def test_a_busy_server_is_told_to_shard():
