@@ -269,7 +269,7 @@ class Recorder:
                   wait_s=h["wait_s"], applied=applied, lr=lr, rejected=rejected, held_s=held_s, data_s=h["data_s"])
         if not rejected:
             self.accept(w)
-        if self.exchange is not None:
+        if self.exchange is not None and not self.exchange.advised:  # (once given, nothing more to watch)
             self.exchange.push(w, h["compute_s"], h["wait_s"])
             self.advise(self.exchange.advice(self.train_time() - (self.resumed.elapsed if self.resumed else 0.0)))
 

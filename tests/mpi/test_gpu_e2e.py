@@ -28,9 +28,10 @@ def close(a: float, b: float) -> bool:
 
 
 def test_gpu_e2e_dry_run_writes_every_part(tmp_path):
-    env = {**mpi_env(), "OUT": str(tmp_path / "out")}
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_e2e.py"), "--dry-run", "--timeout",
-                           f"{JOB_TIMEOUT:g}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    """Through the device call's wrapper (bench/gpu_e2e.sh --dry-run: the script, then the threaded update's sweep)."""
+    env = {**mpi_env(), "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(REPO / "bench" / "gpu_e2e.sh"), "--dry-run", "--timeout", f"{JOB_TIMEOUT:g}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"exit {done.returncode}\n--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
     result = json.loads((tmp_path / "out" / "gpu_e2e.json").read_text())
     text = (tmp_path / "out" / "gpu_e2e.md").read_text()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import io
 import re
@@ -308,10 +309,16 @@ def test_a_moved_file_or_a_renamed_function_in_the_docs_is_caught():
 PAGE_NAME = re.compile(r"(?<![\w/.(-])([\w-]+\.md)\b")  # a page named in prose (not a link target or a path)
 
 
+@functools.cache
+def page_names() -> frozenset[str]:
+    """The names of the repository's Markdown files (walked once a session)."""
+    return frozenset(p.name for p in REPO.rglob("*.md") if ".git" not in p.parts and ".venv" not in p.parts)
+
+
 def missing_pages(text: str) -> list[tuple[int, str]]:
     """(line number, name) of every Markdown page `text` names in prose ("see BENCHMARKS.md") that no file of
     the repository is called: a page that moved or was removed."""
-    names = {p.name for p in REPO.rglob("*.md") if ".git" not in p.parts and ".venv" not in p.parts}
+    names = page_names()
     bad = []
     for number, line in enumerate(text.splitlines(), 1):
         line = re.sub(r"\]\([^)]*\)", "]", line)  # link targets are checked by the link test
