@@ -150,7 +150,8 @@ class AsyncOptions:
     lookahead: float = option(0.0, "async/ssp: the server replies with the weights K momentum-only updates ahead, "
         "w - lr * c * v with c = m (1 - m^K) / (1 - m), where a push computed on them will most likely be applied "
         "(DANA, Hakimi et al. 2019); the master weights are not changed; K in updates, 0 = off, -1 = auto: N - 1 "
-        "for N workers; needs momentum > 0 and nsync 1", PS_MODES, "optimizer", label="lookahead={:g}")
+        "for N workers (2N - 1 with --overlap); needs momentum > 0 and nsync 1", PS_MODES, "optimizer",
+        label="lookahead={:g}")
     wire: str = option("fp32", "async/ssp: how pushes and the server's replies carry the weights, gradients "
         "and layer buffers: fp32 | fp16 | bf16 (2 bytes a value, half the bytes; rounded to nearest even, "
         "relative error <= 2^-11 | 2^-8; the server keeps float32 weights and state; an fp16 value beyond "

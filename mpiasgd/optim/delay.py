@@ -102,10 +102,15 @@ def explicit_momentum(momentum: float, rule: str, num_workers: int) -> float:
 
 def lookahead_steps(setting: float, num_workers: int, overlap: bool = False) -> float:
     """The updates K a reply looks ahead under `--lookahead` = `setting`: the setting itself when it is > 0,
-    and for -1 ("auto") N - 1 with `num_workers` = N, N with `overlap` (--overlap): with N equal workers
-    every push meets the other N - 1 workers' pushes between its pull and its update (staleness N - 1),
-    and computing on the weights of the reply before the last adds one. 0: no look-ahead."""
-    return float(max(0, num_workers - 1) + bool(overlap)) if setting < 0 else float(setting)
+    and for -1 ("auto") N - 1 with `num_workers` = N, 2N - 1 with `overlap` (--overlap). With N equal workers
+    every push meets the other N - 1 workers' pushes between its pull and its update (staleness N - 1).
+    With --overlap a worker computes on the weights of the reply before the last, so one more round of N
+    pushes (its own previous one and the N - 1 others') lands in between: staleness 2N - 1 (1 with one
+    worker). 0: no look-ahead."""
+    if setting >= 0:
+        return float(setting)
+    n = max(1, num_workers)
+    return float(2 * n - 1 if overlap else n - 1)
 
 
 def lookahead_factor(momentum: float, steps: float, nesterov: bool = False) -> float:

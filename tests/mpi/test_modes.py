@@ -81,6 +81,21 @@ def test_overlap_run_has_exactly_one_step_of_extra_staleness(mpirun, tmp_path):
     assert applied["staleness"].tolist() == [0] + [1] * 59
 
 
+def test_overlap_staleness_is_what_lookahead_auto_looks_ahead(mpirun, tmp_path):
+    """2 workers with --overlap: each update ages every other push whose weights are fixed, the other worker's
+    two and the worker's own previous one, so the mean staleness is 2N - 1 = 3 (whatever the workers' speeds),
+    and `--lookahead -1` looks that far ahead, not N = 2."""
+    res = mpirun(3, ["train", *FAST, "--overlap", "--momentum", "0.9", "--lookahead", "-1", "--epochs", "0",
+                     "--max-pushes", "300", "--name", "ovla"], timeout=90)
+    assert res.returncode == 0, res.explain()
+    _, t, _ = read_log(tmp_path / "runs" / "ovla.h5")
+    applied = t["pushes"][t["pushes"]["applied"] == 1]
+    steady = applied["staleness"][8:]  # past the start, where the first pushes find fewer before them
+    assert abs(steady.mean() - 3) < 0.3, steady.mean()
+    events = [e["text"].decode() for e in t["events"] if e["kind"] == b"lookahead"]
+    assert len(events) == 1 and events[0].startswith("the replies look 3 updates ahead (--lookahead -1, 2 workers)")
+
+
 # --- ssp -------------------------------------------------------------------------------------------------
 
 def max_lead_before_stop(pushes):

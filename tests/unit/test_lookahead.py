@@ -77,7 +77,10 @@ def test_reply_lands_where_k_updates_of_the_real_optimizer_without_gradient_do(n
     np.testing.assert_allclose(out, opt.params, rtol=1e-5, atol=1e-6)
 
 
-def test_overlap_adds_one_update_of_staleness():
-    assert lookahead_steps(-1, 2, overlap=True) == 2.0
+def test_overlap_adds_one_round_of_staleness():
+    """--overlap: a push is computed on the reply before the last, so N more pushes land before it: 2N - 1."""
+    assert lookahead_steps(-1, 2, overlap=True) == 3.0
+    assert lookahead_steps(-1, 4, overlap=True) == 7.0
     assert lookahead_steps(-1, 1, overlap=True) == 1.0
     assert lookahead_steps(1.5, 4, overlap=True) == 1.5
+    assert lookahead_steps(-1, 4, overlap=False) == 3.0

@@ -488,6 +488,18 @@ def test_lookahead_auto_is_the_other_workers_and_off_without_momentum(tmp_path):
     assert server.lookahead is None  # one worker: nothing is stale
 
 
+@pytest.mark.parametrize("num_workers,steps", [(1, 1), (2, 3), (3, 5)])
+def test_lookahead_auto_with_overlap_is_one_more_round(tmp_path, capsys, num_workers, steps):
+    """--overlap --lookahead -1: a push is computed on the reply before the last, so the reply looks 2N - 1
+    updates ahead (the staleness measured with N equal workers), not N."""
+    server, _, _ = make_server(tmp_path, num_workers=num_workers, momentum=0.9, lookahead=-1.0, overlap=True)
+    assert server.lookahead_k == steps
+    assert server.lookahead.factor == pytest.approx(sum(0.9 ** k for k in range(1, steps + 1)))
+    server.r0.role.begin()
+    assert (f"the replies look {steps} update{'s' * (steps != 1)} ahead (--lookahead -1, {num_workers} workers)"
+            in capsys.readouterr().out)
+
+
 def test_lookahead_stop_and_first_weights_are_the_master_weights(tmp_path, capsys):
     """--lookahead: the weights a worker evaluates (STOP) and its first ones are the master weights, not the
     look-ahead point; what the option resolved to is printed and logged once."""
