@@ -17,6 +17,12 @@
                                 assembled (each as that shard had it when rank 0 asked). A resume sends
                                 each shard its slice and version; DC-ASGD's running mean square
                                 (--dc-adaptive) is not kept, with one server or many
+    wire_bytes   int64 (S, 2)   async/ssp/easgd: the bytes each parameter-server shard had moved at this
+                                state, (pushed, pulled), headers included (shard 0 alone with one server;
+                                absent in the other modes and in checkpoints written before it was kept):
+                                a resume continues the counts from here, whether or not the run log got
+                                its /wire_bytes rows (a launcher's SIGKILL right after a signal's
+                                checkpoint leaves them unwritten)
     attrs        format, mode, model, num_workers, num_params, version (server updates / sync steps /
                  pipeline minibatches), samples, elapsed (seconds of training the state holds: the
                  schedule's clock), log_time (the run log's clock when it was written), reason,
@@ -71,8 +77,8 @@ SCALARS = ("mode", "model", "config", "log", "reason", "run_id", "version", "sam
 def crc32(ckpt: Checkpoint) -> int:
     """CRC-32 of the arrays' bytes and of the scalar fields (as JSON): what `load` checks."""
     crc = 0
-    arrays = (ckpt.params, ckpt.momentum, ckpt.workers) + ((ckpt.buffers,) if ckpt.buffers.size else ()) \
-        + ((ckpt.shard_versions,) if ckpt.shard_versions.size else ())
+    optional = (ckpt.buffers, ckpt.shard_versions, ckpt.wire_bytes)  # (absent when empty: older files match)
+    arrays = (ckpt.params, ckpt.momentum, ckpt.workers, *(a for a in optional if a.size))
     for a in arrays:
         crc = zlib.crc32(np.ascontiguousarray(a).view(np.uint8), crc)
     scalars = [getattr(ckpt, key) for key in SCALARS] + ([ckpt.model_spec] if ckpt.model_spec else [])
@@ -103,6 +109,7 @@ class Checkpoint:
     buffers: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     model_spec: str = ""  # JSON text; "" in checkpoints written before networks had stored definitions
     shard_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # (S,), --servers S > 1
+    wire_bytes: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # (S, 2) bytes pushed, pulled
 
     @property
     def num_workers(self) -> int:
@@ -148,6 +155,9 @@ def write(path: str, ckpt: Checkpoint, between: Callable[[], None] | None = None
             if ckpt.shard_versions.size:
                 ckpt.shard_versions = ckpt.shard_versions.astype(np.int64, copy=False)
                 f.create_dataset("shard_versions", data=ckpt.shard_versions)
+            if ckpt.wire_bytes.size:
+                ckpt.wire_bytes = ckpt.wire_bytes.astype(np.int64, copy=False).reshape(-1, 2)
+                f.create_dataset("wire_bytes", data=ckpt.wire_bytes)
             a = f.attrs
             if ckpt.model_spec:
                 a["model_spec"] = ckpt.model_spec
@@ -291,7 +301,8 @@ def load(path: str) -> Checkpoint:
             staleness_count=int(a["staleness_count"]), path=path,
             buffers=f["buffers"][()] if "buffers" in f else np.zeros(0, np.float32),
             model_spec=str(a.get("model_spec", "")),
-            shard_versions=f["shard_versions"][()] if "shard_versions" in f else np.zeros(0, np.int64))
+            shard_versions=f["shard_versions"][()] if "shard_versions" in f else np.zeros(0, np.int64),
+            wire_bytes=f["wire_bytes"][()] if "wire_bytes" in f else np.zeros((0, 2), np.int64))
         stored = int(a["crc32"])
     if crc32(ckpt) != stored:
         raise CheckpointError(f"checkpoint '{path}' is corrupt: its contents do not match the CRC-32 stored with them")
@@ -315,6 +326,9 @@ def check_values(ckpt: Checkpoint) -> str:
         return f"shard_versions {sv.dtype}{sv.shape} {sv.tolist()} (expected none, or S >= 2 versions >= 0)"
     if sv.size and int(sv[0]) != ckpt.version:
         return f"shard_versions[0] = {int(sv[0])}, but version = {ckpt.version} (shard 0's)"
+    wb, shards = ckpt.wire_bytes, max(1, sv.size)
+    if wb.size and (wb.dtype != np.int64 or wb.shape != (shards, 2) or (wb < 0).any()):
+        return f"wire_bytes {wb.dtype}{wb.shape} (expected none, or int64 ({shards}, 2) byte counts >= 0)"
     if w.dtype != WORKER_STATE or w.ndim != 1 or w.size < 1:
         return f"workers table {w.dtype} {w.shape}"
     if (w["rank"] < 1).any() or np.unique(w["rank"]).size != w.size:

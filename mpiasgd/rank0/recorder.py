@@ -455,6 +455,9 @@ class Recorder:
         keeps the last failure's text ("" after a success)."""
         self.checkpoints.restart(self.now())
         t0 = self.now()
+        wire = self.wire_by_shard()  # kept in the checkpoint too: a resume continues them (`restore_from_log`)
+        if wire is not None:
+            ckpt.wire_bytes = np.array(wire, np.int64).reshape(-1, 2)
         try:
             seconds = checkpoint.write(self.checkpoint_path, ckpt, self.meanwhile)
         except OSError as e:
@@ -469,7 +472,7 @@ class Recorder:
         self.last_written = t0
         self.log.add(CheckpointRow(time=t0, seconds=seconds, version=ckpt.version, samples=ckpt.samples,
                                    elapsed=ckpt.elapsed, reason=ckpt.reason.encode()))
-        for shard, (pushed, pulled) in enumerate(self.wire_by_shard() or []):  # where a resume continues them
+        for shard, (pushed, pulled) in enumerate(wire or []):  # (the log's copy of the checkpoint's counts)
             self.log.add(WireBytesRow(time=ckpt.log_time, shard=shard, pushed=pushed, pulled=pulled))
         self.log.flush()  # every row up to the checkpoint is on disk with it: a resume supersedes only later ones
         return True
@@ -486,23 +489,25 @@ class Recorder:
         self.restore_from_log(ckpt)
 
     def restore_from_log(self, ckpt: checkpoint.Checkpoint) -> None:
-        """(--resume) The figures the checkpoint does not hold, from the log it continues: the bytes each shard
-        had moved at `ckpt` (its /wire_bytes rows, at its log time; none in a log written before them or a
-        new one: the counts start at zero), and with --servers S > 1 every shard's staleness over the
-        /shard_pushes rows logged so far, less the spans this resume superseded (rows of the segment's
-        after its checkpoint)."""
+        """(--resume) The bytes each shard had moved at `ckpt`: the checkpoint's own counts (`wire_bytes`), or in
+        a checkpoint written before it kept them, the /wire_bytes rows of the log it continues at its log time
+        (none in a log written before them or a new one: the counts start at zero). And the figures the
+        checkpoint does not hold, from that log: with --servers S > 1 every shard's staleness over the
+        /shard_pushes rows logged so far, less the spans this resume superseded (rows of the segment's after
+        its checkpoint)."""
         f = getattr(self.log, "file", None)
-        if f is None:
-            return
-        if "wire_bytes" in f:
+        counts = [(shard, int(pushed), int(pulled)) for shard, (pushed, pulled) in enumerate(ckpt.wire_bytes.tolist())]
+        if not counts and f is not None and "wire_bytes" in f:
             rows = f["wire_bytes"][()]
             rows = rows[rows["time"] == ckpt.log_time]
-            for shard, pushed, pulled in zip(rows["shard"].tolist(), rows["pushed"].tolist(), rows["pulled"].tolist(),
-                                             strict=True):
-                if shard == 0:
-                    self.wire_bytes = {"pushed": pushed, "pulled": pulled}
-                elif self.shards is not None and shard < len(self.shards.wire_base):
-                    self.shards.wire_base[shard] = [pushed, pulled]
+            counts = list(zip(rows["shard"].tolist(), rows["pushed"].tolist(), rows["pulled"].tolist(), strict=True))
+        for shard, pushed, pulled in counts:
+            if shard == 0:
+                self.wire_bytes = {"pushed": pushed, "pulled": pulled}
+            elif self.shards is not None and shard < len(self.shards.wire_base):
+                self.shards.wire_base[shard] = [pushed, pulled]
+        if f is None:
+            return
         if self.shards is not None and "shard_pushes" in f:  # (in pieces: a long run's table is large)
             table, spans = f["shard_pushes"], superseded_spans(f.attrs.get("superseded"))
             fields = table.fields(["time", "shard", "worker", "step", "staleness", "applied"])

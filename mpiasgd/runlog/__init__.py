@@ -55,7 +55,9 @@ One file per run, `RUN_DIR/NAME.h5`:
                  (the checkpoint's log time), shard, pushed, pulled: the bytes of the exchange (PUSH received;
                  WEIGHTS and STOP sent; headers included) the shard had moved by then, so that a resumed run's
                  summary attributes wire_bytes_pushed and wire_bytes_pulled (every shard's) continue from its
-                 checkpoint's (a log without them, older or lost: they count from the resume)
+                 checkpoint's (the checkpoint keeps the same counts, `checkpoint.Checkpoint.wire_bytes`, which a
+                 resume takes first; from a checkpoint without them and a log without these rows, older or
+                 lost, they count from the resume)
 
 A resumed run (`--resume`) continues the same file: status goes back to "running", an event
 "resume" marks where the new segment starts, the clock continues after the last row, and rows

@@ -210,8 +210,9 @@ class ShardPushRow(Record):
 class WireBytesRow(Record):
     """The bytes of the parameter-server exchange (async, ssp, easgd) one shard had moved when the state of a
     checkpoint was taken: one row per shard (shard 0 alone with one server) with every checkpoint written, at
-    the checkpoint's log time. A resume continues the counts (the summary's wire_bytes_*) from the rows of its
-    checkpoint; the modes that do not count them write none."""
+    the checkpoint's log time. A resume continues the counts (the summary's wire_bytes_*) from its checkpoint's
+    own copy (`checkpoint.Checkpoint.wire_bytes`), or from these rows for a checkpoint without one; the modes
+    that do not count them write none."""
 
     time: Float64  # s: the checkpoint's log time (its `log_time`)
     shard: Int32   # the parameter-server shard (0 = rank 0; s >= 1 = rank N + s)

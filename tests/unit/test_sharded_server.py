@@ -773,8 +773,9 @@ def test_a_resume_continues_the_bytes_and_every_shards_staleness_from_the_log(tm
 
 
 def test_a_resume_without_the_logs_rows_counts_from_zero(tmp_path):
-    """A checkpoint whose log has no /wire_bytes rows at its time (a log written before them, or a new one):
-    the bytes count from the resume, and a shard's staleness from the rows there are."""
+    """A checkpoint without counts of its own (written before it kept them) whose log has no /wire_bytes rows at
+    its time (a log written before them, or a new one): the bytes count from the resume, and a shard's
+    staleness from the rows there are."""
     from mpiasgd import checkpoint
     from mpiasgd.rank0.recorder import Recorder, ShardFigures
 
@@ -790,6 +791,49 @@ def test_a_resume_without_the_logs_rows_counts_from_zero(tmp_path):
         rec.restore(ckpt)
         assert rec.wire_bytes is None and rec.wire_by_shard() is None and rec.wire_summary() == {}
         assert rec.shards.summary()["shard_staleness_max"] == [0, 0]
+    finally:
+        log.close("completed")
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_a_signals_checkpoint_whose_log_rows_were_lost_still_continues_the_bytes(tmp_path, servers):
+    """A signal: the log is closed at once (`end_early`), the checkpoint is written, and the launcher's SIGKILL
+    comes before the log is opened again, so neither its /checkpoints nor its /wire_bytes rows reach the file.
+    The resume continues every shard's bytes from the checkpoint's own counts (it restarted them from zero)."""
+    from mpiasgd import checkpoint
+    from mpiasgd.rank0.recorder import Recorder, ShardFigures
+    from mpiasgd.runlog import WriterLock
+
+    cfg = Config(epochs=0, max_pushes=10, progress=False, checkpoint_interval=0, servers=servers)
+    path = str(tmp_path / "killed.h5")
+    log = RunLog.create(path, {"config": cfg.to_json()}, [], 4, flush_interval=60)
+    rec = Recorder(cfg, log, range(1, 3), NUM_TRAIN)
+    rec.shards = ShardFigures(servers) if servers > 1 else None
+    rec.begin()
+    rec.count_wire(pushed=1000, pulled=3000)
+    if servers > 1:
+        rec.shards.report_wire(1, 500, 700)
+    log.end_early("preempted", hold=60.0)  # (the signal thread's close; rows added later wait for 60 s)
+    zeros = np.zeros(4, np.float32)
+    versions = [0] * servers if servers > 1 else None
+    assert rec.write_checkpoint(rec.checkpoint(zeros, zeros, "preempt", {1: (1, 1), 2: (1, 1)}, 1.0,
+                                               shard_versions=versions))
+    # SIGKILL now: the rows of the checkpoint stay in memory, never written
+    with open_log(path) as f:
+        assert "wire_bytes" not in f or f["wire_bytes"].shape[0] == 0
+    ckpt = checkpoint.load(rec.checkpoint_path)
+    expected = [(1000, 3000), (500, 700)][:servers]
+    assert ckpt.wire_bytes.tolist() == [list(pair) for pair in expected]
+    lock = WriterLock(path)
+    lock.acquire()
+    log = RunLog.reopen(path, [], 60, lock, resumed_at=ckpt.log_time)
+    try:
+        rec = Recorder(cfg, log, range(1, 3), NUM_TRAIN)
+        rec.shards = ShardFigures(servers) if servers > 1 else None
+        rec.restore(ckpt)
+        assert rec.wire_by_shard() == expected
+        rec.count_wire(pushed=7, pulled=9)
+        assert rec.wire_summary()["wire_bytes_pushed"] == 1000 + 7 + (500 if servers > 1 else 0)
     finally:
         log.close("completed")
 
