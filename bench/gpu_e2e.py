@@ -15,20 +15,23 @@ Parts (`--only step|alexnet|hops|race`, comma-separated):
            time of launching counts: a launch-bound step shows as such), for `cifar10` and `resnet20`:
              ours eager      `Model.forward_backward` + `LocalSGD.step` in this process (bench/vs_pytorch.py's
                              `Ours`: the weights of `init_params(--seed)`)
+             ours graphs     the same with forward and backward replayed from a CUDA graph (`StepGraphs`,
+                             `--cuda-graphs`: the batch copied into the graph's input buffers each step), the
+                             update one eager kernel after it; checked to give the eager step's loss first
+                             (cupy backend only: "needs the cupy backend" otherwise)
              ours, train     `mpiexec -n 2 ... train --mode sync` for --cli-steps steps on a synthetic 32x32
                              file: median of the run log's compute_s (forward + backward) and of the interval
                              between applied steps (the whole step as trained: the allreduce, the update);
-                             with `--cuda-graphs on` and `off` once the Config has `cuda_graphs`, else one run
-                             and "graphs: not built"
+                             with `--cuda-graphs on` and `off` (auto and off on the CPU, where auto resolves to
+                             eager launches)
              PyTorch eager   bench/torch_models.py's network of the same spec with the same initial weights
                              (bench/vs_pytorch.py's `reference_net`, `torch_optimizer`: SGD momentum 0.9, weight
                              decay 5e-4 x decay_mult, lr 0.02), FP32: cudnn.benchmark on, TF32 off
              PyTorch graphs  the same step captured once with torch.cuda.graph (static input, loss, gradients,
                              optimizer state) and replayed; on the CPU (dry run) the same static-buffer step
                              runs eagerly ("emulated")
-           ratios: ours ms / PyTorch ms (goal with graphs: <= 1.0 of eager); "ours graphs" is the `train` run's
-           compute ms with --cuda-graphs on (forward + backward on the host's clock) until an in-process graph
-           replay exists to time between events.
+           ratios: ours ms / PyTorch ms (goal with graphs: <= 1.0 of eager); "ours graphs" is the in-process
+           graphed step.
   alexnet  `alexnet_1gpu_64` at batch 128 on `synthetic64`: one worker training alone (sync, N = 1: the ceiling)
            against one async worker at nsync 1 and 4, S = 1 and 2 servers, fp32 and bf16 on the wire, --overlap on
            and off (each factor alone and all three together, 10 runs; --alexnet-all: all 16); each an mpiexec job
@@ -280,6 +283,33 @@ def ours_eager(name: str, backend: str, seed: int, x: np.ndarray, y: np.ndarray,
     return {"ms": median(ms), "min_ms": min(ms), "first_loss": float(first), "params": ours.model.num_params}
 
 
+def ours_graphs(name: str, backend: str, seed: int, x: np.ndarray, y: np.ndarray, s: Sizes) -> dict:
+    """Our step with forward and backward replayed from a CUDA graph (cupy): median ms, the first loss (which
+    must be the eager step's), the graphs made and replayed."""
+    if backend != "cupy":
+        return {"ms": None, "why": "needs the cupy backend"}
+    import cupy
+    from vs_pytorch import LR, Ours
+
+    from mpiasgd.ops.cuda.graphs import CupyGraphs, StepGraphs
+
+    ours = Ours.build(name, backend, seed)
+    graphs = StepGraphs(ours.model, CupyGraphs(cupy), "on")
+
+    def step() -> Any:
+        stats = graphs.step(x, y, 0)
+        ours.local.step(LR)
+        return stats
+
+    first = step().get()[0]
+    for _ in range(max(3, s.warmup - 1)):  # warm-up, capture, the checked replay at least
+        step()
+    clock = Clock("cupy")
+    ms = [clock.time(step) for _ in range(s.steps)]
+    return {"ms": median(ms), "min_ms": min(ms), "first_loss": float(first), "captured": graphs.captured,
+            "replays": graphs.replays}
+
+
 def torch_steps(name: str, seed: int, x: np.ndarray, y: np.ndarray, s: Sizes, torch: Any) -> dict:
     """PyTorch eager and with CUDA graphs (emulated on the CPU): median ms each, the first loss."""
     import torch.nn.functional as F
@@ -337,7 +367,7 @@ def step_cli(args: argparse.Namespace, name: str, data: str, run_dir: str) -> di
     them: per setting the median compute_s and the median interval between applied steps, in ms."""
     s = args.sizes
     graphs = "cuda_graphs" in {f.name for f in dataclasses.fields(Config)}
-    settings = ["on", "off"] if graphs else [None]
+    settings = ([("on" if args.backend == "cupy" else "auto"), "off"] if graphs else [None])
     out: dict[str, Any] = {"graphs": "built" if graphs else "not built"}
     for setting in settings:
         options = ["--model", name, "--data", data, "--mode", "sync", "--backend", args.backend,
@@ -369,13 +399,14 @@ def part_step(args: argparse.Namespace, tmp: str) -> dict:
         x = rng.standard_normal((s.batch, 3, 32, 32), dtype=np.float32)  # (N, C, H, W)
         y = rng.integers(0, 10, s.batch).astype(np.int64)
         row: dict[str, Any] = {"ours_eager": ours_eager(name, args.backend, args.seed, x, y, s),
+                               "ours_graphs": ours_graphs(name, args.backend, args.seed, x, y, s),
                                "ours_train": step_cli(args, name, data, tmp) if name in s.cli_models else {}}
         if torch is not None:
             theirs = torch_steps(name, args.seed, x, y, s, torch)
             row["torch"] = theirs
             row["first_loss_diff"] = abs(row["ours_eager"]["first_loss"] - theirs["eager"]["first_loss"])
             mine = row["ours_eager"]["ms"]
-            graphed = row["ours_train"].get("graphs on", {}).get("compute_ms")
+            graphed = row["ours_graphs"]["ms"]
             row["ratios"] = {"ours_eager/torch_eager": ratio(mine, theirs["eager"]["ms"]),
                              "ours_eager/torch_graphs": ratio(mine, theirs["graphs"]["ms"]),
                              "ours_graphs/torch_eager": ratio(graphed, theirs["eager"]["ms"]),
@@ -728,23 +759,28 @@ def markdown(result: dict) -> str:
         if name == "step":
             lines += [f"ms per step at batch {part['batch']} (median); ratios ours / PyTorch "
                       f"(goal with graphs <= {STEP_GOAL:g}); PyTorch {part['torch']}", "",
-                      "| network | ours eager | ours train: compute / step | graphs | PyTorch eager | PyTorch graphs "
-                      "| ours eager / PyTorch eager | ours eager / PyTorch graphs | ours graphs / PyTorch eager |",
-                      "| :-- | --: | --: | :-- | --: | --: | --: | --: | --: |"]
+                      "| network | ours eager | ours graphs | ours train: compute / step | train's --cuda-graphs | "
+                      "PyTorch eager | PyTorch graphs | ours eager / PyTorch eager | ours eager / PyTorch graphs | "
+                      "ours graphs / PyTorch eager | ours graphs / PyTorch graphs |",
+                      "| :-- | --: | --: | --: | :-- | --: | --: | --: | --: | --: | --: |"]
             for net, row in part.items():
                 if not isinstance(row, dict):
                     continue
                 train = row["ours_train"]
-                cells = [f"{fmt(v.get('compute_ms'))} / {fmt(v.get('step_ms'))}" for k, v in train.items()
+                cells = [f"{k}: {fmt(v.get('compute_ms'))} / {fmt(v.get('step_ms'))}" for k, v in train.items()
                          if isinstance(v, dict)]
                 theirs, ratios = row.get("torch"), row.get("ratios", {})
-                lines.append(f"| {net} | {fmt(row['ours_eager']['ms'])} | {'; '.join(cells) or '-'} | "
+                graphed = row["ours_graphs"]
+                lines.append(f"| {net} | {fmt(row['ours_eager']['ms'])} | "
+                             f"{fmt(graphed['ms']) if graphed['ms'] is not None else graphed['why']} | "
+                             f"{'; '.join(cells) or '-'} | "
                              f"{train.get('graphs', '-')} | "
                              f"{fmt(theirs and theirs['eager']['ms'])} | {fmt(theirs and theirs['graphs']['ms'])}"
                              f"{' (emulated)' if theirs and theirs['graphs'].get('emulated') else ''} | "
                              f"{fmt(ratios.get('ours_eager/torch_eager'), '.2f')} | "
                              f"{fmt(ratios.get('ours_eager/torch_graphs'), '.2f')} | "
-                             f"{fmt(ratios.get('ours_graphs/torch_eager'), '.2f')} |")
+                             f"{fmt(ratios.get('ours_graphs/torch_eager'), '.2f')} | "
+                             f"{fmt(ratios.get('ours_graphs/torch_graphs'), '.2f')} |")
         elif name == "alexnet":
             c = part["ceiling"]
             lines += [f"{part['model']}, batch {part['batch']}, {part['dataset']}, {part['seconds']:g} s each; "

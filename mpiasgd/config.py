@@ -47,6 +47,7 @@ class ConfigError(ValueError):
 BACKENDS = ("auto", "numpy", "cpu", "cupy")
 HOST_BACKENDS = ("numpy", "cpu")  # mpiasgd.ops's backends on the host (no GPU, cupy never imported)
 CUDA_AWARE = ("auto", "on", "off")
+CUDA_GRAPHS = ("auto", "on", "off")  # --cuda-graphs (mpiasgd.ops.cuda.graphs)
 CONV_ALGOS = ("heuristic", "autotune")  # ops.cuda.planner.CONV_ALGOS (not imported: it would import the backend)
 SCHEDULES = ("constant", "step", "cosine")
 LR_SCALINGS = ("none", "linear")
@@ -108,6 +109,12 @@ class BaseConfig:
                           "cupy workers' conv kernel tiles: heuristic (fixed rules; bit-reproducible) | autotune "
                           "(at start-up every conv pass times every tile and keeps the fastest, the heuristic's "
                           "unless another is > 3 % faster, as cudnn.benchmark; logged as 'autotune' events)")
+    cuda_graphs: str = _opt("auto", "parallelism",
+                            "cupy workers: each training step's forward and backward as a CUDA graph, captured once "
+                            "per batch shape and replayed (one launch instead of one per kernel): auto (where the "
+                            "capture works and its replay gives the eager step's bits, checked at start-up; else "
+                            "eager launches, the reason logged as event 'cuda_graphs') | on (a start-up error where "
+                            "it does not) | off. Not in pipeline mode (its modules launch eagerly)")
     threads: int = _opt(0, "parallelism", "BLAS threads per worker rank; 0 = cores of the node / workers on it")
     comm_timeout: float = _opt(300.0, "parallelism",
                                "rank 0 ends the run when a worker has sent nothing for this long (naming it); "
@@ -207,6 +214,11 @@ class BaseConfig:
         need(not (self.backend in HOST_BACKENDS and self.cuda_aware == "on"), "cuda_aware",
              f"'auto' or 'off' with --backend {self.backend} (device buffers need GPU workers: --backend cupy or auto)")
         need(self.conv_algo in CONV_ALGOS, "conv_algo", f"one of {CONV_ALGOS}")
+        need(self.cuda_graphs in CUDA_GRAPHS, "cuda_graphs", f"one of {CUDA_GRAPHS}")
+        need(not (self.cuda_graphs == "on" and self.backend in HOST_BACKENDS), "cuda_graphs",
+             f"'auto' or 'off' with --backend {self.backend} (graphs are for GPU workers: --backend cupy or auto)")
+        need(not (self.cuda_graphs == "on" and self.mode == "pipeline"), "cuda_graphs",
+             "'auto' or 'off' with --mode pipeline (its modules launch eagerly)")
         need(self.server_wait in SERVER_WAITS, "server_wait", f"one of {SERVER_WAITS}")
         need(not (self.backend in HOST_BACKENDS and self.conv_algo == "autotune"), "conv_algo",
              f"'heuristic' with --backend {self.backend} (it chooses the tiles of the cupy backend's conv kernels: "

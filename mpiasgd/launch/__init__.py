@@ -136,7 +136,7 @@ def train(cfg: Config, comm: Any = None) -> int:
             else:
                 comm.gather(worker_info(me, start, threads), root=0)
                 job = WorkerJob(comm, cfg, start.model, start.dataset, start.sampler, me.rank, start.test_idx,
-                                start.staging, start.make_staging, comms, start.layout)
+                                start.staging, start.make_staging, comms, start.layout, start.graphs)
                 preempted = mode.worker(job).run()
                 status = EXIT_PREEMPTED if preempted else 0
     except RunLogError as e:  # (rank 0) the disk is full: one line, not a traceback

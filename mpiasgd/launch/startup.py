@@ -40,6 +40,7 @@ from mpiasgd.model.layers import BatchNorm2d, walk
 from mpiasgd.model.spec import from_json, is_file_ref, layers_from_spec, resolve, to_json
 from mpiasgd.modes.base import Layout, Mode, message_count, worker_feedback
 from mpiasgd.ops import BackendUnavailable, cuda_probe, get_backend
+from mpiasgd.ops.cuda.graphs import CupyGraphs, GraphError, StepGraphs
 from mpiasgd.runlog import WriterLock, clear_stale_flags, open_log
 from mpiasgd.runlog.startup import WorkerInfo
 
@@ -55,7 +56,8 @@ class Startup:
     Rank 0: `path` of the run log, `lock` (held until the log is closed), `checkpoint` (resuming),
     `replace_log` (--resume --overwrite: why the checkpoint's log is replaced by a new one; "" to continue it).
     A worker: `sampler`, `test_idx` (int64), its `staging` (with S > 1 a ShardedStaging) and `make_staging()`
-    for another like it (None with S > 1), `autotune` (plans chosen at start-up). A shard of rank >= 1 keeps
+    for another like it (None with S > 1), `autotune` (plans chosen at start-up), `graphs` and `graphs_note`
+    (--cuda-graphs as resolved at start-up: `probe_cuda_graphs`). A shard of rank >= 1 keeps
     only what every rank has."""
 
     mode: Mode
@@ -72,6 +74,8 @@ class Startup:
     staging: Staging | None = None
     make_staging: Any = None
     autotune: list[str] = field(default_factory=list)
+    graphs: str = "off"
+    graphs_note: str = ""
     samplers: list[ShardSampler] = field(default_factory=list)
     cut: ShardCut | None = None
     replace_log: str = ""  # (rank 0, --resume --overwrite) why the log is not continued: "cannot be read (...)"
@@ -98,7 +102,8 @@ def worker_backend(cfg: Config, me: Rank, local_rank: int) -> tuple[str, object]
     if backend != "cupy":
         # a GPU node that cannot run cupy, or device buffers asked for where there is no device
         gpu_only = [flag for flag, on in (("--cuda-aware on", cfg.cuda_aware == "on"),
-                                          ("--conv-algo autotune", cfg.conv_algo == "autotune")) if on]
+                                          ("--conv-algo autotune", cfg.conv_algo == "autotune"),
+                                          ("--cuda-graphs on", cfg.cuda_graphs == "on")) if on]
         if cfg.backend == "auto" and (why.startswith("CUDA failed") or gpu_only):
             dropped = "".join(f"; {flag} does not apply" for flag in gpu_only)
             print(f"mpiasgd: warning (rank {me.rank} on {me.host}): --backend auto runs on the CPU ({backend}): "
@@ -143,6 +148,32 @@ def autotune_convs(cfg: Config, dataset: Any, first: int = 0, last: int | None =
         raise BackendUnavailable(f"--conv-algo autotune: the tuning step at start-up failed ({type(e).__name__}: "
                                  f"{e})") from e
     return [plan.describe() for plan in ops.conv_plans()]
+
+
+def probe_cuda_graphs(cfg: Config, spec: dict) -> tuple[str, str]:
+    """(cupy workers, --cuda-graphs auto|on; not pipeline) Three steps of a throwaway copy of the network `spec`
+    on random minibatches of batch_size through `StepGraphs` (`mpiasgd.ops.cuda.graphs`): the warm-up, the
+    capture, and a replay checked bit for bit against the eager step on the next minibatch. Returns (what the
+    worker trains with: cfg.cuda_graphs where it worked, else "off"; the text of event "cuda_graphs"). Raises
+    BackendUnavailable naming the cause with --cuda-graphs on, or where an eager step itself fails."""
+    model = build_model(spec, "cupy")
+    ops = model.ops
+    rng = np.random.default_rng(cfg.seed)
+    try:
+        model.bind(ops.asarray(model.init_params(cfg.seed)), ops.zeros(model.num_params))
+        graphs = StepGraphs(model, CupyGraphs(ops.xp), cfg.cuda_graphs)
+        for i in range(3):
+            x = rng.standard_normal((cfg.batch_size, *model.input_shape)).astype(np.float32)
+            graphs.step(x, rng.integers(0, model.num_classes, cfg.batch_size), i).get()
+    except GraphError as e:
+        raise BackendUnavailable(str(e)) from None
+    except Exception as e:  # a CUDA error in an eager step: a start-up error with its cause, not a traceback
+        raise BackendUnavailable(f"--cuda-graphs {cfg.cuda_graphs}: the trial steps at start-up failed "
+                                 f"({type(e).__name__}: {e})") from e
+    if graphs.reason:
+        return "off", f"--cuda-graphs {cfg.cuda_graphs}: eager launches: {graphs.reason}"
+    return cfg.cuda_graphs, (f"--cuda-graphs {cfg.cuda_graphs}: each training step replays one CUDA graph per "
+                             "batch shape and binding (a replay gave the eager step's bits at start-up)")
 
 
 def load_data(cfg: Config) -> Any:
@@ -302,6 +333,8 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
     out.test_idx = test_slice(dataset.num_test, me.num_workers, me.rank)
     if cfg.data_in_memory and hasattr(dataset, "keep_in_memory"):
         dataset.keep_in_memory(out.sampler.shard_indices())  # a file's shard, read once (MemoryError: a start-up error)
+    if backend == "cupy" and cfg.cuda_graphs != "off" and mode.name != "pipeline":
+        out.graphs, out.graphs_note = probe_cuda_graphs(cfg, model.spec())
     query = getattr(MPI, "Query_cuda_support", None)
     if backend == "cupy" and cfg.cuda_aware == "auto" and query is None:
         query = mpix_cuda_support()  # mpi4py's PyPI wheels lack Query_cuda_support: ask libmpi itself
@@ -397,7 +430,8 @@ def worker_info(me: Rank, start: Startup, threads: int) -> WorkerInfo:
     return WorkerInfo(rank=me.rank, host=me.host, pid=os.getpid(), threads=threads, backend=start.backend,
                       shard_size=len(start.sampler), device=-1 if dev is None else dev.index,
                       device_name="" if dev is None else dev.name, device_uuid="" if dev is None else dev.uuid,
-                      transfer=start.staging.kind, module=module, replica=replica, autotune=tuple(start.autotune))
+                      transfer=start.staging.kind, module=module, replica=replica, autotune=tuple(start.autotune),
+                      graphs=start.graphs_note)
 
 
 def check_fits(ckpt: checkpoint.Checkpoint, cfg: Config, me: Rank, model: Any) -> None:

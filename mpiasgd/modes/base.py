@@ -8,6 +8,7 @@ neither knows any mode.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from mpiasgd.comms.wire import ErrorFeedback
 from mpiasgd.config import Config, ConfigError
 from mpiasgd.data import MinibatchStream, ShardSampler
 from mpiasgd.model import Evaluation, evaluate
+from mpiasgd.ops.cuda.graphs import CupyGraphs, StepGraphs
 from mpiasgd.ops.protocol import LossStats
 
 
@@ -51,7 +53,8 @@ class WorkerJob:
     shard; `test_idx` (int64) the test images it evaluates at the end; `staging` how the model's
     params/grads meet the MPI buffers (default: the numpy backend's, no copies) and `make_staging()`
     one more like it; `comms` the mode's own communicators (`Mode.communicators`); `layout` the
-    mode's layout."""
+    mode's layout; `graphs` what --cuda-graphs resolved to at start-up ("auto" | "on" | "off",
+    `launch.startup.probe_cuda_graphs`)."""
 
     comm: Any
     cfg: Config
@@ -64,6 +67,7 @@ class WorkerJob:
     make_staging: Any = None
     comms: Any = None
     layout: Layout | None = None
+    graphs: str = "off"
 
 
 class Mode:
@@ -233,6 +237,19 @@ class WorkerLoop:
         self.slowdown = self.cfg.stragglers().get(self.rank, 1.0)  # compute time multiplier of this worker
         self.elapsed = 0.0               # seconds of training before this job (a resumed run)
         self.preempted = False           # rank 0's STOP said: a signal ended the run
+        self.graphs = self.step_graphs(job.graphs)  # --cuda-graphs (None: eager launches)
+
+    def step_graphs(self, mode: str) -> StepGraphs | None:
+        """The worker's steps as CUDA graphs (`mpiasgd.ops.cuda.graphs`) under --cuda-graphs as resolved at
+        start-up (`mode` "auto" | "on"); None for "off". A fall-back to eager launches mid-run is said on stderr."""
+        if mode == "off":
+            return None
+
+        def fell_back(reason: str) -> None:
+            print(f"mpiasgd: warning (rank {self.rank}): --cuda-graphs {mode}: eager launches from step "
+                  f"{self.step + 1} on: {reason}", file=sys.stderr, flush=True)
+
+        return StepGraphs(self.model, CupyGraphs(self.model.ops.xp), mode, on_fallback=fell_back)
 
     @property
     def cursor(self) -> int:
@@ -251,6 +268,8 @@ class WorkerLoop:
         ops = self.model.ops
         x, y, epoch = self.stream.next()                   # (B, C, H, W) float32, (B,) int64, host
         self.data_s += self.stream.data_s
+        if self.graphs is not None:  # --cuda-graphs: copied into the graph's input buffers, the step replayed
+            return self.graphs.step(x, y, self.cursor), y.shape[0], epoch
         x, y = ops.asarray(x), ops.asarray(y, y.dtype)     # cupy: host -> device; numpy: the same arrays
         return self.model.forward_backward_deferred(x, y, minibatch=self.cursor), y.shape[0], epoch
 

@@ -41,12 +41,19 @@ class LossStats:
 
     `get()` -> (loss: float, correct: int), the same values `softmax_xent` returns; computed once. It raises
     what `softmax_xent` raises for the minibatch (ValueError naming a label outside [0, K) and its index).
+
+    `copied()` -> a LossStats of its own device rows, copied now (queued on the device, no wait): a CUDA graph's
+    replay writes the same rows again, so the runner (`mpiasgd.ops.cuda.graphs.StepGraphs`) keeps each replay's
+    copy. Values already on the host (`ready`) are returned as they are.
     """
 
-    __slots__ = ("_fetch", "_value")
+    __slots__ = ("_copy", "_fetch", "_value")
 
-    def __init__(self, fetch: Any = None, value: tuple[float, int] | None = None) -> None:
-        self._fetch, self._value = fetch, value
+    def __init__(self, fetch: Any = None, value: tuple[float, int] | None = None, copy: Any = None) -> None:
+        self._fetch, self._value, self._copy = fetch, value, copy
+
+    def copied(self) -> LossStats:
+        return self if self._copy is None or self._value is not None else self._copy()
 
     @classmethod
     def ready(cls, loss: float, correct: int) -> LossStats:

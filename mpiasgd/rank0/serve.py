@@ -124,9 +124,11 @@ def start_log(cfg: Config, me: Any, start: Any, workers: list, extra: dict | Non
         print(f"mpiasgd: resuming '{start.path}' from checkpoint '{ckpt.path}' (version {ckpt.version}, "
               f"{ckpt.elapsed:.1f} s of training); config changes: {text}", flush=True)
     at = log.last_time() if ckpt is None else max(ckpt.log_time, log.last_time())  # (reads the file: once)
-    for w in workers:  # --conv-algo autotune: what each GPU worker chose (after a resume's events)
+    for w in workers:  # --conv-algo autotune, --cuda-graphs: what each GPU worker chose (after a resume's events)
         if w.autotune:
             log.add(EventRow(time=at, kind=b"autotune", text=w.autotune_event()))
+        if w.graphs:
+            log.add(EventRow(time=at, kind=b"cuda_graphs", text=w.graphs_event()))
     return log
 
 

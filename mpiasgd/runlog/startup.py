@@ -35,7 +35,8 @@ class WorkerInfo:
     `threads` BLAS threads; `backend` "numpy" | "cupy"; `shard_size` training images in its shard;
     `device` GPU ordinal (-1 without one), `device_name`, `device_uuid`; `transfer` its staging kind
     ("host" | "pinned" | "device"); (`module`, `replica`) its place in the mode's grid (-1, -1 where
-    there is none); `autotune` the conv plans it chose under --conv-algo autotune (one text each).
+    there is none); `autotune` the conv plans it chose under --conv-algo autotune (one text each);
+    `graphs` what --cuda-graphs resolved to on it ("" where it does not apply: `launch.startup.probe_cuda_graphs`).
     """
 
     rank: int
@@ -51,6 +52,7 @@ class WorkerInfo:
     module: int = -1
     replica: int = -1
     autotune: tuple[str, ...] = ()
+    graphs: str = ""
 
     def row(self) -> WorkerRow:
         return WorkerRow(rank=self.rank, host=self.host.encode(), pid=self.pid, threads=self.threads,
@@ -64,6 +66,10 @@ class WorkerInfo:
             return ""
         return (f"worker rank {self.rank} on {self.host}: conv tiles chosen by timing (ms per call of each "
                 "tile):\n" + "\n".join(self.autotune))
+
+    def graphs_event(self) -> str:
+        """The "cuda_graphs" event text of a GPU worker ("" where --cuda-graphs does not apply)."""
+        return f"worker rank {self.rank} on {self.host}: {self.graphs}" if self.graphs else ""
 
 
 @dataclass(frozen=True)

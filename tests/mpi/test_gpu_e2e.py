@@ -56,7 +56,11 @@ def test_gpu_e2e_dry_run_writes_every_part(tmp_path):
     train = step["cifar10"]["ours_train"]
     runs = [v for v in train.values() if isinstance(v, dict)]
     assert runs and all(positive(r["compute_ms"]) and positive(r["step_ms"]) for r in runs)
-    assert train["graphs"] in ("built", "not built") and "--mode sync" in runs[0]["command"]
+    assert train["graphs"] == "built" and "--mode sync" in runs[0]["command"]
+    assert list(train) == ["graphs", "graphs auto", "graphs off"]
+    assert "--cuda-graphs auto" in train["graphs auto"]["command"]
+    assert step["cifar10"]["ours_graphs"] == {"ms": None, "why": "needs the cupy backend"}
+    assert "| needs the cupy backend |" in text
 
     alexnet = parts["alexnet"]
     ceiling = alexnet["ceiling"]["images_per_s"]

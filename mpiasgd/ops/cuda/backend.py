@@ -749,7 +749,7 @@ class CupyBackend:
         self.check_array(op, "w", w, shape=(w.shape[0], x.shape[1]) if getattr(w, "ndim", 0) == 2 else None, ndim=2)
         self.check_array(op, "b", b, shape=(w.shape[0],))
         y = self.xp.matmul(x, w.T)  # (N, O)
-        y += b
+        self.xp.add(y, b, out=y)  # (a function call, not `+=`: what a recorded launch sequence can replay)
         return y
 
     def linear_dgrad(self, dy, w):
@@ -795,7 +795,9 @@ class CupyBackend:
         labels = xp.asarray(labels)
         # out-of-range labels become -1 before the int32 cast (so that none wraps into range); the
         # kernel flags them and the check below runs on the host copy it needs anyway (no extra sync)
-        labels32 = xp.ascontiguousarray(xp.where((labels < 0) | (labels >= K), -1, labels), dtype=np.int32)
+        # (ufuncs, not operators: each is a call a recorded launch sequence can replay)
+        outside = xp.logical_or(xp.less(labels, 0), xp.greater_equal(labels, K))
+        labels32 = xp.ascontiguousarray(xp.where(outside, -1, labels), dtype=np.int32)
         dlogits = xp.empty((N, K), dtype=np.float32)
         row_loss = xp.empty((N,), dtype=np.float32)
         row_correct = xp.empty((N,), dtype=np.int32)
@@ -804,6 +806,11 @@ class CupyBackend:
         grid, block = (N, 1, 1), (self.blocks.reduce_threads, 1, 1)  # one block per row
         self.launch(op, grid, block, (logits, labels32, dlogits, row_loss, row_correct, c_int32(op, "N", N),
                                       c_int32(op, "K", K), c_float32(op, "scale", 1.0 / N)))
+        return self._loss_stats(op, row_loss, row_correct, labels, K), dlogits
+
+    def _loss_stats(self, op: str, row_loss, row_correct, labels, K: int) -> LossStats:
+        """The LossStats of `softmax_xent_deferred`'s per-row losses (float32 (N,)) and hits (int32 (N,), -1
+        for a label outside [0, K)), `labels` the minibatch's (to name a bad one)."""
 
         def fetch() -> tuple[float, int]:
             correct = self.to_numpy(row_correct)  # (N,) device sync point
@@ -812,7 +819,10 @@ class CupyBackend:
                 raise label_outside(op, int(self.to_numpy(labels[bad:bad + 1])[0]), bad, K)
             return float(self.to_numpy(row_loss).astype(np.float64).mean()), int(correct.sum())
 
-        return LossStats(fetch), dlogits
+        def copy() -> LossStats:
+            return self._loss_stats(op, row_loss.copy(), row_correct.copy(), labels.copy(), K)
+
+        return LossStats(fetch, copy=copy)
 
     def sgd_momentum(self, params, velocity, grad, decay, momentum: float, lr: float, nesterov: bool = False,
                      lr_scale=None) -> None:
