@@ -22,6 +22,7 @@ from mpiasgd.model.layers import (
     ReLU,
     Residual,
     SubsamplePad,
+    walk,
 )
 from mpiasgd.model.model import Model
 from mpiasgd.ops.cuda.graphs import GraphError, StepGraphs
@@ -114,6 +115,11 @@ def test_replayed_steps_give_the_eager_steps_bits(lib, net):
     assert_same_bits(got, want)
     assert (graphs.reason, graphs.captured, graphs.replays, runtime.captures) == ("", 1, 3, 1)
     assert per_step[0] > 5 and per_step[3:] == [0, 0]  # steps 4 and 5: replays only
+    # the arrays made before the capture that a later batch shape could replace: held by the graph
+    (entry,) = graphs._entries.values()
+    made = [a for layer in walk(model.layers) if getattr(layer, "ws", None) for a in layer.ws.arrays()]
+    made += list(ops.planner.tap_tables.values())
+    assert made and all(any(a is h for h in entry.held) for a in made)
 
 
 def test_each_binding_and_batch_shape_gets_its_own_graph(lib):

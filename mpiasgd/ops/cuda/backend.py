@@ -117,6 +117,10 @@ class DeviceWorkspace:
         """Bytes held by all scratch arrays."""
         return sum(int(a.nbytes) for a in self._arrays.values())
 
+    def arrays(self) -> list:
+        """The scratch arrays held now (a CUDA graph that launched on them keeps them: `ops.cuda.graphs`)."""
+        return list(self._arrays.values())
+
 
 class CupyBackend:
     """The ops on `kernels`, arrays of `xp`, launched on `device` with the tiles `planner` picks.

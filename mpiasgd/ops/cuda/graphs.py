@@ -19,7 +19,9 @@ replays them with one call: the host's cost of a step no longer grows with its k
     loss            each replay's per-row losses and hits copied (`LossStats.copied`, queued, no wait) before
                     the next replay writes them again, so a round of nsync steps reads every step's loss
     memory          everything a capture allocates comes from a pool of its own, which nothing outside a
-                    capture allocates from: a graph's scratch never aliases an array alive elsewhere
+                    capture allocates from: a graph's scratch never aliases an array alive elsewhere; the
+                    arrays made before it that it uses and the backend may replace (layer workspaces, tap
+                    tables) the graph holds for its life (`StepGraphs.held`)
 
 auto: the first failure (a capture that raises, a replay that differs) makes every later step eager and is said
 once (`on_fallback(reason)`); on: it raises `GraphError`. The local update of sync, nsync and easgd stays one
@@ -118,10 +120,11 @@ def same_bits(a: Any, b: Any) -> bool:
 
 
 class _Entry:
-    __slots__ = ("graph", "stage", "stats")
+    __slots__ = ("graph", "held", "stage", "stats")
 
     def __init__(self) -> None:
         self.stage, self.graph, self.stats = 1, None, None  # 1: warm-up next; 2: capture next; 3: verify; 4: replay
+        self.held: list = []  # arrays made before the capture that the graph uses (`StepGraphs.held`)
 
 
 class StepGraphs:
@@ -196,6 +199,17 @@ class StepGraphs:
             return self._capture(entry, xs, ys, minibatch)
         return self._verify(entry, xs, ys, minibatch)
 
+    def held(self) -> list:
+        """The device arrays made before a capture that its launches use and that the backend may later drop for
+        new ones (a layer's workspace when a batch of another shape comes, `DeviceWorkspace.get`; a tap table the
+        planner evicts): a graph holds those it was captured with for its life, so their memory never goes to
+        another array while the graph still reads and writes it."""
+        held = []
+        for layer in walk(self.model.layers):
+            held.extend(getattr(getattr(layer, "ws", None), "arrays", list)())
+        held.extend(getattr(getattr(self.model.ops, "planner", None), "tap_tables", {}).values())
+        return held
+
     def _capture(self, entry: _Entry, xs: Any, ys: Any, minibatch: int) -> LossStats:
         model = self.model
         saved = model.buffers.copy()  # (a recorder runs what it records: the eager step below starts from here)
@@ -206,6 +220,7 @@ class StepGraphs:
             self._fail(f"the capture of the step failed ({type(e).__name__}: {e})")
             return model.forward_backward_deferred(xs, ys, minibatch)
         model.buffers[...] = saved
+        entry.held = self.held()
         entry.stage = 3
         self.captured += 1
         return model.forward_backward_deferred(xs, ys, minibatch)
