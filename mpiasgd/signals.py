@@ -16,6 +16,12 @@ among them, which then exits at once, and with it the pipes that carry the ranks
 therefore makes stdout and stderr drop what can no longer be written (`LossyStream`): the run still ends
 with its checkpoint and its log closed, instead of failing on its first line of output.
 
+Open MPI's mpiexec, sent SIGTERM or SIGINT itself (Ctrl-C), stops forwarding the ranks' output before it passes
+the signal on, so rank 0's lines after it reach no one. `install()` therefore keeps a descriptor of the
+launcher's own stderr where the launcher is this process's parent (`launcher_stderr`), and `say` writes a line
+there: rank 0's one line on a preemption (where the checkpoint is, the flag to resume) reaches the user's
+terminal or the batch job's output file either way.
+
 Python runs a signal handler in the main thread only between two bytecodes, so not while that thread is
 inside one long C call (a NumPy update of a large network, an MPI wait, an fsync), and the launcher's
 SIGKILL may come first. `install()` therefore also makes the C-level handler write each signal to a pipe
@@ -45,6 +51,8 @@ _seen = {"handler": 0, "watcher": 0}  # the signals each path has taken (each de
 _callbacks: list[Callable[[str], None]] = []
 _wakeup: tuple[int, int] | None = None  # (read, write) ends of the pipe the C-level handler writes to
 _noting = threading.Lock()  # (the main thread's handler and the signal thread)
+_launcher: list[int] = []  # the descriptor of the launcher's stderr (`launcher_stderr`), when there is one
+LAUNCHERS = ("prterun", "mpiexec", "mpirun", "orterun")  # Open MPI's launchers (/proc/PID/comm, 15 characters)
 
 
 class Terminated(KeyboardInterrupt):
@@ -125,6 +133,38 @@ def install() -> None:
         stream = getattr(sys, name)
         if not isinstance(stream, LossyStream):
             setattr(sys, name, LossyStream(stream))
+    if not _launcher:
+        fd = launcher_stderr(os.getppid())
+        if fd is not None:
+            _launcher.append(fd)
+
+
+def launcher_stderr(pid: int) -> int | None:
+    """A descriptor open for writing on the stderr of process `pid` when it is an Open MPI launcher on this host
+    (`LAUNCHERS`: the parent of the ranks it starts here) whose stderr is not /dev/null; None otherwise (another
+    launcher, srun, a rank on another host, no permission)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            if f.read().strip() not in LAUNCHERS:
+                return None
+        if os.path.realpath(f"/proc/{pid}/fd/2") == os.devnull:
+            return None
+        return os.open(f"/proc/{pid}/fd/2", os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def say(text: str) -> None:
+    """Write the line `text` to the launcher's own stderr where `install` found it (`launcher_stderr`: it reaches
+    the user even after the launcher stopped forwarding the ranks' output, on its own SIGTERM), else to this
+    process's stderr; a write that fails drops the line. Safe from any thread (one `os.write`)."""
+    data = (text.rstrip("\n") + "\n").encode("utf-8", "replace")
+    for fd in (*_launcher, 2):
+        try:
+            os.write(fd, data)
+            return
+        except OSError:  # the launcher is gone, or its pipe full: this process's own stderr, else nothing
+            continue
 
 
 @contextlib.contextmanager

@@ -11,9 +11,10 @@ the figures. The loop itself:
              the stall watch; the recorder's snapshot and checkpoint intervals, log flush, progress
     stalls   a worker silent for --comm-timeout (not counting one the role holds, or pauses of
              rank 0's own process) ends the run naming it; --stall-warning warns first
-    preempt  a signal (here, or flagged by a worker): stop, close the log first (status preempted, lock
-             released: the launcher may kill every rank any moment now; a checkpoint write under way does it
-             between its steps), checkpoint where rank 0 holds the state, end within PREEMPT_GRACE seconds
+    preempt  a signal (here, or flagged by a worker): say so in one line (`say_preempted`: where the checkpoint
+             goes, the flag that resumes it), stop, close the log first (status preempted, lock released, with
+             --servers after the other shards' rows up to the signal: the launcher may kill every rank any
+             moment now; a checkpoint write under way does it between its steps), checkpoint where rank 0 holds the state, end within PREEMPT_GRACE seconds
              (Preempted naming the workers that did not answer); the rows after the signal reach the log
              at the end, no earlier than signals.KILL_WINDOW seconds after it
 
@@ -113,6 +114,7 @@ class Rank0:
         self.preempt_reason = "preempt"       # the checkpoint's reason ("failure": a worker died)
         self.late_signal = ""                 # a signal that came while the run was already ending
         self.signal_logged = ""               # the "preempt" event logged in a checkpoint write (`close_log_on_signal`)
+        self.said_preempted = False           # the preemption's line was printed (`say_preempted`)
         self.preempt_time: float | None = None
         self.preempt_deadline = 0.0
         self.lost_state: list[int] = []       # --servers: shards that died (their slices could not be saved)
@@ -360,17 +362,24 @@ class Rank0:
         self.preempt_time = rec.now()
         self.preempt_reason = "failure" if gone else "preempt"
         self.preempt_deadline = time.perf_counter() + PREEMPT_GRACE
+        if signals.received() and not gone and self.link is not None:  # --servers: the shards' rows to the signal
+            self.link.signal_rows()
         with rec.log.guard:  # (the signal thread may be closing the log: one "preempt" event)
             if why != self.signal_logged:
                 rec.event("preempt", why)
             self.lost_state = [w for w, _, _ in gone if w not in self.workers]  # --servers: a dead shard's slice
             checkpoints = self.role.checkpoints_here and not self.lost_state  # (a lost slice: the last one is kept)
-            doing = "ending the run" if gone and not checkpoints else "checkpointing and ending the run"
             rec.stop(f"{'failed' if gone else 'preempted'}: {why}")  # gone: a worker died
             # first of all, the log closed with its status: the launcher may kill every rank any moment now (Open
             # MPI's mpiexec SIGKILLs them 0.25 s after the SIGTERM it sends on its own SIGTERM, or when a rank died)
             self.end_log_early(bool(gone))
-        print(f"mpiasgd: {why}: {doing}", file=sys.stderr, flush=True)
+        if not gone:
+            self.say_preempted(why)
+        elif checkpoints and self.link is None:
+            print(f"mpiasgd: {why}: checkpointing and ending the run", file=sys.stderr, flush=True)
+        else:  # a lost slice, or (--servers) a dead worker's last push: the shards cannot agree on one cut
+            print(f"mpiasgd: {why}: ending the run without a checkpoint (the final line says what is left to resume "
+                  f"from)", file=sys.stderr, flush=True)
         if checkpoints:  # now, or (--servers) once the shards agreed on the pushes each applies
             self.checkpoint_due = self.preempt_reason
             self.write_due_checkpoint()
@@ -388,6 +397,8 @@ class Rank0:
         log = self.rec.log
         if not signals.received() or not self.decides or log.ended or self.preempted:
             return
+        if self.link is not None and not self.rec.stop_reason:  # --servers: first the shards' rows up to the signal
+            self.link.signal_rows()  # (`ShardHub.signal_rows`; the main thread's `preempt` may close the log meanwhile)
         with log.ending_now():  # (a snapshot write under way stops at its next chunk)
             if log.ended or self.preempted:  # (the main thread got there first)
                 return
@@ -400,6 +411,19 @@ class Rank0:
                 self.end_log_early(bool(gone))
             except RunLogError:  # a full disk: not the checkpoint's failure; the log's close reports it
                 pass  # (`log_unwritable`)
+            if not gone and not self.rec.stop_reason:  # at once: under mpiexec sent SIGTERM, the SIGKILL is 0.25 s away
+                self.say_preempted(self.signal_logged)
+
+    def say_preempted(self, why: str) -> None:
+        """(once; the signal thread or the main thread) The preemption's line, printed the moment it is known, on the
+        launcher's own stderr where it can be (`signals.say`: Open MPI's mpiexec sent SIGTERM forwards no rank's
+        output after it): that the run was preempted, where its checkpoint goes and the flag that resumes it."""
+        if self.said_preempted:
+            return
+        self.said_preempted = True
+        path = self.rec.checkpoint_path
+        signals.say(f"mpiasgd: run preempted ({why}): writing its checkpoint '{path}' (killed before that ends, the "
+                    f"previous one there is kept); continue with --resume {path}")
 
     def exited_text(self, gone: list[tuple[int, str, int]]) -> str:
         """"; worker rank R (pid P on HOST) has exited, ..." for the ranks of `gone` (`exited_workers`)."""

@@ -56,11 +56,19 @@ The bytes a shard has moved (its server's `count_wire`: PUSH received, WEIGHTS a
 travel in two header fields SHARD_ROWS and SLICE do not otherwise use (`WIRE_FIELDS`: `correct` the bytes
 pushed, `correct5` the bytes pulled); rank 0 adds them to its own for the summary and logs them with every
 checkpoint (/wire_bytes), the SLICE that checkpoint asked for giving the counts at its state.
+
+A signal that reaches rank 0 (a launcher's SIGTERM reaches every rank at once): rank 0 closes its log at once
+(`Rank0.close_log_on_signal`), and Open MPI's mpiexec kills every rank 0.25 s later. A shard's rows since its last
+SHARD_ROWS are then on the shard alone, while shard 0's are in rank 0's log. So rank 0 first takes the rows each
+shard sends on its own signal (flag PREEMPT), for up to SIGNAL_ROWS_WAIT seconds (`signal_rows`), and the log
+closes with every shard's rows up to the signal.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from functools import partial
 from typing import Any
 
@@ -86,6 +94,7 @@ from mpiasgd.rank0.loop import WorkerFailed
 from mpiasgd.rank0.recorder import ShardFigures
 from mpiasgd.runlog import SHARD_PUSH_ROW
 
+SIGNAL_ROWS_WAIT = 0.1  # s rank 0 waits for the shards' rows on a signal before it closes its log (of mpiexec's 0.25)
 WIRE_FIELDS = ("correct", "correct5")  # the header fields of SHARD_ROWS and SLICE: the shard's bytes pushed, pulled
 
 
@@ -149,6 +158,9 @@ class ShardHub:
         self.ended: set[int] = set()                 # shards whose last rows (flag FINAL) arrived
         self.warned: set[int] = set()                # shards warned about (--stall-warning) in their current silence
         self.offsets: dict[int, float] = {}          # rank 0's clock minus each shard's (`receive`)
+        self.signalled: set[int] = set()             # shards whose rows flagged PREEMPT (their signal) arrived
+        self.rows_deadline = 0.0                     # until when `signal_rows` waits for them (0: not yet asked)
+        self.rows_in = threading.Event()             # set once the main thread stopped waiting for them
         self.rec.shards = ShardFigures(self.cut.shards)
         for r in self.shards:
             r0.last_seen[r] = 0.0
@@ -206,6 +218,7 @@ class ShardHub:
         self.rec.shards.report_wire(s, int(h[WIRE_FIELDS[0]]), int(h[WIRE_FIELDS[1]]))
         flags = int(h["flags"])
         if flags & Flag.PREEMPT:
+            self.signalled.add(source)
             self.r0.signal_from(f"a signal received by parameter-server shard rank {source}")
         if flags & Flag.FINAL:
             self.ended.add(source)
@@ -219,6 +232,29 @@ class ShardHub:
             for r in self.shards:
                 self.post(r, Message(0).stamp(Tag.ALIVE, 0), Tag.ALIVE)
         self.sends = [(req, msg) for req, msg in self.sends if not req.Test()]
+
+    def signal_rows(self) -> None:
+        """(a signal reached rank 0, before its log closes) Every shard's rows up to its own signal, for at most
+        SIGNAL_ROWS_WAIT seconds from the first call: the main thread receives SHARD_ROWS until each shard's flagged
+        PREEMPT is in; another thread (the signal thread) waits until the main thread is done or the time is up (the
+        main thread may be inside a long C call). A shard the signal did not reach sends none: the wait ends then."""
+        now = time.monotonic()
+        if not self.rows_deadline:
+            self.rows_deadline = now + SIGNAL_ROWS_WAIT
+        if threading.current_thread() is not threading.main_thread():
+            self.rows_in.wait(max(0.0, self.rows_deadline - now))
+            return
+        status = MPI.Status()
+        try:
+            while set(self.shards) - self.signalled and time.monotonic() < self.rows_deadline:
+                message = self.comm.Improbe(MPI.ANY_SOURCE, int(Tag.SHARD_ROWS), status)
+                if message is None:
+                    time.sleep(1e-4)
+                    continue
+                self.receive(Tag.SHARD_ROWS, status.Get_source(), message, status.Get_count(MPI.BYTE))
+                self.r0.last_seen[status.Get_source()] = self.rec.now()
+        finally:
+            self.rows_in.set()
 
     def check_silence(self, now: float, limit: float) -> None:
         """CommTimeout naming a shard that has sent nothing for more than `limit` seconds (it sends its rows at

@@ -347,6 +347,36 @@ def test_signal_on_a_shard_checkpoints_and_the_run_resumes(tmp_path, mode):
     assert attrs["status"] == "completed" and attrs["shard_versions"][1] > ck.shard_versions[1]
 
 
+@pytest.mark.parametrize("servers", [1, SERVERS])
+def test_sigterm_to_mpiexec_logs_every_shards_rows_and_says_how_to_resume(tmp_path, servers):
+    """SIGTERM to Open MPI's mpiexec (Ctrl-C, a batch job's end): it forwards no rank's output after it and SIGKILLs
+    every rank 0.25 s after passing the signal on. Rank 0 still prints its one line, on the launcher's own stderr:
+    preempted, where the checkpoint goes, the flag to resume (nothing was printed). With 2 shards (rows sent every 5
+    s here, --flush-interval) the log holds shard 1's rows up to the signal as it holds shard 0's (those since its
+    last SHARD_ROWS were lost: hundreds of rows fewer than shard 0's)."""
+    ranks = WORKERS + servers
+    proc = start_mpi(ranks, ["train", *FAST, "--servers", str(servers), "--flush-interval", "5", "--epochs", "0",
+                             "--max-time", "120", "--name", "t"], tmp_path)
+    runs = tmp_path / "runs"
+    try:
+        wait_for_pushes(runs / "t.h5", proc)  # (the first flush, 5 s in: shard 1 has sent its rows about then)
+        time.sleep(2.0)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop_group(proc)
+    said = [line for line in err.splitlines() if "run preempted" in line]
+    assert len(said) == 1, err
+    assert said[0] == ("mpiasgd: run preempted (SIGTERM received by rank 0): writing its checkpoint 'runs/t.ckpt.h5' "
+                       "(killed before that ends, the previous one there is kept); continue with --resume "
+                       "runs/t.ckpt.h5"), err
+    attrs, t, _ = read_log(runs / "t.h5")
+    assert attrs["status"] == "preempted", err
+    if servers > 1:
+        counts = [len(shard_rows(t, s)) for s in range(SERVERS)]
+        assert counts[0] > 0 and abs(counts[1] - counts[0]) <= WORKERS, counts  # (a push in flight per worker)
+
+
 def test_shard_exception_aborts_the_job_naming_it(mpirun, tmp_path):
     res = mpirun(RANKS, ["server", str(SHARD_RANK), *FAST, "--servers", str(SERVERS), "--epochs", "50",
                          "--name", "x"], timeout=90, script="fault.py")

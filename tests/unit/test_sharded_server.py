@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kit.fakempi import Network, rank0
-from kit.server import serve_one
+from kit.server import make_server, serve_one
 
 from mpiasgd.comms.protocol import HEADER_BYTES, Message, Tag
 from mpiasgd.comms.shard_cut import ShardCut
@@ -694,6 +694,35 @@ def started(tmp_path, max_pushes=100, **overrides):
         net.take(w, 0)
         net.take(w, rank)
     return hub, shard, net, cut, rank
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_a_dead_workers_preemption_says_checkpointing_only_where_it_checkpoints(tmp_path, capsys, servers):
+    """The launcher's SIGTERM after a worker died: with one server rank 0 checkpoints, and says so; with 2 shards the
+    dead worker's last push never reaches every shard, no checkpoint is written, and rank 0 said "checkpointing"
+    before its final line said "no checkpoint written now"."""
+    import subprocess
+
+    from mpiasgd.rank0.loop import Preempted
+
+    if servers == 1:
+        server, _, _ = make_server(tmp_path, num_workers=WORKERS, checkpoint_interval=0)
+        server.r0.role.begin()
+        loop = server.r0
+    else:
+        loop, _, _, _, _ = started(tmp_path)
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # (a pid that has exited)
+    loop.pids = {1: (loop.host, dead.pid)}
+    with pytest.raises(Preempted) as e:
+        loop.preempt("SIGTERM received by rank 0")
+    assert e.value.dead and e.value.waiting == [1]
+    said = capsys.readouterr().err
+    if servers == 1:
+        assert ": checkpointing and ending the run" in said and "checkpoint" in loop.resume_note(), said
+    else:
+        assert "checkpointing" not in said and ": ending the run without a checkpoint" in said, said
+        assert loop.resume_note().startswith("no checkpoint written now (with --servers")
 
 
 def test_rank_0_sums_the_bytes_of_every_shard(tmp_path):
