@@ -14,9 +14,10 @@ the figures. The loop itself:
     preempt  a signal (here, or flagged by a worker): say so in one line (`say_preempted`: where the checkpoint
              goes, the flag that resumes it), stop, close the log first (status preempted, lock released, with
              --servers after the other shards' rows up to the signal: the launcher may kill every rank any
-             moment now; a checkpoint write under way does it between its steps), checkpoint where rank 0 holds the state, end within PREEMPT_GRACE seconds
-             (Preempted naming the workers that did not answer); the rows after the signal reach the log
-             at the end, no earlier than signals.KILL_WINDOW seconds after it
+             moment now; a checkpoint write under way does it between its steps), checkpoint where rank 0
+             holds the state, end within PREEMPT_GRACE seconds (Preempted naming the workers that did not
+             answer); the rows after the signal reach the log at the end, no earlier than
+             signals.KILL_WINDOW seconds after it
 
 With `--servers S > 1` every parameter-server shard runs this loop with its role (the mode's server on its
 slice), and a `link` (`mpiasgd.rank0.shard_hub`) joins them: on rank 0 the ShardHub (the other shards' rows,
