@@ -34,7 +34,8 @@ Parts (`--only step|alexnet|hops|race`, comma-separated):
            graphed step.
   alexnet  `alexnet_1gpu_64` at batch 128 on `synthetic64`: one worker training alone (sync, N = 1: the ceiling)
            against one async worker at nsync 1 and 4, S = 1 and 2 servers, fp32 and bf16 on the wire, --overlap on
-           and off (each factor alone and all three together, 10 runs; --alexnet-all: all 16); each an mpiexec job
+           and off (each factor alone and all three together, 10 runs; --alexnet-all: all 16; --server-threads T for
+           every server rank's update); each an mpiexec job
            of --alexnet-seconds of training (--max-time). images/s from the run
            log's summary (`mpiasgd report`'s) and over its steady window (the applied pushes after the first
            fifth), its ratio to the ceiling, and the worker's share of time waiting. The ceiling's compute alone
@@ -148,6 +149,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         f"(default {GPU.alexnet_seconds:g}; dry run {DRY.alexnet_seconds:g})")
     parser.add_argument("--alexnet-all", action="store_true", help="alexnet: all 16 combinations of nsync, S, wire "
                         "and overlap (default: each factor alone and all together, 10 runs)")
+    parser.add_argument("--server-threads", type=int, default=1, help="alexnet: --server-threads of every async "
+                        "run (each server rank's update on that many threads; the sweep after the parts times them)")
     parser.add_argument("--race-epochs", type=float, default=None, help="race: the cosine schedule's length, "
                         f"epochs (default {GPU.race_epochs:g})")
     parser.add_argument("--race-target", type=float, default=None, help=f"race: test accuracy to reach (default "
@@ -464,7 +467,7 @@ def part_alexnet(args: argparse.Namespace, tmp: str) -> dict:
     for nsync, servers, wire, overlap in alexnet_runs(s, args.alexnet_all):
         label = f"nsync {nsync}, S = {servers}, {wire}, overlap {'on' if overlap else 'off'}"
         options = [*common, "--mode", "async", "--nsync", str(nsync), "--servers", str(servers), "--wire", wire,
-                   *(["--overlap"] if overlap else [])]
+                   "--server-threads", str(args.server_threads), *(["--overlap"] if overlap else [])]
         log, why, cmd = train_job(args, 1 + servers, options, f"alexnet-n{nsync}-s{servers}-{wire}-o{int(overlap)}",
                                   tmp, limit)
         row: dict[str, Any] = {"label": label, "nsync": nsync, "servers": servers, "wire": wire, "overlap": overlap,

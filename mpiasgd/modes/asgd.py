@@ -146,7 +146,7 @@ class AsgdServer(ShardedServer):
         P, B = params.size, self.buffers.size
         momentum = explicit_momentum(cfg.momentum, cfg.async_momentum, len(self.workers))
         self.optimizer = SGD(params, decay_mask, momentum, cfg.weight_decay, nesterov=cfg.nesterov and momentum > 0,
-                             lr_scale=lr_scale)
+                             lr_scale=lr_scale, threads=cfg.server_threads)
         # --lookahead: the replies carry the weights K momentum-only updates ahead (DANA), not the master weights
         self.lookahead_k = steps = lookahead_steps(cfg.lookahead, len(self.workers), cfg.overlap)  # K (0: off)
         self.lookahead = (LookAhead(P, momentum, steps, lr_scale, nesterov=cfg.nesterov) if steps and momentum
@@ -515,6 +515,7 @@ class AsgdMode(Mode):
         need(0 <= cfg.dc_adaptive < 1, cfg, "dc_adaptive", "a decay 0 <= m < 1 (0 = a constant lambda)")
         need(not cfg.dc_adaptive or cfg.dc_lambda > 0, cfg, "dc_adaptive", "0 without --dc-lambda (it adapts lambda)")
         need(cfg.servers >= 1, cfg, "servers", "an integer >= 1 (parameter-server shards)")
+        need(1 <= cfg.server_threads <= 1024, cfg, "server_threads", "an integer from 1 to 1024")
         need(cfg.lookahead == -1 or 0 <= cfg.lookahead <= 1e3, cfg, "lookahead", "updates from 0 (off) to 1000, or "
              "-1 (auto: the other workers, N - 1)")
         if cfg.lookahead:

@@ -119,6 +119,10 @@ class ShardOptions:
         "the parameters (easgd: of the center variable; balanced by bytes): rank 0 and ranks N+1..N+S-1 after the "
         "N workers (launch N + S ranks); each applies its slice with its own version counter; 1 = one server",
         SERVER_MODES, fixed_on_resume=True, label="S={}")
+    server_threads: int = option(1, "async/ssp: threads of each parameter-server rank's update (the SGD step and "
+        "an nsync push's delta, in blocks shared among the threads: the same bits as one); give a server rank the "
+        "cores its node has to spare (bench/server.py --sweep --threads times 1, 2, 4, ...); 1 = one thread",
+        PS_MODES)
     server_wait: str = option("auto", "async/ssp/easgd: how every parameter-server rank waits for its next message: "
         "spin (polls without sleeping: it owns a core) | backoff (sleeps 10 us to 2 ms between polls: shares a "
         "core) | auto (spin where the node has a core per rank, else backoff)", SERVER_MODES)

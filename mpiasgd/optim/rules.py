@@ -83,7 +83,8 @@ class AsyncRule:
         factor = staleness_factor(self.staleness_lr, push.staleness)
         norm = math.sqrt(push.square)
         if push.delta:
-            self.optimizer.params = apply_delta(self.optimizer.params, push.values, factor, out=out)
+            self.optimizer.params = apply_delta(self.optimizer.params, push.values, factor, out=out,
+                                                threads=getattr(self.optimizer, "threads", 1))
             return Update(self.optimizer.params, push.lr * factor, norm)
         # the staleness factor scales the gradient entering the momentum, not the velocity's step
         return Update(self.optimizer.step(push.values, step_size, out=out, grad_scale=factor), step_size * factor,
