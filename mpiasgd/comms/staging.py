@@ -103,6 +103,12 @@ class Transfers:
     empty(n): (n,) float32 device array; empty_bytes(n): (n,) uint8 device array; pinned(n): (n,)
     uint8 numpy array in page-locked host memory; to_device(dst, src) / to_host(dst, src): copy a
     whole host array into a device array and back; synchronize(): wait for the current stream.
+
+    The copy stream (None where there is none: every copy then runs in order on the current stream):
+    to_device_async(dst, src) queues the host-to-device copy on a stream of its own, after the work queued so
+    far on the current stream (which may still read dst), and returns its event; wait_on_device(event) makes
+    the current stream's later work wait for it (the host goes on); wait_on_host(event) blocks the host until
+    it has happened (src may then be written again).
     """
 
     empty: Callable[[int], Any]
@@ -111,6 +117,9 @@ class Transfers:
     to_device: Callable[[Any, np.ndarray], None]
     to_host: Callable[[np.ndarray, Any], None]
     synchronize: Callable[[], None]
+    to_device_async: Callable[[Any, np.ndarray], Any] | None = None
+    wait_on_device: Callable[[Any], None] | None = None
+    wait_on_host: Callable[[Any], None] | None = None
 
 
 def cupy_transfers() -> Transfers:
@@ -124,12 +133,23 @@ def cupy_transfers() -> Transfers:
     def to_host(dst: np.ndarray, src: Any) -> None:
         src.get(out=dst)
 
+    copies = cupy.cuda.Stream(non_blocking=True)  # host -> device copies beside the compute stream
+
+    def to_device_async(dst: Any, src: np.ndarray) -> Any:
+        copies.wait_event(cupy.cuda.get_current_stream().record())  # after the kernels that may still read dst
+        runtime = cupy.cuda.runtime
+        runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes, runtime.memcpyHostToDevice, copies.ptr)
+        return copies.record()
+
     return Transfers(empty=lambda n: cupy.empty(n, dtype=np.float32),
                      empty_bytes=lambda n: cupy.empty(n, dtype=np.uint8),
                      pinned=pinned,
                      to_device=lambda dst, src: dst.set(src),
                      to_host=to_host,
-                     synchronize=lambda: cupy.cuda.get_current_stream().synchronize())
+                     synchronize=lambda: cupy.cuda.get_current_stream().synchronize(),
+                     to_device_async=to_device_async,
+                     wait_on_device=lambda event: cupy.cuda.get_current_stream().wait_event(event),
+                     wait_on_host=lambda event: event.synchronize())
 
 
 class Staging:
@@ -166,6 +186,20 @@ class Staging:
         if self.wire != "fp32":
             decode(self.wire, self.weights.payload, self.params)
 
+    def defer_landing(self) -> bool:
+        """(--overlap with one server) Let `after_receive` queue its host-to-device copy on the copy stream and
+        return, the copy overlapping the push's device-to-host copy; the worker then calls `ready()` before
+        anything reads params, and `before_receive()` before MPI receives into recv_buf again. True where
+        this staging does so (pinned, with a copy stream); here: False, nothing to copy."""
+        return False
+
+    def ready(self) -> None:
+        """(after defer_landing) Make params hold the weights received: the compute stream waits for the copy
+        (the host does not), then a 16-bit payload is decoded. Nothing to do otherwise."""
+
+    def before_receive(self) -> None:
+        """(after defer_landing) Before MPI receives into recv_buf again: wait until the copy out of it is done."""
+
     def finish_compute(self) -> None:
         pass
 
@@ -195,6 +229,9 @@ class PinnedStaging(Staging):
 
     after_receive: weights payload host->device into params. finish_compute: stream sync.
     before_send: grads device->host into the push payload. Buffers are allocated once and reused.
+    With `defer_landing()` (--overlap, one server) the host->device copy runs on the copy stream while the
+    push's device->host copy runs on the compute stream: the two directions overlap; `ready()` orders the next
+    round's kernels after it.
     16-bit wire: `coded` (device, `count` values of the wire's dtype) is where the payload is copied to
     and decoded from on the device, and where grads are encoded into before the copy back: each copy
     moves 2 bytes a value.
@@ -212,13 +249,34 @@ class PinnedStaging(Staging):
         self.params, self.grads = dev.empty(count), dev.empty(count)
         dtype = wire_dtype(wire)
         self.coded = None if wire == "fp32" else dev.empty_bytes(count * dtype.itemsize).view(dtype)
+        self.deferred = False
+        self.landing = self.pending = None  # the copy's event: for the compute stream, for the host
+
+    def defer_landing(self) -> bool:
+        self.deferred = self.dev.to_device_async is not None
+        return self.deferred
 
     def after_receive(self) -> None:
-        if self.coded is None:
-            self.dev.to_device(self.params, self.weights.payload)  # pinned -> device; done before MPI reuses it
-        else:
-            self.dev.to_device(self.coded, self.weights.payload)   # the 16-bit payload: half the bytes
-            decode(self.wire, self.coded, self.params)              # on the device
+        target = self.params if self.coded is None else self.coded  # a 16-bit payload: half the bytes
+        if self.deferred:
+            self.landing = self.pending = self.dev.to_device_async(target, self.weights.payload)
+            return
+        self.dev.to_device(target, self.weights.payload)  # pinned -> device; done before MPI reuses it
+        if self.coded is not None:
+            decode(self.wire, self.coded, self.params)  # on the device
+
+    def ready(self) -> None:
+        if self.landing is None:
+            return
+        self.dev.wait_on_device(self.landing)
+        self.landing = None
+        if self.coded is not None:
+            decode(self.wire, self.coded, self.params)
+
+    def before_receive(self) -> None:
+        if self.pending is not None:
+            self.dev.wait_on_host(self.pending)
+            self.pending = None
 
     def finish_compute(self) -> None:
         self.dev.synchronize()  # device sync point: the gradient is complete before it is copied

@@ -350,11 +350,18 @@ class AsgdWorker(ShardedWorker):
         # one staging, or two with --overlap: the weights of one reply are in use while the next arrives
         stagings = [self.staging, self.make_staging()] if cfg.overlap else [self.staging]
         n = len(stagings)
+        # --overlap on a GPU: a reply's host->device copy runs on the copy stream beside the push's device->host
+        # copy (`Staging.defer_landing`); `ready()` before the weights are read, `before_receive()` before MPI
+        # receives into the staging again
+        if cfg.overlap:
+            for staging in stagings:
+                staging.defer_landing()
         pushes = SendSlots(stagings, "push", rank, cfg.worker_timeout)  # slot (step % n) sends push `step`
         cur = 0  # the staging whose params hold the weights in use
         request = self.comm.Irecv(stagings[cur].recv_buf, source=0, tag=MPI.ANY_TAG)
         tag, wait_s = self.receive_weights(request, stagings[cur], "initial weights from the parameter server "
                                            "(rank 0)", timeout=cfg.worker_timeout + cfg.warm_start, initial=True)
+        stagings[cur].ready()
         self.buffers_from(stagings[cur].params)  # rank 0's buffers to start from; this worker's own after
         began = time.perf_counter() - self.elapsed
         local = LocalSGD(model, cfg.momentum, cfg.weight_decay, nesterov=cfg.nesterov) if cfg.nsync > 1 else None
@@ -368,6 +375,7 @@ class AsgdWorker(ShardedWorker):
             out = (self.step + 1) % n  # the staging whose send buffer takes this push
             t = time.perf_counter()
             pushes.take(out)
+            stagings[cur].ready()  # (--overlap on a GPU: the kernels below wait for the reply's copy)
             t0 = time.perf_counter()
             comm_s += t0 - t
             if bound != (cur, out):
@@ -400,6 +408,7 @@ class AsgdWorker(ShardedWorker):
                                      | (Flag.PREEMPT if self.signalled() else 0))
             stagings[out].before_send()  # cupy: gradient device->host (pinned) or header host->device (CUDA-aware)
             into = (cur + 1) % n  # --overlap: the reply lands in the staging not in use
+            stagings[into].before_receive()
             request = self.comm.Irecv(stagings[into].recv_buf, source=0, tag=MPI.ANY_TAG)
             pushes.post(out, self.comm.Isend(stagings[out].send_buf, dest=0, tag=int(Tag.PUSH)))
             comm_s = time.perf_counter() - t2
@@ -411,6 +420,7 @@ class AsgdWorker(ShardedWorker):
                 request, stagings[into], f"reply to push step {self.step} from the parameter server (rank 0)")
             cur, version = into, self.version
         pushes.drain()
+        stagings[cur].ready()
         if tag == Tag.STOP:  # the final weights, and rank 0's mean buffers: what the snapshot holds
             self.buffers_from(stagings[cur].params)
         self.bind(stagings[cur].params, stagings[cur].grads)

@@ -303,11 +303,21 @@ def test_a_kernel_that_does_not_compile_is_a_startup_error(monkeypatch):
 
 
 class FakeDevice:
-    """Transfers whose device arrays are numpy arrays; every copy and sync is recorded."""
+    """Transfers whose device arrays are numpy arrays; every copy and sync is recorded. `lazy`: with a copy
+    stream whose copies run only when an event of theirs is waited for (by the device or the host), reading
+    their source then: as late as CUDA may run them, so a read of the destination before its wait, or a
+    receive into the source before the copy is done, gives wrong weights."""
 
-    def __init__(self):
+    def __init__(self, lazy: bool = False):
         self.calls = []
         self.pinned_sizes = []
+        self.lazy, self.queued, self.done = lazy, [], 0
+
+    def _run_to(self, event: int) -> None:
+        while self.done <= event:
+            dst, src = self.queued[self.done]
+            dst[...] = src
+            self.done += 1
 
     def transfers(self) -> Transfers:
         def pinned(n):
@@ -322,9 +332,22 @@ class FakeDevice:
             self.calls.append(("to_host", src.nbytes))
             dst[...] = src
 
+        def to_device_async(dst, src):
+            self.calls.append(("to_device_async", src.nbytes))
+            self.queued.append((dst, src))
+            return len(self.queued) - 1
+
+        def wait(where):
+            def waited(event):
+                self.calls.append((where, event))
+                self._run_to(event)
+            return waited
+
+        lazy = {"to_device_async": to_device_async, "wait_on_device": wait("wait_on_device"),
+                "wait_on_host": wait("wait_on_host")} if self.lazy else {}
         return Transfers(empty=lambda n: np.empty(n, np.float32), empty_bytes=lambda n: np.empty(n, np.uint8),
                          pinned=pinned, to_device=to_device, to_host=to_host,
-                         synchronize=lambda: self.calls.append(("sync", 0)))
+                         synchronize=lambda: self.calls.append(("sync", 0)), **lazy)
 
 
 def test_message_in_matches_message_layout():
@@ -488,15 +511,17 @@ def test_driver_uuid_calls_the_driver_and_survives_its_absence(monkeypatch):
     assert driver_uuid(0) == b""
 
 
-def run_scripted_worker(kind, **overrides):
-    """Worker rank 1 through staging `kind`: WEIGHTS p0, reply p1 to push 1, STOP to push 2.
+def run_scripted_worker(kind, lazy=False, rounds=2, with_device=False, **overrides):
+    """Worker rank 1 through staging `kind`: WEIGHTS p0, replies p1.. to pushes 1..rounds-1, STOP to push `rounds`
+    (`lazy`: a FakeDevice with a lazy copy stream).
 
-    Returns (the two pushes' payloads and headers' (step, version, flags), the EVAL's (correct, loss)).
+    Returns (the pushes' payloads and headers' (step, version, flags), the EVAL's (correct, loss)); `with_device`:
+    (that, the FakeDevice).
     """
     digits = load_dataset("digits")
     cfg = Config(batch_size=16, comm_timeout=5.0, seed=3, **overrides)
     model = build_model("digits")
-    dev = FakeDevice()
+    dev = FakeDevice(lazy)
     feedback = worker_feedback(cfg, model)  # --wire-error-feedback: one residual for both stagings
 
     def new_staging():
@@ -520,15 +545,17 @@ def run_scripted_worker(kind, **overrides):
 
     reply(Tag.WEIGHTS, p0, 0)
     pushes = [receive(net, Tag.PUSH, model.num_params, wire=cfg.wire)]
-    reply(Tag.WEIGHTS, p0 * np.float32(0.9), 1)
-    pushes.append(receive(net, Tag.PUSH, model.num_params, wire=cfg.wire))
-    reply(Tag.STOP, p0 * np.float32(0.8), 2)
+    for i in range(1, rounds):
+        reply(Tag.WEIGHTS, p0 * np.float32(1 - 0.1 * i), i)
+        pushes.append(receive(net, Tag.PUSH, model.num_params, wire=cfg.wire))
+    reply(Tag.STOP, p0 * np.float32(1 - 0.1 * rounds), rounds)
     result = receive(net, Tag.EVAL, 0)
     thread.join(5)
     assert not thread.is_alive()
-    return ([p.payload.copy() for p in pushes],
-            [(int(p.header["step"]), int(p.header["version"]), int(p.header["flags"])) for p in pushes],
-            (int(result.header["correct"]), float(result.header["loss"])))
+    out = ([p.payload.copy() for p in pushes],
+           [(int(p.header["step"]), int(p.header["version"]), int(p.header["flags"])) for p in pushes],
+           (int(result.header["correct"]), float(result.header["loss"])))
+    return (out, dev) if with_device else out
 
 
 @pytest.mark.parametrize("options", [{"overlap": True}, {"nsync": 2}, {"overlap": True, "nsync": 2}])
@@ -544,6 +571,29 @@ def test_overlap_and_nsync_push_the_same_through_every_staging(options):
         for a, b in zip(payloads, other[0], strict=True):
             np.testing.assert_array_equal(a, b)
         assert other[1:] == (headers, result)
+
+
+@pytest.mark.parametrize("options", [{}, {"wire": "bf16"}, {"nsync": 2}])
+def test_overlap_copies_replies_on_the_copy_stream_and_pushes_the_same(options):
+    """--overlap on a GPU: each reply's host->device copy is queued on the copy stream (beside the push's
+    device->host copy) and the next round's kernels wait for it; with copies that run as late as CUDA may run
+    them, the pushes (five, the later ones computed on the replies' weights), their headers and the final
+    evaluation are the host staging's bit for bit; a receive into a staging waits for the copy out of it."""
+    payloads, headers, result = run_scripted_worker("host", rounds=5, overlap=True, **options)
+    assert [h[1] for h in headers] == [0, 0, 1, 2, 3]
+    assert len({p.tobytes() for p in payloads}) == 5
+    other, dev = run_scripted_worker("pinned", lazy=True, rounds=5, overlap=True, with_device=True, **options)
+    for a, b in zip(payloads, other[0], strict=True):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    assert other[1:] == (headers, result)
+    # copies 0..5 (the initial weights, 4 replies, STOP), each waited for by the compute stream before the round
+    # that reads it, and by the host before MPI receives into its pinned source again (two rounds later)
+    nbytes = message_bytes(6090, options.get("wire", "fp32")) - HEADER_BYTES
+    copies = [c for c in dev.calls if c[0] in ("to_device", "to_device_async", "wait_on_device", "wait_on_host")]
+    assert copies == [("to_device_async", nbytes), ("wait_on_device", 0),
+                      *[c for k in range(1, 5) for c in (("to_device_async", nbytes), ("wait_on_host", k - 1),
+                                                         ("wait_on_device", k))],
+                      ("to_device_async", nbytes), ("wait_on_device", 5)]
 
 
 @pytest.mark.parametrize("options", [{"wire": "fp16"}, {"wire": "bf16", "wire_error_feedback": True},
