@@ -221,8 +221,9 @@ def linked(tmp_path, servers=2, **overrides):
     rank = cut.rank(1, WORKERS)
     shard = Rank0(net.comm(rank), cfg, ShardRecorder(cfg, range(1, WORKERS + 1), NUM_TRAIN, 1, rank), role,
                   make_link=HubLink)
-    hub.rec.begin()
-    shard.rec.begin()
+    for loop in (hub, shard):  # as `Rank0.run`: the compiled update loaded before the clocks start. Else a first
+        loop.role.warm_up()    # push that loads it (0.5-1 s) lets rank 0's ALIVE and the shard's rows (every
+        loop.rec.begin()       # --comm-timeout / 4 = 0.5 s) queue ahead of the pushes a test posts next
     return hub, shard, net, cut
 
 
@@ -679,8 +680,9 @@ def exchange(net, cut, hub, shard, pushes):
         serve(hub)
         push_to(net, cut, 1, rank, w, step, base, grad)
         serve(shard)
-        net.take(w, 0)
-        net.take(w, rank)
+        for source in (0, rank):  # (each loop handled the push, not a message its clock sent ahead of it)
+            reply = net.take(w, source)
+            assert reply is not None and Tag(reply[1]) == Tag.WEIGHTS, f"rank {source} did not answer worker {w}"
 
 
 def started(tmp_path, max_pushes=100, **overrides):
