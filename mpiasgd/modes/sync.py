@@ -36,7 +36,6 @@ sends the SNAPSHOT of that step (flag EVALUATE), so the log holds the weights ea
 from __future__ import annotations
 
 import time
-import zlib
 from typing import Any
 
 import numpy as np
@@ -50,11 +49,10 @@ from mpiasgd.rank0.evals import PeriodicEvals
 from mpiasgd.rank0.role import Role
 
 
-def replica_digest(params: np.ndarray, buffers: np.ndarray) -> int:
-    """The REPORT digest of a replica: CRC-32 of its host float32 weights, continued over its layers'
-    buffers (what replicas must hold alike; with no buffers, `weights_digest(params)`)."""
-    digest = weights_digest(params)
-    return zlib.crc32(np.ascontiguousarray(buffers), digest) if buffers.size else digest
+def replica_digest(params: Any, buffers: Any) -> int:
+    """The REPORT digest of a replica: `weights_digest` of its float32 weights, then its layers' buffers (what
+    replicas must hold alike), where they are (on a GPU worker: reduced on the device, no copy of the weights)."""
+    return weights_digest(params, buffers)
 
 
 class Replicas:
@@ -70,7 +68,7 @@ class Replicas:
         seen.append(w)
         if first is not None and digest != first[0]:
             raise RuntimeError(f"rank 0: the replicas' weights differ after step {step}: worker rank {w} has "
-                               f"CRC-32 {digest:08x}, worker rank {first[1]} has {first[0]:08x}")
+                               f"digest {digest:08x}, worker rank {first[1]} has {first[0]:08x}")
         if len(seen) == replicas:
             self.digests.pop(key, None)
         else:
@@ -272,8 +270,8 @@ class SyncWorker(WorkerLoop):
             flags = ((Flag.SKIPPED if skipped else 0) | (Flag.NONFINITE if nonfinite else 0)
                      | (Flag.LAST if last else 0) | (Flag.PREEMPT if self.preempted else 0))
             report = reports.take(self.step)
-            digest = (replica_digest(ops.to_numpy(model.params), ops.to_numpy(self.buffers))  # rank 0 compares
-                      if nworkers > 1 else 0)  # (one replica: nothing to compare, no copy of the weights per step)
+            digest = (replica_digest(model.params, self.buffers)  # rank 0 compares (reduced where the weights are)
+                      if nworkers > 1 else 0)  # (one replica: nothing to compare)
             report.stamp(Tag.REPORT, rank, step=self.step, version=applied, samples=samples, epoch=epoch,
                          correct=correct, loss=loss, compute_s=t1 - t0, comm_s=t2 - t1 - wait_s, wait_s=wait_s,
                          lr=lr, flags=flags, digest=digest, cursor=self.cursor, data_s=self.take_data_s())

@@ -19,7 +19,7 @@ One file per run, `RUN_DIR/NAME.h5`:
                  row per worker per step from its REPORT (staleness 0; version = steps applied;
                  wait_s = seconds in the allreduces; applied 0 on a step skipped by all workers,
                  rejected 1 on the worker whose own gradient was not finite). digest: sync and
-                 pipeline modes, the CRC-32 of the worker's weights after the step (replicas must agree;
+                 pipeline modes, a digest of the worker's weights after the step (replicas must agree;
                  rank 0 checks it as the rows arrive); data_s: seconds of compute_s the step waited for its
                  minibatch (the input pipeline; `report` prints its share, "data wait")
     /shard_pushes  (--servers S > 1; empty otherwise) SHARD_PUSH_ROW, one row per push per parameter-server

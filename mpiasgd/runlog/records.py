@@ -97,7 +97,7 @@ class PushRow(Record):
     lr: Float32          # step size used, staleness rule included (nsync > 1: local lr x staleness factor)
     rejected: Int8       # 1: a non-finite gradient, not applied
     held_s: Float32      # ssp: s the server held the reply to this worker's previous push
-    digest: UInt32       # sync and pipeline: CRC-32 of the worker's weights after the step (replicas agree)
+    digest: UInt32       # sync and pipeline: a digest of the worker's weights after the step (replicas agree)
     data_s: Float32 = math.nan  # s of compute_s the step waited for its minibatch (the input pipeline); nan:
                                 # unknown (a log written before the column existed)
 

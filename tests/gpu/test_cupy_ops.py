@@ -534,3 +534,15 @@ def test_wire_codec_on_the_device_matches_numpy_bit_for_bit(wire):
         s.before_send()
         sent = cupy.asnumpy(s.send_buf) if cuda_aware else s.send_buf
         assert np.array_equal(sent[HEADER_BYTES:].view(np.uint16), coded.view(np.uint16))
+
+
+def test_the_replica_digest_on_the_device_is_the_hosts():
+    """sync and pipeline REPORTs: the digest reduced where the weights are gives the host's, chunks included."""
+    import cupy
+
+    from mpiasgd.comms.protocol import DIGEST_CHUNK, weights_digest
+
+    rng = np.random.default_rng(5)
+    params = rng.standard_normal(DIGEST_CHUNK + 1234).astype(np.float32)
+    buffers = rng.standard_normal(100).astype(np.float32)
+    assert weights_digest(cupy.asarray(params), cupy.asarray(buffers)) == weights_digest(params, buffers)

@@ -175,9 +175,9 @@ def test_sync_worker_refuses_a_stop_instead_of_the_initial_weights(digits):
 
 
 @pytest.mark.parametrize("reports,error,match", [
-    # two REPORTs of step 1 with different weight digests: the step, both workers and both CRC-32s
+    # two REPORTs of step 1 with different weight digests: the step, both workers and both digests
     ([(1, 1, 0x1234ABCD, 0), (2, 1, 0x1234ABCE, 0)], RuntimeError,
-     r"^rank 0: the replicas' weights differ after step 1: worker rank 2 has CRC-32 1234abce, worker rank 1 has "
+     r"^rank 0: the replicas' weights differ after step 1: worker rank 2 has digest 1234abce, worker rank 1 has "
      r"1234abcd$"),
     # worker 1 skips from step 1 to step 3 (a lost or reordered REPORT)
     ([(1, 1, 7, 0), (1, 3, 7, 0)], ProtocolError,

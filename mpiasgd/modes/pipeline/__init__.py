@@ -33,7 +33,7 @@ The first iterations of a module have no gradient yet (warm-up, logged with flag
 beta` multiplies the input gradient a module sends back, so module k's gradient is scaled by
 beta^(K-1-k) (FDG's gradient shrinking). Replicas of a module average their gradients every
 iteration (allreduce on the data communicator) and apply the same SGD step, so they stay identical
-(every REPORT carries a CRC-32 of the module's weights and buffers, and rank 0 stops the run at the
+(every REPORT carries a digest of the module's weights and buffers, and rank 0 stops the run at the
 first iteration where two replicas differ).
 
 Layer buffers (BatchNorm's running statistics) belong to the module of their layer: a minibatch
