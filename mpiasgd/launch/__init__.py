@@ -36,10 +36,11 @@ from threadpoolctl import threadpool_limits
 
 from mpiasgd import checkpoint, signals
 from mpiasgd.comms import CommTimeout, Message, ProtocolError, Tag, error_message, wait
+from mpiasgd.comms.waits import server_wait
 from mpiasgd.config import Config
 from mpiasgd.data import DataError
 from mpiasgd.device import sharing_error, tuning_turns
-from mpiasgd.launch.ranks import Rank, blas_threads, node_workers
+from mpiasgd.launch.ranks import Rank, blas_threads, node_workers, server_cores
 from mpiasgd.launch.startup import (
     definition_text,
     load_data,
@@ -52,7 +53,7 @@ from mpiasgd.launch.startup import (
     worker_info,
 )
 from mpiasgd.modes.base import WorkerJob
-from mpiasgd.modes.registry import load
+from mpiasgd.modes.registry import SERVER_MODES, load
 from mpiasgd.rank0.recorder import TrainingDiverged
 from mpiasgd.rank0.serve import ABORT_CODE, EXIT_DIVERGED, EXIT_PREEMPTED, log_unwritable, serve, serve_shard
 from mpiasgd.runlog import RunLogError
@@ -98,7 +99,10 @@ def train(cfg: Config, comm: Any = None) -> int:
     error, start, threads, dataset, text, spec, resumed = None, None, 1, None, None, None, None
     try:
         workers_here, local_rank = node_workers(me)
-        threads = blas_threads(me, cfg.threads, workers_here)
+        serving = cfg.mode in SERVER_MODES  # (sync's and pipeline's rank 0 neither spins nor has update threads)
+        spins = serving and server_wait(cfg.server_wait, me.node_ranks, me.node_cores)[0] == "spin"
+        threads = blas_threads(me, cfg.threads, workers_here,
+                               server_cores(me, cfg.server_threads if serving else 1, spins, workers_here))
         dataset = load_data(cfg)
         if me.is_rank0:
             resumed = checkpoint.load(cfg.resume) if cfg.resume else None  # read once: here and for the log

@@ -62,17 +62,28 @@ def node_workers(me: Rank) -> tuple[int, int]:
     return count, index
 
 
-def blas_threads(me: Rank, requested: int, workers_here: int) -> int:
-    """BLAS threads for this rank: `requested`, or (0) the cores this rank may use / workers sharing them.
+def blas_threads(me: Rank, requested: int, workers_here: int, server_claim: int = 0) -> int:
+    """BLAS threads for this rank: `requested`, or (0) the cores this rank may use, less the `server_claim`
+    cores the node's parameter-server ranks keep busy (`server_cores`), shared by the workers on the node.
 
-    The server ranks (rank 0 and the shards) get 1 (they only run vector updates). Workers on one node split
-    the node's cores, so ranks never oversubscribe them: 2 workers on 2 cores get 1 thread each.
+    The server ranks (rank 0 and the shards) get 1 (their update has threads of its own: --server-threads).
+    Workers on one node split the node's cores, so ranks never oversubscribe them: 2 workers on 2 cores get 1
+    thread each; 2 workers on 16 cores beside a spinning server 7 each.
     """
     if not me.is_worker:
         return 1
     if requested:
         return requested
-    return max(1, len(cpus()) // max(1, workers_here))
+    return max(1, (len(cpus()) - server_claim) // max(1, workers_here))
+
+
+def server_cores(me: Rank, server_threads: int, spins: bool, workers_here: int) -> int:
+    """(after `node_workers`) The cores the parameter-server ranks on this rank's node keep busy: each its
+    `server_threads` (--server-threads) where more than one, else one where it spins (`spins`: --server-wait as
+    resolved for this node, `mpiasgd.comms.waits.server_wait`), else none (a server that backs off between
+    polls shares a core)."""
+    servers = max(0, me.node_ranks - workers_here)
+    return servers * (server_threads if server_threads > 1 else int(spins))
 
 
 def cpus() -> set[int]:

@@ -127,6 +127,27 @@ def test_local_worker_rank_skips_the_server():
         local_worker_rank(node0, 0)
 
 
+@pytest.mark.parametrize("cores,workers,servers,threads,spins,want_claim,want", [
+    (2, 2, 1, 1, False, 0, 1),    # the CI machine: 3 ranks on 2 cores, the server backs off, shares a core
+    (2, 1, 1, 1, True, 1, 1),     # a spinning server owns one of the 2 cores: the worker keeps the other
+    (16, 2, 1, 1, True, 1, 7),    # a GPU node: (16 - 1) // 2
+    (16, 2, 1, 4, True, 4, 6),    # --server-threads 4: the update's threads are the server's cores
+    (16, 2, 2, 4, True, 8, 4),    # two shards on the node, 4 threads each
+    (4, 4, 1, 8, True, 8, 1),     # more claimed than there are: one thread each, never none
+])
+def test_blas_threads_leave_the_servers_cores(monkeypatch, cores, workers, servers, threads, spins, want_claim, want):
+    from mpiasgd.launch import ranks
+
+    monkeypatch.setattr(ranks, "cpus", lambda: set(range(cores)))
+    worker = ranks.Rank(None, 1, workers + servers, "h")
+    worker.node_ranks, worker.node_cores = workers + servers, cores
+    claim = ranks.server_cores(worker, threads, spins, workers)
+    assert claim == want_claim
+    assert ranks.blas_threads(worker, 0, workers, claim) == want
+    assert ranks.blas_threads(worker, 3, workers, claim) == 3  # --threads decides
+    assert ranks.blas_threads(ranks.Rank(None, 0, workers + servers, "h"), 0, workers, claim) == 1  # a server
+
+
 def test_assign_device_is_local_rank_modulo_visible(monkeypatch):
     assert [assign_device(r, 4) for r in range(4)] == [0, 1, 2, 3]
     assert [assign_device(r, 2) for r in range(5)] == [0, 1, 0, 1, 0]
