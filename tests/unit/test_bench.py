@@ -851,3 +851,39 @@ def test_a_typo_in_a_gpu_scripts_arguments_fails_its_dry_run():
     res = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--dry-rn"], capture_output=True,
                          text=True, timeout=60, cwd=REPO)
     assert res.returncode == 2 and "takes no arguments but --dry-run (got: --dry-rn)" in res.stderr, res.stderr
+
+
+def test_asgd_scaling_dry_run_picks_the_best_step_size_runs_the_seeds_and_reuses(tmp_path, capsys):
+    """bench/asgd_scaling.py --dry-run (digits, N = 1, 2, two variants, two step sizes, 2 seeds): the grid at seed 0,
+    the other seed at each cell's best step size, the reference (sgd, N = 1) at speed-up 1; a second invocation with
+    --reuse runs nothing again and gives the same summary; bad arguments are refused before anything runs."""
+    import json
+
+    import asgd_scaling
+
+    argv = ["--dry-run", "--lrs", "0.02,0.08", "--run-dir", str(tmp_path), "--timeout", "120"]
+    assert asgd_scaling.main(argv) == 0
+    first = json.loads((tmp_path / "asgd_scaling.json").read_text())
+    out = capsys.readouterr().out
+    assert len(first["commands"]) == 2 * 2 * 2 + 2 * 2  # the grid (variants x N x step sizes), then seed 1 at the best
+    cells = first["summary"]["cells"]
+    assert set(cells) == {"sgd N=1", "sgd N=2", "lookahead N=1", "lookahead N=2"}
+    for key, cell in cells.items():
+        variant, n = key.split(" N=")
+        assert cell["lr"] in (0.02, 0.08) and len(cell["accuracy"]) == 2
+        grid = {lr: asgd_scaling.load(str(tmp_path / f"{variant}-n{n}-lr{lr:g}-s0.h5")) for lr in (0.02, 0.08)}
+        accuracy = {lr: asgd_scaling.final_eval(r)["accuracy"] for lr, r in grid.items()}
+        assert accuracy[cell["lr"]] == max(accuracy.values())  # the best of the grid
+        assert (tmp_path / f"{variant}-n{n}-lr{cell['lr']:g}-s1.h5").is_file()
+    assert cells["sgd N=1"]["speedup"] == pytest.approx(1.0) and 0.5 < first["summary"]["target"] < 1
+    assert "| 1 | " in out and "| 2 | " in out and "`lookahead` (`--lookahead -1`)" in out
+    assert asgd_scaling.main([*argv, "--reuse"]) == 0
+    again = json.loads((tmp_path / "asgd_scaling.json").read_text())
+    assert capsys.readouterr().out.count(": reused") == 12
+    assert again["summary"] == first["summary"]
+    for bad, message in ((["--workers", "2,4"], "must start with 1"),
+                         (["--variants", "sgd,bogus"], "expected distinct"),
+                         (["--lrs", "0.1,-1"], "expected distinct finite numbers > 0")):
+        with pytest.raises(SystemExit) as e:
+            asgd_scaling.main([*bad, "--run-dir", str(tmp_path / "bad")])
+        assert e.value.code == 2 and message in capsys.readouterr().err

@@ -1,0 +1,299 @@
+#!/usr/bin/env python3
+"""A-SGD that scales: each asynchronous variant at N = 1, 2, 4, ..., 32 equal workers, at its best step size, in
+`mpiasgd simulate` (every gradient computed for real, the real parameter server, a virtual clock from a timing
+profile). One markdown table and a JSON file, every command.
+
+    python bench/asgd_scaling.py                                     # cifar10, 15 epochs: hours; run it in parts
+    python bench/asgd_scaling.py --model digits --epochs 20 --workers 1,2,4,8,16 --lrs 0.02,0.05,0.1 --seeds 3
+    python bench/asgd_scaling.py --dry-run                           # tiny: every code path in about a minute
+
+The protocol (issue 39):
+  - every N trains the same total epochs (`--epochs`, passes over the training set by all workers together)
+    under the same full schedule (the config's: a linear warm-up of --warmup-epochs, then cosine decay);
+  - each (variant, N) runs once per step size of the grid (`--lrs`, seed 0) and keeps the one of the best final
+    test accuracy, then `--seeds` - 1 more seeds at it: the table gives the mean (and spread) of the seeds;
+  - the reference is one worker of the first variant (plain A-SGD at N = 1 is plain SGD): its mean final
+    accuracy minus `--margin` (1 point) is the target; for each cell the virtual seconds and epochs to the first
+    evaluation during training (every `--eval-interval`) that reached it (mean over the seeds that did), and
+    the speed-up: the reference's time to the target over that time;
+  - the timing profile (`--profile`) stands for the devices: by default the H200's measured cifar10 step
+    (bench/profiles/h200-cifar10.json: 3.2 ms at batch 64, launch-bound, before CUDA graphs; one server:
+    `mpiasgd simulate` models one).
+
+Variants (`--variants`, comma-separated; each is `mpiasgd simulate` flags, VARIANTS): the server's rules as the
+product has them today, named after their papers. A cell a variant cannot run (nsync 4 with too few minibatches
+for a round) is marked, not run.
+
+Cells are simulations named VARIANT-nN-lrLR-sSEED in RUN_DIR; `--reuse` takes a complete log of the same
+settings instead of running it again (the check of bench/simulate_speedup.py: the resolved config, the number
+of workers and the timing model), so a long grid runs in parts. `--jobs` simulations at once, one BLAS thread
+each. Cost: a cell is one worker's worth of gradients whatever N (cifar10 at batch 64: about 0.1 s each on one
+core, 15 epochs about 20 minutes, plus 10 s per evaluation of the test set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from launch import Finished, add_run_arguments, distinct_ints, run, run_dir
+from simulate_speedup import option_list, reusable, settings, time_to_target
+
+from mpiasgd.config import ConfigError
+from mpiasgd.runlog.reader import load
+from mpiasgd.runlog.summary import final_eval
+
+HERE = Path(__file__).resolve().parent
+PROG = "asgd_scaling.py"
+
+# name -> (the `mpiasgd simulate` flags of the variant, what it is)
+VARIANTS: dict[str, tuple[list[str], str]] = {
+    "sgd": ([], "GPU A-SGD / Downpour: the gradient into the server's momentum as for one worker "
+                "(Paine et al. 2013; Dean et al. 2012)"),
+    "momentum-workers": (["--async-momentum", "workers"], "the server's momentum max(0, m - (1 - 1/N)): "
+                         "asynchrony begets momentum (Mitliagkas et al. 2016)"),
+    "lookahead": (["--lookahead", "-1"], "replies N - 1 momentum-only updates ahead along the server's momentum "
+                  "(DANA's look-ahead, Hakimi et al. 2019, with one momentum)"),
+    "staleness-lr": (["--staleness-lr", "inverse"], "the gradient scaled by 1/staleness (Zhang et al. 2016)"),
+    "dc-asgd": (["--dc-lambda", "0.04"], "delay compensation g + lambda g*g (w - w_pulled), lambda 0.04 "
+                "(Zheng et al. 2017)"),
+    "nsync4": (["--nsync", "4"], "4 local steps per exchange, the accumulated update pushed (GPU A-SGD's nsync)"),
+}
+DRY = {"model": "digits", "workers": [1, 2], "variants": ["sgd", "lookahead"], "lrs": [0.05], "seeds": 2,
+       "epochs": 1.0, "eval_interval": "0.5ep", "batch_size": 32}
+
+
+def floats(text: str) -> list[float]:
+    """argparse type: comma-separated distinct step sizes > 0."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers > 0, e.g. 0.01,0.02; got {text!r}") \
+            from None
+    if not values or min(values) <= 0 or not all(math.isfinite(v) for v in values) or len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct finite numbers > 0, e.g. 0.01,0.02; got {text!r}")
+    return values
+
+
+def variants(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if not names or unknown or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"expected distinct names of {', '.join(VARIANTS)}; got {text!r}")
+    return names
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="cifar10", help="network and dataset")
+    parser.add_argument("--profile", default=str(HERE / "profiles" / "h200-cifar10.json"), help="timing profile")
+    parser.add_argument("--workers", type=lambda t: distinct_ints(t, 1), default=[1, 2, 4, 8, 16, 32],
+                        help="N, comma-separated (the first is the reference: 1)")
+    parser.add_argument("--variants", type=variants, default=list(VARIANTS), help="comma-separated, the first is "
+                        f"the reference at N = 1: {', '.join(VARIANTS)}")
+    parser.add_argument("--lrs", type=floats, default=[0.005, 0.01, 0.02, 0.04], help="the step sizes tried")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds at the best step size (the grid's is seed 0)")
+    parser.add_argument("--epochs", type=float, default=15.0, help="total epochs of every run, whatever N")
+    parser.add_argument("--eval-interval", default="1ep", help="evaluations during training (time to target)")
+    parser.add_argument("--batch-size", type=int, default=64, help="minibatch per worker")
+    parser.add_argument("--margin", type=float, default=0.01, help="the target: the reference's mean final "
+                        "accuracy minus this")
+    parser.add_argument("--options", default="", help="more `mpiasgd simulate` options for every run, as "
+                        "--options='--momentum 0.9 --warmup-epochs 1'")
+    parser.add_argument("--jobs", type=int, default=2, help="simulations at once")
+    parser.add_argument("--reuse", action="store_true", help="take a complete log of the same settings instead of "
+                        "running it again")
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes where not given: " + json.dumps(DRY))
+    add_run_arguments(parser, "scaling")
+    return parser
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.dry_run:  # tiny sizes for what the command line does not give
+        parser.set_defaults(**DRY)
+        args = parser.parse_args(argv)
+    if args.workers[0] != 1:
+        parser.error(f"--workers must start with 1 (the reference), got {','.join(map(str, args.workers))}")
+    if args.seeds < 1 or args.jobs < 1 or args.batch_size < 1 or not args.epochs > 0:
+        parser.error("--seeds, --jobs and --batch-size must be >= 1 and --epochs > 0")
+    args.run_dir = run_dir(args, "scaling")
+    args.extra = option_list(parser, args.options)
+    os.makedirs(args.run_dir, exist_ok=True)
+    return args
+
+
+def name(variant: str, n: int, lr: float, seed: int) -> str:
+    return f"{variant}-n{n}-lr{lr:g}-s{seed}"
+
+
+def command(args: argparse.Namespace, variant: str, n: int, lr: float, seed: int) -> list[str]:
+    return [sys.executable, "-m", "mpiasgd", "simulate", "--workers", str(n), "--profile", args.profile,
+            "--model", args.model, "--epochs", f"{args.epochs:g}", "--eval-interval", args.eval_interval,
+            "--batch-size", str(args.batch_size), "--lr", f"{lr:g}", "--seed", str(seed), "--threads", "1",
+            "--snapshot-interval", "0", "--no-progress", "--eval-s-per-image", "0", "--run-dir", args.run_dir,
+            "--name", name(variant, n, lr, seed), "--overwrite", *VARIANTS[variant][0], *args.extra]
+
+
+class Cells:
+    """The simulations of this invocation: each planned once (its command read as `mpiasgd simulate` reads it; a
+    cell it refuses is kept with the reason), run or reused, and read back."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.refused: dict[tuple, str] = {}
+        self.results: dict[tuple, dict | None] = {}
+        self.commands: list[list[str]] = []
+
+    def run(self, keys: list[tuple]) -> None:
+        todo = []
+        for key in keys:
+            cmd = command(self.args, *key)
+            try:
+                cfg, timing = settings(cmd)
+            except ConfigError as e:
+                self.refused[key] = str(e).removeprefix("mpiasgd simulate: ")
+                continue
+            self.commands.append(cmd)
+            log = os.path.join(self.args.run_dir, name(*key) + ".h5")
+            todo.append((key, cmd, self.args.reuse and reusable(log, cfg, key[1], timing)))
+
+        def one(job: tuple) -> tuple:
+            key, cmd, reused = job
+            done = Finished(cmd, 0, 0.0, "", "") if reused else run(cmd, self.args.timeout)
+            print(f"{name(*key)}: {'reused' if reused else f'{done.seconds:.0f} s' if done.ok else 'FAILED'}",
+                  flush=True)
+            if not done.ok:
+                print(done.explain(self.args.timeout), file=sys.stderr, flush=True)
+            return key, done
+
+        with ThreadPoolExecutor(max_workers=self.args.jobs) as pool:
+            for key, done in pool.map(one, todo):
+                self.results[key] = self.read(key) if done.ok else None
+
+    def read(self, key: tuple) -> dict:
+        r = load(os.path.join(self.args.run_dir, name(*key) + ".h5"))
+        final = final_eval(r)
+        return {"accuracy": float(final["accuracy"]) if final is not None else float("nan"), "log": r}
+
+
+def best_lr(cells: Cells, variant: str, n: int, lrs: list[float]) -> float | None:
+    """The grid's step size of the best final accuracy (seed 0); None if every run failed or was refused."""
+    runs = [(cells.results.get((variant, n, lr, 0)), lr) for lr in lrs]
+    scored = [(c["accuracy"], lr) for c, lr in runs if c and math.isfinite(c["accuracy"])]
+    return max(scored)[1] if scored else None
+
+
+def summarize(cells: Cells, args: argparse.Namespace, chosen: dict) -> dict:
+    """Per (variant, N): the step size, the seeds' final accuracies, and the time and epochs to the target."""
+    ref_variant = args.variants[0]
+    ref_lr = chosen.get((ref_variant, 1))
+    ref = [cells.results.get((ref_variant, 1, ref_lr, s)) for s in range(args.seeds)] if ref_lr else []
+    ref_acc = [c["accuracy"] for c in ref if c]
+    target = (sum(ref_acc) / len(ref_acc) - args.margin) if ref_acc else None
+    out: dict = {"target": target, "reference": f"{ref_variant}, N = 1", "cells": {}}
+    ref_time = None
+    for variant in args.variants:
+        for n in args.workers:
+            lr = chosen.get((variant, n))
+            key = f"{variant} N={n}"
+            if lr is None:
+                why = next((cells.refused[k] for k in cells.refused if k[:2] == (variant, n)), "every run failed")
+                out["cells"][key] = {"lr": None, "why": why}
+                continue
+            runs = [cells.results.get((variant, n, lr, s)) for s in range(args.seeds)]
+            acc = [c["accuracy"] for c in runs if c]
+            times, epochs = [], []
+            for c in runs:
+                if c and target is not None:
+                    t = time_to_target(c["log"], target)
+                    if t is not None:
+                        times.append(t)
+                        epochs.append(epochs_at(c["log"], t))
+            cell = {"lr": lr, "accuracy": acc, "reached": f"{len(times)}/{len(acc)}",
+                    "time_s": sum(times) / len(times) if times else None,
+                    "epochs": sum(epochs) / len(epochs) if epochs else None}
+            if (variant, n) == (ref_variant, 1):
+                ref_time = cell["time_s"]
+            out["cells"][key] = cell
+    for cell in out["cells"].values():
+        cell["speedup"] = (ref_time / cell["time_s"]) if ref_time and cell.get("time_s") else None
+    return out
+
+
+def epochs_at(log: dict, seconds: float) -> float:
+    """Epochs trained by virtual second `seconds` (the last update at or before it)."""
+    updates = log.get("updates")
+    if updates is None or not len(updates):
+        return float("nan")
+    done = updates[updates["time"] <= seconds + 1e-9]
+    return float(done["epoch"][-1]) if len(done) else 0.0
+
+
+def table(summary: dict, args: argparse.Namespace) -> str:
+    target = summary["target"]
+    lines = [f"{args.model}, batch {args.batch_size} per worker, {args.epochs:g} epochs at every N, step sizes "
+             f"{','.join(f'{x:g}' for x in args.lrs)} (seed 0) then {args.seeds} seeds at the best, profile "
+             f"`{args.profile}`, `{args.options}`; {time.strftime('%Y-%m-%d')}. Target: {summary['reference']}'s mean "
+             f"final accuracy - {100 * args.margin:g} points = "
+             f"{'-' if target is None else f'{100 * target:.2f} %'}. Cell: final test accuracy, mean (min-max) % "
+             "[step size]; virtual seconds to the target (speed-up over the reference), epochs; reached/seeds.", "",
+             "| N | " + " | ".join(args.variants) + " |", "|---:|" + "---|" * len(args.variants)]
+    for n in args.workers:
+        row = []
+        for variant in args.variants:
+            c = summary["cells"][f"{variant} N={n}"]
+            if c["lr"] is None:
+                row.append(f"- ({c['why']})")
+                continue
+            acc = c["accuracy"]
+            text = (f"{100 * sum(acc) / len(acc):.2f} ({100 * min(acc):.1f}-{100 * max(acc):.1f}) [{c['lr']:g}]"
+                    if acc else f"failed [{c['lr']:g}]")
+            if c["time_s"] is not None:
+                speed = f" ({c['speedup']:.2f}x)" if c["speedup"] else ""
+                text += f"; {c['time_s']:#.3g} s{speed}, {c['epochs']:.2f} ep"
+            else:
+                text += "; not reached"
+            row.append(f"{text}; {c['reached']}")
+        lines.append(f"| {n} | " + " | ".join(row) + " |")
+    lines += ["", "Variants:", *[f"- `{v}` (`{' '.join(VARIANTS[v][0]) or 'no flags'}`): {VARIANTS[v][1]}"
+                                 for v in args.variants]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    t0 = time.monotonic()
+    cells = Cells(args)
+    cells.run([(v, n, lr, 0) for v in args.variants for n in args.workers for lr in args.lrs])
+    chosen = {(v, n): best_lr(cells, v, n, args.lrs) for v in args.variants for n in args.workers}
+    cells.run([(v, n, lr, s) for (v, n), lr in chosen.items() if lr is not None for s in range(1, args.seeds)])
+    summary = summarize(cells, args, chosen)
+    text = table(summary, args)
+    print(f"\n{len(cells.commands)} simulations in {time.monotonic() - t0:.0f} s of this machine\n\n{text}")
+    with open(os.path.join(args.run_dir, "asgd_scaling.json"), "w") as f:
+        json.dump({"argv": sys.argv[1:] if argv is None else argv, "summary": summary,
+                   "commands": [shlex.join(c) for c in cells.commands]}, f, indent=1, default=str)
+    with open(os.path.join(args.run_dir, "asgd_scaling.md"), "w") as f:
+        f.write(text + "\n\nCommands:\n\n```bash\n" + "\n".join(shlex.join(c) for c in cells.commands) + "\n```\n")
+    failed = [name(*k) for k, v in cells.results.items() if v is None]
+    if failed:
+        print(f"{PROG}: {len(failed)} simulation(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    import mpi4py
+
+    mpi4py.rc.initialize = False  # no MPI here: reading a command as `mpiasgd simulate` does imports mpi4py.MPI
+    mpi4py.rc.finalize = False
+    sys.exit(main())
