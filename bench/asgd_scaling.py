@@ -61,6 +61,8 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
                          "asynchrony begets momentum (Mitliagkas et al. 2016)"),
     "lookahead": (["--lookahead", "-1"], "replies N - 1 momentum-only updates ahead along the server's momentum "
                   "(DANA's look-ahead, Hakimi et al. 2019, with one momentum)"),
+    "dana-zero": (["--update-rule", "dana-zero"], "a momentum per worker on the server, the replies one step ahead "
+                  "along their sum (DANA-Zero, Hakimi et al. 2019)"),
     "staleness-lr": (["--staleness-lr", "inverse"], "the gradient scaled by 1/staleness (Zhang et al. 2016)"),
     "dc-asgd": (["--dc-lambda", "0.04"], "delay compensation g + lambda g*g (w - w_pulled), lambda 0.04 "
                 "(Zheng et al. 2017)"),

@@ -116,11 +116,12 @@ from mpiasgd.optim import (
     fraction_done,
     lookahead_steps,
 )
-from mpiasgd.optim.rules import AsyncRule, DelayCompensated
+from mpiasgd.optim.rules import AsyncRule, DanaZero, DelayCompensated
 from mpiasgd.rank0.server import ReplyNow, ShardedServer, server_shard
 
 STALENESS_LR = ("none", "inverse", "sqrt")
 ASYNC_MOMENTUM = ("fixed", "workers")
+UPDATE_RULES = ("sgd", "dana-zero")  # --update-rule
 
 
 class AsgdServer(ShardedServer):
@@ -147,8 +148,11 @@ class AsgdServer(ShardedServer):
         momentum = explicit_momentum(cfg.momentum, cfg.async_momentum, len(self.workers))
         self.optimizer = SGD(params, decay_mask, momentum, cfg.weight_decay, nesterov=cfg.nesterov and momentum > 0,
                              lr_scale=lr_scale, threads=cfg.server_threads)
-        # --lookahead: the replies carry the weights K momentum-only updates ahead (DANA), not the master weights
-        self.lookahead_k = steps = lookahead_steps(cfg.lookahead, len(self.workers), cfg.overlap)  # K (0: off)
+        # --lookahead: the replies carry the weights K momentum-only updates ahead (DANA), not the master weights;
+        # --update-rule dana-zero: one step ahead along the sum of the workers' momenta
+        self.dana = (DanaZero(params, decay_mask * np.float32(cfg.weight_decay) if cfg.weight_decay else None,
+                              momentum, self.workers, lr_scale) if cfg.update_rule == "dana-zero" else None)
+        self.lookahead_k = steps = 1 if self.dana else lookahead_steps(cfg.lookahead, len(self.workers), cfg.overlap)
         self.lookahead = (LookAhead(P, momentum, steps, lr_scale, nesterov=cfg.nesterov) if steps and momentum
                           else None)
         self.decoded = None if self.wire == "fp32" else np.empty(P + B, np.float32)  # a 16-bit push, decoded
@@ -162,6 +166,8 @@ class AsgdServer(ShardedServer):
         self.compensation = DelayCompensation(P, cfg.dc_lambda, cfg.dc_adaptive) if cfg.dc_lambda else None
         rule = AsyncRule(self.optimizer, cfg.staleness_lr)  # the update; DC-ASGD corrects the gradient first
         self.rule = rule if self.compensation is None else DelayCompensated(rule, self.compensation)
+        if self.dana is not None:
+            self.rule = self.dana
 
     # --- the loop's questions ---
     def warm_up(self) -> None:
@@ -180,7 +186,12 @@ class AsgdServer(ShardedServer):
                     f"{cfg.async_momentum}, {len(self.workers)} workers){off}")
             self.rec.event("momentum", text)
             print(f"mpiasgd: {text}", flush=True)
-        if cfg.lookahead and self.shard == 0:  # what --lookahead resolved to, once
+        if self.dana is not None and self.shard == 0:
+            text = (f"--update-rule dana-zero: a momentum per worker ({len(self.workers)}), the replies w - lr * "
+                    f"{self.lookahead.factor:.4g} * (the sum of the workers' momenta)")
+            self.rec.event("lookahead", text)
+            print(f"mpiasgd: {text}", flush=True)
+        elif cfg.lookahead and self.shard == 0:  # what --lookahead resolved to, once
             steps = self.lookahead_k
             if self.lookahead is not None:
                 text = (f"the replies look {steps:g} update{'s' * (steps != 1)} ahead (--lookahead {cfg.lookahead:g}, "
@@ -209,11 +220,14 @@ class AsgdServer(ShardedServer):
         self.gate.tick()  # (ssp: a stop, or a worker that caught up, releases held replies)
 
     def velocity(self) -> np.ndarray | None:
-        return self.optimizer.velocity
+        """The momentum a checkpoint keeps (DANA-Zero: the sum of the workers' momenta)."""
+        return self.dana.total if self.dana is not None else self.optimizer.velocity
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
         super().restore(ckpt)
-        if self.optimizer.velocity is not None:
+        if self.dana is not None:
+            self.dana.restore(ckpt.momentum)
+        elif self.optimizer.velocity is not None:
             self.optimizer.velocity[:] = ckpt.momentum
 
     # --- sends ---
@@ -241,7 +255,7 @@ class AsgdServer(ShardedServer):
             # --lookahead: w - lr * lr_mult * c * v (then encoded, 16-bit wire); the weights a worker evaluates
             # (STOP, EVALUATE) and the first ones are the master weights themselves
             lr = self.schedule(self.rec.epoch, self.rec.fraction_done())
-            ahead = self.lookahead.reply(self.params, self.optimizer.velocity, lr,
+            ahead = self.lookahead.reply(self.params, self.velocity(), lr,
                                          out.payload[:self.P] if self.reply_buf is None else self.reply_buf)
             if self.reply_buf is not None:
                 self.encode_reply(ahead, out.payload[:self.P], w, tag, step, "weight (looking ahead)")
@@ -526,6 +540,18 @@ class AsgdMode(Mode):
         need(not cfg.dc_adaptive or cfg.dc_lambda > 0, cfg, "dc_adaptive", "0 without --dc-lambda (it adapts lambda)")
         need(cfg.servers >= 1, cfg, "servers", "an integer >= 1 (parameter-server shards)")
         need(1 <= cfg.server_threads <= 1024, cfg, "server_threads", "an integer from 1 to 1024")
+        need(cfg.update_rule in UPDATE_RULES, cfg, "update_rule", f"one of {UPDATE_RULES}")
+        if cfg.update_rule == "dana-zero":  # its momentum per worker and its own look-ahead replace these
+            rule = "with --update-rule dana-zero"
+            for key, ok, expected in (
+                    ("momentum", 0 < cfg.momentum < 1, f"in (0, 1) {rule} (a momentum per worker)"),
+                    ("nsync", cfg.nsync == 1, f"1 {rule} (it takes gradients)"),
+                    ("lookahead", cfg.lookahead == 0, f"0 {rule} (its replies look ahead already)"),
+                    ("async_momentum", cfg.async_momentum == "fixed", f"'fixed' {rule}"),
+                    ("staleness_lr", cfg.staleness_lr == "none", f"'none' {rule}"),
+                    ("dc_lambda", cfg.dc_lambda == 0, f"0 {rule}"),
+                    ("nesterov", not cfg.nesterov, f"False {rule} (its look-ahead is Nesterov's point already)")):
+                need(ok, cfg, key, expected)
         need(cfg.lookahead == -1 or 0 <= cfg.lookahead <= 1e3, cfg, "lookahead", "updates from 0 (off) to 1000, or "
              "-1 (auto: the other workers, N - 1)")
         if cfg.lookahead:

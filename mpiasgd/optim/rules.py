@@ -15,6 +15,8 @@ buffer: a reply then costs no copy); `Update.params` is the vector that holds th
                       al. 2016), or with nsync > 1 the worker's accumulated update added, scaled by f(s)
     DelayCompensated  DC-ASGD (Zheng et al. 2017, arXiv 1609.08326): the gradient corrected for the weights'
                       move since the worker's pull, g + lambda g*g (w - w_pulled), then another rule
+    DanaZero          DANA-Zero (Hakimi et al. 2019, arXiv 1907.11612): one momentum per worker, and replies
+                      that look ahead along their sum (`--update-rule dana-zero`)
     ElasticRule       EASGD's center (Zhang, Choromanska and LeCun 2015, arXiv 1412.6651, eq. 5-6):
                       x~ <- x~ + alpha (x_i - x~)
 
@@ -40,7 +42,7 @@ class Push:
     update (`delta`, nsync > 1, already scaled by the worker's step size `lr`), or (easgd) the worker's weights
     x_i; a rule may change them in place. `square`: the sum of squares of `values`. `staleness`: the server's
     version minus the version the push was computed from (>= 0). `pulled`: float32 (P,), the weights the
-    worker computed it on (for DC-ASGD; None where the server does not keep them)."""
+    worker computed it on (for DC-ASGD; None where the server does not keep them). `worker`: its rank."""
 
     values: np.ndarray
     square: float
@@ -48,6 +50,7 @@ class Push:
     delta: bool = False
     lr: float = 0.0
     pulled: np.ndarray | None = None
+    worker: int = 0  # the rank of the worker that pushed it (DANA-Zero keeps a momentum per worker)
 
 
 @dataclass
@@ -124,3 +127,50 @@ class ElasticRule:
         delta = elastic_difference(push.values, self.center, self.alpha)
         self.center += delta
         return Update(self.center, push.lr, math.sqrt(finite_square(delta)[1]))
+
+
+class DanaZero:
+    """DANA-Zero (Hakimi, Barkai, Gabel and Schuster 2019, "Taming Momentum in a Distributed Asynchronous
+    Environment", arXiv 1907.11612, section 4, the master's part of DANA-Zero): the server keeps one momentum
+    v_i per worker i, not one for all. A gradient g of worker i, with weight decay d = g + decay * w
+    (`decay` = weight_decay x each parameter's decay multiplier):
+
+        v_i <- m v_i + d,    w <- w - lr * lr_mult * v_i
+
+    and the worker's next weights are the look-ahead w - lr * lr_mult * m * sum_j v_j (`total`, kept as the sum
+    is updated: `AsgdServer` replies through `LookAhead` with one step along it): where the master weights will
+    be once every worker's momentum has moved them once more, so a gradient is computed near where it is
+    applied whatever N. One worker: momentum SGD whose gradient is taken at w - lr * m * v (Nesterov's point).
+
+    `params` float32 (P,) (the master weights, updated in place or into `out`), `decay` float32 (P,) or None,
+    `lr_scale` float32 (P,) or None (1), `workers` the ranks that push. Memory: N + 1 float32 (P,) vectors.
+    Refuses nothing: a push's values are finite (the server checked)."""
+
+    def __init__(self, params: np.ndarray, decay: np.ndarray | None, momentum: float, workers: list[int],
+                 lr_scale: np.ndarray | None = None) -> None:
+        if not 0 < momentum < 1:
+            raise ValueError(f"DANA-Zero: momentum must be in (0, 1), got {momentum!r}")
+        self.params, self.decay, self.momentum, self.lr_scale = params, decay, np.float32(momentum), lr_scale
+        self.velocities = {w: np.zeros_like(params) for w in workers}
+        self.total = np.zeros_like(params)  # sum over the workers of their momenta
+
+    def apply(self, push: Push, step_size: float, out: np.ndarray) -> Update:
+        v, d, w = self.velocities[push.worker], push.values, self.params
+        if self.decay is not None:
+            d += self.decay * w  # (the push's values may be changed in place)
+        self.total -= v
+        v *= self.momentum
+        v += d
+        self.total += v
+        step = np.float32(step_size) if self.lr_scale is None else np.float32(step_size) * self.lr_scale
+        np.subtract(w, step * v, out=out)
+        self.params = out
+        return Update(out, step_size, math.sqrt(push.square))
+
+    def restore(self, total: np.ndarray) -> None:
+        """From a checkpoint, which holds only the sum of the momenta: each worker's momentum the sum / N (the
+        look-ahead stays where it was; a resumed DANA-Zero run is not bit-identical to an uninterrupted one)."""
+        share = (total / np.float32(len(self.velocities))).astype(np.float32)
+        for v in self.velocities.values():
+            v[...] = share
+        self.total[...] = share * np.float32(len(self.velocities))

@@ -235,7 +235,7 @@ class ShardedServer(Role):
         if not finite:
             return None, float(h["peak"]) if beyond_range(self.wire, float(h["peak"])) else 0.0
         delta = bool(int(h["flags"]) & Flag.DELTA)
-        return Push(grad, square, staleness, delta=delta, lr=float(h["lr"]), pulled=self.pulled(w)), 0.0
+        return Push(grad, square, staleness, delta=delta, lr=float(h["lr"]), pulled=self.pulled(w), worker=w), 0.0
 
     def pulled(self, w: int) -> np.ndarray | None:
         """The weights worker `w` computed its push on (float32 (P,)) where the rule needs them (DC-ASGD), else

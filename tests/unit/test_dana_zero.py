@@ -1,0 +1,68 @@
+"""--update-rule dana-zero (DANA-Zero, Hakimi et al. 2019): a momentum per worker on the server, the replies one
+step ahead along their sum; against a hand computation, and the settings it refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kit.server import make_server, push, reply, serve_one
+
+from mpiasgd.comms.protocol import Tag
+from mpiasgd.config import Config, ConfigError
+from mpiasgd.optim.rules import DanaZero, Push
+
+
+def test_updates_and_replies_against_a_hand_computation(tmp_path):
+    lr, m, wd = 0.5, 0.9, 0.1
+    server, net, _ = make_server(tmp_path, update_rule="dana-zero", momentum=m, weight_decay=wd, lr=lr)
+    rng = np.random.default_rng(3)
+    w = np.arange(6, dtype=np.float64)  # make_server's initial weights
+    v = {1: np.zeros(6), 2: np.zeros(6)}
+    steps, versions = {1: 0, 2: 0}, {1: 0, 2: 0}
+    for worker in (1, 2, 1, 1, 2):
+        g = rng.standard_normal(6).astype(np.float32)
+        steps[worker] += 1
+        push(net, worker, step=steps[worker], version=versions[worker], grad=g)
+        serve_one(server)
+        v[worker] = m * v[worker] + (g + wd * w)  # v_i <- m v_i + g + wd w
+        w = w - lr * v[worker]                    # w <- w - lr v_i
+        tag, header, payload = reply(net, worker)
+        versions[worker] = int(header["version"])
+        assert tag == Tag.WEIGHTS
+        np.testing.assert_allclose(server.params, w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(payload, w - lr * m * (v[1] + v[2]), rtol=1e-5, atol=1e-6)  # the look-ahead
+    np.testing.assert_allclose(server.velocity(), v[1] + v[2], rtol=1e-5, atol=1e-6)  # what a checkpoint keeps
+
+
+def test_one_worker_is_momentum_sgd_with_the_gradient_taken_ahead():
+    """N = 1: the update is heavy-ball momentum SGD, and the point the next gradient is taken at is w - lr m v."""
+    w = np.ones(4, np.float32)
+    rule = DanaZero(w.copy(), None, 0.5, [1])
+    g = np.array([1, -2, 3, 0], np.float32)
+    out = np.empty(4, np.float32)
+    rule.apply(Push(g.copy(), float(g @ g), 0, worker=1), 0.1, out)
+    rule.apply(Push(g.copy(), float(g @ g), 0, worker=1), 0.1, out)
+    v = 0.5 * g + g
+    np.testing.assert_allclose(out, w - 0.1 * g - 0.1 * v, rtol=1e-6)
+    np.testing.assert_allclose(rule.total, v, rtol=1e-6)
+
+
+def test_a_resume_splits_the_sum_of_the_momenta_among_the_workers():
+    rule = DanaZero(np.zeros(3, np.float32), None, 0.9, [1, 2, 3, 4])
+    rule.restore(np.array([4, 8, -4], np.float32))
+    assert all(np.array_equal(v, [1, 2, -1]) for v in rule.velocities.values())
+    assert np.array_equal(rule.total, [4, 8, -4])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"update_rule": "dana"}, "update_rule.*one of"),
+    ({"update_rule": "dana-zero", "nsync": 2}, "nsync.*1 with --update-rule dana-zero"),
+    ({"update_rule": "dana-zero", "lookahead": -1}, "lookahead.*0 with --update-rule dana-zero"),
+    ({"update_rule": "dana-zero", "momentum": 0.0}, r"momentum.*in \(0, 1\) with --update-rule dana-zero"),
+    ({"update_rule": "dana-zero", "async_momentum": "workers"}, "async_momentum.*'fixed' with"),
+    ({"update_rule": "dana-zero", "nesterov": True}, "nesterov.*False with --update-rule dana-zero"),
+    ({"update_rule": "dana-zero", "mode": "easgd"}, "update_rule"),
+])
+def test_settings_it_cannot_take_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        Config(**overrides).validate()
