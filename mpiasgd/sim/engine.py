@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from mpiasgd.comms import Flag, Message, ProtocolError, Tag, check, check_size, parse_tag
+from mpiasgd.comms.protocol import HEADER_BYTES
 from mpiasgd.config import Config, ConfigError
 from mpiasgd.model import evaluate
 from mpiasgd.modes.base import WorkerJob, WorkerLoop, dropout_seed
@@ -62,7 +63,7 @@ SIMULATED_MODES = ("async", "ssp")  # the parameter-server modes whose workers A
 
 def check_simulated(cfg: Config, num_workers: int) -> None:
     """ConfigError naming what `mpiasgd simulate` does not do: a mode other than async/ssp, --overlap,
-    --resume, --backend cupy, --servers > 1, fewer than 1 worker."""
+    --resume, --backend cupy, fewer than 1 worker."""
     if num_workers < 1:
         raise ConfigError(f"--workers {num_workers}: expected an integer >= 1")
     if cfg.mode not in SIMULATED_MODES:
@@ -73,9 +74,6 @@ def check_simulated(cfg: Config, num_workers: int) -> None:
                           "flight); simulate without it")
     if cfg.resume:
         raise ConfigError("--resume is not simulated; a simulation starts from the initial weights")
-    if cfg.servers > 1:
-        raise ConfigError(f"--servers {cfg.servers}: the simulator models one parameter server (its --server-s is "
-                          "the time of one update); simulate with --servers 1")
     if cfg.backend == "cupy":
         raise ConfigError("--backend cupy: the simulator computes on the host (the timing model stands for the "
                           "devices); leave --backend at auto (cpu), numpy or cpu")
@@ -148,12 +146,18 @@ class Simulation:
     VirtualRecorder on the run log, `params` the initial weights (float32 (P,)). `run()` returns the
     summary dict (`Recorder.summary`). ConfigError as `check_simulated`; ProtocolError where rank 0 or a worker
     breaks the protocol (or nothing is left to happen before the role is done).
+
+    `shards` (--servers S): the S parameter-server shards timed as S servers working in parallel on their
+    slices: a push is served in server_s / S, and a push or reply crosses S links at once, each with 1/S of
+    its payload (a header each). The numbers are one server's (`cfg` has servers 1): with equal links every
+    shard takes the pushes in the same order, so the S slices of the weights are those one server computes.
     """
 
     def __init__(self, cfg: Config, mode: Any, model: Any, dataset: Any, layout: Any, samplers: list,
                  test_idx: dict[int, np.ndarray], timing: TimingModel, rec: VirtualRecorder,
-                 params: np.ndarray, worker_model: Any = None) -> None:
+                 params: np.ndarray, worker_model: Any = None, shards: int = 1) -> None:
         self.cfg, self.mode, self.model, self.dataset, self.layout = cfg, mode, model, dataset, layout
+        self.shards = shards
         self.worker_model = model if worker_model is None else worker_model
         self.samplers, self.test_idx, self.timing, self.rec, self.params = samplers, test_idx, timing, rec, params
         self.num_workers = len(rec.workers)
@@ -213,7 +217,10 @@ class Simulation:
                 msg.header["compute_s"] = self.workers[source].eval_s
                 data = msg.buf.tobytes()
         kind = "arrive" if dest == 0 else "deliver"
-        self.schedule(send_time + self.timing.transfer_s(len(data)), dest or source, kind, tag, data)
+        nbytes = len(data)
+        if self.shards > 1 and tag in (Tag.PUSH, Tag.WEIGHTS, Tag.STOP):  # S links at once, a slice on each
+            nbytes = HEADER_BYTES + -(-(nbytes - HEADER_BYTES) // self.shards)
+        self.schedule(send_time + self.timing.transfer_s(nbytes), dest or source, kind, tag, data)
 
     # --- the run ---
     def run(self) -> dict:
@@ -251,7 +258,7 @@ class Simulation:
         ends), an EVAL nothing (handled now)."""
         while self.queue and not self.busy:
             source, tag, data = self.queue.popleft()
-            cost = self.timing.server_s if tag == Tag.PUSH else 0.0
+            cost = self.timing.server_s / self.shards if tag == Tag.PUSH else 0.0  # (S shards: each its slice)
             if cost > 0:
                 self.busy = True
                 self.schedule(t + cost, source, "served", tag, data)

@@ -9,6 +9,7 @@ Its attributes say it is simulated (`simulated`: the timing model as JSON; `cloc
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -47,6 +48,9 @@ def simulate(cfg: Config, num_workers: int, timing: TimingModel, save_profile: s
     TrainingDiverged (--max-rejects), the log closed with status "failed".
     """
     check_simulated(cfg, num_workers)
+    # --servers S: the log keeps the run's config; the role and the workers are those of one server, whose update
+    # and messages the engine times as S shards' (`Simulation`, `shards`)
+    given, cfg = cfg, dataclasses.replace(cfg, servers=1)
     if cfg.tensorboard:  # before the log exists, as `train`
         require()
     mode = load(cfg.mode)
@@ -71,11 +75,13 @@ def simulate(cfg: Config, num_workers: int, timing: TimingModel, save_profile: s
         if cfg.data_in_memory and hasattr(dataset, "keep_in_memory"):  # every worker's shard: the whole set
             for w in range(1, num_workers + 1):
                 dataset.keep_in_memory(start.samplers[layout.shard[w]].shard_indices())
-        announce(cfg, me, start, workers)
+        announce(given, me, start, workers)
         print(f"simulated: {num_workers} virtual worker{'s' * (num_workers != 1)} in one process on a virtual clock "
-              f"(no MPI), computing on backend {backend}{picked(cfg.backend, backend)}; {timing.describe()}",
+              f"(no MPI), computing on backend {backend}{picked(cfg.backend, backend)}; {timing.describe()}"
+              + (f"; {given.servers} parameter-server shards, timed as working in parallel on their slices"
+                 if given.servers > 1 else ""),
               flush=True)
-        log = start_log(cfg, me, start, workers, extra={"simulated": timing.to_json(), "clock": "virtual"})
+        log = start_log(given, me, start, workers, extra={"simulated": timing.to_json(), "clock": "virtual"})
     except BaseException:
         start.release()
         raise
@@ -83,7 +89,7 @@ def simulate(cfg: Config, num_workers: int, timing: TimingModel, save_profile: s
     bar = rec.progress
     sim = Simulation(cfg, mode, model, dataset, layout, start.samplers,
                      {w: test_slice(dataset.num_test, num_workers, w) for w in range(1, num_workers + 1)},
-                     timing, rec, model.init_params(cfg.seed), worker_model=worker_model)
+                     timing, rec, model.init_params(cfg.seed), worker_model=worker_model, shards=given.servers)
     began = time.perf_counter()
     try:
         summary = _limited(cfg.threads, sim.run)

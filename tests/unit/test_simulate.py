@@ -90,6 +90,29 @@ def test_equal_workers_take_turns_with_staleness_n_minus_1(tmp_path):
     assert p["time"].tolist() == [1.0] * 3 + [2.0] * 3 + [3.0] * 3 + [4.0] * 3
 
 
+def test_shards_serve_and_carry_their_slices_in_parallel(tmp_path, capsys):
+    """--servers 2: the same pushes in the same order with the same weights as one server, each served in half
+    the time (server-bound here: the pushes come twice as fast) and each message's payload split over 2 links;
+    the log keeps servers 2 and the start says so."""
+    path = profile(tmp_path, {"compute": {"mean_s": 0.001}, "latency_s": 0.0, "bandwidth": 1e6, "server_s": 0.01})
+    one, t1, w1 = simulate(tmp_path, "--profile", path, "--max-pushes", "10", "--epochs", "0", name="s1", workers=3)
+    two, t2, w2 = simulate(tmp_path, "--profile", path, "--max-pushes", "10", "--epochs", "0", "--servers", "2",
+                           name="s2", workers=3)
+    assert capsys.readouterr().out.count("; 2 parameter-server shards, timed as working in parallel on their") == 1
+    p1, p2 = t1["pushes"][:10], t2["pushes"][:10]
+    assert p1["worker"].tolist() == p2["worker"].tolist() and p1["staleness"].tolist() == p2["staleness"].tolist()
+    assert np.array_equal(w1, w2)
+    payload = 6090 * 4  # digits' weights (no buffers), float32
+    one_way = {1: (160 + payload) / 1e6, 2: (160 + payload / 2) / 1e6}  # header + payload (or its half) at 1 MB/s
+    gaps = {s: np.diff(t["pushes"]["time"][3:10]) for s, t in ((1, t1), (2, t2))}
+    assert np.median(gaps[1]) == pytest.approx(0.01, rel=1e-6)  # the server's time per push bounds the rate
+    assert np.median(gaps[2]) == pytest.approx(0.005, rel=1e-6)
+    # the first push is logged when served: weights out, compute, the push in, the update (server_s / S)
+    assert p1["time"][0] == pytest.approx(one_way[1] + 0.001 + one_way[1] + 0.01, rel=1e-6)
+    assert p2["time"][0] == pytest.approx(one_way[2] + 0.001 + one_way[2] + 0.005, rel=1e-6)
+    assert json.loads(two["config"])["servers"] == 2 and json.loads(one["config"])["servers"] == 1
+
+
 def test_ssp_bound_zero_is_lockstep(tmp_path):
     """ssp with --staleness-bound 0: the faster worker 1 is held until worker 2 has pushed the same step; the
     hold shows as held_s on its next push (first: 1.25 -> 3.25)."""
