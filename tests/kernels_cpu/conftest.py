@@ -5,8 +5,8 @@ per output), so the cores work while earlier tests run.
 
 A test declares its builds with `@pytest.mark.builds(fn)`, `fn` taking the test's parameters by name
 (none for an unparametrized test) and returning [(tsan, {macro: value}), ...]; a test that takes the
-`lib` fixture needs the plain build of every kernels/*.cu. Cache entries unused for
-`kit.cache.PRUNE_DAYS` days are removed at the same moment.
+`lib` fixture needs the plain build of every kernels/*.cu and its conv tile variants (`LIB_BUILDS`).
+Cache entries unused for `kit.cache.PRUNE_DAYS` days are removed at the same moment.
 """
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ import pytest
 from kit import cache
 
 from kernels_cpu.cuda_cpu import harness
+from mpiasgd.ops.cuda.tiles import CONV_TILES, tile_macros
 
 HERE = Path(__file__).resolve().parent
+# what a test taking `lib` loads: the plain build and its variant for each conv tile the CUDA backend launches
+# (cases.HarnessKernels builds them at the first conv launch; queued here right behind the plain build)
+LIB_BUILDS = [(False, {}), *((False, tile_macros(t)) for t in CONV_TILES)]
 
 
 def pytest_configure(config):
@@ -32,7 +36,7 @@ def selected_builds(items) -> list[tuple[bool, dict[str, int]]]:
     for item in items:
         if HERE not in Path(str(item.path)).parents:
             continue
-        wanted = [(False, {})] if "lib" in getattr(item, "fixturenames", ()) else []
+        wanted = LIB_BUILDS if "lib" in getattr(item, "fixturenames", ()) else []
         params = getattr(getattr(item, "callspec", None), "params", {})
         for marker in item.iter_markers("builds"):
             fn = marker.args[0]

@@ -25,7 +25,7 @@ import pytest
 from kernels_cpu.cuda_cpu import cases, harness
 from mpiasgd.ops import numpy_ops
 from mpiasgd.ops.cuda.device import HostDevice, LaunchLimits
-from mpiasgd.ops.cuda.tiles import CONV_TRIAL_TILES, tile_macros, tile_name, tile_shape
+from mpiasgd.ops.cuda.tiles import CONV_TILES, CONV_TRIAL_TILES, tile_macros, tile_name, tile_shape
 
 pytestmark = pytest.mark.skipif(harness.find_cxx() is None,
                                 reason="no g++: the CUDA-on-CPU harness needs a C++17 compiler")
@@ -533,15 +533,23 @@ def test_launcher_refuses_wrong_argument_types(lib):
 # ThreadSanitizer
 
 
+def tsan_builds(defines: dict[str, int]) -> list[tuple[bool, dict[str, int]]]:
+    """The ThreadSanitizer builds an unplanted run with `defines` loads: the library and its variant for
+    each tile of CONV_TILES (HarnessKernels builds them for the conv cases' launches)."""
+    return [(True, defines), *((True, {**defines, **tile_macros(t)}) for t in CONV_TILES)]
+
+
 def run_tsan(*args: str) -> subprocess.CompletedProcess:
     if harness.libtsan() is None:
         pytest.skip("g++ has no ThreadSanitizer runtime (libtsan)")
     env = harness.tsan_env()
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(TESTS.parent), env.get("PYTHONPATH", "")])
     # the run's unplanted build, compiled here (or waited for, where the session's prebuild is at it): the
-    # subprocess then finds every object in the cache but a planted file's, instead of compiling them again
-    defines = dict(d.split("=", 1) for flag, d in itertools.pairwise(args) if flag == "--define")
-    harness.library(True, None, {k: int(v) for k, v in defines.items()})
+    # subprocess then finds every object in the cache but a planted file's, instead of compiling them again;
+    # an unplanted run's conv tile variants too (the conv cases launch both CONV_TILES)
+    defines = {k: int(v) for k, v in (d.split("=", 1) for flag, d in itertools.pairwise(args) if flag == "--define")}
+    for tsan, build_defines in tsan_builds(defines) if "--plant" not in args else [(True, defines)]:
+        harness.library(tsan, None, build_defines)
     try:
         return subprocess.run([sys.executable, "-m", "kernels_cpu.cuda_cpu.run_cases", "--tsan", *args], cwd=TESTS,
                               env=env, capture_output=True, text=True, timeout=TSAN_TIMEOUT)
@@ -549,7 +557,7 @@ def run_tsan(*args: str) -> subprocess.CompletedProcess:
         pytest.fail(f"ThreadSanitizer run {args} took over {TSAN_TIMEOUT} s\n{e.stdout}\n{e.stderr}")
 
 
-@pytest.mark.builds(lambda: [(True, {})])
+@pytest.mark.builds(lambda: tsan_builds({}))
 def test_tsan_clean():
     proc = run_tsan("--full")
     out = f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr[-20000:]}"
@@ -580,7 +588,7 @@ def test_run_cases_refuses_arguments_that_would_pass_vacuously(args, message, ca
 ONE_STAGE = ("--define", "CONV_STAGES=1")  # conv2d.cu's one-stage main loop (the default build runs the pipeline)
 
 
-@pytest.mark.builds(lambda: [(True, {"CONV_STAGES": 1})])
+@pytest.mark.builds(lambda: tsan_builds({"CONV_STAGES": 1}))
 def test_tsan_clean_with_one_stage():
     """The one-stage main loop of conv2d.cu (sm_75's, and the CONV_STAGES=1 trial tiles') is race-free too."""
     proc = run_tsan("--full", *ONE_STAGE, "--cases", "conv_wrappers,conv_wgrad_splits")

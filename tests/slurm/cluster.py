@@ -28,8 +28,11 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 # libpmix-dev: Debian's mpi/pmix plugin loads the unversioned libpmix.so, which only the -dev package
 # has; without it `srun --mpi=pmix` fails ("can not load PMIx library")
@@ -85,6 +88,20 @@ def install(timeout: float = 240) -> None:
     if res.returncode != 0:
         raise Unavailable(f"install: apt-get install {' '.join(missing)} failed:\n{res.stdout[-2000:]}"
                           f"{res.stderr[-2000:]}")
+
+
+def install_ahead() -> Future:
+    """`install()` started in a background thread; the future's result is None, or the Unavailable it
+    raised. A session that will need the cluster starts it at collection (tests/slurm/conftest.py), so
+    apt-get downloads and unpacks while the other tiers run; `start` then finds nothing missing."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slurm-install")
+    try:
+        return pool.submit(install)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with the install (bounded by its timeout)
+
+
+INSTALL_AHEAD = pytest.StashKey[Future]()  # the session's install_ahead(), where tests/slurm/conftest.py started one
 
 
 def free_port() -> int:

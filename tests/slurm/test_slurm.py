@@ -25,7 +25,7 @@ import pytest
 
 from mpiasgd import checkpoint
 from mpiasgd.runlog import open_log
-from slurm.cluster import Cluster, Unavailable, start
+from slurm.cluster import INSTALL_AHEAD, Cluster, Unavailable, start
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.name for p in (REPO / "jobs").glob("*.sbatch"))
@@ -34,11 +34,15 @@ DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
 
 
 @pytest.fixture(scope="session")
-def slurm(tmp_path_factory):
-    """The test cluster, up for the whole session; stopped (jobs cancelled, daemons ended) at its end."""
+def slurm(tmp_path_factory, pytestconfig):
+    """The test cluster, up for the whole session; stopped (jobs cancelled, daemons ended) at its end. Its
+    packages' install, where tests/slurm/conftest.py started it ahead, is waited for first."""
     if os.environ.get("MPIASGD_SLURM") == "0":
         pytest.skip("MPIASGD_SLURM=0: SLURM tests off")
     try:
+        ahead = pytestconfig.stash.get(INSTALL_AHEAD, None)
+        if ahead is not None:
+            ahead.result()  # raises the install's Unavailable
         cluster = start(tmp_path_factory.mktemp("slurm"))
     except Unavailable as e:
         pytest.skip(f"no SLURM test cluster: {e}")

@@ -23,6 +23,7 @@ preloaded (`tsan_env()`); tests run it in a subprocess (`python -m kernels_cpu.c
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -242,10 +243,15 @@ def _digest(*parts: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _object(cxx: str, flags: list[str], name: str, text: str) -> Path:
-    """The object file of one .cu under the shim, compiled once per (shim, headers, compiler, flags, text)."""
+def _object(cxx: str, flags: list[str], name: str, text: str, defines: Mapping[str, int] | None = None) -> Path:
+    """The object file of one .cu under the shim, compiled with `flags` and -D `defines` once per (shim,
+    headers, compiler, flags, text, what the defines change in the text: `define_effect`)."""
     headers = [part for item in kernel_headers().items() for part in item]
-    d = _mkdir(CACHE / "obj" / _digest(SHIM.read_text(), *headers, cxx, *CXXFLAGS, *flags, name, text))
+    effect = define_effect(cxx, flags, text, defines or {})
+    d = _mkdir(CACHE / "obj" / _digest(SHIM.read_text(), *headers, cxx, *CXXFLAGS, *flags, name, text,
+                                       *([] if effect is None else [effect])))
+    if effect is not None:
+        flags = flags + [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
     obj = d / (name + ".o")
 
     def make() -> None:
@@ -260,6 +266,37 @@ def _object(cxx: str, flags: list[str], name: str, text: str) -> Path:
         os.replace(tmp, obj)  # atomic: another process building the same key agrees
 
     return _COMPILES.once(obj, make)
+
+
+def define_effect(cxx: str, flags: list[str], text: str, defines: Mapping[str, int]) -> str | None:
+    """What `defines` change in the source `text` (compiled with `flags`), as the part of its object's cache
+    key that stands for them: None where they change nothing (a tile macro given to a file that never reads
+    it: the plain build's object serves), else the source as g++ preprocesses it with them (two sets that
+    make the same text, such as a default spelled out, share one object), else (a source that does not
+    preprocess alone) the -D options themselves. A macro named in the shim always counts."""
+    if not defines:
+        return None
+    key = tuple(sorted(defines.items()))
+    spelled = "defines:" + " ".join(f"-D{k}={v}" for k, v in key)
+    names = re.compile(r"\b(" + "|".join(map(re.escape, defines)) + r")\b")
+    if names.search(SHIM.read_text()):
+        return spelled
+    if not names.search(text) and not any(names.search(h) for h in kernel_headers().values()):
+        return None
+    plain, defined = _preprocessed(cxx, tuple(flags), text, ()), _preprocessed(cxx, tuple(flags), text, key)
+    if plain is None or defined is None:
+        return spelled
+    return None if plain == defined else "preprocessed:" + defined
+
+
+@functools.lru_cache(maxsize=4096)
+def _preprocessed(cxx: str, flags: tuple[str, ...], text: str, defines: tuple[tuple[str, int], ...]) -> str | None:
+    """`text` through g++'s preprocessor (no line markers; its #include "x.cuh" found in kernels/), or None
+    where g++ refuses it."""
+    cmd = [cxx, *CXXFLAGS, *flags, *(f"-D{k}={v}" for k, v in defines), f"-I{KERNELS}", "-E", "-P", "-x", "c++",
+           "-"]
+    proc = subprocess.run(cmd, input=text, capture_output=True, text=True, cwd=KERNELS)
+    return proc.stdout if proc.returncode == 0 else None
 
 
 def build(tsan: bool = False, sources: Mapping[str, str] | None = None,
@@ -292,9 +329,11 @@ def library(tsan: bool = False, sources: Mapping[str, str] | None = None,
             if sig.name in sigs:
                 raise ValueError(f"kernel {sig.name} defined in both {sigs[sig.name].source} and {name}")
             sigs[sig.name] = sig
-    # one cached object per (source, flags): a planted variant recompiles only the file it changes
+    base = TSAN_FLAGS if tsan else PLAIN_FLAGS
+    # one cached object per (source, flags, what the defines change): a planted variant recompiles only the
+    # file it changes, and a tile variant only conv2d.cu (the others are the plain build's objects)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        objs = list(pool.map(lambda item: _object(cxx, flags, *item), sorted(sources.items())))
+        objs = list(pool.map(lambda item: _object(cxx, base, *item, defines), sorted(sources.items())))
     lib_path = CACHE / "lib" / _digest(*map(str, objs), *flags) / ("kernels_tsan.so" if tsan else "kernels.so")
 
     def link() -> None:
