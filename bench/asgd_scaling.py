@@ -67,6 +67,8 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "dc-asgd": (["--dc-lambda", "0.04"], "delay compensation g + lambda g*g (w - w_pulled), lambda 0.04 "
                 "(Zheng et al. 2017)"),
     "nsync4": (["--nsync", "4"], "4 local steps per exchange, the accumulated update pushed (GPU A-SGD's nsync)"),
+    "nsync4-staleness": (["--nsync", "4", "--staleness-lr", "inverse"], "nsync 4 with each accumulated update "
+                         "scaled by 1/staleness: about 1/(N - 1), an average of the N workers' updates"),
 }
 DRY = {"model": "digits", "workers": [1, 2], "variants": ["sgd", "lookahead"], "lrs": [0.05], "seeds": 2,
        "epochs": 1.0, "eval_interval": "0.5ep", "batch_size": 32}

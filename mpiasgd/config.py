@@ -114,7 +114,8 @@ class BaseConfig:
                             "per batch shape and replayed (one launch instead of one per kernel): auto (where the "
                             "capture works and its replay gives the eager step's bits, checked at start-up; else "
                             "eager launches, the reason logged as event 'cuda_graphs') | on (a start-up error where "
-                            "it does not) | off. Not in pipeline mode (its modules launch eagerly)")
+                            "a GPU worker's step cannot be a graph; a worker --backend auto puts on the CPU warns "
+                            "that it does not apply) | off. Not in pipeline mode (its modules launch eagerly)")
     threads: int = _opt(0, "parallelism", "BLAS threads per worker rank; 0 = cores of the node / workers on it")
     comm_timeout: float = _opt(300.0, "parallelism",
                                "rank 0 ends the run when a worker has sent nothing for this long (naming it); "

@@ -120,6 +120,12 @@ from mpiasgd.optim.rules import AsyncRule, DanaZero, DelayCompensated
 from mpiasgd.rank0.server import ReplyNow, ShardedServer, server_shard
 
 STALENESS_LR = ("none", "inverse", "sqrt")
+
+
+def workers_text(n: int) -> str:
+    """"1 worker", "2 workers"."""
+    return f"{n} worker{'s' * (n != 1)}"
+
 ASYNC_MOMENTUM = ("fixed", "workers")
 UPDATE_RULES = ("sgd", "dana-zero")  # --update-rule
 
@@ -183,7 +189,7 @@ class AsgdServer(ShardedServer):
             momentum = float(self.optimizer.momentum)
             off = " (Nesterov off: it needs a momentum > 0)" if cfg.nesterov and not momentum else ""
             text = (f"the server's momentum is {momentum:g} (--momentum {cfg.momentum:g}, --async-momentum "
-                    f"{cfg.async_momentum}, {len(self.workers)} workers){off}")
+                    f"{cfg.async_momentum}, {workers_text(len(self.workers))}){off}")
             self.rec.event("momentum", text)
             print(f"mpiasgd: {text}", flush=True)
         if self.dana is not None and self.shard == 0:
@@ -195,7 +201,7 @@ class AsgdServer(ShardedServer):
             steps = self.lookahead_k
             if self.lookahead is not None:
                 text = (f"the replies look {steps:g} update{'s' * (steps != 1)} ahead (--lookahead {cfg.lookahead:g}, "
-                        f"{len(self.workers)} workers): w - lr * {self.lookahead.factor:.4g} * v")
+                        f"{workers_text(len(self.workers))}): w - lr * {self.lookahead.factor:.4g} * v")
             else:
                 why = "the server's momentum is 0" if steps else "with 1 worker nothing is stale"
                 text = f"--lookahead {cfg.lookahead:g} is off: {why}"

@@ -213,7 +213,7 @@ class Recorder:
             self.event("resume", f"resumed from '{ck.path}' ({ck.reason} checkpoint at version {ck.version}, "
                                  f"{ck.elapsed:.1f} s of training, epoch {self.epoch:.2f})")
         else:
-            self.event("start", f"{len(self.workers)} workers", at=0.0)
+            self.event("start", f"{len(self.workers)} worker{'s' * (len(self.workers) != 1)}", at=0.0)
 
     # --- rows ---
     def event(self, kind: str, text: str, at: float | None = None) -> None:

@@ -183,6 +183,10 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
     wait, note = server_wait_of(cfg, me)
     if note:  # said once, on the console and (when the clocks start) in the log's events
         print(f"mpiasgd: {note}", flush=True)
+    if cfg.server_threads > 1 and cfg.server_threads * cfg.servers > me.node_cores:
+        print(f"mpiasgd: warning: --server-threads {cfg.server_threads} x {cfg.servers} server rank(s) is more than "
+              f"the {me.node_cores} core(s) of rank 0's node: the threads share cores (and take the workers')",
+              file=sys.stderr, flush=True)
     r0 = Rank0(me.comm, cfg, rec, lambda r0: start.mode.rank0(r0, params, model.decay_mult(), model, dataset,
                                                               start.layout),
                pids={w.rank: (w.host, w.pid) for w in [*workers, *shards]},
