@@ -51,10 +51,18 @@ FREE_MARGIN = 1 << 20  # bytes kept free beyond a write's data and 5 % of it: HD
 
 
 def ensure_free_space(path: str, nbytes: int) -> None:
-    """OSError(ENOSPC) ("[Errno 28] No space left on device") unless the file system holding `path` has room
-    for a write of `nbytes` bytes of data: nbytes + 5 % + FREE_MARGIN (1 MiB) free for this user (f_bavail).
+    """OSError(ENOSPC) ("[Errno 28] No space left on device (for this write: ... free, ... needed ...)") unless the
+    file system holding `path` has room for a write of `nbytes` bytes of data: nbytes + 5 % + FREE_MARGIN (1 MiB)
+    free for this user (f_bavail).
     Checked before HDF5 is called, so a full disk is one clean error instead of HDF5's failure paths."""
     st = os.statvfs(os.path.dirname(os.path.abspath(path)))
-    if st.f_bavail * st.f_frsize < nbytes + nbytes // 20 + FREE_MARGIN:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    free, need = st.f_bavail * st.f_frsize, nbytes + nbytes // 20 + FREE_MARGIN
+    if free < need:  # (the OS has not said so yet: the message says what was checked)
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (for this write: {mib(free)} free, {mib(need)} "
+                                    f"needed: its {mib(nbytes)} + 5 % + {mib(FREE_MARGIN)} kept free)")
+
+
+def mib(nbytes: int) -> str:
+    """A size for a message: whole KiB below 1 MiB (384 KiB), else MiB with 2 decimals (2.05 MiB)."""
+    return f"{nbytes / 1024:.0f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.2f} MiB"
 

@@ -252,7 +252,7 @@ def test_checkpoint_that_does_not_fit_fails_before_hdf5(tmp_path, monkeypatch, c
     monkeypatch.setattr(h5py, "File", lambda *a, **k: pytest.fail("HDF5 called on a full disk"))
     with pytest.raises(OSError) as info:
         checkpoint.write(str(tmp_path / "x.ckpt.h5"), make_ckpt(P=100))
-    assert str(info.value) == "[Errno 28] No space left on device" and info.value.errno == 28
+    assert str(info.value).startswith("[Errno 28] No space left on device (for this write: ") and info.value.errno == 28
     assert os.listdir(tmp_path) == [] and capsys.readouterr().err == ""
 
 
@@ -297,3 +297,19 @@ def test_data_synth_onto_a_full_disk_is_one_line_and_leaves_nothing(small_disk, 
                                        "([Errno 28] No space left on device): the file needs 13.6 MB more, 1000.00 GB "
                                        "are free; the partial file was removed\n")
     assert os.listdir(small_disk) == ["filler"]
+
+
+def test_the_free_space_check_says_what_it_found_and_needed(tmp_path, monkeypatch):
+    """A write the check refuses before the OS would: ENOSPC, with the space free and the space it wanted."""
+    import types
+
+    from mpiasgd import files
+
+    monkeypatch.setattr(files.os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=96, f_frsize=4096))
+    with pytest.raises(OSError) as info:
+        files.ensure_free_space(str(tmp_path / "x.h5"), 2**20)
+    assert info.value.errno == 28
+    assert str(info.value) == ("[Errno 28] No space left on device (for this write: 384 KiB free, 2.05 MiB needed: "
+                               "its 1.00 MiB + 5 % + 1.00 MiB kept free)")
+    monkeypatch.setattr(files.os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=2**20, f_frsize=4096))
+    files.ensure_free_space(str(tmp_path / "x.h5"), 2**20)  # 4 GiB free: no error
