@@ -62,8 +62,10 @@ def test_log_fills_a_real_tmpfs(mpirun, small_disk, tiny_cifar):
     assert res.returncode != 0 and res.seconds < 60, res.explain()
     path = small_disk / "x.h5"
     assert len(errors(res.stderr)) == 1, res.explain()
+    # (the free-space check before a flush says what it found: "... device (for this write: ...); ")
     assert errors(res.stderr)[0].startswith(f"mpiasgd: error: rank 0: run log '{path}' cannot be written: [Errno 28] "
-                                            "No space left on device; "), res.explain()
+                                            "No space left on device"), res.explain()
+    assert "; the log is closed with status 'failed'" in errors(res.stderr)[0], res.explain()
     assert f"checkpoint '{small_disk / 'x.ckpt.h5'}'" in res.stderr, res.explain()  # written, or says why not
     assert "Traceback" not in res.stderr, res.explain()
     assert not (small_disk / "x.h5.lock").exists()
