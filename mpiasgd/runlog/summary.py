@@ -5,6 +5,8 @@ shares. Each works on a run as `mpiasgd.runlog.load` reads it.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from mpiasgd.files import checkpoint_path
@@ -97,6 +99,19 @@ def shard_figures(run: dict) -> list[tuple[int, float | None, int | None]] | Non
     return out
 
 
+def failure_cause(run: dict) -> str:
+    """The first line of the last "preempt" or "failed" event of a failed run ("" where there is none)."""
+    events = run.get("events")
+    if events is None:
+        return ""
+    for row in reversed(events):
+        kind = row["kind"].decode() if isinstance(row["kind"], bytes) else str(row["kind"])
+        if kind in ("preempt", "failed"):
+            text = row["text"].decode() if isinstance(row["text"], bytes) else str(row["text"])
+            return text.strip().splitlines()[0] if text.strip() else ""
+    return ""
+
+
 def summary_lines(path: str, run: dict | None = None) -> list[str]:
     """The short summary printed at the end of `mpiasgd train`: accuracy, images/s, staleness, time, one
     line each. `run` is the log at `path` as `load` reads it (read here if None: errors as `load`)."""
@@ -113,6 +128,13 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
     if run.get("status") == "preempted":
         lines.append(f"checkpoint       {checkpoint_path(path)}  (no final evaluation; continue with "
                      f"'--resume {checkpoint_path(path)}')")
+    elif run.get("status") == "failed":  # the cause from the events (a dead worker, an error), and what is left
+        cause = failure_cause(run)
+        if cause:
+            lines.append(f"failed           {cause}")
+        ckpt = checkpoint_path(path)
+        if os.path.isfile(ckpt):
+            lines.append(f"checkpoint       {ckpt}  (continue with '--resume {ckpt}')")
     if final is not None:
         top5 = final["top5"] if "top5" in (final.dtype.names or ()) else float("nan")
         lines.append(f"test accuracy    {100 * final['accuracy']:.2f} %  on {final['count']:,} images "

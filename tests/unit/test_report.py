@@ -467,3 +467,23 @@ def test_trace_gives_each_other_shard_a_track_with_the_pushes_it_applied(tmp_pat
                                                                           ("apply", 250000.0, 2)]
     easgd = write_log(tmp_path / "e.h5", {"mode": "easgd"}, [push(0.1, 0), push(0.2, 1)])
     assert len([e for e in trace(easgd)["traceEvents"] if e["name"] == "apply" and e["tid"] == 0]) == 2
+
+
+def test_a_failed_run_says_its_cause_and_the_checkpoint_left(tmp_path):
+    """A run that failed (a worker died): the report names the cause, the first line of its last 'preempt' or
+    'failed' event, and the checkpoint beside the log when there is one."""
+    attrs = {"config": {"mode": "async"}, "model": "digits", "mode": "async", "num_workers": 2, "num_params": 3,
+             "num_train": 1000}
+    path = str(tmp_path / "k.h5")
+    log = RunLog.create(path, attrs, [WORKER] * 2, 3, flush_interval=60.0)
+    log.add(push(0.1, 0))
+    log.add(EventRow(time=0.2, kind=b"preempt", text="worker rank 2 on vm died (exit code 137): checkpoint "
+                                                     "'runs/k.ckpt.h5' written at version 1\ndetails"))
+    log.close("failed", {"train_time_s": 0.2})
+    text = report([path])
+    assert "failed           worker rank 2 on vm died (exit code 137): checkpoint 'runs/k.ckpt.h5' written at " \
+           "version 1" in text.splitlines()
+    assert "checkpoint       " not in text  # none beside the log
+    (tmp_path / "k.ckpt.h5").write_bytes(b"x")
+    assert f"checkpoint       {tmp_path / 'k.ckpt.h5'}  (continue with '--resume {tmp_path / 'k.ckpt.h5'}')" in \
+        report([path]).splitlines()
