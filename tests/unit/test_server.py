@@ -496,7 +496,8 @@ def test_lookahead_auto_with_overlap_is_one_more_round(tmp_path, capsys, num_wor
     assert server.lookahead_k == steps
     assert server.lookahead.factor == pytest.approx(sum(0.9 ** k for k in range(1, steps + 1)))
     server.r0.role.begin()
-    assert (f"the replies look {steps} update{'s' * (steps != 1)} ahead (--lookahead -1, {num_workers} worker{'s' * (num_workers != 1)})"
+    workers = f"{num_workers} worker{'s' * (num_workers != 1)}"
+    assert (f"the replies look {steps} update{'s' * (steps != 1)} ahead (--lookahead -1, {workers})"
             in capsys.readouterr().out)
 
 
