@@ -559,7 +559,7 @@ class AsgdMode(Mode):
                     ("nesterov", not cfg.nesterov, f"False {rule} (its look-ahead is Nesterov's point already)")):
                 need(ok, cfg, key, expected)
         need(cfg.lookahead == -1 or 0 <= cfg.lookahead <= 1e3, cfg, "lookahead", "updates from 0 (off) to 1000, or "
-             "-1 (auto: the other workers, N - 1)")
+             "-1 (auto: N - 1, 2N - 1 with --overlap)")
         if cfg.lookahead:
             need(cfg.momentum > 0, cfg, "lookahead", "0 with momentum 0 (the reply looks ahead along the momentum)")
             need(cfg.nsync == 1, cfg, "lookahead", "0 with nsync > 1 (the server adds accumulated updates without "
