@@ -167,9 +167,11 @@ def probe_cuda_graphs(cfg: Config, spec: dict) -> tuple[str, str]:
             graphs.step(x, rng.integers(0, model.num_classes, cfg.batch_size), i).get()
     except GraphError as e:
         raise BackendUnavailable(str(e)) from None
-    except Exception as e:  # a CUDA error in an eager step: a start-up error with its cause, not a traceback
-        raise BackendUnavailable(f"--cuda-graphs {cfg.cuda_graphs}: the trial steps at start-up failed "
-                                 f"({type(e).__name__}: {e})") from e
+    except Exception as e:  # on: a start-up error with its cause; auto: eager launches (training says its own)
+        why = f"the trial steps at start-up failed ({type(e).__name__}: {e})"
+        if cfg.cuda_graphs == "on":
+            raise BackendUnavailable(f"--cuda-graphs on: {why}") from e
+        return "off", f"--cuda-graphs auto: eager launches: {why}"
     if graphs.reason:
         return "off", f"--cuda-graphs {cfg.cuda_graphs}: eager launches: {graphs.reason}"
     return cfg.cuda_graphs, (f"--cuda-graphs {cfg.cuda_graphs}: each training step replays one CUDA graph per "

@@ -249,7 +249,13 @@ class WorkerLoop:
             print(f"mpiasgd: warning (rank {self.rank}): --cuda-graphs {mode}: eager launches from step "
                   f"{self.step + 1} on: {reason}", file=sys.stderr, flush=True)
 
-        return StepGraphs(self.model, CupyGraphs(self.model.ops.xp), mode, on_fallback=fell_back)
+        try:
+            return StepGraphs(self.model, CupyGraphs(self.model.ops.xp), mode, on_fallback=fell_back)
+        except Exception as e:  # (on: the start-up probe made the same objects; auto: eager launches)
+            if mode == "on":
+                raise
+            fell_back(f"{type(e).__name__}: {e}")
+            return None
 
     @property
     def cursor(self) -> int:

@@ -247,3 +247,50 @@ def test_start_up_probe_resolves_the_option_and_says_why(lib, monkeypatch):
     assert resolved == "off" and note.startswith("--cuda-graphs auto: eager launches: the network has 1 Dropout")
     with pytest.raises(BackendUnavailable, match="--cuda-graphs on: the network has 1 Dropout layer"):
         startup.probe_cuda_graphs(Config(model="digits", batch_size=4, cuda_graphs="on"), dropped)
+
+
+def test_a_replay_that_fails_falls_back_under_auto_and_raises_under_on(lib):
+    """A CUDA error in a replay (here: the recorder refuses its second replay): auto runs that step and the later
+    ones eagerly, with the eager bits, and says why once; on raises GraphError naming the error."""
+
+    class Refusing(RecordingGraphs):
+        def replay(self, graph):
+            if self.replays == 1:
+                raise RuntimeError("cudaErrorLaunchFailure")
+            super().replay(graph)
+
+    ops = cases.cpu_backend(lib, **SMALL)
+    batches = minibatches((1, 8, 8), 5)
+    model = bound(ops, "digits")
+    want = train(model, batches, eager_step(model))
+    model = bound(ops, "digits")
+    said = []
+    graphs = StepGraphs(model, Refusing(ops), on_fallback=said.append)
+    assert_same_bits(train(model, batches, graphs.step), want)
+    assert graphs.replays == 1 and said == ["a replay failed (RuntimeError: cudaErrorLaunchFailure)"]
+    strict = StepGraphs(bound(ops, "digits"), Refusing(ops), mode="on")
+    with pytest.raises(GraphError, match=r"--cuda-graphs on: a replay failed \(RuntimeError: cudaErrorLaunch"):
+        train(strict.model, batches, strict.step)
+
+
+def test_graphs_that_cannot_be_made_never_stop_an_auto_start(lib, monkeypatch):
+    """The probe under auto: graphs that cannot even be set up (no stream, say) mean eager launches with the
+    reason, not a start-up error; under on, the start-up error names it."""
+    import mpiasgd.launch.startup as startup
+    import mpiasgd.model.registry
+    from mpiasgd.config import Config
+    from mpiasgd.ops import BackendUnavailable
+
+    ops = cases.cpu_backend(lib, **SMALL)
+    monkeypatch.setattr(mpiasgd.model.registry, "get_backend", lambda name: ops)
+
+    def no_stream(xp):
+        raise RuntimeError("cudaErrorNotSupported: stream capture")
+
+    monkeypatch.setattr(startup, "CupyGraphs", no_stream)
+    spec = Model("digits", (1, 8, 8), digits(), ops).spec()
+    resolved, note = startup.probe_cuda_graphs(Config(model="digits", batch_size=4), spec)
+    assert resolved == "off" and note == ("--cuda-graphs auto: eager launches: the trial steps at start-up failed "
+                                          "(RuntimeError: cudaErrorNotSupported: stream capture)")
+    with pytest.raises(BackendUnavailable, match=r"--cuda-graphs on: the trial steps at start-up failed"):
+        startup.probe_cuda_graphs(Config(model="digits", batch_size=4, cuda_graphs="on"), spec)

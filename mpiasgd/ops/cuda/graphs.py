@@ -189,7 +189,11 @@ class StepGraphs:
         entry = self._entries.setdefault(key, _Entry())
         if entry.stage == 4:
             model.ctx.minibatch = int(minibatch)
-            rt.replay(entry.graph)
+            try:
+                rt.replay(entry.graph)
+            except Exception as e:  # (auto: this step and the later ones eager; on: the error)
+                self._fail(f"a replay failed ({type(e).__name__}: {e})")
+                return model.forward_backward_deferred(xs, ys, minibatch)
             self.replays += 1
             return entry.stats.copied()
         if entry.stage == 1:
@@ -232,8 +236,13 @@ class StepGraphs:
         grads, buffers = model.grads.copy(), model.buffers.copy()
         model.buffers[...] = saved
         model.ctx.minibatch = int(minibatch)
-        self.runtime.replay(entry.graph)
-        replayed = entry.stats.copied()
+        try:
+            self.runtime.replay(entry.graph)
+            replayed = entry.stats.copied()
+        except Exception as e:
+            model.grads[...], model.buffers[...] = grads, buffers  # the eager step's results stand
+            self._fail(f"the replay of the captured step failed ({type(e).__name__}: {e})")
+            return eager
         differ = [what for what, ok in (("gradients", same_bits(model.grads, grads)),
                                         ("layer buffers", same_bits(model.buffers, buffers)),
                                         ("loss and hits", tuple(map(repr, replayed.get())) ==
