@@ -120,12 +120,6 @@ from mpiasgd.optim.rules import AsyncRule, DanaZero, DelayCompensated
 from mpiasgd.rank0.server import ReplyNow, ShardedServer, server_shard
 
 STALENESS_LR = ("none", "inverse", "sqrt")
-
-
-def workers_text(n: int) -> str:
-    """"1 worker", "2 workers"."""
-    return f"{n} worker{'s' * (n != 1)}"
-
 ASYNC_MOMENTUM = ("fixed", "workers")
 UPDATE_RULES = ("sgd", "dana-zero")  # --update-rule
 
@@ -171,9 +165,8 @@ class AsgdServer(ShardedServer):
         # --dc-lambda: the weights worker w computed its push on are those of its last reply, in weights[w]
         self.compensation = DelayCompensation(P, cfg.dc_lambda, cfg.dc_adaptive) if cfg.dc_lambda else None
         rule = AsyncRule(self.optimizer, cfg.staleness_lr)  # the update; DC-ASGD corrects the gradient first
-        self.rule = rule if self.compensation is None else DelayCompensated(rule, self.compensation)
-        if self.dana is not None:
-            self.rule = self.dana
+        self.rule = (self.dana if self.dana is not None else rule if self.compensation is None
+                     else DelayCompensated(rule, self.compensation))
 
     # --- the loop's questions ---
     def warm_up(self) -> None:
@@ -185,11 +178,12 @@ class AsgdServer(ShardedServer):
     def begin(self) -> None:
         """Send the first weights: to every worker, or (--warm-start, not on a resume) to the first one only."""
         cfg = self.cfg
+        workers = f"{len(self.workers)} worker{'s' * (len(self.workers) != 1)}"  # (the start lines say it)
         if cfg.async_momentum != "fixed" and self.shard == 0:  # said once, on the console and in the log's events
             momentum = float(self.optimizer.momentum)
             off = " (Nesterov off: it needs a momentum > 0)" if cfg.nesterov and not momentum else ""
             text = (f"the server's momentum is {momentum:g} (--momentum {cfg.momentum:g}, --async-momentum "
-                    f"{cfg.async_momentum}, {workers_text(len(self.workers))}){off}")
+                    f"{cfg.async_momentum}, {workers}){off}")
             self.rec.event("momentum", text)
             print(f"mpiasgd: {text}", flush=True)
         if self.dana is not None and self.shard == 0:
@@ -201,7 +195,7 @@ class AsgdServer(ShardedServer):
             steps = self.lookahead_k
             if self.lookahead is not None:
                 text = (f"the replies look {steps:g} update{'s' * (steps != 1)} ahead (--lookahead {cfg.lookahead:g}, "
-                        f"{workers_text(len(self.workers))}): w - lr * {self.lookahead.factor:.4g} * v")
+                        f"{workers}): w - lr * {self.lookahead.factor:.4g} * v")
             else:
                 why = "the server's momentum is 0" if steps else "with 1 worker nothing is stale"
                 text = f"--lookahead {cfg.lookahead:g} is off: {why}"

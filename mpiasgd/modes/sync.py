@@ -49,12 +49,6 @@ from mpiasgd.rank0.evals import PeriodicEvals
 from mpiasgd.rank0.role import Role
 
 
-def replica_digest(params: Any, buffers: Any) -> int:
-    """The REPORT digest of a replica: `weights_digest` of its float32 weights, then its layers' buffers (what
-    replicas must hold alike), where they are (on a GPU worker: reduced on the device, no copy of the weights)."""
-    return weights_digest(params, buffers)
-
-
 class Replicas:
     """(rank 0) Replicas must report the same weight digest for the same step (sync: all workers;
     pipeline: a module's replicas): RuntimeError naming the step and the ranks at the first difference."""
@@ -270,7 +264,7 @@ class SyncWorker(WorkerLoop):
             flags = ((Flag.SKIPPED if skipped else 0) | (Flag.NONFINITE if nonfinite else 0)
                      | (Flag.LAST if last else 0) | (Flag.PREEMPT if self.preempted else 0))
             report = reports.take(self.step)
-            digest = (replica_digest(model.params, self.buffers)  # rank 0 compares (reduced where the weights are)
+            digest = (weights_digest(model.params, self.buffers)  # rank 0 compares (reduced where the weights are)
                       if nworkers > 1 else 0)  # (one replica: nothing to compare)
             report.stamp(Tag.REPORT, rank, step=self.step, version=applied, samples=samples, epoch=epoch,
                          correct=correct, loss=loss, compute_s=t1 - t0, comm_s=t2 - t1 - wait_s, wait_s=wait_s,

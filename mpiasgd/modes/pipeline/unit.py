@@ -40,11 +40,11 @@ from mpiasgd.comms import (
     check,
     check_size,
     wait,
+    weights_digest,
 )
 from mpiasgd.data import MinibatchStream
 from mpiasgd.modes.base import WorkerJob, WorkerLoop
 from mpiasgd.modes.pipeline.partition import Module
-from mpiasgd.modes.sync import replica_digest
 from mpiasgd.optim import (
     EvalSchedule,
     LocalSGD,
@@ -463,12 +463,12 @@ class PipelineUnit(WorkerLoop):
     def report(self, t: int, m_f: int, m_b: int, flags: int, loss: float, correct: int,
                applied: bool, compute_s: float, comm_s: float, wait_s: float, lr: float) -> None:
         """REPORT of iteration t to rank 0: version = the iteration whose forward the applied gradient used;
-        digest = `replica_digest` of the module's weights and buffers (N > 1: rank 0 checks that the replicas agree)."""
+        digest = `weights_digest` of the module's weights and buffers (N > 1: rank 0 checks that the replicas agree)."""
         report = self.reports.take(t)
         # samples: counted once per minibatch, by the last module (the pushes table sums them)
         samples = self.cfg.batch_size if applied and self.module.is_last else 0
         module = self.module
-        digest = replica_digest(module.params, module.buffers) if self.N > 1 else 0
+        digest = weights_digest(module.params, module.buffers) if self.N > 1 else 0
         report.stamp(Tag.REPORT, self.rank, step=t, version=t - self.delay if m_b >= 0 else -1, epoch=m_b,
                      samples=samples, correct=correct, loss=loss, compute_s=compute_s, comm_s=comm_s, wait_s=wait_s,
                      lr=lr, flags=flags, digest=digest, data_s=self.stream.data_s if self.k == 0 else 0.0)
