@@ -105,8 +105,7 @@ def failure_cause(run: dict) -> str:
     if events is None:
         return ""
     for row in reversed(events):
-        kind = row["kind"].decode() if isinstance(row["kind"], bytes) else str(row["kind"])
-        if kind in ("preempt", "failed"):
+        if row["kind"] in (b"preempt", b"failed"):
             text = row["text"].decode() if isinstance(row["text"], bytes) else str(row["text"])
             return text.strip().splitlines()[0] if text.strip() else ""
     return ""
