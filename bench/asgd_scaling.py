@@ -29,6 +29,16 @@ settings instead of running it again (the check of bench/simulate_speedup.py: th
 of workers and the timing model), so a long grid runs in parts. `--jobs` simulations at once, one BLAS thread
 each. Cost: a cell is one worker's worth of gradients whatever N (cifar10 at batch 64: about 0.1 s each on one
 core, 15 epochs about 20 minutes, plus 10 s per evaluation of the test set).
+
+Records (`--results FILE`, a JSON object: cell name -> record, one line each) are how a grid accumulates across
+sessions and machines, whose run logs do not last: commit the file. Each cell that runs, or is taken from a
+log, is written to FILE as soon as it ends (merged into what FILE holds then; temp file + os.replace), so a
+killed grid loses only the cells in flight. A record holds what the summary needs: the final test accuracy,
+the virtual training seconds, the final epoch and the evaluations during training as [virtual s, epoch,
+top-1]; the signature `--reuse` compares (the resolved config but NOT_COMPARED, the number of workers, the
+timing model's TIMING_KEYS); and where it came from (commit, UTC date, command). With `--reuse`, a cell whose
+record has the same signature is taken from it, log or none (`NAME: recorded`); a record of other settings
+stops the script naming the file, the cell and the keys that differ; else a complete log, else a run.
 """
 
 from __future__ import annotations
@@ -38,17 +48,23 @@ import json
 import math
 import os
 import shlex
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 from launch import Finished, add_run_arguments, distinct_ints, run, run_dir
-from simulate_speedup import option_list, reusable, settings, time_to_target
+from simulate_speedup import NOT_COMPARED, TIMING_KEYS, option_list, reusable, settings
 
-from mpiasgd.config import ConfigError
+from mpiasgd.config import FIELDS, ConfigError
 from mpiasgd.runlog.reader import load
-from mpiasgd.runlog.summary import final_eval
+from mpiasgd.runlog.summary import final_eval, periodic_evals
 
 HERE = Path(__file__).resolve().parent
 PROG = "asgd_scaling.py"
@@ -115,6 +131,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=int, default=2, help="simulations at once")
     parser.add_argument("--reuse", action="store_true", help="take a complete log of the same settings instead of "
                         "running it again")
+    parser.add_argument("--results", default=None, metavar="FILE", help="per-cell records (JSON), merged across "
+                        "invocations: each cell that runs or is taken from a log is recorded as it ends; with "
+                        "--reuse a cell recorded of the same settings is taken from its record")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes where not given: " + json.dumps(DRY))
     add_run_arguments(parser, "scaling")
     return parser
@@ -133,6 +152,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.run_dir = run_dir(args, "scaling")
     args.extra = option_list(parser, args.options)
     os.makedirs(args.run_dir, exist_ok=True)
+    if args.results is not None:
+        folder = os.path.dirname(os.path.abspath(args.results))
+        if os.path.isdir(args.results) or not os.path.isdir(folder):
+            parser.error(f"--results '{args.results}': expected a JSON file (existing or not) in an existing folder")
     return args
 
 
@@ -150,24 +173,58 @@ def command(args: argparse.Namespace, variant: str, n: int, lr: float, seed: int
 
 class Cells:
     """The simulations of this invocation: each planned once (its command read as `mpiasgd simulate` reads it; a
-    cell it refuses is kept with the reason), run or reused, and read back."""
+    cell it refuses is kept with the reason), taken from its record, run or reused, and kept as a record (`read`);
+    with --results each one that ran or was read from its log is recorded there as soon as it ends."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.refused: dict[tuple, str] = {}
         self.results: dict[tuple, dict | None] = {}
         self.commands: list[list[str]] = []
+        self.planned: dict[tuple, tuple[list[str], Any, Any] | None] = {}
+        self.records = read_records(args.results) if args.results else {}
+        self.writing = threading.Lock()
+
+    def plan(self, key: tuple) -> tuple[list[str], Any, Any] | None:
+        """(command, Config, TimingModel) of cell `key`, read once; None for a cell `mpiasgd simulate` refuses."""
+        if key not in self.planned:
+            cmd = command(self.args, *key)
+            try:
+                self.planned[key] = (cmd, *settings(cmd))
+            except ConfigError as e:
+                self.refused[key] = str(e).removeprefix("mpiasgd simulate: ")
+                self.planned[key] = None
+        return self.planned[key]
+
+    def recorded(self, key: tuple) -> dict | None:
+        """With --reuse and --results: the record of cell `key` if it is of the same settings, None if there is
+        none; SystemExit naming the file, the cell and the keys that differ for a record of other settings."""
+        record = self.records.get(name(*key)) if self.args.reuse else None
+        planned = self.plan(key) if record is not None else None
+        if planned is None:
+            return None
+        missing = [k for k in RECORD_KEYS if k not in record]
+        if missing:
+            sys.exit(f"{PROG}: --results '{self.args.results}': the record of {name(*key)} lacks {', '.join(missing)} "
+                     f"(expected {', '.join(RECORD_KEYS)}); remove it")
+        differ = differences(record["signature"], signature(planned[1], key[1], planned[2]))
+        if differ:
+            sys.exit(f"{PROG}: --reuse: --results '{self.args.results}': {name(*key)} is recorded of other settings "
+                     f"{differ} (key: (the record's, wanted)); remove its record or use another --results file")
+        return record
 
     def run(self, keys: list[tuple]) -> None:
         todo = []
         for key in keys:
-            cmd = command(self.args, *key)
-            try:
-                cfg, timing = settings(cmd)
-            except ConfigError as e:
-                self.refused[key] = str(e).removeprefix("mpiasgd simulate: ")
+            if self.plan(key) is None:
                 continue
+            cmd, cfg, timing = self.planned[key]
             self.commands.append(cmd)
+            record = self.recorded(key)
+            if record is not None:
+                print(f"{name(*key)}: recorded", flush=True)
+                self.results[key] = record
+                continue
             log = os.path.join(self.args.run_dir, name(*key) + ".h5")
             todo.append((key, cmd, self.args.reuse and reusable(log, cfg, key[1], timing)))
 
@@ -178,16 +235,107 @@ class Cells:
                   flush=True)
             if not done.ok:
                 print(done.explain(self.args.timeout), file=sys.stderr, flush=True)
-            return key, done
+                return key, None
+            record = self.read(key)
+            if self.args.results:
+                with self.writing:  # one writer at a time: each merges into what the file holds then
+                    write_record(self.args.results, name(*key), record)
+            return key, record
 
         with ThreadPoolExecutor(max_workers=self.args.jobs) as pool:
-            for key, done in pool.map(one, todo):
-                self.results[key] = self.read(key) if done.ok else None
+            self.results.update(pool.map(one, todo))
 
     def read(self, key: tuple) -> dict:
+        """The record of cell `key` from its log (see the module's docstring): what the summary needs, the
+        signature and the provenance."""
+        cmd, cfg, timing = self.planned[key]
         r = load(os.path.join(self.args.run_dir, name(*key) + ".h5"))
         final = final_eval(r)
-        return {"accuracy": float(final["accuracy"]) if final is not None else float("nan"), "log": r}
+        during = periodic_evals(r)
+        train_time = float(r["train_time_s"])
+        return {"accuracy": float(final["accuracy"]) if final is not None else float("nan"),
+                "train_time_s": train_time, "epochs": epochs_at(r, train_time),
+                "evals": [[float(t), epochs_at(r, float(t)), float(a)] for t, a in
+                          zip(during["time"], during["top1"], strict=True)] if during is not None else [],
+                "signature": signature(cfg, key[1], timing), "commit": commit(),
+                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": shlex.join(cmd)}
+
+
+RECORD_KEYS = ("signature", "accuracy", "train_time_s", "epochs", "evals")  # what a record taken as a cell needs
+
+
+def signature(cfg: Any, workers: int, timing: Any) -> dict:
+    """What --reuse compares of a cell, as bench/simulate_speedup.py's `reusable` compares a log: the config
+    `mpiasgd simulate` resolves (but NOT_COMPARED), the number of workers, the timing model's TIMING_KEYS."""
+    given = json.loads(json.dumps(timing.to_dict()))
+    return {"config": {k: v for k, v in json.loads(cfg.to_json()).items() if k not in NOT_COMPARED},
+            "workers": workers, "timing": {k: given.get(k) for k in TIMING_KEYS}}
+
+
+def differences(recorded: Any, wanted: dict) -> dict:
+    """key -> (the recorded value, the wanted one) of each that differs between two signatures (config keys by
+    name, then "workers" and "timing KEY"; a config key a record predates counts as its default, as for a log)."""
+    recorded = recorded if isinstance(recorded, dict) else {}
+    config = recorded.get("config") if isinstance(recorded.get("config"), dict) else {}
+    timing = recorded.get("timing") if isinstance(recorded.get("timing"), dict) else {}
+    differ = {}
+    for key, value in wanted["config"].items():
+        have = config.get(key, json.loads(json.dumps(FIELDS[key].default)) if key in FIELDS else None)
+        if have != value:
+            differ[key] = (have, value)
+    if recorded.get("workers") != wanted["workers"]:
+        differ["workers"] = (recorded.get("workers"), wanted["workers"])
+    for key in TIMING_KEYS:
+        if timing.get(key) != wanted["timing"][key]:
+            differ[f"timing {key}"] = (timing.get(key), wanted["timing"][key])
+    return differ
+
+
+@cache
+def commit() -> str | None:
+    """The short commit of this script's checkout, None outside one (or without git)."""
+    try:
+        done = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
+def read_records(path: str) -> dict[str, dict]:
+    """The records of --results file `path` ({} if there is none yet); SystemExit naming the file if it is not a
+    JSON object of records (cell name -> JSON object)."""
+    try:
+        with open(path) as f:
+            records = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        sys.exit(f"{PROG}: --results '{path}': cannot read it as JSON ({e}); fix or remove it")
+    if not isinstance(records, dict) or not all(isinstance(v, dict) for v in records.values()):
+        sys.exit(f"{PROG}: --results '{path}': expected a JSON object of records (cell name -> object), got "
+                 f"{type(records).__name__} {str(records)[:80]!r}")
+    return records
+
+
+def write_record(path: str, cell: str, record: dict) -> None:
+    """Cell `cell`'s record into --results file `path`, merged into what the file holds now (the other cells' kept),
+    written whole to a temporary file beside it and moved over it (os.replace: a reader sees the old or the new
+    file, never a part); one line per cell, in name order, so that a commit of it shows the cells it changed."""
+    records = read_records(path)
+    records[cell] = record
+    text = "{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(records[k], sort_keys=True)}"
+                               for k in sorted(records)) + "\n}\n"
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=os.path.basename(path) + ".",
+                               suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def best_lr(cells: Cells, variant: str, n: int, lrs: list[float]) -> float | None:
@@ -218,11 +366,10 @@ def summarize(cells: Cells, args: argparse.Namespace, chosen: dict) -> dict:
             acc = [c["accuracy"] for c in runs if c]
             times, epochs = [], []
             for c in runs:
-                if c and target is not None:
-                    t = time_to_target(c["log"], target)
-                    if t is not None:
-                        times.append(t)
-                        epochs.append(epochs_at(c["log"], t))
+                reached = time_to_target(c, target) if c and target is not None else None
+                if reached is not None:
+                    times.append(reached[0])
+                    epochs.append(reached[1])
             cell = {"lr": lr, "accuracy": acc, "reached": f"{len(times)}/{len(acc)}",
                     "time_s": sum(times) / len(times) if times else None,
                     "epochs": sum(epochs) / len(epochs) if epochs else None}
@@ -232,6 +379,16 @@ def summarize(cells: Cells, args: argparse.Namespace, chosen: dict) -> dict:
     for cell in out["cells"].values():
         cell["speedup"] = (ref_time / cell["time_s"]) if ref_time and cell.get("time_s") else None
     return out
+
+
+def time_to_target(record: dict, target: float) -> tuple[float, float] | None:
+    """(virtual seconds, epochs) of a cell's record to the first evaluation during training that reached `target`;
+    failing that, the training time and final epoch if the final weights' evaluation did (the last evaluation
+    during training comes before the run's end); None if neither did."""
+    for seconds, epochs, accuracy in sorted(record["evals"]):  # in time order (as written)
+        if accuracy >= target:
+            return seconds, epochs
+    return (record["train_time_s"], record["epochs"]) if record["accuracy"] >= target else None
 
 
 def epochs_at(log: dict, seconds: float) -> float:
@@ -278,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     t0 = time.monotonic()
     cells = Cells(args)
+    for key in [(v, n, lr, s) for v in args.variants for n in args.workers for lr in args.lrs
+                for s in range(args.seeds)]:
+        cells.recorded(key)  # every record the grid may take judged up front: one of other settings stops it now
     cells.run([(v, n, lr, 0) for v in args.variants for n in args.workers for lr in args.lrs])
     chosen = {(v, n): best_lr(cells, v, n, args.lrs) for v in args.variants for n in args.workers}
     cells.run([(v, n, lr, s) for (v, n), lr in chosen.items() if lr is not None for s in range(1, args.seeds)])

@@ -856,14 +856,18 @@ def test_a_typo_in_a_gpu_scripts_arguments_fails_its_dry_run():
 def test_asgd_scaling_dry_run_picks_the_best_step_size_runs_the_seeds_and_reuses(tmp_path, capsys):
     """bench/asgd_scaling.py --dry-run (digits, N = 1, 2, two variants, two step sizes, 2 seeds): the grid at seed 0,
     the other seed at each cell's best step size, the reference (sgd, N = 1) at speed-up 1; a second invocation with
-    --reuse runs nothing again and gives the same summary; bad arguments are refused before anything runs."""
+    --reuse runs nothing again and gives the same summary; --results records every cell, as it ran or from its
+    log, and a third invocation with --reuse, those records and an empty --run-dir takes every cell from them and
+    prints the same table (the other records of the file kept); a record of other settings stops it naming the
+    cell; bad arguments are refused before anything runs."""
     import json
 
     import asgd_scaling
 
-    argv = ["--dry-run", "--lrs", "0.02,0.08", "--run-dir", str(tmp_path), "--timeout", "120"]
-    assert asgd_scaling.main(argv) == 0
-    first = json.loads((tmp_path / "asgd_scaling.json").read_text())
+    logs, records = tmp_path / "logs", tmp_path / "records.json"
+    argv = ["--dry-run", "--lrs", "0.02,0.08", "--timeout", "120"]
+    assert asgd_scaling.main([*argv, "--run-dir", str(logs), "--results", str(records)]) == 0
+    first = json.loads((logs / "asgd_scaling.json").read_text())
     out = capsys.readouterr().out
     assert len(first["commands"]) == 2 * 2 * 2 + 2 * 2  # the grid (variants x N x step sizes), then seed 1 at the best
     cells = first["summary"]["cells"]
@@ -871,16 +875,53 @@ def test_asgd_scaling_dry_run_picks_the_best_step_size_runs_the_seeds_and_reuses
     for key, cell in cells.items():
         variant, n = key.split(" N=")
         assert cell["lr"] in (0.02, 0.08) and len(cell["accuracy"]) == 2
-        grid = {lr: asgd_scaling.load(str(tmp_path / f"{variant}-n{n}-lr{lr:g}-s0.h5")) for lr in (0.02, 0.08)}
+        grid = {lr: asgd_scaling.load(str(logs / f"{variant}-n{n}-lr{lr:g}-s0.h5")) for lr in (0.02, 0.08)}
         accuracy = {lr: asgd_scaling.final_eval(r)["accuracy"] for lr, r in grid.items()}
         assert accuracy[cell["lr"]] == max(accuracy.values())  # the best of the grid
-        assert (tmp_path / f"{variant}-n{n}-lr{cell['lr']:g}-s1.h5").is_file()
+        assert (logs / f"{variant}-n{n}-lr{cell['lr']:g}-s1.h5").is_file()
     assert cells["sgd N=1"]["speedup"] == pytest.approx(1.0) and 0.5 < first["summary"]["target"] < 1
     assert "| 1 | " in out and "| 2 | " in out and "`lookahead` (`--lookahead -1`)" in out
-    assert asgd_scaling.main([*argv, "--reuse"]) == 0
-    again = json.loads((tmp_path / "asgd_scaling.json").read_text())
+    table = out.split(" s of this machine\n\n", 1)[1]
+
+    ran = json.loads(records.read_text())  # a record per cell that ran, of what its log holds
+    assert len(ran) == 12 and ran.keys() == {c.split(" --name ")[1].split()[0] for c in first["commands"]}
+    r = asgd_scaling.load(str(logs / "lookahead-n2-lr0.08-s0.h5"))
+    record = ran["lookahead-n2-lr0.08-s0"]
+    assert record["accuracy"] == float(asgd_scaling.final_eval(r)["accuracy"]) and 0.5 < record["accuracy"] <= 1
+    assert record["train_time_s"] == float(r["train_time_s"]) > 0 and 0.9 < record["epochs"] <= 1.01
+    assert [e[2] for e in record["evals"]] == r["periodic_evals"]["top1"].tolist() and len(record["evals"]) >= 1
+    assert all(0 < t <= record["train_time_s"] and 0 < ep <= record["epochs"] for t, ep, _ in record["evals"])
+    signature = record["signature"]
+    assert signature["workers"] == 2 and signature["config"]["lr"] == 0.08 and signature["config"]["lookahead"] == -1
+    assert "run_dir" not in signature["config"] and signature["timing"]["server_s"] > 0
+    assert record["command"].endswith("--lookahead -1") and record["date"].endswith("+00:00")
+
+    from_logs = tmp_path / "from_logs.json"  # --reuse: every log is reused, and recorded as it was read
+    kept = {"accuracy": 0.5, "note": "a cell of another grid"}  # the records of cells this grid has not: kept
+    from_logs.write_text(json.dumps({"other-n1-lr1-s0": kept}))
+    assert asgd_scaling.main([*argv, "--run-dir", str(logs), "--reuse", "--results", str(from_logs)]) == 0
+    again = json.loads((logs / "asgd_scaling.json").read_text())
     assert capsys.readouterr().out.count(": reused") == 12
     assert again["summary"] == first["summary"]
+    merged = json.loads(from_logs.read_text())
+    assert merged.pop("other-n1-lr1-s0") == kept and merged.keys() == ran.keys()
+    for cell, record in merged.items():
+        assert {k: v for k, v in record.items() if k != "date"} == {k: v for k, v in ran[cell].items() if k != "date"}
+
+    empty = tmp_path / "empty"  # no logs at all: every cell from its record
+    assert asgd_scaling.main([*argv, "--run-dir", str(empty), "--reuse", "--results", str(records)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(": recorded") == 12 and ": reused" not in out and not list(empty.glob("*.h5"))
+    third = json.loads((empty / "asgd_scaling.json").read_text())
+    assert third["summary"] == first["summary"] and out.split(" s of this machine\n\n", 1)[1] == table
+    assert [c["accuracy"] for c in third["summary"]["cells"].values()] == [c["accuracy"] for c in cells.values()]
+
+    ran["sgd-n2-lr0.02-s0"]["signature"]["config"]["momentum"] = 0.5  # a record of other settings
+    records.write_text(json.dumps(ran))
+    with pytest.raises(SystemExit) as e:
+        asgd_scaling.main([*argv, "--run-dir", str(empty), "--reuse", "--results", str(records)])
+    assert str(records) in str(e.value) and "sgd-n2-lr0.02-s0 is recorded of other settings" in str(e.value)
+    assert "'momentum': (0.5, 0.9)" in str(e.value) and not list(empty.glob("*.h5"))
     for bad, message in ((["--workers", "2,4"], "must start with 1"),
                          (["--variants", "sgd,bogus"], "expected distinct"),
                          (["--lrs", "0.1,-1"], "expected distinct finite numbers > 0")):
