@@ -58,14 +58,15 @@ from mpiasgd.tools.report import time_to_accuracy
 WORKERS = 2
 VARIANTS = {
     "sync": ["--mode", "sync"],
-    "async": ["--mode", "async"],
+    "async": ["--mode", "async", "--update-rule", "sgd"],  # (plain A-SGD; the default, auto, is DANA-Zero for 2)
+    "async-dana": ["--mode", "async", "--update-rule", "dana-zero"],
     "async-inverse": ["--mode", "async", "--staleness-lr", "inverse"],
     "async-momentum": ["--mode", "async", "--async-momentum", "workers"],
     "async-dca": ["--mode", "async", "--dc-lambda", "2", "--dc-adaptive", "0.95"],
     "async-dca-mom": ["--mode", "async", "--dc-lambda", "2", "--dc-adaptive", "0.95", "--async-momentum", "workers"],
     "async-lookahead": ["--mode", "async", "--lookahead", "-1"],
-    "async-nesterov": ["--mode", "async", "--nesterov"],
-    "ssp": ["--mode", "ssp", "--staleness-bound", "2"],
+    "async-nesterov": ["--mode", "async", "--nesterov"],  # (auto: sgd, since dana-zero rules out --nesterov)
+    "ssp": ["--mode", "ssp", "--staleness-bound", "2", "--update-rule", "sgd"],
 }
 DEFAULT_VARIANTS = "sync,async,async-momentum,async-dca,async-dca-mom"
 

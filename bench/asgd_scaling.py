@@ -70,21 +70,31 @@ HERE = Path(__file__).resolve().parent
 PROG = "asgd_scaling.py"
 
 # name -> (the `mpiasgd simulate` flags of the variant, what it is)
+SGD = ["--update-rule", "sgd"]  # plain A-SGD's update, whatever the default (auto: DANA-Zero for 2+ workers)
 VARIANTS: dict[str, tuple[list[str], str]] = {
-    "sgd": ([], "GPU A-SGD / Downpour: the gradient into the server's momentum as for one worker "
-                "(Paine et al. 2013; Dean et al. 2012)"),
-    "momentum-workers": (["--async-momentum", "workers"], "the server's momentum max(0, m - (1 - 1/N)): "
+    "sgd": (SGD, "GPU A-SGD / Downpour: the gradient into the server's momentum as for one worker "
+                 "(Paine et al. 2013; Dean et al. 2012)"),
+    "momentum-workers": ([*SGD, "--async-momentum", "workers"], "the server's momentum max(0, m - (1 - 1/N)): "
                          "asynchrony begets momentum (Mitliagkas et al. 2016)"),
-    "lookahead": (["--lookahead", "-1"], "replies N - 1 momentum-only updates ahead along the server's momentum "
-                  "(DANA's look-ahead, Hakimi et al. 2019, with one momentum)"),
+    "lookahead": ([*SGD, "--lookahead", "-1"], "replies N - 1 momentum-only updates ahead along the server's "
+                  "momentum (DANA's look-ahead, Hakimi et al. 2019, with one momentum)"),
     "dana-zero": (["--update-rule", "dana-zero"], "a momentum per worker on the server, the replies one step ahead "
                   "along their sum (DANA-Zero, Hakimi et al. 2019)"),
-    "staleness-lr": (["--staleness-lr", "inverse"], "the gradient scaled by 1/staleness (Zhang et al. 2016)"),
-    "dc-asgd": (["--dc-lambda", "0.04"], "delay compensation g + lambda g*g (w - w_pulled), lambda 0.04 "
+    "dana-zero-warmup": (["--update-rule", "dana-zero", "--warmup-epochs", "{warmup}"], "DANA-Zero with a warm-up "
+                         "that grows with N: max(0.5, N/4) epochs (the large-batch rule of Goyal et al. 2017 read for "
+                         "N stale workers)"),
+    "gap-aware": ([*SGD, "--gap-aware"], "each weight's gradient divided by its gap max(1, |w - w_pulled| / C), "
+                  "C the mean step (Gap-Aware, Barkai et al. 2020)"),
+    "dana-ga": (["--update-rule", "dana-zero", "--gap-aware"], "DANA-Zero with Gap-Aware's penalty, the gap from "
+                "the look-ahead weights (DANA-GA, Barkai et al. 2020)"),
+    "default": ([], "no flags: what a user gets (--update-rule auto: DANA-Zero from 2 workers)"),
+    "staleness-lr": ([*SGD, "--staleness-lr", "inverse"], "the gradient scaled by 1/staleness (Zhang et al. 2016)"),
+    "dc-asgd": ([*SGD, "--dc-lambda", "0.04"], "delay compensation g + lambda g*g (w - w_pulled), lambda 0.04 "
                 "(Zheng et al. 2017)"),
-    "nsync4": (["--nsync", "4"], "4 local steps per exchange, the accumulated update pushed (GPU A-SGD's nsync)"),
-    "nsync4-staleness": (["--nsync", "4", "--staleness-lr", "inverse"], "nsync 4 with each accumulated update "
-                         "scaled by 1/staleness: about 1/(N - 1), an average of the N workers' updates"),
+    "nsync4": ([*SGD, "--nsync", "4"], "4 local steps per exchange, the accumulated update pushed (GPU A-SGD's "
+               "nsync)"),
+    "nsync4-staleness": ([*SGD, "--nsync", "4", "--staleness-lr", "inverse"], "nsync 4 with each accumulated "
+                         "update scaled by 1/staleness: about 1/(N - 1), an average of the N workers' updates"),
 }
 DRY = {"model": "digits", "workers": [1, 2], "variants": ["sgd", "lookahead"], "lrs": [0.05], "seeds": 2,
        "epochs": 1.0, "eval_interval": "0.5ep", "batch_size": 32}
@@ -159,6 +169,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def flags(variant: str, n: int) -> list[str]:
+    """The `mpiasgd simulate` flags of `variant` at N = `n` workers ({warmup}: max(0.5, N/4) epochs)."""
+    return [f.format(warmup=f"{max(0.5, n / 4):g}") for f in VARIANTS[variant][0]]
+
+
 def name(variant: str, n: int, lr: float, seed: int) -> str:
     return f"{variant}-n{n}-lr{lr:g}-s{seed}"
 
@@ -168,7 +183,7 @@ def command(args: argparse.Namespace, variant: str, n: int, lr: float, seed: int
             "--model", args.model, "--epochs", f"{args.epochs:g}", "--eval-interval", args.eval_interval,
             "--batch-size", str(args.batch_size), "--lr", f"{lr:g}", "--seed", str(seed), "--threads", "1",
             "--snapshot-interval", "0", "--no-progress", "--eval-s-per-image", "0", "--run-dir", args.run_dir,
-            "--name", name(variant, n, lr, seed), "--overwrite", *VARIANTS[variant][0], *args.extra]
+            "--name", name(variant, n, lr, seed), "--overwrite", *flags(variant, n), *args.extra]
 
 
 class Cells:

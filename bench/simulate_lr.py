@@ -28,7 +28,7 @@ from launch import add_run_arguments, run, run_dir
 from mpiasgd.runlog.reader import load
 from mpiasgd.runlog.summary import final_eval
 
-VARIANTS = {"fixed": ["--async-momentum", "fixed"], "workers": ["--async-momentum", "workers"],
+VARIANTS = {"fixed": ["--async-momentum", "fixed", "--update-rule", "sgd"], "workers": ["--async-momentum", "workers"],
             "lookahead": ["--async-momentum", "fixed", "--lookahead", "-1"]}
 
 

@@ -110,18 +110,47 @@ from mpiasgd.modes.sharded_worker import ShardedWorker
 from mpiasgd.optim import (
     SGD,
     DelayCompensation,
+    GapAware,
     LocalSGD,
     LookAhead,
     explicit_momentum,
     fraction_done,
     lookahead_steps,
 )
-from mpiasgd.optim.rules import AsyncRule, DanaZero, DelayCompensated
+from mpiasgd.optim.rules import AsyncRule, DanaZero, DelayCompensated, GapPenalized
 from mpiasgd.rank0.server import ReplyNow, ShardedServer, server_shard
 
 STALENESS_LR = ("none", "inverse", "sqrt")
 ASYNC_MOMENTUM = ("fixed", "workers")
-UPDATE_RULES = ("sgd", "dana-zero")  # --update-rule
+UPDATE_RULES = ("auto", "sgd", "dana-zero")  # --update-rule
+
+
+def dana_conflicts(cfg: Config) -> list[tuple[str, bool, str]]:
+    """(key, allowed, what --update-rule dana-zero expects of it) for each option DANA-Zero's momentum per worker
+    and its own look-ahead rule out."""
+    rule = "with --update-rule dana-zero"
+    return [("momentum", 0 < cfg.momentum < 1, f"in (0, 1) {rule} (a momentum per worker)"),
+            ("nsync", cfg.nsync == 1, f"1 {rule} (it takes gradients)"),
+            ("lookahead", cfg.lookahead == 0, f"0 {rule} (its replies look ahead already)"),
+            ("async_momentum", cfg.async_momentum == "fixed", f"'fixed' {rule}"),
+            ("staleness_lr", cfg.staleness_lr == "none", f"'none' {rule}"),
+            ("dc_lambda", cfg.dc_lambda == 0, f"0 {rule}"),
+            ("nesterov", not cfg.nesterov, f"False {rule} (its look-ahead is Nesterov's point already)")]
+
+
+def resolve_update_rule(cfg: Config, num_workers: int) -> tuple[str, str]:
+    """(the rule, why) that `--update-rule` gives with `num_workers` workers: "sgd" or "dana-zero" as given;
+    auto: "dana-zero" for 2 or more workers unless an option it rules out is set (`dana_conflicts`: then "sgd",
+    naming the option), "sgd" for one worker (nothing is stale). Measured: docs/benchmarks/asgd.md (issue 39),
+    where DANA-Zero was the best rule at every N from 2 to 16."""
+    if cfg.update_rule != "auto":
+        return cfg.update_rule, "as given"
+    if num_workers < 2:
+        return "sgd", "1 worker: nothing is stale"
+    ruled_out = [key for key, ok, _ in dana_conflicts(cfg) if not ok]
+    if ruled_out:
+        return "sgd", f"dana-zero rules out the {ruled_out[0]} given ({getattr(cfg, ruled_out[0])!r})"
+    return "dana-zero", f"{num_workers} workers: a momentum per worker and replies one step ahead"
 
 
 class AsgdServer(ShardedServer):
@@ -150,8 +179,9 @@ class AsgdServer(ShardedServer):
                              lr_scale=lr_scale, threads=cfg.server_threads)
         # --lookahead: the replies carry the weights K momentum-only updates ahead (DANA), not the master weights;
         # --update-rule dana-zero: one step ahead along the sum of the workers' momenta
+        self.update_rule, self.update_rule_why = resolve_update_rule(cfg, len(self.workers))  # (--update-rule auto)
         self.dana = (DanaZero(params, decay_mask * np.float32(cfg.weight_decay) if cfg.weight_decay else None,
-                              momentum, self.workers, lr_scale) if cfg.update_rule == "dana-zero" else None)
+                              momentum, self.workers, lr_scale) if self.update_rule == "dana-zero" else None)
         self.lookahead_k = steps = 1 if self.dana else lookahead_steps(cfg.lookahead, len(self.workers), cfg.overlap)
         self.lookahead = (LookAhead(P, momentum, steps, lr_scale, nesterov=cfg.nesterov) if steps and momentum
                           else None)
@@ -161,12 +191,15 @@ class AsgdServer(ShardedServer):
         self.weights = ({w: self.outbox[w].payload[:P] for w in self.workers}
                         if self.wire == "fp32" and self.lookahead is None else {})
         self.reply_buf = np.empty(P, np.float32) if self.wire != "fp32" and self.lookahead else None
-        self.pulled_buf = np.empty(P, np.float32) if cfg.dc_lambda and self.wire != "fp32" else None  # DC's w_pulled
+        self.pulled_buf = (np.empty(P, np.float32) if (cfg.dc_lambda or cfg.gap_aware) and self.wire != "fp32"
+                           else None)  # DC-ASGD's and Gap-Aware's w_pulled, decoded
         # --dc-lambda: the weights worker w computed its push on are those of its last reply, in weights[w]
         self.compensation = DelayCompensation(P, cfg.dc_lambda, cfg.dc_adaptive) if cfg.dc_lambda else None
         rule = AsyncRule(self.optimizer, cfg.staleness_lr)  # the update; DC-ASGD corrects the gradient first
         self.rule = (self.dana if self.dana is not None else rule if self.compensation is None
                      else DelayCompensated(rule, self.compensation))
+        if cfg.gap_aware:  # --gap-aware: the gradient divided by its gap first (DANA-GA with DANA-Zero)
+            self.rule = GapPenalized(self.rule, GapAware(P), self.applied_velocity, lr_scale)
 
     # --- the loop's questions ---
     def warm_up(self) -> None:
@@ -185,6 +218,10 @@ class AsgdServer(ShardedServer):
             text = (f"the server's momentum is {momentum:g} (--momentum {cfg.momentum:g}, --async-momentum "
                     f"{cfg.async_momentum}, {workers}){off}")
             self.rec.event("momentum", text)
+            print(f"mpiasgd: {text}", flush=True)
+        if self.shard == 0 and cfg.update_rule == "auto" and len(self.workers) > 1:  # the default says what it chose
+            text = f"--update-rule auto: {self.update_rule} ({self.update_rule_why})"
+            self.rec.event("update_rule", text)
             print(f"mpiasgd: {text}", flush=True)
         if self.dana is not None and self.shard == 0:
             text = (f"--update-rule dana-zero: a momentum per worker ({len(self.workers)}), the replies w - lr * "
@@ -218,6 +255,11 @@ class AsgdServer(ShardedServer):
         if self.periodic.due():  # --eval-interval: the workers running now evaluate their next reply's weights
             self.periodic.ask([w for w in self.workers if w in self.started and w not in self.stopped])
         self.gate.tick()  # (ssp: a stop, or a worker that caught up, releases held replies)
+
+    def applied_velocity(self, push: Any) -> np.ndarray | None:
+        """(--gap-aware) The velocity the update of `push` just applied: the pushing worker's momentum (DANA-Zero),
+        the server's (None without momentum)."""
+        return self.dana.velocities[push.worker] if self.dana is not None else self.optimizer.velocity
 
     def velocity(self) -> np.ndarray | None:
         """The momentum a checkpoint keeps (DANA-Zero: the sum of the workers' momenta)."""
@@ -316,10 +358,10 @@ class AsgdServer(ShardedServer):
         return self.weights.get(w, self.params)
 
     def pulled(self, w: int) -> np.ndarray | None:
-        """(DC-ASGD; None without it) The weights worker `w` computed its push on (float32 (P,)): those of its
-        last reply, in its send buffer (fp32: a view; 16-bit wire: decoded, as the worker did, into a buffer of
-        its own)."""
-        if self.compensation is None:
+        """(DC-ASGD, Gap-Aware; None without them) The weights worker `w` computed its push on (float32 (P,)):
+        those of its last reply, in its send buffer (fp32: a view; 16-bit wire: decoded, as the worker did, into a
+        buffer of its own)."""
+        if self.compensation is None and not self.cfg.gap_aware:
             return None
         if self.wire == "fp32":
             return self.outbox[w].payload[:self.P]
@@ -542,15 +584,7 @@ class AsgdMode(Mode):
         need(1 <= cfg.server_threads <= 1024, cfg, "server_threads", "an integer from 1 to 1024")
         need(cfg.update_rule in UPDATE_RULES, cfg, "update_rule", f"one of {UPDATE_RULES}")
         if cfg.update_rule == "dana-zero":  # its momentum per worker and its own look-ahead replace these
-            rule = "with --update-rule dana-zero"
-            for key, ok, expected in (
-                    ("momentum", 0 < cfg.momentum < 1, f"in (0, 1) {rule} (a momentum per worker)"),
-                    ("nsync", cfg.nsync == 1, f"1 {rule} (it takes gradients)"),
-                    ("lookahead", cfg.lookahead == 0, f"0 {rule} (its replies look ahead already)"),
-                    ("async_momentum", cfg.async_momentum == "fixed", f"'fixed' {rule}"),
-                    ("staleness_lr", cfg.staleness_lr == "none", f"'none' {rule}"),
-                    ("dc_lambda", cfg.dc_lambda == 0, f"0 {rule}"),
-                    ("nesterov", not cfg.nesterov, f"False {rule} (its look-ahead is Nesterov's point already)")):
+            for key, ok, expected in dana_conflicts(cfg):
                 need(ok, cfg, key, expected)
         need(cfg.lookahead == -1 or 0 <= cfg.lookahead <= 1e3, cfg, "lookahead", "updates from 0 (off) to 1000, or "
              "-1 (auto: N - 1, 2N - 1 with --overlap)")
@@ -562,6 +596,13 @@ class AsgdMode(Mode):
         need(not cfg.wire_error_feedback or cfg.wire != "fp32", cfg, "wire_error_feedback",
              "False with --wire fp32 (error feedback carries what a 16-bit wire format rounds away: --wire fp16 "
              "or bf16)")
+        if cfg.gap_aware:  # (as DC-ASGD: the gap is from the weights of the worker's last reply)
+            need(cfg.nsync == 1, cfg, "gap_aware", "False with nsync > 1 (Gap-Aware penalizes a gradient; an nsync "
+                 "push is an accumulated update)")
+            need(not cfg.overlap, cfg, "gap_aware", "False with --overlap (a push is then computed on the weights of "
+                 "the reply before the last, which the server no longer holds)")
+            need(not cfg.dc_lambda, cfg, "gap_aware", "False with --dc-lambda (one answer to a stale gradient at a "
+                 "time)")
         if cfg.dc_lambda:  # the server has the weights a push was computed on only for one gradient per reply
             need(cfg.nsync == 1, cfg, "dc_lambda", "0 with nsync > 1 (delay compensation corrects a gradient; "
                  "an nsync push is an accumulated update)")

@@ -8,7 +8,14 @@
               EvalSchedule (--eval-interval), snapshot_seconds (--snapshot-interval's auto rule)
 """
 
-from mpiasgd.optim.delay import DelayCompensation, LookAhead, explicit_momentum, lookahead_factor, lookahead_steps
+from mpiasgd.optim.delay import (
+    DelayCompensation,
+    GapAware,
+    LookAhead,
+    explicit_momentum,
+    lookahead_factor,
+    lookahead_steps,
+)
 from mpiasgd.optim.schedule import (
     AUTO_SNAPSHOTS,
     EvalSchedule,
@@ -29,6 +36,6 @@ from mpiasgd.optim.sgd import (
     staleness_factor,
 )
 
-__all__ = ["AUTO_SNAPSHOTS", "CHUNK", "SGD", "DelayCompensation", "EvalSchedule", "LocalSGD", "LookAhead", "NumpySGD",
-           "Schedule", "StopRule", "apply_delta", "explicit_momentum", "finite_square", "fraction_done",
+__all__ = ["AUTO_SNAPSHOTS", "CHUNK", "SGD", "DelayCompensation", "EvalSchedule", "GapAware", "LocalSGD", "LookAhead",
+           "NumpySGD", "Schedule", "StopRule", "apply_delta", "explicit_momentum", "finite_square", "fraction_done",
            "learning_rate", "lookahead_factor", "lookahead_steps", "run_blocks", "snapshot_seconds", "staleness_factor"]

@@ -12,6 +12,20 @@ approximated by lambda times the outer product of g (its diagonal):
 
 (elementwise products). A push computed from the weights the server holds (staleness 0) is not
 changed: w - w_pulled = 0.
+
+Gap-Aware (Barkai, Hakimi and Schuster 2020, "Gap-Aware Mitigation of Gradient Staleness", ICLR, arXiv
+1909.10802): the staleness of a gradient is measured per weight by how far the weight has moved
+since the worker pulled it, the gap |w - w_pulled|, in units of one update's typical step C, and the
+gradient is divided by it:
+
+    G = max(1, |w - w_pulled| / C);   g_ga = g / G                               (elementwise)
+    C <- d C + (1 - d) |lr * lr_mult * v|   after each update, bias-corrected (d = GAP_DECAY)
+
+where v is the velocity the update applied (the gradient itself without momentum). A weight that moved no
+more than one step since the pull keeps its gradient; one that moved k typical steps gets 1/k of it. (The
+paper's C is the largest step a weight takes in one update, estimated from a running mean; taking the mean
+step itself, and max(1, .) rather than 1 + ., leaves a gradient of staleness 0 or 1 unchanged, so one worker
+is plain SGD.)
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ import numpy as np
 from mpiasgd.optim.sgd import CHUNK, _check
 
 DC_EPSILON = 1e-7  # DC-ASGD-a: added to the mean square under the square root (the paper's epsilon)
+GAP_DECAY = 0.99  # Gap-Aware: the decay of the running mean of one update's step, C (about the last 100 updates)
 
 
 class DelayCompensation:
@@ -82,6 +97,64 @@ class DelayCompensation:
                 sq *= moved
             sq *= self.lam
             gb += sq                                       # g + lambda g g (w - w_pulled)
+
+
+class GapAware:
+    """Gap-Aware's penalty of a pushed gradient (see the module docstring) on one flat float32 vector of `size`
+    values. `penalize` divides a gradient by its gap before the update rule applies it; `observe` folds the step
+    the rule then took into C. Before the first `observe` C is unknown and nothing is penalized.
+
+    Memory: one float32 (P,) vector (C) beside the weights the server already holds (the last reply of each
+    worker, as for DC-ASGD); it is not in the checkpoint: a resumed run learns C again from its first update.
+    Cost: cache-blocked, about five passes over each block for `penalize` and three for `observe`."""
+
+    def __init__(self, size: int, decay: float = GAP_DECAY, chunk: int = CHUNK) -> None:
+        if not 0 < decay < 1:
+            raise ValueError(f"Gap-Aware: the decay of the mean step must be in (0, 1), got {decay!r}")
+        self.size, self.chunk, self.decay = size, chunk, np.float32(decay)
+        self.mean_step = np.zeros(size, np.float32)  # C before the bias correction
+        self.updates = 0
+        n = min(chunk, size)
+        self.scratch = np.empty(n, np.float32)
+        self.scratch2 = np.empty(n, np.float32)
+
+    def penalize(self, grad: np.ndarray, weights: np.ndarray, pulled: np.ndarray) -> np.ndarray:
+        """Divide `grad` in place by its gap max(1, |weights - pulled| / C), all float32 (P,) C-contiguous;
+        returns `grad`. ValueError for a wrong shape, dtype or layout."""
+        for name, a in (("grad", grad), ("weights", weights), ("pulled", pulled)):
+            _check(name, a, self.size)
+        if not self.updates:
+            return grad
+        unbias = np.float32(1 - float(self.decay) ** self.updates)
+        for a in range(0, self.size, self.chunk):
+            b = min(a + self.chunk, self.size)
+            gap, c = self.scratch[: b - a], self.scratch2[: b - a]
+            np.subtract(weights[a:b], pulled[a:b], out=gap)
+            np.abs(gap, out=gap)                                  # |w - w_pulled|
+            np.divide(self.mean_step[a:b], unbias, out=c)         # C
+            np.divide(gap, c, out=gap, where=c > 0)               # |w - w_pulled| / C (a weight with C = 0:
+            gap[c <= 0] = 1                                       # it never moved, its gap is 1)
+            np.maximum(gap, np.float32(1), out=gap)               # G
+            grad[a:b] /= gap
+        return grad
+
+    def observe(self, velocity: np.ndarray, step_size: float, lr_scale: np.ndarray | None = None) -> None:
+        """Fold one update's step |step_size * lr_scale * velocity| (`velocity` float32 (P,): what the update
+        applied; `lr_scale` float32 (P,) or None: 1) into C."""
+        _check("velocity", velocity, self.size)
+        one_minus, lr = np.float32(1) - self.decay, np.float32(step_size)
+        for a in range(0, self.size, self.chunk):
+            b = min(a + self.chunk, self.size)
+            step = self.scratch[: b - a]
+            np.abs(velocity[a:b], out=step)
+            step *= lr
+            if lr_scale is not None:
+                step *= lr_scale[a:b]
+            mb = self.mean_step[a:b]
+            mb *= self.decay
+            step *= one_minus
+            mb += step
+        self.updates += 1
 
 
 def explicit_momentum(momentum: float, rule: str, num_workers: int) -> float:

@@ -15,6 +15,8 @@ buffer: a reply then costs no copy); `Update.params` is the vector that holds th
                       al. 2016), or with nsync > 1 the worker's accumulated update added, scaled by f(s)
     DelayCompensated  DC-ASGD (Zheng et al. 2017, arXiv 1609.08326): the gradient corrected for the weights'
                       move since the worker's pull, g + lambda g*g (w - w_pulled), then another rule
+    GapPenalized      Gap-Aware (Barkai et al. 2020, arXiv 1909.10802): the gradient divided per weight by how far
+                      the weight moved since the worker's pull, in typical steps, then another rule (`--gap-aware`)
     DanaZero          DANA-Zero (Hakimi et al. 2019, arXiv 1907.11612): one momentum per worker, and replies
                       that look ahead along their sum (`--update-rule dana-zero`)
     ElasticRule       EASGD's center (Zhang, Choromanska and LeCun 2015, arXiv 1412.6651, eq. 5-6):
@@ -28,11 +30,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from mpiasgd.optim.delay import DelayCompensation
+from mpiasgd.optim.delay import DelayCompensation, GapAware
 from mpiasgd.optim.sgd import SGD, apply_delta, finite_square, staleness_factor
 
 
@@ -108,6 +110,28 @@ class DelayCompensated:
             return Update(None, refused="delay compensation made finite gradients non-finite: lower --dc-lambda "
                                         "(or --lr)")
         return self.rule.apply(push, step_size, out)
+
+
+class GapPenalized:
+    """Gap-Aware around another rule (`AsyncRule` or `DanaZero`; `mpiasgd.optim.delay.GapAware`): the pushed
+    gradient divided by its gap, then applied by `rule`, whose step is then folded into the gap's unit C: the
+    velocity it applied (`velocity(push)`: the server's momentum, or the pushing worker's for DANA-Zero; None
+    without momentum: the penalized gradient) times the step size and `lr_scale` (float32 (P,) or None). With
+    DANA-Zero it is DANA-GA, the combination Barkai et al. 2020 evaluate: the gap is measured from the look-ahead
+    weights the worker computed on."""
+
+    def __init__(self, rule: AsyncRule | DanaZero, gap: GapAware, velocity: Any,
+                 lr_scale: np.ndarray | None = None) -> None:
+        self.rule, self.gap, self.velocity, self.lr_scale = rule, gap, velocity, lr_scale
+
+    def apply(self, push: Push, step_size: float, out: np.ndarray) -> Update:
+        self.gap.penalize(push.values, self.rule.params, push.pulled)
+        push.square = finite_square(push.values)[1]  # (dividing by G >= 1 keeps a finite gradient finite)
+        update = self.rule.apply(push, step_size, out)
+        if update.params is not None:
+            v = self.velocity(push)
+            self.gap.observe(push.values if v is None else v, step_size, self.lr_scale)
+        return update
 
 
 def elastic_difference(x, center, alpha: float):

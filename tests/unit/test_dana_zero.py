@@ -12,9 +12,16 @@ from mpiasgd.config import Config, ConfigError
 from mpiasgd.optim.rules import DanaZero, Push
 
 
-def test_updates_and_replies_against_a_hand_computation(tmp_path):
+@pytest.mark.parametrize("rule", ["dana-zero", "auto"])  # auto, the default: DANA-Zero for 2 workers
+def test_updates_and_replies_against_a_hand_computation(tmp_path, rule, capsys):
     lr, m, wd = 0.5, 0.9, 0.1
-    server, net, _ = make_server(tmp_path, update_rule="dana-zero", momentum=m, weight_decay=wd, lr=lr)
+    server, net, _ = make_server(tmp_path, update_rule=rule, momentum=m, weight_decay=wd, lr=lr)
+    server.role.begin()  # the start lines, and the first weights
+    for worker in (1, 2):
+        net.take(worker)  # the first weights
+    said = capsys.readouterr().out
+    assert ("--update-rule auto: dana-zero (2 workers" in said) == (rule == "auto")
+    assert "--update-rule dana-zero: a momentum per worker (2)" in said
     rng = np.random.default_rng(3)
     w = np.arange(6, dtype=np.float64)  # make_server's initial weights
     v = {1: np.zeros(6), 2: np.zeros(6)}
@@ -32,6 +39,22 @@ def test_updates_and_replies_against_a_hand_computation(tmp_path):
         np.testing.assert_allclose(server.params, w, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(payload, w - lr * m * (v[1] + v[2]), rtol=1e-5, atol=1e-6)  # the look-ahead
     np.testing.assert_allclose(server.velocity(), v[1] + v[2], rtol=1e-5, atol=1e-6)  # what a checkpoint keeps
+
+
+@pytest.mark.parametrize("workers,overrides,expected", [
+    (1, {}, ("sgd", "1 worker: nothing is stale")),
+    (2, {}, ("dana-zero", "2 workers: a momentum per worker and replies one step ahead")),
+    (8, {"lookahead": -1.0}, ("sgd", "dana-zero rules out the lookahead given (-1.0)")),
+    (8, {"nsync": 4}, ("sgd", "dana-zero rules out the nsync given (4)")),
+    (8, {"momentum": 0.0}, ("sgd", "dana-zero rules out the momentum given (0.0)")),
+    (8, {"update_rule": "sgd"}, ("sgd", "as given")),
+])
+def test_auto_is_dana_zero_from_two_workers_unless_an_option_rules_it_out(workers, overrides, expected):
+    from mpiasgd.modes.asgd import resolve_update_rule
+
+    cfg = Config(**overrides)
+    assert cfg.update_rule == overrides.get("update_rule", "auto")
+    assert resolve_update_rule(cfg, workers) == expected
 
 
 def test_one_worker_is_momentum_sgd_with_the_gradient_taken_ahead():

@@ -19,11 +19,17 @@ WORKERS = 3
 NUM_TRAIN = 400   # images per epoch: the schedule's clock moves within the scripted pushes
 
 
+def plain_sgd(overrides):
+    """--update-rule sgd for the parameter-server modes unless the test gives a rule: these tests check the protocol
+    on A-SGD's update, whose replies are the master weights (the default, auto, is DANA-Zero for 2+ workers)."""
+    return {"update_rule": "sgd"} if overrides.get("mode", "async") in ("async", "ssp") else {}
+
+
 def shards(tmp_path, servers, **overrides):
     """The S servers of one job (S = 1: the unsharded server): [(rank, server)], the network and the cut."""
     cfg = Config(**{"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "lr_schedule": "cosine", "warmup_epochs": 0.5,
                     "epochs": 0, "max_pushes": 1000, "snapshot_interval": 0, "progress": False, "comm_timeout": 2.0,
-                    "servers": servers, **overrides})
+                    "servers": servers, **plain_sgd(overrides), **overrides})
     cut = ShardCut.balanced(P, 0, servers)
     net = Network(WORKERS + servers)
     params = np.linspace(-1, 1, P, dtype=np.float32)
@@ -206,7 +212,7 @@ def linked(tmp_path, servers=2, **overrides):
     from mpiasgd.rank0.shard_recorder import ShardRecorder
 
     cfg = Config(**{"lr": 0.1, "momentum": 0.9, "epochs": 0, "max_pushes": 4, "snapshot_interval": 0,
-                    "progress": False, "comm_timeout": 2.0, "servers": servers, **overrides})
+                    "progress": False, "comm_timeout": 2.0, "servers": servers, **plain_sgd(overrides), **overrides})
     mode = load(cfg.mode)
     net = Network(WORKERS + servers)
     params = np.linspace(-1, 1, P, dtype=np.float32)
