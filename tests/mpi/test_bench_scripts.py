@@ -1,7 +1,8 @@
 """bench/resnet20_torch.py (its mpiasgd half: --skip-torch; PyTorch is no test dependency) and
 bench/decoupling.py end to end, a few minibatches each, on the tiny CIFAR-10 of the tests (resnet20 needs
 3x32x32 images: 100 training, 10 test): each script launches its own `mpiexec` jobs, reads their run logs and
-prints its table. Their pure logic: tests/unit/test_bench.py.
+prints its table. bench/simulate_validate.py likewise on digits: a real run of 3 workers and its fitted
+simulation. Their pure logic: tests/unit/test_bench.py.
 
 Each script's jobs run under its own --timeout (it ends mpiexec and every rank at the limit); the script
 itself runs under a timeout of the test.
@@ -98,3 +99,17 @@ def test_data_accuracy_script_trains_both_sources_and_plots(tmp_path, tiny_cifar
     assert "| official | " in done.stdout and "| file | " in done.stdout
     assert "within run-to-run noise: " in done.stdout
     assert (tmp_path / "r" / "plots" / "accuracy.png").stat().st_size > 1000
+
+
+def test_simulate_validate_script_runs_n_workers_and_their_simulation(tmp_path):
+    """bench/simulate_validate.py --workers 3 on digits, half an epoch of minibatches of 32 (about 22 pushes):
+    the real run under mpiexec -n 4, its simulation fitted to its log, the table with the shares of 0 to 3
+    and > 3."""
+    done = run_script("simulate_validate.py", ["--model", "digits", "--workers", "3", "--epochs", "0.5",
+                                               "--batch-size", "32", "--seeds", "0", "--fits", "draw",
+                                               "--run-dir", "r"], tmp_path, jobs=2)
+    assert "1 server + 3 workers" in done.stdout and "| shares 0 / 1 / 2 / 3 / >=4 |" in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 0 | ")]
+    assert [r.split(" | ")[1] for r in rows] == ["real", "simulated (draw)"]
+    assert all(len(r.split(" | ")[5].split(" / ")) == 5 for r in rows)
+    assert " -n 4 " in done.stdout and "simulate --workers 3 --fit r/real-0.h5" in done.stdout

@@ -813,6 +813,45 @@ def test_validate_seeds_are_distinct_integers(capsys, text, expected):
     assert err[-1] == f"simulate_validate.py: error: argument --seeds: {expected}"
 
 
+def test_validate_workers_sets_the_ranks_and_the_simulated_workers(capsys, monkeypatch):
+    """bench/simulate_validate.py --workers N (default 2, at least 2): the real run under `mpiexec -n N+1`, its
+    simulations with `simulate --workers N`; below 2 or not an integer, one line and exit status 2."""
+    import simulate_validate
+
+    assert simulate_validate.parse([]).workers == 2
+    for text in ("1", "x"):
+        with pytest.raises(SystemExit) as stop:
+            simulate_validate.parse(["--workers", text])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1] == f"simulate_validate.py: error: argument --workers: expected an integer >= 2, got {text!r}"
+    steps = []
+    monkeypatch.setattr(simulate_validate, "launcher", lambda: ["mpiexec"])
+    monkeypatch.setattr(simulate_validate, "run_steps", lambda label, s, limit, commands: steps.extend(s) or False)
+    for n in (2, 4):
+        steps.clear()
+        assert simulate_validate.main(["--workers", str(n), "--seeds", "0", "--run-dir", "r"]) == 1
+        real, draw, replay = (cmd for _, cmd in steps)
+        assert real[:3] == ["mpiexec", "-n", str(n + 1)] and "train" in real
+        for cmd in (draw, replay):
+            assert cmd[cmd.index("simulate") + 1:cmd.index("simulate") + 3] == ["--workers", str(n)]
+
+
+def test_validate_staleness_shares_run_from_0_to_n_then_above_n(monkeypatch):
+    """bench/simulate_validate.py's staleness: of the applied pushes only, the share of 0, 1, ..., N and > N
+    (0 / 1 / 2 / >= 3 at N = 2, as before --workers), p99 the smallest value 99 % of them do not exceed."""
+    import simulate_validate
+
+    applied = [4, 0, 1, 3, 3, 5, 9, 3]  # and a rejected push of staleness 7
+    pushes = {"staleness": np.array([*applied, 7]), "applied": np.array([1] * len(applied) + [0], dtype=np.int8)}
+    monkeypatch.setattr(simulate_validate, "load", lambda path: {"pushes": pushes})
+    monkeypatch.setattr(simulate_validate, "final_eval", lambda r: {"accuracy": 0.5})
+    four = simulate_validate.staleness("x.h5", 4)
+    assert four["share"] == [1 / 8, 1 / 8, 0, 3 / 8, 1 / 8, 2 / 8]
+    assert four["mean"] == 3.5 and four["p99"] == 9 and four["pushes"] == 8 and four["accuracy"] == 0.5
+    assert simulate_validate.staleness("x.h5", 2)["share"] == [1 / 8, 1 / 8, 0, 6 / 8]
+
+
 def test_server_bench_pairs_each_sharded_run_with_a_one_server_run_and_takes_the_busiest_shard():
     """bench/server.py: a sharded run follows the one-server run of as many workers (same round, next run); the
     goal's figure is, per round, the busiest shard's CPU seconds per push over the one server's."""
