@@ -120,7 +120,7 @@ from mpiasgd.optim import (
 from mpiasgd.optim.rules import AsyncRule, DanaZero, DelayCompensated, GapPenalized
 from mpiasgd.rank0.server import ReplyNow, ShardedServer, server_shard
 
-STALENESS_LR = ("none", "inverse", "sqrt")
+STALENESS_LR = ("auto", "none", "inverse", "sqrt")
 ASYNC_MOMENTUM = ("fixed", "workers")
 UPDATE_RULES = ("auto", "sgd", "dana-zero")  # --update-rule
 
@@ -133,9 +133,18 @@ def dana_conflicts(cfg: Config) -> list[tuple[str, bool, str]]:
             ("nsync", cfg.nsync == 1, f"1 {rule} (it takes gradients)"),
             ("lookahead", cfg.lookahead == 0, f"0 {rule} (its replies look ahead already)"),
             ("async_momentum", cfg.async_momentum == "fixed", f"'fixed' {rule}"),
-            ("staleness_lr", cfg.staleness_lr == "none", f"'none' {rule}"),
+            ("staleness_lr", cfg.staleness_lr in ("none", "auto"), f"'none' or 'auto' {rule}"),
             ("dc_lambda", cfg.dc_lambda == 0, f"0 {rule}"),
             ("nesterov", not cfg.nesterov, f"False {rule} (its look-ahead is Nesterov's point already)")]
+
+
+def resolve_staleness_lr(cfg: Config) -> str:
+    """What `--staleness-lr` gives: as given; auto: "inverse" with nsync > 1 (each accumulated update scaled by
+    1/staleness, about 1/(N - 1) with N equal workers: the workers' updates are averaged instead of added in full,
+    which overshoots from N = 4 on; docs/benchmarks/asgd.md, issue 39), else "none"."""
+    if cfg.staleness_lr != "auto":
+        return cfg.staleness_lr
+    return "inverse" if cfg.nsync > 1 else "none"
 
 
 def resolve_update_rule(cfg: Config, num_workers: int) -> tuple[str, str]:
@@ -195,7 +204,8 @@ class AsgdServer(ShardedServer):
                            else None)  # DC-ASGD's and Gap-Aware's w_pulled, decoded
         # --dc-lambda: the weights worker w computed its push on are those of its last reply, in weights[w]
         self.compensation = DelayCompensation(P, cfg.dc_lambda, cfg.dc_adaptive) if cfg.dc_lambda else None
-        rule = AsyncRule(self.optimizer, cfg.staleness_lr)  # the update; DC-ASGD corrects the gradient first
+        self.staleness_lr = resolve_staleness_lr(cfg)
+        rule = AsyncRule(self.optimizer, self.staleness_lr)  # the update; DC-ASGD corrects the gradient first
         self.rule = (self.dana if self.dana is not None else rule if self.compensation is None
                      else DelayCompensated(rule, self.compensation))
         if cfg.gap_aware:  # --gap-aware: the gradient divided by its gap first (DANA-GA with DANA-Zero)
@@ -218,6 +228,11 @@ class AsgdServer(ShardedServer):
             text = (f"the server's momentum is {momentum:g} (--momentum {cfg.momentum:g}, --async-momentum "
                     f"{cfg.async_momentum}, {workers}){off}")
             self.rec.event("momentum", text)
+            print(f"mpiasgd: {text}", flush=True)
+        if self.shard == 0 and cfg.staleness_lr == "auto" and cfg.nsync > 1 and len(self.workers) > 1:
+            text = (f"--staleness-lr auto: inverse (nsync {cfg.nsync}, {workers}: each accumulated update scaled by "
+                    "1/staleness, so the workers' updates average)")
+            self.rec.event("staleness_lr", text)
             print(f"mpiasgd: {text}", flush=True)
         if self.shard == 0 and cfg.update_rule == "auto" and len(self.workers) > 1:  # the default says what it chose
             text = f"--update-rule auto: {self.update_rule} ({self.update_rule_why})"

@@ -140,8 +140,10 @@ class AsyncOptions:
         "is in flight (hides communication, one more step of staleness)", PS_MODES, label="overlap")
     warm_start: float = option(0.0, "async/ssp: worker rank 1 trains alone for this many seconds before the "
         "others get their first weights (GPU A-SGD's warm start); seconds", PS_MODES, label="warm {:g}s")
-    staleness_lr: str = option("none", "scale of a pushed gradient of staleness s as it enters the momentum: "
-        "none = 1, inverse = 1/max(1,s), sqrt = 1/sqrt(max(1,s)) (Zhang et al. 2016)", PS_MODES, "optimizer")
+    staleness_lr: str = option("auto", "scale of a pushed gradient (nsync > 1: accumulated update) of staleness s as "
+        "the server applies it: none = 1, inverse = 1/max(1,s), sqrt = 1/sqrt(max(1,s)) (Zhang et al. 2016), auto = "
+        "inverse with nsync > 1 (N workers' updates then average instead of adding up), else none", PS_MODES,
+        "optimizer")
     dc_lambda: float = option(0.0, "delay compensation (DC-ASGD, Zheng et al. 2017): the server corrects a "
         "pushed gradient g to g + lambda * g * g * (w - w_pulled), w_pulled the weights the worker computed it "
         "on; 0 = off; needs nsync 1 and no --overlap", PS_MODES, "optimizer", label="dc={:g}")

@@ -87,7 +87,7 @@ def test_missing_toml_file():
      r"'weight_prediction' = True: expected False unless --mode pipeline"),
     ({"mode": "sync", "overlap": True}, "'overlap' = True: expected False in mode 'sync'"),
     ({"mode": "sync", "warm_start": 5.0}, "'warm_start' = 5.0: expected 0.0 in mode 'sync'"),
-    ({"mode": "sync", "staleness_lr": "inverse"}, "'staleness_lr' = 'inverse': expected 'none' in mode 'sync'"),
+    ({"mode": "sync", "staleness_lr": "inverse"}, "'staleness_lr' = 'inverse': expected 'auto' in mode 'sync'"),
     ({"mode": "sync", "dc_lambda": 0.5}, r"'dc_lambda' = 0.5: expected 0.0 in mode 'sync'"),
     ({"dc_lambda": -1.0}, r"'dc_lambda' = -1.0: expected a number from 0 to 1e6"),
     ({"model_timeout": 1e10}, r"'model_timeout' = 10000000000.0: expected seconds > 0, at most 1e6"),

@@ -57,6 +57,18 @@ def test_auto_is_dana_zero_from_two_workers_unless_an_option_rules_it_out(worker
     assert resolve_update_rule(cfg, workers) == expected
 
 
+@pytest.mark.parametrize("overrides,expected", [
+    ({}, "none"), ({"nsync": 4}, "inverse"), ({"nsync": 4, "staleness_lr": "none"}, "none"),
+    ({"staleness_lr": "sqrt"}, "sqrt"),
+])
+def test_staleness_lr_auto_averages_nsync_updates_and_leaves_gradients(overrides, expected):
+    """--staleness-lr auto (the default): 1/staleness for nsync updates (N workers' updates average), 1 for
+    gradients (DANA-Zero, the default rule from 2 workers, takes them as they are)."""
+    from mpiasgd.modes.asgd import resolve_staleness_lr
+
+    assert resolve_staleness_lr(Config(**overrides)) == expected
+
+
 def test_one_worker_is_momentum_sgd_with_the_gradient_taken_ahead():
     """N = 1: the update is heavy-ball momentum SGD, and the point the next gradient is taken at is w - lr m v."""
     w = np.ones(4, np.float32)

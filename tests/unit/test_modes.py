@@ -62,7 +62,7 @@ def test_nsync_push_carries_the_accumulated_update(digits):
     assert not thread.is_alive() and "error" not in outcome
 
 
-@pytest.mark.parametrize("rule,factor", [("none", 1.0), ("inverse", 0.5), ("sqrt", 2 ** -0.5)])
+@pytest.mark.parametrize("rule,factor", [("none", 1.0), ("inverse", 0.5), ("sqrt", 2 ** -0.5), ("auto", 0.5)])
 def test_server_adds_accumulated_update_scaled_by_staleness_rule(tmp_path, rule, factor):
     server, net, log = make_server(tmp_path, nsync=4, staleness_lr=rule, momentum=0.9, weight_decay=0.1)
     before = server.params.copy()
