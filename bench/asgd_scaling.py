@@ -87,7 +87,7 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
                   "C the mean step (Gap-Aware, Barkai et al. 2020)"),
     "dana-ga": (["--update-rule", "dana-zero", "--gap-aware"], "DANA-Zero with Gap-Aware's penalty, the gap from "
                 "the look-ahead weights (DANA-GA, Barkai et al. 2020)"),
-    "default": ([], "no flags: what a user gets (--update-rule auto: DANA-Zero from 2 workers)"),
+    "default": ([], "no flags: what a user gets (--update-rule auto: DANA-GA from 2 workers)"),
     "staleness-lr": ([*SGD, "--staleness-lr", "inverse"], "the gradient scaled by 1/staleness (Zhang et al. 2016)"),
     "dc-asgd": ([*SGD, "--dc-lambda", "0.04"], "delay compensation g + lambda g*g (w - w_pulled), lambda 0.04 "
                 "(Zheng et al. 2017)"),
@@ -144,6 +144,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--results", default=None, metavar="FILE", help="per-cell records (JSON), merged across "
                         "invocations: each cell that runs or is taken from a log is recorded as it ends; with "
                         "--reuse a cell recorded of the same settings is taken from its record")
+    parser.add_argument("--no-run", action="store_true", help="with --reuse: run nothing; the table of the cells "
+                        "recorded in --results or logged complete in --run-dir, the others marked 'not run'")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes where not given: " + json.dumps(DRY))
     add_run_arguments(parser, "scaling")
     return parser
@@ -159,6 +161,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--workers must start with 1 (the reference), got {','.join(map(str, args.workers))}")
     if args.seeds < 1 or args.jobs < 1 or args.batch_size < 1 or not args.epochs > 0:
         parser.error("--seeds, --jobs and --batch-size must be >= 1 and --epochs > 0")
+    if args.no_run and not args.reuse:
+        parser.error("--no-run takes the cells recorded or logged already: give --reuse too")
     args.run_dir = run_dir(args, "scaling")
     args.extra = option_list(parser, args.options)
     os.makedirs(args.run_dir, exist_ok=True)
@@ -241,7 +245,11 @@ class Cells:
                 self.results[key] = record
                 continue
             log = os.path.join(self.args.run_dir, name(*key) + ".h5")
-            todo.append((key, cmd, self.args.reuse and reusable(log, cfg, key[1], timing)))
+            reused = self.args.reuse and reusable(log, cfg, key[1], timing)
+            if self.args.no_run and not reused:  # (--no-run: a table of what is recorded or logged already)
+                self.refused[key] = "not run (--no-run)"
+                continue
+            todo.append((key, cmd, reused))
 
         def one(job: tuple) -> tuple:
             key, cmd, reused = job

@@ -22,7 +22,8 @@ One mpiexec job (this script starts it) measures, alternating, in rounds:
           sleeps `PAUSE` before each timing, as the server does between pushes (see `PAUSE`).
   server  the real parameter server (rank 0's loop, mpiasgd.rank0.loop.Rank0, with the async role,
           mpiasgd.modes.asgd.AsgdServer), with SGD momentum 0.9 and weight decay 5e-4 as in the default
-          config, serving K fake workers that compute nothing: each pushes
+          config and A-SGD's update (`--update-rule`: sgd unless given; the product's default from 2 workers
+          is DANA-GA), serving K fake workers that compute nothing: each pushes
           a gradient the moment the reply to its last push has arrived, under the full protocol
           (stamped headers, STOP, EVAL). Rate = (gradient bytes in + weights bytes out) per second,
           over the applied pushes after a warm-up of 10 per worker.
@@ -715,7 +716,7 @@ def child(args: argparse.Namespace) -> None:
     W = max(args.workers)  # ranks 1..W: fake workers; W + 1 .. W + S - 1: the other shards of the sharded runs
     base = Config(lr=0.01, lr_schedule="constant", warmup_epochs=0.0, epochs=0, max_pushes=args.pushes,
                   max_time=120.0, batch_size=BATCH, snapshot_interval=0, flush_interval=600.0, progress=False,
-                  comm_timeout=60.0)
+                  comm_timeout=60.0, update_rule=args.update_rule)
     plan = [(label, k, dataclasses.replace(base, **overrides).validate(), numpy_update)
             for label, k, overrides, numpy_update in runs(args)]
     # one communicator per (workers K, shards S): rank 0, workers 1..K, then the shards (key = rank: their ranks
@@ -928,6 +929,9 @@ def main() -> None:
     parser.add_argument("--servers", type=int, default=2, help="shards S of the sharded runs (1: none)")
     parser.add_argument("--sharded-workers", type=lambda s: [int(k) for k in s.split(",")], default=[1, 2],
                         help="worker counts of the sharded runs, each also in --workers (default 1,2)")
+    parser.add_argument("--update-rule", default="sgd", choices=("sgd", "dana-zero", "auto"),
+                        help="the server's update rule (the product's default, auto, is DANA-GA from 2 workers: "
+                        "DANA-Zero with Gap-Aware)")
     parser.add_argument("--sweep", action="store_true", help="time the optimizer alone (no MPI) and exit")
     parser.add_argument("--chunks", type=lambda s: [int(c) for c in s.split(",")],
                         default=[8192, 16384, 32768, 65536, 131072, 262144], help="--sweep: block sizes")

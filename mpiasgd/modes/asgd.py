@@ -147,19 +147,25 @@ def resolve_staleness_lr(cfg: Config) -> str:
     return "inverse" if cfg.nsync > 1 else "none"
 
 
-def resolve_update_rule(cfg: Config, num_workers: int) -> tuple[str, str]:
-    """(the rule, why) that `--update-rule` gives with `num_workers` workers: "sgd" or "dana-zero" as given;
-    auto: "dana-zero" for 2 or more workers unless an option it rules out is set (`dana_conflicts`: then "sgd",
-    naming the option), "sgd" for one worker (nothing is stale). Measured: docs/benchmarks/asgd.md (issue 39),
-    where DANA-Zero was the best rule at every N from 2 to 16."""
+def resolve_update_rule(cfg: Config, num_workers: int) -> tuple[str, bool, str]:
+    """(the rule, whether Gap-Aware penalizes the gradients, why) that `--update-rule` and `--gap-aware` give with
+    `num_workers` workers: a rule as given, with Gap-Aware if `--gap-aware`; auto: "dana-zero" with Gap-Aware
+    (DANA-GA) for 2 or more workers, unless an option DANA-Zero rules out is set (`dana_conflicts`: then "sgd",
+    naming the option; `--overlap`: DANA-Zero without Gap-Aware, which needs the weights of the last reply),
+    "sgd" for one worker (nothing is stale). Measured: docs/benchmarks/asgd.md (issue 39), where DANA-Zero was the
+    best rule at every N from 2 to 16 and Gap-Aware kept it learning at 16 and 32."""
     if cfg.update_rule != "auto":
-        return cfg.update_rule, "as given"
+        return cfg.update_rule, cfg.gap_aware, "as given"
     if num_workers < 2:
-        return "sgd", "1 worker: nothing is stale"
+        return "sgd", cfg.gap_aware, "1 worker: nothing is stale"
     ruled_out = [key for key, ok, _ in dana_conflicts(cfg) if not ok]
     if ruled_out:
-        return "sgd", f"dana-zero rules out the {ruled_out[0]} given ({getattr(cfg, ruled_out[0])!r})"
-    return "dana-zero", f"{num_workers} workers: a momentum per worker and replies one step ahead"
+        return "sgd", cfg.gap_aware, f"dana-zero rules out the {ruled_out[0]} given ({getattr(cfg, ruled_out[0])!r})"
+    if cfg.overlap:
+        return "dana-zero", False, (f"{num_workers} workers: a momentum per worker and replies one step ahead; "
+                                    "without Gap-Aware, which --overlap rules out")
+    return "dana-zero", True, (f"{num_workers} workers: a momentum per worker, replies one step ahead, and each "
+                               "gradient divided by its gap (DANA-GA)")
 
 
 class AsgdServer(ShardedServer):
@@ -188,7 +194,8 @@ class AsgdServer(ShardedServer):
                              lr_scale=lr_scale, threads=cfg.server_threads)
         # --lookahead: the replies carry the weights K momentum-only updates ahead (DANA), not the master weights;
         # --update-rule dana-zero: one step ahead along the sum of the workers' momenta
-        self.update_rule, self.update_rule_why = resolve_update_rule(cfg, len(self.workers))  # (--update-rule auto)
+        # (--update-rule auto: DANA-Zero with Gap-Aware from 2 workers)
+        self.update_rule, self.gap_aware, self.update_rule_why = resolve_update_rule(cfg, len(self.workers))
         self.dana = (DanaZero(params, decay_mask * np.float32(cfg.weight_decay) if cfg.weight_decay else None,
                               momentum, self.workers, lr_scale) if self.update_rule == "dana-zero" else None)
         self.lookahead_k = steps = 1 if self.dana else lookahead_steps(cfg.lookahead, len(self.workers), cfg.overlap)
@@ -200,7 +207,7 @@ class AsgdServer(ShardedServer):
         self.weights = ({w: self.outbox[w].payload[:P] for w in self.workers}
                         if self.wire == "fp32" and self.lookahead is None else {})
         self.reply_buf = np.empty(P, np.float32) if self.wire != "fp32" and self.lookahead else None
-        self.pulled_buf = (np.empty(P, np.float32) if (cfg.dc_lambda or cfg.gap_aware) and self.wire != "fp32"
+        self.pulled_buf = (np.empty(P, np.float32) if (cfg.dc_lambda or self.gap_aware) and self.wire != "fp32"
                            else None)  # DC-ASGD's and Gap-Aware's w_pulled, decoded
         # --dc-lambda: the weights worker w computed its push on are those of its last reply, in weights[w]
         self.compensation = DelayCompensation(P, cfg.dc_lambda, cfg.dc_adaptive) if cfg.dc_lambda else None
@@ -208,7 +215,7 @@ class AsgdServer(ShardedServer):
         rule = AsyncRule(self.optimizer, self.staleness_lr)  # the update; DC-ASGD corrects the gradient first
         self.rule = (self.dana if self.dana is not None else rule if self.compensation is None
                      else DelayCompensated(rule, self.compensation))
-        if cfg.gap_aware:  # --gap-aware: the gradient divided by its gap first (DANA-GA with DANA-Zero)
+        if self.gap_aware:  # --gap-aware: the gradient divided by its gap first (DANA-GA with DANA-Zero)
             self.rule = GapPenalized(self.rule, GapAware(P), self.applied_velocity, lr_scale)
 
     # --- the loop's questions ---
@@ -235,7 +242,8 @@ class AsgdServer(ShardedServer):
             self.rec.event("staleness_lr", text)
             print(f"mpiasgd: {text}", flush=True)
         if self.shard == 0 and cfg.update_rule == "auto" and len(self.workers) > 1:  # the default says what it chose
-            text = f"--update-rule auto: {self.update_rule} ({self.update_rule_why})"
+            ga = " with Gap-Aware" if self.gap_aware else ""
+            text = f"--update-rule auto: {self.update_rule}{ga} ({self.update_rule_why})"
             self.rec.event("update_rule", text)
             print(f"mpiasgd: {text}", flush=True)
         if self.dana is not None and self.shard == 0:
@@ -376,7 +384,7 @@ class AsgdServer(ShardedServer):
         """(DC-ASGD, Gap-Aware; None without them) The weights worker `w` computed its push on (float32 (P,)):
         those of its last reply, in its send buffer (fp32: a view; 16-bit wire: decoded, as the worker did, into a
         buffer of its own)."""
-        if self.compensation is None and not self.cfg.gap_aware:
+        if self.compensation is None and not self.gap_aware:
             return None
         if self.wire == "fp32":
             return self.outbox[w].payload[:self.P]

@@ -106,3 +106,48 @@ def add_scaled_parallel(params: np.ndarray, delta: np.ndarray, scale: np.float32
         a = k * chunk
         b = min(n, a + chunk)
         add_scaled(params[a:b], delta[a:b], scale, None if out is None else out[a:b])
+
+
+@numba.njit(cache=True, boundscheck=False, error_model="numpy")
+def gap_penalize(g: np.ndarray, w: np.ndarray, pulled: np.ndarray, mean_step: np.ndarray, unbias: np.float32) -> None:
+    """Gap-Aware's penalty in place (`mpiasgd.optim.delay.GapAware.penalize`): g /= max(1, |w - pulled| / C) with
+    C = mean_step * unbias (`unbias` the float32 inverse of the mean's bias correction), written as g * (C / gap)
+    where the gap exceeds C (one division, and a select the vectorizer keeps), a weight whose C is 0 left alone;
+    float32 (P,) arrays."""
+    one = np.float32(1)
+    for i in range(g.size):
+        c = mean_step[i] * unbias
+        d = abs(w[i] - pulled[i])
+        r = c / d if d > c and c > 0 else one  # (error_model numpy: no check for a zero divisor, never taken)
+        g[i] = g[i] * r
+
+
+@numba.njit(cache=True, boundscheck=False)
+def gap_observe(mean_step: np.ndarray, v: np.ndarray, lr: np.float32, lr_scale: np.ndarray | None,
+                decay: np.float32, one_minus: np.float32) -> None:
+    """Gap-Aware's running mean of one update's step (`GapAware.observe`): mean_step = decay * mean_step +
+    (1 - decay) * |lr * lr_scale * v|; float32 (P,) arrays (`lr_scale` None: 1), float32 scalars."""
+    for i in range(v.size):
+        s = abs(v[i]) * lr
+        if lr_scale is not None:
+            s = s * lr_scale[i]
+        mean_step[i] = mean_step[i] * decay + s * one_minus
+
+
+@numba.njit(cache=True, boundscheck=False)
+def dana_step(w: np.ndarray, g: np.ndarray, out: np.ndarray | None, v: np.ndarray, total: np.ndarray,
+              decay: np.ndarray | None, lr_scale: np.ndarray | None, momentum: np.float32, lr: np.float32) -> None:
+    """DANA-Zero's update of one worker's push (`mpiasgd.optim.rules.DanaZero.apply`) as one pass, the float32
+    operations of its numpy form in their order: d = g + decay * w; v' = m v + d; total = (total - v) + v';
+    new weights w - (lr * lr_scale) * v' into `out` (None: in place into `w`); `v` and `total` updated in place.
+    float32 (P,) arrays (`decay`, `lr_scale` None: 0 and 1), float32 scalars."""
+    for i in range(g.size):
+        d = g[i] + decay[i] * w[i] if decay is not None else g[i]
+        u = v[i] * momentum + d
+        total[i] = (total[i] - v[i]) + u
+        v[i] = u
+        s = lr * lr_scale[i] if lr_scale is not None else lr
+        if out is None:
+            w[i] = w[i] - s * u
+        else:
+            out[i] = w[i] - s * u

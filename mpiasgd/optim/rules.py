@@ -168,7 +168,9 @@ class DanaZero:
 
     `params` float32 (P,) (the master weights, updated in place or into `out`), `decay` float32 (P,) or None,
     `lr_scale` float32 (P,) or None (1), `workers` the ranks that push. Memory: N + 1 float32 (P,) vectors.
-    Refuses nothing: a push's values are finite (the server checked)."""
+    Cost: one compiled pass (`mpiasgd.optim.compiled.dana_step`) reading the push, the weights, the worker's
+    momentum and the sum, writing the last two and the new weights. Refuses nothing: a push's values are finite
+    (the server checked)."""
 
     def __init__(self, params: np.ndarray, decay: np.ndarray | None, momentum: float, workers: list[int],
                  lr_scale: np.ndarray | None = None) -> None:
@@ -179,15 +181,11 @@ class DanaZero:
         self.total = np.zeros_like(params)  # sum over the workers of their momenta
 
     def apply(self, push: Push, step_size: float, out: np.ndarray) -> Update:
-        v, d, w = self.velocities[push.worker], push.values, self.params
-        if self.decay is not None:
-            d += self.decay * w  # (the push's values may be changed in place)
-        self.total -= v
-        v *= self.momentum
-        v += d
-        self.total += v
-        step = np.float32(step_size) if self.lr_scale is None else np.float32(step_size) * self.lr_scale
-        np.subtract(w, step * v, out=out)
+        from mpiasgd.optim.compiled import dana_step  # (one compiled pass: numba, loaded with the first push)
+
+        w = self.params
+        dana_step(w, push.values, None if out is w else out, self.velocities[push.worker], self.total, self.decay,
+                  self.lr_scale, self.momentum, np.float32(step_size))
         self.params = out
         return Update(out, step_size, math.sqrt(push.square))
 

@@ -898,7 +898,7 @@ def test_asgd_scaling_dry_run_picks_the_best_step_size_runs_the_seeds_and_reuses
     --reuse runs nothing again and gives the same summary; --results records every cell, as it ran or from its
     log, and a third invocation with --reuse, those records and an empty --run-dir takes every cell from them and
     prints the same table (the other records of the file kept); a record of other settings stops it naming the
-    cell; bad arguments are refused before anything runs."""
+    cell; --no-run tabulates what is recorded and runs nothing; bad arguments are refused before anything runs."""
     import json
 
     import asgd_scaling
@@ -954,6 +954,18 @@ def test_asgd_scaling_dry_run_picks_the_best_step_size_runs_the_seeds_and_reuses
     third = json.loads((empty / "asgd_scaling.json").read_text())
     assert third["summary"] == first["summary"] and out.split(" s of this machine\n\n", 1)[1] == table
     assert [c["accuracy"] for c in third["summary"]["cells"].values()] == [c["accuracy"] for c in cells.values()]
+
+    partial = tmp_path / "partial"  # --no-run: the recorded cells in the table, N = 4 (never run) marked, nothing run
+    assert asgd_scaling.main([*argv, "--workers", "1,2,4", "--run-dir", str(partial), "--reuse", "--no-run",
+                              "--results", str(records)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(": recorded") == 12 and not list(partial.glob("*.h5"))
+    assert "| 4 | - (not run (--no-run)) | - (not run (--no-run)) |" in out
+    fourth = json.loads((partial / "asgd_scaling.json").read_text())["summary"]["cells"]
+    assert {k: v for k, v in fourth.items() if "N=4" not in k} == third["summary"]["cells"]
+    with pytest.raises(SystemExit) as e:
+        asgd_scaling.main([*argv, "--no-run", "--run-dir", str(partial)])
+    assert e.value.code == 2 and "--no-run takes the cells recorded or logged already" in capsys.readouterr().err
 
     ran["sgd-n2-lr0.02-s0"]["signature"]["config"]["momentum"] = 0.5  # a record of other settings
     records.write_text(json.dumps(ran))

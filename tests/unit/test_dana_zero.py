@@ -12,16 +12,14 @@ from mpiasgd.config import Config, ConfigError
 from mpiasgd.optim.rules import DanaZero, Push
 
 
-@pytest.mark.parametrize("rule", ["dana-zero", "auto"])  # auto, the default: DANA-Zero for 2 workers
-def test_updates_and_replies_against_a_hand_computation(tmp_path, rule, capsys):
+def test_updates_and_replies_against_a_hand_computation(tmp_path, capsys):
     lr, m, wd = 0.5, 0.9, 0.1
-    server, net, _ = make_server(tmp_path, update_rule=rule, momentum=m, weight_decay=wd, lr=lr)
+    server, net, _ = make_server(tmp_path, update_rule="dana-zero", momentum=m, weight_decay=wd, lr=lr)
     server.role.begin()  # the start lines, and the first weights
     for worker in (1, 2):
         net.take(worker)  # the first weights
     said = capsys.readouterr().out
-    assert ("--update-rule auto: dana-zero (2 workers" in said) == (rule == "auto")
-    assert "--update-rule dana-zero: a momentum per worker (2)" in said
+    assert "--update-rule dana-zero: a momentum per worker (2)" in said and "--update-rule auto" not in said
     rng = np.random.default_rng(3)
     w = np.arange(6, dtype=np.float64)  # make_server's initial weights
     v = {1: np.zeros(6), 2: np.zeros(6)}
@@ -42,14 +40,18 @@ def test_updates_and_replies_against_a_hand_computation(tmp_path, rule, capsys):
 
 
 @pytest.mark.parametrize("workers,overrides,expected", [
-    (1, {}, ("sgd", "1 worker: nothing is stale")),
-    (2, {}, ("dana-zero", "2 workers: a momentum per worker and replies one step ahead")),
-    (8, {"lookahead": -1.0}, ("sgd", "dana-zero rules out the lookahead given (-1.0)")),
-    (8, {"nsync": 4}, ("sgd", "dana-zero rules out the nsync given (4)")),
-    (8, {"momentum": 0.0}, ("sgd", "dana-zero rules out the momentum given (0.0)")),
-    (8, {"update_rule": "sgd"}, ("sgd", "as given")),
+    (1, {}, ("sgd", False, "1 worker: nothing is stale")),
+    (2, {}, ("dana-zero", True, "2 workers: a momentum per worker, replies one step ahead, and each gradient "
+                                "divided by its gap (DANA-GA)")),
+    (4, {"overlap": True}, ("dana-zero", False, "4 workers: a momentum per worker and replies one step ahead; "
+                                                "without Gap-Aware, which --overlap rules out")),
+    (8, {"lookahead": -1.0}, ("sgd", False, "dana-zero rules out the lookahead given (-1.0)")),
+    (8, {"nsync": 4}, ("sgd", False, "dana-zero rules out the nsync given (4)")),
+    (8, {"momentum": 0.0, "gap_aware": True}, ("sgd", True, "dana-zero rules out the momentum given (0.0)")),
+    (8, {"update_rule": "sgd"}, ("sgd", False, "as given")),
+    (8, {"update_rule": "dana-zero"}, ("dana-zero", False, "as given")),
 ])
-def test_auto_is_dana_zero_from_two_workers_unless_an_option_rules_it_out(workers, overrides, expected):
+def test_auto_is_dana_ga_from_two_workers_unless_an_option_rules_it_out(workers, overrides, expected):
     from mpiasgd.modes.asgd import resolve_update_rule
 
     cfg = Config(**overrides)

@@ -32,10 +32,10 @@ class HandGap:
         self.t += 1
 
 
-def test_the_penalty_against_a_hand_computation_in_small_blocks():
+def test_the_penalty_against_a_hand_computation():
     rng = np.random.default_rng(0)
     P = 37
-    gap, hand = GapAware(P, chunk=8), HandGap(P)  # (blocks of 8: the last one short)
+    gap, hand = GapAware(P), HandGap(P)
     g = rng.standard_normal(P).astype(np.float32)
     w, pulled = rng.standard_normal(P).astype(np.float32), rng.standard_normal(P).astype(np.float32)
     first = gap.penalize(g.copy(), w, pulled)
@@ -59,14 +59,19 @@ def test_the_penalty_against_a_hand_computation_in_small_blocks():
         gap.penalize(np.zeros(P), w, pulled)
 
 
-@pytest.mark.parametrize("rule", ["sgd", "dana-zero"])
-def test_the_server_penalizes_each_push_by_its_gap_against_a_hand_computation(tmp_path, rule):
+@pytest.mark.parametrize("given", ["sgd", "dana-zero", "auto"])
+def test_the_server_penalizes_each_push_by_its_gap_against_a_hand_computation(tmp_path, given, capsys):
     """Worker 2's pushes are stale by one or two updates: their gradients are divided by the gap. With A-SGD the
     replies are the master weights; with DANA-Zero (DANA-GA) the look-ahead weights, which the gap is measured
-    from. The velocity folded into C is the server's momentum (sgd) or the pushing worker's (DANA-Zero)."""
+    from. The velocity folded into C is the server's momentum (sgd) or the pushing worker's (DANA-Zero). auto,
+    the default, is DANA-GA with 2 workers, and says so."""
     lr, m, wd = 0.5, 0.9, 0.1
-    server, net, _ = make_server(tmp_path, update_rule=rule, gap_aware=True, momentum=m, weight_decay=wd, lr=lr)
+    flags = {"update_rule": given} if given == "auto" else {"update_rule": given, "gap_aware": True}
+    server, net, _ = make_server(tmp_path, momentum=m, weight_decay=wd, lr=lr, **flags)
     server.role.begin()  # the first weights, which the first pushes are computed on
+    said = capsys.readouterr().out
+    assert ("--update-rule auto: dana-zero with Gap-Aware (2 workers: " in said) == (given == "auto")
+    rule = "sgd" if given == "sgd" else "dana-zero"
     rng = np.random.default_rng(5)
     w = np.arange(6, dtype=np.float64)
     pulled = {1: w.copy(), 2: w.copy()}

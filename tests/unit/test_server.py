@@ -346,7 +346,7 @@ def test_a_gradient_that_delay_compensation_makes_non_finite_is_rejected(tmp_pat
                                                    ("workers", 4, 0.15), ("workers", 10, 0.0)])
 def test_async_momentum_rule(tmp_path, rule, workers, expected):
     """--async-momentum workers: the server's momentum is max(0, 0.9 - (1 - 1/N)), and its steps use it."""
-    server, net, _ = make_server(tmp_path, num_workers=workers, momentum=0.9, async_momentum=rule)
+    server, net, _ = make_server(tmp_path, num_workers=workers, momentum=0.9, async_momentum=rule, update_rule="sgd")
     assert float(server.optimizer.momentum) == pytest.approx(expected)
     w, v = server.params.astype(np.float64), np.zeros(P)
     for step in (1, 2, 3):
