@@ -70,7 +70,10 @@ HERE = Path(__file__).resolve().parent
 PROG = "asgd_scaling.py"
 
 # name -> (the `mpiasgd simulate` flags of the variant, what it is)
-SGD = ["--update-rule", "sgd"]  # plain A-SGD's update, whatever the default (auto: DANA-Zero for 2+ workers)
+# plain A-SGD's update and DANA-Zero's, whatever the defaults (auto: DANA-GA from 2 workers, 1/staleness for nsync
+# updates): a variant names what it is, so that a cell means the same under later defaults
+SGD = ["--update-rule", "sgd", "--staleness-lr", "none"]
+DANA = ["--update-rule", "dana-zero", "--staleness-lr", "none"]
 VARIANTS: dict[str, tuple[list[str], str]] = {
     "sgd": (SGD, "GPU A-SGD / Downpour: the gradient into the server's momentum as for one worker "
                  "(Paine et al. 2013; Dean et al. 2012)"),
@@ -78,23 +81,25 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
                          "asynchrony begets momentum (Mitliagkas et al. 2016)"),
     "lookahead": ([*SGD, "--lookahead", "-1"], "replies N - 1 momentum-only updates ahead along the server's "
                   "momentum (DANA's look-ahead, Hakimi et al. 2019, with one momentum)"),
-    "dana-zero": (["--update-rule", "dana-zero"], "a momentum per worker on the server, the replies one step ahead "
+    "dana-zero": (DANA, "a momentum per worker on the server, the replies one step ahead "
                   "along their sum (DANA-Zero, Hakimi et al. 2019)"),
-    "dana-zero-warmup": (["--update-rule", "dana-zero", "--warmup-epochs", "{warmup}"], "DANA-Zero with a warm-up "
+    "dana-zero-warmup": ([*DANA, "--warmup-epochs", "{warmup}"], "DANA-Zero with a warm-up "
                          "that grows with N: max(0.5, N/4) epochs (the large-batch rule of Goyal et al. 2017 read for "
                          "N stale workers)"),
     "gap-aware": ([*SGD, "--gap-aware"], "each weight's gradient divided by its gap max(1, |w - w_pulled| / C), "
                   "C the mean step (Gap-Aware, Barkai et al. 2020)"),
-    "dana-ga": (["--update-rule", "dana-zero", "--gap-aware"], "DANA-Zero with Gap-Aware's penalty, the gap from "
+    "dana-ga": ([*DANA, "--gap-aware"], "DANA-Zero with Gap-Aware's penalty, the gap from "
                 "the look-ahead weights (DANA-GA, Barkai et al. 2020)"),
     "default": ([], "no flags: what a user gets (--update-rule auto: DANA-GA from 2 workers)"),
-    "staleness-lr": ([*SGD, "--staleness-lr", "inverse"], "the gradient scaled by 1/staleness (Zhang et al. 2016)"),
+    "staleness-lr": (["--update-rule", "sgd", "--staleness-lr", "inverse"], "the gradient scaled by 1/staleness "
+                     "(Zhang et al. 2016)"),
     "dc-asgd": ([*SGD, "--dc-lambda", "0.04"], "delay compensation g + lambda g*g (w - w_pulled), lambda 0.04 "
                 "(Zheng et al. 2017)"),
-    "nsync4": ([*SGD, "--nsync", "4"], "4 local steps per exchange, the accumulated update pushed (GPU A-SGD's "
-               "nsync)"),
-    "nsync4-staleness": ([*SGD, "--nsync", "4", "--staleness-lr", "inverse"], "nsync 4 with each accumulated "
-                         "update scaled by 1/staleness: about 1/(N - 1), an average of the N workers' updates"),
+    "nsync4": ([*SGD, "--nsync", "4"], "4 local steps per exchange, the accumulated update pushed and added in "
+               "full (GPU A-SGD's nsync, Downpour)"),
+    "nsync4-staleness": (["--update-rule", "sgd", "--nsync", "4", "--staleness-lr", "inverse"], "nsync 4 with "
+                         "each accumulated update scaled by 1/staleness: about 1/(N - 1), an average of the N workers' "
+                         "updates (the default for nsync > 1: --staleness-lr auto)"),
 }
 DRY = {"model": "digits", "workers": [1, 2], "variants": ["sgd", "lookahead"], "lrs": [0.05], "seeds": 2,
        "epochs": 1.0, "eval_interval": "0.5ep", "batch_size": 32}
@@ -354,6 +359,7 @@ def write_record(path: str, cell: str, record: dict) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # (mkstemp makes it private; a results file is for everyone to read)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -919,7 +919,8 @@ def test_asgd_scaling_dry_run_picks_the_best_step_size_runs_the_seeds_and_reuses
         assert accuracy[cell["lr"]] == max(accuracy.values())  # the best of the grid
         assert (logs / f"{variant}-n{n}-lr{cell['lr']:g}-s1.h5").is_file()
     assert cells["sgd N=1"]["speedup"] == pytest.approx(1.0) and 0.5 < first["summary"]["target"] < 1
-    assert "| 1 | " in out and "| 2 | " in out and "`lookahead` (`--update-rule sgd --lookahead -1`)" in out
+    assert "| 1 | " in out and "| 2 | " in out
+    assert "`lookahead` (`--update-rule sgd --staleness-lr none --lookahead -1`)" in out
     table = out.split(" s of this machine\n\n", 1)[1]
 
     ran = json.loads(records.read_text())  # a record per cell that ran, of what its log holds
