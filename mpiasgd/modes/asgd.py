@@ -158,9 +158,14 @@ def resolve_update_rule(cfg: Config, num_workers: int) -> tuple[str, bool, str]:
         return cfg.update_rule, cfg.gap_aware, "as given"
     if num_workers < 2:
         return "sgd", cfg.gap_aware, "1 worker: nothing is stale"
-    ruled_out = [key for key, ok, _ in dana_conflicts(cfg) if not ok]
+    ruled_out = [(key, expected) for key, ok, expected in dana_conflicts(cfg) if not ok]
     if ruled_out:
-        return "sgd", cfg.gap_aware, f"dana-zero rules out the {ruled_out[0]} given ({getattr(cfg, ruled_out[0])!r})"
+        key, expected = ruled_out[0]
+        value = getattr(cfg, key)
+        flag = f"--{key.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value:g}"
+                                              if isinstance(value, float) else f" {value}")
+        needs = expected.replace(" with --update-rule dana-zero", "")
+        return "sgd", cfg.gap_aware, f"{flag} rules out dana-zero, which needs {key.replace('_', '-')} {needs}"
     if cfg.overlap:
         return "dana-zero", False, (f"{num_workers} workers: a momentum per worker and replies one step ahead; "
                                     "without Gap-Aware, which --overlap rules out")
@@ -247,7 +252,7 @@ class AsgdServer(ShardedServer):
             self.rec.event("update_rule", text)
             print(f"mpiasgd: {text}", flush=True)
         if self.dana is not None and self.shard == 0:
-            text = (f"--update-rule dana-zero: a momentum per worker ({len(self.workers)}), the replies w - lr * "
+            text = (f"DANA-Zero: a momentum per worker ({len(self.workers)}), the replies w - lr * "
                     f"{self.lookahead.factor:.4g} * (the sum of the workers' momenta)")
             self.rec.event("lookahead", text)
             print(f"mpiasgd: {text}", flush=True)
@@ -292,6 +297,13 @@ class AsgdServer(ShardedServer):
         super().restore(ckpt)
         if self.dana is not None:
             self.dana.restore(ckpt.momentum)
+            if self.shard == 0:
+                ga = "; Gap-Aware's mean step starts again" if self.gap_aware else ""
+                text = (f"resumed DANA-Zero: the checkpoint keeps the sum of the workers' momenta; each of the "
+                        f"{len(self.workers)} workers starts from the sum / {len(self.workers)} (not bit-identical "
+                        f"to an uninterrupted run){ga}")
+                self.rec.event("resume_state", text)
+                print(f"mpiasgd: {text}", flush=True)
         elif self.optimizer.velocity is not None:
             self.optimizer.velocity[:] = ckpt.momentum
 

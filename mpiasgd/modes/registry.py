@@ -153,7 +153,8 @@ class AsyncOptions:
     gap_aware: bool = option(False, "Gap-Aware (Barkai et al. 2020): the server divides each weight's pushed "
         "gradient by its gap, max(1, |w - w_pulled| / C), C a running mean of one update's step: a weight that "
         "moved k typical steps since the worker's pull gets 1/k of its gradient; with DANA-Zero, DANA-GA (what "
-        "--update-rule auto gives from 2 workers); needs "
+        "--update-rule auto gives from 2 workers, on whatever this flag says: --update-rule dana-zero is DANA-Zero "
+        "alone); needs "
         "nsync 1 and no --overlap or --dc-lambda", PS_MODES, "optimizer", label="gap-aware")
     async_momentum: str = option("fixed", "the server's momentum: fixed = --momentum | workers = max(0, "
         "momentum - (1 - 1/N)) for N workers, since asynchrony itself adds about 1 - 1/N of momentum "
@@ -161,8 +162,9 @@ class AsyncOptions:
     update_rule: str = option("auto", "async/ssp: the server's update: sgd (one momentum for all the workers: "
         "GPU A-SGD, Downpour) | dana-zero (a momentum per worker, the replies looking one step ahead along their "
         "sum: DANA-Zero, Hakimi et al. 2019; N + 1 momentum vectors on the server; momentum in (0, 1), nsync 1, "
-        "no --lookahead, --nesterov, --dc-lambda, --staleness-lr or --async-momentum workers) | auto (dana-zero "
-        "with --gap-aware, DANA-GA, for 2 or more workers where those allow it, else sgd; said at start-up)",
+        "no --lookahead, --nesterov, --dc-lambda, --staleness-lr inverse|sqrt or --async-momentum workers) | auto "
+        "(from 2 workers: dana-zero with Gap-Aware, DANA-GA, whatever --gap-aware says; dana-zero alone with "
+        "--overlap; sgd where an option dana-zero rules out is given; said at start-up; 1 worker: sgd)",
         PS_MODES)
     lookahead: float = option(0.0, "async/ssp: the server replies with the weights K momentum-only updates ahead, "
         "w - lr * c * v with c = m (1 - m^K) / (1 - m), where a push computed on them will most likely be applied "

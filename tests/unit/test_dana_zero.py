@@ -19,7 +19,7 @@ def test_updates_and_replies_against_a_hand_computation(tmp_path, capsys):
     for worker in (1, 2):
         net.take(worker)  # the first weights
     said = capsys.readouterr().out
-    assert "--update-rule dana-zero: a momentum per worker (2)" in said and "--update-rule auto" not in said
+    assert "DANA-Zero: a momentum per worker (2)" in said and "--update-rule auto" not in said
     rng = np.random.default_rng(3)
     w = np.arange(6, dtype=np.float64)  # make_server's initial weights
     v = {1: np.zeros(6), 2: np.zeros(6)}
@@ -45,9 +45,15 @@ def test_updates_and_replies_against_a_hand_computation(tmp_path, capsys):
                                 "divided by its gap (DANA-GA)")),
     (4, {"overlap": True}, ("dana-zero", False, "4 workers: a momentum per worker and replies one step ahead; "
                                                 "without Gap-Aware, which --overlap rules out")),
-    (8, {"lookahead": -1.0}, ("sgd", False, "dana-zero rules out the lookahead given (-1.0)")),
-    (8, {"nsync": 4}, ("sgd", False, "dana-zero rules out the nsync given (4)")),
-    (8, {"momentum": 0.0, "gap_aware": True}, ("sgd", True, "dana-zero rules out the momentum given (0.0)")),
+    (8, {"lookahead": -1.0}, ("sgd", False, "--lookahead -1 rules out dana-zero, which needs lookahead 0 (its "
+                                            "replies look ahead already)")),
+    (8, {"nsync": 4}, ("sgd", False, "--nsync 4 rules out dana-zero, which needs nsync 1 (it takes gradients)")),
+    (8, {"momentum": 0.0, "gap_aware": True}, ("sgd", True, "--momentum 0 rules out dana-zero, which needs momentum "
+                                                            "in (0, 1) (a momentum per worker)")),
+    (8, {"nesterov": True}, ("sgd", False, "--nesterov rules out dana-zero, which needs nesterov False (its "
+                                           "look-ahead is Nesterov's point already)")),
+    (8, {"async_momentum": "workers"}, ("sgd", False, "--async-momentum workers rules out dana-zero, which needs "
+                                                      "async-momentum 'fixed'")),
     (8, {"update_rule": "sgd"}, ("sgd", False, "as given")),
     (8, {"update_rule": "dana-zero"}, ("dana-zero", False, "as given")),
 ])
@@ -82,6 +88,23 @@ def test_one_worker_is_momentum_sgd_with_the_gradient_taken_ahead():
     v = 0.5 * g + g
     np.testing.assert_allclose(out, w - 0.1 * g - 0.1 * v, rtol=1e-6)
     np.testing.assert_allclose(rule.total, v, rtol=1e-6)
+
+
+def test_a_resume_says_what_it_did_with_the_state_a_checkpoint_does_not_keep(tmp_path, capsys):
+    """The default rule with 2 workers (DANA-GA) resumed: each worker's momentum is the checkpoint's sum / 2, and the
+    start says so (and that Gap-Aware's mean step starts again)."""
+    from mpiasgd import checkpoint
+
+    server, _, _ = make_server(tmp_path, update_rule="auto", momentum=0.9)
+    workers = np.array([(1, 3, 0), (2, 2, 0)], dtype=[("rank", "i8"), ("step", "i8"), ("cursor", "i8")])
+    ckpt = checkpoint.Checkpoint(params=np.ones(6, np.float32), momentum=np.array([2, 4, 6, 8, 0, -2], np.float32),
+                                 workers=workers, version=5, samples=50, elapsed=1.0, log_time=1.0, config="",
+                                 log="", mode="async", model="")
+    server.role.restore(ckpt)
+    assert all(np.array_equal(v, [1, 2, 3, 4, 0, -1]) for v in server.role.dana.velocities.values())
+    said = capsys.readouterr().out
+    assert ("resumed DANA-Zero: the checkpoint keeps the sum of the workers' momenta; each of the 2 workers starts "
+            "from the sum / 2 (not bit-identical to an uninterrupted run); Gap-Aware's mean step starts again") in said
 
 
 def test_a_resume_splits_the_sum_of_the_momenta_among_the_workers():
