@@ -225,9 +225,14 @@ class AsgdServer(ShardedServer):
 
     # --- the loop's questions ---
     def warm_up(self) -> None:
-        """The optimizer's compiled update and the wire format's compiled codec (fp16) loaded now (`SGD.warm_up`,
-        `wire.warm_up`), not at the first push."""
+        """The optimizer's compiled update, DANA-Zero's and Gap-Aware's, and the wire format's compiled codec (fp16)
+        loaded now (`SGD.warm_up`, `DanaZero.warm_up`, `GapAware.warm_up`, `wire.warm_up`), not at the first
+        push."""
         self.optimizer.warm_up()
+        if self.dana is not None:
+            self.dana.warm_up()
+        if self.gap_aware:
+            self.rule.gap.warm_up(lr_scale=self.rule.lr_scale is not None)
         warm_up_wire(self.wire)
 
     def begin(self) -> None:

@@ -116,6 +116,15 @@ class GapAware:
         self.mean_step = np.zeros(size, np.float32)  # C before the bias correction
         self.updates = 0
 
+    def warm_up(self, lr_scale: bool = False) -> None:
+        """Load the compiled passes (`gap_penalize`, `gap_observe` with or without `lr_scale`) on 8-value scratch
+        vectors now, so that the first pushes do not wait for numba. Changes nothing."""
+        from mpiasgd.optim.compiled import gap_observe, gap_penalize
+
+        x = [np.zeros(8, np.float32) for _ in range(4)]
+        gap_penalize(x[0], x[1], x[2], x[3], np.float32(1))
+        gap_observe(x[0], x[1], np.float32(0), x[2] if lr_scale else None, self.decay, np.float32(1) - self.decay)
+
     def penalize(self, grad: np.ndarray, weights: np.ndarray, pulled: np.ndarray) -> np.ndarray:
         """Divide `grad` in place by its gap max(1, |weights - pulled| / C), all float32 (P,) C-contiguous;
         returns `grad`. ValueError for a wrong shape, dtype or layout."""

@@ -189,6 +189,20 @@ class DanaZero:
         self.params = out
         return Update(out, step_size, math.sqrt(push.square))
 
+    def warm_up(self) -> None:
+        """Load the compiled update (`dana_step`, out of place and in place, with this rule's argument types) on
+        8-value scratch vectors now, so that the first push does not wait for numba (as `SGD.warm_up`). Changes
+        nothing."""
+        from mpiasgd.optim.compiled import dana_step
+
+        def scratch() -> np.ndarray:
+            return np.zeros(8, np.float32)
+
+        decay = None if self.decay is None else scratch()
+        lr_scale = None if self.lr_scale is None else scratch()
+        for out in (scratch(), None):
+            dana_step(scratch(), scratch(), out, scratch(), scratch(), decay, lr_scale, self.momentum, np.float32(0))
+
     def restore(self, total: np.ndarray) -> None:
         """From a checkpoint, which holds only the sum of the momenta: each worker's momentum the sum / N (the
         look-ahead stays where it was; a resumed DANA-Zero run is not bit-identical to an uninterrupted one)."""

@@ -68,6 +68,7 @@ def test_the_server_penalizes_each_push_by_its_gap_against_a_hand_computation(tm
     lr, m, wd = 0.5, 0.9, 0.1
     flags = {"update_rule": given} if given == "auto" else {"update_rule": given, "gap_aware": True}
     server, net, _ = make_server(tmp_path, momentum=m, weight_decay=wd, lr=lr, **flags)
+    server.role.warm_up()  # (the compiled loops loaded before the clocks start: changes nothing)
     server.role.begin()  # the first weights, which the first pushes are computed on
     said = capsys.readouterr().out
     assert ("--update-rule auto: dana-zero with Gap-Aware (2 workers: " in said) == (given == "auto")
