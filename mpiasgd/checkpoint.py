@@ -257,7 +257,7 @@ def _opened(path: str):
     read it (inside the `with` too) is a CheckpointError naming the file."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint '{path}' not found" + (" (it is a directory)" if os.path.isdir(path)
-                                                                  else ""))
+                                                                  else _why_missing(path)))
     try:
         with h5py.File(path, "r") as f:
             if f.attrs.get("format") != FORMAT:
@@ -267,6 +267,27 @@ def _opened(path: str):
         raise
     except (OSError, KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"checkpoint '{path}' cannot be read: {e}") from None
+
+
+def _why_missing(path: str) -> str:
+    """What is beside a checkpoint `path` that does not exist: the unfinished write of a rank 0 killed while it wrote
+    (`.NAME.tmp.PID`, nothing to resume from), and the run log of the same name, a run that wrote no checkpoint
+    (killed before its first: --checkpoint-interval, or at the end or a signal); "" if neither."""
+    directory = os.path.dirname(os.path.abspath(path))
+    prefix = f".{os.path.basename(path)}.tmp."
+    try:
+        torn = sorted(n for n in os.listdir(directory) if n.startswith(prefix))
+    except OSError:
+        return ""
+    notes = []
+    if torn:
+        notes.append(f"'{os.path.join(os.path.dirname(path), torn[-1])}' is a write that did not finish (rank 0 "
+                     "was killed while it wrote: it holds nothing to resume from)")
+    log = path[:-len(".ckpt.h5")] + ".h5" if path.endswith(".ckpt.h5") else ""
+    if log and os.path.isfile(log):
+        notes.append(f"its run log '{log}' is of a run that wrote no checkpoint (ended or killed before its first: "
+                     "every --checkpoint-interval seconds, at the end and on a signal); start it again (--overwrite)")
+    return f": {'; '.join(notes)}" if notes else ""
 
 
 def _not_a_checkpoint(path: str, f: h5py.File) -> str:

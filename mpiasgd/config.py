@@ -550,6 +550,10 @@ def resolve(args: argparse.Namespace) -> Config:
         if kind in ("float", "tuple") and not all(map(math.isfinite, value if kind == "tuple" else [value])):
             raise ConfigError(f"flag --{key.replace('_', '-')} = {value!r}: expected a finite number")
     cfg = dataclasses.replace(cfg, **flags)
+    if flags.get("gap_aware") is False and cfg.update_rule == "auto":  # (False is the default: it would do nothing)
+        raise ConfigError("flag --no-gap-aware with --update-rule auto: auto gives DANA-Zero with Gap-Aware (DANA-GA) "
+                          "from 2 workers whatever --gap-aware says; for DANA-Zero without Gap-Aware give "
+                          "--update-rule dana-zero (for one momentum, --update-rule sgd)")
     # dataset files by absolute path: the config stored in the log and checkpoint works from any directory
     cfg = dataclasses.replace(cfg, **{key: os.path.abspath(getattr(cfg, key)) for key in ("data", "test_data")
                                       if getattr(cfg, key)})

@@ -251,7 +251,7 @@ class AsgdServer(ShardedServer):
                     "1/staleness, so the workers' updates average)")
             self.rec.event("staleness_lr", text)
             print(f"mpiasgd: {text}", flush=True)
-        if self.shard == 0 and cfg.update_rule == "auto" and len(self.workers) > 1:  # the default says what it chose
+        if self.shard == 0 and cfg.update_rule == "auto":  # the default says what it chose
             ga = " with Gap-Aware" if self.gap_aware else ""
             text = f"--update-rule auto: {self.update_rule}{ga} ({self.update_rule_why})"
             self.rec.event("update_rule", text)

@@ -153,9 +153,8 @@ class AsyncOptions:
     gap_aware: bool = option(False, "Gap-Aware (Barkai et al. 2020): the server divides each weight's pushed "
         "gradient by its gap, max(1, |w - w_pulled| / C), C a running mean of one update's step: a weight that "
         "moved k typical steps since the worker's pull gets 1/k of its gradient; with DANA-Zero, DANA-GA (what "
-        "--update-rule auto gives from 2 workers, on whatever this flag says: --update-rule dana-zero is DANA-Zero "
-        "alone); needs "
-        "nsync 1 and no --overlap or --dc-lambda", PS_MODES, "optimizer", label="gap-aware")
+        "--update-rule auto gives from 2 workers, where --no-gap-aware is refused: --update-rule dana-zero is "
+        "DANA-Zero alone); needs nsync 1 and no --overlap or --dc-lambda", PS_MODES, "optimizer", label="gap-aware")
     async_momentum: str = option("fixed", "the server's momentum: fixed = --momentum | workers = max(0, "
         "momentum - (1 - 1/N)) for N workers, since asynchrony itself adds about 1 - 1/N of momentum "
         "(Mitliagkas et al. 2016)", PS_MODES, "optimizer", label="momentum={}")

@@ -81,8 +81,22 @@ def test_corrupt_foreign_and_missing_checkpoints_are_refused(tmp_path):
     (tmp_path / "text.h5").write_text("hello")
     with pytest.raises(CheckpointError, match="cannot be read"):
         checkpoint.load(str(tmp_path / "text.h5"))
-    with pytest.raises(CheckpointError, match="not found"):
+    with pytest.raises(CheckpointError, match=r"not found$"):
         checkpoint.load(str(tmp_path / "missing.h5"))
+
+
+def test_a_missing_checkpoint_names_the_log_of_its_run_and_an_unfinished_write(tmp_path):
+    """A run killed before its first checkpoint leaves its log (and, killed mid-write, a temporary file): --resume
+    says so instead of only 'not found'."""
+    path = str(tmp_path / "run.ckpt.h5")
+    (tmp_path / "run.h5").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"not found: its run log '.*run\.h5' is of a run that wrote no "
+                       r"checkpoint .*start it again \(--overwrite\)$"):
+        checkpoint.load(path)
+    (tmp_path / ".run.ckpt.h5.tmp.4321").write_bytes(b"\0" * 10)
+    with pytest.raises(CheckpointError, match=r"not found: '.*\.run\.ckpt\.h5\.tmp\.4321' is a write that did not "
+                       r"finish .*; its run log"):
+        checkpoint.load(path)
 
 
 @pytest.mark.parametrize("field,value,expected", [

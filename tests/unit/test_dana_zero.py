@@ -126,3 +126,22 @@ def test_a_resume_splits_the_sum_of_the_momenta_among_the_workers():
 def test_settings_it_cannot_take_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         Config(**overrides).validate()
+
+
+def test_auto_says_what_it_chose_for_one_worker_too(tmp_path, capsys):
+    server, net, log = make_server(tmp_path, num_workers=1, momentum=0.9)
+    server.role.begin()
+    net.take(1)
+    assert "mpiasgd: --update-rule auto: sgd (1 worker: nothing is stale)" in capsys.readouterr().out
+    log.flush()
+    events = [e["text"].decode() for e in log.file["events"][()] if e["kind"] == b"update_rule"]
+    assert events == ["--update-rule auto: sgd (1 worker: nothing is stale)"]
+
+
+def test_no_gap_aware_under_auto_is_refused_naming_the_rule_to_give():
+    from mpiasgd.config import make_parser, resolve
+
+    with pytest.raises(ConfigError, match=r"--no-gap-aware with --update-rule auto: .*give --update-rule dana-zero"):
+        resolve(make_parser().parse_args(["--no-gap-aware"]))
+    cfg = resolve(make_parser().parse_args(["--no-gap-aware", "--update-rule", "dana-zero"]))
+    assert (cfg.update_rule, cfg.gap_aware) == ("dana-zero", False)
