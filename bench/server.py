@@ -233,6 +233,53 @@ def sweep(args: argparse.Namespace) -> None:
                                          in enumerate(zip(floors, widths, strict=True)))
           + "   (compiled, out of place: roofline / measured)")
     codec_sweep(P, args.repeats)
+    rule_sweep(P, args.repeats, bw)
+
+
+def rule_sweep(P: int, repeats: int, bandwidth: float) -> None:
+    """(--sweep) Milliseconds per push of the server's update rules on P values (momentum 0.9, in place, 4
+    workers' momenta for DANA-Zero): A-SGD's (`AsyncRule`), A-SGD with Gap-Aware (three passes: the penalty, the
+    update, C), DANA-Zero (`dana_step`) and DANA-GA, the default from 2 workers (`dana_ga_step`: one pass), each
+    with the sum of squares a rule that changes the gradient logs; against the roofline of the bytes each moves
+    at `bandwidth` (bytes/s); medians over `repeats` rounds that interleave them."""
+    from mpiasgd.optim import SGD, GapAware
+    from mpiasgd.optim.rules import AsyncRule, DanaZero, GapPenalized, Push
+
+    rng = np.random.default_rng(2)
+    w0 = rng.standard_normal(P, dtype=np.float32)
+    grad = rng.standard_normal(P, dtype=np.float32)
+    pulled = w0 + np.float32(0.01) * rng.standard_normal(P, dtype=np.float32)
+    sgd = SGD(w0.copy(), np.ones(P, np.float32), 0.9, 0.0)
+    sgd_ga = SGD(w0.copy(), np.ones(P, np.float32), 0.9, 0.0)
+    dana, dana_ga = (DanaZero(w0.copy(), None, 0.9, [1, 2, 3, 4]) for _ in range(2))
+    gaps = [GapAware(P), GapAware(P)]
+    for opt in (sgd, sgd_ga):
+        opt.warm_up()
+    dana.warm_up()
+    dana_ga.warm_up(gap_aware=True)
+    gaps[0].warm_up()
+    # (name, rule, its weights, bytes per parameter: read and written)
+    rules = [("sgd", AsyncRule(sgd, "none"), sgd, 20),
+             ("sgd + gap-aware", GapPenalized(AsyncRule(sgd_ga, "none"), gaps[0], lambda push: sgd_ga.velocity), sgd_ga,
+              56),
+             ("dana-zero", dana, dana, 28),
+             ("dana-ga", GapPenalized(dana_ga, gaps[1], lambda push: dana_ga.velocities[push.worker]), dana_ga, 48)]
+    times: dict[str, list[float]] = {}
+    g = np.empty_like(grad)
+    for k in range(repeats):
+        for name, rule, opt, _ in rules:
+            g[...] = grad
+            time.sleep(PAUSE)
+            t = time.perf_counter()
+            rule.apply(Push(g, 1.0, 1, pulled=pulled, worker=1 + k % 4), 0.01, opt.params)
+            times.setdefault(name, []).append(time.perf_counter() - t)
+    ms = {name: 1e3 * statistics.median(v) for name, v in times.items()}
+    print(f"update rules, P = {P:,} float32, median of {repeats}, ms per push in place (momentum 0.9; DANA-Zero with "
+          "4 workers); roofline: the bytes at the copy bandwidth")
+    for name, _, _, per in rules:
+        floor = 1e3 * per * P / bandwidth
+        print(f"{name:>16} | {ms[name]:7.2f} ms | {ms[name] / ms['sgd']:5.2f}x sgd | roofline {floor:6.2f} ms "
+              f"({per} bytes per parameter) | ratio {floor / ms[name]:.2f}")
 
 
 def codec_sweep(P: int, repeats: int) -> None:

@@ -229,9 +229,9 @@ class AsgdServer(ShardedServer):
         loaded now (`SGD.warm_up`, `DanaZero.warm_up`, `GapAware.warm_up`, `wire.warm_up`), not at the first
         push."""
         self.optimizer.warm_up()
-        if self.dana is not None:
-            self.dana.warm_up()
-        if self.gap_aware:
+        if self.dana is not None:  # (DANA-GA: DANA-Zero's pass does Gap-Aware's too)
+            self.dana.warm_up(gap_aware=self.gap_aware)
+        elif self.gap_aware:
             self.rule.gap.warm_up(lr_scale=self.rule.lr_scale is not None)
         warm_up_wire(self.wire)
 

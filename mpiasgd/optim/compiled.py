@@ -151,3 +151,35 @@ def dana_step(w: np.ndarray, g: np.ndarray, out: np.ndarray | None, v: np.ndarra
             w[i] = w[i] - s * u
         else:
             out[i] = w[i] - s * u
+
+
+@numba.njit(cache=True, boundscheck=False, error_model="numpy")
+def dana_ga_step(w: np.ndarray, g: np.ndarray, out: np.ndarray | None, v: np.ndarray, total: np.ndarray,
+                 decay: np.ndarray | None, lr_scale: np.ndarray | None, momentum: np.float32, lr: np.float32,
+                 pulled: np.ndarray, mean_step: np.ndarray, unbias: np.float32, gap_decay: np.float32,
+                 one_minus: np.float32) -> None:
+    """DANA-GA's update of one worker's push as one pass (`mpiasgd.optim.rules.GapPenalized` around `DanaZero`):
+    per value, `gap_penalize` (C = mean_step * unbias; `unbias` 0 before the first update: nothing penalized),
+    then `dana_step`, then `gap_observe` of the worker's new momentum, the float32 operations of the three in
+    their order, so the weights, momenta and C are those of the three passes bit for bit. The penalized gradient
+    is written back into `g`. float32 (P,) arrays (`decay`, `lr_scale` None: 0 and 1), float32 scalars."""
+    one = np.float32(1)
+    for i in range(g.size):
+        c = mean_step[i] * unbias
+        gap = abs(w[i] - pulled[i])
+        r = c / gap if gap > c and c > 0 else one
+        gi = g[i] * r
+        g[i] = gi
+        d = gi + decay[i] * w[i] if decay is not None else gi
+        u = v[i] * momentum + d
+        total[i] = (total[i] - v[i]) + u
+        v[i] = u
+        s = lr * lr_scale[i] if lr_scale is not None else lr
+        if out is None:
+            w[i] = w[i] - s * u
+        else:
+            out[i] = w[i] - s * u
+        step = abs(u) * lr
+        if lr_scale is not None:
+            step = step * lr_scale[i]
+        mean_step[i] = mean_step[i] * gap_decay + step * one_minus

@@ -107,7 +107,8 @@ class GapAware:
     Memory: one float32 (P,) vector (C) beside the weights the server already holds (the last reply of each
     worker, as for DC-ASGD); it is not in the checkpoint: a resumed run learns C again from its first update.
     Cost: one compiled pass each (`mpiasgd.optim.compiled.gap_penalize`, `gap_observe`: numba, loaded with the
-    first push), reading four vectors and writing one, then reading two and writing one."""
+    first push), reading four vectors and writing one, then reading two and writing one; with DANA-Zero both are
+    folded into its update's pass (`mpiasgd.optim.compiled.dana_ga_step`)."""
 
     def __init__(self, size: int, decay: float = GAP_DECAY) -> None:
         if not 0 < decay < 1:
@@ -128,13 +129,22 @@ class GapAware:
     def penalize(self, grad: np.ndarray, weights: np.ndarray, pulled: np.ndarray) -> np.ndarray:
         """Divide `grad` in place by its gap max(1, |weights - pulled| / C), all float32 (P,) C-contiguous;
         returns `grad`. ValueError for a wrong shape, dtype or layout."""
-        for name, a in (("grad", grad), ("weights", weights), ("pulled", pulled)):
-            _check(name, a, self.size)
+        self.check(grad, weights, pulled)
         if self.updates:
             from mpiasgd.optim.compiled import gap_penalize
 
-            gap_penalize(grad, weights, pulled, self.mean_step, np.float32(1 / (1 - float(self.decay) ** self.updates)))
+            gap_penalize(grad, weights, pulled, self.mean_step, self.unbias())
         return grad
+
+    def check(self, grad: np.ndarray, weights: np.ndarray, pulled: np.ndarray) -> None:
+        """ValueError naming the vector if `grad`, `weights` or `pulled` is not float32 (P,) C-contiguous."""
+        for name, a in (("grad", grad), ("weights", weights), ("pulled", pulled)):
+            _check(name, a, self.size)
+
+    def unbias(self) -> np.float32:
+        """The float32 inverse of C's bias correction, 1 / (1 - decay^updates); 0 before the first update (C is
+        unknown: nothing is penalized)."""
+        return np.float32(1 / (1 - float(self.decay) ** self.updates)) if self.updates else np.float32(0)
 
     def observe(self, velocity: np.ndarray, step_size: float, lr_scale: np.ndarray | None = None) -> None:
         """Fold one update's step |step_size * lr_scale * velocity| (`velocity` float32 (P,): what the update

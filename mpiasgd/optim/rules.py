@@ -125,6 +125,8 @@ class GapPenalized:
         self.rule, self.gap, self.velocity, self.lr_scale = rule, gap, velocity, lr_scale
 
     def apply(self, push: Push, step_size: float, out: np.ndarray) -> Update:
+        if isinstance(self.rule, DanaZero):  # DANA-GA: the three passes as one (the same bits)
+            return self.rule.apply_gap_aware(push, step_size, out, self.gap)
         self.gap.penalize(push.values, self.rule.params, push.pulled)
         push.square = finite_square(push.values)[1]  # (dividing by G >= 1 keeps a finite gradient finite)
         update = self.rule.apply(push, step_size, out)
@@ -189,19 +191,41 @@ class DanaZero:
         self.params = out
         return Update(out, step_size, math.sqrt(push.square))
 
-    def warm_up(self) -> None:
-        """Load the compiled update (`dana_step`, out of place and in place, with this rule's argument types) on
-        8-value scratch vectors now, so that the first push does not wait for numba (as `SGD.warm_up`). Changes
-        nothing."""
-        from mpiasgd.optim.compiled import dana_step
+    def apply_gap_aware(self, push: Push, step_size: float, out: np.ndarray, gap: Any) -> Update:
+        """`apply` with Gap-Aware's penalty first and its C updated after (`GapPenalized` around this rule, DANA-GA;
+        `gap` a `mpiasgd.optim.delay.GapAware`): one compiled pass (`mpiasgd.optim.compiled.dana_ga_step`) whose
+        weights, momenta and C are those of `gap.penalize`, `apply` and `gap.observe` bit for bit; `push.values`
+        holds the penalized gradient after, `push.square` its sum of squares."""
+        from mpiasgd.optim.compiled import dana_ga_step
+
+        w = self.params
+        gap.check(push.values, w, push.pulled)
+        dana_ga_step(w, push.values, None if out is w else out, self.velocities[push.worker], self.total, self.decay,
+                     self.lr_scale, self.momentum, np.float32(step_size), push.pulled, gap.mean_step, gap.unbias(),
+                     gap.decay, np.float32(1) - gap.decay)
+        gap.updates += 1
+        push.square = finite_square(push.values)[1]  # (dividing by G >= 1 keeps a finite gradient finite)
+        self.params = out
+        return Update(out, step_size, math.sqrt(push.square))
+
+    def warm_up(self, gap_aware: bool = False) -> None:
+        """Load the compiled update (`dana_step`, or with `gap_aware` `dana_ga_step`, out of place and in place,
+        with this rule's argument types) on 8-value scratch vectors now, so that the first push does not wait for
+        numba (as `SGD.warm_up`). Changes nothing."""
+        from mpiasgd.optim.compiled import dana_ga_step, dana_step
 
         def scratch() -> np.ndarray:
             return np.zeros(8, np.float32)
 
         decay = None if self.decay is None else scratch()
         lr_scale = None if self.lr_scale is None else scratch()
+        zero = np.float32(0)
         for out in (scratch(), None):
-            dana_step(scratch(), scratch(), out, scratch(), scratch(), decay, lr_scale, self.momentum, np.float32(0))
+            if gap_aware:
+                dana_ga_step(scratch(), scratch(), out, scratch(), scratch(), decay, lr_scale, self.momentum, zero,
+                             scratch(), scratch(), zero, zero, zero)
+            else:
+                dana_step(scratch(), scratch(), out, scratch(), scratch(), decay, lr_scale, self.momentum, zero)
 
     def restore(self, total: np.ndarray) -> None:
         """From a checkpoint, which holds only the sum of the momenta: each worker's momentum the sum / N (the

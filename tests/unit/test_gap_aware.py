@@ -124,3 +124,38 @@ def test_one_worker_is_not_penalized(tmp_path):
 def test_settings_it_cannot_take_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         Config(gap_aware=True, **overrides).validate()
+
+
+@pytest.mark.parametrize("decay,lr_scale,in_place", [(False, False, True), (True, True, False), (True, False, True)])
+def test_dana_ga_in_one_pass_is_the_three_passes_bit_for_bit(decay, lr_scale, in_place):
+    """DANA-GA's fused loop (`dana_ga_step`) against Gap-Aware's penalty, DANA-Zero's update and Gap-Aware's C
+    update run one after the other, over pushes of 3 workers, C unknown at the first."""
+    from mpiasgd.optim.rules import DanaZero, GapPenalized, Push
+
+    rng = np.random.default_rng(7)
+    P, m = 1001, np.float32(0.9)
+    w0 = rng.standard_normal(P).astype(np.float32)
+    dec = (rng.random(P) * 1e-3).astype(np.float32) if decay else None
+    scale = (rng.random(P) + 0.5).astype(np.float32) if lr_scale else None
+    fused = DanaZero(w0.copy(), dec, float(m), [1, 2, 3], scale)
+    fused_gap = GapAware(P)
+    rule = GapPenalized(fused, fused_gap, lambda push: fused.velocities[push.worker], scale)
+    ref = DanaZero(w0.copy(), dec, float(m), [1, 2, 3], scale)
+    ref_gap = GapAware(P)
+    outs = [np.empty(P, np.float32), np.empty(P, np.float32)]
+    penalized = 0
+    for k, worker in enumerate((1, 2, 3, 1, 1, 3, 2)):
+        g = rng.standard_normal(P).astype(np.float32)
+        pulled = (ref.params + 0.1 * rng.standard_normal(P)).astype(np.float32)
+        lr = 0.05
+        out_f = fused.params if in_place else outs[k % 2]
+        rule.apply(Push(g.copy(), 0.0, 1, pulled=pulled.copy(), worker=worker), lr, out_f)
+        g_ref = ref_gap.penalize(g.copy(), ref.params, pulled)
+        penalized += int((g_ref != g).sum())
+        ref.apply(Push(g_ref, float(g_ref.dot(g_ref)), 1, pulled=pulled, worker=worker), lr,
+                  ref.params if in_place else np.empty(P, np.float32))
+        ref_gap.observe(ref.velocities[worker], lr, scale)
+        assert np.array_equal(fused.params, ref.params) and np.array_equal(fused.total, ref.total)
+        assert np.array_equal(fused.velocities[worker], ref.velocities[worker])
+        assert np.array_equal(fused_gap.mean_step, ref_gap.mean_step) and fused_gap.updates == ref_gap.updates
+    assert 0 < np.abs(fused.params - w0).max() and penalized > P  # (it moved, and the gaps penalized)
