@@ -134,6 +134,22 @@ def gap_observe(mean_step: np.ndarray, v: np.ndarray, lr: np.float32, lr_scale: 
         mean_step[i] = mean_step[i] * decay + s * one_minus
 
 
+@numba.njit(cache=True, boundscheck=False, inline="always")
+def _dana_value(i, w, g, out, v, total, decay, lr_scale, momentum, lr):
+    """Value i of DANA-Zero's update (`dana_step`) for the gradient value `g`; returns the worker's new momentum
+    (inlined into the loops that call it: they stay one vectorized loop)."""
+    d = g + decay[i] * w[i] if decay is not None else g
+    u = v[i] * momentum + d
+    total[i] = (total[i] - v[i]) + u
+    v[i] = u
+    s = lr * lr_scale[i] if lr_scale is not None else lr
+    if out is None:
+        w[i] = w[i] - s * u
+    else:
+        out[i] = w[i] - s * u
+    return u
+
+
 @numba.njit(cache=True, boundscheck=False)
 def dana_step(w: np.ndarray, g: np.ndarray, out: np.ndarray | None, v: np.ndarray, total: np.ndarray,
               decay: np.ndarray | None, lr_scale: np.ndarray | None, momentum: np.float32, lr: np.float32) -> None:
@@ -142,15 +158,7 @@ def dana_step(w: np.ndarray, g: np.ndarray, out: np.ndarray | None, v: np.ndarra
     new weights w - (lr * lr_scale) * v' into `out` (None: in place into `w`); `v` and `total` updated in place.
     float32 (P,) arrays (`decay`, `lr_scale` None: 0 and 1), float32 scalars."""
     for i in range(g.size):
-        d = g[i] + decay[i] * w[i] if decay is not None else g[i]
-        u = v[i] * momentum + d
-        total[i] = (total[i] - v[i]) + u
-        v[i] = u
-        s = lr * lr_scale[i] if lr_scale is not None else lr
-        if out is None:
-            w[i] = w[i] - s * u
-        else:
-            out[i] = w[i] - s * u
+        _dana_value(i, w, g[i], out, v, total, decay, lr_scale, momentum, lr)
 
 
 @numba.njit(cache=True, boundscheck=False, error_model="numpy")
@@ -170,15 +178,7 @@ def dana_ga_step(w: np.ndarray, g: np.ndarray, out: np.ndarray | None, v: np.nda
         r = c / gap if gap > c and c > 0 else one
         gi = g[i] * r
         g[i] = gi
-        d = gi + decay[i] * w[i] if decay is not None else gi
-        u = v[i] * momentum + d
-        total[i] = (total[i] - v[i]) + u
-        v[i] = u
-        s = lr * lr_scale[i] if lr_scale is not None else lr
-        if out is None:
-            w[i] = w[i] - s * u
-        else:
-            out[i] = w[i] - s * u
+        u = _dana_value(i, w, gi, out, v, total, decay, lr_scale, momentum, lr)
         step = abs(u) * lr
         if lr_scale is not None:
             step = step * lr_scale[i]
