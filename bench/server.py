@@ -145,7 +145,8 @@ def runs(args: argparse.Namespace) -> list[tuple[str, int, dict, bool]]:
         if args.servers > 1 and k in args.sharded_workers:
             out.append((f"  S = {args.servers} shards, {plural(k)}", k, {"servers": args.servers}, False))
     k = min(2, max(args.workers))
-    out.append((f"  {k} workers, numpy update (NumpySGD)", k, {}, True))
+    rule = "" if args.update_rule == "sgd" else ", --update-rule sgd"  # (NumpySGD is A-SGD's update)
+    out.append((f"  {k} workers, numpy update (NumpySGD{rule})", k, {"update_rule": "sgd"}, True))
     out.append((f"  {k} workers, momentum 0, weight decay 0", k, {"momentum": 0.0, "weight_decay": 0.0}, False))
     if "nsync" in Config.__dataclass_fields__:
         out.append((f"  {k} workers, nsync 2 (pushes are deltas)", k, {"nsync": 2}, False))
@@ -586,14 +587,14 @@ class Timers:
     (kind, end, seconds, CPU seconds) of every call, and (end, process CPU seconds) of every applied push."""
 
     def __init__(self, r0: Any, role: Any) -> None:
-        import mpiasgd.modes.asgd
+        import mpiasgd.rank0.server
 
         rec = r0.rec
         self.calls: list[tuple[str, float, float, float]] = []
         self.applied: list[tuple[float, float]] = []  # (end time, process_time) of each on_push that applied
         r0.handle = self.wrap("handle", r0.handle)
         role.send = self.wrap("send", role.send)
-        role.optimizer.step = self.wrap("update", role.optimizer.step)
+        role.rule.apply = self.wrap("update", role.rule.apply)  # the update rule (sgd, DANA-Zero, DANA-GA; nsync)
         on_push = self.wrap("on_push", role.on_push)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -604,9 +605,7 @@ class Timers:
             return result
 
         role.on_push = counted  # the role's handlers() looks it up at every message
-        self.module = mpiasgd.modes.asgd
-        self.module_delta = self.module.apply_delta  # the nsync > 1 update
-        self.module.apply_delta = self.wrap("update", self.module_delta)
+        self.module = mpiasgd.rank0.server  # (the push path: `ShardedServer.take_push`)
         self.module_check = self.module.finite_square  # the finite check before the update
         self.module.finite_square = self.wrap("check", self.module_check)
 
@@ -621,7 +620,6 @@ class Timers:
         return timed
 
     def restore(self) -> None:
-        self.module.apply_delta = self.module_delta
         self.module.finite_square = self.module_check
 
     def result(self, skip: int, message_bytes: int) -> dict:
@@ -691,6 +689,10 @@ class TimedMode:
             a, b = role.cut.slice(role.shard)
             role.optimizer = NumpySGD(opt.params, decay_mask[a:b], float(opt.momentum), r0.cfg.weight_decay,
                                       nesterov=opt.nesterov)
+            if role.rule.optimizer is not opt:
+                raise RuntimeError(f"the numpy update replaces A-SGD's optimizer; --update-rule {r0.cfg.update_rule} "
+                                   f"gives {type(role.rule).__name__}: give --update-rule sgd")
+            role.rule.optimizer = role.optimizer  # (`AsyncRule` applies the push through it)
         self.timers = Timers(r0, role)
         return role
 

@@ -113,3 +113,22 @@ def test_simulate_validate_script_runs_n_workers_and_their_simulation(tmp_path):
     assert [r.split(" | ")[1] for r in rows] == ["real", "simulated (draw)"]
     assert all(len(r.split(" | ")[5].split(" / ")) == 5 for r in rows)
     assert " -n 4 " in done.stdout and "simulate --workers 3 --fit r/real-0.h5" in done.stdout
+
+
+def test_server_script_times_the_server_with_each_update_rule(tmp_path):
+    """bench/server.py's mpiexec job (it starts its own) on 4,096 values: the one-server rows and their per-push
+    split, with DANA-GA (the default rule from 2 workers) and with A-SGD's; the numpy row is A-SGD's update."""
+    for rule in ("auto", "sgd"):
+        done = subprocess.run([sys.executable, str(REPO / "bench" / "server.py"), "--params", "4096", "--workers",
+                               "1,2", "--sharded-workers", "2", "--pushes", "60", "--rounds", "1", "--exchanges",
+                               "20", "--update-rule", rule], cwd=tmp_path, env=mpi_env(), capture_output=True,
+                              text=True, timeout=240)
+        assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+        numpy = "NumpySGD" + ("" if rule == "sgd" else ", --update-rule sgd")
+        rows: dict[str, str] = {}  # (the first table's: the second names its rows alike)
+        for line in done.stdout.splitlines():
+            if "|" in line and line.lstrip().startswith(("server, ", "2 workers, ")):
+                rows.setdefault(line.strip().split("  ")[0], line)
+        for label in ("server, 1 worker", "server, 2 workers", f"2 workers, numpy update ({numpy})"):
+            split = [float(v) for v in rows[label].split("|")[1].split()]  # receive check update send other idle
+            assert len(split) == 6 and split[2] > 0, rows[label]
