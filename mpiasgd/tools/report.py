@@ -20,7 +20,7 @@ import numpy as np
 from mpiasgd.argtypes import DEFAULT_TARGET, FORMATS
 from mpiasgd.model import build_model
 from mpiasgd.model.spec import ModelSpecError, from_json
-from mpiasgd.modes.registry import variant
+from mpiasgd.modes.registry import PS_MODES, variant
 from mpiasgd.runlog import load
 from mpiasgd.runlog.summary import (
     applied_pushes,
@@ -109,6 +109,19 @@ def autotune_lines(events: np.ndarray | None) -> list[str]:
     return ["conv tiles chosen by --conv-algo autotune (timings: the log's events):", *lines] if lines else []
 
 
+def rule_line(run: dict) -> list[str]:
+    """The parameter server's update rule (async, ssp): what `--update-rule auto` chose (the log's "update_rule"
+    event, with its reason), else the rule the config names; [] for the other modes or a log from before rules."""
+    for e in run["events"] if run.get("events") is not None else []:
+        if e["kind"] == b"update_rule":
+            text = e["text"].decode() if isinstance(e["text"], bytes) else str(e["text"])
+            return [f"update rule: {text}"]
+    rule = run["config"].get("update_rule")
+    if run.get("mode") not in PS_MODES or rule is None:
+        return []
+    return [f"update rule: --update-rule {rule}" + (" with Gap-Aware" if run["config"].get("gap_aware") else "")]
+
+
 def network_lines(run: dict) -> list[str]:
     """The network the run trained, rebuilt from the log's stored definition (data, never a model file): one
     line per top-level layer with its output shape and parameters (`Model.describe`); [] for a log from
@@ -129,6 +142,7 @@ def run_section(run: dict) -> list[str]:
            f"model {run.get('model')}, mode {run.get('mode')}, {run.get('num_workers')} workers, "
            f"{run.get('num_params')} parameters, batch {cfg.get('batch_size')}, lr {cfg.get('lr')}, "
            f"created {run.get('created')}"]
+    out += rule_line(run)
     out += network_lines(run)
     out += summary_lines(path, run)
     if run["pushes"] is not None and len(run["pushes"]):

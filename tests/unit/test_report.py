@@ -216,6 +216,21 @@ def test_report_shows_the_conv_tiles_each_worker_autotuned(tmp_path):
     assert "autotune" not in report([plain])
 
 
+def test_report_says_the_update_rule_auto_chose_or_the_one_given(tmp_path):
+    said = "--update-rule auto: dana-zero with Gap-Aware (3 workers: ...)"
+    path = write_log(tmp_path / "auto.h5", {"mode": "async"}, [push(0.1, 0)], close=False)
+    with h5py.File(path, "a") as f:
+        ds = f["events"]
+        ds.resize((ds.shape[0] + 1,))
+        ds[-1] = EventRow(time=0.0, kind=b"update_rule", text=said).row()
+    assert report([path]).splitlines()[2] == f"update rule: {said}"
+    given = write_log(tmp_path / "given.h5", {"mode": "async", "update_rule": "sgd", "gap_aware": True},
+                      [push(0.1, 0)])
+    assert report([given]).splitlines()[2] == "update rule: --update-rule sgd with Gap-Aware"
+    sync = write_log(tmp_path / "sync.h5", {"mode": "sync"}, [push(0.1, 0)])
+    assert "update rule" not in report([sync])
+
+
 @pytest.mark.parametrize("command", ["report", "evaluate", "trace"])
 def test_a_directory_or_an_empty_file_is_named_as_such(command, tmp_path, capsys):
     """report, evaluate and trace on a directory say it is one and list the run logs in it; on a 0-byte file
