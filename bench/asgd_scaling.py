@@ -90,6 +90,8 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
                   "C the mean step (Gap-Aware, Barkai et al. 2020)"),
     "dana-ga": ([*DANA, "--gap-aware"], "DANA-Zero with Gap-Aware's penalty, the gap from "
                 "the look-ahead weights (DANA-GA, Barkai et al. 2020)"),
+    "dana-ga-warmup": ([*DANA, "--gap-aware", "--warmup-epochs", "{warmup}"], "DANA-GA with the warm-up that grows "
+                       "with N: max(0.5, N/4) epochs"),
     "default": ([], "no flags: what a user gets (--update-rule auto: DANA-GA from 2 workers)"),
     "staleness-lr": (["--update-rule", "sgd", "--staleness-lr", "inverse"], "the gradient scaled by 1/staleness "
                      "(Zhang et al. 2016)"),

@@ -134,17 +134,23 @@ def _train(argv: list[str]) -> int:
         error = None
     from mpi4py import MPI  # MPI starts only for training
 
+    from mpiasgd.comms import ulfm
     from mpiasgd.launch import EXIT_BAD_INPUT, train
 
     comm = MPI.COMM_WORLD
     if any(comm.allgather(error)):  # every rank parsed the same argv: one message, from rank 0
         if comm.Get_rank() == 0:
             print(f"mpiasgd: error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    try:
-        status = train(cfg, comm)
-    finally:
-        signals.ignore()
+        status = EXIT_BAD_INPUT
+    else:
+        try:
+            status = train(cfg, comm)
+        finally:
+            signals.ignore()
+    if ulfm.enabled() and ulfm.detector_thread():  # ULFM's detector thread keeps MPI_Finalize from returning
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     return _leave_stray_threads(status, comm.Get_rank())
 
 

@@ -21,6 +21,8 @@ from typing import Any
 
 from mpi4py import MPI
 
+from mpiasgd.comms.ulfm import RankFailed, failed_ranks, is_failure
+
 
 class CommTimeout(TimeoutError):
     """A wait outlived its timeout; the message names the rank and what it waited for."""
@@ -149,6 +151,7 @@ def wait_all(requests: list, what: str, rank: int, timeout: float) -> None:
 
 def probe(comm: Any, rank: int, timeout: float, what: str, backoff: Backoff | Spin, idle: Any = None) -> tuple:
     """Poll for the next message from any source with any tag; returns (MPI.Message, MPI.Status).
+    Under ULFM a rank's death raises RankFailed naming every failed rank (acknowledged: the next probe works).
 
     `idle()` is called between polls (the server flushes its log and checks its clocks there);
     raises CommTimeout naming `what` when a poll `timeout` seconds after the start finds no message
@@ -157,7 +160,12 @@ def probe(comm: Any, rank: int, timeout: float, what: str, backoff: Backoff | Sp
     status = MPI.Status()
     deadline = Deadline(timeout)
     while True:
-        message = comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+        try:
+            message = comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+        except MPI.Exception as e:  # ULFM (`mpiasgd.comms.ulfm`): a rank died; the failure acknowledged
+            if not is_failure(e):
+                raise
+            raise RankFailed(failed_ranks(comm), f"rank {rank} waited for a {what}") from None
         if message is not None:
             backoff.reset()
             return message, status

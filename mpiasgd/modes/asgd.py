@@ -117,6 +117,7 @@ from mpiasgd.optim import (
     fraction_done,
     lookahead_steps,
 )
+from mpiasgd.optim.delay import lookahead_factor
 from mpiasgd.optim.rules import AsyncRule, DanaZero, DelayCompensated, GapPenalized
 from mpiasgd.rank0.server import ReplyNow, ShardedServer, server_shard
 
@@ -288,6 +289,30 @@ class AsgdServer(ShardedServer):
         if self.periodic.due():  # --eval-interval: the workers running now evaluate their next reply's weights
             self.periodic.ask([w for w in self.workers if w in self.started and w not in self.stopped])
         self.gate.tick()  # (ssp: a stop, or a worker that caught up, releases held replies)
+
+    def survives(self) -> str:
+        """async with one server goes on without a worker that died; ssp (its bound waits for the slowest) and
+        --servers S > 1 (the shards must agree on the dead worker's last push) end the run, as before."""
+        if self.cfg.mode != "async":
+            return super().survives()
+        if self.cfg.servers > 1:
+            return "--servers S > 1 does not drop a dead worker yet (the shards would have to agree on its last push)"
+        return ""
+
+    def lose_worker(self, w: int) -> None:
+        """`Role.lose_worker`, and the rules that count the workers follow: DANA-Zero's sum of momenta loses the
+        dead worker's (its past updates stay in the weights), `--lookahead -1` looks N - 2 updates ahead instead of
+        N - 1, `--async-momentum workers` takes the momentum for one worker fewer."""
+        super().lose_worker(w)
+        cfg, alive = self.cfg, len(self.workers) - len(self.lost)
+        if self.dana is not None:
+            self.dana.drop(w)
+        momentum = explicit_momentum(cfg.momentum, cfg.async_momentum, alive)
+        if cfg.async_momentum != "fixed":
+            self.optimizer.momentum = np.float32(momentum)
+        if self.dana is None and self.lookahead is not None and cfg.lookahead < 0:
+            steps = lookahead_steps(cfg.lookahead, alive, cfg.overlap)
+            self.lookahead.factor = lookahead_factor(momentum, steps, cfg.nesterov)
 
     def applied_velocity(self, push: Any) -> np.ndarray | None:
         """(--gap-aware) The velocity the update of `push` just applied: the pushing worker's momentum (DANA-Zero),
@@ -623,6 +648,7 @@ class AsgdMode(Mode):
         need(cfg.servers >= 1, cfg, "servers", "an integer >= 1 (parameter-server shards)")
         need(1 <= cfg.server_threads <= 1024, cfg, "server_threads", "an integer from 1 to 1024")
         need(cfg.update_rule in UPDATE_RULES, cfg, "update_rule", f"one of {UPDATE_RULES}")
+        need(cfg.min_workers >= 1, cfg, "min_workers", "an integer >= 1 (workers left for a run to go on)")
         if cfg.update_rule == "dana-zero":  # its momentum per worker and its own look-ahead replace these
             for key, ok, expected in dana_conflicts(cfg):
                 need(ok, cfg, key, expected)

@@ -227,6 +227,12 @@ class DanaZero:
             else:
                 dana_step(scratch(), scratch(), out, scratch(), scratch(), decay, lr_scale, self.momentum, zero)
 
+    def drop(self, worker: int) -> None:
+        """Worker `worker` is gone (it died): its momentum leaves the sum the replies look ahead along (its past
+        updates stay in the weights); it pushes no more."""
+        v = self.velocities.pop(worker)
+        self.total -= v
+
     def restore(self, total: np.ndarray) -> None:
         """From a checkpoint, which holds only the sum of the momenta: each worker's momentum the sum / N (the
         look-ahead stays where it was; a resumed DANA-Zero run is not bit-identical to an uninterrupted one)."""

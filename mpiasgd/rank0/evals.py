@@ -138,6 +138,17 @@ class PeriodicEvals:
                 if not rnd.waiting:
                     self.close(rnd)
 
+    def lose(self, w: int) -> None:
+        """Worker `w` died: it is asked for nothing more, and an open evaluation goes without its share."""
+        self.workers = [v for v in self.workers if v != w]
+        for rnd in list(self.rounds.values()):
+            if w in rnd.waiting or w in rnd.asked:
+                rnd.asked.discard(w)
+                rnd.waiting.discard(w)
+                rnd.missing = rnd.missing or f"worker rank {w} died before it answered"
+                if not rnd.waiting:
+                    self.close(rnd)
+
     # --- answers ---
     def answer(self, w: int, h: np.void) -> None:
         """A periodic EVAL (flag EVALUATE) from worker `w`, header `h`: step = the evaluation's number,

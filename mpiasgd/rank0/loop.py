@@ -49,6 +49,7 @@ from mpiasgd.comms import (
     protocol,
     wait_all,
 )
+from mpiasgd.comms.ulfm import RankFailed, failed_ranks, is_failure
 from mpiasgd.comms.waits import pauser
 from mpiasgd.config import Config
 from mpiasgd.rank0.recorder import Recorder
@@ -95,14 +96,15 @@ class Rank0:
     `cfg` gives comm_timeout and stall_warning (seconds). `pids` ({rank: (host, pid)} of the workers and the
     other shards) names dead ones on this host when a signal comes. `make_link(rank0)` (--servers S > 1) makes
     the link to the other shards (module docstring); None: one server. `server_wait` is how this rank waits for
-    its next message, "spin" or "backoff" (--server-wait resolved for its node: `mpiasgd.comms.waits.server_wait`),
-    and `wait_note` the start-up line that said so, logged as the event "server_wait" when the clocks start.
+    its next message, "spin" or "backoff" (--server-wait resolved for its node: `mpiasgd.comms.waits.server_wait`);
+    `notes` [(kind, text)]: start-up lines logged as events when the clocks start ("server_wait": what said so;
+    "fault_tolerance": what a rank's death does under ULFM).
     """
 
     def __init__(self, comm: Any, cfg: Config, rec: Recorder, make_role: Any, pids: dict | None = None,
-                 make_link: Any = None, server_wait: str = "backoff", wait_note: str = "") -> None:
+                 make_link: Any = None, server_wait: str = "backoff", notes: list | None = None) -> None:
         self.comm, self.cfg, self.rec = comm, cfg, rec
-        self.server_wait, self.wait_note = server_wait, wait_note
+        self.server_wait, self.notes = server_wait, notes or []
         self.rank = comm.Get_rank() if comm is not None else 0  # 0, or a parameter-server shard's (--servers)
         self.workers = rec.workers
         self.pids: dict[int, tuple[str, int]] = pids or {}
@@ -139,8 +141,9 @@ class Rank0:
         with signals.watching(lambda name: self.close_log_on_signal()):
             self.role.warm_up()  # before the clocks: the run's time is the training's
             self.rec.begin()
-            if self.wait_note and self.decides:  # (on the log's clock, after a resume's rows)
-                self.rec.event("server_wait", self.wait_note)
+            if self.decides:  # (on the log's clock, after a resume's rows)
+                for kind, text in self.notes:
+                    self.rec.event(kind, text)
             if self.decides:
                 self.rec.snapshot(*self.weights())
             self.role.begin()
@@ -168,6 +171,9 @@ class Rank0:
                     timeout = self.cfg.worker_timeout
                 message, status = probe(self.comm, self.rank, timeout, "message from any worker" if self.decides
                                         else "message from rank 0 or any worker", backoff, idle=self.tick)
+            except RankFailed as dead:  # ULFM: a rank died and the job lives on
+                self.lose(dead.ranks)
+                continue
             except CommTimeout as e:
                 if not self.decides:
                     raise CommTimeout(f"{e} (parameter-server shard rank {self.rank}: rank 0 sends one at least "
@@ -183,11 +189,47 @@ class Rank0:
                 silent = ", ".join(f"rank {w} ({self.rec.now() - self.last_seen[w]:.0f} s)" for w in waiting)
                 raise CommTimeout(f"{e}; still waiting for workers {waiting}; time since each last sent: "
                                   f"{silent} (hung or very slow; see --comm-timeout)") from None
-            self.handle(message, status)
+            try:
+                self.handle(message, status)
+            except MPI.Exception as e:  # ULFM: the message's sender died while it was received
+                if not is_failure(e):
+                    raise
+                self.lose(failed_ranks(self.comm))
+                continue
             self.last_seen[status.Get_source()] = self.rec.now()
             self.tick()
         pending = self.role.pending_sends() + (self.link.pending_sends() if self.link is not None else [])
         wait_all(pending, "completion of the final sends", self.rank, self.cfg.comm_timeout)
+
+    def lose(self, ranks: list[int], how: str = "ULFM reported it") -> None:
+        """(ULFM: `mpiasgd.comms.ulfm`; `mpiasgd simulate --fail`) `ranks` have died (every failed rank of the job
+        so far; `how` it was found out): a worker not yet
+        dropped is dropped (`Role.lose_worker`: its pending sends, the evaluations it owed), logged (event
+        "worker_lost": rank, host, last step, the workers left) and said, and the run goes on; fewer than
+        --min-workers left, a dead parameter-server shard, or a role that cannot go on without it end the run as
+        a launcher's kill would (`preempt`: a checkpoint where rank 0 holds the state, status "failed")."""
+        new = [r for r in ranks if r not in self.role.lost and r != self.rank]
+        if not new:
+            return
+        why = self.role.survives()
+        shards = [r for r in new if r not in self.workers]
+        alive = len(self.workers) - len(self.role.lost) - len([r for r in new if r in self.workers])
+        if shards or why or not self.decides or alive < self.cfg.min_workers:
+            gone = [(r, *self.pids.get(r, ("?", 0))) for r in new]
+            cause = ("a parameter-server shard died" if shards else why if why else
+                     f"{alive} worker{'s' * (alive != 1)} left, fewer than --min-workers {self.cfg.min_workers}")
+            if self.preempted:  # (already ending: the grace decides)
+                return
+            self.preempt(f"ULFM reported {', '.join(self.name_of(r) for r in new)} dead ({cause})", gone=gone)
+            return
+        for w in new:
+            host = self.pids[w][0] if w in self.pids else ""
+            step = self.role.last_step[w]
+            self.role.lose_worker(w)
+            text = (f"worker rank {w}{' on ' + host if host else ''} died after step {step} ({how}): dropped, "
+                    f"{alive} worker{'s' * (alive != 1)} go on")
+            self.rec.event("worker_lost", text)
+            print(f"mpiasgd: {text}", file=sys.stderr, flush=True)
 
     def handle(self, message: Any, status: Any) -> None:
         """Receive one probed message and hand it to the role (or the link); ProtocolError on anything outside
@@ -343,11 +385,12 @@ class Rank0:
                               f"(--comm-timeout {limit:g} s): hung or very slow; silent longer than that: {names}")
 
     # --- preemption ---
-    def preempt(self, why: str) -> None:
+    def preempt(self, why: str, gone: list[tuple[int, str, int]] | None = None) -> None:
         """A signal reached a rank: stop, checkpoint now, and end within PREEMPT_GRACE seconds (the STOPs
-        carry the flag PREEMPT: workers skip the final evaluation)."""
+        carry the flag PREEMPT: workers skip the final evaluation). `gone` ((rank, host, pid)): ranks known dead
+        (ULFM), else those of this host whose process has exited (a launcher's SIGTERM after a rank died)."""
         rec = self.rec
-        gone = self.exited_workers()
+        gone = self.exited_workers() if gone is None else gone
         if gone:  # a launcher sends SIGTERM to the other ranks when one dies: say which
             why += self.exited_text(gone)
         elif rec.stop_reason:  # the run is already ending (final evaluation): let it, within the grace

@@ -49,6 +49,7 @@ class Role:
         self.buffers = np.zeros(0, np.float32) if buffers is None else buffers
         self.worker_buffers: dict[int, np.ndarray] = {}  # async modes: each worker's latest pushed buffers
         self.stopped: set[int] = set()
+        self.lost: set[int] = set()  # workers that died under ULFM and were dropped (`lose_worker`)
         self.evals: dict[int, tuple] = {}
         self.stops_sent: set[int] = set()  # header-only STOPs posted (send_stop)
         self.last_step = dict.fromkeys(self.workers, 0)
@@ -95,12 +96,24 @@ class Role:
         """Clock-driven duties between messages."""
 
     def done(self) -> bool:
-        """The loop's end: every worker has sent its EVAL."""
-        return len(self.evals) == len(self.workers)
+        """The loop's end: every worker has sent its EVAL, or was lost."""
+        return all(w in self.evals or w in self.lost for w in self.workers)
 
     def waiting_for(self) -> list[int]:
         """The workers `done()` still waits for (named when a wait times out)."""
-        return [w for w in self.workers if w not in self.evals]
+        return [w for w in self.workers if w not in self.evals and w not in self.lost]
+
+    def survives(self) -> str:
+        """"" if this role can go on without a worker that died (`lose_worker`), else why not (the run then ends
+        as when a launcher kills a job whose rank died)."""
+        return f"mode '{self.cfg.mode}' does not drop a dead worker yet (it ends the run)"
+
+    def lose_worker(self, w: int) -> None:
+        """Worker `w` died (ULFM reported it): go on without it. Nothing more is sent to it or awaited from it (its
+        pending sends are dropped: they may never complete); an evaluation it was asked for goes without it."""
+        self.lost.add(w)
+        self.out[w] = SendSlots([None], f"send to worker rank {w}", 0, self.cfg.comm_timeout)
+        self.periodic.lose(w)
 
     def waits_for_rank0(self, w: int) -> bool:
         """Worker `w` is silent because it waits for rank 0 (not a stall)."""

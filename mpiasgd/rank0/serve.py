@@ -19,7 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from mpiasgd import signals
-from mpiasgd.comms import CommTimeout, Message, Tag
+from mpiasgd.comms import CommTimeout, Message, Tag, ulfm
 from mpiasgd.comms.waits import server_wait
 from mpiasgd.config import Config, from_mapping, resume_overrides
 from mpiasgd.health import LossWatch
@@ -183,6 +183,19 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
     wait, note = server_wait_of(cfg, me)
     if note:  # said once, on the console and (when the clocks start) in the log's events
         print(f"mpiasgd: {note}", flush=True)
+    notes = [("server_wait", note)] if note else []  # (logged when the clocks start: `Rank0.run`)
+    if ulfm.enabled():  # which behaviour applies to a rank's death
+        survives = start.mode.name == "async" and cfg.servers == 1
+        text = ("fault tolerance: ULFM (mpiexec --with-ft ulfm): " +
+                (f"a worker that dies is dropped and the run goes on while {cfg.min_workers} or more are left "
+                 f"(--min-workers)" if survives else f"mode '{cfg.mode}'" + (" with --servers S > 1" if
+                                                                            cfg.servers > 1 else "") +
+                 " does not drop a dead worker yet: a death ends the run with a checkpoint"))
+        if not ulfm.detector_thread():
+            text += ("; warning: without --mca mpi_ft_detector true --mca mpi_ft_detector_thread true a death may "
+                     "go unseen, or a busy rank be taken for dead")
+        print(f"mpiasgd: {text}", flush=True)
+        notes.append(("fault_tolerance", text))
     if cfg.server_threads > 1 and cfg.server_threads * cfg.servers > me.node_cores:
         print(f"mpiasgd: warning: --server-threads {cfg.server_threads} x {cfg.servers} server rank(s) is more than "
               f"the {me.node_cores} core(s) of rank 0's node: the threads share cores (and take the workers')",
@@ -190,7 +203,7 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
     r0 = Rank0(me.comm, cfg, rec, lambda r0: start.mode.rank0(r0, params, model.decay_mult(), model, dataset,
                                                               start.layout),
                pids={w.rank: (w.host, w.pid) for w in [*workers, *shards]},
-               make_link=ShardHub if start.cut is not None else None, server_wait=wait, wait_note=note)
+               make_link=ShardHub if start.cut is not None else None, server_wait=wait, notes=notes)
     if ckpt is not None:
         rec.restore(ckpt)
         r0.role.restore(ckpt if r0.link is None else r0.link.restore(ckpt))  # (the other shards: their slices)
@@ -204,7 +217,9 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
         elif stop.dead:  # the launcher's SIGTERM after a worker (or a shard) died
             names = ", ".join(f"{r0.name_of(w)} on {hosts[w]}" for w in stop.waiting)
             status, code = "failed", ABORT_CODE
-            text = f"{names} died (its process exited; the launcher ended the job); {r0.resume_note()}"
+            how = ("reported by ULFM; the run does not go on without it, as said above" if ulfm.enabled() else
+                   "its process exited; the launcher ended the job")
+            text = f"{names} died ({how}); {r0.resume_note()}"
         elif stop.evaluating:  # a signal during the final evaluation, which took longer than the grace
             names = ", ".join(f"rank {w} on {hosts[w]}" for w in stop.waiting)
             status, code = "preempted", EXIT_PREEMPTED

@@ -111,6 +111,14 @@ def failure_cause(run: dict) -> str:
     return ""
 
 
+def lost_workers(run: dict) -> list[tuple[float, str]]:
+    """(training-log time, text) of each "worker_lost" event: a worker that died under ULFM and was dropped while
+    the run went on."""
+    events = run.get("events")
+    return [(float(row["time"]), row["text"].decode() if isinstance(row["text"], bytes) else str(row["text"]))
+            for row in (events if events is not None else []) if row["kind"] == b"worker_lost"]
+
+
 def summary_lines(path: str, run: dict | None = None) -> list[str]:
     """The short summary printed at the end of `mpiasgd train`: accuracy, images/s, staleness, time, one
     line each. `run` is the log at `path` as `load` reads it (read here if None: errors as `load`)."""
@@ -134,6 +142,10 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
         ckpt = checkpoint_path(path)
         if os.path.isfile(ckpt):
             lines.append(f"checkpoint       {ckpt}  (continue with '--resume {ckpt}')")
+    lost = lost_workers(run)
+    if lost:
+        ranks = ", ".join(f"rank {text.split()[2]} at {t:.1f} s" for t, text in lost)  # ("worker rank R ...")
+        lines.append(f"workers lost     {len(lost)} (died; the run went on without them): {ranks}")
     if final is not None:
         top5 = final["top5"] if "top5" in (final.dtype.names or ()) else float("nan")
         lines.append(f"test accuracy    {100 * final['accuracy']:.2f} %  on {final['count']:,} images "

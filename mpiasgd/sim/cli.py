@@ -83,6 +83,9 @@ def make_parser() -> argparse.ArgumentParser:
                      help="seconds the parameter server takes per push it serves (default 0)")
     sim.add_argument("--eval-s-per-image", type=float, default=None, metavar="SECONDS",
                      help="seconds per test image evaluated (default: compute seconds / batch size / 3)")
+    sim.add_argument("--fail", metavar="W@T[,W@T...]", default=None,
+                     help="worker rank W dies at T virtual seconds: rank 0 drops it and the run goes on, as under "
+                          "ULFM (docs/training.md, 'Workers that die'); mode async, one server")
     sim.add_argument("--save-profile", metavar="FILE.json", default=None,
                      help="write the timing model used (defaults filled in) to this JSON file")
     return parser
@@ -173,16 +176,17 @@ def main(argv: list[str]) -> int:
         cfg = resolve(args)
         if args.workers is None:
             raise ConfigError("--workers N is required (the virtual workers, ranks 1..N)")
-        from mpiasgd.sim.engine import check_simulated
+        from mpiasgd.sim.engine import check_simulated, parse_failures
 
-        check_simulated(cfg, args.workers)
+        failures = parse_failures(args.fail, args.workers)
+        check_simulated(cfg, args.workers, failures)
         timing = timing_from(args)
         cfg = with_stragglers(cfg, timing, args.workers)
         if args.fit:
             print(fit_line(args.fit, timing, cfg, args.workers), flush=True)
         if args.save_profile:  # refused here; written once the run has started (every other check passed)
             check_profile_path(args.save_profile, args.fit, cfg.overwrite)
-        return simulate(cfg, args.workers, timing, save_profile=args.save_profile)
+        return simulate(cfg, args.workers, timing, save_profile=args.save_profile, failures=failures)
     except RunLogError as e:  # the log cannot be written (disk full): one line, the log ended as far as it can be
         outcome = getattr(e, "outcome", "")
         print(f"mpiasgd simulate: error: {e}{'; ' + outcome if outcome else ''}", file=sys.stderr, flush=True)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,11 +62,38 @@ from mpiasgd.sim.timing import ComputeDraws, TimingModel
 SIMULATED_MODES = ("async", "ssp")  # the parameter-server modes whose workers AsgdWorker is
 
 
-def check_simulated(cfg: Config, num_workers: int) -> None:
+def parse_failures(text: str | None, num_workers: int) -> dict[int, float]:
+    """`--fail W@T[,W@T...]`: {worker rank W: the virtual second T it dies}; ConfigError naming the entry and what
+    was expected (W a worker rank 1..N, each once; T a finite number of seconds >= 0)."""
+    out: dict[int, float] = {}
+    if text is None:
+        return out
+    for entry in text.split(","):
+        rank, at, when = entry.strip().partition("@")
+        try:
+            w, t = int(rank), float(when)
+        except ValueError:
+            w, t = 0, float("nan")
+        if not at or not 1 <= w <= num_workers or w in out or not (t >= 0 and math.isfinite(t)):
+            raise ConfigError(f"--fail '{text}': entry '{entry.strip()}': expected W@T, W a worker rank "
+                              f"1..{num_workers} named once and T the virtual seconds >= 0 at which it dies (e.g. "
+                              "2@30.5)")
+        out[w] = t
+    return out
+
+
+def check_simulated(cfg: Config, num_workers: int, failures: dict[int, float] | None = None) -> None:
     """ConfigError naming what `mpiasgd simulate` does not do: a mode other than async/ssp, --overlap,
-    --resume, --backend cupy, fewer than 1 worker."""
+    --resume, --backend cupy, fewer than 1 worker; --fail (`failures`) outside mode async with one server, or
+    leaving fewer workers than --min-workers."""
     if num_workers < 1:
         raise ConfigError(f"--workers {num_workers}: expected an integer >= 1")
+    if failures and (cfg.mode != "async" or cfg.servers > 1):
+        raise ConfigError("--fail: only mode async with one server (--servers 1) goes on without a dead worker; "
+                          f"got --mode {cfg.mode} --servers {cfg.servers}")
+    if failures and num_workers - len(failures) < cfg.min_workers:
+        raise ConfigError(f"--fail: {len(failures)} of {num_workers} workers die, fewer than --min-workers "
+                          f"{cfg.min_workers} would be left (a run that ends failed is not simulated)")
     if cfg.mode not in SIMULATED_MODES:
         raise ConfigError(f"--mode {cfg.mode} is not simulated; it simulates the parameter-server "
                           f"modes {' and '.join(SIMULATED_MODES)} (A-SGD and SSP)")
@@ -130,7 +158,7 @@ class Event:
     time: float
     rank: int
     seq: int
-    kind: str = field(compare=False)                 # "deliver" | "arrive" | "served" | "timer"
+    kind: str = field(compare=False)                 # "deliver" | "arrive" | "served" | "timer" | "fail"
     tag: int = field(compare=False, default=0)
     data: bytes = field(compare=False, default=b"")
 
@@ -155,7 +183,8 @@ class Simulation:
 
     def __init__(self, cfg: Config, mode: Any, model: Any, dataset: Any, layout: Any, samplers: list,
                  test_idx: dict[int, np.ndarray], timing: TimingModel, rec: VirtualRecorder,
-                 params: np.ndarray, worker_model: Any = None, shards: int = 1) -> None:
+                 params: np.ndarray, worker_model: Any = None, shards: int = 1,
+                 failures: dict[int, float] | None = None) -> None:
         self.cfg, self.mode, self.model, self.dataset, self.layout = cfg, mode, model, dataset, layout
         self.shards = shards
         self.worker_model = model if worker_model is None else worker_model
@@ -168,6 +197,8 @@ class Simulation:
         self.workers: dict[int, VirtualWorker] = {}
         self.r0: VirtualRank0 | None = None
         self.pulled: Any = None                              # nsync > 1: the weights at a round's start
+        self.failures = failures or {}                       # --fail: worker -> the virtual time it dies
+        self.dead: set[int] = set()
 
     # --- set-up ---
     def check(self) -> None:
@@ -233,13 +264,19 @@ class Simulation:
         role.begin()  # the initial weights leave at 0
         if self.cfg.warm_start > 0 and self.num_workers > 1:
             self.schedule(self.cfg.warm_start, 0, "timer")
+        for w, t in self.failures.items():
+            self.schedule(t, w, "fail")
         r0.tick()
         while not role.done():
             if not self.heap:
                 raise ProtocolError(f"simulate: nothing left to happen at {rec.now():.6g} virtual s, but rank 0 still "
                                     f"waits for workers {role.waiting_for()} (the protocol is stuck)")
             event = heapq.heappop(self.heap)
-            if event.kind == "deliver":
+            if event.rank in self.dead and event.kind in ("deliver", "arrive"):
+                pass  # (a dead worker takes nothing, and what it sent had not arrived when it died)
+            elif event.kind == "fail":
+                self.fail(event.time, event.rank)
+            elif event.kind == "deliver":
                 self.on_reply(self.workers[event.rank], event.time, event.tag, event.data)
             elif event.kind == "arrive":
                 self.queue.append((event.rank, event.tag, event.data))
@@ -251,6 +288,16 @@ class Simulation:
             if not self.busy or event.kind == "timer":  # rank 0's clock duties (the warm start's end: on time)
                 self.tick(event.time)
         return r0.finish()
+
+    def fail(self, t: float, w: int) -> None:
+        """--fail: worker `w` dies at `t`: its messages queued at the server and in flight are lost, and rank 0
+        drops it as it does when ULFM reports a death (`Rank0.lose`)."""
+        if w in self.dead or self.r0.role.done():
+            return
+        self.dead.add(w)
+        self.queue = deque(m for m in self.queue if m[0] != w)
+        self.tick_clock(t)
+        self.r0.lose([w], "--fail")
 
     # --- rank 0 ---
     def serve(self, t: float) -> None:

@@ -859,9 +859,10 @@ def test_server_bench_pairs_each_sharded_run_with_a_one_server_run_and_takes_the
 
     from server import base_label, runs, shard_ratios
 
-    args = argparse.Namespace(workers=[1, 2, 3], servers=2, sharded_workers=[2])
+    args = argparse.Namespace(workers=[1, 2, 3], servers=2, sharded_workers=[2], update_rule="auto")
     plan = runs(args)
     labels = [label for label, *_ in plan]
+    assert "  2 workers, numpy update (NumpySGD, --update-rule sgd)" in labels  # the numpy row runs A-SGD's rule
     i = labels.index("  S = 2 shards, 2 workers")
     assert labels[i - 1] == base_label(2) == "server, 2 workers" and plan[i][1:3] == (2, {"servers": 2})
     assert sum(1 for _, _, overrides, _ in plan if overrides.get("servers")) == 1

@@ -113,6 +113,33 @@ def test_shards_serve_and_carry_their_slices_in_parallel(tmp_path, capsys):
     assert json.loads(two["config"])["servers"] == 2 and json.loads(one["config"])["servers"] == 1
 
 
+def test_a_worker_that_fails_is_dropped_and_the_others_go_on(tmp_path, capsys):
+    """--fail 2@2.5: equal workers in turn (as above); worker rank 2 pushes at 1 and 2 s and dies before its
+    third; rank 0 drops it (as under ULFM), the other two take turns to the end and end the run."""
+    attrs, t, _ = simulate(tmp_path, "--compute-s", "1.0", "--max-pushes", "12", "--epochs", "0", "--fail", "2@2.5",
+                           workers=3)
+    assert attrs["status"] == "completed"
+    p = t["pushes"][:12]  # (the 12 applied; the pushes that arrive after the stop follow)
+    assert p["worker"].tolist() == [1, 2, 3, 1, 2, 3, 1, 3, 1, 3, 1, 3]
+    assert p["time"].tolist() == [1.0] * 3 + [2.0] * 3 + [3.0] * 2 + [4.0] * 2 + [5.0] * 2
+    lost = [(row["time"], row["text"].decode()) for row in t["events"] if row["kind"] == b"worker_lost"]
+    assert lost == [(2.5, "worker rank 2 died after step 2 (--fail): dropped, 2 workers go on")]
+    assert "workers lost     1 (died; the run went on without them): rank 2 at 2.5 s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--fail", "4@1"], "entry '4@1': expected W@T, W a worker rank 1..3"),
+    (["--fail", "2@-1"], "entry '2@-1'"), (["--fail", "2@1,2@3"], "entry '2@3'"), (["--fail", "2"], "entry '2'"),
+    (["--fail", "2@1", "--mode", "ssp"], "--fail: only mode async with one server"),
+    (["--fail", "1@1,2@1,3@1"], "3 of 3 workers die, fewer than --min-workers 1"),
+])
+def test_bad_failures_are_one_error_naming_the_entry(tmp_path, capsys, flags, expected):
+    argv = ["--workers", "3", "--model", "digits", "--run-dir", str(tmp_path), "--no-progress", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1
+
+
 def test_ssp_bound_zero_is_lockstep(tmp_path):
     """ssp with --staleness-bound 0: the faster worker 1 is held until worker 2 has pushed the same step; the
     hold shows as held_s on its next push (first: 1.25 -> 3.25)."""

@@ -1,0 +1,94 @@
+"""Workers that die under ULFM (`mpiexec --with-ft ulfm`, `mpiasgd.comms.ulfm`): in async mode rank 0 drops a
+SIGKILLed worker and the run completes with the others, the loss logged (event "worker_lost") and summed up;
+with --min-workers above what is left the run ends failed with a checkpoint. Each job runs under a timeout (a
+hang fails the test). Without --with-ft ulfm a dead worker ends the job as before: tests/mpi/test_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from kit.launch import find_launcher, kill_session, launcher_flags, mpi_env, session_pids
+from kit.runs import read_log
+
+FT = ("--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true")
+TIMEOUT = 150.0
+
+
+def rank_pid(sid: int, rank: int) -> int | None:
+    """The pid of MPI rank `rank` among the processes of session `sid` (its OMPI_COMM_WORLD_RANK)."""
+    for pid in session_pids(sid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in env and b"mpiasgd" in open(f"/proc/{pid}/cmdline", "rb").read():
+            return pid
+    return None
+
+
+def run_and_kill(tmp_path, args: list[str], victim: int) -> tuple[int, str, str]:
+    """1 server + 3 workers under ULFM on digits; SIGKILL worker rank `victim` once training has started (the
+    start-up lines printed) and a second has passed; returns (exit status, stdout, stderr)."""
+    launcher = find_launcher()
+    if launcher is None or "Open MPI" not in subprocess.run([launcher, "--version"], capture_output=True,
+                                                            text=True).stdout:
+        pytest.skip("ULFM needs Open MPI's mpiexec (--with-ft ulfm)")
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    cmd = [launcher, "-n", "4", *launcher_flags(launcher), *FT, sys.executable, "-m", "mpiasgd", "train",
+           "--model", "digits", "--no-progress", "--snapshot-interval", "0", "--name", "el", *args]
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=mpi_env(), stdout=o, stderr=e, start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while "mpiasgd: DANA-Zero" not in out.read_text() and proc.poll() is None:
+            assert time.monotonic() < deadline, f"training did not start\n{out.read_text()}\n{err.read_text()}"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        pid = rank_pid(proc.pid, victim)
+        assert pid is not None, f"rank {victim} not found\n{out.read_text()}\n{err.read_text()}"
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        proc.wait()
+        pytest.fail(f"the job hung after worker rank {victim} was killed\n{out.read_text()}\n{err.read_text()}")
+    finally:
+        kill_session(proc.pid)
+    return proc.returncode, out.read_text(), err.read_text()
+
+
+def test_async_goes_on_without_a_killed_worker(tmp_path):
+    rc, out, err = run_and_kill(tmp_path, ["--epochs", "60"], victim=2)
+    assert rc == 0, f"{out}\n{err}"
+    said = "mpiasgd: fault tolerance: ULFM (mpiexec --with-ft ulfm): a worker that dies is dropped and the run goes on"
+    assert said in out
+    assert "mpiasgd: worker rank 2 on " in err and "(ULFM reported it): dropped, 2 workers go on" in err
+    attrs, t, _ = read_log(tmp_path / "runs" / "el.h5")
+    assert attrs["status"] == "completed"
+    lost = [(row["time"], row["text"].decode()) for row in t["events"] if row["kind"] == b"worker_lost"]
+    assert len(lost) == 1 and lost[0][1].startswith("worker rank 2 on ")
+    pushes = t["pushes"]
+    died = lost[0][0]
+    assert (pushes["worker"] == 2).any() and not (pushes["time"][pushes["worker"] == 2] > died).any()
+    for w in (1, 3):  # the others trained on after it died, to the end
+        assert (pushes["time"][pushes["worker"] == w] > died + 0.5).any()
+    assert attrs["stop_reason"].startswith("epochs")
+    assert "workers lost     1 (died; the run went on without them): rank 2 at " in out
+
+
+def test_fewer_workers_than_min_workers_end_the_run_failed_with_a_checkpoint(tmp_path):
+    rc, out, err = run_and_kill(tmp_path, ["--epochs", "60", "--min-workers", "3"], victim=3)
+    assert rc != 0, out
+    said = "ULFM reported worker rank 3 dead (2 workers left, fewer than --min-workers 3)"
+    assert said in err
+    attrs, t, _ = read_log(tmp_path / "runs" / "el.h5")
+    assert attrs["status"] == "failed"
+    assert next(row["text"].decode() for row in t["events"] if row["kind"] == b"preempt").startswith(said)
+    assert (tmp_path / "runs" / "el.ckpt.h5").is_file()
