@@ -31,6 +31,10 @@ Message flow, async and ssp modes (GPU A-SGD of Paine et al. 2013, n_fetch = n_p
                                version, compute_s = seconds  signal); ALIVE meanwhile, as for the final one
     worker -> server  ERROR    (UTF-8 traceback)             a worker failed; the server logs, acks
     server -> worker  ERROR_ACK                              log closed, the job may now abort
+    server -> worker  LOST     (header only: step = the      (ULFM, async: `mpiasgd.comms.ulfm`) a worker died;
+                               dead worker's rank, version =  one per death, before the next WEIGHTS or STOP;
+                               the deaths so far)             the worker deals itself a share of the dead one's
+                                                             data and test slice (`mpiasgd.data.sampler`)
 
 Sharded parameter server (`--servers S`, async, ssp and easgd; `mpiasgd.comms.shard_cut`): shard 0 is rank 0,
 shard s >= 1 is rank N + s. Every shard exchanges WEIGHTS, PUSH and STOP with every worker as above, on its
@@ -161,6 +165,8 @@ class Tag(IntEnum):
     SHARD_FINAL = 31    # rank 0 -> shard: the last step of every worker that every shard applies (STOP_STEP rows)
     SHARD_PAUSE = 32    # header only, rank 0 -> shard: an interval checkpoint; hold pushes until SHARD_FINAL
     SHARD_PAUSED = 33   # shard -> rank 0, after SHARD_PAUSE: the last step it applied of every worker (STOP_STEP rows)
+    LOST = 34           # header only, rank 0 -> worker (ULFM, async): a worker died (step = its rank, version = how
+                        # many have died so far); sent before the next WEIGHTS or STOP
 
 
 class Flag(IntEnum):

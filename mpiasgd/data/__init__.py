@@ -9,15 +9,15 @@
 
 Files: dataset.py (Dataset), errors.py (DataError), digits.py, cifar10.py and synthetic.py (one loader
 each), loader.py (load_dataset: a built-in by name; open_data: a name or a dataset file, h5data.py),
-sampler.py (ShardSampler), augment.py (random crop + flip), stream.py (MinibatchStream: a worker's
-minibatches and their augmentation, reproducible from its cursor).
+sampler.py (ShardSampler; the test slices, test_slice and lost_test_share), augment.py (random crop + flip),
+stream.py (MinibatchStream: a worker's minibatches and their augmentation, reproducible from its cursor).
 """
 
 from mpiasgd.data.dataset import DATASETS, Dataset, default_data_dir
 from mpiasgd.data.errors import DataError
 from mpiasgd.data.loader import load_dataset
-from mpiasgd.data.sampler import ShardSampler
+from mpiasgd.data.sampler import ShardSampler, lost_test_share, test_slice
 from mpiasgd.data.stream import MinibatchStream, batch_rng, minibatches
 
 __all__ = ["DATASETS", "DataError", "Dataset", "MinibatchStream", "ShardSampler", "batch_rng", "default_data_dir",
-           "load_dataset", "minibatches"]
+           "load_dataset", "lost_test_share", "minibatches", "test_slice"]

@@ -23,7 +23,7 @@ from mpiasgd.comms.protocol import HEADER_BYTES
 from mpiasgd.comms.shard_cut import ShardCut
 from mpiasgd.comms.staging import make_sharded_staging
 from mpiasgd.config import HOST_BACKENDS, Config, ConfigError
-from mpiasgd.data import DataError, ShardSampler, default_data_dir
+from mpiasgd.data import DataError, ShardSampler, default_data_dir, test_slice
 from mpiasgd.data.loader import open_data
 from mpiasgd.device import (
     DeviceError,
@@ -352,12 +352,6 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
     out.make_staging = lambda: make_staging(backend, cuda_aware, count, wire=cfg.wire,
                                             feedback=feedback)  # --overlap: a second one
     return out
-
-
-def test_slice(num_test: int, num_workers: int, rank: int) -> np.ndarray:
-    """The test images worker `rank` (1..num_workers) evaluates: int64 indices, a contiguous slice of the
-    `num_test` (the slices of all workers cover the test split once)."""
-    return np.array_split(np.arange(num_test, dtype=np.int64), num_workers)[rank - 1]
 
 
 def open_run_log(cfg: Config, me: Rank, out: Startup, resumed: checkpoint.Checkpoint | None = None) -> None:

@@ -290,15 +290,6 @@ class AsgdServer(ShardedServer):
             self.periodic.ask([w for w in self.workers if w in self.started and w not in self.stopped])
         self.gate.tick()  # (ssp: a stop, or a worker that caught up, releases held replies)
 
-    def survives(self) -> str:
-        """async with one server goes on without a worker that died; ssp (its bound waits for the slowest) and
-        --servers S > 1 (the shards must agree on the dead worker's last push) end the run, as before."""
-        if self.cfg.mode != "async":
-            return super().survives()
-        if self.cfg.servers > 1:
-            return "--servers S > 1 does not drop a dead worker yet (the shards would have to agree on its last push)"
-        return ""
-
     def lose_worker(self, w: int) -> None:
         """`Role.lose_worker`, and the rules that count the workers follow: DANA-Zero's sum of momenta loses the
         dead worker's (its past updates stay in the weights), `--lookahead -1` looks N - 2 updates ahead instead of
@@ -378,6 +369,7 @@ class AsgdServer(ShardedServer):
             flags |= Flag.RESUME
         if number:
             flags |= Flag.EVALUATE
+        self.tell_losses(w)
         out.stamp(tag, self.rank, step=step, version=self.counter.version, flags=flags, cursor=self.cursor[w],
                   elapsed=self.rec.train_time(), lr=self.local_lr() if self.cfg.nsync > 1 else 0.0, epoch=number)
         self.post(w, out, tag)
@@ -634,6 +626,7 @@ class AsgdWorker(ShardedWorker):
 class AsgdMode(Mode):
     name = "async"
     asynchronous = True
+    elastic = True
 
     def check_config(self, cfg: Config) -> None:
         need(cfg.nsync >= 1, cfg, "nsync", "an integer >= 1")

@@ -19,9 +19,10 @@ from mpi4py import MPI
 
 from mpiasgd import signals
 from mpiasgd.comms import Flag, Message, ProtocolError, Staging, Tag, check, check_size, parse_tag, wait
+from mpiasgd.comms.protocol import HEADER
 from mpiasgd.comms.wire import ErrorFeedback
 from mpiasgd.config import Config, ConfigError
-from mpiasgd.data import MinibatchStream, ShardSampler
+from mpiasgd.data import MinibatchStream, ShardSampler, lost_test_share
 from mpiasgd.model import Evaluation, evaluate
 from mpiasgd.ops.cuda.graphs import CupyGraphs, StepGraphs
 from mpiasgd.ops.protocol import LossStats
@@ -76,6 +77,7 @@ class Mode:
 
     name = ""
     asynchronous = False  # the training rows come from different weights at once (the divergence watch)
+    elastic = False       # under ULFM a worker that dies is dropped and the run goes on (its role's `survives`)
     advice = ""           # what the divergence watch advises ("": mpiasgd.health.likely_cause)
 
     def check_config(self, cfg: Config) -> None:
@@ -237,6 +239,8 @@ class WorkerLoop:
         self.slowdown = self.cfg.stragglers().get(self.rank, 1.0)  # compute time multiplier of this worker
         self.elapsed = 0.0               # seconds of training before this job (a resumed run)
         self.preempted = False           # rank 0's STOP said: a signal ended the run
+        self.lost: list[int] = []        # (ULFM) the workers rank 0 said died (LOST), in that order
+        self.test_idx = job.test_idx     # the test images it evaluates: its slice, and a share of the lost ones'
         self.graphs = self.step_graphs(job.graphs)  # --cuda-graphs (None: eager launches)
 
     def step_graphs(self, mode: str) -> StepGraphs | None:
@@ -266,6 +270,23 @@ class WorkerLoop:
         """Continue from the initial WEIGHTS of a resumed run (flag RESUME): step count, data position, clock."""
         self.step, self.elapsed = int(header["step"]), float(header["elapsed"])
         self.stream.seek(int(header["cursor"]))
+
+    def on_lost(self, header: np.void) -> None:
+        """A LOST message from rank 0 (its `header`: step = the dead worker's rank, version = how many have died):
+        from the next epoch this worker has not drawn yet on, it reads a share of the dead workers' data as well
+        (`ShardSampler.redeal`), and evaluates a share of their test slices (`lost_test_share`), so that each
+        sample is still seen once per epoch and the final evaluation covers the test split. ProtocolError for a
+        notice out of order or naming this worker or a rank that is no worker."""
+        dead, number = int(header["step"]), int(header["version"])
+        layout = self.job.layout or Layout.data_parallel(self.job.sampler.num_shards)
+        if number != len(self.lost) + 1 or dead == self.rank or dead in self.lost or dead not in layout.shard:
+            raise ProtocolError(f"rank {self.rank}: LOST from rank 0 names worker rank {dead} as death {number}; "
+                                f"expected death {len(self.lost) + 1}, a worker rank of 1..{len(layout.shard)} other "
+                                f"than this one and {self.lost or 'none'} (told already)")
+        self.lost.append(dead)
+        self.job.sampler.redeal([layout.shard[w] for w in self.lost])
+        self.test_idx = np.concatenate([self.job.test_idx, lost_test_share(
+            self.dataset.num_test, len(layout.shard), self.rank, self.lost)])
 
     def gradient(self) -> tuple[LossStats, int, int]:
         """Forward and backward on the next minibatch into the bound grads; (its loss and hits, read later:
@@ -316,6 +337,17 @@ class WorkerLoop:
         staging.after_receive()  # cupy: weights host->device (pinned) or the header device->host (CUDA-aware)
         weights = staging.weights
         tag = parse_tag(status.Get_tag(), status.Get_source(), self.rank)
+        while tag == Tag.LOST:  # (ULFM) a worker died: noted, then the reply itself, which follows
+            check_size(tag, 0, self.rank, status.Get_count(MPI.BYTE), 0)
+            notice = Message(0)
+            notice.buf[:HEADER.itemsize] = np.frombuffer(weights.header.tobytes(), np.uint8)  # (all it carries)
+            check(notice, tag, 0, self.rank)
+            self.on_lost(notice.header)
+            staging.before_receive()
+            request = self.comm.Irecv(staging.recv_buf, source=0, tag=MPI.ANY_TAG)
+            waited += wait(request, what, self.rank, timeout or self.cfg.worker_timeout, status)
+            staging.after_receive()
+            tag = parse_tag(status.Get_tag(), status.Get_source(), self.rank)
         if tag not in (Tag.WEIGHTS, Tag.STOP):
             raise ProtocolError(f"rank {self.rank}: expected WEIGHTS or STOP from rank 0, got {tag.name}")
         check_size(tag, 0, self.rank, status.Get_count(MPI.BYTE), weights.count, weights.wire)
@@ -383,7 +415,7 @@ class WorkerLoop:
 
         abandoned = False
         try:
-            result = evaluate(self.model, self.dataset, self.job.test_idx, self.cfg.eval_batch_size, beat)
+            result = evaluate(self.model, self.dataset, self.test_idx, self.cfg.eval_batch_size, beat)
         except EvaluationAbandoned:
             result, abandoned = Evaluation(0.0, 0, 0, 0), True
         finally:
@@ -407,7 +439,7 @@ class WorkerLoop:
         loss_sum = correct = count = correct5 = 0
         if not self.preempted:
             alive = Heartbeat(self.comm, self.rank, self.cfg.comm_timeout / 4, self.cfg.worker_timeout)
-            loss_sum, correct, count, correct5 = evaluate(self.model, self.dataset, self.job.test_idx,
+            loss_sum, correct, count, correct5 = evaluate(self.model, self.dataset, self.test_idx,
                                                           self.cfg.eval_batch_size, alive.beat)
             alive.drain()
         result = Message(0).stamp(Tag.EVAL, self.rank, samples=count, correct=correct, loss=loss_sum,

@@ -128,6 +128,7 @@ class EasgdCenter(ShardedServer):
         number = self.periodic.flag(w, version) if tag == Tag.WEIGHTS and not initial else 0
         if number:
             flags |= Flag.EVALUATE
+        self.tell_losses(w)
         out.stamp(tag, self.rank, step=step, version=self.counter.version, flags=flags, cursor=self.cursor[w],
                   elapsed=self.rec.train_time(), lr=self.local_lr(), epoch=number)
         self.post(w, out, tag)
@@ -275,6 +276,7 @@ class EasgdWorker(ShardedWorker):
 class EasgdMode(Mode):
     name = "easgd"
     asynchronous = True
+    elastic = True
     advice = ("the step size of the local steps is likely too large: lower --lr or lengthen --warmup-epochs "
               "(or exchange more often: a smaller --easgd-tau)")
 

@@ -2,7 +2,8 @@
 
 A worker's clock is the number of pushes it has made; the reply to a push that leaves its worker
 more than `--staleness-bound` s clocks ahead of the slowest running worker is held until the
-slowest catches up, so no worker computes step c + 1 before every other has pushed step c - s.
+slowest catches up, so no worker computes step c + 1 before every other has pushed step c - s. A worker
+that died under ULFM counts no more (`SspGate.lose`): the slowest clock is a survivor's.
 s = 0 is lockstep (BSP). The time each reply was held is logged (pushes table, `held_s`, on the
 worker's next push). The server and the workers are those of `--mode async`; the server's `gate` is an
 `SspGate` instead of answering every push at once.
@@ -32,7 +33,7 @@ class SspGate:
     def slowest_clock(self) -> int:
         """The slowest clock of the workers that are running (started and not stopped)."""
         s = self.server
-        running = [self.clock(w) for w in s.workers if w in s.started and w not in s.stopped]
+        running = [self.clock(w) for w in s.workers if w in s.started and w not in s.stopped and w not in s.lost]
         return min(running, default=0)
 
     def on_start(self, workers: list[int]) -> None:
@@ -53,6 +54,10 @@ class SspGate:
 
     def tick(self) -> None:
         self.release()  # a stop answers every held push
+
+    def lose(self, w: int) -> None:
+        self.held.pop(w, None)  # (its reply is not sent: it died)
+        self.release()  # the slowest clock may now be a faster survivor's
 
     def release(self) -> None:
         """Answer every held push that the bound now allows (all of them once the run stops)."""

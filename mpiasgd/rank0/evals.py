@@ -111,7 +111,9 @@ class PeriodicEvals:
         return self.schedule.due(self.rec.train_time(), self.rec.epoch)
 
     def ask(self, workers: list[int]) -> None:
-        """Open the next evaluation for `workers` (those running): each is told with its next WEIGHTS."""
+        """Open the next evaluation for `workers` (those running; a lost one is left out): each is told with its
+        next WEIGHTS."""
+        workers = [w for w in workers if w in self.workers]
         if not workers:
             return
         self.number += 1

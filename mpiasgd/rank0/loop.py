@@ -35,6 +35,7 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 from mpiasgd import signals
@@ -208,7 +209,8 @@ class Rank0:
         "worker_lost": rank, host, last step, the workers left) and said, and the run goes on; fewer than
         --min-workers left, a dead parameter-server shard, or a role that cannot go on without it end the run as
         a launcher's kill would (`preempt`: a checkpoint where rank 0 holds the state, status "failed")."""
-        new = [r for r in ranks if r not in self.role.lost and r != self.rank]
+        # (a worker that sent its final EVAL has finished: under ULFM its exit may be reported before rank 0's)
+        new = [r for r in ranks if r not in self.role.lost and not self.finished(r) and r != self.rank]
         if not new:
             return
         why = self.role.survives()
@@ -231,6 +233,23 @@ class Rank0:
             self.rec.event("worker_lost", text)
             print(f"mpiasgd: {text}", file=sys.stderr, flush=True)
 
+    def finished(self, w: int) -> bool:
+        """(`lose`) Worker `w` has ended its part: its final EVAL came, or is here to be received (ULFM may report
+        the exit of a worker that ended before rank 0 took its EVAL: taken now)."""
+        if w in self.role.evals:
+            return True
+        if w not in self.role.stopped or w not in self.workers:
+            return False
+        try:
+            status = MPI.Status()
+            message = self.comm.Improbe(source=w, tag=int(Tag.EVAL), status=status)
+            if message is None:
+                return False
+            self.handle(message, status)
+        except MPI.Exception:
+            return False
+        return w in self.role.evals
+
     def handle(self, message: Any, status: Any) -> None:
         """Receive one probed message and hand it to the role (or the link); ProtocolError on anything outside
         the protocol. A pause of rank 0 that ended just now is taken first (`skip_pause`): the message waited
@@ -239,6 +258,11 @@ class Rank0:
         source = status.Get_source()
         tag = protocol.parse_tag(status.Get_tag(), source, self.rank)
         nbytes = status.Get_count(MPI.BYTE)
+        if source in self.role.lost:  # (ULFM) sent before it died, or by a hung worker that woke up: not merged
+            message.Recv(np.empty(max(nbytes, 1), np.uint8))
+            self.rec.event("late_message", f"a {tag.name} message from worker rank {source} after it was dropped: "
+                                           "discarded")
+            return
         if self.link is None:  # one server: every message comes from a worker
             if source not in self.workers:
                 raise ProtocolError(f"rank 0: {tag.name} message from rank {source}, which is not a worker "

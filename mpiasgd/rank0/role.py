@@ -50,6 +50,7 @@ class Role:
         self.worker_buffers: dict[int, np.ndarray] = {}  # async modes: each worker's latest pushed buffers
         self.stopped: set[int] = set()
         self.lost: set[int] = set()  # workers that died under ULFM and were dropped (`lose_worker`)
+        self.lost_order: list[int] = []  # the same, in the order they were dropped
         self.evals: dict[int, tuple] = {}
         self.stops_sent: set[int] = set()  # header-only STOPs posted (send_stop)
         self.last_step = dict.fromkeys(self.workers, 0)
@@ -112,6 +113,7 @@ class Role:
         """Worker `w` died (ULFM reported it): go on without it. Nothing more is sent to it or awaited from it (its
         pending sends are dropped: they may never complete); an evaluation it was asked for goes without it."""
         self.lost.add(w)
+        self.lost_order.append(w)
         self.out[w] = SendSlots([None], f"send to worker rank {w}", 0, self.cfg.comm_timeout)
         self.periodic.lose(w)
 

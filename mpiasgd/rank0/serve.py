@@ -185,7 +185,7 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
         print(f"mpiasgd: {note}", flush=True)
     notes = [("server_wait", note)] if note else []  # (logged when the clocks start: `Rank0.run`)
     if ulfm.enabled():  # which behaviour applies to a rank's death
-        survives = start.mode.name == "async" and cfg.servers == 1
+        survives = start.mode.elastic and cfg.servers == 1
         text = ("fault tolerance: ULFM (mpiexec --with-ft ulfm): " +
                 (f"a worker that dies is dropped and the run goes on while {cfg.min_workers} or more are left "
                  f"(--min-workers)" if survives else f"mode '{cfg.mode}'" + (" with --servers S > 1" if

@@ -64,6 +64,9 @@ class ReplyNow:
     def tick(self) -> None:
         """Clock-driven duties (a stop releases what a gate holds)."""
 
+    def lose(self, w: int) -> None:
+        """Worker `w` died (`Role.lose_worker`): a reply held for it is dropped, and what waited for it goes on."""
+
     def holding(self, w: int) -> bool:
         """Worker `w` waits for a reply the gate holds (its silence is no stall)."""
         return False
@@ -103,6 +106,8 @@ class ShardedServer(Role):
         self.schedule = Schedule.of(self.cfg)  # the step size now, from the recorder's clock
         # whether the workers wait for this server (the advice)
         self.rec.exchange = ExchangeWatch(self.cfg, spinning=getattr(r0, "server_wait", "backoff") == "spin")
+        self.told: dict[int, int] = {}  # (ULFM) deaths each worker was told of (LOST messages: `tell_losses`)
+        self.notices: list[tuple[Message, Any, int]] = []  # the LOST sends: (message, request, worker)
 
     def place(self, cut: ShardCut, shard: int, gate: ReplyNow | None = None) -> None:
         """The mode's `rank0`: this server holds slice `shard` of `cut` (`server_shard`), and with S > 1 takes part
@@ -110,6 +115,33 @@ class ShardedServer(Role):
         self.cut, self.shard = cut, shard
         self.agreement = ShardAgreement(self) if cut.shards > 1 else OneServer(self)
         self.gate = gate or ReplyNow(self)
+
+    # --- workers that die (ULFM) ---
+    def survives(self) -> str:
+        """One server goes on without a worker that died (async, ssp, easgd); --servers S > 1 ends the run, as
+        before (the shards would have to agree on the dead worker's last push)."""
+        if self.cfg.servers > 1:
+            return "--servers S > 1 does not drop a dead worker yet (the shards would have to agree on its last push)"
+        return ""
+
+    def lose_worker(self, w: int) -> None:
+        """`Role.lose_worker`, and the gate lets go of it (ssp: the slowest clock is a survivor's)."""
+        super().lose_worker(w)
+        self.gate.lose(w)
+
+    def tell_losses(self, w: int) -> None:
+        """(the subclass's `send`, before a reply to worker `w`) A LOST message for each worker dropped since `w`'s
+        last reply (step = the dead worker's rank, version = its number among the deaths), so that `w` deals
+        itself a share of their data and test slices (`WorkerLoop.on_lost`). The header-only sends are not
+        waited for."""
+        told = self.told.get(w, 0)
+        if told == len(self.lost_order):
+            return
+        self.notices = [(m, r, d) for m, r, d in self.notices if d not in self.lost and not r.Test()]
+        for k in range(told, len(self.lost_order)):
+            msg = Message(0).stamp(Tag.LOST, self.rank, step=self.lost_order[k], version=k + 1)
+            self.notices.append((msg, self.comm.Isend(msg.buf, dest=w, tag=int(Tag.LOST)), w))
+        self.told[w] = len(self.lost_order)
 
     # --- what the subclass gives ---
     def send(self, w: int, tag: Tag, step: int, initial: bool = False) -> None:

@@ -47,7 +47,9 @@ One file per run, `RUN_DIR/NAME.h5`:
                  a GPU worker's conv tiles chosen at start-up under --conv-algo autotune; pause: rank 0's
                  own loop did not run for a while, not counted as the workers' silence; diverged, dead,
                  recovered: the training loss spiked, the network is dead (loss at ln(classes), chance
-                 accuracy) or trains again, mpiasgd.health)
+                 accuracy) or trains again, mpiasgd.health; fault_tolerance: ULFM or not, at start-up;
+                 worker_lost: a worker died under ULFM and the run went on without it; late_message: a
+                 message of a dropped worker, discarded)
     /checkpoints CHECKPOINT_ROW: time, seconds (to write it), version, samples, elapsed (training seconds
                  it holds), reason (interval | end | preempt | failure: a worker died); the file is
                  RUN_DIR/NAME.ckpt.h5

@@ -84,13 +84,13 @@ def parse_failures(text: str | None, num_workers: int) -> dict[int, float]:
 
 def check_simulated(cfg: Config, num_workers: int, failures: dict[int, float] | None = None) -> None:
     """ConfigError naming what `mpiasgd simulate` does not do: a mode other than async/ssp, --overlap,
-    --resume, --backend cupy, fewer than 1 worker; --fail (`failures`) outside mode async with one server, or
+    --resume, --backend cupy, fewer than 1 worker; --fail (`failures`) with --servers S > 1, or
     leaving fewer workers than --min-workers."""
     if num_workers < 1:
         raise ConfigError(f"--workers {num_workers}: expected an integer >= 1")
-    if failures and (cfg.mode != "async" or cfg.servers > 1):
-        raise ConfigError("--fail: only mode async with one server (--servers 1) goes on without a dead worker; "
-                          f"got --mode {cfg.mode} --servers {cfg.servers}")
+    if failures and cfg.servers > 1:
+        raise ConfigError("--fail: only one server (--servers 1) goes on without a dead worker; "
+                          f"got --servers {cfg.servers}")
     if failures and num_workers - len(failures) < cfg.min_workers:
         raise ConfigError(f"--fail: {len(failures)} of {num_workers} workers die, fewer than --min-workers "
                           f"{cfg.min_workers} would be left (a run that ends failed is not simulated)")
@@ -132,6 +132,10 @@ class VirtualRank0(Rank0):
     def tick(self) -> None:
         self.role.tick()
         self.duties()
+
+    def finished(self, w: int) -> bool:
+        """(`--fail`) A virtual worker's messages come only through the engine: it has finished when its EVAL has."""
+        return w in self.role.evals
 
 
 @dataclass
@@ -334,6 +338,13 @@ class Simulation:
         computes and sends its push, or evaluates the final weights."""
         loop, staging = vw.loop, vw.loop.staging
         kind = parse_tag(tag, 0, vw.rank)
+        if kind == Tag.LOST:  # --fail: a worker died; the reply follows
+            check_size(kind, 0, vw.rank, len(data), 0)
+            notice = Message(0)
+            notice.buf[:] = np.frombuffer(data, np.uint8)
+            check(notice, kind, 0, vw.rank)
+            loop.on_lost(notice.header)
+            return
         if kind not in (Tag.WEIGHTS, Tag.STOP):
             raise ProtocolError(f"rank {vw.rank}: expected WEIGHTS or STOP from rank 0, got {kind.name}")
         check_size(kind, 0, vw.rank, len(data), staging.weights.count, staging.weights.wire)
@@ -368,7 +379,7 @@ class Simulation:
         header = staging.weights.header
         start = t
         if int(header["flags"]) & Flag.EVALUATE:  # --eval-interval: these weights first (rank 0's buffers)
-            vw.eval_s = self.timing.eval_seconds(len(loop.job.test_idx), cfg.batch_size)
+            vw.eval_s = self.timing.eval_seconds(len(loop.test_idx), cfg.batch_size)
             vw.comm.send_time = start = t + vw.eval_s
             loop.evaluate_during_training(int(header["epoch"]), loop.version, staging.params)
         lr = float(header["lr"])  # step size of local steps (nsync > 1)
@@ -398,7 +409,7 @@ class Simulation:
         loop.buffers_from(staging.params)  # the final weights, and rank 0's mean buffers: what the snapshot holds
         self.bind(vw)
         loop.stream.close()
-        loss_sum, correct, count, correct5 = evaluate(self.worker_model, self.dataset, loop.job.test_idx,
+        loss_sum, correct, count, correct5 = evaluate(self.worker_model, self.dataset, loop.test_idx,
                                                       self.cfg.eval_batch_size)
         result = Message(0).stamp(Tag.EVAL, vw.rank, samples=count, correct=correct, loss=loss_sum, correct5=correct5)
         vw.comm.send_time = t + self.timing.eval_seconds(count, self.cfg.batch_size)

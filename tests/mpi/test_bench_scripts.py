@@ -14,9 +14,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from kit import REPO
 from kit.cifar import write_dataset_file
-from kit.launch import mpi_env
+from kit.launch import find_launcher, mpi_env
 
 TIMEOUT = 60.0  # seconds per mpiexec job (the scripts' --timeout); a run here takes a few seconds when idle
 
@@ -132,3 +133,16 @@ def test_server_script_times_the_server_with_each_update_rule(tmp_path):
         for label in ("server, 1 worker", "server, 2 workers", f"2 workers, numpy update ({numpy})"):
             split = [float(v) for v in rows[label].split("|")[1].split()]  # receive check update send other idle
             assert len(split) == 6 and split[2] > 0, rows[label]
+
+
+def test_elastic_script_kills_a_worker_and_checks_its_run(tmp_path):
+    """bench/elastic.py --dry-run: an undisturbed ULFM job and one whose worker is SIGKILLed mid-run; both complete
+    and pass the script's checks (the death logged, the pushes intact, the test split covered)."""
+    launcher = find_launcher()
+    if launcher is None or "Open MPI" not in subprocess.run([launcher, "--version"], capture_output=True,
+                                                            text=True).stdout:
+        pytest.skip("ULFM needs Open MPI's mpiexec (--with-ft ulfm)")
+    done = run_script("elastic.py", ["--dry-run"], tmp_path, jobs=2)
+    out = done.stdout
+    assert "undisturbed seed 0: " in out and "run  1 (seed 100): killed [" in out and ": completed, test " in out
+    assert "| 1 | 1 | 1 | " in out and "every job completed and passed its checks (2)" in out, out

@@ -1,7 +1,8 @@
-"""Workers that die under ULFM (`mpiexec --with-ft ulfm`, `mpiasgd.comms.ulfm`): in async mode rank 0 drops a
-SIGKILLed worker and the run completes with the others, the loss logged (event "worker_lost") and summed up;
-with --min-workers above what is left the run ends failed with a checkpoint. Each job runs under a timeout (a
-hang fails the test). Without --with-ft ulfm a dead worker ends the job as before: tests/mpi/test_checkpoint.py.
+"""Workers that die under ULFM (`mpiexec --with-ft ulfm`, `mpiasgd.comms.ulfm`): in async, ssp and easgd rank 0
+drops a SIGKILLed worker and the run completes with the others (the test split evaluated in full), the loss
+logged (event "worker_lost") and summed up; with --min-workers above what is left the run ends failed with a
+checkpoint. Each job runs under a timeout (a hang fails the test). Without --with-ft ulfm a dead worker ends
+the job as before: tests/mpi/test_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import h5py
 import pytest
 from kit.launch import find_launcher, kill_session, launcher_flags, mpi_env, session_pids
 from kit.runs import read_log
@@ -33,24 +35,33 @@ def rank_pid(sid: int, rank: int) -> int | None:
     return None
 
 
+def pushes(path) -> int:
+    """Rows in the pushes table of the running job's log (0 while it cannot be read)."""
+    try:
+        with h5py.File(path, "r", libver="latest", swmr=True) as f:
+            return int(f["pushes"].shape[0])
+    except (OSError, KeyError):
+        return 0
+
+
 def run_and_kill(tmp_path, args: list[str], victim: int) -> tuple[int, str, str]:
-    """1 server + 3 workers under ULFM on digits; SIGKILL worker rank `victim` once training has started (the
-    start-up lines printed) and a second has passed; returns (exit status, stdout, stderr)."""
+    """1 server + 3 workers under ULFM on digits; SIGKILL worker rank `victim` once the log holds 20 pushes;
+    returns (exit status, stdout, stderr)."""
     launcher = find_launcher()
     if launcher is None or "Open MPI" not in subprocess.run([launcher, "--version"], capture_output=True,
                                                             text=True).stdout:
         pytest.skip("ULFM needs Open MPI's mpiexec (--with-ft ulfm)")
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
     cmd = [launcher, "-n", "4", *launcher_flags(launcher), *FT, sys.executable, "-m", "mpiasgd", "train",
-           "--model", "digits", "--no-progress", "--snapshot-interval", "0", "--name", "el", *args]
+           "--model", "digits", "--no-progress", "--snapshot-interval", "0", "--name", "el", "--flush-interval", "0.2",
+           *args]
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=mpi_env(), stdout=o, stderr=e, start_new_session=True)
     try:
         deadline = time.monotonic() + TIMEOUT
-        while "mpiasgd: DANA-Zero" not in out.read_text() and proc.poll() is None:
+        while pushes(tmp_path / "runs" / "el.h5") < 20 and proc.poll() is None:
             assert time.monotonic() < deadline, f"training did not start\n{out.read_text()}\n{err.read_text()}"
             time.sleep(0.2)
-        time.sleep(1.0)
         pid = rank_pid(proc.pid, victim)
         assert pid is not None, f"rank {victim} not found\n{out.read_text()}\n{err.read_text()}"
         os.kill(pid, signal.SIGKILL)
@@ -64,8 +75,10 @@ def run_and_kill(tmp_path, args: list[str], victim: int) -> tuple[int, str, str]
     return proc.returncode, out.read_text(), err.read_text()
 
 
-def test_async_goes_on_without_a_killed_worker(tmp_path):
-    rc, out, err = run_and_kill(tmp_path, ["--epochs", "60"], victim=2)
+@pytest.mark.parametrize("mode", [[], ["--mode", "ssp", "--staleness-bound", "2"], ["--mode", "easgd"]],
+                         ids=["async", "ssp", "easgd"])
+def test_a_killed_worker_is_dropped_and_the_run_completes(tmp_path, mode):
+    rc, out, err = run_and_kill(tmp_path, ["--epochs", "60", *mode], victim=2)
     assert rc == 0, f"{out}\n{err}"
     said = "mpiasgd: fault tolerance: ULFM (mpiexec --with-ft ulfm): a worker that dies is dropped and the run goes on"
     assert said in out
@@ -80,6 +93,7 @@ def test_async_goes_on_without_a_killed_worker(tmp_path):
     for w in (1, 3):  # the others trained on after it died, to the end
         assert (pushes["time"][pushes["worker"] == w] > died + 0.5).any()
     assert attrs["stop_reason"].startswith("epochs")
+    assert attrs["test_count"] == 360  # the survivors evaluated the dead worker's test slice too (LOST)
     assert "workers lost     1 (died; the run went on without them): rank 2 at " in out
 
 

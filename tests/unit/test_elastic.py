@@ -8,8 +8,12 @@ import dataclasses
 import numpy as np
 import pytest
 from kit.server import make_server, push, reply, serve_one
+from kit.worker import receive, send, start_worker
 
-from mpiasgd.comms import ulfm
+from mpiasgd.comms import Message, Tag, ulfm
+from mpiasgd.data import DataError, ShardSampler, lost_test_share
+from mpiasgd.data import test_slice as slice_of  # (not named test_*: pytest would collect it)
+from mpiasgd.model import build_model
 
 
 def test_a_lost_worker_leaves_the_sum_of_momenta_the_waits_and_the_look_ahead(tmp_path):
@@ -45,12 +49,35 @@ def test_lookahead_auto_and_momentum_for_workers_follow_the_workers_left(tmp_pat
 
 
 @pytest.mark.parametrize("mode,servers,expected", [
-    ("ssp", 1, "mode 'ssp' does not drop a dead worker yet"), ("async", 2, "--servers S > 1 does not drop")])
+    ("ssp", 1, ""), ("easgd", 1, ""), ("async", 2, "--servers S > 1 does not drop"),
+    ("sync", 1, "mode 'sync' does not drop a dead worker yet")])
 def test_modes_that_cannot_go_on_say_why(tmp_path, mode, servers, expected):
-    server, _, _ = make_server(tmp_path, num_workers=2, mode=mode, update_rule="sgd",
-                               **({"staleness_bound": 3} if mode == "ssp" else {}))
+    server, _, _ = make_server(tmp_path, num_workers=2, mode=mode,
+                               **({"staleness_bound": 3} if mode == "ssp" else {}),
+                               **({"update_rule": "sgd"} if mode in ("async", "ssp") else {}))
     server.role.cfg = dataclasses.replace(server.role.cfg, servers=servers)
-    assert server.role.survives().startswith(expected)
+    assert server.role.survives().startswith(expected) and (expected or server.role.survives() == "")
+
+
+def test_ssp_releases_a_reply_held_behind_a_worker_that_died(tmp_path):
+    """ssp, bound 0: worker 1 pushes step 2 while worker 2 is at clock 1: held; worker 2 dies: the slowest
+    running clock is worker 1's own, and the held reply goes out."""
+    server, net, _ = make_server(tmp_path, num_workers=2, mode="ssp", staleness_bound=0, update_rule="sgd")
+    role = server.role
+    role.begin()
+    grad = np.ones(6, np.float32)
+    for w in (1, 2):
+        net.take(w)
+        push(net, w, step=1, version=0, grad=grad)
+        serve_one(server)
+    assert [len(net.pending(w)) for w in (1, 2)] == [1, 1]  # (worker 1's reply was held until 2 pushed)
+    net.take(1), net.take(2)
+    push(net, 1, step=2, version=2, grad=grad)
+    serve_one(server)
+    assert role.gate.holding(1) and net.pending(1) == []
+    role.lose_worker(2)
+    assert not role.gate.holding(1)
+    assert [m[1] for m in net.pending(1)] == [Tag.LOST, Tag.WEIGHTS]
 
 
 @pytest.mark.parametrize("env,expected", [({}, False), ({"OMPI_MCA_mpi_ft_enable": "true"}, False),
@@ -60,3 +87,84 @@ def test_ulfm_counts_only_what_mpiexec_with_ft_ulfm_sets(monkeypatch, env, expec
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert ulfm.enabled() is expected
+
+
+def test_survivors_are_told_of_each_death_before_their_next_reply(tmp_path):
+    """LOST (header only: step = the dead worker's rank, version = its number among the deaths) goes to each
+    survivor once, just before its next reply, so a worker knows of it before it uses those weights."""
+    server, net, _ = make_server(tmp_path, num_workers=3, update_rule="sgd")
+    server.role.begin()
+    grad = np.ones(6, np.float32)
+    for w in (1, 2, 3):
+        net.take(w)
+        push(net, w, step=1, version=0, grad=grad)
+        serve_one(server)
+    assert [m[1] for m in net.pending(1)] == [Tag.WEIGHTS]
+    net.take(1)
+    server.role.lose_worker(2)
+    push(net, 1, step=2, version=3, grad=grad)
+    serve_one(server)
+    sent = net.pending(1)
+    assert [m[1] for m in sent] == [Tag.LOST, Tag.WEIGHTS]
+    notice = Message(0)
+    notice.buf[:] = np.frombuffer(sent[0][2], np.uint8)
+    assert (int(notice.header["step"]), int(notice.header["version"])) == (2, 1)
+    net.take(1), net.take(1)
+    push(net, 1, step=3, version=4, grad=grad)
+    serve_one(server)
+    assert [m[1] for m in net.pending(1)] == [Tag.WEIGHTS]  # told once
+    push(net, 3, step=2, version=5, grad=grad)
+    serve_one(server)
+    assert [m[1] for m in net.pending(3)] == [Tag.WEIGHTS, Tag.LOST, Tag.WEIGHTS]  # worker 3's first reply since
+
+
+@pytest.mark.parametrize("chunk", [1, 8])
+def test_the_lost_shards_are_dealt_to_the_survivors_from_the_next_epoch(chunk):
+    """Each sample is still read once per epoch: the survivors' epochs after a re-deal cover the training set,
+    the epochs before it are unchanged, and a second death re-deals both lost shards."""
+    n, shards = 100, 4
+    samplers = [ShardSampler(n, shards, s, seed=1, chunk=chunk, window=2) for s in range(shards)]
+    before = [s.indices(0) for s in samplers]
+    assert sorted(np.concatenate(before).tolist()) == list(range(n))
+    for s in (0, 2, 3):
+        assert samplers[s].redeal([1]) == 1  # epoch 0 drawn: from epoch 1 on
+    np.testing.assert_array_equal(samplers[0].indices(0), before[0])
+    epoch1 = np.concatenate([samplers[s].indices(1) for s in (0, 2, 3)])
+    assert sorted(epoch1.tolist()) == list(range(n))
+    assert len(samplers[0].indices(1)) > len(samplers[0])  # (len: the shard at the start)
+    for s in (0, 2):
+        assert samplers[s].redeal([1, 3]) == 2
+    epoch2 = np.concatenate([samplers[s].indices(2) for s in (0, 2)])
+    assert sorted(epoch2.tolist()) == list(range(n))
+    with pytest.raises(DataError, match="not this shard"):
+        samplers[1].redeal([1])
+
+
+def test_the_lost_test_slices_are_dealt_to_the_survivors():
+    lost = [2, 4]
+    shares = [np.concatenate([slice_of(101, 5, w), lost_test_share(101, 5, w, lost)]) for w in (1, 3, 5)]
+    assert sorted(np.concatenate(shares).tolist()) == list(range(101))
+    assert lost_test_share(101, 5, 1, []).size == 0
+    with pytest.raises(DataError, match="among the lost"):
+        lost_test_share(101, 5, 2, lost)
+
+
+def test_a_worker_told_of_a_death_evaluates_a_share_of_its_test_slice(digits):
+    """Worker rank 1 of 2 (its 20 test images, kit.worker) hears that worker rank 2 died: its final EVAL covers
+    worker rank 2's slice of the 360 test images as well (180..359); a notice naming itself is a ProtocolError."""
+    net, _, thread, outcome = start_worker(digits)
+    count = build_model("digits").num_params
+    send(net, Tag.WEIGHTS, build_model("digits").init_params(0), version=0, step=0)
+    receive(net, Tag.PUSH, count)
+    net.post(0, 1, Tag.LOST, Message(0).stamp(Tag.LOST, 0, step=2, version=1).buf)
+    send(net, Tag.STOP, build_model("digits").init_params(0), version=1, step=1)
+    result = receive(net, Tag.EVAL, 0)
+    thread.join(10)
+    assert "error" not in outcome and int(result.header["samples"]) == 20 + 180
+
+    net, _, thread, outcome = start_worker(digits)
+    send(net, Tag.WEIGHTS, build_model("digits").init_params(0), version=0, step=0)
+    receive(net, Tag.PUSH, count)
+    net.post(0, 1, Tag.LOST, Message(0).stamp(Tag.LOST, 0, step=1, version=1).buf)
+    thread.join(10)
+    assert "LOST from rank 0 names worker rank 1 as death 1" in str(outcome.get("error"))

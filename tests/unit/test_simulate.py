@@ -125,12 +125,25 @@ def test_a_worker_that_fails_is_dropped_and_the_others_go_on(tmp_path, capsys):
     lost = [(row["time"], row["text"].decode()) for row in t["events"] if row["kind"] == b"worker_lost"]
     assert lost == [(2.5, "worker rank 2 died after step 2 (--fail): dropped, 2 workers go on")]
     assert "workers lost     1 (died; the run went on without them): rank 2 at 2.5 s" in capsys.readouterr().out
+    assert attrs["test_count"] == 360  # the survivors evaluated the dead worker's test slice too (LOST)
+
+
+def test_ssp_goes_on_without_a_worker_that_fails(tmp_path):
+    """--mode ssp --staleness-bound 0 (lockstep) with --fail 2@2.5: the dead worker's clock holds no one back; the
+    other two go on in lockstep to the end (held forever behind its clock, the protocol would be stuck)."""
+    attrs, t, _ = simulate(tmp_path, "--mode", "ssp", "--staleness-bound", "0", "--compute-s", "1.0",
+                           "--max-pushes", "12", "--epochs", "0", "--fail", "2@2.5", workers=3)
+    assert attrs["status"] == "completed"
+    p = t["pushes"][:12]
+    assert p["worker"].tolist() == [1, 2, 3, 1, 2, 3, 1, 3, 1, 3, 1, 3]
+    assert p["step"].tolist() == [1, 1, 1, 2, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert attrs["test_count"] == 360
 
 
 @pytest.mark.parametrize("flags,expected", [
     (["--fail", "4@1"], "entry '4@1': expected W@T, W a worker rank 1..3"),
     (["--fail", "2@-1"], "entry '2@-1'"), (["--fail", "2@1,2@3"], "entry '2@3'"), (["--fail", "2"], "entry '2'"),
-    (["--fail", "2@1", "--mode", "ssp"], "--fail: only mode async with one server"),
+    (["--fail", "2@1", "--servers", "2"], "--fail: only one server (--servers 1)"),
     (["--fail", "1@1,2@1,3@1"], "3 of 3 workers die, fewer than --min-workers 1"),
 ])
 def test_bad_failures_are_one_error_naming_the_entry(tmp_path, capsys, flags, expected):

@@ -1,0 +1,238 @@
+"""Workers killed at random times under ULFM (issue 40): does every run complete, keep every push rank 0
+applied, and reach the test accuracy of runs nobody disturbed?
+
+    python bench/elastic.py [--runs 20] [--kills 1,2,3] [--workers 4] [--model digits] [--epochs 30]
+                            [--reference 5] [--seed 0] [--dry-run]
+
+First `--reference` undisturbed runs (seeds 0, 1, ...; ULFM on, nobody killed) give the accuracy's run-to-run
+noise. Then run i (training seed 100 + i) SIGKILLs k = kills[i % len(kills)] workers, drawn at random, each
+once the pushes in the log reach a random epoch in [0.1, 0.7] x --epochs (numpy seed (--seed, i); the log is
+flushed every 0.2 s). Every job is
+`mpiexec --with-ft ulfm --mca mpi_ft_detector true --mca mpi_ft_detector_thread true -n N+1 python -m mpiasgd
+train --mode async ...` under a time limit. Each run's checks, printed:
+
+    completed   exit status 0 and the log's status "completed"
+    lost        one worker_lost event per victim, naming it; none of its pushes after its death
+    pushes      nothing rank 0 applied is missing from the log: the applied pushes' versions are 1..V, each
+                worker's steps 1..its last
+    test        the final evaluation covered the whole test split (the survivors took the dead workers' share;
+                a death reported after the stop leaves its share out, said)
+    accuracy    the final test accuracy, and its distance to the undisturbed runs' mean in their standard
+                deviations
+
+`--dry-run`: one reference run and one run with one kill, on digits for 20 epochs (the code paths, not the
+numbers; CI runs it in tests/mpi).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+from launch import distinct_ints, launcher
+
+FT = ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true"]
+
+
+@dataclass
+class Outcome:
+    """One job: its exit status, the log's figures, the victims and when they were killed (the epoch the log's
+    pushes had reached), and the checks that failed."""
+
+    seed: int
+    victims: list[int] = field(default_factory=list)
+    killed_at: list[float] = field(default_factory=list)
+    returncode: int | None = None
+    status: str = "-"
+    accuracy: float = float("nan")
+    test_count: int = 0
+    seconds: float = 0.0
+    train_s: float = 0.0  # from the first push to the end of the job
+    failed: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def read(path: Path) -> dict:
+    """The log's attributes and the tables the checks read ({} when it cannot be read yet)."""
+    try:
+        with h5py.File(path, "r", libver="latest", swmr=True) as f:
+            out = {key: f.attrs[key] for key in f.attrs}
+            for name in ("pushes", "events", "workers"):
+                out[name] = f[name][()] if name in f else None
+            return out
+    except (OSError, KeyError):
+        return {}
+
+
+def text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def job(args: argparse.Namespace, tmp: Path, seed: int, victims: list[int], times: list[float],
+        num_train: int, num_test: int) -> Outcome:
+    """One training job; SIGKILL each of `victims` once the log's pushes hold its epoch in `times` (of the
+    `num_train` training images)."""
+    runs = tmp / f"runs-{seed}"
+    cmd = [*launcher(), *FT, "-n", str(args.workers + 1), sys.executable, "-m", "mpiasgd", "train", "--mode", "async",
+           "--model", args.model, "--epochs", f"{args.epochs:g}", "--seed", str(seed), "--no-progress",
+           "--snapshot-interval", "0", "--run-dir", str(runs), "--name", "e", "--flush-interval", "0.2"]
+    out = Outcome(seed, victims, times)
+    log = runs / "e.h5"
+    t0 = time.monotonic()
+    with open(tmp / f"out-{seed}.txt", "w") as o, open(tmp / f"err-{seed}.txt", "w") as e:
+        proc = subprocess.Popen(cmd, stdout=o, stderr=e, start_new_session=True)
+    try:
+        deadline = t0 + args.timeout
+        first = None
+        pending = sorted(zip(times, victims, strict=True))
+        while proc.poll() is None and time.monotonic() < deadline:
+            got = read(log) if pending or first is None else {}
+            pushes, rows = got.get("pushes"), got.get("workers")
+            if first is None and pushes is not None and len(pushes):
+                first = time.monotonic()
+            epochs = float(pushes["samples"].sum()) / num_train if pushes is not None else 0.0
+            while pending and rows is not None and len(rows) and epochs >= pending[0][0]:
+                _, w = pending.pop(0)
+                os.kill(int(rows["pid"][rows["rank"] == w][0]), signal.SIGKILL)
+            time.sleep(0.05)
+        if proc.poll() is None:
+            out.failed.append(f"still running after {args.timeout:g} s (killed)")
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out.seconds = time.monotonic() - t0
+    out.train_s = time.monotonic() - first if first is not None else 0.0
+    out.returncode = proc.returncode
+    if pending:
+        out.failed.append(f"the run ended before {len(pending)} kill(s)")
+    got = read(log)
+    if not got:
+        said = [line for line in (tmp / f"err-{seed}.txt").read_text(errors="replace").splitlines() if line.strip()]
+        out.failed.append(f"no readable log (exit status {proc.returncode}; stderr's last lines: "
+                          f"{' | '.join(said[-6:]) or 'none'})")
+        return out
+    out.status = text(got.get("status", "-"))
+    out.accuracy = float(got.get("test_accuracy", float("nan")))
+    out.test_count = int(got.get("test_count", 0))
+    check(out, got, num_test)
+    return out
+
+
+def check(out: Outcome, got: dict, num_test: int) -> None:
+    """The checks of the module doc, their failures into `out.failed`."""
+    if out.returncode != 0 or out.status != "completed":
+        out.failed.append(f"exit status {out.returncode}, log status {out.status}")
+    events = got["events"]
+    lost = [(float(r["time"]), text(r["text"])) for r in events if text(r["kind"]) == "worker_lost"]
+    named = sorted(int(t.split()[2]) for _, t in lost)
+    if named != sorted(out.victims):
+        out.failed.append(f"worker_lost names ranks {named}, killed {sorted(out.victims)}")
+    p = got["pushes"]
+    for when, t in lost:
+        w = int(t.split()[2])
+        if (p["time"][p["worker"] == w] > when).any():
+            out.failed.append(f"worker rank {w} has pushes after its loss")
+    applied = np.sort(p["version"][p["applied"] == 1])
+    if not np.array_equal(applied, np.arange(1, applied.size + 1)):
+        out.failed.append(f"the applied pushes' versions are not 1..{applied.size}")
+    for w in np.unique(p["worker"]):
+        steps = np.sort(p["step"][p["worker"] == w])
+        if not np.array_equal(steps, np.arange(1, steps.size + 1)):
+            out.failed.append(f"worker rank {w}'s steps are not 1..{steps.size}")
+    stop = min((float(r["time"]) for r in events if text(r["kind"]) == "stop"), default=float("inf"))
+    late = [t.split()[2] for when, t in lost if when >= stop]  # reported after the STOPs: no one takes its share
+    if out.test_count != num_test and not late:
+        out.failed.append(f"the final evaluation covered {out.test_count} of {num_test} test images")
+    if late:
+        out.notes.append(f"rank {', '.join(late)} reported dead after the stop: the final evaluation covered "
+                         f"{out.test_count} of {num_test} test images")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=20, help="runs with kills")
+    parser.add_argument("--kills", type=lambda t: distinct_ints(t, 1, "1,2,3"), default=[1, 2, 3],
+                        help="workers killed per run, in turn (each below --workers)")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--model", default="digits")
+    parser.add_argument("--epochs", type=float, default=30.0)
+    parser.add_argument("--reference", type=int, default=5, help="undisturbed runs (the noise, the time T)")
+    parser.add_argument("--seed", type=int, default=0, help="of the victims and kill times")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
+    parser.add_argument("--dry-run", action="store_true", help="1 reference run, 1 run with 1 kill, 20 epochs")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.runs, args.kills, args.reference, args.epochs = 1, [1], 1, 20.0
+    if max(args.kills) >= args.workers:
+        parser.error(f"--kills {max(args.kills)}: at least one of the {args.workers} workers must live")
+    if args.runs < 1 or args.reference < 1:
+        parser.error("--runs and --reference: expected at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from mpiasgd.data import load_dataset
+    data = load_dataset(args.model)
+    num_train, num_test = data.num_train, data.num_test
+    print(f"{args.workers} async workers, {args.model}, {args.epochs:g} epochs, under ULFM ({' '.join(FT)})",
+          flush=True)
+    with tempfile.TemporaryDirectory(prefix="elastic-") as name:
+        tmp = Path(name)
+        refs = [job(args, tmp, s, [], [], num_train, num_test) for s in range(args.reference)]
+        for r in refs:
+            print(f"undisturbed seed {r.seed}: {100 * r.accuracy:.2f} %, {r.seconds:.1f} s"
+                  f"{'; FAILED: ' + '; '.join(r.failed) if r.failed else ''}", flush=True)
+        accs = [r.accuracy for r in refs if not r.failed] or [float("nan")]
+        mean = statistics.fmean(accs)
+        sd = statistics.stdev(accs) if len(accs) > 1 else float("nan")
+        print(f"undisturbed: {100 * mean:.2f} % mean, {100 * sd:.2f} points sd, "
+              f"{statistics.median(r.train_s for r in refs):.1f} s from the first push to the end (median)", flush=True)
+        runs = []
+        for i in range(args.runs):
+            rng = np.random.default_rng([args.seed, i])
+            k = args.kills[i % len(args.kills)]
+            victims = sorted(int(v) for v in rng.choice(np.arange(1, args.workers + 1), k, replace=False))
+            times = [float(t) for t in rng.uniform(0.1, 0.7, k) * args.epochs]
+            r = job(args, tmp, 100 + i, victims, times, num_train, num_test)
+            runs.append(r)
+            z = (r.accuracy - mean) / sd if sd > 0 else float("nan")
+            print(f"run {i + 1:>2} (seed {r.seed}): killed {victims} at epoch "
+                  f"{', '.join(f'{t:.1f}' for t in times)}: {r.status}, test {100 * r.accuracy:.2f} % on "
+                  f"{r.test_count} images ({z:+.1f} sd), {r.seconds:.1f} s"
+                  f"{'; ' + '; '.join(r.notes) if r.notes else ''}"
+                  f"{'; FAILED: ' + '; '.join(r.failed) if r.failed else ''}", flush=True)
+    print("\n| workers killed | runs | completed, checks passed | test accuracy, mean (min) | vs undisturbed |")
+    print("|---:|---:|---:|---|---|")
+    print(f"| 0 | {len(refs)} | {sum(not r.failed for r in refs)} | {100 * mean:.2f} ({100 * min(accs):.2f}) % | "
+          f"sd {100 * sd:.2f} points |")
+    for k in args.kills:
+        mine = [r for r in runs if len(r.victims) == k]
+        if not mine:
+            continue
+        acc = [r.accuracy for r in mine]
+        worst = min((r.accuracy - mean) / sd for r in mine) if sd > 0 else float("nan")
+        print(f"| {k} | {len(mine)} | {sum(not r.failed for r in mine)} | {100 * statistics.fmean(acc):.2f} "
+              f"({100 * min(acc):.2f}) % | {100 * (statistics.fmean(acc) - mean):+.2f} points mean, worst "
+              f"{worst:+.1f} sd |")
+    bad = [r for r in refs + runs if r.failed]
+    print(f"\n{len(bad)} of {len(refs) + len(runs)} jobs failed a check" if bad else
+          f"\nevery job completed and passed its checks ({len(refs) + len(runs)})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
