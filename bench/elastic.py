@@ -172,6 +172,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reference", type=int, default=5, help="undisturbed runs (the noise, the time T)")
     parser.add_argument("--seed", type=int, default=0, help="of the victims and kill times")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
+    parser.add_argument("--keep", default=None, help="a folder to keep every job's run log and output in "
+                        "(default: a temporary one, removed at the end)")
     parser.add_argument("--dry-run", action="store_true", help="1 reference run, 1 run with 1 kill, 20 epochs")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -191,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.workers} async workers, {args.model}, {args.epochs:g} epochs, under ULFM ({' '.join(FT)})",
           flush=True)
     with tempfile.TemporaryDirectory(prefix="elastic-") as name:
-        tmp = Path(name)
+        tmp = Path(args.keep or name)
+        tmp.mkdir(parents=True, exist_ok=True)
         refs = [job(args, tmp, s, [], [], num_train, num_test) for s in range(args.reference)]
         for r in refs:
             print(f"undisturbed seed {r.seed}: {100 * r.accuracy:.2f} %, {r.seconds:.1f} s"

@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import threading
+import traceback
 
 from mpiasgd import __version__
 from mpiasgd.argtypes import DEFAULT_TARGET, FORMATS, command, fraction, positive, seconds
@@ -138,16 +139,32 @@ def _train(argv: list[str]) -> int:
     from mpiasgd.launch import EXIT_BAD_INPUT, train
 
     comm = MPI.COMM_WORLD
-    if any(comm.allgather(error)):  # every rank parsed the same argv: one message, from rank 0
-        if comm.Get_rank() == 0:
-            print(f"mpiasgd: error: {error}", file=sys.stderr)
-        status = EXIT_BAD_INPUT
-    else:
+    exits = ulfm.enabled() and ulfm.detector_thread()  # ULFM's detector thread keeps MPI_Finalize from returning
+    try:
         try:
-            status = train(cfg, comm)
-        finally:
-            signals.ignore()
-    if ulfm.enabled() and ulfm.detector_thread():  # ULFM's detector thread keeps MPI_Finalize from returning
+            bad = any(comm.allgather(error))  # every rank parsed the same argv: one message, from rank 0
+        except MPI.Exception as e:
+            if not ulfm.is_failure(e):
+                raise
+            print(f"mpiasgd: error: rank {comm.Get_rank()}: a rank of the job died during start-up (ULFM reported "
+                  f"it: {e}); the job ends", file=sys.stderr, flush=True)
+            status = 1
+        else:
+            if bad:
+                if comm.Get_rank() == 0:
+                    print(f"mpiasgd: error: {error}", file=sys.stderr)
+                status = EXIT_BAD_INPUT
+            else:
+                try:
+                    status = train(cfg, comm)
+                finally:
+                    signals.ignore()
+    except BaseException:
+        if not exits:
+            raise
+        traceback.print_exc()  # (then out at once: Python's own exit would call MPI_Finalize and hang)
+        status = 1
+    if exits:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)

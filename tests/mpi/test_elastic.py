@@ -44,15 +44,26 @@ def pushes(path) -> int:
         return 0
 
 
-def run_and_kill(tmp_path, args: list[str], victim: int) -> tuple[int, str, str]:
-    """1 server + 3 workers under ULFM on digits; SIGKILL worker rank `victim` once the log holds 20 pushes;
-    returns (exit status, stdout, stderr)."""
+def lost_events(path) -> int:
+    """worker_lost events in the running job's log (0 while it cannot be read)."""
+    try:
+        with h5py.File(path, "r", libver="latest", swmr=True) as f:
+            return int((f["events"]["kind"] == b"worker_lost").sum())
+    except (OSError, KeyError):
+        return 0
+
+
+def run_and_kill(tmp_path, args: list[str], victim: int, stop: bool = False,
+                 ft: tuple[str, ...] = FT) -> tuple[int, str, str]:
+    """1 server + 3 workers under ULFM (`ft`) on digits; SIGKILL worker rank `victim` once the log holds 20
+    pushes (`stop`: SIGSTOP it instead, and SIGCONT once rank 0 logged its loss); returns (exit status, stdout,
+    stderr)."""
     launcher = find_launcher()
     if launcher is None or "Open MPI" not in subprocess.run([launcher, "--version"], capture_output=True,
                                                             text=True).stdout:
         pytest.skip("ULFM needs Open MPI's mpiexec (--with-ft ulfm)")
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
-    cmd = [launcher, "-n", "4", *launcher_flags(launcher), *FT, sys.executable, "-m", "mpiasgd", "train",
+    cmd = [launcher, "-n", "4", *launcher_flags(launcher), *ft, sys.executable, "-m", "mpiasgd", "train",
            "--model", "digits", "--no-progress", "--snapshot-interval", "0", "--name", "el", "--flush-interval", "0.2",
            *args]
     with open(out, "w") as o, open(err, "w") as e:
@@ -64,7 +75,13 @@ def run_and_kill(tmp_path, args: list[str], victim: int) -> tuple[int, str, str]
             time.sleep(0.2)
         pid = rank_pid(proc.pid, victim)
         assert pid is not None, f"rank {victim} not found\n{out.read_text()}\n{err.read_text()}"
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGSTOP if stop else signal.SIGKILL)
+        while stop and not lost_events(tmp_path / "runs" / "el.h5") and proc.poll() is None:
+            assert time.monotonic() < deadline, f"the stopped worker was not dropped\n{out.read_text()}\n" \
+                                                f"{err.read_text()}"
+            time.sleep(0.2)
+        if stop:
+            os.kill(pid, signal.SIGCONT)
         proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         kill_session(proc.pid)
@@ -106,3 +123,41 @@ def test_fewer_workers_than_min_workers_end_the_run_failed_with_a_checkpoint(tmp
     assert attrs["status"] == "failed"
     assert next(row["text"].decode() for row in t["events"] if row["kind"] == b"preempt").startswith(said)
     assert (tmp_path / "runs" / "el.ckpt.h5").is_file()
+
+
+def test_a_stopped_worker_is_dropped_and_refused_when_it_wakes(tmp_path):
+    """SIGSTOP (a hung worker): ULFM's detector declares it dead after its timeout (here 4 s, heartbeat every
+    1 s), rank 0 drops it; SIGCONT: the push it then sends is discarded (event late_message), not merged, the
+    worker finds itself declared dead and aborts, and the run completes."""
+    ft = (*FT, "--mca", "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "4")
+    rc, out, err = run_and_kill(tmp_path, ["--epochs", "100"], victim=2, stop=True, ft=ft)
+    assert rc == 0, f"{out}\n{err}"
+    attrs, t, _ = read_log(tmp_path / "runs" / "el.h5")
+    assert attrs["status"] == "completed" and attrs["test_count"] == 360
+    events = [(row["time"], row["kind"].decode(), row["text"].decode()) for row in t["events"]]
+    died = next(when for when, kind, _ in events if kind == "worker_lost")
+    pushes = t["pushes"]
+    assert not (pushes["time"][pushes["worker"] == 2] > died).any()  # nothing of it merged after
+    late = [text for _, kind, text in events if kind == "late_message"]
+    assert late in ([], ["a PUSH message from worker rank 2 after it was dropped: discarded"]), late
+
+
+def test_a_rank_that_dies_during_start_up_ends_the_job_and_it_does_not_hang(tmp_path):
+    """Under ULFM a rank that dies before training starts (here rank 2 exits right after MPI_Init) is reported to
+    the others in the start-up's allgather: they say so and exit 1, and the job ends (Python's own exit would call
+    MPI_Finalize, which ULFM's detector thread keeps from returning)."""
+    launcher = find_launcher()
+    if launcher is None or "Open MPI" not in subprocess.run([launcher, "--version"], capture_output=True,
+                                                            text=True).stdout:
+        pytest.skip("ULFM needs Open MPI's mpiexec (--with-ft ulfm)")
+    cmd = [launcher, *launcher_flags(launcher), *FT, "-n", "2", sys.executable, "-m", "mpiasgd", "train", "--model",
+           "digits", "--no-progress", "--epochs", "1", ":", "-n", "1", sys.executable, "-c",
+           "from mpi4py import MPI; import os, time; time.sleep(0.5); os._exit(9)"]
+    try:
+        done = subprocess.run(cmd, cwd=tmp_path, env=mpi_env(), capture_output=True, text=True, timeout=TIMEOUT,
+                              start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the job hung after a rank died during start-up\n{e.stdout}\n{e.stderr}")
+    said = "a rank of the job died during start-up (ULFM reported it: "
+    assert said in done.stderr and "; the job ends" in done.stderr, done.stderr  # (rank 0 at least)
+    assert done.returncode != 0, done.stdout + done.stderr
