@@ -6,6 +6,7 @@ send slots, intervals, and staging between the model's arrays and the MPI buffer
     waits      wait / wait_all / probe without burning a core, CommTimeout, Deadline, Backoff, Interval
     slots      SendSlots: buffers reused only after their send completed
     staging    Staging (host, pinned, device): how weights and gradients meet MPI
+    ulfm       fault tolerance (mpiexec --with-ft ulfm): is it on, is an error a rank's death, which ranks died
 """
 
 from mpiasgd.comms.protocol import (

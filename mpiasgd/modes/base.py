@@ -283,6 +283,12 @@ class WorkerLoop:
             raise ProtocolError(f"rank {self.rank}: LOST from rank 0 names worker rank {dead} as death {number}; "
                                 f"expected death {len(self.lost) + 1}, a worker rank of 1..{len(layout.shard)} other "
                                 f"than this one and {self.lost or 'none'} (told already)")
+        self.note_lost(dead)
+
+    def note_lost(self, dead: int) -> None:
+        """Worker rank `dead` died (a LOST message, or sync's shrunk allreduce group): this worker takes a share
+        of its data from the next epoch it has not drawn yet on, and of its test slice (`on_lost`)."""
+        layout = self.job.layout or Layout.data_parallel(self.job.sampler.num_shards)
         self.lost.append(dead)
         self.job.sampler.redeal([layout.shard[w] for w in self.lost])
         self.test_idx = np.concatenate([self.job.test_idx, lost_test_share(

@@ -35,13 +35,14 @@ sends the SNAPSHOT of that step (flag EVALUATE), so the log holds the weights ea
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from mpiasgd.comms import Flag, Interval, Message, ProtocolError, SendSlots, Tag, check, wait, weights_digest
+from mpiasgd.comms import Flag, Interval, Message, ProtocolError, SendSlots, Tag, check, ulfm, wait, weights_digest
 from mpiasgd.config import Config
 from mpiasgd.modes.base import Mode, WorkerJob, WorkerLoop, initial_buffers
 from mpiasgd.optim import EvalSchedule, LocalSGD, Schedule, StopRule, finite_square, fraction_done, snapshot_seconds
@@ -88,6 +89,21 @@ class SyncMonitor(Role):
                                       samples_at=lambda version: float(version * batch),
                                       snapshot_of=lambda version: self.eval_snapshots.pop(version, -1))
 
+    # --- workers that die (ULFM) ---
+    def survives(self) -> str:
+        """sync goes on without a worker that died: the workers shrink their allreduce group (`SyncWorker.shrink`)."""
+        return ""
+
+    def leader(self) -> int:
+        """The worker that sends the snapshots and checkpoints: the first that lives (the first of the shrunk
+        group)."""
+        return min(w for w in self.workers if w not in self.lost)
+
+    def steps_to_samples(self, version: int) -> int:
+        """Images the first `version` applied steps took: batch x the workers alive at each step."""
+        return self.counter.samples + (version - self.counter.version) * self.cfg.batch_size * (
+            len(self.workers) - len(self.lost))
+
     def handlers(self) -> dict:
         return {Tag.REPORT: self.on_report, Tag.SNAPSHOT: self.on_snapshot, Tag.CHECKPOINT: self.on_checkpoint,
                 Tag.EVAL: self.on_eval}
@@ -126,8 +142,8 @@ class SyncMonitor(Role):
             self.send_stop(w)
 
     def on_checkpoint(self, w: int, msg: Message) -> None:
-        if w != self.workers[0]:
-            raise ProtocolError(f"rank 0: CHECKPOINT from worker rank {w}; only rank {self.workers[0]} sends them")
+        if w != self.leader():
+            raise ProtocolError(f"rank 0: CHECKPOINT from worker rank {w}; only rank {self.leader()} sends them")
         h, P = msg.header, self.P
         flags = int(h["flags"])
         reason = "preempt" if flags & Flag.PREEMPT else "end" if flags & Flag.FINAL else "interval"
@@ -136,7 +152,7 @@ class SyncMonitor(Role):
                                    dict.fromkeys(self.workers, (step, cursor)), float(h["elapsed"]),
                                    msg.payload[2 * P:])
         ckpt.version = int(h["version"])
-        ckpt.samples = ckpt.version * self.cfg.batch_size * len(self.workers)
+        ckpt.samples = self.steps_to_samples(ckpt.version)
         self.rec.write_checkpoint(ckpt)
 
     def on_report(self, w: int, msg: Message) -> None:
@@ -151,14 +167,14 @@ class SyncMonitor(Role):
         self.last_step[w] = step
         applied, nonfinite = not flags & Flag.SKIPPED, bool(flags & Flag.NONFINITE)
         if version > self.counter.version:  # the first report of a step that updated the weights
-            self.counter.set(version, version * self.cfg.batch_size * len(self.workers))
+            self.counter.set(version, self.steps_to_samples(version))
             rec.update(version=version, lr=float(h["lr"]))
         rec.training_loss(float(h["loss"]), int(h["correct"]), int(h["samples"]))
         rec.push(worker=w, step=step, base_version=version - applied, version=version, staleness=0, loss=h["loss"],
                  correct=h["correct"], samples=h["samples"], epoch=h["epoch"], compute_s=h["compute_s"],
                  comm_s=h["comm_s"], wait_s=h["wait_s"], applied=applied, lr=h["lr"], rejected=nonfinite,
                  digest=h["digest"], data_s=h["data_s"])
-        self.replicas.check(0, step, w, int(h["digest"]), len(self.workers))
+        self.replicas.check(0, step, w, int(h["digest"]), len(self.workers) - len(self.lost))
         if nonfinite:
             rec.event("skip", f"step {step} skipped by every worker: worker rank {w} computed a non-finite gradient")
             rec.reject(w, step)
@@ -173,18 +189,22 @@ class SyncMonitor(Role):
             rec.stop(f"the workers' stopping rule at step {step} (epoch {rec.epoch:.2f})")
 
     def on_snapshot(self, w: int, msg: Message) -> None:
-        if w != self.workers[0]:
-            raise ProtocolError(f"rank 0: SNAPSHOT from worker rank {w}; only rank {self.workers[0]} sends them")
+        if w != self.leader():
+            raise ProtocolError(f"rank 0: SNAPSHOT from worker rank {w}; only rank {self.leader()} sends them")
         self.params[:] = msg.payload[:self.P]
         self.buffers[:] = msg.payload[self.P:]
         flags = int(msg.header["flags"])
         if not flags & Flag.FINAL:  # the final weights are logged by the loop's finish
             # of the step they come from (another worker's later REPORT may have arrived before them)
             version = int(msg.header["version"])
-            index = self.rec.snapshot(self.params, self.buffers, version,
-                                      version * self.cfg.batch_size * len(self.workers))
+            index = self.rec.snapshot(self.params, self.buffers, version, self.steps_to_samples(version))
             if flags & Flag.EVALUATE:  # the weights of an evaluation during training: its row names this snapshot
                 self.eval_snapshots[int(msg.header["version"])] = index
+
+
+def world_ranks(group: Any, world: Any) -> list[int]:
+    """The ranks in `world` (a group) of every member of `group`."""
+    return [int(r) for r in MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)]
 
 
 class SyncWorker(WorkerLoop):
@@ -220,6 +240,8 @@ class SyncWorker(WorkerLoop):
         snapshots = Interval(snapshot_seconds(cfg.snapshot_interval, P + B), self.elapsed)
         checkpoints = Interval(cfg.checkpoint_interval, self.elapsed)
         samples_per_step = cfg.batch_size * nworkers
+        self.seen = applied * samples_per_step  # images the applied steps took (fewer a step after a worker died)
+        self.last_lr = 0.0  # the step size of the last step applied
         evals = EvalSchedule.of(cfg, self.elapsed, applied * samples_per_step / self.num_train)
         number = 0  # evaluations during training made by this job
         last = False
@@ -238,29 +260,56 @@ class SyncWorker(WorkerLoop):
             halt = stopped and not int(stop.header["flags"]) & Flag.PREEMPT
             preempt = self.signalled() or (stopped and not halt)
             ctrl[:] = float(nonfinite), time.perf_counter() - start, float(preempt), float(halt)
-            wait_s = wait(wc.Iallreduce(MPI.IN_PLACE, ctrl, op=MPI.MAX), "completion of the control allreduce", rank,
-                          cfg.worker_timeout)
-            skipped = bool(ctrl[0])
+            mine = ctrl.copy()  # (a worker's death mid-step: the control allreduce again, among the survivors)
             self.step += 1
-            lr = 0.0
-            if not skipped:  # every worker takes the same branch: ctrl is identical everywhere
-                self.buffers_into(staging.grads)  # one allreduce: [gradient | buffers]
-                buf = staging.grads_to_mpi()
-                request = wc.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-                wait_s += wait(request, "completion of the gradient allreduce", rank, cfg.worker_timeout)
-                staging.grads_from_mpi()
-                staging.grads *= np.float32(1.0 / nworkers)  # the mean gradient, and the mean buffers
-                self.buffers_from(staging.grads)
-                done = applied * samples_per_step / self.num_train
-                lr = schedule(done, fraction_done(rule, done, applied, ctrl[1]))
-                local.step(lr)
-                applied += 1
-            elif kept is not None:  # a skipped step leaves the buffers as the weights: as they were
-                self.buffers[...] = kept
+            before = applied
+            try:
+                wait_s = wait(wc.Iallreduce(MPI.IN_PLACE, ctrl, op=MPI.MAX), "completion of the control allreduce",
+                              rank, cfg.worker_timeout)
+                skipped = bool(ctrl[0])
+                lr = 0.0
+                if not skipped:  # every worker takes the same branch: ctrl is identical everywhere
+                    self.buffers_into(staging.grads)  # one allreduce: [gradient | buffers]
+                    buf = staging.grads_to_mpi()
+                    request = wc.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+                    wait_s += wait(request, "completion of the gradient allreduce", rank, cfg.worker_timeout)
+                    staging.grads_from_mpi()
+                    staging.grads *= np.float32(1.0 / nworkers)  # the mean gradient, and the mean buffers
+                    self.buffers_from(staging.grads)
+                    done = self.seen / self.num_train
+                    lr = schedule(done, fraction_done(rule, done, applied, ctrl[1]))
+                    local.step(lr)
+                    applied += 1
+                    self.seen += samples_per_step
+                    self.last_lr = lr
+            except MPI.Exception as e:  # ULFM: a worker died; the survivors shrink the group and go on
+                if not (ulfm.enabled() and ulfm.is_failure(e)):
+                    raise
+                if kept is not None:  # (the step's forward changed them; the step is dropped or taken whole)
+                    self.buffers[...] = kept
+                wc, applied, lr, behind = self.shrink(wc, local, before, mine, ctrl)
+                nworkers, leader = wc.Get_size(), wc.Get_rank() == 0
+                samples_per_step = cfg.batch_size * nworkers
+                if leader and not snaps.buffers:  # this worker now sends the snapshots and checkpoints
+                    snaps, ckpts = (SendSlots([Message(P + B)], "SNAPSHOT", rank, cfg.worker_timeout),
+                                    SendSlots([Message(2 * P + B)], "CHECKPOINT", rank, cfg.worker_timeout))
+                if behind:  # its step was applied (taken from another survivor): reported, then the next dropped
+                    report = reports.take(self.step)
+                    report.stamp(Tag.REPORT, rank, step=self.step, version=applied, samples=samples, epoch=epoch,
+                                 correct=correct, loss=loss, compute_s=t1 - t0, comm_s=0.0,
+                                 wait_s=time.perf_counter() - t1, lr=lr, flags=0,
+                                 digest=weights_digest(model.params, self.buffers) if nworkers > 1 else 0,
+                                 cursor=self.cursor, data_s=self.take_data_s())
+                    reports.send(self.comm, self.step, 0, int(Tag.REPORT))
+                    self.step += 1
+                    samples = correct = 0
+                    loss = 0.0
+                skipped, wait_s, lr = True, time.perf_counter() - t1, 0.0
+            if skipped and kept is not None and applied == before:  # a skipped step leaves the buffers as the
+                self.buffers[...] = kept  # weights: as they were
             t2 = time.perf_counter()
             self.preempted = bool(ctrl[2])
-            last = (self.preempted or bool(ctrl[3])
-                    or bool(rule.reason(applied * samples_per_step, self.num_train, applied, ctrl[1])))
+            last = (self.preempted or bool(ctrl[3]) or bool(rule.reason(self.seen, self.num_train, applied, ctrl[1])))
             flags = ((Flag.SKIPPED if skipped else 0) | (Flag.NONFINITE if nonfinite else 0)
                      | (Flag.LAST if last else 0) | (Flag.PREEMPT if self.preempted else 0))
             report = reports.take(self.step)
@@ -271,7 +320,7 @@ class SyncWorker(WorkerLoop):
                          lr=lr, flags=flags, digest=digest, cursor=self.cursor, data_s=self.take_data_s())
             reports.send(self.comm, self.step, 0, int(Tag.REPORT))
             # --eval-interval: every worker decides alike (the allreduced clock, the steps applied)
-            evaluating = not last and evals.due(ctrl[1], applied * samples_per_step / self.num_train)
+            evaluating = not last and evals.due(ctrl[1], self.seen / self.num_train)
             if leader:
                 self.send_duties(snaps, ckpts, snapshots, checkpoints, local, ctrl[1], applied, last, evaluating)
             if evaluating:  # the weights after this step, on this worker's slice (a STOP or a signal abandons it)
@@ -281,6 +330,47 @@ class SyncWorker(WorkerLoop):
             slots.drain()
         wait(stop_req, "STOP from rank 0 after the last step", rank, cfg.worker_timeout)
         check(stop, Tag.STOP, 0, rank)
+
+    def shrink(self, wc: Any, local: LocalSGD, before: int, mine: np.ndarray,
+               ctrl: np.ndarray) -> tuple[Any, int, float, bool]:
+        """(ULFM) A worker died during this step's allreduces: the survivors revoke the group, shrink it, and agree.
+        Some may have finished the step before it broke (they are one step ahead); the state of one that applied
+        the most steps (weights, velocity, buffers, images seen, its last step size) is broadcast to all, so the
+        replicas stay identical: a step some survivor finished counts as applied for every survivor, and the
+        step in flight on the survivors ahead is dropped by all. The control allreduce is then redone among the
+        survivors on each worker's own values `mine`, into `ctrl`. Returns (the shrunk group, steps applied, the
+        last step size, whether this worker was behind: its step counts as applied and it reports the dropped
+        one too); the dead workers' data and test slices are dealt to the survivors (`note_lost`).
+
+        The global batch shrinks to batch size x the survivors (the step size schedule is not rescaled; the
+        epochs count the images seen)."""
+        t0 = time.perf_counter()
+        old_group = wc.Get_group()
+        wc.Revoke()
+        new = wc.Shrink()
+        world, new_group = self.comm.Get_group(), new.Get_group()
+        dead = sorted(set(world_ranks(old_group, world)) - set(world_ranks(new_group, world)))
+        for group in (old_group, new_group, world):
+            group.Free()
+        step, top = new.allreduce(self.step, op=MPI.MAX), new.allreduce(before, op=MPI.MAX)
+        root = new.allreduce(new.Get_rank() if before == top else new.Get_size(), op=MPI.MIN)
+        model, ops, P = self.model, self.model.ops, self.P
+        state = np.concatenate([ops.to_numpy(model.params), ops.to_numpy(local.velocity), ops.to_numpy(self.buffers)])
+        new.Bcast(state, root=root)
+        model.params[...] = ops.asarray(state[:P])
+        local.velocity[...] = ops.asarray(state[P:2 * P])
+        self.buffers[...] = ops.asarray(state[2 * P:])
+        self.seen, lr = new.bcast((self.seen, self.last_lr), root=root)
+        ctrl[:] = mine
+        new.Allreduce(MPI.IN_PLACE, ctrl, op=MPI.MAX)
+        for w in dead:
+            self.note_lost(w)
+        if new.Get_rank() == 0:
+            print(f"mpiasgd: worker rank{'s' * (len(dead) != 1)} {', '.join(map(str, dead))} died during step "
+                  f"{step}: the allreduce group shrank to {new.Get_size()} worker{'s' * (new.Get_size() != 1)} in "
+                  f"{time.perf_counter() - t0:.2f} s; step {step} is dropped, {top} applied", file=sys.stderr,
+                  flush=True)
+        return new, top, lr, self.step < step
 
     def send_duties(self, snaps: SendSlots, ckpts: SendSlots, snapshots: Interval, checkpoints: Interval,
                     local: LocalSGD, elapsed: float, applied: int, last: bool, evaluating: bool) -> None:
@@ -308,6 +398,7 @@ class SyncWorker(WorkerLoop):
 
 class SyncMode(Mode):
     name = "sync"
+    elastic = True
 
     def communicators(self, cfg: Config, comm: Any, rank: int, layout: Any) -> Any:
         """The workers' own communicator, for the allreduces (rank 0: MPI.COMM_NULL)."""

@@ -8,12 +8,14 @@ the job as before: tests/mpi/test_checkpoint.py.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import h5py
+import numpy as np
 import pytest
 from kit.launch import find_launcher, kill_session, launcher_flags, mpi_env, session_pids
 from kit.runs import read_log
@@ -66,6 +68,23 @@ def run_and_kill(tmp_path, args: list[str], victim: int, stop: bool = False,
     cmd = [launcher, "-n", "4", *launcher_flags(launcher), *ft, sys.executable, "-m", "mpiasgd", "train",
            "--model", "digits", "--no-progress", "--snapshot-interval", "0", "--name", "el", "--flush-interval", "0.2",
            *args]
+    for attempt in (1, 2):  # a job that did not start (a crash inside MPI_Init, Open MPI under ULFM) runs again
+        rc = launch(cmd, tmp_path, out, err, victim, stop)
+        if (tmp_path / "runs" / "el.h5").exists() or attempt == 2 or not crashed_in_init(err.read_text()):
+            return rc, out.read_text(), err.read_text()
+        shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+def crashed_in_init(err: str) -> bool:
+    """The job's stderr shows a rank that crashed in MPI_Init (Open MPI under ULFM, docs/training.md: about 1
+    launch in 25 on a loaded machine), or the others' report of it."""
+    return "died during start-up" in err or ("Segmentation fault" in err and "ompi_mpi_init" in err)
+
+
+def launch(cmd: list[str], tmp_path, out, err, victim: int, stop: bool) -> int:
+    """Run `cmd` (output into the files `out`, `err`); SIGKILL (`stop`: SIGSTOP, then SIGCONT once rank 0 logged
+    the loss) worker rank `victim` once the log holds 20 pushes; its exit status."""
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=mpi_env(), stdout=o, stderr=e, start_new_session=True)
     try:
@@ -73,6 +92,8 @@ def run_and_kill(tmp_path, args: list[str], victim: int, stop: bool = False,
         while pushes(tmp_path / "runs" / "el.h5") < 20 and proc.poll() is None:
             assert time.monotonic() < deadline, f"training did not start\n{out.read_text()}\n{err.read_text()}"
             time.sleep(0.2)
+        if proc.poll() is not None:  # it ended before training started (the caller looks at why)
+            return proc.returncode
         pid = rank_pid(proc.pid, victim)
         assert pid is not None, f"rank {victim} not found\n{out.read_text()}\n{err.read_text()}"
         os.kill(pid, signal.SIGSTOP if stop else signal.SIGKILL)
@@ -89,7 +110,7 @@ def run_and_kill(tmp_path, args: list[str], victim: int, stop: bool = False,
         pytest.fail(f"the job hung after worker rank {victim} was killed\n{out.read_text()}\n{err.read_text()}")
     finally:
         kill_session(proc.pid)
-    return proc.returncode, out.read_text(), err.read_text()
+    return proc.returncode
 
 
 @pytest.mark.parametrize("mode", [[], ["--mode", "ssp", "--staleness-bound", "2"], ["--mode", "easgd"]],
@@ -161,3 +182,26 @@ def test_a_rank_that_dies_during_start_up_ends_the_job_and_it_does_not_hang(tmp_
     said = "a rank of the job died during start-up (ULFM reported it: "
     assert said in done.stderr and "; the job ends" in done.stderr, done.stderr  # (rank 0 at least)
     assert done.returncode != 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("victim", [3, 1], ids=["a-worker", "the-first-worker"])
+def test_sync_shrinks_its_allreduce_group_and_the_replicas_stay_identical(tmp_path, victim):
+    """sync, 3 workers, one SIGKILLed: the survivors revoke and shrink their allreduce group, take one survivor's
+    state (the step in flight dropped), and go on; rank 0 checks every REPORT's weight digest against the other
+    replicas' (a difference would end the run failed). Killing rank 1, the first worker, hands the snapshots and
+    checkpoints to rank 2."""
+    rc, out, err = run_and_kill(tmp_path, ["--mode", "sync", "--epochs", "40", "--checkpoint-interval", "0.5"],
+                                victim=victim)
+    assert rc == 0, f"{out}\n{err}"
+    assert "the allreduce group shrank to 2 workers" in err, err
+    attrs, t, _ = read_log(tmp_path / "runs" / "el.h5")
+    assert attrs["status"] == "completed" and attrs["test_count"] == 360, err
+    lost = [(row["time"], row["text"].decode()) for row in t["events"] if row["kind"] == b"worker_lost"]
+    assert len(lost) == 1 and lost[0][1].startswith(f"worker rank {victim} on ")
+    pushes = t["pushes"]
+    survivors = [w for w in (1, 2, 3) if w != victim]
+    last = pushes["step"][pushes["worker"] == survivors[0]].max()
+    for w in survivors:  # every survivor reported every step to the end (the digests agreed: the run completed)
+        steps = np.sort(pushes["step"][pushes["worker"] == w])
+        assert steps.tolist() == list(range(1, last + 1))
+    assert (t["checkpoints"]["time"] > lost[0][0]).any()  # the checkpoints went on after the loss
