@@ -98,11 +98,12 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
     after that, ValueError if the file is not a run log (or is still empty after `wait` seconds), or at once
     if it is a truncated one (no live writer and shorter than its superblock says: `TruncatedLogError`).
     Prints a line every `interval` seconds when new rows were flushed, and one per evaluation during
-    training (`eval_line`, its curve drawn with `bars`).
+    training (`eval_line`, its curve drawn with `bars`) and one per worker lost (ULFM: event "worker_lost").
     """
     deadline = time.monotonic() + wait
     seen, applied_total, waiting = 0, 0, False
     evals_seen, history = 0, []  # /periodic_evals rows printed; their top-1, in order
+    events_seen = 0  # /events rows looked at (worker_lost ones are printed)
     while True:
         alive = writer_alive(path)
         try:  # opened afresh each time: a reader holding the file would be in the writer's way at its close
@@ -117,6 +118,9 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
                 during = f["periodic_evals"] if "periodic_evals" in f else None  # (older logs have none)
                 new_evals = (during[evals_seen:during.shape[0]] if during is not None and during.shape[0] > evals_seen
                              else None)
+                events = f["events"] if "events" in f else None
+                new_events = (events[events_seen:events.shape[0]] if events is not None
+                              and events.shape[0] > events_seen else None)
         except TruncatedLogError as e:  # no writer and cut short: waiting will not mend it (as `report` says)
             raise ValueError(str(e)) from None
         except (FileNotFoundError, OSError):  # not there yet, or created but not yet in SWMR mode
@@ -141,6 +145,11 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
         if rows is not None and len(rows):
             applied_total += int((rows["applied"] == 1).sum())
             out(progress_line(rows, epoch, applied_total))
+        if new_events is not None:  # (ULFM) a worker that died and was dropped: said as it happens
+            events_seen += len(new_events)
+            for row in new_events:
+                if row["kind"] == b"worker_lost":
+                    out(f"worker lost at {float(row['time']):.1f} s: {row['text'].decode(errors='replace')}")
         if new_evals is not None:
             evals_seen += len(new_evals)
             for row in new_evals:

@@ -98,9 +98,9 @@ def test_the_curve_and_the_evaluation_line():
 
 
 def test_watch_prints_each_evaluation_during_training_of_an_ended_run(tmp_path):
-    """A run that has ended (no live writer): its progress, one line per evaluation with the curve so far, then
-    the final line with top-5."""
-    from mpiasgd.runlog import PeriodicEvalRow, RunLog
+    """A run that has ended (no live writer): its progress, a line per worker lost (ULFM), one line per evaluation
+    with the curve so far, then the final line with top-5."""
+    from mpiasgd.runlog import EventRow, PeriodicEvalRow, RunLog
     from mpiasgd.runlog.records import PushRow
     from mpiasgd.tools.watch import watch
 
@@ -108,16 +108,20 @@ def test_watch_prints_each_evaluation_during_training_of_an_ended_run(tmp_path):
     log = RunLog.create(path, {"config": "{}"}, [], 3, flush_interval=60.0)
     log.add(PushRow(**{**dict.fromkeys(PushRow.dtype.names, 0), "time": 1.0, "worker": 1, "applied": 1,
                        "samples": 32, "loss": 2.0}))
+    log.add(EventRow(time=1.5, kind=b"worker_lost", text=b"worker rank 2 on vm died after step 9 (ULFM reported "
+                                                         b"it): dropped, 1 workers go on"))
     for t, top1 in ((1.0, 0.5), (2.0, 0.7)):
         log.add(PeriodicEvalRow(time=t, samples=32, epoch=t, version_min=1, version_max=1, count=360, loss=1.0,
                                 top1=top1, top5=0.9, seconds=0.1, snapshot=-1))
     log.close("completed", {"test_accuracy": 0.75, "test_top5": 0.95})
     lines = []
     assert watch(path, interval=0.01, wait=1.0, out=lines.append) == 0
-    assert len(lines) == 4 and "pushes" in lines[0]
-    assert "top-1  50.00 %" in lines[1] and lines[1].endswith("top-1 curve ▄ (50.0..50.0 %)")
-    assert "top-1  70.00 %" in lines[2] and lines[2].endswith("top-1 curve ▁█ (50.0..70.0 %)")
-    assert lines[3] == "run ended: status completed, test accuracy 75.00 % (top-5 95.00 %)"
+    assert len(lines) == 5 and "pushes" in lines[0]
+    assert lines[1] == "worker lost at 1.5 s: worker rank 2 on vm died after step 9 (ULFM reported it): dropped, 1 " \
+                       "workers go on"
+    assert "top-1  50.00 %" in lines[2] and lines[2].endswith("top-1 curve ▄ (50.0..50.0 %)")
+    assert "top-1  70.00 %" in lines[3] and lines[3].endswith("top-1 curve ▁█ (50.0..70.0 %)")
+    assert lines[4] == "run ended: status completed, test accuracy 75.00 % (top-5 95.00 %)"
 
 
 def test_watch_leaves_out_the_pushes_a_resume_superseded(tmp_path):
