@@ -209,7 +209,7 @@ HEADER = np.dtype([
     ("version", "<i8"),     # PUSH: version the gradient was computed from; WEIGHTS/STOP: version sent;
                             # SLICE, SHARD_ROWS, RESTORE: the shard's version
     ("samples", "<i8"),     # PUSH: minibatch size; EVAL: images evaluated; SLICE, SHARD_ROWS, RESTORE: images
-                            # the shard has applied (its schedule's clock)
+                            # the shard has applied (its schedule's clock); initial WEIGHTS (sync): images trained
     ("epoch", "<i8"),       # PUSH: the worker's epoch over its shard; WEIGHTS with flag EVALUATE: the evaluation's
                             # number
     ("correct", "<i8"),     # PUSH: correct predictions in the minibatch; EVAL: over the slice; SHARD_ROWS, SLICE:

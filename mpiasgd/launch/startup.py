@@ -364,10 +364,11 @@ def open_run_log(cfg: Config, me: Rank, out: Startup, resumed: checkpoint.Checkp
     out.path = os.path.join(cfg.run_dir, run_name(cfg, me.num_workers) + ".h5")
     if cfg.resume:
         ckpt = out.checkpoint = resumed if resumed is not None else checkpoint.load(cfg.resume)
-        if ckpt.num_workers != me.num_workers:
+        if ckpt.num_workers != me.num_workers and not (out.mode.elastic and cfg.servers == 1):
             raise ConfigError(f"--resume: checkpoint '{cfg.resume}' was written by a run with {ckpt.num_workers} "
                               f"workers; this job has {me.num_workers} (launch {me.servers + ckpt.num_workers} "
-                              "ranks)")
+                              f"ranks; mode '{cfg.mode}'" + (" with --servers S > 1" if cfg.servers > 1 else "")
+                              + " resumes with the same number of workers only)")
         # the log lives next to its checkpoint, wherever the job is started from
         out.path = os.path.join(os.path.dirname(os.path.abspath(cfg.resume)), os.path.basename(ckpt.log))
         check_fits(ckpt, cfg, me, out.model)
@@ -442,8 +443,8 @@ def check_fits(ckpt: checkpoint.Checkpoint, cfg: Config, me: Rank, model: Any) -
     if ckpt.params.size != model.num_params:
         raise ConfigError(f"{where} holds {ckpt.params.size} parameters, model '{cfg.model}' has {model.num_params}")
     ranks = sorted(int(r) for r in ckpt.workers["rank"])
-    if ranks != list(range(1, me.num_workers + 1)):
-        raise ConfigError(f"{where} holds workers {ranks}, this job has workers 1..{me.num_workers}")
+    if ranks != list(range(1, ckpt.num_workers + 1)):
+        raise ConfigError(f"{where} holds workers {ranks}, expected 1..{ckpt.num_workers} (its num_workers)")
     shards = ckpt.shard_versions.size or 1
     if shards != cfg.servers:  # (the config refuses a change first: 'servers' is fixed on resume)
         raise ConfigError(f"{where} holds the state of {shards} parameter-server shard(s); this job has "

@@ -125,7 +125,7 @@ class SyncMonitor(Role):
             out.payload[self.P:] = self.buffers
             flags = Flag.RESUME if ck is not None else 0
             out.stamp(Tag.WEIGHTS, self.rank, step=self.last_step[w], version=self.counter.version, flags=flags,
-                      cursor=self.cursor[w], elapsed=self.rec.train_time())
+                      cursor=self.cursor[w], elapsed=self.rec.train_time(), samples=self.counter.samples)
             self.out[w].take(0)
             self.post(w, out, Tag.WEIGHTS)
             if ck is not None:
@@ -240,7 +240,9 @@ class SyncWorker(WorkerLoop):
         snapshots = Interval(snapshot_seconds(cfg.snapshot_interval, P + B), self.elapsed)
         checkpoints = Interval(cfg.checkpoint_interval, self.elapsed)
         samples_per_step = cfg.batch_size * nworkers
-        self.seen = applied * samples_per_step  # images the applied steps took (fewer a step after a worker died)
+        # images the applied steps took (fewer a step after a worker died; a resume: rank 0's count, which holds
+        # when the checkpoint had another number of workers)
+        self.seen = int(staging.weights.header["samples"]) if applied else 0
         self.last_lr = 0.0  # the step size of the last step applied
         evals = EvalSchedule.of(cfg, self.elapsed, applied * samples_per_step / self.num_train)
         number = 0  # evaluations during training made by this job

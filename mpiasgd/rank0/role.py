@@ -139,14 +139,24 @@ class Role:
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
         """Continue from `ckpt` (before `begin`): the weights, the layers' buffers (a checkpoint written before
         networks had buffers holds none: they stay at their initial values), the version and images, and each
-        worker's step and data position."""
+        worker's step and data position (a checkpoint of another number of workers: see the comment below)."""
         self.counter.set(ckpt.version, ckpt.samples)
         self.params[:] = ckpt.params
         if ckpt.buffers.size == self.buffers.size:
             self.buffers[:] = ckpt.buffers
-        for row in ckpt.workers:
-            w = int(row["rank"])
-            self.last_step[w], self.cursor[w] = int(row["step"]), int(row["cursor"])
+        rows = {int(row["rank"]): (int(row["step"]), int(row["cursor"])) for row in ckpt.workers}
+        if len(rows) == len(self.workers):
+            for w, (step, cursor) in rows.items():
+                self.last_step[w], self.cursor[w] = step, cursor
+            return
+        # another number of workers (issue 40): the data is dealt over this job's shards, each 1/N of the set;
+        # a worker's position in its new shard is the one it had in its old (its cursor scaled by N_old / N_new),
+        # a new worker's the workers' mean; a worker keeps its step count (a new one starts at 0)
+        scale = len(rows) / len(self.workers)
+        mean = sum(cursor for _, cursor in rows.values()) / len(rows)
+        for w in self.workers:
+            step, cursor = rows.get(w, (0, mean))
+            self.last_step[w], self.cursor[w] = step, round(cursor * scale)
 
     def final_evals(self, preempted: str) -> dict:
         """{worker: (loss sum, correct, images, top-5 correct)} of the final evaluation."""

@@ -123,6 +123,14 @@ def start_log(cfg: Config, me: Any, start: Any, workers: list, extra: dict | Non
                   f"--epochs, --max-pushes or --max-time to train longer", file=sys.stderr, flush=True)
         print(f"mpiasgd: resuming '{start.path}' from checkpoint '{ckpt.path}' (version {ckpt.version}, "
               f"{ckpt.elapsed:.1f} s of training); config changes: {text}", flush=True)
+        if ckpt.num_workers != me.num_workers:
+            note = (f"resumed a checkpoint of {ckpt.num_workers} workers with {me.num_workers}: the training set is "
+                    f"dealt over {me.num_workers} shards, each worker goes on at the epoch it had reached (a new one "
+                    f"at the workers' mean); not bit-identical to a run with one number of workers"
+                    + ("; sync: the global batch is now the batch size x the workers, the step size schedule is the "
+                       "same" if cfg.mode == "sync" else ""))
+            log.add(EventRow(time=max(ckpt.log_time, log.last_time()), kind=b"resume_workers", text=note))
+            print(f"mpiasgd: {note}", flush=True)
     at = log.last_time() if ckpt is None else max(ckpt.log_time, log.last_time())  # (reads the file: once)
     for w in workers:  # --conv-algo autotune, --cuda-graphs: what each GPU worker chose (after a resume's events)
         if w.autotune:

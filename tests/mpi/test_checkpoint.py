@@ -172,13 +172,16 @@ def test_resume_with_overwrite_replaces_a_truncated_log_with_a_new_one(mpirun, t
     assert applied["version"].tolist() == list(range(ckpt.version + 1, 81))  # only the resumed segment's rows
 
 
-def test_resume_refuses_another_number_of_workers(mpirun, tmp_path):
-    res = mpirun(3, ["train", *FAST, "--epochs", "1", "--name", "w2"], timeout=120)
+def test_resume_refuses_another_number_of_workers_with_sharded_servers(mpirun, tmp_path):
+    """--servers S > 1 resumes with the same number of workers only (one server resumes with another number:
+    tests/mpi/test_elastic.py)."""
+    res = mpirun(4, ["train", *FAST, "--epochs", "1", "--name", "w2", "--servers", "2"], timeout=120)
     assert res.returncode == 0, res.explain()
-    res = mpirun(4, ["train", "--resume", "runs/w2.ckpt.h5"], timeout=60)
+    res = mpirun(5, ["train", "--resume", "runs/w2.ckpt.h5"], timeout=60)
     assert res.returncode == 2, res.explain()
     assert ("mpiasgd: error (rank 0): --resume: checkpoint 'runs/w2.ckpt.h5' was written by a run with 2 workers; "
-            "this job has 3 (launch 3 ranks)") in res.stderr, res.explain()
+            "this job has 3 (launch 4 ranks; mode 'async' with --servers S > 1 resumes with the same number of "
+            "workers only)") in res.stderr, res.explain()
 
 
 # --- preemption and failures -----------------------------------------------------------------------

@@ -205,3 +205,36 @@ def test_sync_shrinks_its_allreduce_group_and_the_replicas_stay_identical(tmp_pa
         steps = np.sort(pushes["step"][pushes["worker"] == w])
         assert steps.tolist() == list(range(1, last + 1))
     assert (t["checkpoints"]["time"] > lost[0][0]).any()  # the checkpoints went on after the loss
+
+
+def train_job(tmp_path, nworkers: int, args: list[str]) -> subprocess.CompletedProcess:
+    """`mpiexec -n 1+nworkers python -m mpiasgd train --model digits ...` (no ULFM) under a timeout."""
+    launcher = find_launcher()
+    if launcher is None:
+        pytest.skip("no mpiexec")
+    cmd = [launcher, "-n", str(nworkers + 1), *launcher_flags(launcher), sys.executable, "-m", "mpiasgd", "train",
+           "--model", "digits", "--no-progress", "--snapshot-interval", "0", *args]
+    done = subprocess.run(cmd, cwd=tmp_path, env=mpi_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+@pytest.mark.parametrize("mode,before,after", [("async", 4, 2), ("async", 2, 4), ("sync", 4, 2), ("sync", 2, 3)])
+def test_a_checkpoint_resumes_with_another_number_of_workers(tmp_path, mode, before, after):
+    """A run of `before` workers that ended at 6 epochs, with its checkpoint, resumed to 12 epochs with `after`
+    workers: said at start-up (event resume_workers), the run completes at 12 epochs in the same log, every worker
+    of the new job pushed, and the images and versions go on from the checkpoint's."""
+    train_job(tmp_path, before, ["--mode", mode, "--epochs", "6", "--name", "rs"])
+    attrs, t, _ = read_log(tmp_path / "runs" / "rs.h5")
+    version = int(t["updates"]["version"][-1])
+    done = train_job(tmp_path, after, ["--mode", mode, "--epochs", "12", "--resume", "runs/rs.ckpt.h5"])
+    said = f"resumed a checkpoint of {before} workers with {after}: the training set is dealt over {after} shards"
+    assert said in done.stdout, done.stdout
+    attrs, t, _ = read_log(tmp_path / "runs" / "rs.h5")
+    assert attrs["status"] == "completed" and "epoch" in attrs["stop_reason"], attrs["stop_reason"]
+    assert any(row["kind"] == b"resume_workers" for row in t["events"])
+    epochs = float(t["updates"]["epoch"][-1])
+    assert 12 <= epochs < 12.5 and int(t["updates"]["version"][-1]) > version
+    later = t["pushes"][t["pushes"]["time"] > t["pushes"]["time"][t["pushes"]["version"] <= version].max()]
+    assert set(later["worker"].tolist()) == set(range(1, after + 1))
+    assert attrs["test_count"] == 360
