@@ -16,6 +16,9 @@
 #               SLURM_* and starts its daemons on the other nodes with srun, so it needs no PMI
 #               plugin in SLURM. MPIEXEC_FLAGS adds flags (e.g. "--bind-to none" when ranks
 #               outnumber cores).
+#    With FAULT_TOLERANT=1 the run goes on when workers die (ULFM, docs/training.md "Workers that
+#    die"): mpiexec gets --with-ft ulfm and the failure detector's flags; srun is refused (Open MPI
+#    turns ULFM on through its own launcher only), so set LAUNCHER=mpiexec.
 # 3. forwards SIGUSR1 and SIGTERM that reach the batch shell (`#SBATCH --signal=B:USR1@T`,
 #    `scancel --batch --signal=USR1`) to the launcher, which passes them on to every rank, and sets
 #    PREEMPTED=1 after a SIGUSR1. (To mpiexec a SIGTERM goes on as SIGUSR1: see `launch`.) (Without B:,
@@ -44,9 +47,16 @@ launch() {
     local nranks=$1 pid rc seen flags cmd
     shift
     case "${LAUNCHER:-srun}" in
-        srun)    cmd=(srun --mpi="${SRUN_MPI:-pmix}" --ntasks="$nranks") ;;
+        srun)    if [ "${FAULT_TOLERANT:-0}" = 1 ]; then
+                     echo "FAULT_TOLERANT=1 needs LAUNCHER=mpiexec: Open MPI turns ULFM on through its own launcher" \
+                          "(mpiexec --with-ft ulfm), not srun" >&2
+                     return 2
+                 fi
+                 cmd=(srun --mpi="${SRUN_MPI:-pmix}" --ntasks="$nranks") ;;
         mpiexec) read -ra flags <<< "${MPIEXEC_FLAGS:-}"
-                 cmd=(mpiexec -n "$nranks" ${flags[@]+"${flags[@]}"}) ;;   # (bash < 4.4: empty array)
+                 cmd=(mpiexec -n "$nranks" ${flags[@]+"${flags[@]}"})   # (bash < 4.4: empty array)
+                 [ "${FAULT_TOLERANT:-0}" = 1 ] && cmd+=(--with-ft ulfm --mca mpi_ft_detector true
+                                                       --mca mpi_ft_detector_thread true) ;;
         *)       echo "LAUNCHER=${LAUNCHER}: expected srun or mpiexec" >&2
                  return 2 ;;
     esac

@@ -167,3 +167,32 @@ def test_a_worker_told_of_a_death_evaluates_a_share_of_its_test_slice(digits):
     net.post(0, 1, Tag.LOST, Message(0).stamp(Tag.LOST, 0, step=1, version=1).buf)
     thread.join(10)
     assert "LOST from rank 0 names worker rank 1 as death 1" in str(outcome.get("error"))
+
+
+def test_the_job_scripts_launch_under_ulfm_with_mpiexec_and_refuse_srun(tmp_path):
+    """jobs/launch.sh with FAULT_TOLERANT=1: mpiexec gets ULFM's flags (docs/training.md's launch line); srun is
+    refused naming why (Open MPI turns ULFM on through its own launcher only). A stand-in mpiexec records its
+    arguments."""
+    import os
+    import subprocess
+
+    from kit import REPO
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "mpiexec"
+    fake.write_text('#!/bin/sh\necho "mpiexec $*" > "$SEEN"\n')
+    fake.chmod(0o755)
+    seen = tmp_path / "seen.txt"
+    script = f'source {REPO / "jobs" / "launch.sh"}; launch 5 train --model digits; echo "rc=$?"'
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MPIASGD_HOME": str(tmp_path), "SEEN": str(seen),
+           "SLURM_JOB_ID": "7", "FAULT_TOLERANT": "1"}
+    env.pop("VENV", None)
+    done = subprocess.run(["bash", "-c", script], env={**env, "LAUNCHER": "mpiexec"}, capture_output=True, text=True,
+                          timeout=60)
+    assert "rc=0" in done.stdout, done.stdout + done.stderr
+    assert seen.read_text().strip() == ("mpiexec -n 5 --with-ft ulfm --mca mpi_ft_detector true --mca "
+                                        "mpi_ft_detector_thread true python -m mpiasgd train --model digits")
+    done = subprocess.run(["bash", "-c", script], env={**env, "LAUNCHER": "srun"}, capture_output=True, text=True,
+                          timeout=60)
+    assert "rc=2" in done.stdout and "FAULT_TOLERANT=1 needs LAUNCHER=mpiexec" in done.stderr, done.stderr
