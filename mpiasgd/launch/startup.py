@@ -308,6 +308,9 @@ def setup(cfg: Config, me: Rank, mode: Mode, dataset: Any, spec: dict, local_ran
         raise ConfigError(f"--model {cfg.model!r}: model '{cfg.model_label}', its last layer {model.names[-1]} "
                           f"({model.layers[-1].describe()}) gives {model.num_classes} logits, dataset "
                           f"'{cfg.dataset_name}' has {classes} classes")
+    if cfg.min_workers > me.num_workers:
+        raise ConfigError(f"config key 'min_workers' = {cfg.min_workers}: more than the job's {me.num_workers} "
+                          f"worker{'s' * (me.num_workers != 1)} (below it a run that loses workers ends failed)")
     slow = sorted(r for r in cfg.stragglers() if r > me.num_workers)
     if slow:
         raise ConfigError(f"config key 'straggler' = {cfg.straggler!r}: rank(s) {slow} are not workers "

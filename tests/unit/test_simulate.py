@@ -145,6 +145,7 @@ def test_ssp_goes_on_without_a_worker_that_fails(tmp_path):
     (["--fail", "2@-1"], "entry '2@-1'"), (["--fail", "2@1,2@3"], "entry '2@3'"), (["--fail", "2"], "entry '2'"),
     (["--fail", "2@1", "--servers", "2"], "--fail: only one server (--servers 1)"),
     (["--fail", "1@1,2@1,3@1"], "3 of 3 workers die, fewer than --min-workers 1"),
+    (["--min-workers", "5", "--compute-s", "0.01"], "config key 'min_workers' = 5: more than the job's 3 workers"),
 ])
 def test_bad_failures_are_one_error_naming_the_entry(tmp_path, capsys, flags, expected):
     argv = ["--workers", "3", "--model", "digits", "--run-dir", str(tmp_path), "--no-progress", *flags]
