@@ -159,10 +159,15 @@ def _train(argv: list[str]) -> int:
                     status = train(cfg, comm)
                 finally:
                     signals.ignore()
-    except BaseException:
+    except BaseException as e:
         if not exits:
             raise
-        traceback.print_exc()  # (then out at once: Python's own exit would call MPI_Finalize and hang)
+        if ulfm.is_failure(e):  # e.g. rank 0 died: a worker's wait for it fails
+            print(f"mpiasgd: error: rank {comm.Get_rank()}: a rank it was talking to died (ULFM reported it: {e}): "
+                  "rank 0, the parameter server, or (sync) a worker of the allreduce group that could not be "
+                  "dropped; this rank ends", file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()  # (then out at once: Python's own exit would call MPI_Finalize and hang)
         status = 1
     if exits:
         sys.stdout.flush()

@@ -323,7 +323,7 @@ class AsgdServer(ShardedServer):
                 text = (f"resumed DANA-Zero: the checkpoint keeps the sum of the workers' momenta; each of the "
                         f"{len(self.workers)} workers starts from the sum / {len(self.workers)} (not bit-identical "
                         f"to an uninterrupted run){ga}")
-                self.rec.event("resume_state", text)
+                self.rec.event("resume_state", text, at=ckpt.log_time)  # (the clock starts later, at `begin`)
                 print(f"mpiasgd: {text}", flush=True)
         elif self.optimizer.velocity is not None:
             self.optimizer.velocity[:] = ckpt.momentum

@@ -228,8 +228,9 @@ class Rank0:
             host = self.pids[w][0] if w in self.pids else ""
             step = self.role.last_step[w]
             self.role.lose_worker(w)
+            left = len(self.workers) - len(self.role.lost)
             text = (f"worker rank {w}{' on ' + host if host else ''} died after step {step} ({how}): dropped, "
-                    f"{alive} worker{'s' * (alive != 1)} go on")
+                    f"{left} worker{'s go' if left != 1 else ' goes'} on")
             self.rec.event("worker_lost", text)
             print(f"mpiasgd: {text}", file=sys.stderr, flush=True)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import sys
 import time
 import traceback
@@ -192,13 +194,17 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
     if note:  # said once, on the console and (when the clocks start) in the log's events
         print(f"mpiasgd: {note}", flush=True)
     notes = [("server_wait", note)] if note else []  # (logged when the clocks start: `Rank0.run`)
+    if cfg.min_workers != 1 and not ulfm.enabled():
+        print(f"mpiasgd: warning: --min-workers {cfg.min_workers} applies under ULFM only (mpiexec --with-ft ulfm, "
+              "docs/training.md): without it any death ends the job", file=sys.stderr, flush=True)
     if ulfm.enabled():  # which behaviour applies to a rank's death
         survives = start.mode.elastic and cfg.servers == 1
         text = ("fault tolerance: ULFM (mpiexec --with-ft ulfm): " +
                 (f"a worker that dies is dropped and the run goes on while {cfg.min_workers} or more are left "
                  f"(--min-workers)" if survives else f"mode '{cfg.mode}'" + (" with --servers S > 1" if
                                                                             cfg.servers > 1 else "") +
-                 " does not drop a dead worker yet: a death ends the run with a checkpoint"))
+                 " does not drop a dead worker yet: a death ends the run (status failed; its last checkpoint "
+                 "stands)"))
         if not ulfm.detector_thread():
             text += ("; warning: without --mca mpi_ft_detector true --mca mpi_ft_detector_thread true a death may "
                      "go unseen, or a busy rank be taken for dead")
@@ -297,7 +303,28 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
         return EXIT_DIVERGED
     log.close("completed", summary)
     print("\n".join(summary_lines(start.path)), flush=True)
+    end_dropped(r0.role.lost, r0.pids)
     return 0
+
+
+def end_dropped(lost: set[int], pids: dict[int, tuple[str, int]]) -> None:
+    """(ULFM, the run ended) Workers dropped as dead that still live on this node (a stopped one, SIGSTOP: ULFM
+    declares it dead, yet mpiexec would wait for it for ever) get SIGKILL, once their command line shows they are
+    ours; on another node they are left to the launcher."""
+    here = socket.gethostname()
+    for w in sorted(lost):
+        host, pid = pids.get(w, ("", 0))
+        if host != here or pid <= 0:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"mpiasgd" not in f.read():
+                    continue
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone already, or not ours to signal
+            continue
+        print(f"mpiasgd: worker rank {w} (pid {pid}) was dropped as dead but still lives (stopped?): killed, so that "
+              "the job can end", file=sys.stderr, flush=True)
 
 
 SHARDS_NOT_ONE_CUT = ("with --servers the shards' slices are one consistent state only when they agree on the "

@@ -55,8 +55,8 @@ def lost_events(path) -> int:
         return 0
 
 
-def run_and_kill(tmp_path, args: list[str], victim: int, stop: bool = False,
-                 ft: tuple[str, ...] = FT) -> tuple[int, str, str]:
+def run_and_kill(tmp_path, args: list[str], victim: int, stop: bool = False, ft: tuple[str, ...] = FT,
+                 wake: bool = True) -> tuple[int, str, str]:
     """1 server + 3 workers under ULFM (`ft`) on digits; SIGKILL worker rank `victim` once the log holds 20
     pushes (`stop`: SIGSTOP it instead, and SIGCONT once rank 0 logged its loss); returns (exit status, stdout,
     stderr)."""
@@ -69,7 +69,7 @@ def run_and_kill(tmp_path, args: list[str], victim: int, stop: bool = False,
            "--model", "digits", "--no-progress", "--snapshot-interval", "0", "--name", "el", "--flush-interval", "0.2",
            *args]
     for attempt in (1, 2):  # a job that did not start (a crash inside MPI_Init, Open MPI under ULFM) runs again
-        rc = launch(cmd, tmp_path, out, err, victim, stop)
+        rc = launch(cmd, tmp_path, out, err, victim, stop, wake)
         if (tmp_path / "runs" / "el.h5").exists() or attempt == 2 or not crashed_in_init(err.read_text()):
             return rc, out.read_text(), err.read_text()
         shutil.rmtree(tmp_path / "runs", ignore_errors=True)
@@ -82,9 +82,9 @@ def crashed_in_init(err: str) -> bool:
     return "died during start-up" in err or ("Segmentation fault" in err and "ompi_mpi_init" in err)
 
 
-def launch(cmd: list[str], tmp_path, out, err, victim: int, stop: bool) -> int:
-    """Run `cmd` (output into the files `out`, `err`); SIGKILL (`stop`: SIGSTOP, then SIGCONT once rank 0 logged
-    the loss) worker rank `victim` once the log holds 20 pushes; its exit status."""
+def launch(cmd: list[str], tmp_path, out, err, victim: int, stop: bool, wake: bool = True) -> int:
+    """Run `cmd` (output into the files `out`, `err`); SIGKILL (`stop`: SIGSTOP, then, if `wake`, SIGCONT once rank
+    0 logged the loss) worker rank `victim` once the log holds 20 pushes; its exit status."""
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=mpi_env(), stdout=o, stderr=e, start_new_session=True)
     try:
@@ -101,7 +101,7 @@ def launch(cmd: list[str], tmp_path, out, err, victim: int, stop: bool) -> int:
             assert time.monotonic() < deadline, f"the stopped worker was not dropped\n{out.read_text()}\n" \
                                                 f"{err.read_text()}"
             time.sleep(0.2)
-        if stop:
+        if stop and wake:
             os.kill(pid, signal.SIGCONT)
         proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -144,6 +144,17 @@ def test_fewer_workers_than_min_workers_end_the_run_failed_with_a_checkpoint(tmp
     assert attrs["status"] == "failed"
     assert next(row["text"].decode() for row in t["events"] if row["kind"] == b"preempt").startswith(said)
     assert (tmp_path / "runs" / "el.ckpt.h5").is_file()
+
+
+def test_a_worker_stopped_for_good_is_dropped_and_the_job_ends(tmp_path):
+    """SIGSTOP and never SIGCONT: dropped as dead, the run completes, and rank 0 kills the stopped process (on its
+    node) so that mpiexec, which waits for every process it started, ends."""
+    ft = (*FT, "--mca", "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "4")
+    rc, out, err = run_and_kill(tmp_path, ["--epochs", "60"], victim=2, stop=True, ft=ft, wake=False)
+    assert rc == 0, f"{out}\n{err}"
+    assert "mpiasgd: worker rank 2 (pid " in err and "was dropped as dead but still lives (stopped?): killed" in err
+    attrs, _, _ = read_log(tmp_path / "runs" / "el.h5")
+    assert attrs["status"] == "completed"
 
 
 def test_a_stopped_worker_is_dropped_and_refused_when_it_wakes(tmp_path):

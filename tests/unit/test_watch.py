@@ -109,7 +109,7 @@ def test_watch_prints_each_evaluation_during_training_of_an_ended_run(tmp_path):
     log.add(PushRow(**{**dict.fromkeys(PushRow.dtype.names, 0), "time": 1.0, "worker": 1, "applied": 1,
                        "samples": 32, "loss": 2.0}))
     log.add(EventRow(time=1.5, kind=b"worker_lost", text=b"worker rank 2 on vm died after step 9 (ULFM reported "
-                                                         b"it): dropped, 1 workers go on"))
+                                                         b"it): dropped, 1 worker goes on"))
     for t, top1 in ((1.0, 0.5), (2.0, 0.7)):
         log.add(PeriodicEvalRow(time=t, samples=32, epoch=t, version_min=1, version_max=1, count=360, loss=1.0,
                                 top1=top1, top5=0.9, seconds=0.1, snapshot=-1))
@@ -118,7 +118,7 @@ def test_watch_prints_each_evaluation_during_training_of_an_ended_run(tmp_path):
     assert watch(path, interval=0.01, wait=1.0, out=lines.append) == 0
     assert len(lines) == 5 and "pushes" in lines[0]
     assert lines[1] == "worker lost at 1.5 s: worker rank 2 on vm died after step 9 (ULFM reported it): dropped, 1 " \
-                       "workers go on"
+                       "worker goes on"
     assert "top-1  50.00 %" in lines[2] and lines[2].endswith("top-1 curve ▄ (50.0..50.0 %)")
     assert "top-1  70.00 %" in lines[3] and lines[3].endswith("top-1 curve ▁█ (50.0..70.0 %)")
     assert lines[4] == "run ended: status completed, test accuracy 75.00 % (top-5 95.00 %)"
