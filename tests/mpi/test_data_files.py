@@ -142,7 +142,8 @@ def test_a_file_replaced_during_training_is_one_line_per_worker(tmp_path, cifar_
     cause = (rf"{re.escape(str(cifar_file))}: the dataset file changed while the run reads it \(replaced by another "
              r"file: inode \d+ -> \d+; modified [-\d: .]+ -> [-\d: .]+ UTC(; another conversion: created \S+ -> "
              r"\S+)?\); rerun, or --resume, once it is complete")
-    lines = [line for line in err.splitlines() if "the dataset file changed" in line]
+    # (stripped: Open MPI's MPI_ABORT banner, written by another process, may leave a space before the next line)
+    lines = [line.strip() for line in err.splitlines() if "the dataset file changed" in line]
     workers = [line for line in lines if re.fullmatch(rf"mpiasgd: error: rank [12] on \S+: {cause}", line)]
     rank0 = [line for line in lines if re.fullmatch(rf"mpiasgd: worker rank [12] on \S+ failed: {cause}; run log "
                                                      r"'runs/swap\.h5' closed with status 'failed'\.", line)]
