@@ -200,7 +200,9 @@ def test_interval_checkpoints_are_one_cut_of_every_shard_and_a_run_resumes_from_
         if ck.reason == "interval":
             cuts.append((path, ck))
             assert ck.shard_versions.tolist() == [ck.version] * SERVERS, (path.name, ck.shard_versions, ck.version)
-            assert ck.version == int(ck.workers["step"].sum()) > 0, (path.name, ck.version, ck.workers)
+            assert ck.version == int(ck.workers["step"].sum()), (path.name, ck.version, ck.workers)
+    # a pause before the first push is a cut too (version 0: seen in CI, workers slow to start on a loaded box)
+    cuts = [(path, ck) for path, ck in cuts if ck.version > 0]
     assert len(cuts) >= 4, [p.name for p in copies]
     path, first = cuts[len(cuts) // 2]
     (runs / "c.ckpt.h5").write_bytes(path.read_bytes())
