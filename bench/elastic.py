@@ -1,20 +1,22 @@
 """Workers killed at random times under ULFM (issue 40): does every run complete, keep every push rank 0
 applied, and reach the test accuracy of runs nobody disturbed?
 
-    python bench/elastic.py [--runs 20] [--kills 1,2,3] [--workers 4] [--model digits] [--epochs 100]
-                            [--reference 5] [--seed 0] [--keep DIR] [--dry-run]
+    python bench/elastic.py [--runs 20] [--kills 1,2,3] [--workers 4] [--mode async|ssp|easgd] [--servers 1]
+                            [--model digits] [--epochs 100] [--reference 5] [--seed 0] [--keep DIR] [--dry-run]
 
 First `--reference` undisturbed runs (seeds 0, 1, ...; ULFM on, nobody killed) give the accuracy's run-to-run
 noise. Then run i (training seed 100 + i) SIGKILLs k = kills[i % len(kills)] workers, drawn at random, each
 once the pushes in the log reach a random epoch in [0.1, 0.7] x --epochs (numpy seed (--seed, i); the log is
 flushed every 0.2 s). Every job is
-`mpiexec --with-ft ulfm --mca mpi_ft_detector true --mca mpi_ft_detector_thread true -n N+1 python -m mpiasgd
-train --mode async ...` under a time limit. Each run's checks, printed:
+`mpiexec --with-ft ulfm --mca mpi_ft_detector true --mca mpi_ft_detector_thread true -n N+S python -m mpiasgd
+train --mode MODE --servers S ...` under a time limit (ssp: --staleness-bound 3). Each run's checks, printed:
 
     completed   exit status 0 and the log's status "completed"
     lost        one worker_lost event per victim, naming it; none of its pushes after its death
     pushes      nothing rank 0 applied is missing from the log: the applied pushes' versions are 1..V, each
-                worker's steps 1..its last
+                worker's steps 1..its last (--servers S > 1: on each shard the applied versions are 1..V, the
+                same V on every shard, and every shard applied the same pushes; a dead worker's push that
+                reached some shards only is counted by the others, event "lost_push": noted)
     test        the final evaluation covered the whole test split (the survivors took the dead workers' share;
                 a death reported after the stop leaves its share out, said)
     accuracy    the final test accuracy, and its distance to the undisturbed runs' mean in their standard
@@ -72,7 +74,7 @@ def read(path: Path) -> dict:
     try:
         with h5py.File(path, "r", libver="latest", swmr=True) as f:
             out = {key: f.attrs[key] for key in f.attrs}
-            for name in ("pushes", "events", "workers"):
+            for name in ("pushes", "events", "workers", "shard_pushes"):
                 out[name] = f[name][()] if name in f else None
             return out
     except (OSError, KeyError):
@@ -102,8 +104,10 @@ def attempt(args: argparse.Namespace, tmp: Path, seed: int, victims: list[int], 
     `num_train` training images). Its files are under `tmp`, named after `seed` and the attempt's `number`."""
     seed_name = f"{seed}" if number == 0 else f"{seed}.{number}"
     runs = tmp / f"runs-{seed_name}"
-    cmd = [*launcher(), *FT, "-n", str(args.workers + 1), sys.executable, "-m", "mpiasgd", "train", "--mode", "async",
-           "--model", args.model, "--epochs", f"{args.epochs:g}", "--seed", str(seed), "--no-progress",
+    mode = ["--mode", args.mode] + (["--staleness-bound", "3"] if args.mode == "ssp" else [])
+    cmd = [*launcher(), *FT, "-n", str(args.workers + args.servers), sys.executable, "-m", "mpiasgd", "train", *mode,
+           "--servers", str(args.servers), "--model", args.model, "--epochs", f"{args.epochs:g}", "--seed",
+           str(seed), "--no-progress",
            "--snapshot-interval", "0", "--run-dir", str(runs), "--name", "e", "--flush-interval", "0.2"]
     out = Outcome(seed, victims, times)
     log = runs / "e.h5"
@@ -166,9 +170,12 @@ def check(out: Outcome, got: dict, num_test: int) -> None:
         w = int(t.split()[2])
         if (p["time"][p["worker"] == w] > when).any():
             out.failed.append(f"worker rank {w} has pushes after its loss")
-    applied = np.sort(p["version"][p["applied"] == 1])
-    if not np.array_equal(applied, np.arange(1, applied.size + 1)):
-        out.failed.append(f"the applied pushes' versions are not 1..{applied.size}")
+    if got.get("shard_pushes") is None:  # one server
+        applied = np.sort(p["version"][p["applied"] == 1])
+        if not np.array_equal(applied, np.arange(1, applied.size + 1)):
+            out.failed.append(f"the applied pushes' versions are not 1..{applied.size}")
+    else:
+        check_shards(out, got)
     for w in np.unique(p["worker"]):
         steps = np.sort(p["step"][p["worker"] == w])
         if not np.array_equal(steps, np.arange(1, steps.size + 1)):
@@ -182,12 +189,35 @@ def check(out: Outcome, got: dict, num_test: int) -> None:
                          f"{out.test_count} of {num_test} test images")
 
 
+def check_shards(out: Outcome, got: dict) -> None:
+    """(--servers S > 1) Every shard applied versions 1..V once each, the same V and the same (worker, step)
+    pushes on every shard (a dead worker's push counted where it did not arrive: the "lost_push" events)."""
+    rows = got["shard_pushes"]
+    versions = [int(v) for v in got.get("shard_versions", [])]
+    sets = []
+    for s in sorted(set(rows["shard"].tolist())):
+        mine = rows[(rows["shard"] == s) & (rows["applied"] == 1)]
+        v = np.sort(mine["version"])
+        if not np.array_equal(v, np.arange(1, v.size + 1)) or (versions and v.size != versions[s]):
+            out.failed.append(f"shard {s}'s applied versions are not 1..{versions[s] if versions else v.size}")
+        sets.append(sorted(mine[["worker", "step"]].tolist()))
+    if any(x != sets[0] for x in sets):
+        out.failed.append("the shards applied different pushes")
+    if len(set(versions)) > 1:
+        out.failed.append(f"the shards end at versions {versions}")
+    counted = sum(text(r["kind"]) == "lost_push" for r in got["events"])
+    if counted:
+        out.notes.append(f"{counted} push(es) of a dead worker counted by rank 0 (they reached another shard only)")
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="runs with kills")
     parser.add_argument("--kills", type=lambda t: distinct_ints(t, 1, "1,2,3"), default=[1, 2, 3],
                         help="workers killed per run, in turn (each below --workers)")
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--mode", choices=("async", "ssp", "easgd"), default="async")
+    parser.add_argument("--servers", type=int, default=1, help="parameter-server shards")
     parser.add_argument("--model", default="digits")
     parser.add_argument("--epochs", type=float, default=100.0)
     parser.add_argument("--reference", type=int, default=5, help="undisturbed runs (the noise, the time T)")
@@ -201,8 +231,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.runs, args.kills, args.reference, args.epochs = 1, [1], 1, 20.0
     if max(args.kills) >= args.workers:
         parser.error(f"--kills {max(args.kills)}: at least one of the {args.workers} workers must live")
-    if args.runs < 1 or args.reference < 1:
-        parser.error("--runs and --reference: expected at least 1")
+    if args.runs < 1 or args.reference < 1 or args.servers < 1:
+        parser.error("--runs, --reference and --servers: expected at least 1")
     return args
 
 
@@ -211,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     from mpiasgd.data import load_dataset
     data = load_dataset(args.model)
     num_train, num_test = data.num_train, data.num_test
-    print(f"{args.workers} async workers, {args.model}, {args.epochs:g} epochs, under ULFM ({' '.join(FT)})",
-          flush=True)
+    print(f"{args.workers} {args.mode} workers, {args.servers} parameter-server shard(s), {args.model}, "
+          f"{args.epochs:g} epochs, under ULFM ({' '.join(FT)})", flush=True)
     with tempfile.TemporaryDirectory(prefix="elastic-") as name:
         tmp = Path(args.keep or name)
         tmp.mkdir(parents=True, exist_ok=True)

@@ -367,11 +367,10 @@ def open_run_log(cfg: Config, me: Rank, out: Startup, resumed: checkpoint.Checkp
     out.path = os.path.join(cfg.run_dir, run_name(cfg, me.num_workers) + ".h5")
     if cfg.resume:
         ckpt = out.checkpoint = resumed if resumed is not None else checkpoint.load(cfg.resume)
-        if ckpt.num_workers != me.num_workers and not (out.mode.elastic and cfg.servers == 1):
+        if ckpt.num_workers != me.num_workers and not out.mode.elastic:
             raise ConfigError(f"--resume: checkpoint '{cfg.resume}' was written by a run with {ckpt.num_workers} "
                               f"workers; this job has {me.num_workers} (launch {me.servers + ckpt.num_workers} "
-                              f"ranks; mode '{cfg.mode}'" + (" with --servers S > 1" if cfg.servers > 1 else "")
-                              + " resumes with the same number of workers only)")
+                              f"ranks; mode '{cfg.mode}' resumes with the same number of workers only)")
         # the log lives next to its checkpoint, wherever the job is started from
         out.path = os.path.join(os.path.dirname(os.path.abspath(cfg.resume)), os.path.basename(ckpt.log))
         check_fits(ckpt, cfg, me, out.model)

@@ -155,7 +155,7 @@ class AsyncOptions:
         "moved k typical steps since the worker's pull gets 1/k of its gradient; with DANA-Zero, DANA-GA (what "
         "--update-rule auto gives from 2 workers, where --no-gap-aware is refused: --update-rule dana-zero is "
         "DANA-Zero alone); needs nsync 1 and no --overlap or --dc-lambda", PS_MODES, "optimizer", label="gap-aware")
-    min_workers: int = option(1, "async, ssp, easgd, sync with one server: under ULFM (mpiexec --with-ft ulfm: "
+    min_workers: int = option(1, "async, ssp, easgd (with any --servers) and sync: under ULFM (mpiexec --with-ft ulfm: "
         "docs/training.md) a worker that dies is dropped and the run goes on while at least this many workers are "
         "left; below it the run ends with status failed (a checkpoint where rank 0 holds the state); without ULFM "
         "any death ends the job", (*SERVER_MODES, "sync"))

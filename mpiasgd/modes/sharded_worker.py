@@ -22,9 +22,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag, check, check_size, parse_tag, wait, wait_all
+from mpiasgd.comms.protocol import HEADER
 from mpiasgd.modes.base import WorkerLoop
 
 
@@ -64,12 +66,27 @@ class ShardedWorker(WorkerLoop):
         t = time.perf_counter()
         tags = []
         for s, (request, r) in enumerate(zip(receives, ranks, strict=True)):
-            status = MPI.Status()
-            wait(request, f"{what} from parameter-server shard {s} (rank {r})", self.rank,
-                 timeout or self.cfg.worker_timeout, status)
+            status = self.wait_reply(request, s, r, f"{what} from parameter-server shard {s} (rank {r})",
+                                     timeout or self.cfg.worker_timeout, staging)
             tags.append(self.check_reply(s, r, status, versions, initial, staging))
         staging.after_receive()
         return tags, time.perf_counter() - t
+
+    def wait_reply(self, request: Any, s: int, r: int, what: str, timeout: float, staging: Any) -> Any:
+        """Wait for shard `s`'s (rank `r`'s) reply into `staging` (CommTimeout after `timeout` s naming `what`);
+        its status. (ULFM) A LOST message from rank 0, which comes before its reply, is taken (`on_lost`) and
+        the reply waited for again."""
+        status = MPI.Status()
+        wait(request, what, self.rank, timeout, status)
+        while s == 0 and parse_tag(status.Get_tag(), r, self.rank) == Tag.LOST:
+            check_size(Tag.LOST, r, self.rank, status.Get_count(MPI.BYTE), 0)
+            notice = Message(0)
+            notice.buf[:HEADER.itemsize] = np.frombuffer(staging.weights[0].header.tobytes(), np.uint8)
+            check(notice, Tag.LOST, r, self.rank)
+            self.on_lost(notice.header)
+            request = self.comm.Irecv(staging.recv_bufs[0], source=r, tag=MPI.ANY_TAG)
+            wait(request, what, self.rank, timeout, status)
+        return status
 
     def check_reply(self, s: int, r: int, status: Any, versions: list[int], initial: bool = False,
                     staging: Any = None) -> Tag:
@@ -108,9 +125,9 @@ class ShardedWorker(WorkerLoop):
         receives = {s: self.comm.Irecv(staging.recv_bufs[s], source=ranks[s], tag=MPI.ANY_TAG) for s in open_}
         sends = [self.comm.Isend(ask.buf, dest=ranks[s], tag=int(Tag.FINISH)) for s in open_]
         for s in open_:
-            status = MPI.Status()
-            wait(receives[s], f"final weights (STOP, after FINISH step {self.step}) from parameter-server shard {s} "
-                 f"(rank {ranks[s]})", self.rank, self.cfg.worker_timeout, status)
+            status = self.wait_reply(receives[s], s, ranks[s], f"final weights (STOP, after FINISH step {self.step}) "
+                                     f"from parameter-server shard {s} (rank {ranks[s]})", self.cfg.worker_timeout,
+                                     staging)
             if self.check_reply(s, ranks[s], status, versions, staging=staging) != Tag.STOP:
                 raise ProtocolError(f"rank {self.rank}: parameter-server shard {s} (rank {ranks[s]}) answered FINISH "
                                     f"with WEIGHTS, expected STOP")

@@ -51,6 +51,7 @@ from mpiasgd.comms import (
     wait_all,
 )
 from mpiasgd.comms.ulfm import RankFailed, failed_ranks, is_failure
+from mpiasgd.comms.ulfm import enabled as ulfm_enabled
 from mpiasgd.comms.waits import pauser
 from mpiasgd.config import Config
 from mpiasgd.rank0.recorder import Recorder
@@ -215,6 +216,10 @@ class Rank0:
             return
         why = self.role.survives()
         shards = [r for r in new if r not in self.workers]
+        if not self.decides and not shards and not why:  # a shard of rank >= 1: drops them; rank 0 logs and decides
+            for w in new:
+                self.role.lose_worker(w)
+            return
         alive = len(self.workers) - len(self.role.lost) - len([r for r in new if r in self.workers])
         if shards or why or not self.decides or alive < self.cfg.min_workers:
             gone = [(r, *self.pids.get(r, ("?", 0))) for r in new]
@@ -234,10 +239,15 @@ class Rank0:
             self.rec.event("worker_lost", text)
             print(f"mpiasgd: {text}", file=sys.stderr, flush=True)
 
+    @property
+    def elastic(self) -> bool:
+        """Under ULFM a worker that dies is dropped and the run goes on (`lose`): its role survives one."""
+        return ulfm_enabled() and not self.role.survives()
+
     def finished(self, w: int) -> bool:
         """(`lose`) Worker `w` has ended its part: its final EVAL came, or is here to be received (ULFM may report
         the exit of a worker that ended before rank 0 took its EVAL: taken now)."""
-        if w in self.role.evals:
+        if w in self.role.evals or (not self.decides and w in self.role.stopped):  # (a shard: its STOP was its part)
             return True
         if w not in self.role.stopped or w not in self.workers:
             return False

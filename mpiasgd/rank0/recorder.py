@@ -273,6 +273,16 @@ class Recorder:
             self.exchange.push(w, h["compute_s"], h["wait_s"])
             self.advise(self.exchange.advice(self.train_time() - (self.resumed.elapsed if self.resumed else 0.0)))
 
+    def lost_push(self, worker: int, step: int, version: int) -> None:
+        """(--servers S > 1, ULFM) Push `step` of dead worker `worker` never reached shard 0 (rank 0) and is
+        counted there, with nothing applied, at `version` (`ShardedServer.count_lost`): shard 0's row (applied,
+        staleness 0) and an event "lost_push"."""
+        self.shard_push(shard=0, time=self.now(), worker=worker, step=step, base_version=version, version=version,
+                        staleness=0, applied=True)
+        self.event("lost_push", f"push {step} of worker rank {worker}, which died while sending it, reached another "
+                                f"parameter-server shard but not shard 0: counted at version {version} with nothing "
+                                "applied (its slice died with the worker)")
+
     def shard_push(self, *, shard: int, time: float, worker: int, step: int, base_version: int, version: int,
                    staleness: int, applied: bool) -> None:
         """(--servers S > 1) One row of /shard_pushes: a push as shard `shard` saw it, at `time` (rank 0's

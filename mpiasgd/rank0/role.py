@@ -25,6 +25,24 @@ from mpiasgd.rank0.counter import VersionCounter
 from mpiasgd.rank0.evals import PeriodicEvals
 
 
+def worker_rows(rows: np.ndarray, workers: Any) -> np.ndarray:
+    """A checkpoint's WORKER_STATE `rows` for this job's `workers` (ranks): the rows themselves for the same number
+    of workers; for another number (issue 40), the data is dealt over this job's shards, each 1/N of the set, so
+    a worker's position in its new shard is the one it had in its old (its cursor scaled by N_old / N_new), a new
+    worker's the workers' mean; a worker keeps its step count and rejects (a new one starts at 0)."""
+    if len(rows) == len(workers):
+        return rows
+    old = {int(row["rank"]): row for row in rows}
+    scale = len(rows) / len(workers)
+    mean = float(np.mean(rows["cursor"])) if len(rows) else 0.0
+    out = np.zeros(len(workers), checkpoint.WORKER_STATE)
+    for i, w in enumerate(workers):
+        row = old.get(w)
+        out[i] = (w, 0, round(mean * scale), 0) if row is None else (
+            w, int(row["step"]), round(int(row["cursor"]) * scale), int(row["rejected"]))
+    return out
+
+
 class Role:
     """Base of a mode's rank-0 part. `r0` is the loop (`Rank0`): its comm, cfg, recorder, workers.
 
@@ -144,19 +162,8 @@ class Role:
         self.params[:] = ckpt.params
         if ckpt.buffers.size == self.buffers.size:
             self.buffers[:] = ckpt.buffers
-        rows = {int(row["rank"]): (int(row["step"]), int(row["cursor"])) for row in ckpt.workers}
-        if len(rows) == len(self.workers):
-            for w, (step, cursor) in rows.items():
-                self.last_step[w], self.cursor[w] = step, cursor
-            return
-        # another number of workers (issue 40): the data is dealt over this job's shards, each 1/N of the set;
-        # a worker's position in its new shard is the one it had in its old (its cursor scaled by N_old / N_new),
-        # a new worker's the workers' mean; a worker keeps its step count (a new one starts at 0)
-        scale = len(rows) / len(self.workers)
-        mean = sum(cursor for _, cursor in rows.values()) / len(rows)
-        for w in self.workers:
-            step, cursor = rows.get(w, (0, mean))
-            self.last_step[w], self.cursor[w] = step, round(cursor * scale)
+        for row in worker_rows(ckpt.workers, self.workers):
+            self.last_step[int(row["rank"])], self.cursor[int(row["rank"])] = int(row["step"]), int(row["cursor"])
 
     def final_evals(self, preempted: str) -> dict:
         """{worker: (loss sum, correct, images, top-5 correct)} of the final evaluation."""

@@ -198,13 +198,12 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
         print(f"mpiasgd: warning: --min-workers {cfg.min_workers} applies under ULFM only (mpiexec --with-ft ulfm, "
               "docs/training.md): without it any death ends the job", file=sys.stderr, flush=True)
     if ulfm.enabled():  # which behaviour applies to a rank's death
-        survives = start.mode.elastic and cfg.servers == 1
+        survives = start.mode.elastic
         text = ("fault tolerance: ULFM (mpiexec --with-ft ulfm): " +
                 (f"a worker that dies is dropped and the run goes on while {cfg.min_workers} or more are left "
-                 f"(--min-workers)" if survives else f"mode '{cfg.mode}'" + (" with --servers S > 1" if
-                                                                            cfg.servers > 1 else "") +
-                 " does not drop a dead worker yet: a death ends the run (status failed; its last checkpoint "
-                 "stands)"))
+                 f"(--min-workers)" + ("; a parameter-server shard that dies ends it" if cfg.servers > 1 else "")
+                 if survives else f"mode '{cfg.mode}' does not drop a dead worker yet: a death ends the run "
+                 "(status failed; its last checkpoint stands)"))
         if not ulfm.detector_thread():
             text += ("; warning: without --mca mpi_ft_detector true --mca mpi_ft_detector_thread true a death may "
                      "go unseen, or a busy rank be taken for dead")

@@ -118,16 +118,25 @@ class ShardedServer(Role):
 
     # --- workers that die (ULFM) ---
     def survives(self) -> str:
-        """One server goes on without a worker that died (async, ssp, easgd); --servers S > 1 ends the run, as
-        before (the shards would have to agree on the dead worker's last push)."""
-        if self.cfg.servers > 1:
-            return "--servers S > 1 does not drop a dead worker yet (the shards would have to agree on its last push)"
+        """The server goes on without a worker that died (async, ssp, easgd; with --servers S > 1 every shard
+        drops it, and the shards' next agreement settles its last push: `ShardAgreement.lose`)."""
         return ""
 
     def lose_worker(self, w: int) -> None:
-        """`Role.lose_worker`, and the gate lets go of it (ssp: the slowest clock is a survivor's)."""
+        """`Role.lose_worker`, the gate lets go of it (ssp: the slowest clock is a survivor's), and (S > 1) the
+        shards' agreement settles its last push (`ShardAgreement.lose`)."""
         super().lose_worker(w)
         self.gate.lose(w)
+        self.agreement.lose(w)
+
+    def count_lost(self, w: int, step: int) -> None:
+        """(S > 1) Push `step` of dead worker `w` reached another shard but not this one (the worker died while
+        sending it): counted as that agreement says, with nothing applied (its slice of the push died with the
+        worker), so that every shard holds the same pushes: the worker's step and this shard's version
+        advance (no samples), and the shard's row says so (applied, staleness 0)."""
+        self.last_step[w] = step
+        self.counter.advance(0)
+        self.rec.lost_push(w, step, self.counter.version)
 
     def tell_losses(self, w: int) -> None:
         """(the subclass's `send`, before a reply to worker `w`) A LOST message for each worker dropped since `w`'s
@@ -135,7 +144,7 @@ class ShardedServer(Role):
         itself a share of their data and test slices (`WorkerLoop.on_lost`). The header-only sends are not
         waited for."""
         told = self.told.get(w, 0)
-        if told == len(self.lost_order):
+        if told == len(self.lost_order) or self.shard:  # (S > 1: rank 0 tells them; the other shards do not)
             return
         self.notices = [(m, r, d) for m, r, d in self.notices if d not in self.lost and not r.Test()]
         for k in range(told, len(self.lost_order)):
@@ -289,7 +298,10 @@ class ShardedServer(Role):
 
     def reply(self, w: int, step: int) -> None:
         """Answer push `step` of worker `w`: WEIGHTS, or STOP once a stopping rule fired (S > 1: once this shard
-        has settled, `ShardAgreement.answer_finishing`)."""
+        has settled, `ShardAgreement.answer_finishing`); nothing to a worker that died (S > 1: a push of it the
+        shards agreed to apply)."""
+        if w in self.lost:
+            return
         if self.rec.stop_reason and not self.settled():
             self.agreement.owe_stop(w)
         elif self.rec.stop_reason:

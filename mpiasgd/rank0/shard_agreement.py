@@ -13,6 +13,14 @@ this module is what a server does with the result:
 - a pause (`pause`) applies the pushes up to the agreed steps and holds later ones (`paused`: the slice is
   taken now) until `resume`.
 
+A worker that dies (ULFM: `lose`) may have sent its last push to some shards only (its process ends in the
+middle of the S sends). Each shard drops it when it learns of the death itself and processes nothing from it
+after that (a push it held in its inbox beyond the agreed steps is dropped too); at the next agreement (the
+stop, or a pause) a shard that lacks the dead worker's push up to the agreed step counts it (`count_lost`:
+its version and the worker's step advance, nothing is applied: that push's slice died with the worker). So
+every cut still holds the same pushes on every shard; between two agreements the shards' versions may differ
+by the one push.
+
 With one server (`OneServer`) none of this runs: a push is applied unless the run has stopped, and the
 weights are final at the stop.
 """
@@ -56,6 +64,9 @@ class OneServer:
 
     def answer_finishing(self) -> None:
         """The workers owed STOP once the shards settle: none with one server."""
+
+    def lose(self, w: int) -> None:
+        """Worker `w` died: nothing to agree on with one server."""
 
 
 class ShardAgreement:
@@ -120,6 +131,27 @@ class ShardAgreement:
                                 f"{behind}")
         self.final = dict(final)
         self.take_deferred()
+        self.count_lost()
+
+    def lose(self, w: int) -> None:
+        """(ULFM) Worker `w` died (`ShardedServer.lose_worker`): a push of it held here is dropped unless the shards
+        agreed to apply it (its step is at most `final[w]`: every shard applies it or counts it), and a push
+        up to the agreed step that will never come is counted (`count_lost`)."""
+        s = self.server
+        if w in self.deferred and (self.final is None or int(s.inbox[w].header["step"]) > self.final[w]):
+            self.deferred.remove(w)
+        self.finishing.discard(w)
+        self.count_lost()
+
+    def count_lost(self) -> None:
+        """Each dead worker's pushes up to its agreed step that did not reach this shard are counted (the server's
+        `count_lost`), once its deferred push (if any) was processed: the agreed cut holds them."""
+        s = self.server
+        if self.final is None:
+            return
+        for w in s.lost:
+            if s.last_step[w] < self.final[w] and w not in self.deferred:
+                s.count_lost(w, self.final[w])
 
     def applied_final(self) -> bool:
         """Every push up to each worker's agreed step was processed here."""
@@ -158,6 +190,7 @@ class ShardAgreement:
         """Once this shard has settled: STOP, with its final slice, to each worker owed one (it sent FINISH, or its
         push was processed after the stop). Called by the server's `tick`."""
         s = self.server
+        self.finishing -= s.lost
         if self.finishing and self.settled():
             for w in sorted(self.finishing):
                 s.stopped.add(w)

@@ -89,9 +89,11 @@ from mpiasgd.comms import (
     wait,
 )
 from mpiasgd.comms.protocol import HEADER_BYTES, STOP_STEP, rows_message, rows_of
+from mpiasgd.comms.ulfm import failed_ranks, is_failure
 from mpiasgd.comms.waits import Backoff, Spin, pauser
 from mpiasgd.rank0.loop import WorkerFailed
 from mpiasgd.rank0.recorder import ShardFigures
+from mpiasgd.rank0.role import worker_rows
 from mpiasgd.runlog import SHARD_PUSH_ROW
 
 SIGNAL_ROWS_WAIT = 0.1  # s rank 0 waits for the shards' rows on a signal before it closes its log (of mpiexec's 0.25)
@@ -401,11 +403,17 @@ class ShardHub:
         """`await_shard`'s loop."""
         while not (got := poll()):
             told = None
-            for tag in (Tag.SHARD_STOPPED, Tag.SHARD_PAUSED):
-                told = self.comm.Improbe(MPI.ANY_SOURCE, int(tag), status)
-                if told is not None:  # (after the stop or in a pause a shard answers FETCH once the shards agreed)
-                    self.receive(tag, status.Get_source(), told, status.Get_count(MPI.BYTE))
-                    break
+            try:
+                for tag in (Tag.SHARD_STOPPED, Tag.SHARD_PAUSED):
+                    told = self.comm.Improbe(MPI.ANY_SOURCE, int(tag), status)
+                    if told is not None:  # (after the stop or in a pause a shard answers FETCH once they agreed)
+                        self.receive(tag, status.Get_source(), told, status.Get_count(MPI.BYTE))
+                        break
+            except MPI.Exception as e:  # ULFM: a rank died (a worker: dropped, the shards settle its last push)
+                if not is_failure(e):
+                    raise
+                self.r0.lose(failed_ranks(self.comm))
+                continue
             if told is not None:
                 continue
             failed = self.comm.Improbe(r, int(Tag.ERROR), status)
@@ -417,8 +425,8 @@ class ShardHub:
                 gone = self.r0.exited_workers()
                 if any(g[0] in self.shards for g in gone):
                     raise self.r0.shard_died([g for g in gone if g[0] in self.shards])
-                if gone:  # a worker died (its last push may never reach the shard this waits for): end now
-                    raise self.r0.worker_died(gone)
+                if gone and not self.r0.elastic:  # a worker died (its last push may never reach the shard this
+                    raise self.r0.worker_died(gone)  # waits for): end now (under ULFM the shard counts it instead)
             if deadline.expired():
                 raise CommTimeout(f"rank 0: no {what} after {self.cfg.comm_timeout:.0f} s")
             backoff.pause()
@@ -438,7 +446,8 @@ class ShardHub:
             msg = Message(restore_count(b - a, len(self.r0.workers)))
             msg.payload[:b - a] = ckpt.params[a:b]
             msg.payload[b - a:2 * (b - a)] = ckpt.momentum[a:b]
-            rows = np.ascontiguousarray(ckpt.workers.astype(checkpoint.WORKER_STATE)).view(np.uint8).reshape(-1)
+            rows = np.ascontiguousarray(worker_rows(ckpt.workers, self.r0.workers).astype(checkpoint.WORKER_STATE))
+            rows = rows.view(np.uint8).reshape(-1)  # (another number of workers: this job's rows, `worker_rows`)
             start = HEADER_BYTES + 8 * (b - a)
             msg.buf[start:start + rows.size] = rows
             msg.stamp(Tag.RESTORE, 0, version=int(ckpt.shard_versions[s]), samples=ckpt.samples,
@@ -543,7 +552,7 @@ class HubLink:
             else:
                 self.send_slice(int(msg.header["step"]))
         else:  # END
-            waiting = [w for w in self.r0.workers if w not in self.role.stopped]
+            waiting = [w for w in self.r0.workers if w not in self.role.stopped and w not in self.role.lost]
             if not self.rec.stop_reason or waiting:
                 raise ProtocolError(f"{self.name()}: END from rank 0 before " + (
                     f"workers {waiting} were sent STOP" if self.rec.stop_reason else "SHARD_STOP"))

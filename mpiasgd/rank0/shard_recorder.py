@@ -55,6 +55,10 @@ class ShardRecorder(Recorder):
                                       base_version=base_version, version=version, staleness=staleness,
                                       applied=applied).row())
 
+    def lost_push(self, worker: int, step: int, version: int) -> None:
+        """A dead worker's push counted here with nothing applied (`Recorder.lost_push`): this shard's row."""
+        self.push(worker=worker, step=step, base_version=version, version=version, staleness=0, applied=True)
+
     def take_rows(self) -> np.ndarray:
         """The push rows kept since the last call (SHARD_PUSH_ROW (n,)), now no longer kept."""
         rows = np.array(self.rows, dtype=ShardPushRow.dtype)

@@ -85,7 +85,7 @@ def make_parser() -> argparse.ArgumentParser:
                      help="seconds per test image evaluated (default: compute seconds / batch size / 3)")
     sim.add_argument("--fail", metavar="W@T[,W@T...]", default=None,
                      help="worker rank W dies at T virtual seconds: rank 0 drops it and the run goes on, as under "
-                          "ULFM (docs/training.md, 'Workers that die'); modes async and ssp, one server; a time "
+                          "ULFM (docs/training.md, 'Workers that die'); modes async and ssp (any --servers); a time "
                           "past the run's end kills no one")
     sim.add_argument("--save-profile", metavar="FILE.json", default=None,
                      help="write the timing model used (defaults filled in) to this JSON file")

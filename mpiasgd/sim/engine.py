@@ -84,13 +84,10 @@ def parse_failures(text: str | None, num_workers: int) -> dict[int, float]:
 
 def check_simulated(cfg: Config, num_workers: int, failures: dict[int, float] | None = None) -> None:
     """ConfigError naming what `mpiasgd simulate` does not do: a mode other than async/ssp, --overlap,
-    --resume, --backend cupy, fewer than 1 worker; --fail (`failures`) with --servers S > 1, or
-    leaving fewer workers than --min-workers."""
+    --resume, --backend cupy, fewer than 1 worker; --fail (`failures`) leaving fewer workers than
+    --min-workers."""
     if num_workers < 1:
         raise ConfigError(f"--workers {num_workers}: expected an integer >= 1")
-    if failures and cfg.servers > 1:
-        raise ConfigError("--fail: only one server (--servers 1) goes on without a dead worker; "
-                          f"got --servers {cfg.servers}")
     if failures and num_workers - len(failures) < cfg.min_workers:
         raise ConfigError(f"--fail: {len(failures)} of {num_workers} workers die, fewer than --min-workers "
                           f"{cfg.min_workers} would be left (a run that ends failed is not simulated)")

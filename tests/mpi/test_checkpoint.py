@@ -172,16 +172,27 @@ def test_resume_with_overwrite_replaces_a_truncated_log_with_a_new_one(mpirun, t
     assert applied["version"].tolist() == list(range(ckpt.version + 1, 81))  # only the resumed segment's rows
 
 
-def test_resume_refuses_another_number_of_workers_with_sharded_servers(mpirun, tmp_path):
-    """--servers S > 1 resumes with the same number of workers only (one server resumes with another number:
-    tests/mpi/test_elastic.py)."""
+def test_a_sharded_checkpoint_resumes_with_another_number_of_workers(mpirun, tmp_path):
+    """--servers 2: a checkpoint of 2 workers resumes with 3 (issue 40; one server: tests/mpi/test_elastic.py).
+    Rank 0 sends each shard this job's worker rows (`mpiasgd.rank0.role.worker_rows`); every shard counts on from
+    the checkpoint's version and both end at the same one; the new worker 3 pushes from step 1."""
     res = mpirun(4, ["train", *FAST, "--epochs", "1", "--name", "w2", "--servers", "2"], timeout=120)
     assert res.returncode == 0, res.explain()
-    res = mpirun(5, ["train", "--resume", "runs/w2.ckpt.h5"], timeout=60)
-    assert res.returncode == 2, res.explain()
-    assert ("mpiasgd: error (rank 0): --resume: checkpoint 'runs/w2.ckpt.h5' was written by a run with 2 workers; "
-            "this job has 3 (launch 4 ranks; mode 'async' with --servers S > 1 resumes with the same number of "
-            "workers only)") in res.stderr, res.explain()
+    ckpt = checkpoint.load(str(tmp_path / "runs" / "w2.ckpt.h5"))
+    res = mpirun(5, ["train", "--resume", "runs/w2.ckpt.h5", "--epochs", "2"], timeout=120)
+    assert res.returncode == 0, res.explain()
+    assert "resumed a checkpoint of 2 workers with 3" in res.stdout, res.explain()
+    attrs, t, _ = read_log(tmp_path / "runs" / "w2.h5")
+    assert attrs["status"] == "completed" and list(attrs["shard_versions"]) == [attrs["version"]] * 2
+    resume = float(t["events"]["time"][t["events"]["kind"] == b"resume"][0])
+    for s in (0, 1):
+        rows = t["shard_pushes"][(t["shard_pushes"]["shard"] == s) & (t["shard_pushes"]["time"] >= resume)]
+        applied = sorted(rows["version"][rows["applied"] == 1].tolist())
+        assert applied == list(range(ckpt.version + 1, attrs["version"] + 1)), s
+    pushes = t["pushes"][t["pushes"]["time"] >= resume]
+    assert pushes["step"][pushes["worker"] == 3].min() == 1
+    for w in (1, 2):
+        assert pushes["step"][pushes["worker"] == w].min() == ckpt.worker(w)["step"] + 1
 
 
 # --- preemption and failures -----------------------------------------------------------------------

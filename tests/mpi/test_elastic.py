@@ -56,16 +56,16 @@ def lost_events(path) -> int:
 
 
 def run_and_kill(tmp_path, args: list[str], victim: int, stop: bool = False, ft: tuple[str, ...] = FT,
-                 wake: bool = True) -> tuple[int, str, str]:
-    """1 server + 3 workers under ULFM (`ft`) on digits; SIGKILL worker rank `victim` once the log holds 20
-    pushes (`stop`: SIGSTOP it instead, and SIGCONT once rank 0 logged its loss); returns (exit status, stdout,
-    stderr)."""
+                 wake: bool = True, ranks: int = 4) -> tuple[int, str, str]:
+    """`ranks` ranks (1 server + 3 workers) under ULFM (`ft`) on digits; SIGKILL worker rank `victim` once the log
+    holds 20 pushes (`stop`: SIGSTOP it instead, and SIGCONT once rank 0 logged its loss); returns (exit status,
+    stdout, stderr)."""
     launcher = find_launcher()
     if launcher is None or "Open MPI" not in subprocess.run([launcher, "--version"], capture_output=True,
                                                             text=True).stdout:
         pytest.skip("ULFM needs Open MPI's mpiexec (--with-ft ulfm)")
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
-    cmd = [launcher, "-n", "4", *launcher_flags(launcher), *ft, sys.executable, "-m", "mpiasgd", "train",
+    cmd = [launcher, "-n", str(ranks), *launcher_flags(launcher), *ft, sys.executable, "-m", "mpiasgd", "train",
            "--model", "digits", "--no-progress", "--snapshot-interval", "0", "--name", "el", "--flush-interval", "0.2",
            *args]
     for attempt in (1, 2):  # a job that did not start (a crash inside MPI_Init, Open MPI under ULFM) runs again
@@ -133,6 +133,36 @@ def test_a_killed_worker_is_dropped_and_the_run_completes(tmp_path, mode):
     assert attrs["stop_reason"].startswith("epochs")
     assert attrs["test_count"] == 360  # the survivors evaluated the dead worker's test slice too (LOST)
     assert "workers lost     1 (died; the run went on without them): rank 2 at " in out
+
+
+@pytest.mark.parametrize("mode", [[], ["--mode", "ssp", "--staleness-bound", "2"], ["--mode", "easgd"]],
+                         ids=["async", "ssp", "easgd"])
+def test_two_shards_drop_a_killed_worker_and_hold_the_same_pushes(tmp_path, mode):
+    """--servers 2 (ranks 0 and 4; workers 1-3): both shards drop worker 2, every interval checkpoint and the end
+    are one cut (each shard's applied pushes the same set, its versions 1..V once each; a push of the dead
+    worker that reached one shard only is counted by the other: `ShardAgreement.count_lost`)."""
+    from mpiasgd import checkpoint
+
+    rc, out, err = run_and_kill(tmp_path, ["--epochs", "60", "--servers", "2", "--checkpoint-interval", "0.5",
+                                           *mode], victim=2, ranks=5)
+    assert rc == 0, f"{out}\n{err}"
+    assert "(ULFM reported it): dropped, 2 workers go on" in err, err
+    attrs, t, _ = read_log(tmp_path / "runs" / "el.h5")
+    assert attrs["status"] == "completed" and attrs["stop_reason"].startswith("epochs")
+    assert (t["events"]["kind"] == b"worker_lost").sum() == 1
+    version = int(attrs["version"])
+    assert list(attrs["shard_versions"]) == [version, version]
+    applied = []
+    for s in (0, 1):
+        rows = t["shard_pushes"][t["shard_pushes"]["shard"] == s]
+        mine = rows[rows["applied"] == 1]
+        assert sorted(mine["version"].tolist()) == list(range(1, version + 1)), s
+        applied.append(sorted(mine[["worker", "step"]].tolist()))
+    assert applied[0] == applied[1]
+    assert max(step for w, step in applied[0] if w == 2) >= 1
+    assert attrs["test_count"] == 360  # the survivors evaluated the dead worker's test slice too (LOST)
+    ck = checkpoint.load(str(tmp_path / "runs" / "el.ckpt.h5"))
+    assert ck.shard_versions.tolist() == [ck.version] * 2 and ck.version == version
 
 
 def test_fewer_workers_than_min_workers_end_the_run_failed_with_a_checkpoint(tmp_path):

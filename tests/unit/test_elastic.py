@@ -49,7 +49,7 @@ def test_lookahead_auto_and_momentum_for_workers_follow_the_workers_left(tmp_pat
 
 
 @pytest.mark.parametrize("mode,servers,expected", [
-    ("ssp", 1, ""), ("easgd", 1, ""), ("sync", 1, ""), ("async", 2, "--servers S > 1 does not drop")])
+    ("ssp", 1, ""), ("easgd", 1, ""), ("sync", 1, ""), ("async", 2, ""), ("easgd", 2, "")])
 def test_modes_that_cannot_go_on_say_why(tmp_path, mode, servers, expected):
     server, _, _ = make_server(tmp_path, num_workers=2, mode=mode,
                                **({"staleness_bound": 3} if mode == "ssp" else {}),

@@ -393,7 +393,6 @@ def test_the_shards_apply_the_same_pushes_whichever_way_the_stop_races_them(tmp_
     worker 3's, shard 1 without worker 2's). Now both apply all three, end at version 3, drop worker 1's second
     push, and every STOP of a shard carries the same final slice; rank 0 logs both shards' pushes alike. (easgd:
     the pushes are x_i, the exchanges of the center's slices; the same agreement.)"""
-    from mpiasgd.runlog import open_log
 
     hub, shard, net, cut, rank = started(tmp_path, max_pushes=2, mode=mode)
     rng = np.random.default_rng(5)
@@ -434,17 +433,23 @@ def test_the_shards_apply_the_same_pushes_whichever_way_the_stop_races_them(tmp_
             finals.setdefault(s, payload)
             np.testing.assert_array_equal(payload, finals[s])
         np.testing.assert_array_equal(finals[s], loop.role.params)
-    shard.link.send_rows()
-    drain(hub, net)
-    hub.rec.log.flush()
-    with open_log(hub.rec.log.path) as f:
-        mine = f["pushes"][()]
-        theirs = f["shard_pushes"][()]
+    mine, theirs = logged(hub, shard, net, "pushes", "shard_pushes")
     theirs = theirs[theirs["shard"] == 1]
     applied = [sorted((int(r["worker"]), int(r["step"])) for r in rows if r["applied"]) for rows in (mine, theirs)]
     assert applied[0] == applied[1] == [(1, 1), (2, 1), (3, 1)]
     dropped = [sorted((int(r["worker"]), int(r["step"])) for r in rows if not r["applied"]) for rows in (mine, theirs)]
     assert dropped[0] == dropped[1] == [(1, 2)]
+
+
+def logged(hub, shard, net, *tables):
+    """Shard 1's rows sent and taken into rank 0's log, flushed; the log's `tables`, in that order."""
+    from mpiasgd.runlog import open_log
+
+    shard.link.send_rows()
+    drain(hub, net)
+    hub.rec.log.flush()
+    with open_log(hub.rec.log.path) as f:
+        return [f[name][()] for name in tables]
 
 
 def drain(loop, net):
@@ -1001,14 +1006,66 @@ def test_a_push_not_finite_in_one_shards_slice_only_is_rejected_by_every_shard(t
         assert version == 1
         np.testing.assert_array_equal(weights, roundtrip(wire, before[s]))
         assert loop.rec.rejected[2] == 1 and loop.rec.rejects_in_row[2] == 1 and loop.rec.rejected[1] == 0
-    shard.link.send_rows()
-    drain(hub, net)
-    hub.rec.log.flush()
-    with open_log(hub.rec.log.path) as f:
-        mine = f["pushes"][()]
-        theirs = f["shard_pushes"][()]
+    mine, theirs = logged(hub, shard, net, "pushes", "shard_pushes")
     theirs = theirs[theirs["shard"] == 1]
     rows = [sorted((int(r["worker"]), int(r["step"]), int(r["applied"]), int(r["version"])) for r in t)
             for t in (mine, theirs)]
     assert rows[0] == rows[1] == [(1, 1, 1, 1), (2, 1, 0, 1)]
     assert mine["rejected"].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("mode", ["async", "easgd"])
+def test_a_worker_that_dies_in_the_middle_of_its_push_is_counted_alike_by_every_shard(tmp_path, mode, capsys):
+    """(ULFM) Worker 3 dies while it sends its first push: it reaches shard 1 (applied there) and never rank 0.
+    Both shards drop worker 3 (`Rank0.lose`); a push of it that reached rank 0 later is discarded, not merged.
+    At the stop (--max-pushes 3) the shards agree on worker 3's step 1 and rank 0 counts that push with nothing
+    applied (`count_lost`): both end at version 4 with the same pushes, rank 0 logs the count (event
+    "lost_push", shard 0's row), every survivor gets STOP, and worker 3 nothing."""
+
+    hub, shard, net, cut, rank = started(tmp_path, max_pushes=3, mode=mode)
+    rng = np.random.default_rng(7)
+    g = {w: rng.standard_normal(P).astype(np.float32) for w in range(1, WORKERS + 1)}
+    for w in (1, 2):
+        for s, loop in enumerate((hub, shard)):
+            push_to(net, cut, s, (0, rank)[s], w, 1, loop.rec.version, g[w])
+            serve(loop)
+            assert Tag(net.take(w, (0, rank)[s])[1]) == Tag.WEIGHTS
+    push_to(net, cut, 1, rank, 3, 1, 2, g[3])  # worker 3's push reaches shard 1 only: it dies
+    serve(shard)
+    assert shard.rec.version == 3 and hub.rec.version == 2
+    net.take(3, rank)
+    for loop in (hub, shard):
+        loop.lose([3])
+    assert "worker rank 3 died after step 0 (ULFM reported it): dropped, 2 workers go on" in capsys.readouterr().err
+    assert shard.role.lost == hub.role.lost == {3}
+    push_to(net, cut, 0, 0, 3, 1, 2, g[3])  # (the late part of its push: discarded)
+    serve(hub)
+    assert hub.rec.version == 2 and net.pending(3) == []
+    push_to(net, cut, 1, rank, 1, 2, 3, g[1])
+    serve(shard)
+    push_to(net, cut, 0, 0, 1, 2, 2, g[1])  # rank 0: version 3, the stop
+    serve(hub)
+    assert hub.rec.stop_reason and shard.rec.version == 4
+    drain(shard, net)  # SHARD_STOP: SHARD_STOPPED {1: 2, 2: 1, 3: 1}
+    drain(hub, net)    # SHARD_FINAL: rank 0 counts worker 3's step 1
+    drain(shard, net)
+    assert hub.role.agreement.final == shard.role.agreement.final == {1: 2, 2: 1, 3: 1}
+    assert hub.rec.version == shard.rec.version == 4 and hub.role.settled() and shard.role.settled()
+    assert Tag(net.take(1, rank)[1]) == Tag.WEIGHTS  # (before shard 1 heard of the stop): worker 1 asks FINISH
+    net.post(1, rank, Tag.FINISH, Message(0).stamp(Tag.FINISH, 1, step=2).buf)
+    serve(shard)
+    for s, loop in enumerate((hub, shard)):  # worker 2's second push, after the stop: dropped, answered STOP
+        push_to(net, cut, s, (0, rank)[s], 2, 2, 3, g[2])
+        serve(loop)
+    for w in (1, 2):  # the survivors end with STOP from both shards
+        for s, src in enumerate((0, rank)):
+            tag, header, _ = reply_of_tag(net, w, src, cut.count(s))
+            assert tag == Tag.STOP and int(header["version"]) == 4, (w, s)
+    assert net.pending(3) == []
+    rows, events = logged(hub, shard, net, "shard_pushes", "events")
+    for s in (0, 1):
+        mine = rows[(rows["shard"] == s) & (rows["applied"] == 1)]
+        assert sorted(mine[["worker", "step"]].tolist()) == [(1, 1), (1, 2), (2, 1), (3, 1)], s
+        assert sorted(mine["version"].tolist()) == [1, 2, 3, 4], s
+    kinds = [k.decode() for k in events["kind"]]
+    assert kinds.count("worker_lost") == 1 and kinds.count("lost_push") == 1 and kinds.count("late_message") == 1

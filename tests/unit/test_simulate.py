@@ -128,6 +128,18 @@ def test_a_worker_that_fails_is_dropped_and_the_others_go_on(tmp_path, capsys):
     assert attrs["test_count"] == 360  # the survivors evaluated the dead worker's test slice too (LOST)
 
 
+def test_a_worker_that_fails_with_two_shards_is_dropped_alike(tmp_path):
+    """--servers 2 (timed as two shards; the server's state is one server's): --fail 2@2.5 drops worker 2 as with
+    one server, at the same step."""
+    attrs, t, _ = simulate(tmp_path, "--compute-s", "1.0", "--max-pushes", "12", "--epochs", "0", "--fail", "2@2.5",
+                           "--servers", "2", workers=3)
+    assert attrs["status"] == "completed" and attrs["test_count"] == 360
+    lost = [row["text"].decode() for row in t["events"] if row["kind"] == b"worker_lost"]
+    assert lost == ["worker rank 2 died after step 2 (--fail): dropped, 2 workers go on"]
+    p = t["pushes"]
+    assert (p["worker"][p["time"] > 2.5] != 2).all() and (p["worker"] == 2).sum() == 2
+
+
 def test_ssp_goes_on_without_a_worker_that_fails(tmp_path):
     """--mode ssp --staleness-bound 0 (lockstep) with --fail 2@2.5: the dead worker's clock holds no one back; the
     other two go on in lockstep to the end (held forever behind its clock, the protocol would be stuck)."""
@@ -143,7 +155,6 @@ def test_ssp_goes_on_without_a_worker_that_fails(tmp_path):
 @pytest.mark.parametrize("flags,expected", [
     (["--fail", "4@1"], "entry '4@1': expected W@T, W a worker rank 1..3"),
     (["--fail", "2@-1"], "entry '2@-1'"), (["--fail", "2@1,2@3"], "entry '2@3'"), (["--fail", "2"], "entry '2'"),
-    (["--fail", "2@1", "--servers", "2"], "--fail: only one server (--servers 1)"),
     (["--fail", "1@1,2@1,3@1"], "3 of 3 workers die, fewer than --min-workers 1"),
     (["--min-workers", "5", "--compute-s", "0.01"], "config key 'min_workers' = 5: more than the job's 3 workers"),
 ])
