@@ -282,7 +282,7 @@ class AsgdServer(ShardedServer):
 
     def tick(self) -> None:
         self.rec.check_stop()
-        late = len(self.started) < len(self.workers)
+        late = any(w not in self.started and w not in self.absent for w in self.workers)
         if late and ((self.rec.now() >= self.cfg.warm_start and not self.rec.stop_reason) or self.settled()):
             self.start_workers()
         self.agreement.answer_finishing()
@@ -378,7 +378,7 @@ class AsgdServer(ShardedServer):
     def start_workers(self) -> None:
         """Send the first weights to every worker not started yet (at start-up, or when the warm start ends)."""
         rec = self.rec
-        late = [w for w in self.workers if w not in self.started]
+        late = [w for w in self.workers if w not in self.started and w not in self.absent]
         if self.started:
             text = (f"the run stopped before the warm start ended: workers {late} never trained" if rec.stop_reason
                     else f"the other workers start at version {self.counter.version}")
@@ -388,12 +388,23 @@ class AsgdServer(ShardedServer):
                       flush=True)
         self.gate.on_start(late)  # (ssp: their clocks start at the slowest's)
         for w in late:
-            self.started.add(w)
-            self.r0.last_seen[w] = rec.now()
-            self.send(w, Tag.STOP if rec.stop_reason else Tag.WEIGHTS, step=self.last_step[w], initial=True)
-            if rec.stop_reason:
-                self.stopped.add(w)
-                self.periodic.withdraw(w)
+            self.start(w)
+
+    def start(self, w: int) -> None:
+        """Worker `w`'s first weights (STOP once the run has stopped: it evaluates the final ones)."""
+        self.started.add(w)
+        self.r0.last_seen[w] = self.rec.now()
+        self.send(w, Tag.STOP if self.rec.stop_reason else Tag.WEIGHTS, step=self.last_step[w], initial=True)
+        if self.rec.stop_reason:
+            self.stopped.add(w)
+            self.periodic.withdraw(w)
+
+    def join_worker(self, w: int) -> None:
+        """(`mpiasgd simulate --join`) Worker `w`, absent so far, joins now: it gets the weights of this version
+        (its staleness counts from this pull; ssp: its clock starts at the slowest's)."""
+        self.absent.discard(w)
+        self.gate.on_start([w])
+        self.start(w)
 
     # --- a push ---
     def check_push(self, w: int, msg: Message) -> tuple[int, int]:

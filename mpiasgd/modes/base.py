@@ -240,6 +240,7 @@ class WorkerLoop:
         self.elapsed = 0.0               # seconds of training before this job (a resumed run)
         self.preempted = False           # rank 0's STOP said: a signal ended the run
         self.lost: list[int] = []        # (ULFM) the workers rank 0 said died (LOST), in that order
+        self.absent: list[int] = []      # (simulate --join) workers not in the job yet: their data dealt out
         self.test_idx = job.test_idx     # the test images it evaluates: its slice, and a share of the lost ones'
         self.graphs = self.step_graphs(job.graphs)  # --cuda-graphs (None: eager launches)
 
@@ -288,9 +289,27 @@ class WorkerLoop:
     def note_lost(self, dead: int) -> None:
         """Worker rank `dead` died (a LOST message, or sync's shrunk allreduce group): this worker takes a share
         of its data from the next epoch it has not drawn yet on, and of its test slice (`on_lost`)."""
-        layout = self.job.layout or Layout.data_parallel(self.job.sampler.num_shards)
         self.lost.append(dead)
-        self.job.sampler.redeal([layout.shard[w] for w in self.lost])
+        self.deal()
+
+    def note_absent(self, ranks: list[int]) -> None:
+        """(`mpiasgd simulate --join`) Workers `ranks` join later: until each does (`note_joined`), this worker
+        reads a share of their training shards as it does of a dead worker's (their test slices stay theirs:
+        they evaluate them once in)."""
+        self.absent = sorted(set(self.absent) | set(ranks))
+        self.deal()
+
+    def note_joined(self, rank: int) -> None:
+        """(`mpiasgd simulate --join`) Worker `rank` joined: from the next epoch this worker has not drawn yet on,
+        it no longer reads a share of that worker's shard."""
+        self.absent = [w for w in self.absent if w != rank]
+        self.deal()
+
+    def deal(self) -> None:
+        """Its training shard and test slice, with shares of the lost workers' (and of the absent workers'
+        training shards) from the next epoch it has not drawn yet on (`ShardSampler.redeal`)."""
+        layout = self.job.layout or Layout.data_parallel(self.job.sampler.num_shards)
+        self.job.sampler.redeal([layout.shard[w] for w in [*self.lost, *self.absent]])
         self.test_idx = np.concatenate([self.job.test_idx, lost_test_share(
             self.dataset.num_test, len(layout.shard), self.rank, self.lost)])
 

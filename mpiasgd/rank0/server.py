@@ -96,6 +96,7 @@ class ShardedServer(Role):
         self.inbox = {w: Message(P + B, self.wire) for w in self.workers}
         self.outbox = {w: Message(P + B, self.wire) for w in self.workers}
         self.started: set[int] = set()        # workers sent their first weights (--warm-start holds back some)
+        self.absent: set[int] = set()         # (simulate --join) workers not in the job yet: started on joining
         # --servers S > 1: the shards' agreement on the pushes each applies (`place` sets it); S = 1: none
         self.agreement: OneServer | ShardAgreement = OneServer(self)
         self.rule: UpdateRule | None = None   # the mode's update rule (its subclass sets it)

@@ -87,6 +87,10 @@ def make_parser() -> argparse.ArgumentParser:
                      help="worker rank W dies at T virtual seconds: rank 0 drops it and the run goes on, as under "
                           "ULFM (docs/training.md, 'Workers that die'); modes async and ssp (any --servers); a time "
                           "past the run's end kills no one")
+    sim.add_argument("--join", metavar="W@T[,W@T...]", default=None,
+                     help="worker rank W is not in the run until T virtual seconds, then pulls the current weights "
+                          "and trains; until then the others read shares of its data (a model of a worker that "
+                          "joins a running job; T past the run's stop: it only evaluates)")
     sim.add_argument("--save-profile", metavar="FILE.json", default=None,
                      help="write the timing model used (defaults filled in) to this JSON file")
     return parser
@@ -177,17 +181,17 @@ def main(argv: list[str]) -> int:
         cfg = resolve(args)
         if args.workers is None:
             raise ConfigError("--workers N is required (the virtual workers, ranks 1..N)")
-        from mpiasgd.sim.engine import check_simulated, parse_failures
+        from mpiasgd.sim.engine import check_simulated, parse_failures, parse_joins
 
-        failures = parse_failures(args.fail, args.workers)
-        check_simulated(cfg, args.workers, failures)
+        failures, joins = parse_failures(args.fail, args.workers), parse_joins(args.join, args.workers)
+        check_simulated(cfg, args.workers, failures, joins)
         timing = timing_from(args)
         cfg = with_stragglers(cfg, timing, args.workers)
         if args.fit:
             print(fit_line(args.fit, timing, cfg, args.workers), flush=True)
         if args.save_profile:  # refused here; written once the run has started (every other check passed)
             check_profile_path(args.save_profile, args.fit, cfg.overwrite)
-        return simulate(cfg, args.workers, timing, save_profile=args.save_profile, failures=failures)
+        return simulate(cfg, args.workers, timing, save_profile=args.save_profile, failures=failures, joins=joins)
     except RunLogError as e:  # the log cannot be written (disk full): one line, the log ended as far as it can be
         outcome = getattr(e, "outcome", "")
         print(f"mpiasgd simulate: error: {e}{'; ' + outcome if outcome else ''}", file=sys.stderr, flush=True)

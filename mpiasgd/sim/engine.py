@@ -62,9 +62,10 @@ from mpiasgd.sim.timing import ComputeDraws, TimingModel
 SIMULATED_MODES = ("async", "ssp")  # the parameter-server modes whose workers AsgdWorker is
 
 
-def parse_failures(text: str | None, num_workers: int) -> dict[int, float]:
-    """`--fail W@T[,W@T...]`: {worker rank W: the virtual second T it dies}; ConfigError naming the entry and what
-    was expected (W a worker rank 1..N, each once; T a finite number of seconds >= 0)."""
+def parse_failures(text: str | None, num_workers: int, flag: str = "--fail", what: str = "dies") -> dict[int, float]:
+    """`--fail W@T[,W@T...]`: {worker rank W: the virtual second T it dies} (`flag` "--join", `what` "joins":
+    the second it joins); ConfigError naming the entry and what was expected (W a worker rank 1..N, each once;
+    T a finite number of seconds >= 0)."""
     out: dict[int, float] = {}
     if text is None:
         return out
@@ -75,19 +76,35 @@ def parse_failures(text: str | None, num_workers: int) -> dict[int, float]:
         except ValueError:
             w, t = 0, float("nan")
         if not at or not 1 <= w <= num_workers or w in out or not (t >= 0 and math.isfinite(t)):
-            raise ConfigError(f"--fail '{text}': entry '{entry.strip()}': expected W@T, W a worker rank "
-                              f"1..{num_workers} named once and T the virtual seconds >= 0 at which it dies (e.g. "
-                              "2@30.5)")
+            raise ConfigError(f"{flag} '{text}': entry '{entry.strip()}': expected W@T, W a worker rank "
+                              f"1..{num_workers} named once and T the virtual seconds >= 0 at which it {what} "
+                              "(e.g. 2@30.5)")
         out[w] = t
     return out
 
 
-def check_simulated(cfg: Config, num_workers: int, failures: dict[int, float] | None = None) -> None:
+def parse_joins(text: str | None, num_workers: int) -> dict[int, float]:
+    """`--join W@T[,W@T...]`: {worker rank W: the virtual second T it joins} (`parse_failures`'s checks)."""
+    return parse_failures(text, num_workers, "--join", "joins")
+
+
+def check_simulated(cfg: Config, num_workers: int, failures: dict[int, float] | None = None,
+                    joins: dict[int, float] | None = None) -> None:
     """ConfigError naming what `mpiasgd simulate` does not do: a mode other than async/ssp, --overlap,
     --resume, --backend cupy, fewer than 1 worker; --fail (`failures`) leaving fewer workers than
-    --min-workers."""
+    --min-workers; --join (`joins`) of every worker, of one that --fail names, or with --warm-start."""
     if num_workers < 1:
         raise ConfigError(f"--workers {num_workers}: expected an integer >= 1")
+    if joins:
+        late = [w for w, t in joins.items() if t > 0]
+        if len(late) == num_workers:
+            raise ConfigError(f"--join: all {num_workers} workers join after the start; at least one must be in "
+                              "from virtual second 0")
+        both = sorted(set(joins) & set(failures or {}))
+        if both:
+            raise ConfigError(f"--join and --fail both name worker rank(s) {both}: a worker joins or dies, not both")
+        if cfg.warm_start > 0:
+            raise ConfigError("--join with --warm-start: both hold workers back; use one")
     if failures and num_workers - len(failures) < cfg.min_workers:
         raise ConfigError(f"--fail: {len(failures)} of {num_workers} workers die, fewer than --min-workers "
                           f"{cfg.min_workers} would be left (a run that ends failed is not simulated)")
@@ -185,7 +202,7 @@ class Simulation:
     def __init__(self, cfg: Config, mode: Any, model: Any, dataset: Any, layout: Any, samplers: list,
                  test_idx: dict[int, np.ndarray], timing: TimingModel, rec: VirtualRecorder,
                  params: np.ndarray, worker_model: Any = None, shards: int = 1,
-                 failures: dict[int, float] | None = None) -> None:
+                 failures: dict[int, float] | None = None, joins: dict[int, float] | None = None) -> None:
         self.cfg, self.mode, self.model, self.dataset, self.layout = cfg, mode, model, dataset, layout
         self.shards = shards
         self.worker_model = model if worker_model is None else worker_model
@@ -199,12 +216,13 @@ class Simulation:
         self.r0: VirtualRank0 | None = None
         self.pulled: Any = None                              # nsync > 1: the weights at a round's start
         self.failures = failures or {}                       # --fail: worker -> the virtual time it dies
+        self.joins = {w: t for w, t in (joins or {}).items() if t > 0}  # --join: worker -> the time it joins
         self.dead: set[int] = set()
 
     # --- set-up ---
     def check(self) -> None:
         """ConfigError for what the simulator does not model (`check_simulated`)."""
-        check_simulated(self.cfg, self.num_workers)
+        check_simulated(self.cfg, self.num_workers, self.failures, self.joins)
 
     def build(self) -> VirtualRank0:
         """Rank 0 (the mode's role, through the real loop object) and the virtual workers."""
@@ -229,6 +247,11 @@ class Simulation:
             self.workers[w] = VirtualWorker(w, loop, comm, ComputeDraws(compute, rng, offset), slow.get(w, 1.0), local)
         if cfg.nsync > 1:
             self.pulled = computing.ops.empty(computing.num_params)
+        if self.joins:  # --join: not in the job yet; the others read their shards meanwhile
+            r0.role.absent = set(self.joins)
+            for w, vw in self.workers.items():
+                if w not in self.joins:
+                    vw.loop.note_absent(sorted(self.joins))
         self.r0 = r0
         return r0
 
@@ -267,6 +290,8 @@ class Simulation:
             self.schedule(self.cfg.warm_start, 0, "timer")
         for w, t in self.failures.items():
             self.schedule(t, w, "fail")
+        for w, t in self.joins.items():
+            self.schedule(t, w, "join")
         r0.tick()
         while not role.done():
             if not self.heap:
@@ -277,6 +302,8 @@ class Simulation:
                 pass  # (a dead worker takes nothing, and what it sent had not arrived when it died)
             elif event.kind == "fail":
                 self.fail(event.time, event.rank)
+            elif event.kind == "join":
+                self.join(event.time, event.rank)
             elif event.kind == "deliver":
                 self.on_reply(self.workers[event.rank], event.time, event.tag, event.data)
             elif event.kind == "arrive":
@@ -299,6 +326,29 @@ class Simulation:
         self.queue = deque(m for m in self.queue if m[0] != w)
         self.tick_clock(t)
         self.r0.lose([w], "--fail")
+
+    def join(self, t: float, w: int) -> None:
+        """--join: worker `w` joins at `t` (at the stop at the latest: it then gets STOP and evaluates its test
+        slice): it pulls the weights of this version, and its data starts at the next epoch rank 0 counts (its
+        shard, which the others read shares of until now; they stop from their next epoch: each sample is still
+        seen about once an epoch). The others learn of it at once (a model of the join: no message for it)."""
+        role = self.r0.role
+        if w not in role.absent:
+            return
+        self.tick_clock(t)
+        vw = self.workers[w]
+        sampler = vw.loop.job.sampler
+        epoch = math.floor(self.rec.epoch) + 1 if not self.rec.stop_reason else 0
+        vw.loop.stream.seek(epoch * len(sampler) // self.cfg.batch_size)  # (the start of that epoch, a batch early)
+        vw.posted = t
+        for other, each in self.workers.items():
+            if other != w:
+                each.loop.note_joined(w)
+        role.join_worker(w)
+        text = (f"worker rank {w} joined at version {role.counter.version} (--join): it reads its shard from epoch "
+                f"{epoch}, and the others read theirs alone from their next epoch") if not self.rec.stop_reason \
+            else f"worker rank {w} joined after the stop (--join): it only evaluates its test slice"
+        self.rec.event("worker_joined", text)
 
     # --- rank 0 ---
     def serve(self, t: float) -> None:
@@ -323,6 +373,9 @@ class Simulation:
     def tick(self, t: float) -> None:
         self.tick_clock(t)
         self.r0.tick()
+        if self.rec.stop_reason and self.r0.role.absent:  # --join after the stop: in now, to evaluate
+            for w in sorted(self.r0.role.absent):
+                self.join(t, w)
 
     def tick_clock(self, t: float) -> None:
         """Rank 0's clock to `t` (never backwards); what it sends now leaves at `t`."""

@@ -38,18 +38,18 @@ EXIT_DIVERGED = 3  # as `mpiasgd train`: --on-divergence stop ended the run (log
 
 
 def simulate(cfg: Config, num_workers: int, timing: TimingModel, save_profile: str | None = None,
-             failures: dict[int, float] | None = None) -> int:
+             failures: dict[int, float] | None = None, joins: dict[int, float] | None = None) -> int:
     """Simulate run `cfg` (mode async or ssp) with `num_workers` virtual workers under `timing`; write its run
     log, print the start lines and the summary as `mpiasgd train` does. Returns 0, or EXIT_DIVERGED when
     --on-divergence stop ended it. `save_profile`: a JSON file to write the timing model used to, once every
     start-up check has passed (never this run's own log or checkpoint: ProfileError). `failures` (--fail):
-    {worker: the virtual second it dies}.
+    {worker: the virtual second it dies}; `joins` (--join): {worker: the virtual second it joins}.
 
     Raises, before any log is written, one of `launch.startup.STARTUP_ERRORS` for bad input (ConfigError for
     what is not simulated: `check_simulated`); once the log exists, RunLogError (it cannot be written) or
     TrainingDiverged (--max-rejects), the log closed with status "failed".
     """
-    check_simulated(cfg, num_workers, failures)
+    check_simulated(cfg, num_workers, failures, joins)
     # --servers S: the log keeps the run's config; the role and the workers are those of one server, whose update
     # and messages the engine times as S shards' (`Simulation`, `shards`)
     given, cfg = cfg, dataclasses.replace(cfg, servers=1)
@@ -92,7 +92,7 @@ def simulate(cfg: Config, num_workers: int, timing: TimingModel, save_profile: s
     sim = Simulation(cfg, mode, model, dataset, layout, start.samplers,
                      {w: test_slice(dataset.num_test, num_workers, w) for w in range(1, num_workers + 1)},
                      timing, rec, model.init_params(cfg.seed), worker_model=worker_model, shards=given.servers,
-                     failures=failures)
+                     failures=failures, joins=joins)
     began = time.perf_counter()
     try:
         summary = _limited(cfg.threads, sim.run)

@@ -140,6 +140,27 @@ def test_a_worker_that_fails_with_two_shards_is_dropped_alike(tmp_path):
     assert (p["worker"][p["time"] > 2.5] != 2).all() and (p["worker"] == 2).sum() == 2
 
 
+def test_a_worker_that_joins_pulls_the_current_weights_and_trains(tmp_path):
+    """--join 3@2.5: equal workers in turn (as above); workers 1 and 2 train alone until 2.5 s, then worker 3 pulls
+    the weights of version 4 and pushes from 3.5 s on, every second, as the others; it evaluates its own test
+    slice (360 test images in all). A join after the stop only evaluates."""
+    attrs, t, _ = simulate(tmp_path, "--compute-s", "1.0", "--max-pushes", "12", "--epochs", "0", "--join", "3@2.5",
+                           workers=3)
+    assert attrs["status"] == "completed" and attrs["test_count"] == 360
+    p = t["pushes"][:12]
+    assert p["worker"].tolist() == [1, 2, 1, 2, 1, 2, 3, 1, 2, 3, 1, 2]
+    assert p["time"].tolist() == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 3.5, 4.0, 4.0, 4.5, 5.0, 5.0]
+    assert p["base_version"][6] == 4 and p["step"][6] == 1  # its first pull: the version it joined at
+    joined = [(row["time"], row["text"].decode()) for row in t["events"] if row["kind"] == b"worker_joined"]
+    assert len(joined) == 1 and joined[0][0] == 2.5
+    assert joined[0][1].startswith("worker rank 3 joined at version 4 (--join): it reads its shard from epoch ")
+    attrs, t, _ = simulate(tmp_path, "--compute-s", "1.0", "--max-pushes", "6", "--epochs", "0", "--join", "3@50",
+                           name="late", workers=3)
+    assert attrs["status"] == "completed" and attrs["test_count"] == 360 and not (t["pushes"]["worker"] == 3).any()
+    assert [row["text"].decode() for row in t["events"] if row["kind"] == b"worker_joined"] == [
+        "worker rank 3 joined after the stop (--join): it only evaluates its test slice"]
+
+
 def test_ssp_goes_on_without_a_worker_that_fails(tmp_path):
     """--mode ssp --staleness-bound 0 (lockstep) with --fail 2@2.5: the dead worker's clock holds no one back; the
     other two go on in lockstep to the end (held forever behind its clock, the protocol would be stuck)."""
@@ -156,6 +177,11 @@ def test_ssp_goes_on_without_a_worker_that_fails(tmp_path):
     (["--fail", "4@1"], "entry '4@1': expected W@T, W a worker rank 1..3"),
     (["--fail", "2@-1"], "entry '2@-1'"), (["--fail", "2@1,2@3"], "entry '2@3'"), (["--fail", "2"], "entry '2'"),
     (["--fail", "1@1,2@1,3@1"], "3 of 3 workers die, fewer than --min-workers 1"),
+    (["--join", "4@1"], "--join '4@1': entry '4@1': expected W@T, W a worker rank 1..3 named once and T the "
+                        "virtual seconds >= 0 at which it joins"),
+    (["--join", "1@1,2@1,3@1"], "--join: all 3 workers join after the start"),
+    (["--join", "2@1", "--fail", "2@3"], "--join and --fail both name worker rank(s) [2]"),
+    (["--join", "2@1", "--warm-start", "5"], "--join with --warm-start"),
     (["--min-workers", "5", "--compute-s", "0.01"], "config key 'min_workers' = 5: more than the job's 3 workers"),
 ])
 def test_bad_failures_are_one_error_naming_the_entry(tmp_path, capsys, flags, expected):
