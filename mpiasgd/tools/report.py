@@ -26,6 +26,7 @@ from mpiasgd.runlog.summary import (
     applied_pushes,
     data_wait_share,
     final_eval,
+    lost_workers,
     periodic_evals,
     summary_lines,
     trained_images,
@@ -37,8 +38,10 @@ from mpiasgd.tools.evaluate import SNAPSHOT_HEADER, snapshot_line
 def worker_table(run: dict) -> list[str]:
     """Per-worker pushes, images/s, staleness (of applied pushes), time split (compute / communicate / wait)
     and data wait (the share of its compute time the worker's steps waited for minibatches; "-" for a log
-    written before it was kept)."""
+    written before it was kept). A worker that died while the run went on (ULFM) ends its line with when;
+    its images/s are over the whole training time."""
     pushes, train_time = run["pushes"], training_time(run)
+    dead = {int(text.split()[2]): t for t, text in lost_workers(run)}  # ("worker rank R ...")
     lines = ["rank  host              pushes    images  images/s  stale mean  stale max   compute    comm    wait"
              "  data wait"]
     hosts = {int(w["rank"]): w["host"].decode() for w in run["workers"]} if run["workers"] is not None else {}
@@ -54,7 +57,8 @@ def worker_table(run: dict) -> list[str]:
             f"{stale.mean() if stale.size else 0.0:>11.2f} {stale.max() if stale.size else 0:>10} "
             f"{100 * p['compute_s'].sum() / total:>8.1f}% "
             f"{100 * p['comm_s'].sum() / total:>6.1f}% {100 * p['wait_s'].sum() / total:>6.1f}%"
-            + (f" {100 * share:>9.1f}%" if share is not None else f" {'-':>10}"))
+            + (f" {100 * share:>9.1f}%" if share is not None else f" {'-':>10}")
+            + (f"  lost at {dead[rank]:.1f} s" if rank in dead else ""))
     return lines
 
 

@@ -126,6 +126,11 @@ def test_a_worker_that_fails_is_dropped_and_the_others_go_on(tmp_path, capsys):
     assert lost == [(2.5, "worker rank 2 died after step 2 (--fail): dropped, 2 workers go on")]
     assert "workers lost     1 (died; the run went on without them): rank 2 at 2.5 s" in capsys.readouterr().out
     assert attrs["test_count"] == 360  # the survivors evaluated the dead worker's test slice too (LOST)
+    from mpiasgd.runlog import load
+    from mpiasgd.tools.report import worker_table
+
+    rows = worker_table(load(str(tmp_path / "run.h5")))[1:]  # report's per-worker table marks the dead one
+    assert [line.endswith("lost at 2.5 s") for line in rows] == [False, True, False]
 
 
 def test_a_worker_that_fails_with_two_shards_is_dropped_alike(tmp_path):
