@@ -261,7 +261,7 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
                   file=sys.stderr, flush=True)
         if isinstance(stop, Preempted) and stop.dead:
             time.sleep(0.3)  # the launcher is tearing the job down: let it forward this message first
-        me.comm.Abort(code)
+        ulfm.abort(me.comm, code)
         return code
     except BaseException as e:
         if isinstance(e, RunLogError):
@@ -288,7 +288,7 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
             rec.event("failed", text)
             log.close("failed", summary)  # not "preempted": there is no checkpoint of this state to resume from
             print(f"mpiasgd: error: {text}", file=sys.stderr, flush=True)
-            me.comm.Abort(ABORT_CODE)
+            ulfm.abort(me.comm, ABORT_CODE)
             return ABORT_CODE
         log.close("preempted", summary)
         print(f"mpiasgd: run preempted ({r0.preempted}); checkpoint '{rec.checkpoint_path}' written at "
@@ -363,7 +363,7 @@ def log_unwritable(me: Any, start: Any, error: RunLogError) -> None:
                   flush=True)
     finally:
         time.sleep(0.3)  # let the launcher forward these lines before the abort tears the job down
-        me.comm.Abort(ABORT_CODE)
+        ulfm.abort(me.comm, ABORT_CODE)
 
 
 def serve_shard(cfg: Config, me: Any, start: Any) -> int:

@@ -165,6 +165,16 @@ def test_two_shards_drop_a_killed_worker_and_hold_the_same_pushes(tmp_path, mode
     assert ck.shard_versions.tolist() == [ck.version] * 2 and ck.version == version
 
 
+def test_a_run_whose_every_worker_died_exits_non_zero(tmp_path):
+    """The only worker dies: the run ends failed with a checkpoint, and mpiexec's exit status says so (rank 0 exits
+    with it itself: after MPI_Abort with every other rank dead, Open MPI's mpiexec exits 0; `ulfm.abort`)."""
+    rc, out, err = run_and_kill(tmp_path, ["--epochs", "60"], victim=1, ranks=2)
+    assert rc == 1, f"{out}\n{err}"
+    assert "0 workers left, fewer than --min-workers 1" in err
+    attrs, _, _ = read_log(tmp_path / "runs" / "el.h5")
+    assert attrs["status"] == "failed" and (tmp_path / "runs" / "el.ckpt.h5").is_file()
+
+
 def test_fewer_workers_than_min_workers_end_the_run_failed_with_a_checkpoint(tmp_path):
     rc, out, err = run_and_kill(tmp_path, ["--epochs", "60", "--min-workers", "3"], victim=3)
     assert rc != 0, out
