@@ -18,6 +18,8 @@ import os
 import sys
 import threading
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 from mpiasgd import __version__
 from mpiasgd.argtypes import DEFAULT_TARGET, FORMATS, command, fraction, positive, seconds
@@ -146,7 +148,8 @@ def _train(argv: list[str]) -> int:
         except MPI.Exception as e:
             if not ulfm.is_failure(e):
                 raise
-            print(f"mpiasgd: error: rank {comm.Get_rank()}: a rank of the job died during start-up (ULFM reported "
+            dead = _dead_ranks(comm, ulfm.failed_ranks)
+            print(f"mpiasgd: error: rank {comm.Get_rank()}: {dead} of the job died during start-up (ULFM reported "
                   f"it: {e}); the job ends", file=sys.stderr, flush=True)
             status = 1
         else:
@@ -163,9 +166,9 @@ def _train(argv: list[str]) -> int:
         if not exits:
             raise
         if ulfm.is_failure(e):  # e.g. rank 0 died: a worker's wait for it fails
-            print(f"mpiasgd: error: rank {comm.Get_rank()}: a rank it was talking to died (ULFM reported it: {e}): "
-                  "rank 0, the parameter server, or (sync) a worker of the allreduce group that could not be "
-                  "dropped; this rank ends", file=sys.stderr, flush=True)
+            dead = _dead_ranks(comm, ulfm.failed_ranks)
+            print(f"mpiasgd: error: rank {comm.Get_rank()}: {dead} died, which this rank cannot go on without (ULFM "
+                  f"reported it: {e}); this rank ends", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()  # (then out at once: Python's own exit would call MPI_Finalize and hang)
         status = 1
@@ -174,6 +177,18 @@ def _train(argv: list[str]) -> int:
         sys.stderr.flush()
         os._exit(status)
     return _leave_stray_threads(status, comm.Get_rank())
+
+
+def _dead_ranks(comm: Any, failed_ranks: Callable[[Any], list[int]]) -> str:
+    """(ULFM) "rank 4" / "ranks 2, 4": the ranks of `comm` known dead (`failed_ranks`, `mpiasgd.comms.ulfm`'s;
+    "a rank" if none can be named)."""
+    try:
+        dead = failed_ranks(comm)
+    except Exception:  # (the query itself can fail once the job is coming apart)
+        dead = []
+    if not dead:
+        return "a rank"
+    return f"rank{'s' * (len(dead) > 1)} {', '.join(map(str, dead))}"
 
 
 def _leave_stray_threads(status: int, rank: int) -> int:

@@ -35,7 +35,7 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 from mpiasgd import checkpoint, signals
-from mpiasgd.comms import CommTimeout, Message, ProtocolError, Tag, error_message, wait
+from mpiasgd.comms import CommTimeout, Message, ProtocolError, Tag, error_message, ulfm, wait
 from mpiasgd.comms.waits import server_wait
 from mpiasgd.config import Config
 from mpiasgd.data import DataError
@@ -154,6 +154,8 @@ def train(cfg: Config, comm: Any = None) -> int:
         else:
             worker_failed(me, str(e), said=True)
     except BaseException as e:
+        if ulfm.is_failure(e) and not me.is_rank0:  # (ULFM) a rank it talked to died: rank 0 hears of it from ULFM
+            raise  # and names it; this rank says so in one line and ends (`mpiasgd.cli`), not as a failed worker
         # a timeout, a protocol violation or divergence (--max-rejects) says all in its message (naming the rank);
         # anything else: traceback
         text = str(e) if isinstance(e, (CommTimeout, ProtocolError, TrainingDiverged)) else traceback.format_exc()

@@ -165,6 +165,18 @@ def test_two_shards_drop_a_killed_worker_and_hold_the_same_pushes(tmp_path, mode
     assert ck.shard_versions.tolist() == [ck.version] * 2 and ck.version == version
 
 
+def test_a_dead_shard_ends_the_run_naming_it_whoever_notices_first(tmp_path):
+    """--servers 2 with 4 workers (ranks 1-4; shard 1 is rank 5): SIGKILL the shard. The run ends failed, naming the
+    shard; a worker that notices the death first says so in one line (it is not reported as a failed worker)."""
+    rc, out, err = run_and_kill(tmp_path, ["--epochs", "200", "--servers", "2", "--checkpoint-interval", "0.5"],
+                                victim=5, ranks=6)
+    assert rc != 0, f"{out}\n{err}"
+    assert "parameter-server shard rank 5" in err and "failed:" not in err and "Traceback" not in err, err
+    attrs, t, _ = read_log(tmp_path / "runs" / "el.h5")
+    assert attrs["status"] == "failed"
+    assert not any(b"worker rank" in e["text"] and b"failed" in e["text"] for e in t["events"]), t["events"]
+
+
 def test_a_run_whose_every_worker_died_exits_non_zero(tmp_path):
     """The only worker dies: the run ends failed with a checkpoint, and mpiexec's exit status says so (rank 0 exits
     with it itself: after MPI_Abort with every other rank dead, Open MPI's mpiexec exits 0; `ulfm.abort`)."""
@@ -230,7 +242,7 @@ def test_a_rank_that_dies_during_start_up_ends_the_job_and_it_does_not_hang(tmp_
                               start_new_session=True)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the job hung after a rank died during start-up\n{e.stdout}\n{e.stderr}")
-    said = "a rank of the job died during start-up (ULFM reported it: "
+    said = "rank 2 of the job died during start-up (ULFM reported it: "
     assert said in done.stderr and "; the job ends" in done.stderr, done.stderr  # (rank 0 at least)
     assert done.returncode != 0, done.stdout + done.stderr
 
