@@ -374,6 +374,10 @@ def open_run_log(cfg: Config, me: Rank, out: Startup, resumed: checkpoint.Checkp
         # the log lives next to its checkpoint, wherever the job is started from
         out.path = os.path.join(os.path.dirname(os.path.abspath(cfg.resume)), os.path.basename(ckpt.log))
         check_fits(ckpt, cfg, me, out.model)
+        if simulated_log(out.path):
+            raise ConfigError(f"--resume: checkpoint '{cfg.resume}' was written by `mpiasgd simulate` (its log "
+                              f"'{out.path}' counts virtual seconds): `train` would go on in real ones in the same "
+                              "log; resume real runs only")
     log_dir = os.path.dirname(out.path) or "."
     what = (f"--resume {cfg.resume!r}: the checkpoint's directory" if cfg.resume
             else f"config key 'run_dir' = {cfg.run_dir!r}")
@@ -431,6 +435,16 @@ def worker_info(me: Rank, start: Startup, threads: int) -> WorkerInfo:
                       device_name="" if dev is None else dev.name, device_uuid="" if dev is None else dev.uuid,
                       transfer=start.staging.kind, module=module, replica=replica, autotune=tuple(start.autotune),
                       graphs=start.graphs_note)
+
+
+def simulated_log(path: str) -> bool:
+    """The run log at `path` was written by `mpiasgd simulate` (attribute "clock" = "virtual"); False when there is
+    none or it cannot be read (the resume's other checks say why)."""
+    try:
+        with open_log(path) as f:
+            return str(f.attrs.get("clock", "")) == "virtual"
+    except Exception:  # (missing, damaged, locked: not this check's to report)
+        return False
 
 
 def check_fits(ckpt: checkpoint.Checkpoint, cfg: Config, me: Rank, model: Any) -> None:

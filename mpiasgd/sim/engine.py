@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -349,6 +350,7 @@ class Simulation:
                 f"{epoch}, and the others read theirs alone from their next epoch") if not self.rec.stop_reason \
             else f"worker rank {w} joined after the stop (--join): it only evaluates its test slice"
         self.rec.event("worker_joined", text)
+        print(f"mpiasgd: {text}", file=sys.stderr, flush=True)
 
     # --- rank 0 ---
     def serve(self, t: float) -> None:

@@ -38,10 +38,15 @@ from mpiasgd.tools.evaluate import SNAPSHOT_HEADER, snapshot_line
 def worker_table(run: dict) -> list[str]:
     """Per-worker pushes, images/s, staleness (of applied pushes), time split (compute / communicate / wait)
     and data wait (the share of its compute time the worker's steps waited for minibatches; "-" for a log
-    written before it was kept). A worker that died while the run went on (ULFM) ends its line with when;
-    its images/s are over the whole training time."""
+    written before it was kept). A worker that died while the run went on (ULFM) and did not push again (a
+    resume brings it back) ends its line with when, and so does one that joined late (`mpiasgd simulate
+    --join`); its images/s are over the time it was in."""
     pushes, train_time = run["pushes"], training_time(run)
     dead = {int(text.split()[2]): t for t, text in lost_workers(run)}  # ("worker rank R ...")
+    dead = {w: t for w, t in dead.items() if not (pushes["time"][pushes["worker"] == w] > t).any()}
+    events = run.get("events")
+    joined = {int(row["text"].split()[2]): float(row["time"]) for row in (events if events is not None else [])
+              if row["kind"] == b"worker_joined"}  # (mpiasgd simulate --join: "worker rank R joined ...")
     lines = ["rank  host              pushes    images  images/s  stale mean  stale max   compute    comm    wait"
              "  data wait"]
     hosts = {int(w["rank"]): w["host"].decode() for w in run["workers"]} if run["workers"] is not None else {}
@@ -51,13 +56,15 @@ def worker_table(run: dict) -> list[str]:
         images = int(p["samples"][p["applied"] == 1].sum())
         total = float(p["compute_s"].sum() + p["comm_s"].sum() + p["wait_s"].sum()) or 1.0
         share = data_wait_share(p)
+        span = min(train_time, dead.get(rank, train_time)) - joined.get(rank, 0.0)  # its time in the run
         lines.append(
             f"{rank:>4}  {hosts.get(rank, '?')[:16]:<16} {len(p):>7} {images:>9} "
-            f"{images / train_time if train_time else 0:>9.0f} "
+            f"{images / span if span > 0 else 0:>9.0f} "
             f"{stale.mean() if stale.size else 0.0:>11.2f} {stale.max() if stale.size else 0:>10} "
             f"{100 * p['compute_s'].sum() / total:>8.1f}% "
             f"{100 * p['comm_s'].sum() / total:>6.1f}% {100 * p['wait_s'].sum() / total:>6.1f}%"
             + (f" {100 * share:>9.1f}%" if share is not None else f" {'-':>10}")
+            + (f"  joined at {joined[rank]:.1f} s" if rank in joined else "")
             + (f"  lost at {dead[rank]:.1f} s" if rank in dead else ""))
     return lines
 

@@ -195,6 +195,22 @@ def test_a_sharded_checkpoint_resumes_with_another_number_of_workers(mpirun, tmp
         assert pushes["step"][pushes["worker"] == w].min() == ckpt.worker(w)["step"] + 1
 
 
+def test_train_refuses_to_resume_a_simulations_checkpoint(mpirun, tmp_path):
+    """A checkpoint of `mpiasgd simulate` (its log counts virtual seconds): `train --resume` refuses it, naming why,
+    before any rank trains; the simulation's log is left as it was."""
+    from mpiasgd.sim.cli import main as simulate
+
+    argv = ["--workers", "2", "--model", "digits", "--epochs", "2", "--compute-s", "0.01", "--no-progress",
+            "--run-dir", str(tmp_path / "runs"), "--name", "sim"]
+    assert simulate(argv) == 0
+    before = (tmp_path / "runs" / "sim.h5").read_bytes()
+    res = mpirun(3, ["train", "--resume", "runs/sim.ckpt.h5", "--epochs", "4"], timeout=60)
+    assert res.returncode == 2, res.explain()
+    assert ("--resume: checkpoint 'runs/sim.ckpt.h5' was written by `mpiasgd simulate` (its log") in res.stderr, \
+        res.explain()
+    assert (tmp_path / "runs" / "sim.h5").read_bytes() == before
+
+
 # --- preemption and failures -----------------------------------------------------------------------
 
 def rank_pid(run_dir, name, rank):

@@ -159,6 +159,11 @@ def test_a_worker_that_joins_pulls_the_current_weights_and_trains(tmp_path):
     joined = [(row["time"], row["text"].decode()) for row in t["events"] if row["kind"] == b"worker_joined"]
     assert len(joined) == 1 and joined[0][0] == 2.5
     assert joined[0][1].startswith("worker rank 3 joined at version 4 (--join): it reads its shard from epoch ")
+    from mpiasgd.runlog import load
+    from mpiasgd.tools.report import worker_table
+
+    rows = worker_table(load(str(tmp_path / "run.h5")))[1:]  # report's per-worker table marks the late one
+    assert [line.endswith("joined at 2.5 s") for line in rows] == [False, False, True]
     attrs, t, _ = simulate(tmp_path, "--compute-s", "1.0", "--max-pushes", "6", "--epochs", "0", "--join", "3@50",
                            name="late", workers=3)
     assert attrs["status"] == "completed" and attrs["test_count"] == 360 and not (t["pushes"]["worker"] == 3).any()
