@@ -30,7 +30,7 @@ PAGES = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])
 # flags of the programs the docs show beside mpiasgd: mpiexec / mpirun (Open MPI), srun / sbatch / scancel
 # (SLURM), pip, pytest, python, nvcc, and the tools of dev/ and tests/ that take their own flags
 OTHER_FLAGS = {
-    "--oversubscribe", "--bind-to", "--map-by", "--mca", "--host", "--hostfile", "--with-ft",  # mpiexec
+    "--oversubscribe", "--bind-to", "--map-by", "--mca", "--host", "--hostfile", "--with-ft", "--dvm",  # mpiexec
     "--mpi", "--signal", "--gpus-per-task", "--ntasks-per-node", "--ntasks", "--nodes", "--batch", "--requeue",
     "--time", "--array", "--cpus-per-task", "--gres", "--gpus", "--export", "--kill-on-bad-exit", "--dependency",
     "--no-binary", "--index-url", "--extra-index-url", "--upgrade", "--quiet",  # pip
