@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import sys
 import threading
 import traceback
@@ -145,8 +146,8 @@ def _train(argv: list[str]) -> int:
     try:
         try:
             bad = any(comm.allgather(error))  # every rank parsed the same argv: one message, from rank 0
-        except MPI.Exception as e:
-            if not ulfm.is_failure(e):
+        except (MPI.Exception, pickle.UnpicklingError) as e:  # (a rank died mid-gather: its bytes may be garbage)
+            if not (ulfm.is_failure(e) or (ulfm.enabled() and isinstance(e, pickle.UnpicklingError))):
                 raise
             dead = _dead_ranks(comm, ulfm.failed_ranks)
             print(f"mpiasgd: error: rank {comm.Get_rank()}: {dead} of the job died during start-up (ULFM reported "
