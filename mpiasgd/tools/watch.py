@@ -75,9 +75,10 @@ def console_bars() -> str:
 
 
 def final_line(path: str) -> tuple[str, int]:
-    """(the closing line, exit status) once the writer is gone."""
+    """(the closing line, exit status) once the writer is gone; it counts the workers lost under ULFM."""
     with open_log(path) as f:
         attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
+        lost = int((f["events"]["kind"] == b"worker_lost").sum()) if "events" in f else 0
     status = str(attrs.get("status", "unknown"))
     if status == "running":
         status = "killed (its writer is gone; rows up to the last flush)"
@@ -87,7 +88,9 @@ def final_line(path: str) -> tuple[str, int]:
            else "")
     if acc and top5 is not None and np.isfinite(float(top5)):
         acc += f" (top-5 {100 * float(top5):.2f} %)"
-    return f"run ended: status {status}{acc}" + (f"; {health}" if health else ""), 0 if status == "completed" else 1
+    gone = f"; {lost} worker{'s' * (lost != 1)} lost" if lost else ""
+    return (f"run ended: status {status}{acc}{gone}" + (f"; {health}" if health else ""),
+            0 if status == "completed" else 1)
 
 
 def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[str], None] = print,

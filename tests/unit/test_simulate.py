@@ -131,6 +131,9 @@ def test_a_worker_that_fails_is_dropped_and_the_others_go_on(tmp_path, capsys):
 
     rows = worker_table(load(str(tmp_path / "run.h5")))[1:]  # report's per-worker table marks the dead one
     assert [line.endswith("lost at 2.5 s") for line in rows] == [False, True, False]
+    from mpiasgd.tools.watch import final_line
+
+    assert final_line(str(tmp_path / "run.h5"))[0].endswith("; 1 worker lost")  # and watch's last line
 
 
 def test_a_worker_that_fails_with_two_shards_is_dropped_alike(tmp_path):
