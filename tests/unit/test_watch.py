@@ -121,7 +121,7 @@ def test_watch_prints_each_evaluation_during_training_of_an_ended_run(tmp_path):
                        "worker goes on"
     assert "top-1  50.00 %" in lines[2] and lines[2].endswith("top-1 curve ▄ (50.0..50.0 %)")
     assert "top-1  70.00 %" in lines[3] and lines[3].endswith("top-1 curve ▁█ (50.0..70.0 %)")
-    assert lines[4] == "run ended: status completed, test accuracy 75.00 % (top-5 95.00 %)"
+    assert lines[4] == "run ended: status completed, test accuracy 75.00 % (top-5 95.00 %); 1 worker lost"
 
 
 def test_watch_leaves_out_the_pushes_a_resume_superseded(tmp_path):
