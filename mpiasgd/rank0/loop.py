@@ -124,6 +124,7 @@ class Rank0:
         self.preempt_deadline = 0.0
         self.lost_state: list[int] = []       # --servers: shards that died (their slices could not be saved)
         self.checkpoint_due = ""              # a signal's checkpoint (its reason), written once the role settled
+        self.deaths: list[int] = []           # (ULFM) ranks found dead inside a wait for a shard: `lose` at the tick
         self.header_only = Message(0)         # EVAL, REPORT: received and handled one at a time
         self.role = make_role(self)
         self.link = make_link(self) if make_link is not None else None
@@ -313,6 +314,9 @@ class Rank0:
         log flush, progress bar."""
         rec, role = self.rec, self.role
         self.skip_pause()
+        if self.deaths:  # (found while rank 0 assembled the shards' slices: dropped now, outside that wait)
+            deaths, self.deaths = self.deaths, []
+            self.lose(deaths)
         if signals.received() and not self.preempted and not self.late_signal:
             if self.decides:
                 self.preempt(f"{signals.received()} received by rank 0")

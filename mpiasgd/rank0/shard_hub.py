@@ -401,22 +401,27 @@ class ShardHub:
     def _await(self, r: int, what: str, poll: Any, deadline: Deadline, backoff: Backoff | Spin, look: Interval,
                status: Any) -> Any:
         """`await_shard`'s loop."""
-        while not (got := poll()):
+        while True:
             told = None
             try:
+                if got := poll():
+                    return got
                 for tag in (Tag.SHARD_STOPPED, Tag.SHARD_PAUSED):
                     told = self.comm.Improbe(MPI.ANY_SOURCE, int(tag), status)
                     if told is not None:  # (after the stop or in a pause a shard answers FETCH once they agreed)
                         self.receive(tag, status.Get_source(), told, status.Get_count(MPI.BYTE))
                         break
-            except MPI.Exception as e:  # ULFM: a rank died (a worker: dropped, the shards settle its last push)
-                if not is_failure(e):
-                    raise
-                self.r0.lose(failed_ranks(self.comm))
+                failed = None if told is not None else self.comm.Improbe(r, int(Tag.ERROR), status)
+            except MPI.Exception as e:  # ULFM: a rank died; dropped at rank 0's next tick, not inside this wait
+                if not is_failure(e):  # (its checkpoint or a stop would nest in this one); the shards settle a
+                    raise              # dead worker's last push themselves
+                dead = failed_ranks(self.comm)
+                if r in dead:  # the shard this waits for: its slice is gone
+                    raise self.r0.shard_died([(r, *self.r0.pids.get(r, ("?", 0)))]) from None
+                self.r0.deaths.extend(dead)
                 continue
             if told is not None:
                 continue
-            failed = self.comm.Improbe(r, int(Tag.ERROR), status)
             if failed is not None:  # it failed instead of answering: its traceback, as the loop takes it
                 msg = Message(max(0, status.Get_count(MPI.BYTE) - HEADER_BYTES) // 4)
                 failed.Recv(msg.buf[:status.Get_count(MPI.BYTE)])
@@ -430,7 +435,6 @@ class ShardHub:
             if deadline.expired():
                 raise CommTimeout(f"rank 0: no {what} after {self.cfg.comm_timeout:.0f} s")
             backoff.pause()
-        return got
 
     def weights(self) -> tuple:
         """(params (P,), buffers (B,)) of a snapshot: every shard's slice now, and rank 0's mean buffers."""
