@@ -19,8 +19,6 @@ import pickle
 import sys
 import threading
 import traceback
-from collections.abc import Callable
-from typing import Any
 
 from mpiasgd import __version__
 from mpiasgd.argtypes import DEFAULT_TARGET, FORMATS, command, fraction, positive, seconds
@@ -149,9 +147,8 @@ def _train(argv: list[str]) -> int:
         except (MPI.Exception, pickle.UnpicklingError) as e:  # (a rank died mid-gather: its bytes may be garbage)
             if not (ulfm.is_failure(e) or (ulfm.enabled() and isinstance(e, pickle.UnpicklingError))):
                 raise
-            dead = _dead_ranks(comm, ulfm.failed_ranks)
-            print(f"mpiasgd: error: rank {comm.Get_rank()}: {dead} of the job died during start-up (ULFM reported "
-                  f"it: {e}); the job ends", file=sys.stderr, flush=True)
+            print(f"mpiasgd: error: rank {comm.Get_rank()}: {ulfm.dead_ranks(comm)} of the job died during start-up "
+                  f"(ULFM reported it: {e}); the job ends", file=sys.stderr, flush=True)
             status = 1
         else:
             if bad:
@@ -167,9 +164,8 @@ def _train(argv: list[str]) -> int:
         if not exits:
             raise
         if ulfm.is_failure(e):  # e.g. rank 0 died: a worker's wait for it fails
-            dead = _dead_ranks(comm, ulfm.failed_ranks)
-            print(f"mpiasgd: error: rank {comm.Get_rank()}: {dead} died, which this rank cannot go on without (ULFM "
-                  f"reported it: {e}); this rank ends", file=sys.stderr, flush=True)
+            print(f"mpiasgd: error: rank {comm.Get_rank()}: {ulfm.dead_ranks(comm)} died, which this rank cannot go on "
+                  f"without (ULFM reported it: {e}); this rank ends", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()  # (then out at once: Python's own exit would call MPI_Finalize and hang)
         status = 1
@@ -178,18 +174,6 @@ def _train(argv: list[str]) -> int:
         sys.stderr.flush()
         os._exit(status)
     return _leave_stray_threads(status, comm.Get_rank())
-
-
-def _dead_ranks(comm: Any, failed_ranks: Callable[[Any], list[int]]) -> str:
-    """(ULFM) "rank 4" / "ranks 2, 4": the ranks of `comm` known dead (`failed_ranks`, `mpiasgd.comms.ulfm`'s;
-    "a rank" if none can be named)."""
-    try:
-        dead = failed_ranks(comm)
-    except Exception:  # (the query itself can fail once the job is coming apart)
-        dead = []
-    if not dead:
-        return "a rank"
-    return f"rank{'s' * (len(dead) > 1)} {', '.join(map(str, dead))}"
 
 
 def _leave_stray_threads(status: int, rank: int) -> int:

@@ -71,6 +71,16 @@ def abort(comm: Any, code: int) -> None:
     comm.Abort(code)
 
 
+def dead_ranks(comm: Any) -> str:
+    """"rank 4" / "ranks 2, 4": the ranks of `comm` known dead (`failed_ranks`), or "a rank" when none can be
+    named (the query itself can fail once the job is coming apart)."""
+    try:
+        dead = failed_ranks(comm)
+    except Exception:
+        dead = []
+    return f"rank{'s' * (len(dead) > 1)} {', '.join(map(str, dead))}" if dead else "a rank"
+
+
 def failed_ranks(comm: Any) -> list[int]:
     """Acknowledge every failure known on `comm` (so receives from any source work again) and return the ranks of
     `comm` that have failed, ascending (all of them since the start, not only the new ones)."""

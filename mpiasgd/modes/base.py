@@ -286,6 +286,15 @@ class WorkerLoop:
                                 f"than this one and {self.lost or 'none'} (told already)")
         self.note_lost(dead)
 
+    def take_lost(self, header: bytes, nbytes: int, source: int = 0) -> None:
+        """A LOST message of `nbytes` bytes from `source` (rank 0), received into a buffer whose header bytes are
+        `header` (all it carries): checked (ProtocolError naming what differs), then taken (`on_lost`)."""
+        check_size(Tag.LOST, source, self.rank, nbytes, 0)
+        notice = Message(0)
+        notice.buf[:HEADER.itemsize] = np.frombuffer(header, np.uint8)[:HEADER.itemsize]
+        check(notice, Tag.LOST, source, self.rank)
+        self.on_lost(notice.header)
+
     def note_lost(self, dead: int) -> None:
         """Worker rank `dead` died (a LOST message, or sync's shrunk allreduce group): this worker takes a share
         of its data from the next epoch it has not drawn yet on, and of its test slice (`on_lost`)."""
@@ -363,11 +372,7 @@ class WorkerLoop:
         weights = staging.weights
         tag = parse_tag(status.Get_tag(), status.Get_source(), self.rank)
         while tag == Tag.LOST:  # (ULFM) a worker died: noted, then the reply itself, which follows
-            check_size(tag, 0, self.rank, status.Get_count(MPI.BYTE), 0)
-            notice = Message(0)
-            notice.buf[:HEADER.itemsize] = np.frombuffer(weights.header.tobytes(), np.uint8)  # (all it carries)
-            check(notice, tag, 0, self.rank)
-            self.on_lost(notice.header)
+            self.take_lost(weights.header.tobytes(), status.Get_count(MPI.BYTE))
             staging.before_receive()
             request = self.comm.Irecv(staging.recv_buf, source=0, tag=MPI.ANY_TAG)
             waited += wait(request, what, self.rank, timeout or self.cfg.worker_timeout, status)

@@ -22,11 +22,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 from mpi4py import MPI
 
 from mpiasgd.comms import Flag, Message, ProtocolError, SendSlots, Tag, check, check_size, parse_tag, wait, wait_all
-from mpiasgd.comms.protocol import HEADER
 from mpiasgd.modes.base import WorkerLoop
 
 
@@ -79,11 +77,7 @@ class ShardedWorker(WorkerLoop):
         status = MPI.Status()
         wait(request, what, self.rank, timeout, status)
         while s == 0 and parse_tag(status.Get_tag(), r, self.rank) == Tag.LOST:
-            check_size(Tag.LOST, r, self.rank, status.Get_count(MPI.BYTE), 0)
-            notice = Message(0)
-            notice.buf[:HEADER.itemsize] = np.frombuffer(staging.weights[0].header.tobytes(), np.uint8)
-            check(notice, Tag.LOST, r, self.rank)
-            self.on_lost(notice.header)
+            self.take_lost(staging.weights[0].header.tobytes(), status.Get_count(MPI.BYTE), r)
             request = self.comm.Irecv(staging.recv_bufs[0], source=r, tag=MPI.ANY_TAG)
             wait(request, what, self.rank, timeout, status)
         return status

@@ -111,12 +111,17 @@ def failure_cause(run: dict) -> str:
     return ""
 
 
+def events_of(run: dict, kind: str) -> list[tuple[float, str]]:
+    """(training-log time, text) of each event of `kind` in the log `run` (as `load` reads it)."""
+    events = run.get("events")
+    return [(float(row["time"]), row["text"].decode() if isinstance(row["text"], bytes) else str(row["text"]))
+            for row in (events if events is not None else []) if row["kind"] == kind.encode()]
+
+
 def lost_workers(run: dict) -> list[tuple[float, str]]:
     """(training-log time, text) of each "worker_lost" event: a worker that died under ULFM and was dropped while
     the run went on."""
-    events = run.get("events")
-    return [(float(row["time"]), row["text"].decode() if isinstance(row["text"], bytes) else str(row["text"]))
-            for row in (events if events is not None else []) if row["kind"] == b"worker_lost"]
+    return events_of(run, "worker_lost")
 
 
 def summary_lines(path: str, run: dict | None = None) -> list[str]:

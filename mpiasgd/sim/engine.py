@@ -391,11 +391,7 @@ class Simulation:
         loop, staging = vw.loop, vw.loop.staging
         kind = parse_tag(tag, 0, vw.rank)
         if kind == Tag.LOST:  # --fail: a worker died; the reply follows
-            check_size(kind, 0, vw.rank, len(data), 0)
-            notice = Message(0)
-            notice.buf[:] = np.frombuffer(data, np.uint8)
-            check(notice, kind, 0, vw.rank)
-            loop.on_lost(notice.header)
+            loop.take_lost(data, len(data))
             return
         if kind not in (Tag.WEIGHTS, Tag.STOP):
             raise ProtocolError(f"rank {vw.rank}: expected WEIGHTS or STOP from rank 0, got {kind.name}")

@@ -25,6 +25,7 @@ from mpiasgd.runlog import load
 from mpiasgd.runlog.summary import (
     applied_pushes,
     data_wait_share,
+    events_of,
     final_eval,
     lost_workers,
     periodic_evals,
@@ -44,9 +45,7 @@ def worker_table(run: dict) -> list[str]:
     pushes, train_time = run["pushes"], training_time(run)
     dead = {int(text.split()[2]): t for t, text in lost_workers(run)}  # ("worker rank R ...")
     dead = {w: t for w, t in dead.items() if not (pushes["time"][pushes["worker"] == w] > t).any()}
-    events = run.get("events")
-    joined = {int(row["text"].split()[2]): float(row["time"]) for row in (events if events is not None else [])
-              if row["kind"] == b"worker_joined"}  # (mpiasgd simulate --join: "worker rank R joined ...")
+    joined = {int(text.split()[2]): t for t, text in events_of(run, "worker_joined")}  # (simulate --join)
     lines = ["rank  host              pushes    images  images/s  stale mean  stale max   compute    comm    wait"
              "  data wait"]
     hosts = {int(w["rank"]): w["host"].decode() for w in run["workers"]} if run["workers"] is not None else {}
