@@ -27,6 +27,20 @@ from mpiasgd.runlog.records import TABLES, WORKER_ROW, Record, SnapshotRow, Work
 from mpiasgd.runlog.superblock import clear_stale_flags
 
 
+def open_for_writing(path: str, tries: int = 30, wait: float = 0.1) -> h5py.File:
+    """`h5py.File(path, "r+")`, tried again for up to `tries * wait` seconds while HDF5's own file lock is
+    taken: a reader opening the log (`mpiasgd watch`, `report`) holds a shared lock on it for a moment, and a
+    writer reopening it in that moment gets BlockingIOError (errno 11). OSError naming the lock if it stays
+    taken; other errors are raised at once."""
+    for _ in range(tries):
+        try:
+            return h5py.File(path, "r+", libver="latest")
+        except BlockingIOError:
+            time.sleep(wait)
+    raise OSError(f"another process held HDF5's lock on the file for {tries * wait:.0f} s (a reader that opened it "
+                  "without SWMR, such as h5py.File(path, 'r') outside mpiasgd)")
+
+
 def recover(path: str, check_writer: bool = True) -> None:
     """Rewrite the log of a run whose writer was killed into a clean, closed file; status "killed".
 
@@ -195,7 +209,7 @@ class RunLog:
                 status = f.attrs.get("status")
             if status == "running":  # its writer was killed (we hold the lock): make it writable again
                 recover(path, check_writer=False)
-            f = h5py.File(path, "r+", libver="latest")
+            f = open_for_writing(path)
             f.attrs["status"] = "running"
             log = cls(path, f, flush_interval, lock)
             last = log.last_time()
@@ -390,7 +404,7 @@ class RunLog:
             raise self.error
         self.file = None
         try:
-            with h5py.File(self.path, "r+", libver="latest") as f:
+            with open_for_writing(self.path) as f:
                 # SWMR mode again at once: rank 0 killed from here on leaves a file SWMR readers read (killed
                 # before it, `clear_stale_flags` repairs it), and live readers are not refused meanwhile
                 f.swmr_mode = True
@@ -487,7 +501,7 @@ class RunLog:
             if self.lock is not None:
                 self.lock.acquire(hint=f"this run, which closed it with status '{self.ended}' when it began to "
                                        f"end, leaves it to that job")
-            self.file = h5py.File(self.path, "r+", libver="latest")
+            self.file = open_for_writing(self.path)
             self.file.swmr_mode = True
         except (OSError, RuntimeError) as e:
             self.taken_over = isinstance(e, FileExistsError)  # another live job holds the lock

@@ -248,3 +248,34 @@ def test_the_early_close_on_a_launchers_sigterm_names_the_worker_that_died(tmp_p
     host = socket.gethostname()
     assert ("preempt", f"SIGTERM received by rank 0; worker rank 1 (pid {dead.pid} on {host}) has exited") in events
     assert status == "failed"
+
+
+def test_close_waits_out_a_readers_brief_hdf5_lock(tmp_path):
+    """A reader opening the log (`watch`, `report`) holds HDF5's shared lock on the file for a moment; the
+    writer's reopen in `close` meets it as BlockingIOError (errno 11) and tries again instead of failing."""
+    import fcntl
+
+    path = str(tmp_path / "run.h5")
+    log = started(path)
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # as HDF5's reader takes it while it opens the file
+    threading.Timer(0.5, lambda: os.close(fd)).start()  # and lets go of it
+    t0 = time.monotonic()
+    log.close("completed")
+    assert 0.4 < time.monotonic() - t0 < 3.0
+    assert attrs_and_rows(path)[0]["status"] == "completed" and not os.path.exists(path + ".lock")
+
+
+def test_close_gives_up_on_an_hdf5_lock_that_stays(tmp_path):
+    import fcntl
+
+    path = str(tmp_path / "run.h5")
+    log = started(path)
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        with pytest.raises(RunLogError, match="another process held HDF5's lock on the file for 3 s"):
+            log.close("completed")
+    finally:
+        os.close(fd)
+    assert log.outcome == "its status could not be set to 'completed'" and not os.path.exists(path + ".lock")
