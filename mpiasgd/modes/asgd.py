@@ -295,9 +295,21 @@ class AsgdServer(ShardedServer):
         dead worker's (its past updates stay in the weights), `--lookahead -1` looks N - 2 updates ahead instead of
         N - 1, `--async-momentum workers` takes the momentum for one worker fewer."""
         super().lose_worker(w)
-        cfg, alive = self.cfg, len(self.workers) - len(self.lost)
         if self.dana is not None:
             self.dana.drop(w)
+        self.count_workers()
+
+    def rejoin_worker(self, w: int) -> None:
+        """(--respawn, work in progress) Worker rank `w`, dropped, is back (a replacement): `Role.rejoin`, a zero
+        momentum of its own (DANA-Zero), and the rules that count the workers count it again."""
+        self.rejoin(w)
+        if self.dana is not None:
+            self.dana.add(w)
+        self.count_workers()
+
+    def count_workers(self) -> None:
+        """The rules that count the workers, for those alive now: `--async-momentum workers` and `--lookahead -1`."""
+        cfg, alive = self.cfg, len(self.workers) - len(self.lost)
         momentum = explicit_momentum(cfg.momentum, cfg.async_momentum, alive)
         if cfg.async_momentum != "fixed":
             self.optimizer.momentum = np.float32(momentum)

@@ -233,6 +233,13 @@ class DanaZero:
         v = self.velocities.pop(worker)
         self.total -= v
 
+    def add(self, worker: int) -> None:
+        """(--respawn, work in progress) Worker `worker` is back (a replacement of a dead one): a momentum of its
+        own, zero; the sum is unchanged."""
+        if worker in self.velocities:
+            raise ValueError(f"DANA-Zero: worker rank {worker} has a momentum already")
+        self.velocities[worker] = np.zeros_like(self.total)
+
     def restore(self, total: np.ndarray) -> None:
         """From a checkpoint, which holds only the sum of the momenta: each worker's momentum the sum / N (the
         look-ahead stays where it was; a resumed DANA-Zero run is not bit-identical to an uninterrupted one)."""

@@ -135,6 +135,15 @@ class Role:
         self.out[w] = SendSlots([None], f"send to worker rank {w}", 0, self.cfg.comm_timeout)
         self.periodic.lose(w)
 
+    def rejoin(self, w: int) -> None:
+        """(--respawn, work in progress) Worker rank `w`, dropped (`lose_worker`), is back: a replacement took its
+        rank. It is awaited again (its EVAL, its pushes from step `last_step[w] + 1`); its first weights are the
+        role's to send. ValueError unless `w` was lost."""
+        if w not in self.lost:
+            raise ValueError(f"rejoin: worker rank {w} was not dropped")
+        self.lost.discard(w)
+        self.stopped.discard(w)
+
     def waits_for_rank0(self, w: int) -> bool:
         """Worker `w` is silent because it waits for rank 0 (not a stall)."""
         return False

@@ -36,3 +36,31 @@ def test_a_joined_worker_is_reached_and_heard_under_its_worker_rank():
     with pytest.raises(ValueError, match="from any source"):
         comm.Irecv(buf)
     assert comm.Get_rank() == 0 and comm.Get_size() == 4
+
+
+def test_a_dropped_worker_that_rejoins_is_awaited_and_counted_again(tmp_path):
+    """(--respawn) DANA-Zero with 3 workers: worker 2 dropped then back: a zero momentum of its own (the sum
+    unchanged), awaited again, and --async-momentum workers counts 3 again."""
+    from kit.server import make_server, push, reply, serve_one
+
+    server, net, _ = make_server(tmp_path, num_workers=3, update_rule="dana-zero", momentum=0.9)
+    role = server.role
+    role.begin()
+    rng = np.random.default_rng(0)
+    for w in (1, 2, 3):
+        net.take(w)
+        push(net, w, step=1, version=0, grad=rng.standard_normal(6).astype(np.float32))
+        serve_one(server)
+        reply(net, w)
+    role.lose_worker(2)
+    total = role.dana.total.copy()
+    role.rejoin_worker(2)
+    assert not role.dana.velocities[2].any() and np.array_equal(role.dana.total, total)
+    assert role.waiting_for() == [1, 2, 3] and 2 not in role.lost
+    with pytest.raises(ValueError, match="was not dropped"):
+        role.rejoin_worker(2)
+    server, _, _ = make_server(tmp_path / "m", num_workers=3, update_rule="sgd", momentum=0.9,
+                               async_momentum="workers")
+    server.role.lose_worker(3)
+    server.role.rejoin_worker(3)
+    assert server.role.optimizer.momentum == np.float32(0.9 - (1 - 1 / 3))
