@@ -165,8 +165,8 @@ class Tag(IntEnum):
     SHARD_FINAL = 31    # rank 0 -> shard: the last step of every worker that every shard applies (STOP_STEP rows)
     SHARD_PAUSE = 32    # header only, rank 0 -> shard: an interval checkpoint; hold pushes until SHARD_FINAL
     SHARD_PAUSED = 33   # shard -> rank 0, after SHARD_PAUSE: the last step it applied of every worker (STOP_STEP rows)
-    LOST = 34           # header only, rank 0 -> worker (ULFM, async): a worker died (step = its rank, version = how
-                        # many have died so far); sent before the next WEIGHTS or STOP
+    LOST = 34           # header only, rank 0 -> worker (ULFM, async): a worker died (step = its rank, version = the
+                        # notice's number; flag JOINED: it is back, --respawn); sent before the next WEIGHTS or STOP
 
 
 class Flag(IntEnum):
@@ -193,6 +193,7 @@ class Flag(IntEnum):
                      # local steps (--eval-interval), header `epoch` = the evaluation's number; EVAL: the result
                      # of such a periodic evaluation (not the final one); SNAPSHOT (sync: the weights the workers
                      # evaluate at this step; pipeline, module 0: rank 0 evaluates the assembled snapshot)
+    JOINED = 1024    # LOST (--respawn): the worker it names is back (a replacement took its rank), not dead
 
 
 class ProtocolError(RuntimeError):

@@ -1,9 +1,10 @@
-"""(work in progress, issue 40: `--respawn`) Rank 0's communicator when some workers live on communicators of
+"""(`--respawn`) Rank 0's communicator when some workers live on communicators of
 their own: a replacement worker started with `MPI_Comm_spawn` talks to rank 0 on the 2-rank communicator of
 `Intercomm_merge` (rank 0 there is rank 0, the worker rank 1), yet keeps the worker rank W of the one it
 replaces, so the roles go on calling `comm.Isend(buf, dest=W, ...)` and reading `status.Get_source()` as
 before. RoutedComm routes each send and receive by worker rank, and probes every communicator in turn,
-setting the status's source to the worker rank (`Status.Set_source`).
+setting the status's source to the worker rank (`Status.Set_source`). A message on COMM_WORLD from a rank a
+replacement took (sent by the dead worker before it died, delivered late) is received and discarded (`stale`).
 
 Measured with the wheel's Open MPI 5.0.11 (docs/training.md, workers that die): spawn + merge take 1.2-2.6 s,
 also under ULFM.
@@ -13,7 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
+
+from mpiasgd.comms import ulfm
 
 JOINED_RANK = 1  # a joined worker's rank on its merged communicator (rank 0 is rank 0)
 
@@ -26,6 +30,7 @@ class RoutedComm:
     def __init__(self, base: Any) -> None:
         self.base = base
         self.joined: dict[int, Any] = {}
+        self.stale = 0  # messages of dead workers whose rank a replacement took, discarded
 
     def join(self, w: int, comm: Any) -> None:
         """Worker rank `w` now lives on `comm` (rank JOINED_RANK there): every call for `w` goes to it."""
@@ -57,7 +62,13 @@ class RoutedComm:
             if found is not None and status is not None and comm is not self.base:
                 status.Set_source(source)
             return found
-        found = self.base.Improbe(source=MPI.ANY_SOURCE, tag=tag, status=status)
+        status = status if status is not None else MPI.Status()
+        while True:
+            found = self.base.Improbe(source=MPI.ANY_SOURCE, tag=tag, status=status)
+            if found is None or status.Get_source() not in self.joined:
+                break
+            found.Recv(np.empty(max(1, status.Get_count(MPI.BYTE)), np.uint8))  # the dead worker's: not merged
+            self.stale += 1
         if found is not None:
             return found
         for w, comm in self.joined.items():
@@ -67,6 +78,14 @@ class RoutedComm:
                     status.Set_source(w)
                 return found
         return None
+
+    # --- ULFM ---
+    def failed_ranks(self) -> list[int]:
+        """(`ulfm.failed_ranks`) The worker ranks known dead, each failure acknowledged: those of COMM_WORLD whose
+        rank no replacement took, and each joined worker whose communicator reports its death; ascending."""
+        dead = [r for r in ulfm.failed_ranks(self.base) if r not in self.joined]
+        dead += [w for w, comm in self.joined.items() if ulfm.failed_ranks(comm)]
+        return sorted(dead)
 
     # --- the rest: COMM_WORLD's ---
     def Get_rank(self) -> int:

@@ -83,7 +83,11 @@ def dead_ranks(comm: Any) -> str:
 
 def failed_ranks(comm: Any) -> list[int]:
     """Acknowledge every failure known on `comm` (so receives from any source work again) and return the ranks of
-    `comm` that have failed, ascending (all of them since the start, not only the new ones)."""
+    `comm` that have failed, ascending (all of them since the start, not only the new ones). A communicator with a
+    `failed_ranks` of its own (rank 0's `RoutedComm` under --respawn) answers for itself."""
+    own = getattr(comm, "failed_ranks", None)
+    if own is not None:
+        return own()
     comm.Ack_failed()
     failed = comm.Get_failed()
     try:

@@ -40,6 +40,7 @@ from mpiasgd.comms.waits import server_wait
 from mpiasgd.config import Config
 from mpiasgd.data import DataError
 from mpiasgd.device import sharing_error, tuning_turns
+from mpiasgd.launch.join import join
 from mpiasgd.launch.ranks import Rank, blas_threads, node_workers, server_cores
 from mpiasgd.launch.startup import (
     definition_text,
@@ -90,6 +91,9 @@ def worker_failed(me: Rank, text: str, timeout: float = 5.0, said: bool = False)
 def train(cfg: Config, comm: Any = None) -> int:
     """Run `mpiasgd train` on every rank of `comm` (default MPI.COMM_WORLD); returns the exit status."""
     comm = comm or MPI.COMM_WORLD
+    parent = MPI.Comm.Get_parent()
+    if parent != MPI.COMM_NULL:  # (--respawn) a replacement worker, which rank 0 started
+        return join(cfg, parent)
     me = Rank(comm, comm.Get_rank(), comm.Get_size(), socket.gethostname(), cfg.servers)
     mode = load(cfg.mode)
     signals.set_rank(None if me.is_rank0 else me.rank)  # (routed by cli._train) a worker's first signal is said at once
@@ -114,6 +118,7 @@ def train(cfg: Config, comm: Any = None) -> int:
         try:
             spec = shared_definition(text)
             start = setup(cfg, me, mode, dataset, spec, local_rank, resumed)
+            start.definition = text
         except BaseException as e:
             error = startup_error(e)
     if report_startup_errors(me, error):

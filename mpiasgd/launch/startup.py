@@ -80,6 +80,7 @@ class Startup:
     cut: ShardCut | None = None
     replace_log: str = ""  # (rank 0, --resume --overwrite) why the log is not continued: "cannot be read (...)"
     rank0: Any = None  # rank 0's loop once it runs (`mpiasgd.rank0.serve.log_unwritable` needs it)
+    definition: str = ""  # (rank 0) the network definition text every worker started from (--respawn sends it on)
 
     def release(self) -> None:
         """Release the run log's lock, if this rank holds it (a start-up that failed wrote no log)."""

@@ -300,9 +300,11 @@ class AsgdServer(ShardedServer):
         self.count_workers()
 
     def rejoin_worker(self, w: int) -> None:
-        """(--respawn, work in progress) Worker rank `w`, dropped, is back (a replacement): `Role.rejoin`, a zero
-        momentum of its own (DANA-Zero), and the rules that count the workers count it again."""
+        """(--respawn) Worker rank `w`, dropped, is back (a replacement): `Role.rejoin`, a zero momentum of its own
+        (DANA-Zero), and the rules that count the workers count it again; its first weights (`join_worker`) carry
+        flag RESUME (it continues the dead worker's step count and data position)."""
         self.rejoin(w)
+        self.rejoined.add(w)
         if self.dana is not None:
             self.dana.add(w)
         self.count_workers()
@@ -377,8 +379,8 @@ class AsgdServer(ShardedServer):
             self.encode_reply(self.current_buffers() if initial or tag == Tag.STOP or number else self.buffers,
                               out.payload[self.P:], w, tag, step, "layer buffer value", initial)  # (fp32: a copy)
         flags = Flag.PREEMPT if tag == Tag.STOP and self.r0.stops_on_signal else 0
-        if initial and self.rec.resumed is not None:  # the worker continues its step count and data position
-            flags |= Flag.RESUME
+        if initial and (self.rec.resumed is not None or w in self.rejoined):  # the worker continues its step count
+            flags |= Flag.RESUME  # and data position (a resumed run; --respawn: the dead worker's)
         if number:
             flags |= Flag.EVALUATE
         self.tell_losses(w)
@@ -665,6 +667,8 @@ class AsgdMode(Mode):
         need(1 <= cfg.server_threads <= 1024, cfg, "server_threads", "an integer from 1 to 1024")
         need(cfg.update_rule in UPDATE_RULES, cfg, "update_rule", f"one of {UPDATE_RULES}")
         need(cfg.min_workers >= 1, cfg, "min_workers", "an integer >= 1 (workers left for a run to go on)")
+        need(not cfg.respawn or cfg.servers == 1, cfg, "respawn", "False with --servers > 1 (a replacement worker "
+             "talks to one parameter server)")
         if cfg.update_rule == "dana-zero":  # its momentum per worker and its own look-ahead replace these
             for key, ok, expected in dana_conflicts(cfg):
                 need(ok, cfg, key, expected)

@@ -240,6 +240,7 @@ class WorkerLoop:
         self.elapsed = 0.0               # seconds of training before this job (a resumed run)
         self.preempted = False           # rank 0's STOP said: a signal ended the run
         self.lost: list[int] = []        # (ULFM) the workers rank 0 said died (LOST), in that order
+        self.notices = 0                 # (ULFM) LOST notices taken (deaths, and --respawn's JOINED)
         self.absent: list[int] = []      # (simulate --join) workers not in the job yet: their data dealt out
         self.test_idx = job.test_idx     # the test images it evaluates: its slice, and a share of the lost ones'
         self.graphs = self.step_graphs(job.graphs)  # --cuda-graphs (None: eager launches)
@@ -273,18 +274,28 @@ class WorkerLoop:
         self.stream.seek(int(header["cursor"]))
 
     def on_lost(self, header: np.void) -> None:
-        """A LOST message from rank 0 (its `header`: step = the dead worker's rank, version = how many have died):
+        """A LOST message from rank 0 (its `header`: step = the dead worker's rank, version = the notice's number):
         from the next epoch this worker has not drawn yet on, it reads a share of the dead workers' data as well
         (`ShardSampler.redeal`), and evaluates a share of their test slices (`lost_test_share`), so that each
-        sample is still seen once per epoch and the final evaluation covers the test split. ProtocolError for a
-        notice out of order or naming this worker or a rank that is no worker."""
-        dead, number = int(header["step"]), int(header["version"])
+        sample is still seen once per epoch and the final evaluation covers the test split. With flag JOINED
+        (--respawn) the rank named is back (a replacement took it): the share is given back (`note_rejoined`).
+        ProtocolError for a notice out of order, naming this worker or a rank that is no worker, a death of a
+        worker told dead already, or a return of one not told dead."""
+        rank, number = int(header["step"]), int(header["version"])
+        joined = bool(int(header["flags"]) & Flag.JOINED)
         layout = self.job.layout or Layout.data_parallel(self.job.sampler.num_shards)
-        if number != len(self.lost) + 1 or dead == self.rank or dead in self.lost or dead not in layout.shard:
-            raise ProtocolError(f"rank {self.rank}: LOST from rank 0 names worker rank {dead} as death {number}; "
-                                f"expected death {len(self.lost) + 1}, a worker rank of 1..{len(layout.shard)} other "
-                                f"than this one and {self.lost or 'none'} (told already)")
-        self.note_lost(dead)
+        if (number != self.notices + 1 or rank == self.rank or rank not in layout.shard
+                or (rank in self.lost) != joined):
+            what = "the return of" if joined else "the death of"
+            raise ProtocolError(f"rank {self.rank}: LOST notice {number} from rank 0 tells {what} worker rank {rank}; "
+                                f"expected notice {self.notices + 1}, a worker rank of 1..{len(layout.shard)} other "
+                                f"than this one, dead before a return and alive before a death (dead now: "
+                                f"{self.lost or 'none'})")
+        self.notices += 1
+        if joined:
+            self.note_rejoined(rank)
+        else:
+            self.note_lost(rank)
 
     def take_lost(self, header: bytes, nbytes: int, source: int = 0) -> None:
         """A LOST message of `nbytes` bytes from `source` (rank 0), received into a buffer whose header bytes are
@@ -299,6 +310,13 @@ class WorkerLoop:
         """Worker rank `dead` died (a LOST message, or sync's shrunk allreduce group): this worker takes a share
         of its data from the next epoch it has not drawn yet on, and of its test slice (`on_lost`)."""
         self.lost.append(dead)
+        self.deal()
+
+    def note_rejoined(self, rank: int) -> None:
+        """(--respawn) Worker `rank`, told dead, is back (a replacement took its rank): from the next epoch this
+        worker has not drawn yet on, it no longer reads a share of that worker's shard, and its test slice
+        loses the share of that worker's."""
+        self.lost = [w for w in self.lost if w != rank]
         self.deal()
 
     def note_absent(self, ranks: list[int]) -> None:

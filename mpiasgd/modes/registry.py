@@ -159,6 +159,10 @@ class AsyncOptions:
         "docs/training.md) a worker that dies is dropped and the run goes on while at least this many workers are "
         "left; below it the run ends with status failed (a checkpoint where rank 0 holds the state); without ULFM "
         "any death ends the job", (*SERVER_MODES, "sync"))
+    respawn: bool = option(False, "async and ssp with one server, under ULFM: rank 0 starts a replacement for each "
+        "worker that dies (MPI_Comm_spawn, in a free slot of the launcher's); it takes the dead worker's rank, the "
+        "current weights and its data position, and the run goes on with as many workers as it began with "
+        "(docs/training.md)", PS_MODES)
     async_momentum: str = option("fixed", "the server's momentum: fixed = --momentum | workers = max(0, "
         "momentum - (1 - 1/N)) for N workers, since asynchrony itself adds about 1 - 1/N of momentum "
         "(Mitliagkas et al. 2016)", PS_MODES, "optimizer", label="momentum={}")

@@ -55,6 +55,7 @@ from mpiasgd.comms.ulfm import enabled as ulfm_enabled
 from mpiasgd.comms.waits import pauser
 from mpiasgd.config import Config
 from mpiasgd.rank0.recorder import Recorder
+from mpiasgd.rank0.respawn import JOIN_TAG, JOINED_RANK
 from mpiasgd.runlog import RunLogError
 
 PREEMPT_GRACE = 5.0  # seconds the workers have to answer after a preemption signal
@@ -126,6 +127,7 @@ class Rank0:
         self.checkpoint_due = ""              # a signal's checkpoint (its reason), written once the role settled
         self.deaths: list[int] = []           # (ULFM) ranks found dead inside a wait for a shard: `lose` at the tick
         self.header_only = Message(0)         # EVAL, REPORT: received and handled one at a time
+        self.respawner: Any = None            # (--respawn) starts a replacement for each worker lost (`serve` sets it)
         self.role = make_role(self)
         self.link = make_link(self) if make_link is not None else None
         rec.stop_workers = self.role.stop_workers
@@ -239,6 +241,31 @@ class Rank0:
                     f"{left} worker{'s go' if left != 1 else ' goes'} on")
             self.rec.event("worker_lost", text)
             print(f"mpiasgd: {text}", file=sys.stderr, flush=True)
+            if self.respawner is not None:
+                self.respawner.spawn(w)
+
+    def admit(self, w: int, comm: Any, info: Any, seconds: float) -> None:
+        """(--respawn, `Respawner.tick`) The replacement for worker rank `w`, started up on `comm` (its WorkerInfo
+        `info`, `seconds` after the death was seen), takes the rank: rank 0 reaches it there (`RoutedComm.join`),
+        tells it the workers dead now, logs it (event "worker_joined"), and sends it the current weights (flag
+        RESUME: the dead worker's step count and data position); the other workers are told it is back."""
+        role = self.role
+        self.comm.join(w, comm)
+        self.pids[w] = (info.host, info.pid)
+        role.rejoin_worker(w)
+        comm.send({"lost": list(role.lost_order), "notices": len(role.notice_order)}, dest=JOINED_RANK,
+                  tag=JOIN_TAG)
+        role.told[w] = len(role.notice_order)
+        alive = len(self.workers) - len(role.lost)
+        text = (f"worker rank {w} is back: a replacement on {info.host} (pid {info.pid}) started {seconds:.1f} s after "
+                f"the death was seen; it continues from step {role.last_step[w]}, {alive} worker"
+                f"{'s train' if alive != 1 else ' trains'}")
+        self.rec.event("worker_joined", text)
+        self.rec.log.replace_worker(info.row())  # the /workers row of rank w: the replacement's host, pid, device
+        print(f"mpiasgd: {text}", file=sys.stderr, flush=True)
+        self.last_seen[w] = self.rec.now()
+        self.warned.discard(w)
+        role.join_worker(w)
 
     @property
     def elastic(self) -> bool:
@@ -317,6 +344,8 @@ class Rank0:
         if self.deaths:  # (found while rank 0 assembled the shards' slices: dropped now, outside that wait)
             deaths, self.deaths = self.deaths, []
             self.lose(deaths)
+        if self.respawner is not None and self.respawner.pending:
+            self.respawner.tick()
         if signals.received() and not self.preempted and not self.late_signal:
             if self.decides:
                 self.preempt(f"{signals.received()} received by rank 0")

@@ -69,6 +69,9 @@ class Role:
         self.stopped: set[int] = set()
         self.lost: set[int] = set()  # workers that died under ULFM and were dropped (`lose_worker`)
         self.lost_order: list[int] = []  # the same, in the order they were dropped
+        # (ULFM) what the workers are told (LOST messages), in order: (worker rank, 0) a death, (worker rank,
+        # Flag.JOINED) a replacement that took the rank (--respawn)
+        self.notice_order: list[tuple[int, int]] = []
         self.evals: dict[int, tuple] = {}
         self.stops_sent: set[int] = set()  # header-only STOPs posted (send_stop)
         self.last_step = dict.fromkeys(self.workers, 0)
@@ -132,17 +135,22 @@ class Role:
         pending sends are dropped: they may never complete); an evaluation it was asked for goes without it."""
         self.lost.add(w)
         self.lost_order.append(w)
+        self.notice_order.append((w, 0))
         self.out[w] = SendSlots([None], f"send to worker rank {w}", 0, self.cfg.comm_timeout)
         self.periodic.lose(w)
 
     def rejoin(self, w: int) -> None:
-        """(--respawn, work in progress) Worker rank `w`, dropped (`lose_worker`), is back: a replacement took its
-        rank. It is awaited again (its EVAL, its pushes from step `last_step[w] + 1`); its first weights are the
-        role's to send. ValueError unless `w` was lost."""
+        """(--respawn) Worker rank `w`, dropped (`lose_worker`), is back: a replacement took its rank. It is awaited
+        again (its EVAL, its pushes from step `last_step[w] + 1`), the other workers are told (a LOST notice with
+        flag JOINED); its first weights are the role's to send. ValueError unless `w` was lost."""
         if w not in self.lost:
             raise ValueError(f"rejoin: worker rank {w} was not dropped")
         self.lost.discard(w)
+        self.lost_order.remove(w)
+        self.notice_order.append((w, int(Flag.JOINED)))
         self.stopped.discard(w)
+        self.stops_sent.discard(w)
+        self.out[w] = SendSlots([None], f"send to worker rank {w}", 0, self.cfg.comm_timeout)
 
     def waits_for_rank0(self, w: int) -> bool:
         """Worker `w` is silent because it waits for rank 0 (not a stall)."""

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from mpiasgd import signals
 from mpiasgd.comms import CommTimeout, Message, Tag, ulfm
+from mpiasgd.comms.routed import RoutedComm
 from mpiasgd.comms.waits import server_wait
 from mpiasgd.config import Config, from_mapping, resume_overrides
 from mpiasgd.health import LossWatch
@@ -30,6 +31,7 @@ from mpiasgd.modes.registry import SERVER_MODES
 from mpiasgd.optim import StopRule
 from mpiasgd.rank0.loop import PREEMPT_GRACE, Preempted, Rank0, WorkerFailed, kept_note
 from mpiasgd.rank0.recorder import Recorder
+from mpiasgd.rank0.respawn import Respawner
 from mpiasgd.rank0.shard_hub import HubLink, ShardHub
 from mpiasgd.rank0.shard_recorder import ShardRecorder
 from mpiasgd.runlog import EventRow, RunLog, RunLogError, summary_lines
@@ -194,6 +196,9 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
     if note:  # said once, on the console and (when the clocks start) in the log's events
         print(f"mpiasgd: {note}", flush=True)
     notes = [("server_wait", note)] if note else []  # (logged when the clocks start: `Rank0.run`)
+    if cfg.respawn and not ulfm.enabled():
+        print("mpiasgd: warning: --respawn applies under ULFM only (mpiexec --with-ft ulfm, docs/training.md): "
+              "without it any death ends the job", file=sys.stderr, flush=True)
     if cfg.min_workers != 1 and not ulfm.enabled():
         print(f"mpiasgd: warning: --min-workers {cfg.min_workers} applies under ULFM only (mpiexec --with-ft ulfm, "
               "docs/training.md): without it any death ends the job", file=sys.stderr, flush=True)
@@ -202,6 +207,7 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
         text = ("fault tolerance: ULFM (mpiexec --with-ft ulfm): " +
                 (f"a worker that dies is dropped and the run goes on while {cfg.min_workers} or more are left "
                  f"(--min-workers)" + ("; a parameter-server shard that dies ends it" if cfg.servers > 1 else "")
+                 + ("; --respawn: rank 0 starts a replacement for it (MPI_Comm_spawn)" if cfg.respawn else "")
                  if survives else f"mode '{cfg.mode}' does not drop a dead worker yet: a death ends the run "
                  "(status failed; its last checkpoint stands)"))
         if not ulfm.detector_thread():
@@ -213,16 +219,21 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
         print(f"mpiasgd: warning: --server-threads {cfg.server_threads} x {cfg.servers} server rank(s) is more than "
               f"the {me.node_cores} core(s) of rank 0's node: the threads share cores (and take the workers')",
               file=sys.stderr, flush=True)
-    r0 = Rank0(me.comm, cfg, rec, lambda r0: start.mode.rank0(r0, params, model.decay_mult(), model, dataset,
-                                                              start.layout),
+    respawn = cfg.respawn and ulfm.enabled()
+    r0 = Rank0(RoutedComm(me.comm) if respawn else me.comm, cfg, rec,
+               lambda r0: start.mode.rank0(r0, params, model.decay_mult(), model, dataset, start.layout),
                pids={w.rank: (w.host, w.pid) for w in [*workers, *shards]},
                make_link=ShardHub if start.cut is not None else None, server_wait=wait, notes=notes)
     if ckpt is not None:
         rec.restore(ckpt)
         r0.role.restore(ckpt if r0.link is None else r0.link.restore(ckpt))  # (the other shards: their slices)
     start.rank0 = r0  # for `log_unwritable`, should the log fail
+    if respawn:
+        r0.respawner = Respawner(r0, start.definition, me.size, sys.argv[1:], {w.rank: w for w in workers})
     try:
         summary = r0.run()
+        if r0.respawner is not None:  # (--respawn) the replacements finalize MPI once rank 0 disconnects
+            r0.respawner.close()
     except (Preempted, WorkerFailed) as stop:
         # close the log first, so nothing already logged is lost, then end the whole job
         if isinstance(stop, WorkerFailed):

@@ -97,6 +97,7 @@ class ShardedServer(Role):
         self.outbox = {w: Message(P + B, self.wire) for w in self.workers}
         self.started: set[int] = set()        # workers sent their first weights (--warm-start holds back some)
         self.absent: set[int] = set()         # (simulate --join) workers not in the job yet: started on joining
+        self.rejoined: set[int] = set()       # (--respawn) worker ranks a replacement took
         # --servers S > 1: the shards' agreement on the pushes each applies (`place` sets it); S = 1: none
         self.agreement: OneServer | ShardAgreement = OneServer(self)
         self.rule: UpdateRule | None = None   # the mode's update rule (its subclass sets it)
@@ -141,17 +142,19 @@ class ShardedServer(Role):
 
     def tell_losses(self, w: int) -> None:
         """(the subclass's `send`, before a reply to worker `w`) A LOST message for each worker dropped since `w`'s
-        last reply (step = the dead worker's rank, version = its number among the deaths), so that `w` deals
-        itself a share of their data and test slices (`WorkerLoop.on_lost`). The header-only sends are not
+        last reply (step = the dead worker's rank, version = its number among the notices), so that `w` deals
+        itself a share of their data and test slices (`WorkerLoop.on_lost`), and one with flag JOINED for each
+        replacement that took a dropped rank (--respawn: `w` gives that share back). The header-only sends are not
         waited for."""
         told = self.told.get(w, 0)
-        if told == len(self.lost_order) or self.shard:  # (S > 1: rank 0 tells them; the other shards do not)
+        if told == len(self.notice_order) or self.shard:  # (S > 1: rank 0 tells them; the other shards do not)
             return
         self.notices = [(m, r, d) for m, r, d in self.notices if d not in self.lost and not r.Test()]
-        for k in range(told, len(self.lost_order)):
-            msg = Message(0).stamp(Tag.LOST, self.rank, step=self.lost_order[k], version=k + 1)
+        for k in range(told, len(self.notice_order)):
+            rank, flags = self.notice_order[k]
+            msg = Message(0).stamp(Tag.LOST, self.rank, step=rank, version=k + 1, flags=flags)
             self.notices.append((msg, self.comm.Isend(msg.buf, dest=w, tag=int(Tag.LOST)), w))
-        self.told[w] = len(self.lost_order)
+        self.told[w] = len(self.notice_order)
 
     # --- what the subclass gives ---
     def send(self, w: int, tag: Tag, step: int, initial: bool = False) -> None:

@@ -124,6 +124,12 @@ def lost_workers(run: dict) -> list[tuple[float, str]]:
     return events_of(run, "worker_lost")
 
 
+def replaced_workers(run: dict) -> dict[int, float]:
+    """{worker rank: training-log time} of each replacement that took a dead worker's rank (--respawn: a
+    "worker_joined" event "worker rank R is back: ..."); the last one where a rank was replaced more than once."""
+    return {int(text.split()[2]): t for t, text in events_of(run, "worker_joined") if " is back: " in text}
+
+
 def summary_lines(path: str, run: dict | None = None) -> list[str]:
     """The short summary printed at the end of `mpiasgd train`: accuracy, images/s, staleness, time, one
     line each. `run` is the log at `path` as `load` reads it (read here if None: errors as `load`)."""
@@ -147,10 +153,17 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
         ckpt = checkpoint_path(path)
         if os.path.isfile(ckpt):
             lines.append(f"checkpoint       {ckpt}  (continue with '--resume {ckpt}')")
-    lost = lost_workers(run)
+    lost, back = lost_workers(run), events_of(run, "worker_joined")
     if lost:
-        ranks = ", ".join(f"rank {text.split()[2]} at {t:.1f} s" for t, text in lost)  # ("worker rank R ...")
-        lines.append(f"workers lost     {len(lost)} (died; the run went on without them): {ranks}")
+        ranks = []
+        for t, text in lost:  # ("worker rank R ..."), and the replacement that took R next (--respawn)
+            rank = text.split()[2]
+            again = [u for u, joined in back if u >= t and joined.startswith(f"worker rank {rank} is back: ")]
+            ranks.append(f"rank {rank} at {t:.1f} s" + (f" (replaced at {again[0]:.1f} s)" if again else ""))
+        replaced = sum("replaced" in r for r in ranks)
+        how = ("died; the run went on without them" if not replaced else
+               f"died; the run went on, {replaced} replaced by --respawn")
+        lines.append(f"workers lost     {len(lost)} ({how}): {', '.join(ranks)}")
     if final is not None:
         top5 = final["top5"] if "top5" in (final.dtype.names or ()) else float("nan")
         lines.append(f"test accuracy    {100 * final['accuracy']:.2f} %  on {final['count']:,} images "

@@ -134,6 +134,7 @@ class RunLog:
         self.flush_interval = flush_interval
         self.pending: dict[str, list] = {name: [] for name in TABLES}
         self.pending_params: list[np.ndarray] = []
+        self.pending_workers: list[np.void] = []  # /workers rows replaced (--respawn), written at the next flush
         self.pending_buffers: list[np.ndarray] = []
         self.last_flush = time.monotonic()
         self.error: RunLogError | None = None  # the write failure that broke the log (it takes no more rows)
@@ -282,6 +283,14 @@ class RunLog:
                 self.pending_buffers.append(buffers.copy())
 
     @_guarded
+    def replace_worker(self, record: WorkerRow) -> None:
+        """(--respawn) The /workers row of rank `record.rank` becomes `record` (a replacement took the rank: its
+        host, pid, device) at the next flush, written in place (SWMR allows writes to existing rows). ValueError
+        for a rank the table does not hold (at the flush: the log is then broken, as for a write error)."""
+        if self.error is None:
+            self.pending_workers.append(np.array(record.row(), dtype=WORKER_ROW)[()])
+
+    @_guarded
     def maybe_flush(self) -> None:
         """`flush` if `flush_interval` seconds have passed since the last one (RunLogError as `flush`); nothing
         once `end_early` closed the file (its rows wait for an explicit `flush` or `close`)."""
@@ -319,6 +328,7 @@ class RunLog:
         snapshots = snapshots and bool(self.pending_params)
         need = sum(p.nbytes for p in (*self.pending_params, *self.pending_buffers)) if snapshots else 0
         need += sum(len(rows) * TABLES[name].itemsize for name, rows in self.pending.items())
+        need += len(self.pending_workers) * WORKER_ROW.itemsize
         try:
             if need:
                 ensure_free_space(self.path, need)  # before HDF5: its own ENOSPC paths stay the rare fallback
@@ -339,8 +349,17 @@ class RunLog:
                     before[name] = ds.shape[0]
                     append(ds, np.array(rows, dtype=TABLES[name]))
                     ds.flush()
+            if self.pending_workers:
+                table = self.file["workers"]
+                ranks = table.fields("rank")[()]
+                for row in self.pending_workers:
+                    at = np.flatnonzero(ranks == row["rank"])
+                    if not at.size:
+                        raise ValueError(f"run log '{self.path}': no row of worker rank {int(row['rank'])} in /workers")
+                    table[int(at[0])] = row
+                table.flush()
             self.file.flush()
-        except (OSError, RuntimeError) as e:  # RuntimeError: h5py's, when HDF5 fails to write
+        except (OSError, RuntimeError, ValueError) as e:  # RuntimeError: h5py's, when HDF5 fails to write
             self.error = RunLogError(self.path, e)
             for name, n in before.items():  # no row that may not be on disk stays referenced
                 try:
@@ -349,6 +368,7 @@ class RunLog:
                     pass
             raise self.error from e
         finally:
+            self.pending_workers.clear()
             if snapshots or self.error is not None:
                 self.pending_params.clear()
                 self.pending_buffers.clear()

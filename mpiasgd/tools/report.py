@@ -29,6 +29,7 @@ from mpiasgd.runlog.summary import (
     final_eval,
     lost_workers,
     periodic_evals,
+    replaced_workers,
     summary_lines,
     trained_images,
     training_time,
@@ -45,7 +46,9 @@ def worker_table(run: dict) -> list[str]:
     pushes, train_time = run["pushes"], training_time(run)
     dead = {int(text.split()[2]): t for t, text in lost_workers(run)}  # ("worker rank R ...")
     dead = {w: t for w, t in dead.items() if not (pushes["time"][pushes["worker"] == w] > t).any()}
-    joined = {int(text.split()[2]): t for t, text in events_of(run, "worker_joined")}  # (simulate --join)
+    replaced = replaced_workers(run)  # (--respawn: a replacement took the rank; its pushes go on the same line)
+    joined = {int(text.split()[2]): t for t, text in events_of(run, "worker_joined")  # (simulate --join)
+              if int(text.split()[2]) not in replaced}
     lines = ["rank  host              pushes    images  images/s  stale mean  stale max   compute    comm    wait"
              "  data wait"]
     hosts = {int(w["rank"]): w["host"].decode() for w in run["workers"]} if run["workers"] is not None else {}
@@ -64,6 +67,7 @@ def worker_table(run: dict) -> list[str]:
             f"{100 * p['comm_s'].sum() / total:>6.1f}% {100 * p['wait_s'].sum() / total:>6.1f}%"
             + (f" {100 * share:>9.1f}%" if share is not None else f" {'-':>10}")
             + (f"  joined at {joined[rank]:.1f} s" if rank in joined else "")
+            + (f"  replaced at {replaced[rank]:.1f} s" if rank in replaced else "")
             + (f"  lost at {dead[rank]:.1f} s" if rank in dead else ""))
     return lines
 

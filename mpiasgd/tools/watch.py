@@ -75,10 +75,14 @@ def console_bars() -> str:
 
 
 def final_line(path: str) -> tuple[str, int]:
-    """(the closing line, exit status) once the writer is gone; it counts the workers lost under ULFM."""
+    """(the closing line, exit status) once the writer is gone; it counts the workers lost under ULFM (and those
+    --respawn replaced)."""
     with open_log(path) as f:
         attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
-        lost = int((f["events"]["kind"] == b"worker_lost").sum()) if "events" in f else 0
+        events = f["events"][()] if "events" in f else None
+    lost = int((events["kind"] == b"worker_lost").sum()) if events is not None else 0
+    replaced = 0 if events is None else sum(  # (--respawn: a replacement took the rank)
+        1 for row in events if row["kind"] == b"worker_joined" and b" is back: " in bytes(row["text"]))
     status = str(attrs.get("status", "unknown"))
     if status == "running":
         status = "killed (its writer is gone; rows up to the last flush)"
@@ -89,6 +93,7 @@ def final_line(path: str) -> tuple[str, int]:
     if acc and top5 is not None and np.isfinite(float(top5)):
         acc += f" (top-5 {100 * float(top5):.2f} %)"
     gone = f"; {lost} worker{'s' * (lost != 1)} lost" if lost else ""
+    gone += f" ({replaced} replaced)" if replaced else ""
     return (f"run ended: status {status}{acc}{gone}" + (f"; {health}" if health else ""),
             0 if status == "completed" else 1)
 

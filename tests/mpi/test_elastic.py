@@ -137,6 +137,31 @@ def test_a_killed_worker_is_dropped_and_the_run_completes(tmp_path, mode):
     assert "workers lost     1 (died; the run went on without them): rank 2 at " in out
 
 
+@pytest.mark.parametrize("mode", [[], ["--mode", "ssp", "--staleness-bound", "2"]], ids=["async", "ssp"])
+def test_respawn_replaces_a_killed_worker_which_takes_its_rank_and_pushes(tmp_path, mode):
+    """--respawn: rank 0 spawns a replacement for the SIGKILLed worker rank 2; within 10 s of the death it is back
+    (event worker_joined), pushes as rank 2 from the dead worker's next step on, and the run completes with the
+    test split evaluated once (the survivors gave rank 2's share back)."""
+    rc, out, err = run_and_kill(tmp_path, ["--epochs", "60", "--respawn", *mode], victim=2)
+    assert rc == 0, f"{out}\n{err}"
+    assert "--respawn: rank 0 starts a replacement for it (MPI_Comm_spawn)" in out
+    attrs, t, _ = read_log(tmp_path / "runs" / "el.h5")
+    assert attrs["status"] == "completed", f"{out}\n{err}"
+    events = [(row["time"], row["kind"].decode(), row["text"].decode()) for row in t["events"]]
+    lost = [e for e in events if e[1] == "worker_lost"]
+    joined = [e for e in events if e[1] == "worker_joined"]
+    assert len(lost) == 1 and len(joined) == 1, events
+    assert joined[0][2].startswith("worker rank 2 is back: a replacement on ") and "3 workers train" in joined[0][2]
+    assert joined[0][0] - lost[0][0] < 10.0, events  # the worker count is back within 10 s
+    pushes = t["pushes"]
+    mine = pushes[pushes["worker"] == 2]
+    before, after = mine[mine["time"] <= lost[0][0]], mine[mine["time"] >= joined[0][0]]
+    assert len(before) and len(after) >= 5, events  # the replacement trained
+    assert after["step"][0] == before["step"][-1] + 1 and (np.diff(after["step"]) == 1).all()
+    assert attrs["test_count"] == 360  # each test image evaluated once
+    assert not any(e[1] == "respawn_failed" for e in events), events
+
+
 @pytest.mark.parametrize("mode", [[], ["--mode", "ssp", "--staleness-bound", "2"], ["--mode", "easgd"]],
                          ids=["async", "ssp", "easgd"])
 def test_two_shards_drop_a_killed_worker_and_hold_the_same_pushes(tmp_path, mode):

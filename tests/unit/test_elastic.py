@@ -10,7 +10,7 @@ import pytest
 from kit.server import make_server, push, reply, serve_one
 from kit.worker import receive, send, start_worker
 
-from mpiasgd.comms import Message, Tag, ulfm
+from mpiasgd.comms import Flag, Message, Tag, ulfm
 from mpiasgd.data import DataError, ShardSampler, lost_test_share
 from mpiasgd.data import test_slice as slice_of  # (not named test_*: pytest would collect it)
 from mpiasgd.model import build_model
@@ -166,7 +166,29 @@ def test_a_worker_told_of_a_death_evaluates_a_share_of_its_test_slice(digits):
     receive(net, Tag.PUSH, count)
     net.post(0, 1, Tag.LOST, Message(0).stamp(Tag.LOST, 0, step=1, version=1).buf)
     thread.join(10)
-    assert "LOST from rank 0 names worker rank 1 as death 1" in str(outcome.get("error"))
+    assert "LOST notice 1 from rank 0 tells the death of worker rank 1" in str(outcome.get("error"))
+
+
+def test_a_worker_told_of_a_return_gives_the_share_back(digits):
+    """(--respawn) Worker rank 1 of 2 hears that worker rank 2 died, then that it is back (flag JOINED): its final
+    EVAL covers its own 20 test images only. A return of a worker not told dead is a ProtocolError."""
+    net, _, thread, outcome = start_worker(digits)
+    count = build_model("digits").num_params
+    send(net, Tag.WEIGHTS, build_model("digits").init_params(0), version=0, step=0)
+    receive(net, Tag.PUSH, count)
+    net.post(0, 1, Tag.LOST, Message(0).stamp(Tag.LOST, 0, step=2, version=1).buf)
+    net.post(0, 1, Tag.LOST, Message(0).stamp(Tag.LOST, 0, step=2, version=2, flags=Flag.JOINED).buf)
+    send(net, Tag.STOP, build_model("digits").init_params(0), version=1, step=1)
+    result = receive(net, Tag.EVAL, 0)
+    thread.join(10)
+    assert "error" not in outcome and int(result.header["samples"]) == 20
+
+    net, _, thread, outcome = start_worker(digits)
+    send(net, Tag.WEIGHTS, build_model("digits").init_params(0), version=0, step=0)
+    receive(net, Tag.PUSH, count)
+    net.post(0, 1, Tag.LOST, Message(0).stamp(Tag.LOST, 0, step=2, version=1, flags=Flag.JOINED).buf)
+    thread.join(10)
+    assert "LOST notice 1 from rank 0 tells the return of worker rank 2" in str(outcome.get("error"))
 
 
 def test_the_job_scripts_launch_under_ulfm_with_mpiexec_and_refuse_srun(tmp_path):

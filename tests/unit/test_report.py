@@ -502,3 +502,36 @@ def test_a_failed_run_says_its_cause_and_the_checkpoint_left(tmp_path):
     (tmp_path / "k.ckpt.h5").write_bytes(b"x")
     assert f"checkpoint       {tmp_path / 'k.ckpt.h5'}  (continue with '--resume {tmp_path / 'k.ckpt.h5'}')" in \
         report([path]).splitlines()
+
+
+def test_a_replaced_worker_keeps_its_line_and_its_row_names_the_replacement(tmp_path):
+    """(--respawn) Worker rank 2 dies at 1.0 s and a replacement takes its rank at 3.0 s: the /workers row of rank 2
+    names the replacement's pid (written in place at a flush), the summary says the loss and the replacement, the
+    per-worker table keeps one line for rank 2 ("replaced at 3.0 s"), and a rank the table lacks breaks the log."""
+    from mpiasgd.runlog import RunLogError, summary_lines
+
+    path = str(tmp_path / "re.h5")
+    workers = [dataclasses.replace(WORKER, rank=r, pid=100 + r) for r in (1, 2)]
+    log = RunLog.create(path, {"config": {"mode": "async"}, "num_workers": 2, "num_train": 1000}, workers, 3,
+                        flush_interval=60.0)
+    for i in range(10):
+        log.add(dataclasses.replace(push(0.5 * i, 0), worker=1 + i % 2))
+    log.add(EventRow(time=1.0, kind=b"worker_lost", text="worker rank 2 on host died after step 1 (ULFM reported "
+                                                         "it): dropped, 1 worker goes on"))
+    log.add(EventRow(time=3.0, kind=b"worker_joined", text="worker rank 2 is back: a replacement on host (pid 7) "
+                                                           "started 2.0 s after the death was seen; it continues "
+                                                           "from step 1, 2 workers train"))
+    log.replace_worker(dataclasses.replace(WORKER, rank=2, pid=7, host=b"other"))
+    log.close("completed", {"train_time_s": 5.0})
+    run = load(path)
+    assert [(int(r["rank"]), int(r["pid"]), r["host"]) for r in run["workers"]] == [(1, 101, b"host"), (2, 7, b"other")]
+    assert ("workers lost     1 (died; the run went on, 1 replaced by --respawn): rank 2 at 1.0 s (replaced at "
+            "3.0 s)") in summary_lines(path, run)
+    rank2 = [line for line in report([path]).splitlines() if line.startswith("   2  ")]
+    assert len(rank2) == 1 and rank2[0].endswith("  replaced at 3.0 s") and "lost at" not in rank2[0]
+
+    broken = RunLog.create(str(tmp_path / "b.h5"), {"config": {"mode": "async"}}, workers, 3, flush_interval=60.0)
+    broken.replace_worker(dataclasses.replace(WORKER, rank=5))
+    with pytest.raises(RunLogError, match="no row of worker rank 5 in /workers"):
+        broken.flush()
+    broken.abandon()

@@ -1,13 +1,16 @@
-"""(work in progress, issue 40: --respawn) RoutedComm over the fake network: a joined worker on a communicator of
-its own is reached, and heard, under its worker rank."""
+"""(--respawn) RoutedComm over the fake network: a joined worker on a communicator of its own is reached, and heard,
+under its worker rank; a late message of the dead worker it replaced is discarded; the failed ranks it reports are
+worker ranks. The server's side of a rejoin (DANA-Zero, the counted workers). End to end: tests/mpi/test_elastic.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from kit.fakempi import Network
+from kit.server import make_server, push, reply, serve_one
 from mpi4py import MPI
 
+from mpiasgd.comms import Flag, ulfm
 from mpiasgd.comms.routed import JOINED_RANK, RoutedComm
 
 
@@ -38,11 +41,68 @@ def test_a_joined_worker_is_reached_and_heard_under_its_worker_rank():
     assert comm.Get_rank() == 0 and comm.Get_size() == 4
 
 
+def test_a_late_message_of_the_replaced_worker_is_discarded():
+    world, merged = Network(4), Network(2)
+    comm = RoutedComm(world.comm(0))
+    comm.join(2, merged.comm(0))
+    world.post(2, 0, 12, b"\x05\x06")  # sent by the dead worker rank 2 before it died
+    world.post(3, 0, 12, b"\x07")
+    status = MPI.Status()
+    found = comm.Improbe(MPI.ANY_SOURCE, 12, status)
+    assert found is not None and status.Get_source() == 3 and comm.stale == 1
+    assert comm.Improbe(MPI.ANY_SOURCE, 12, status) is None and world.pending(0) == []
+
+
+class Failures:
+    """The ULFM calls `ulfm.failed_ranks` makes, on a communicator whose ranks `dead` have failed."""
+
+    def __init__(self, size: int, dead: list[int]) -> None:
+        self.size, self.dead, self.acked = size, dead, False
+
+    def Ack_failed(self) -> None:
+        self.acked = True
+
+    def Get_failed(self):
+        return FailedGroup(self.dead)
+
+    def Get_group(self):
+        return FailedGroup(list(range(self.size)))
+
+
+class FailedGroup:
+    def __init__(self, ranks: list[int]) -> None:
+        self.ranks = ranks
+
+    def Get_size(self) -> int:
+        return len(self.ranks)
+
+    def Free(self) -> None:
+        pass
+
+
+def test_the_failed_ranks_are_worker_ranks(monkeypatch):
+    """COMM_WORLD's failed rank 2 was replaced (not reported again); rank 3 died; the replacement of rank 1 died on
+    its own communicator: ranks 1 and 3 are reported, every failure acknowledged."""
+    class Groups:  # mpi4py's Group.Translate_ranks for these groups (its types cannot be patched)
+        UNDEFINED = MPI.UNDEFINED
+
+        class Group:
+            @staticmethod
+            def Translate_ranks(group, ranks, other):
+                return [group.ranks[r] for r in ranks]
+
+    monkeypatch.setattr(ulfm, "MPI", Groups)
+    world, first, second = Failures(4, [2, 3]), Failures(2, [JOINED_RANK]), Failures(2, [])
+    comm = RoutedComm(world)
+    comm.join(1, first)
+    comm.join(2, second)
+    assert ulfm.failed_ranks(comm) == [1, 3] and world.acked and first.acked and second.acked
+
+
 def test_a_dropped_worker_that_rejoins_is_awaited_and_counted_again(tmp_path):
     """(--respawn) DANA-Zero with 3 workers: worker 2 dropped then back: a zero momentum of its own (the sum
-    unchanged), awaited again, and --async-momentum workers counts 3 again."""
-    from kit.server import make_server, push, reply, serve_one
-
+    unchanged), awaited again, told to the others (a notice with flag JOINED after the death's), and --async-momentum
+    workers counts 3 again."""
     server, net, _ = make_server(tmp_path, num_workers=3, update_rule="dana-zero", momentum=0.9)
     role = server.role
     role.begin()
@@ -56,7 +116,8 @@ def test_a_dropped_worker_that_rejoins_is_awaited_and_counted_again(tmp_path):
     total = role.dana.total.copy()
     role.rejoin_worker(2)
     assert not role.dana.velocities[2].any() and np.array_equal(role.dana.total, total)
-    assert role.waiting_for() == [1, 2, 3] and 2 not in role.lost
+    assert role.waiting_for() == [1, 2, 3] and 2 not in role.lost and role.lost_order == []
+    assert role.notice_order == [(2, 0), (2, int(Flag.JOINED))] and 2 in role.rejoined
     with pytest.raises(ValueError, match="was not dropped"):
         role.rejoin_worker(2)
     server, _, _ = make_server(tmp_path / "m", num_workers=3, update_rule="sgd", momentum=0.9,

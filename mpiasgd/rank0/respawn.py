@@ -1,0 +1,155 @@
+"""(`--respawn`, rank 0) A replacement for each worker that dies: started with `MPI_Comm_spawn`, it takes the dead
+worker's rank and goes on where that worker stopped.
+
+The wheel's Open MPI (5.0.11) spawns from rank 0 alone (COMM_SELF) in 1.2-2.6 s, also under ULFM; a second
+`mpiexec` cannot attach to a running job (docs/training.md, "Workers that die"). The steps, rank 0 on the left:
+
+    spawn        MPI.COMM_SELF.Spawn(python -m mpiasgd <this job's arguments>), merged (`Intercomm_merge`) into
+                 a 2-rank communicator: rank 0 is 0, the replacement 1 (`JOINED_RANK`)
+    JOIN ->      {"rank": W, "size": the job's ranks, "definition": the network definition, "local_rank": W's}
+                 the replacement starts up as worker rank W would (dataset, model, staging: `launch.join`)
+    <- JOIN      (error text or None, its WorkerInfo); rank 0 checks it at each tick (`tick`), not waiting
+    JOIN ->      {"lost": the workers dead now, "notices": the LOST notices counted so far}: it deals itself
+                 shares of the dead workers' data, as the survivors did
+    WEIGHTS ->   the current weights, flag RESUME: it continues W's step count and data position
+
+From then on rank 0 reaches it as worker rank W through `RoutedComm`; the other workers are told it is back (a
+LOST notice with flag JOINED) and give W's data back from their next epoch. Its staleness counts from this pull.
+A replacement that fails to start (its error, its death, or no answer within --model-timeout + --comm-timeout)
+is logged (event `respawn_failed`) and the run goes on without it; a rank is replaced at most `MAX_RESPAWNS`
+times.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+from mpi4py import MPI
+
+from mpiasgd.comms import ulfm
+from mpiasgd.comms.routed import JOINED_RANK, RoutedComm
+
+__all__ = ["JOINED_RANK", "JOIN_TAG", "MAX_RESPAWNS", "Respawner"]
+
+JOIN_TAG = 99         # the start-up messages between rank 0 and a replacement, on their own communicator
+MAX_RESPAWNS = 3      # replacements per worker rank (one that dies at once is not started for ever)
+HELLO_BYTES = 1 << 20  # the largest start-up answer (an error text, or the WorkerInfo) a replacement sends
+
+
+class Pending:
+    """A replacement spawned for worker rank `w`, starting up: its communicator, the receive of its answer, when
+    the death was seen (`died`, monotonic seconds) and when it must have answered (`deadline`)."""
+
+    def __init__(self, w: int, inter: Any, comm: Any, request: Any, died: float, deadline: float) -> None:
+        self.w, self.inter, self.comm, self.request, self.died, self.deadline = w, inter, comm, request, died, deadline
+
+
+class Respawner:
+    """(rank 0) Starts and admits replacements (module docstring). `r0` is the loop (`Rank0`), whose `comm` is a
+    RoutedComm; `definition` the network definition text every worker started from; `size` the job's ranks;
+    `argv` the arguments a replacement is started with (this process's); `infos` {worker rank: WorkerInfo} of
+    the workers as they started (a replacement takes its predecessor's local rank: its GPU)."""
+
+    def __init__(self, r0: Any, definition: str, size: int, argv: list[str], infos: dict[int, Any]) -> None:
+        if not isinstance(r0.comm, RoutedComm):
+            raise TypeError("Respawner: rank 0's communicator must be a RoutedComm")
+        self.r0, self.definition, self.size, self.argv = r0, definition, size, argv
+        self.local_rank = {w: max(0, int(getattr(info, "device", -1))) for w, info in infos.items()}
+        self.threads = {w: int(getattr(info, "threads", 1)) for w, info in infos.items()}
+        self.pending: dict[int, Pending] = {}
+        self.children: list[Pending] = []  # every replacement spawned, for `close`
+        self.count: dict[int, int] = {}  # replacements started per worker rank
+
+    def spawn(self, w: int) -> None:
+        """Start a replacement for worker rank `w`, which was just dropped (at most MAX_RESPAWNS per rank; none once
+        the run stops). Blocks while MPI spawns it (about 1-3 s); its start-up is followed at each `tick`."""
+        r0 = self.r0
+        if r0.rec.stop_reason or r0.preempted:
+            return
+        if self.count.get(w, 0) >= MAX_RESPAWNS:
+            self.failed(w, f"worker rank {w} was replaced {MAX_RESPAWNS} times already (--respawn gives up on it)")
+            return
+        self.count[w] = self.count.get(w, 0) + 1
+        died = time.monotonic()
+        try:
+            inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-m", "mpiasgd", *self.argv], maxprocs=1)
+            comm = inter.Merge(high=False)
+            comm.send({"rank": w, "size": self.size, "definition": self.definition,
+                       "local_rank": self.local_rank.get(w, w - 1), "threads": self.threads.get(w, 1)},
+                      dest=JOINED_RANK, tag=JOIN_TAG)
+            request = comm.irecv(bytearray(HELLO_BYTES), source=JOINED_RANK, tag=JOIN_TAG)
+        except MPI.Exception as e:
+            self.failed(w, f"MPI_Comm_spawn of a replacement for worker rank {w} failed: {e.Get_error_string()}")
+            return
+        timeout = r0.cfg.model_timeout + r0.cfg.comm_timeout
+        self.pending[w] = Pending(w, inter, comm, request, died, died + timeout)
+        self.children.append(self.pending[w])
+
+    def tick(self) -> None:
+        """Admit each replacement whose start-up answer came (`Rank0.admit`); give up on one that failed."""
+        for w, p in list(self.pending.items()):
+            try:
+                done, answer = p.request.test()
+            except MPI.Exception as e:
+                if not ulfm.is_failure(e):
+                    raise
+                del self.pending[w]
+                self.failed(w, f"the replacement for worker rank {w} died during its start-up")
+                continue
+            if not done:
+                if time.monotonic() > p.deadline:
+                    del self.pending[w]
+                    self.failed(w, f"the replacement for worker rank {w} did not start within "
+                                   f"{p.deadline - p.died:.0f} s (--model-timeout + --comm-timeout)")
+                continue
+            del self.pending[w]
+            error, info = answer
+            if error is not None:
+                self.failed(w, f"the replacement for worker rank {w} could not start: {error}")
+                continue
+            if self.r0.rec.stop_reason or self.r0.preempted:  # the run ended meanwhile: it is sent home
+                p.comm.send(None, dest=JOINED_RANK, tag=JOIN_TAG)
+                continue
+            self.r0.admit(w, p.comm, info, time.monotonic() - p.died)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """(rank 0, at the end of the run) Disconnect from every replacement still alive: each disconnects from rank
+        0 once its part is done and then finalizes MPI (Open MPI ends a spawned process that exits without
+        MPI_Finalize as a failure of the whole job, and its MPI_Finalize waits for the disconnect). A replacement
+        that does not answer within `timeout` seconds is left (the job's end takes it down). One still starting is
+        sent home first, once its start-up answer comes."""
+        deadline = time.monotonic() + timeout
+        for child in list(self.pending.values()):
+            try:
+                while not child.request.test()[0] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                child.comm.send(None, dest=JOINED_RANK, tag=JOIN_TAG)
+            except MPI.Exception:
+                continue
+        self.pending.clear()
+        for child in self.children:
+            try:
+                if ulfm.failed_ranks(child.comm):
+                    continue
+                child.comm.Free()
+            except MPI.Exception:
+                continue
+            done = threading.Event()
+
+            def disconnect(inter: Any = child.inter, done: threading.Event = done) -> None:
+                try:
+                    inter.Disconnect()
+                finally:
+                    done.set()
+
+            threading.Thread(target=disconnect, daemon=True, name="respawn-disconnect").start()
+            if not done.wait(timeout):
+                print(f"mpiasgd: warning: the replacement for worker rank {child.w} did not disconnect within "
+                      f"{timeout:g} s", file=sys.stderr, flush=True)
+
+    def failed(self, w: int, text: str) -> None:
+        self.r0.rec.event("respawn_failed", text)
+        print(f"mpiasgd: warning: {text}; the run goes on without it", file=sys.stderr, flush=True)
