@@ -2,7 +2,8 @@
 applied, and reach the test accuracy of runs nobody disturbed?
 
     python bench/elastic.py [--runs 20] [--kills 1,2,3] [--workers 4] [--mode async|ssp|easgd] [--servers 1]
-                            [--model digits] [--epochs 100] [--reference 5] [--seed 0] [--keep DIR] [--dry-run]
+                            [--model digits] [--epochs 100] [--reference 5] [--seed 0] [--respawn] [--keep DIR]
+                            [--dry-run]
 
 First `--reference` undisturbed runs (seeds 0, 1, ...; ULFM on, nobody killed) give the accuracy's run-to-run
 noise. Then run i (training seed 100 + i) SIGKILLs k = kills[i % len(kills)] workers, drawn at random, each
@@ -12,7 +13,9 @@ flushed every 0.2 s). Every job is
 train --mode MODE --servers S ...` under a time limit (ssp: --staleness-bound 3). Each run's checks, printed:
 
     completed   exit status 0 and the log's status "completed"
-    lost        one worker_lost event per victim, naming it; none of its pushes after its death
+    lost        one worker_lost event per victim, naming it; none of its pushes after its death (--respawn:
+                a replacement joined within BACK_WITHIN s of the loss, event worker_joined, and pushed as that
+                rank; the median and largest of those delays are printed)
     pushes      nothing rank 0 applied is missing from the log: the applied pushes' versions are 1..V, each
                 worker's steps 1..its last (--servers S > 1: on each shard the applied versions are 1..V, the
                 same V on every shard, and every shard applied the same pushes; a dead worker's push that
@@ -48,6 +51,7 @@ import numpy as np
 from launch import distinct_ints, launcher
 
 FT = ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true"]
+BACK_WITHIN = 10.0  # (--respawn) seconds from a loss to its replacement's join, at most (issue 40)
 STARTS = 4  # attempts per job: under ULFM a rank crashes in MPI_Init in a few starts of 25 (more on a loaded machine)
 
 
@@ -69,6 +73,7 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
     started: bool = True  # False: no run log (every rank ended in or right after MPI_Init)
     restarted: bool = False  # an earlier attempt did not start
+    back_s: list[float] = field(default_factory=list)  # (--respawn) seconds from each loss to its replacement's join
 
 
 def read(path: Path) -> dict:
@@ -112,7 +117,8 @@ def attempt(args: argparse.Namespace, tmp: Path, seed: int, victims: list[int], 
     cmd = [*launcher(), *FT, "-n", str(args.workers + args.servers), sys.executable, "-m", "mpiasgd", "train", *mode,
            "--servers", str(args.servers), "--model", args.model, "--epochs", f"{args.epochs:g}", "--seed",
            str(seed), "--no-progress",
-           "--snapshot-interval", "0", "--run-dir", str(runs), "--name", "e", "--flush-interval", "0.2"]
+           "--snapshot-interval", "0", "--run-dir", str(runs), "--name", "e", "--flush-interval", "0.2",
+           *(["--respawn"] if args.respawn else [])]
     out = Outcome(seed, victims, times)
     log = runs / "e.h5"
     t0 = time.monotonic()
@@ -160,11 +166,11 @@ def attempt(args: argparse.Namespace, tmp: Path, seed: int, victims: list[int], 
     out.status = text(got.get("status", "-"))
     out.accuracy = float(got.get("test_accuracy", float("nan")))
     out.test_count = int(got.get("test_count", 0))
-    check(out, got, num_test)
+    check(out, got, num_test, args.respawn)
     return out
 
 
-def check(out: Outcome, got: dict, num_test: int) -> None:
+def check(out: Outcome, got: dict, num_test: int, respawn: bool = False) -> None:
     """The checks of the module doc, their failures into `out.failed`."""
     if out.returncode != 0 or out.status != "completed":
         out.failed.append(f"exit status {out.returncode}, log status {out.status}")
@@ -174,10 +180,23 @@ def check(out: Outcome, got: dict, num_test: int) -> None:
     if named != sorted(out.victims):
         out.failed.append(f"worker_lost names ranks {named}, killed {sorted(out.victims)}")
     p = got["pushes"]
+    joined = [(float(r["time"]), text(r["text"])) for r in events if text(r["kind"]) == "worker_joined"]
     for when, t in lost:
         w = int(t.split()[2])
-        if (p["time"][p["worker"] == w] > when).any():
-            out.failed.append(f"worker rank {w} has pushes after its loss")
+        if not respawn:
+            if (p["time"][p["worker"] == w] > when).any():
+                out.failed.append(f"worker rank {w} has pushes after its loss")
+            continue
+        back = [u for u, j in joined if u >= when and j.startswith(f"worker rank {w} is back: ")]
+        if not back:
+            out.failed.append(f"worker rank {w} was not replaced (--respawn)")
+            continue
+        out.back_s.append(back[0] - when)
+        if back[0] - when > BACK_WITHIN:
+            out.failed.append(f"worker rank {w}'s replacement joined {back[0] - when:.1f} s after the loss (more "
+                              f"than {BACK_WITHIN:g} s)")
+        if not (p["time"][p["worker"] == w] > back[0]).any():
+            out.failed.append(f"worker rank {w}'s replacement did not push")
     if got.get("shard_pushes") is None:  # one server
         applied = np.sort(p["version"][p["applied"] == 1])
         if not np.array_equal(applied, np.arange(1, applied.size + 1)):
@@ -226,6 +245,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--mode", choices=("async", "ssp", "easgd"), default="async")
     parser.add_argument("--servers", type=int, default=1, help="parameter-server shards")
+    parser.add_argument("--respawn", action="store_true", help="train --respawn: each killed worker is replaced; "
+                        f"checks that the replacement joins within {BACK_WITHIN:g} s and pushes")
     parser.add_argument("--model", default="digits")
     parser.add_argument("--epochs", type=float, default=100.0)
     parser.add_argument("--reference", type=int, default=5, help="undisturbed runs (the noise, the time T)")
@@ -239,6 +260,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.runs, args.kills, args.reference, args.epochs = 1, [1], 1, 20.0
     if max(args.kills) >= args.workers:
         parser.error(f"--kills {max(args.kills)}: at least one of the {args.workers} workers must live")
+    if args.respawn and (args.servers > 1 or args.mode == "easgd"):
+        parser.error("--respawn: async or ssp with one server (--servers 1)")
     if args.runs < 1 or args.reference < 1 or args.servers < 1:
         parser.error("--runs, --reference and --servers: expected at least 1")
     return args
@@ -250,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     data = load_dataset(args.model)
     num_train, num_test = data.num_train, data.num_test
     print(f"{args.workers} {args.mode} workers, {args.servers} parameter-server shard(s), {args.model}, "
-          f"{args.epochs:g} epochs, under ULFM ({' '.join(FT)})", flush=True)
+          f"{args.epochs:g} epochs, under ULFM ({' '.join(FT)}){', --respawn' if args.respawn else ''}", flush=True)
     with tempfile.TemporaryDirectory(prefix="elastic-") as name:
         tmp = Path(args.keep or name)
         tmp.mkdir(parents=True, exist_ok=True)
@@ -292,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{100 * (statistics.fmean(acc) - mean):+.2f} points mean, worst {worst:+.1f} sd")
         print(f"| {k} | {len(mine)} | {len(mine) - len(ran)} | {sum(not r.failed for r in ran)} of {len(ran)} | "
               f"{100 * statistics.fmean(acc):.2f} ({100 * min(acc):.2f}) % | {versus} |")
+    back = [b for r in runs for b in r.back_s]
+    if args.respawn and back:
+        print(f"\n--respawn: {len(back)} replacements joined {statistics.median(back):.1f} s after the loss (median), "
+              f"{max(back):.1f} s at most (limit {BACK_WITHIN:g} s)", end="")
     unstarted = [r for r in refs + runs if not r.started]
     restarted = [r for r in refs + runs if r.restarted]
     if restarted:
