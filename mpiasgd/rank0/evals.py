@@ -151,6 +151,10 @@ class PeriodicEvals:
                 if not rnd.waiting:
                     self.close(rnd)
 
+    def rejoin(self, w: int) -> None:
+        """(--respawn) Worker rank `w`, lost, is back (a replacement): asked again from the next evaluation on."""
+        self.workers = sorted({*self.workers, w})
+
     # --- answers ---
     def answer(self, w: int, h: np.void) -> None:
         """A periodic EVAL (flag EVALUATE) from worker `w`, header `h`: step = the evaluation's number,

@@ -150,6 +150,7 @@ class Role:
         self.notice_order.append((w, int(Flag.JOINED)))
         self.stopped.discard(w)
         self.stops_sent.discard(w)
+        self.periodic.rejoin(w)
         self.out[w] = SendSlots([None], f"send to worker rank {w}", 0, self.cfg.comm_timeout)
 
     def waits_for_rank0(self, w: int) -> bool:

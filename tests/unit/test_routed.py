@@ -118,6 +118,7 @@ def test_a_dropped_worker_that_rejoins_is_awaited_and_counted_again(tmp_path):
     assert not role.dana.velocities[2].any() and np.array_equal(role.dana.total, total)
     assert role.waiting_for() == [1, 2, 3] and 2 not in role.lost and role.lost_order == []
     assert role.notice_order == [(2, 0), (2, int(Flag.JOINED))] and 2 in role.rejoined
+    assert role.periodic.workers == [1, 2, 3]  # asked again at the next --eval-interval evaluation
     with pytest.raises(ValueError, match="was not dropped"):
         role.rejoin_worker(2)
     server, _, _ = make_server(tmp_path / "m", num_workers=3, update_rule="sgd", momentum=0.9,
