@@ -32,11 +32,23 @@ from mpi4py import MPI
 from mpiasgd.comms import ulfm
 from mpiasgd.comms.routed import JOINED_RANK, RoutedComm
 
-__all__ = ["JOINED_RANK", "JOIN_TAG", "MAX_RESPAWNS", "Respawner"]
+__all__ = ["JOINED_RANK", "JOIN_TAG", "MAX_RESPAWNS", "Respawner", "room_note"]
 
 JOIN_TAG = 99         # the start-up messages between rank 0 and a replacement, on their own communicator
 MAX_RESPAWNS = 3      # replacements per worker rank (one that dies at once is not started for ever)
 HELLO_BYTES = 1 << 20  # the largest start-up answer (an error text, or the WorkerInfo) a replacement sends
+
+
+def room_note(comm: Any) -> str:
+    """What start-up says when the launcher's allocation has no slot beyond the job's ranks (MPI_UNIVERSE_SIZE,
+    the slots Open MPI knows of, at most the job's size): a replacement then starts only where the launcher
+    oversubscribes (`--oversubscribe`, which MPI does not tell); "" when there is room or MPI does not say."""
+    universe = comm.Get_attr(MPI.UNIVERSE_SIZE)
+    size = comm.Get_size()
+    if not isinstance(universe, int) or universe > size:
+        return ""
+    return (f"the allocation has {universe} slot{'s' * (universe != 1)} for the job's {size} ranks: a replacement "
+            "starts only if mpiexec oversubscribes (--oversubscribe)")
 
 
 class Pending:
@@ -82,7 +94,8 @@ class Respawner:
                       dest=JOINED_RANK, tag=JOIN_TAG)
             request = comm.irecv(bytearray(HELLO_BYTES), source=JOINED_RANK, tag=JOIN_TAG)
         except MPI.Exception as e:
-            self.failed(w, f"MPI_Comm_spawn of a replacement for worker rank {w} failed: {e.Get_error_string()}")
+            self.failed(w, f"MPI_Comm_spawn of a replacement for worker rank {w} failed: {e.Get_error_string()} "
+                           "(no free slot in the launcher's allocation? docs/training.md, --respawn)")
             return
         timeout = r0.cfg.model_timeout + r0.cfg.comm_timeout
         self.pending[w] = Pending(w, inter, comm, request, died, died + timeout)

@@ -31,7 +31,7 @@ from mpiasgd.modes.registry import SERVER_MODES
 from mpiasgd.optim import StopRule
 from mpiasgd.rank0.loop import PREEMPT_GRACE, Preempted, Rank0, WorkerFailed, kept_note
 from mpiasgd.rank0.recorder import Recorder
-from mpiasgd.rank0.respawn import Respawner
+from mpiasgd.rank0.respawn import Respawner, room_note
 from mpiasgd.rank0.shard_hub import HubLink, ShardHub
 from mpiasgd.rank0.shard_recorder import ShardRecorder
 from mpiasgd.runlog import EventRow, RunLog, RunLogError, summary_lines
@@ -204,10 +204,11 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
               "docs/training.md): without it any death ends the job", file=sys.stderr, flush=True)
     if ulfm.enabled():  # which behaviour applies to a rank's death
         survives = start.mode.elastic
+        room = "; " + room_note(me.comm) if cfg.respawn and room_note(me.comm) else ""
         text = ("fault tolerance: ULFM (mpiexec --with-ft ulfm): " +
                 (f"a worker that dies is dropped and the run goes on while {cfg.min_workers} or more are left "
                  f"(--min-workers)" + ("; a parameter-server shard that dies ends it" if cfg.servers > 1 else "")
-                 + ("; --respawn: rank 0 starts a replacement for it (MPI_Comm_spawn)" if cfg.respawn else "")
+                 + (f"; --respawn: rank 0 starts a replacement for it (MPI_Comm_spawn{room})" if cfg.respawn else "")
                  if survives else f"mode '{cfg.mode}' does not drop a dead worker yet: a death ends the run "
                  "(status failed; its last checkpoint stands)"))
         if not ulfm.detector_thread():
