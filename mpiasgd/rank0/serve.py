@@ -273,6 +273,8 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
                   file=sys.stderr, flush=True)
         if isinstance(stop, Preempted) and stop.dead:
             time.sleep(0.3)  # the launcher is tearing the job down: let it forward this message first
+        if r0.respawner is not None:  # (--respawn) a replacement stopped by the STOPs finalizes once disconnected
+            r0.respawner.close(timeout=2.0)
         ulfm.abort(me.comm, code)
         return code
     except BaseException as e:
