@@ -163,7 +163,10 @@ def _train(argv: list[str]) -> int:
     except BaseException as e:
         if not exits:
             raise
-        if ulfm.is_failure(e):  # e.g. rank 0 died: a worker's wait for it fails
+        if ulfm.is_failure(e) and MPI.Comm.Get_parent() != MPI.COMM_NULL:  # (--respawn) a replacement: rank 0 died
+            print(f"mpiasgd: error: replacement worker (pid {os.getpid()}): rank 0 died, which it cannot go on "
+                  f"without (ULFM reported it: {e}); it ends", file=sys.stderr, flush=True)
+        elif ulfm.is_failure(e):  # e.g. rank 0 died: a worker's wait for it fails
             print(f"mpiasgd: error: rank {comm.Get_rank()}: {ulfm.dead_ranks(comm)} died, which this rank cannot go on "
                   f"without (ULFM reported it: {e}); this rank ends", file=sys.stderr, flush=True)
         else:

@@ -10,8 +10,10 @@ first weights (flag RESUME) continue the dead worker's step count and data posit
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -29,6 +31,7 @@ from mpiasgd.rank0.respawn import JOIN_TAG
 from mpiasgd.rank0.serve import EXIT_PREEMPTED
 
 EXIT_NOT_ADMITTED = 0  # the run ended while this replacement started: nothing to do
+LEAVE_TIMEOUT = 10.0  # seconds a replacement waits for rank 0's disconnect at the end
 
 
 def join(cfg: Config, parent: Any) -> int:
@@ -54,7 +57,7 @@ def join(cfg: Config, parent: Any) -> int:
         return 2
     welcome = comm.recv(source=0, tag=JOIN_TAG)
     if welcome is None:  # the run stopped while this process started
-        leave(comm, parent)
+        leave(comm, parent, EXIT_NOT_ADMITTED)
         return EXIT_NOT_ADMITTED
     job = WorkerJob(comm, cfg, start.model, start.dataset, start.sampler, me.rank, start.test_idx, start.staging,
                     start.make_staging, None, start.layout, start.graphs)
@@ -71,13 +74,29 @@ def join(cfg: Config, parent: Any) -> int:
         text = str(e) if isinstance(e, (CommTimeout, ProtocolError)) else traceback.format_exc()
         print(f"mpiasgd: replacement worker rank {me.rank} on {me.host} failed:\n{text}", file=sys.stderr, flush=True)
         return 1  # (it exits without MPI_Finalize: rank 0 hears of its death from ULFM)
-    leave(comm, parent)
+    leave(comm, parent, status)
     return status
 
 
-def leave(comm: Any, parent: Any) -> None:
+def leave(comm: Any, parent: Any, status: int, timeout: float = LEAVE_TIMEOUT) -> None:
     """Disconnect from rank 0 (which does the same at the run's end: `Respawner.close`) and finalize MPI: Open MPI
-    takes a spawned process that exits without MPI_Finalize for a failure of the whole job."""
-    comm.Free()
-    parent.Disconnect()
-    MPI.Finalize()
+    takes a spawned process that exits without MPI_Finalize for a failure of the whole job. When rank 0 does not
+    disconnect within `timeout` seconds (it ended the job on a signal before this process was done), the process
+    ends without (exit status `status`): mpiexec's exit status is then not 0, but nothing waits for ever."""
+    done = threading.Event()
+
+    def disconnect() -> None:
+        try:
+            comm.Free()
+            parent.Disconnect()
+            MPI.Finalize()
+        finally:
+            done.set()
+
+    threading.Thread(target=disconnect, daemon=True, name="leave").start()
+    if not done.wait(timeout):
+        print(f"mpiasgd: warning: replacement worker: rank 0 did not disconnect within {timeout:g} s; this process "
+              "ends without MPI_Finalize", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)

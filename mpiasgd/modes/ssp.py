@@ -30,16 +30,17 @@ class SspGate:
         """The clock of worker `w`: the pushes it has made (plus the slowest clock when it started late)."""
         return self.server.last_step[w] + self.clock_offset[w]
 
-    def slowest_clock(self) -> int:
-        """The slowest clock of the workers that are running (started and not stopped)."""
+    def slowest_clock(self, but: list[int] = ()) -> int:
+        """The slowest clock of the workers that are running (started and not stopped), those in `but` aside."""
         s = self.server
-        running = [self.clock(w) for w in s.workers if w in s.started and w not in s.stopped and w not in s.lost]
+        running = [self.clock(w) for w in s.workers
+                   if w in s.started and w not in s.stopped and w not in s.lost and w not in but]
         return min(running, default=0)
 
     def on_start(self, workers: list[int]) -> None:
-        slowest = self.slowest_clock()  # a warm-started worker is not held back by late starters
-        for w in workers:
-            self.clock_offset[w] = slowest
+        slowest = self.slowest_clock(but=workers)  # a warm-started worker is not held back by late starters
+        for w in workers:  # (--respawn: a replacement continues its rank's step count; its clock starts at slowest)
+            self.clock_offset[w] = slowest - (self.server.last_step[w] if w in self.server.rejoined else 0)
 
     def holding(self, w: int) -> bool:
         return w in self.held

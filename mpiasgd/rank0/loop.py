@@ -128,6 +128,7 @@ class Rank0:
         self.deaths: list[int] = []           # (ULFM) ranks found dead inside a wait for a shard: `lose` at the tick
         self.header_only = Message(0)         # EVAL, REPORT: received and handled one at a time
         self.respawner: Any = None            # (--respawn) starts a replacement for each worker lost (`serve` sets it)
+        self.dropped: list[tuple[int, str, int]] = []  # (worker rank, host, pid) of each process dropped as dead
         self.role = make_role(self)
         self.link = make_link(self) if make_link is not None else None
         rec.stop_workers = self.role.stop_workers
@@ -234,6 +235,7 @@ class Rank0:
             return
         for w in new:
             host = self.pids[w][0] if w in self.pids else ""
+            self.dropped.append((w, *self.pids.get(w, ("", 0))))
             step = self.role.last_step[w]
             self.role.lose_worker(w)
             left = len(self.workers) - len(self.role.lost)

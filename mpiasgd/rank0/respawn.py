@@ -22,6 +22,9 @@ times.
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -48,7 +51,21 @@ def room_note(comm: Any) -> str:
     if not isinstance(universe, int) or universe > size:
         return ""
     return (f"the allocation has {universe} slot{'s' * (universe != 1)} for the job's {size} ranks: a replacement "
-            "starts only if mpiexec oversubscribes (--oversubscribe)")
+            "needs mpiexec --oversubscribe or a host with free slots")
+
+
+def kill_here(host: str, pid: int) -> bool:
+    """SIGKILL process `pid` if it runs on this host and is ours (its command line runs mpiasgd); True if sent."""
+    if host != socket.gethostname() or pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"mpiasgd" not in f.read():
+                return False
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        return False
+    return True
 
 
 class Pending:
@@ -57,6 +74,7 @@ class Pending:
 
     def __init__(self, w: int, inter: Any, comm: Any, request: Any, died: float, deadline: float) -> None:
         self.w, self.inter, self.comm, self.request, self.died, self.deadline = w, inter, comm, request, died, deadline
+        self.info: Any = None  # its WorkerInfo once admitted (host, pid)
 
 
 class Respawner:
@@ -97,6 +115,7 @@ class Respawner:
             self.failed(w, f"MPI_Comm_spawn of a replacement for worker rank {w} failed: {e.Get_error_string()} "
                            "(no free slot in the launcher's allocation? docs/training.md, --respawn)")
             return
+        r0.excuse(time.monotonic() - died)  # the workers' messages waited for the spawn: not their silence
         timeout = r0.cfg.model_timeout + r0.cfg.comm_timeout
         self.pending[w] = Pending(w, inter, comm, request, died, died + timeout)
         self.children.append(self.pending[w])
@@ -126,14 +145,15 @@ class Respawner:
             if self.r0.rec.stop_reason or self.r0.preempted:  # the run ended meanwhile: it is sent home
                 p.comm.send(None, dest=JOINED_RANK, tag=JOIN_TAG)
                 continue
+            p.info = info
             self.r0.admit(w, p.comm, info, time.monotonic() - p.died)
 
     def close(self, timeout: float = 10.0) -> None:
         """(rank 0, at the end of the run) Disconnect from every replacement still alive: each disconnects from rank
         0 once its part is done and then finalizes MPI (Open MPI ends a spawned process that exits without
         MPI_Finalize as a failure of the whole job, and its MPI_Finalize waits for the disconnect). A replacement
-        that does not answer within `timeout` seconds is left (the job's end takes it down). One still starting is
-        sent home first, once its start-up answer comes."""
+        that does not answer within `timeout` seconds (hung, or stopped) is killed where it runs on this host, so that
+        mpiexec does not wait for it. One still starting is sent home first, once its start-up answer comes."""
         deadline = time.monotonic() + timeout
         for child in list(self.pending.values()):
             try:
@@ -160,8 +180,10 @@ class Respawner:
 
             threading.Thread(target=disconnect, daemon=True, name="respawn-disconnect").start()
             if not done.wait(timeout):
+                killed = child.info is not None and kill_here(child.info.host, child.info.pid)
                 print(f"mpiasgd: warning: the replacement for worker rank {child.w} did not disconnect within "
-                      f"{timeout:g} s", file=sys.stderr, flush=True)
+                      f"{timeout:g} s (hung or stopped?)" + (f": killed (pid {child.info.pid}), so that the job can "
+                                                             "end" if killed else ""), file=sys.stderr, flush=True)
 
     def failed(self, w: int, text: str) -> None:
         self.r0.rec.event("respawn_failed", text)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import sys
 import time
 import traceback
@@ -31,7 +29,7 @@ from mpiasgd.modes.registry import SERVER_MODES
 from mpiasgd.optim import StopRule
 from mpiasgd.rank0.loop import PREEMPT_GRACE, Preempted, Rank0, WorkerFailed, kept_note
 from mpiasgd.rank0.recorder import Recorder
-from mpiasgd.rank0.respawn import Respawner, room_note
+from mpiasgd.rank0.respawn import Respawner, kill_here, room_note
 from mpiasgd.rank0.shard_hub import HubLink, ShardHub
 from mpiasgd.rank0.shard_recorder import ShardRecorder
 from mpiasgd.runlog import EventRow, RunLog, RunLogError, summary_lines
@@ -316,25 +314,18 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
         return EXIT_DIVERGED
     log.close("completed", summary)
     print("\n".join(summary_lines(start.path)), flush=True)
-    end_dropped(r0.role.lost, r0.pids)
+    end_dropped(r0.dropped)
     return 0
 
 
-def end_dropped(lost: set[int], pids: dict[int, tuple[str, int]]) -> None:
+def end_dropped(dropped: list[tuple[int, str, int]]) -> None:
     """(ULFM, the run ended) Workers dropped as dead that still live on this node (a stopped one, SIGSTOP: ULFM
     declares it dead, yet mpiexec would wait for it for ever) get SIGKILL, once their command line shows they are
-    ours; on another node they are left to the launcher."""
-    here = socket.gethostname()
-    for w in sorted(lost):
-        host, pid = pids.get(w, ("", 0))
-        if host != here or pid <= 0:
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"mpiasgd" not in f.read():
-                    continue
-            os.kill(pid, signal.SIGKILL)
-        except OSError:  # gone already, or not ours to signal
+    ours; on another node they are left to the launcher. `dropped`: (worker rank, host, pid) of each process
+    dropped (`Rank0.dropped`: with --respawn a replacement may hold the rank now, the dropped process stays
+    listed)."""
+    for w, host, pid in dropped:
+        if not kill_here(host, pid):  # gone already, elsewhere, or not ours to signal
             continue
         print(f"mpiasgd: worker rank {w} (pid {pid}) was dropped as dead but still lives (stopped?): killed, so that "
               "the job can end", file=sys.stderr, flush=True)

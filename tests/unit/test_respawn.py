@@ -119,5 +119,5 @@ def test_the_start_up_note_on_room_for_replacements():
             return self.size
 
     assert room_note(Comm(8, 4)) == "" and room_note(Comm(None, 4)) == ""
-    assert room_note(Comm(4, 4)) == ("the allocation has 4 slots for the job's 4 ranks: a replacement starts only if "
-                                     "mpiexec oversubscribes (--oversubscribe)")
+    assert room_note(Comm(4, 4)) == ("the allocation has 4 slots for the job's 4 ranks: a replacement needs mpiexec "
+                                     "--oversubscribe or a host with free slots")

@@ -126,3 +126,25 @@ def test_a_dropped_worker_that_rejoins_is_awaited_and_counted_again(tmp_path):
     server.role.lose_worker(3)
     server.role.rejoin_worker(3)
     assert server.role.optimizer.momentum == np.float32(0.9 - (1 - 1 / 3))
+
+
+def test_an_ssp_replacement_starts_at_the_slowest_clock(tmp_path):
+    """(--respawn, ssp) Worker 2 died after step 1 while the others went on to step 3: its replacement continues
+    from step 1, and its clock starts at the slowest running clock (3), not 1 + 3 (it would be held until the others
+    had made three more pushes)."""
+    server, net, _ = make_server(tmp_path, num_workers=3, mode="ssp", staleness_bound=2, update_rule="sgd")
+    role = server.role
+    role.begin()
+    rng = np.random.default_rng(0)
+    for w in (1, 2, 3):
+        net.take(w)
+    for step in (1, 2, 3):
+        for w in ((1, 2, 3) if step == 1 else (1, 3)):
+            push(net, w, step=step, version=role.counter.version, grad=rng.standard_normal(6).astype(np.float32))
+            serve_one(server)
+            reply(net, w)
+        if step == 1:
+            role.lose_worker(2)
+    role.rejoin_worker(2)
+    role.join_worker(2)
+    assert role.last_step[2] == 1 and role.gate.clock(2) == role.gate.slowest_clock() == 3
