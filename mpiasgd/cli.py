@@ -1,4 +1,4 @@
-"""Command line: `mpiasgd train | simulate | evaluate | report | watch | trace | export | data` (also
+"""Command line: `mpiasgd train | simulate | evaluate | report | watch | trace | export | data | attach` (also
 `python -m mpiasgd ...`).
 
     mpiexec -n 3 python -m mpiasgd train --model digits --epochs 30   # 1 parameter server + 2 workers
@@ -9,6 +9,7 @@
     python -m mpiasgd trace runs/NAME.h5 -o trace.json                 # Chrome trace, one track per rank
     python -m mpiasgd export runs/NAME.h5 -o NAME.npz                  # weights as .npz, keyed by parameter name
     python -m mpiasgd data convert SRC OUT.h5 [--size S]               # dataset file (also: data synth, data info)
+    python -m mpiasgd attach runs/NAME.attach --model digits           # bring back a job's lost workers (--attach)
 """
 
 from __future__ import annotations
@@ -71,6 +72,13 @@ def make_parser() -> argparse.ArgumentParser:
     which.add_argument("--checkpoint", action="store_true",
                        help="the run's checkpoint (RUN.ckpt.h5) instead of a snapshot")
     ex.add_argument("-o", "--output", default=None, help="the .npz file to write (default: RUN.npz beside the log)")
+    at = command(sub, "attach", "bring back worker ranks a running job (train --attach) lost: rank 0 starts them "
+                                "(the network and dataset flags after these must be the job's)")
+    at.add_argument("file", metavar="RUN.attach", help="the job's attach file, beside its run log (runs/NAME.attach)")
+    at.add_argument("--host", default="", help="where rank 0 starts the workers (a host of the launcher's allocation; "
+                                               "default: where MPI places them)")
+    at.add_argument("--count", type=int, default=0, help="how many lost worker ranks to bring back (default 0: all)")
+    at.add_argument("--timeout", type=seconds, default=60.0, help="seconds to wait for rank 0's answer (default 60)")
     add_data_parser(sub)
     return parser
 
@@ -86,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         from mpiasgd.sim.cli import main as simulate
 
         return simulate(rest)
+    if args.command == "attach":
+        return _attach(args, rest)
     if rest:
         from mpiasgd.config import flag_hint
 
@@ -194,6 +204,34 @@ def _leave_stray_threads(status: int, rank: int) -> int:
 
     MPI.Finalize()
     os._exit(status)
+
+
+def _attach(args: argparse.Namespace, rest: list[str]) -> int:
+    """`mpiasgd attach RUN.attach [--host H] [--count K] TRAIN-FLAGS`: ask the job to bring back its lost worker
+    ranks (`mpiasgd.rank0.attach`); the network and dataset of TRAIN-FLAGS must be the job's. 0 when rank 0 started
+    them, 2 when it refused (its reason printed) or could not be reached."""
+    from mpiasgd.config import make_parser, resolve
+    from mpiasgd.launch.startup import definition_text, load_data
+    from mpiasgd.rank0.attach import identity, request
+
+    if args.count < 0:
+        print(f"mpiasgd attach: error: --count {args.count}: expected an integer >= 0 (0: every lost rank)",
+              file=sys.stderr)
+        return 2
+    try:
+        cfg = resolve(make_parser().parse_args(rest))
+        dataset = load_data(cfg)
+        ident = identity(definition_text(cfg, dataset), cfg.dataset_name, dataset.fingerprint)
+        reply = request(args.file, ident, args.host, args.count, args.timeout)
+    except (OSError, ValueError) as e:  # (ConfigError, DataError, ModelSpecError are ValueErrors)
+        print(f"mpiasgd attach: error: {e}", file=sys.stderr)
+        return 2
+    if not reply.get("ok"):
+        print(f"mpiasgd attach: refused by rank 0: {reply.get('error')}", file=sys.stderr)
+        return 2
+    print(f"mpiasgd attach: {reply.get('text')}; the run log's events say when each joins (event worker_joined)",
+          flush=True)
+    return 0
 
 
 def _evaluate(args: argparse.Namespace) -> int:

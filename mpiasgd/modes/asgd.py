@@ -669,6 +669,8 @@ class AsgdMode(Mode):
         need(cfg.min_workers >= 1, cfg, "min_workers", "an integer >= 1 (workers left for a run to go on)")
         need(not cfg.respawn or cfg.servers == 1, cfg, "respawn", "False with --servers > 1 (a replacement worker "
              "talks to one parameter server)")
+        need(not cfg.attach or cfg.servers == 1, cfg, "attach", "False with --servers > 1 (an attached worker talks "
+             "to one parameter server)")
         if cfg.update_rule == "dana-zero":  # its momentum per worker and its own look-ahead replace these
             for key, ok, expected in dana_conflicts(cfg):
                 need(ok, cfg, key, expected)

@@ -163,6 +163,10 @@ class AsyncOptions:
         "worker that dies (MPI_Comm_spawn, in a free slot of the launcher's); it takes the dead worker's rank, the "
         "current weights and its data position, and the run goes on with as many workers as it began with "
         "(docs/training.md)", PS_MODES)
+    attach: bool = option(False, "async and ssp with one server, under ULFM: rank 0 listens for `mpiasgd attach "
+        "RUN.attach`, a second launch that brings back worker ranks the job lost (rank 0 starts them with "
+        "MPI_Comm_spawn, on a host the attach names); RUN.attach, beside the run log, is readable by your user alone "
+        "and holds the token an attach must give (docs/training.md)", PS_MODES)
     async_momentum: str = option("fixed", "the server's momentum: fixed = --momentum | workers = max(0, "
         "momentum - (1 - 1/N)) for N workers, since asynchrony itself adds about 1 - 1/N of momentum "
         "(Mitliagkas et al. 2016)", PS_MODES, "optimizer", label="momentum={}")

@@ -127,7 +127,8 @@ class Rank0:
         self.checkpoint_due = ""              # a signal's checkpoint (its reason), written once the role settled
         self.deaths: list[int] = []           # (ULFM) ranks found dead inside a wait for a shard: `lose` at the tick
         self.header_only = Message(0)         # EVAL, REPORT: received and handled one at a time
-        self.respawner: Any = None            # (--respawn) starts a replacement for each worker lost (`serve` sets it)
+        self.respawner: Any = None            # (--respawn, --attach) starts replacements of lost workers (`serve`)
+        self.attacher: Any = None             # (--attach) listens for `mpiasgd attach` (`serve` sets it)
         self.dropped: list[tuple[int, str, int]] = []  # (worker rank, host, pid) of each process dropped as dead
         self.role = make_role(self)
         self.link = make_link(self) if make_link is not None else None
@@ -243,12 +244,13 @@ class Rank0:
                     f"{left} worker{'s go' if left != 1 else ' goes'} on")
             self.rec.event("worker_lost", text)
             print(f"mpiasgd: {text}", file=sys.stderr, flush=True)
-            if self.respawner is not None:
+            if self.respawner is not None and self.cfg.respawn:
                 self.respawner.spawn(w)
 
-    def admit(self, w: int, comm: Any, info: Any, seconds: float) -> None:
-        """(--respawn, `Respawner.tick`) The replacement for worker rank `w`, started up on `comm` (its WorkerInfo
-        `info`, `seconds` after the death was seen), takes the rank: rank 0 reaches it there (`RoutedComm.join`),
+    def admit(self, w: int, comm: Any, info: Any, seconds: float, origin: str = "") -> None:
+        """(--respawn, --attach: `Respawner.tick`) The replacement for worker rank `w`, started up on `comm` (its
+        WorkerInfo `info`, `seconds` after the death was seen, or after `mpiasgd attach` asked: `origin`), takes the
+        rank: rank 0 reaches it there (`RoutedComm.join`),
         tells it the workers dead now, logs it (event "worker_joined"), and sends it the current weights (flag
         RESUME: the dead worker's step count and data position); the other workers are told it is back."""
         role = self.role
@@ -259,8 +261,9 @@ class Rank0:
                   tag=JOIN_TAG)
         role.told[w] = len(role.notice_order)
         alive = len(self.workers) - len(role.lost)
+        after = f"{origin} asked" if origin else "the death was seen"
         text = (f"worker rank {w} is back: a replacement on {info.host} (pid {info.pid}) started {seconds:.1f} s after "
-                f"the death was seen; it continues from step {role.last_step[w]}, {alive} worker"
+                f"{after}; it continues from step {role.last_step[w]}, {alive} worker"
                 f"{'s train' if alive != 1 else ' trains'}")
         self.rec.event("worker_joined", text)
         self.rec.log.replace_worker(info.row())  # the /workers row of rank w: the replacement's host, pid, device
@@ -348,6 +351,8 @@ class Rank0:
             self.lose(deaths)
         if self.respawner is not None and self.respawner.pending:
             self.respawner.tick()
+        if self.attacher is not None:
+            self.attacher.tick()
         if signals.received() and not self.preempted and not self.late_signal:
             if self.decides:
                 self.preempt(f"{signals.received()} received by rank 0")

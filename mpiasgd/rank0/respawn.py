@@ -70,10 +70,13 @@ def kill_here(host: str, pid: int) -> bool:
 
 class Pending:
     """A replacement spawned for worker rank `w`, starting up: its communicator, the receive of its answer, when
-    the death was seen (`died`, monotonic seconds) and when it must have answered (`deadline`)."""
+    it was asked for (`died`, monotonic seconds: the death was seen, or the attach came) and when it must have
+    answered (`deadline`)."""
 
-    def __init__(self, w: int, inter: Any, comm: Any, request: Any, died: float, deadline: float) -> None:
+    def __init__(self, w: int, inter: Any, comm: Any, request: Any, died: float, deadline: float,
+                 origin: str = "") -> None:
         self.w, self.inter, self.comm, self.request, self.died, self.deadline = w, inter, comm, request, died, deadline
+        self.origin = origin  # "" (--respawn) or who asked for it ("an attach from ADDRESS": `mpiasgd attach`)
         self.info: Any = None  # its WorkerInfo once admitted (host, pid)
 
 
@@ -93,32 +96,44 @@ class Respawner:
         self.children: list[Pending] = []  # every replacement spawned, for `close`
         self.count: dict[int, int] = {}  # replacements started per worker rank
 
-    def spawn(self, w: int) -> None:
-        """Start a replacement for worker rank `w`, which was just dropped (at most MAX_RESPAWNS per rank; none once
-        the run stops). Blocks while MPI spawns it (about 1-3 s); its start-up is followed at each `tick`."""
+    def spawn(self, w: int, host: str = "", origin: str = "") -> bool:
+        """Start a replacement for worker rank `w`, which was dropped: on `host` ("" = where MPI places it: the
+        spawn's info key "host"); `origin` says who asked ("" = --respawn, at the death: at most MAX_RESPAWNS per
+        rank; else `mpiasgd attach`, not counted). None once the run stops. Blocks while MPI spawns it (about 1-3 s);
+        its start-up is followed at each `tick`. Returns whether MPI started it."""
         r0 = self.r0
         if r0.rec.stop_reason or r0.preempted:
-            return
-        if self.count.get(w, 0) >= MAX_RESPAWNS:
+            return False
+        if not origin and self.count.get(w, 0) >= MAX_RESPAWNS:
             self.failed(w, f"worker rank {w} was replaced {MAX_RESPAWNS} times already (--respawn gives up on it)")
-            return
-        self.count[w] = self.count.get(w, 0) + 1
+            return False
+        if not origin:
+            self.count[w] = self.count.get(w, 0) + 1
         died = time.monotonic()
+        info = MPI.Info.Create() if host else MPI.INFO_NULL
         try:
-            inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-m", "mpiasgd", *self.argv], maxprocs=1)
+            if host:
+                info.Set("host", host)
+            inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-m", "mpiasgd", *self.argv], maxprocs=1, info=info)
             comm = inter.Merge(high=False)
             comm.send({"rank": w, "size": self.size, "definition": self.definition,
                        "local_rank": self.local_rank.get(w, w - 1), "threads": self.threads.get(w, 1)},
                       dest=JOINED_RANK, tag=JOIN_TAG)
             request = comm.irecv(bytearray(HELLO_BYTES), source=JOINED_RANK, tag=JOIN_TAG)
         except MPI.Exception as e:
-            self.failed(w, f"MPI_Comm_spawn of a replacement for worker rank {w} failed: {e.Get_error_string()} "
-                           "(no free slot in the launcher's allocation? docs/training.md, --respawn)")
-            return
+            where = f" on host {host!r}" if host else ""
+            self.failed(w, f"MPI_Comm_spawn of a replacement for worker rank {w}{where} failed: "
+                           f"{e.Get_error_string()} (no free slot in the launcher's allocation"
+                           f"{', or a host outside it' if host else ''}? docs/training.md, --respawn)")
+            return False
+        finally:
+            if host:
+                info.Free()
         r0.excuse(time.monotonic() - died)  # the workers' messages waited for the spawn: not their silence
         timeout = r0.cfg.model_timeout + r0.cfg.comm_timeout
-        self.pending[w] = Pending(w, inter, comm, request, died, died + timeout)
+        self.pending[w] = Pending(w, inter, comm, request, died, died + timeout, origin)
         self.children.append(self.pending[w])
+        return True
 
     def tick(self) -> None:
         """Admit each replacement whose start-up answer came (`Rank0.admit`); give up on one that failed."""
@@ -146,7 +161,7 @@ class Respawner:
                 p.comm.send(None, dest=JOINED_RANK, tag=JOIN_TAG)
                 continue
             p.info = info
-            self.r0.admit(w, p.comm, info, time.monotonic() - p.died)
+            self.r0.admit(w, p.comm, info, time.monotonic() - p.died, p.origin)
 
     def close(self, timeout: float = 10.0) -> None:
         """(rank 0, at the end of the run) Disconnect from every replacement still alive: each disconnects from rank
@@ -186,5 +201,6 @@ class Respawner:
                                                              "end" if killed else ""), file=sys.stderr, flush=True)
 
     def failed(self, w: int, text: str) -> None:
+        """Log (event "respawn_failed") and say that worker rank `w`'s replacement did not start, and why."""
         self.r0.rec.event("respawn_failed", text)
         print(f"mpiasgd: warning: {text}; the run goes on without it", file=sys.stderr, flush=True)

@@ -27,6 +27,7 @@ from mpiasgd.health import LossWatch
 from mpiasgd.model.spec import to_json
 from mpiasgd.modes.registry import SERVER_MODES
 from mpiasgd.optim import StopRule
+from mpiasgd.rank0.attach import Attacher, attach_path, identity
 from mpiasgd.rank0.loop import PREEMPT_GRACE, Preempted, Rank0, WorkerFailed, kept_note
 from mpiasgd.rank0.recorder import Recorder
 from mpiasgd.rank0.respawn import Respawner, kill_here, room_note
@@ -164,6 +165,16 @@ def make_recorder(cfg: Config, start: Any, log: RunLog, num_workers: int, kind: 
     return rec
 
 
+def open_attach(r0: Any, path: str, expected: dict[str, str]) -> Attacher | None:
+    """(--attach) Rank 0's listener for `mpiasgd attach`, and its attach file beside the run log `path`; None (said
+    on stderr and logged, the run goes on without attach) when the port or the file cannot be opened."""
+    try:
+        return Attacher(r0, path, expected)
+    except OSError as e:
+        r0.rec.warn(f"--attach: cannot listen for `mpiasgd attach` ({e}): the run goes on without it")
+        return None
+
+
 def serve(cfg: Config, me: Any, start: Any) -> int:
     """(rank 0) Create (or, resuming, continue) the run log, serve, close the log, print the summary.
 
@@ -194,9 +205,10 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
     if note:  # said once, on the console and (when the clocks start) in the log's events
         print(f"mpiasgd: {note}", flush=True)
     notes = [("server_wait", note)] if note else []  # (logged when the clocks start: `Rank0.run`)
-    if cfg.respawn and not ulfm.enabled():
-        print("mpiasgd: warning: --respawn applies under ULFM only (mpiexec --with-ft ulfm, docs/training.md): "
-              "without it any death ends the job", file=sys.stderr, flush=True)
+    for flag, on in (("--respawn", cfg.respawn), ("--attach", cfg.attach)):
+        if on and not ulfm.enabled():
+            print(f"mpiasgd: warning: {flag} applies under ULFM only (mpiexec --with-ft ulfm, docs/training.md): "
+                  "without it any death ends the job", file=sys.stderr, flush=True)
     if cfg.min_workers != 1 and not ulfm.enabled():
         print(f"mpiasgd: warning: --min-workers {cfg.min_workers} applies under ULFM only (mpiexec --with-ft ulfm, "
               "docs/training.md): without it any death ends the job", file=sys.stderr, flush=True)
@@ -207,6 +219,8 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
                 (f"a worker that dies is dropped and the run goes on while {cfg.min_workers} or more are left "
                  f"(--min-workers)" + ("; a parameter-server shard that dies ends it" if cfg.servers > 1 else "")
                  + (f"; --respawn: rank 0 starts a replacement for it (MPI_Comm_spawn{room})" if cfg.respawn else "")
+                 + (f"; --attach: `mpiasgd attach {attach_path(start.path)}` brings lost ranks back" if cfg.attach
+                    else "")
                  if survives else f"mode '{cfg.mode}' does not drop a dead worker yet: a death ends the run "
                  "(status failed; its last checkpoint stands)"))
         if not ulfm.detector_thread():
@@ -218,7 +232,7 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
         print(f"mpiasgd: warning: --server-threads {cfg.server_threads} x {cfg.servers} server rank(s) is more than "
               f"the {me.node_cores} core(s) of rank 0's node: the threads share cores (and take the workers')",
               file=sys.stderr, flush=True)
-    respawn = cfg.respawn and ulfm.enabled()
+    respawn = (cfg.respawn or cfg.attach) and ulfm.enabled()  # (--attach starts its workers as --respawn does)
     r0 = Rank0(RoutedComm(me.comm) if respawn else me.comm, cfg, rec,
                lambda r0: start.mode.rank0(r0, params, model.decay_mult(), model, dataset, start.layout),
                pids={w.rank: (w.host, w.pid) for w in [*workers, *shards]},
@@ -229,8 +243,14 @@ def serve(cfg: Config, me: Any, start: Any) -> int:
     start.rank0 = r0  # for `log_unwritable`, should the log fail
     if respawn:
         r0.respawner = Respawner(r0, start.definition, me.size, sys.argv[1:], {w.rank: w for w in workers})
+    if respawn and cfg.attach:
+        r0.attacher = open_attach(r0, start.path, identity(start.definition, cfg.dataset_name, dataset.fingerprint))
     try:
-        summary = r0.run()
+        try:
+            summary = r0.run()
+        finally:
+            if r0.attacher is not None:  # no attach once the run ends, however it ends
+                r0.attacher.close()
         if r0.respawner is not None:  # (--respawn) the replacements finalize MPI once rank 0 disconnects
             r0.respawner.close()
     except (Preempted, WorkerFailed) as stop:

@@ -155,14 +155,16 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
             lines.append(f"checkpoint       {ckpt}  (continue with '--resume {ckpt}')")
     lost, back = lost_workers(run), events_of(run, "worker_joined")
     if lost:
-        ranks = []
-        for t, text in lost:  # ("worker rank R ..."), and the replacement that took R next (--respawn)
+        ranks, by = [], set()
+        for t, text in lost:  # ("worker rank R ..."), and the replacement that took R next (--respawn, attach)
             rank = text.split()[2]
-            again = [u for u, joined in back if u >= t and joined.startswith(f"worker rank {rank} is back: ")]
-            ranks.append(f"rank {rank} at {t:.1f} s" + (f" (replaced at {again[0]:.1f} s)" if again else ""))
+            again = [(u, joined) for u, joined in back if u >= t and joined.startswith(f"worker rank {rank} is back: ")]
+            ranks.append(f"rank {rank} at {t:.1f} s" + (f" (replaced at {again[0][0]:.1f} s)" if again else ""))
+            if again:
+                by.add("mpiasgd attach" if "an attach from" in again[0][1] else "--respawn")
         replaced = sum("replaced" in r for r in ranks)
         how = ("died; the run went on without them" if not replaced else
-               f"died; the run went on, {replaced} replaced by --respawn")
+               f"died; the run went on, {replaced} replaced by {' and '.join(sorted(by))}")
         lines.append(f"workers lost     {len(lost)} ({how}): {', '.join(ranks)}")
     if final is not None:
         top5 = final["top5"] if "top5" in (final.dtype.names or ()) else float("nan")

@@ -7,9 +7,11 @@ the job as before: tests/mpi/test_checkpoint.py.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -57,10 +59,10 @@ def lost_events(path) -> int:
 
 
 def run_and_kill(tmp_path, args: list[str], victim: int, stop: bool = False, ft: tuple[str, ...] = FT,
-                 wake: bool = True, ranks: int = 4) -> tuple[int, str, str]:
+                 wake: bool = True, ranks: int = 4, after_loss=None) -> tuple[int, str, str]:
     """`ranks` ranks (1 server + 3 workers) under ULFM (`ft`) on digits; SIGKILL worker rank `victim` once the log
-    holds 20 pushes (`stop`: SIGSTOP it instead, and SIGCONT once rank 0 logged its loss); returns (exit status,
-    stdout, stderr)."""
+    holds 20 pushes (`stop`: SIGSTOP it instead, and SIGCONT once rank 0 logged its loss); `after_loss(tmp_path)`
+    is called once rank 0 logged the loss; returns (exit status, stdout, stderr)."""
     launcher = find_launcher()
     if launcher is None or "Open MPI" not in subprocess.run([launcher, "--version"], capture_output=True,
                                                             text=True).stdout:
@@ -70,11 +72,11 @@ def run_and_kill(tmp_path, args: list[str], victim: int, stop: bool = False, ft:
            "--model", "digits", "--no-progress", "--snapshot-interval", "0", "--name", "el", "--flush-interval", "0.2",
            *args]
     for _ in range(STARTS - 1):  # a job that did not start (a crash inside MPI_Init, Open MPI under ULFM) runs again
-        rc = launch(cmd, tmp_path, out, err, victim, stop, wake)
+        rc = launch(cmd, tmp_path, out, err, victim, stop, wake, after_loss)
         if (tmp_path / "runs" / "el.h5").exists() or not crashed_in_init(err.read_text()):
             return rc, out.read_text(), err.read_text()
         shutil.rmtree(tmp_path / "runs", ignore_errors=True)
-    rc = launch(cmd, tmp_path, out, err, victim, stop, wake)
+    rc = launch(cmd, tmp_path, out, err, victim, stop, wake, after_loss)
     return rc, out.read_text(), err.read_text()
 
 
@@ -84,9 +86,10 @@ def crashed_in_init(err: str) -> bool:
     return "died during start-up" in err or ("Segmentation fault" in err and "ompi_mpi_init" in err)
 
 
-def launch(cmd: list[str], tmp_path, out, err, victim: int, stop: bool, wake: bool = True) -> int:
+def launch(cmd: list[str], tmp_path, out, err, victim: int, stop: bool, wake: bool = True, after_loss=None) -> int:
     """Run `cmd` (output into the files `out`, `err`); SIGKILL (`stop`: SIGSTOP, then, if `wake`, SIGCONT once rank
-    0 logged the loss) worker rank `victim` once the log holds 20 pushes; its exit status."""
+    0 logged the loss) worker rank `victim` once the log holds 20 pushes, then call `after_loss(tmp_path)` (if
+    given) once rank 0 logged the loss; its exit status."""
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=mpi_env(), stdout=o, stderr=e, start_new_session=True)
     try:
@@ -99,12 +102,14 @@ def launch(cmd: list[str], tmp_path, out, err, victim: int, stop: bool, wake: bo
         pid = rank_pid(proc.pid, victim)
         assert pid is not None, f"rank {victim} not found\n{out.read_text()}\n{err.read_text()}"
         os.kill(pid, signal.SIGSTOP if stop else signal.SIGKILL)
-        while stop and not lost_events(tmp_path / "runs" / "el.h5") and proc.poll() is None:
+        while (stop or after_loss) and not lost_events(tmp_path / "runs" / "el.h5") and proc.poll() is None:
             assert time.monotonic() < deadline, f"the stopped worker was not dropped\n{out.read_text()}\n" \
                                                 f"{err.read_text()}"
             time.sleep(0.2)
         if stop and wake:
             os.kill(pid, signal.SIGCONT)
+        if after_loss is not None and proc.poll() is None:
+            after_loss(tmp_path)
         proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         kill_session(proc.pid)
@@ -160,6 +165,55 @@ def test_respawn_replaces_a_killed_worker_which_takes_its_rank_and_pushes(tmp_pa
     assert after["step"][0] == before["step"][-1] + 1 and (np.diff(after["step"]) == 1).all()
     assert attrs["test_count"] == 360  # each test image evaluated once
     assert not any(e[1] == "respawn_failed" for e in events), events
+
+
+def attach(tmp_path, *flags: str) -> subprocess.CompletedProcess:
+    """`mpiasgd attach runs/el.attach FLAGS` beside the running job; its result."""
+    return subprocess.run([sys.executable, "-m", "mpiasgd", "attach", "runs/el.attach", *flags], cwd=tmp_path,
+                          env=mpi_env(), capture_output=True, text=True, timeout=60)
+
+
+def test_an_attach_brings_back_a_lost_worker_and_a_bad_one_is_refused(tmp_path):
+    """--attach: after worker rank 2 was SIGKILLed and dropped, an attach with a wrong token and one with another
+    network are refused (exit 2, events attach_refused) and the run goes on; `mpiasgd attach` with the job's
+    network brings rank 2 back (rank 0 spawns it), which pushes from the dead worker's next step, and the run
+    completes. The attach file is private while the job runs and removed at its end."""
+    said = {}
+
+    def attaches(path) -> None:
+        spec = json.loads((path / "runs" / "el.attach").read_text())
+        said["mode"] = stat.S_IMODE(os.stat(path / "runs" / "el.attach").st_mode)
+        (path / "forged.attach").write_text(json.dumps({**spec, "token": "0" * 32}))
+        forged = subprocess.run([sys.executable, "-m", "mpiasgd", "attach", "forged.attach", "--model", "digits"],
+                                cwd=path, env=mpi_env(), capture_output=True, text=True, timeout=60)
+        other = path / "linear.json"
+        other.write_text(json.dumps({"input_shape": [1, 8, 8], "layers": [
+            {"type": "Flatten"}, {"type": "Linear", "in_features": 64, "out_features": 10}]}))
+        said["forged"], said["other"] = forged, attach(path, "--model", str(other), "--dataset", "digits")
+        said["good"] = attach(path, "--model", "digits")
+
+    rc, out, err = run_and_kill(tmp_path, ["--epochs", "60", "--attach"], victim=2, after_loss=attaches)
+    assert rc == 0, f"{out}\n{err}"
+    assert said["mode"] == 0o600 and not (tmp_path / "runs" / "el.attach").exists()
+    for bad, why in (("forged", "a wrong token"), ("other", "another network definition")):
+        assert said[bad].returncode == 2 and f"mpiasgd attach: refused by rank 0: {why}" in said[bad].stderr, said[bad]
+    assert said["good"].returncode == 0, said["good"]
+    assert "rank 0 starts worker rank 2 (MPI_Comm_spawn)" in said["good"].stdout
+    attrs, t, _ = read_log(tmp_path / "runs" / "el.h5")
+    assert attrs["status"] == "completed", f"{out}\n{err}"
+    events = [(row["time"], row["kind"].decode(), row["text"].decode()) for row in t["events"]]
+    kinds = [e[1] for e in events]
+    assert kinds.count("attach_refused") == 2 and kinds.count("attach") == 1 and kinds.count("worker_joined") == 1
+    joined = next(e for e in events if e[1] == "worker_joined")
+    assert joined[2].startswith("worker rank 2 is back: a replacement on ") and "an attach from " in joined[2]
+    pushes = t["pushes"]
+    mine = pushes[pushes["worker"] == 2]
+    lost = next(e for e in events if e[1] == "worker_lost")
+    before, after = mine[mine["time"] <= lost[0]], mine[mine["time"] >= joined[0]]
+    assert len(before) and len(after) >= 5, events  # the attached worker trained
+    assert after["step"][0] == before["step"][-1] + 1
+    assert attrs["test_count"] == 360
+    assert "replaced by mpiasgd attach" in out
 
 
 @pytest.mark.parametrize("mode", [[], ["--mode", "ssp", "--staleness-bound", "2"], ["--mode", "easgd"]],

@@ -42,7 +42,7 @@ def loop(stopped: str = "") -> SimpleNamespace:
     r0 = SimpleNamespace(comm=RoutedComm(Network(4).comm(0)), events=[], admitted=[], preempted="",
                          cfg=SimpleNamespace(model_timeout=5.0, comm_timeout=5.0))
     r0.rec = SimpleNamespace(stop_reason=stopped, event=lambda kind, text: r0.events.append((kind, text)))
-    r0.admit = lambda w, comm, info, seconds: r0.admitted.append((w, comm, info))
+    r0.admit = lambda w, comm, info, seconds, origin="": r0.admitted.append((w, comm, info))
     return r0
 
 
