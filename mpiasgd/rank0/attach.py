@@ -183,8 +183,7 @@ class Attacher:
         ranks = lost[:count] if count else lost
         started = [w for w in ranks if respawner.spawn(w, host=host, origin=f"an attach from {address}")]
         if not started:
-            return {"ok": False, "error": f"MPI_Comm_spawn failed for worker rank(s) "
-                                          f"{', '.join(map(str, ranks))} (rank 0's log says why)"}
+            return {"ok": False, "error": respawner.last_failure or "MPI_Comm_spawn failed"}
         where = f" on {host}" if host else ""
         text = (f"an attach from {address}: rank 0 starts worker rank{'s' * (len(started) > 1)} "
                 f"{', '.join(map(str, started))}{where} (MPI_Comm_spawn)")

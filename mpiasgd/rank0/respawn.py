@@ -95,6 +95,7 @@ class Respawner:
         self.pending: dict[int, Pending] = {}
         self.children: list[Pending] = []  # every replacement spawned, for `close`
         self.count: dict[int, int] = {}  # replacements started per worker rank
+        self.last_failure = ""  # the last replacement's failure (`failed`)
 
     def spawn(self, w: int, host: str = "", origin: str = "") -> bool:
         """Start a replacement for worker rank `w`, which was dropped: on `host` ("" = where MPI places it: the
@@ -201,6 +202,8 @@ class Respawner:
                                                              "end" if killed else ""), file=sys.stderr, flush=True)
 
     def failed(self, w: int, text: str) -> None:
-        """Log (event "respawn_failed") and say that worker rank `w`'s replacement did not start, and why."""
+        """Log (event "respawn_failed") and say that worker rank `w`'s replacement did not start, and why (kept in
+        `last_failure` for `mpiasgd attach`'s answer)."""
+        self.last_failure = text
         self.r0.rec.event("respawn_failed", text)
         print(f"mpiasgd: warning: {text}; the run goes on without it", file=sys.stderr, flush=True)
