@@ -165,6 +165,8 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
         replaced = sum("replaced" in r for r in ranks)
         how = ("died; the run went on without them" if not replaced else
                f"died; the run went on, {replaced} replaced by {' and '.join(sorted(by))}")
+        failed = len(events_of(run, "respawn_failed"))
+        how += f"; {failed} replacement{'s' * (failed != 1)} did not start (events respawn_failed)" if failed else ""
         lines.append(f"workers lost     {len(lost)} ({how}): {', '.join(ranks)}")
     if final is not None:
         top5 = final["top5"] if "top5" in (final.dtype.names or ()) else float("nan")

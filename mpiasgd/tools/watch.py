@@ -98,6 +98,11 @@ def final_line(path: str) -> tuple[str, int]:
             0 if status == "completed" else 1)
 
 
+# the events `watch` prints as they come (ULFM): kind -> the line's start
+SAID_EVENTS = {b"worker_lost": "worker lost", b"worker_joined": "worker back", b"respawn_failed": "no replacement",
+               b"attach_refused": "attach refused"}
+
+
 def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[str], None] = print,
           bars: str = BARS) -> int:
     """Follow the run log at `path` until its writer is gone; returns 0 if it completed, 1 otherwise.
@@ -106,12 +111,13 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
     after that, ValueError if the file is not a run log (or is still empty after `wait` seconds), or at once
     if it is a truncated one (no live writer and shorter than its superblock says: `TruncatedLogError`).
     Prints a line every `interval` seconds when new rows were flushed, and one per evaluation during
-    training (`eval_line`, its curve drawn with `bars`) and one per worker lost (ULFM: event "worker_lost").
+    training (`eval_line`, its curve drawn with `bars`) and one per worker lost, back (--respawn, --attach), not
+    brought back, or attach refused (ULFM: `SAID_EVENTS`).
     """
     deadline = time.monotonic() + wait
     seen, applied_total, waiting = 0, 0, False
     evals_seen, history = 0, []  # /periodic_evals rows printed; their top-1, in order
-    events_seen = 0  # /events rows looked at (worker_lost ones are printed)
+    events_seen = 0  # /events rows looked at (those of SAID_EVENTS are printed)
     while True:
         alive = writer_alive(path)
         try:  # opened afresh each time: a reader holding the file would be in the writer's way at its close
@@ -153,11 +159,12 @@ def watch(path: str, interval: float = 2.0, wait: float = 60.0, out: Callable[[s
         if rows is not None and len(rows):
             applied_total += int((rows["applied"] == 1).sum())
             out(progress_line(rows, epoch, applied_total))
-        if new_events is not None:  # (ULFM) a worker that died and was dropped: said as it happens
+        if new_events is not None:  # (ULFM) workers dropped, back, not brought back: said as it happens
             events_seen += len(new_events)
             for row in new_events:
-                if row["kind"] == b"worker_lost":
-                    out(f"worker lost at {float(row['time']):.1f} s: {row['text'].decode(errors='replace')}")
+                said = SAID_EVENTS.get(bytes(row["kind"]))
+                if said:
+                    out(f"{said} at {float(row['time']):.1f} s: {row['text'].decode(errors='replace')}")
         if new_evals is not None:
             evals_seen += len(new_evals)
             for row in new_evals:

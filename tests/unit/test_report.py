@@ -535,12 +535,14 @@ def test_a_replaced_worker_keeps_its_line_and_its_row_names_the_replacement(tmp_
                         flush_interval=60.0)
     log.add(EventRow(time=1.0, kind=b"worker_lost", text="worker rank 2 on host died after step 1 (ULFM reported "
                                                          "it): dropped, 1 worker goes on"))
+    log.add(EventRow(time=2.0, kind=b"respawn_failed", text="MPI_Comm_spawn of a replacement for worker rank 2 on "
+                                                            "host 'x' failed: MPI_ERR_UNKNOWN"))
     log.add(EventRow(time=4.0, kind=b"worker_joined", text="worker rank 2 is back: a replacement on host (pid 7) "
                                                            "started 1.5 s after an attach from 10.0.0.7:5 asked; it "
                                                            "continues from step 1, 2 workers train"))
     log.close("completed", {"train_time_s": 5.0})
-    assert ("workers lost     1 (died; the run went on, 1 replaced by mpiasgd attach): rank 2 at 1.0 s (replaced "
-            "at 4.0 s)") in summary_lines(attached)
+    assert ("workers lost     1 (died; the run went on, 1 replaced by mpiasgd attach; 1 replacement did not start "
+            "(events respawn_failed)): rank 2 at 1.0 s (replaced at 4.0 s)") in summary_lines(attached)
 
     broken = RunLog.create(str(tmp_path / "b.h5"), {"config": {"mode": "async"}}, workers, 3, flush_interval=60.0)
     broken.replace_worker(dataclasses.replace(WORKER, rank=5))

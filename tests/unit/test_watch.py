@@ -110,18 +110,23 @@ def test_watch_prints_each_evaluation_during_training_of_an_ended_run(tmp_path):
                        "samples": 32, "loss": 2.0}))
     log.add(EventRow(time=1.5, kind=b"worker_lost", text=b"worker rank 2 on vm died after step 9 (ULFM reported "
                                                          b"it): dropped, 1 worker goes on"))
+    log.add(EventRow(time=1.6, kind=b"attach_refused", text=b"an attach from 10.0.0.7:5 refused: a wrong token"))
+    log.add(EventRow(time=1.7, kind=b"worker_joined", text=b"worker rank 2 is back: a replacement on vm (pid 7)"))
+    log.add(EventRow(time=1.8, kind=b"checkpoint", text=b"not said"))
     for t, top1 in ((1.0, 0.5), (2.0, 0.7)):
         log.add(PeriodicEvalRow(time=t, samples=32, epoch=t, version_min=1, version_max=1, count=360, loss=1.0,
                                 top1=top1, top5=0.9, seconds=0.1, snapshot=-1))
     log.close("completed", {"test_accuracy": 0.75, "test_top5": 0.95})
     lines = []
     assert watch(path, interval=0.01, wait=1.0, out=lines.append) == 0
-    assert len(lines) == 5 and "pushes" in lines[0]
+    assert len(lines) == 7 and "pushes" in lines[0]
     assert lines[1] == "worker lost at 1.5 s: worker rank 2 on vm died after step 9 (ULFM reported it): dropped, 1 " \
                        "worker goes on"
-    assert "top-1  50.00 %" in lines[2] and lines[2].endswith("top-1 curve ▄ (50.0..50.0 %)")
-    assert "top-1  70.00 %" in lines[3] and lines[3].endswith("top-1 curve ▁█ (50.0..70.0 %)")
-    assert lines[4] == "run ended: status completed, test accuracy 75.00 % (top-5 95.00 %); 1 worker lost"
+    assert lines[2] == "attach refused at 1.6 s: an attach from 10.0.0.7:5 refused: a wrong token"
+    assert lines[3] == "worker back at 1.7 s: worker rank 2 is back: a replacement on vm (pid 7)"
+    assert "top-1  50.00 %" in lines[4] and lines[4].endswith("top-1 curve ▄ (50.0..50.0 %)")
+    assert "top-1  70.00 %" in lines[5] and lines[5].endswith("top-1 curve ▁█ (50.0..70.0 %)")
+    assert lines[6] == "run ended: status completed, test accuracy 75.00 % (top-5 95.00 %); 1 worker lost (1 replaced)"
 
 
 def test_watch_leaves_out_the_pushes_a_resume_superseded(tmp_path):
