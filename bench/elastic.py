@@ -2,7 +2,8 @@
 applied, and reach the test accuracy of runs nobody disturbed?
 
     python bench/elastic.py [--runs 20] [--kills 1,2,3] [--workers 4] [--mode async|ssp|easgd] [--servers 1]
-                            [--model digits] [--epochs 100] [--reference 5] [--seed 0] [--respawn] [--keep DIR]
+                            [--model digits] [--epochs 100] [--reference 5] [--seed 0] [--respawn | --attach]
+                            [--keep DIR]
                             [--dry-run]
 
 First `--reference` undisturbed runs (seeds 0, 1, ...; ULFM on, nobody killed) give the accuracy's run-to-run
@@ -15,7 +16,9 @@ train --mode MODE --servers S ...` under a time limit (ssp: --staleness-bound 3)
     completed   exit status 0 and the log's status "completed"
     lost        one worker_lost event per victim, naming it; none of its pushes after its death (--respawn:
                 a replacement joined within BACK_WITHIN s of the loss, event worker_joined, and pushed as that
-                rank; the median and largest of those delays are printed)
+                rank; the median and largest of those delays are printed; --attach: once rank 0 logged each
+                loss, `mpiasgd attach` brings the rank back: it exits 0, and the worker joins within BACK_WITHIN s
+                of the attach and pushes)
     pushes      nothing rank 0 applied is missing from the log: the applied pushes' versions are 1..V, each
                 worker's steps 1..its last (--servers S > 1: on each shard the applied versions are 1..V, the
                 same V on every shard, and every shard applied the same pushes; a dead worker's push that
@@ -28,8 +31,8 @@ train --mode MODE --servers S ...` under a time limit (ssp: --staleness-bound 3)
 A job that does not start (a rank crashed inside MPI_Init, before any code of mpiasgd ran: Open MPI under
 ULFM, docs/training.md) is started again, up to STARTS times in all, and counted.
 
-`--dry-run`: one reference run and one run with one kill, on digits for 20 epochs (the code paths, not the
-numbers; CI runs it in tests/mpi).
+`--dry-run`: one reference run and one run with one kill, on digits for 20 epochs (150 with --attach) (the code
+paths, not the numbers; CI runs it in tests/mpi).
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ class Outcome:
     started: bool = True  # False: no run log (every rank ended in or right after MPI_Init)
     restarted: bool = False  # an earlier attempt did not start
     back_s: list[float] = field(default_factory=list)  # (--respawn) seconds from each loss to its replacement's join
+    # (--attach) seconds from each attach to its worker's join (rank 0's measure), and each attach's wall seconds
+    attach_s: list[float] = field(default_factory=list)
+    attach_wall_s: list[float] = field(default_factory=list)
 
 
 def read(path: Path) -> dict:
@@ -118,7 +124,7 @@ def attempt(args: argparse.Namespace, tmp: Path, seed: int, victims: list[int], 
            "--servers", str(args.servers), "--model", args.model, "--epochs", f"{args.epochs:g}", "--seed",
            str(seed), "--no-progress",
            "--snapshot-interval", "0", "--run-dir", str(runs), "--name", "e", "--flush-interval", "0.2",
-           *(["--respawn"] if args.respawn else [])]
+           *(["--respawn"] if args.respawn else []), *(["--attach"] if args.attach else [])]
     out = Outcome(seed, victims, times)
     log = runs / "e.h5"
     t0 = time.monotonic()
@@ -128,8 +134,9 @@ def attempt(args: argparse.Namespace, tmp: Path, seed: int, victims: list[int], 
         deadline = t0 + args.timeout
         first = None
         pending = sorted(zip(times, victims, strict=True))
+        attached = 0  # (--attach) losses brought back so far
         while proc.poll() is None and time.monotonic() < deadline:
-            got = read(log) if pending or first is None else {}
+            got = read(log) if pending or first is None or (args.attach and attached < len(victims)) else {}
             pushes, rows = got.get("pushes"), got.get("workers")
             if first is None and pushes is not None and len(pushes):
                 first = time.monotonic()
@@ -137,6 +144,11 @@ def attempt(args: argparse.Namespace, tmp: Path, seed: int, victims: list[int], 
             while pending and rows is not None and len(rows) and epochs >= pending[0][0]:
                 _, w = pending.pop(0)
                 os.kill(int(rows["pid"][rows["rank"] == w][0]), signal.SIGKILL)
+            events = got.get("events")
+            lost = 0 if events is None else int((events["kind"] == b"worker_lost").sum())
+            while args.attach and attached < lost and proc.poll() is None:  # each loss logged: bring it back
+                attached += 1
+                attach(args, runs, out)
             time.sleep(0.05)
         if proc.poll() is None:
             out.failed.append(f"still running after {args.timeout:g} s (killed)")
@@ -166,8 +178,19 @@ def attempt(args: argparse.Namespace, tmp: Path, seed: int, victims: list[int], 
     out.status = text(got.get("status", "-"))
     out.accuracy = float(got.get("test_accuracy", float("nan")))
     out.test_count = int(got.get("test_count", 0))
-    check(out, got, num_test, args.respawn)
+    check(out, got, num_test, args.respawn or args.attach)
     return out
+
+
+def attach(args: argparse.Namespace, runs: Path, out: Outcome) -> None:
+    """(--attach) `mpiasgd attach runs/e.attach --model MODEL`: a failure (its exit status and words) into
+    `out.failed`, its wall seconds into `out.attach_wall_s`."""
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "mpiasgd", "attach", str(runs / "e.attach"), "--model", args.model],
+                          capture_output=True, text=True, timeout=120)
+    out.attach_wall_s.append(time.monotonic() - t0)
+    if done.returncode != 0:
+        out.failed.append(f"mpiasgd attach exited {done.returncode}: {done.stderr.strip()[-300:]}")
 
 
 def check(out: Outcome, got: dict, num_test: int, respawn: bool = False) -> None:
@@ -189,10 +212,16 @@ def check(out: Outcome, got: dict, num_test: int, respawn: bool = False) -> None
             continue
         back = [u for u, j in joined if u >= when and j.startswith(f"worker rank {w} is back: ")]
         if not back:
-            out.failed.append(f"worker rank {w} was not replaced (--respawn)")
+            out.failed.append(f"worker rank {w} was not replaced (--respawn, --attach)")
             continue
         out.back_s.append(back[0] - when)
-        if back[0] - when > BACK_WITHIN:
+        asked = [j for u, j in joined if u == back[0] and " after an attach from " in j]
+        if asked:  # (--attach) rank 0's measure: "started 1.6 s after an attach from ADDRESS asked"
+            out.attach_s.append(float(asked[0].split(" started ")[1].split(" s after ")[0]))
+            if out.attach_s[-1] > BACK_WITHIN:
+                out.failed.append(f"worker rank {w} joined {out.attach_s[-1]:.1f} s after its attach (more than "
+                                  f"{BACK_WITHIN:g} s)")
+        if back[0] - when > BACK_WITHIN and " after an attach from " not in next(j for u, j in joined if u == back[0]):
             out.failed.append(f"worker rank {w}'s replacement joined {back[0] - when:.1f} s after the loss (more "
                               f"than {BACK_WITHIN:g} s)")
         if not (p["time"][p["worker"] == w] > back[0]).any():
@@ -247,6 +276,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--servers", type=int, default=1, help="parameter-server shards")
     parser.add_argument("--respawn", action="store_true", help="train --respawn: each killed worker is replaced; "
                         f"checks that the replacement joins within {BACK_WITHIN:g} s and pushes")
+    parser.add_argument("--attach", action="store_true", help="train --attach: once rank 0 logged each loss, "
+                        f"`mpiasgd attach` brings the rank back; checks that it joins within {BACK_WITHIN:g} s of "
+                        "the attach and pushes")
     parser.add_argument("--model", default="digits")
     parser.add_argument("--epochs", type=float, default=100.0)
     parser.add_argument("--reference", type=int, default=5, help="undisturbed runs (the noise, the time T)")
@@ -254,14 +286,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     parser.add_argument("--keep", default=None, help="a folder to keep every job's run log and output in "
                         "(default: a temporary one, removed at the end)")
-    parser.add_argument("--dry-run", action="store_true", help="1 reference run, 1 run with 1 kill, 20 epochs")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="1 reference run, 1 run with 1 kill, 20 epochs (150 with --attach)")
     args = parser.parse_args(argv)
     if args.dry_run:
-        args.runs, args.kills, args.reference, args.epochs = 1, [1], 1, 20.0
+        # (--attach: long enough for the attach command to start and the worker to join before the end)
+        args.runs, args.kills, args.reference, args.epochs = 1, [1], 1, 150.0 if args.attach else 20.0
     if max(args.kills) >= args.workers:
         parser.error(f"--kills {max(args.kills)}: at least one of the {args.workers} workers must live")
-    if args.respawn and (args.servers > 1 or args.mode == "easgd"):
-        parser.error("--respawn: async or ssp with one server (--servers 1)")
+    if (args.respawn or args.attach) and (args.servers > 1 or args.mode == "easgd"):
+        parser.error("--respawn, --attach: async or ssp with one server (--servers 1)")
+    if args.respawn and args.attach:
+        parser.error("--respawn or --attach, not both (each measures its own joins)")
     if args.runs < 1 or args.reference < 1 or args.servers < 1:
         parser.error("--runs, --reference and --servers: expected at least 1")
     return args
@@ -273,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     data = load_dataset(args.model)
     num_train, num_test = data.num_train, data.num_test
     print(f"{args.workers} {args.mode} workers, {args.servers} parameter-server shard(s), {args.model}, "
-          f"{args.epochs:g} epochs, under ULFM ({' '.join(FT)}){', --respawn' if args.respawn else ''}", flush=True)
+          f"{args.epochs:g} epochs, under ULFM ({' '.join(FT)}){', --respawn' if args.respawn else ''}"
+          f"{', --attach' if args.attach else ''}", flush=True)
     with tempfile.TemporaryDirectory(prefix="elastic-") as name:
         tmp = Path(args.keep or name)
         tmp.mkdir(parents=True, exist_ok=True)
@@ -319,6 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.respawn and back:
         print(f"\n--respawn: {len(back)} replacements joined {statistics.median(back):.1f} s after the loss (median), "
               f"{max(back):.1f} s at most (limit {BACK_WITHIN:g} s)", end="")
+    asked = [b for r in runs for b in r.attach_s]
+    if args.attach and asked:
+        wall = [b for r in runs for b in r.attach_wall_s]
+        print(f"\n--attach: {len(asked)} worker{'s' * (len(asked) != 1)} brought back by `mpiasgd attach` joined "
+              f"{statistics.median(asked):.1f} s after the attach (median, rank 0's measure), {max(asked):.1f} s at "
+              f"most (limit {BACK_WITHIN:g} s); "
+              f"each attach command took {statistics.median(wall):.1f} s (median); {statistics.median(back):.1f} s "
+              "from the loss to the join (median)", end="")
     unstarted = [r for r in refs + runs if not r.started]
     restarted = [r for r in refs + runs if r.restarted]
     if restarted:

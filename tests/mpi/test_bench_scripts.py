@@ -146,3 +146,16 @@ def test_elastic_script_kills_a_worker_and_checks_its_run(tmp_path):
     out = done.stdout
     assert "undisturbed seed 0: " in out and "run  1 (seed 100): killed [" in out and ": completed, test " in out
     assert "| 1 | 1 | 0 | 1 of 1 | " in out and "every job that started completed and passed its checks (2)" in out, out
+
+
+def test_elastic_script_brings_a_killed_worker_back_with_an_attach(tmp_path):
+    """bench/elastic.py --dry-run --attach: the killed worker's rank is brought back by `mpiasgd attach` once its
+    loss is logged; it joins and pushes, and the run passes the script's checks."""
+    launcher = find_launcher()
+    if launcher is None or "Open MPI" not in subprocess.run([launcher, "--version"], capture_output=True,
+                                                            text=True).stdout:
+        pytest.skip("ULFM needs Open MPI's mpiexec (--with-ft ulfm)")
+    done = run_script("elastic.py", ["--dry-run", "--attach"], tmp_path, jobs=2)
+    out = done.stdout
+    assert "every job that started completed and passed its checks (2)" in out, out
+    assert "--attach: 1 worker brought back by `mpiasgd attach` joined " in out, out
