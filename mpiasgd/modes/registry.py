@@ -157,8 +157,9 @@ class AsyncOptions:
         "DANA-Zero alone); needs nsync 1 and no --overlap or --dc-lambda", PS_MODES, "optimizer", label="gap-aware")
     min_workers: int = option(1, "async, ssp, easgd (with any --servers) and sync: under ULFM (mpiexec --with-ft ulfm: "
         "docs/training.md) a worker that dies is dropped and the run goes on while at least this many workers are "
-        "left; below it the run ends with status failed (a checkpoint where rank 0 holds the state); without ULFM "
-        "any death ends the job", (*SERVER_MODES, "sync"))
+        "left (with --respawn a dead worker whose replacement starts counts); below it the run ends with status "
+        "failed (a checkpoint where rank 0 holds the state); without ULFM any death ends the job",
+        (*SERVER_MODES, "sync"))
     respawn: bool = option(False, "async and ssp with one server, under ULFM: rank 0 starts a replacement for each "
         "worker that dies (MPI_Comm_spawn, in a free slot of the launcher's); it takes the dead worker's rank, the "
         "current weights and its data position, and the run goes on with as many workers as it began with "

@@ -226,7 +226,10 @@ class Rank0:
                 self.role.lose_worker(w)
             return
         alive = len(self.workers) - len(self.role.lost) - len([r for r in new if r in self.workers])
-        if shards or why or not self.decides or alive < self.cfg.min_workers:
+        # (--respawn) a dead worker whose replacement rank 0 starts now counts as one coming back (`short_of_workers`
+        # ends the run if it does not start)
+        coming = [r for r in new if self.respawner is not None and self.respawner.will_replace(r)]
+        if shards or why or not self.decides or alive + len(coming) < self.cfg.min_workers:
             gone = [(r, *self.pids.get(r, ("?", 0))) for r in new]
             cause = ("a parameter-server shard died" if shards else why if why else
                      f"{alive} worker{'s' * (alive != 1)} left, fewer than --min-workers {self.cfg.min_workers}")
@@ -246,6 +249,16 @@ class Rank0:
             print(f"mpiasgd: {text}", file=sys.stderr, flush=True)
             if self.respawner is not None and self.cfg.respawn:
                 self.respawner.spawn(w)
+
+    def short_of_workers(self, w: int, why: str) -> None:
+        """(--respawn, `Respawner.failed`) The replacement for worker rank `w` did not start (`why`): with fewer than
+        --min-workers workers alive or starting, the run ends as at a death below it (status failed)."""
+        alive = len(self.workers) - len(self.role.lost) + len(self.respawner.pending)
+        if alive >= self.cfg.min_workers or self.preempted or not self.decides or self.rec.stop_reason:
+            return
+        host, pid = self.pids.get(w, ("?", 0))
+        self.preempt(f"{why}; {alive} worker{'s' * (alive != 1)} left, fewer than --min-workers "
+                     f"{self.cfg.min_workers}", gone=[(w, host, pid)])
 
     def admit(self, w: int, comm: Any, info: Any, seconds: float, origin: str = "") -> None:
         """(--respawn, --attach: `Respawner.tick`) The replacement for worker rank `w`, started up on `comm` (its

@@ -201,9 +201,18 @@ class Respawner:
                       f"{timeout:g} s (hung or stopped?)" + (f": killed (pid {child.info.pid}), so that the job can "
                                                              "end" if killed else ""), file=sys.stderr, flush=True)
 
+    def will_replace(self, w: int) -> bool:
+        """Whether a death of worker rank `w` now gets a replacement (--respawn, fewer than MAX_RESPAWNS so far, the
+        run not ending)."""
+        r0 = self.r0
+        return bool(r0.cfg.respawn) and self.count.get(w, 0) < MAX_RESPAWNS and not (r0.rec.stop_reason or
+                                                                                      r0.preempted)
+
     def failed(self, w: int, text: str) -> None:
         """Log (event "respawn_failed") and say that worker rank `w`'s replacement did not start, and why (kept in
-        `last_failure` for `mpiasgd attach`'s answer)."""
+        `last_failure` for `mpiasgd attach`'s answer); the run goes on without it unless that leaves fewer than
+        --min-workers (`Rank0.short_of_workers`)."""
         self.last_failure = text
         self.r0.rec.event("respawn_failed", text)
         print(f"mpiasgd: warning: {text}; the run goes on without it", file=sys.stderr, flush=True)
+        self.r0.short_of_workers(w, text)

@@ -144,10 +144,11 @@ def test_a_killed_worker_is_dropped_and_the_run_completes(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", [[], ["--mode", "ssp", "--staleness-bound", "2"]], ids=["async", "ssp"])
 def test_respawn_replaces_a_killed_worker_which_takes_its_rank_and_pushes(tmp_path, mode):
-    """--respawn: rank 0 spawns a replacement for the SIGKILLed worker rank 2; within 10 s of the death it is back
-    (event worker_joined), pushes as rank 2 from the dead worker's next step on, and the run completes with the
-    test split evaluated once (the survivors gave rank 2's share back)."""
-    rc, out, err = run_and_kill(tmp_path, ["--epochs", "60", "--respawn", *mode], victim=2)
+    """--respawn: rank 0 spawns a replacement for the SIGKILLed worker rank 2 (with --min-workers 3 of 3 the death
+    does not end the run: the worker is coming back); within 10 s of the death it is back (event worker_joined),
+    pushes as rank 2 from the dead worker's next step on, and the run completes with the test split evaluated once
+    (the survivors gave rank 2's share back)."""
+    rc, out, err = run_and_kill(tmp_path, ["--epochs", "60", "--respawn", "--min-workers", "3", *mode], victim=2)
     assert rc == 0, f"{out}\n{err}"
     assert "--respawn: rank 0 starts a replacement for it (MPI_Comm_spawn" in out
     attrs, t, _ = read_log(tmp_path / "runs" / "el.h5")

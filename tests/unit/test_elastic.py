@@ -218,3 +218,33 @@ def test_the_job_scripts_launch_under_ulfm_with_mpiexec_and_refuse_srun(tmp_path
     done = subprocess.run(["bash", "-c", script], env={**env, "LAUNCHER": "srun"}, capture_output=True, text=True,
                           timeout=60)
     assert "rc=2" in done.stdout and "FAULT_TOLERANT=1 needs LAUNCHER=mpiexec" in done.stderr, done.stderr
+
+
+def test_min_workers_counts_a_worker_whose_replacement_starts_until_it_fails(tmp_path):
+    """(--respawn) With --min-workers 3 of 3 workers, a death whose replacement rank 0 starts does not end the run
+    (the worker is coming back); when that replacement does not start, the run ends there, status failed."""
+    from types import SimpleNamespace
+
+    from mpiasgd.rank0.loop import Preempted
+
+    server, _, log = make_server(tmp_path, num_workers=3, min_workers=3, respawn=True)
+    r0 = server.r0
+    spawned = []
+    r0.respawner = SimpleNamespace(pending={}, will_replace=lambda w: True, spawn=spawned.append)
+    server.role.begin()
+    r0.lose([2])
+    assert spawned == [2] and r0.role.lost == {2} and not r0.preempted
+    r0.respawner.pending[2] = object()  # starting: still counted
+    r0.short_of_workers(2, "an earlier one")
+    assert not r0.preempted
+    del r0.respawner.pending[2]
+    with pytest.raises(Preempted):
+        r0.short_of_workers(2, "the replacement for worker rank 2 could not start: DataError")
+    assert "2 workers left, fewer than --min-workers 3" in r0.preempted and log.ended
+    server2, _, _ = make_server(tmp_path / "b", num_workers=3, min_workers=3, respawn=True)
+    server2.r0.respawner = SimpleNamespace(pending={}, will_replace=lambda w: False, spawn=spawned.append)  # (no
+    # replacement: the death itself ends the run, as without --respawn)
+    server2.role.begin()
+    with pytest.raises(Preempted):
+        server2.r0.lose([3])
+    assert spawned == [2] and "fewer than --min-workers 3" in server2.r0.preempted

@@ -39,9 +39,10 @@ class Merged:
 
 def loop(stopped: str = "") -> SimpleNamespace:
     """Rank 0's loop as the Respawner sees it: its events, the admitted replacements, its stop."""
-    r0 = SimpleNamespace(comm=RoutedComm(Network(4).comm(0)), events=[], admitted=[], preempted="",
-                         cfg=SimpleNamespace(model_timeout=5.0, comm_timeout=5.0))
+    r0 = SimpleNamespace(comm=RoutedComm(Network(4).comm(0)), events=[], admitted=[], preempted="", short=[],
+                         cfg=SimpleNamespace(model_timeout=5.0, comm_timeout=5.0, respawn=True))
     r0.rec = SimpleNamespace(stop_reason=stopped, event=lambda kind, text: r0.events.append((kind, text)))
+    r0.short_of_workers = lambda w, why: r0.short.append((w, why))
     r0.admit = lambda w, comm, info, seconds, origin="": r0.admitted.append((w, comm, info))
     return r0
 
@@ -78,6 +79,7 @@ def test_a_replacement_that_cannot_start_is_logged_and_the_run_goes_on(answer, d
     assert r0.admitted == [] and respawner.pending == {}
     assert len(r0.events) == 1 and r0.events[0][0] == "respawn_failed" and r0.events[0][1].startswith(said)
     assert f"mpiasgd: warning: {said}" in capsys.readouterr().err
+    assert [(w, why.startswith(said)) for w, why in r0.short] == [(2, True)]  # --min-workers is judged again
 
 
 def test_a_replacement_ready_after_the_stop_is_sent_home():
@@ -99,6 +101,18 @@ def test_no_replacement_after_the_stop_nor_beyond_the_limit(capsys):
     respawner.spawn(2)
     assert respawner.pending == {} and r0.events[0][0] == "respawn_failed"
     assert f"replaced {MAX_RESPAWNS} times already" in r0.events[0][1]
+
+
+def test_will_replace_only_under_respawn_below_the_limit_and_before_the_stop():
+    r0 = loop()
+    respawner = Respawner(r0, "{}", 4, ["train"], {})
+    assert respawner.will_replace(2)
+    respawner.count[2] = MAX_RESPAWNS
+    assert not respawner.will_replace(2) and respawner.will_replace(3)
+    r0.preempted = "SIGTERM received by rank 0"
+    assert not respawner.will_replace(3)
+    r0.preempted, r0.cfg.respawn = "", False  # (--attach alone: no replacement at a death)
+    assert not respawner.will_replace(3)
 
 
 def test_rank0_must_route_by_worker_rank():
