@@ -21,6 +21,8 @@ import sys
 import threading
 import traceback
 
+import mpi4py  # (the package alone: `mpi4py.MPI`, which starts MPI, is imported by `train` only)
+
 from mpiasgd import __version__
 from mpiasgd.argtypes import DEFAULT_TARGET, FORMATS, command, fraction, positive, seconds
 from mpiasgd.tools.data_cli import add_parser as add_data_parser  # argparse only: `train` loads no data tools
@@ -210,6 +212,8 @@ def _attach(args: argparse.Namespace, rest: list[str]) -> int:
     """`mpiasgd attach RUN.attach [--host H] [--count K] TRAIN-FLAGS`: ask the job to bring back its lost worker
     ranks (`mpiasgd.rank0.attach`); the network and dataset of TRAIN-FLAGS must be the job's. 0 when rank 0 started
     them, 2 when it refused (its reason printed) or could not be reached."""
+    mpi4py.rc.initialize = False  # no MPI here: mpiasgd's modules import mpi4py.MPI, which must not start MPI (a
+    mpi4py.rc.finalize = False    # singleton MPI_Init takes seconds: the job's end may come first)
     from mpiasgd.config import make_parser, resolve
     from mpiasgd.launch.startup import definition_text, load_data
     from mpiasgd.rank0.attach import identity, request

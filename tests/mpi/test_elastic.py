@@ -193,7 +193,8 @@ def test_an_attach_brings_back_a_lost_worker_and_a_bad_one_is_refused(tmp_path):
         said["forged"], said["other"] = forged, attach(path, "--model", str(other), "--dataset", "digits")
         said["good"] = attach(path, "--model", "digits")
 
-    rc, out, err = run_and_kill(tmp_path, ["--epochs", "60", "--attach"], victim=2, after_loss=attaches)
+    # (200 epochs: the three attach commands, a Python start-up each, run before the job ends, also on a busy machine)
+    rc, out, err = run_and_kill(tmp_path, ["--epochs", "200", "--attach"], victim=2, after_loss=attaches)
     assert rc == 0, f"{out}\n{err}"
     assert said["mode"] == 0o600 and not (tmp_path / "runs" / "el.attach").exists()
     for bad, why in (("forged", "a wrong token"), ("other", "another network definition")):

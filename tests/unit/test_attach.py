@@ -244,7 +244,16 @@ def test_identity_tells_networks_and_datasets_apart():
     assert a["dataset"] == "digits:" and identity("x", "file", '{"name": "f"}')["dataset"] == 'file:{"name": "f"}'
 
 
-def test_the_command_says_what_is_wrong_in_one_line(tmp_path, capsys):
+@pytest.fixture
+def keep_mpi4py_rc(monkeypatch):
+    """`mpiasgd attach` tells mpi4py not to start MPI (mpi4py.rc): undone after the test, for the tests after it."""
+    import mpi4py
+
+    for key in ("initialize", "finalize"):
+        monkeypatch.setattr(mpi4py.rc, key, getattr(mpi4py.rc, key))
+
+
+def test_the_command_says_what_is_wrong_in_one_line(tmp_path, capsys, keep_mpi4py_rc):
     from mpiasgd.cli import main
 
     assert main(["attach", str(tmp_path / "none.attach"), "--model", "digits"]) == 2
@@ -256,7 +265,7 @@ def test_the_command_says_what_is_wrong_in_one_line(tmp_path, capsys):
     assert "nonesuch" in capsys.readouterr().err
 
 
-def test_the_command_asks_with_the_job_identity(tmp_path, capsys):
+def test_the_command_asks_with_the_job_identity(tmp_path, capsys, keep_mpi4py_rc):
     """`mpiasgd attach FILE --model digits` computes the digits network's and dataset's identity as rank 0 does
     (`definition_text`) and is let in; the reply's text is printed."""
     from mpiasgd.cli import main
