@@ -1,10 +1,11 @@
-"""(`--respawn`) Rank 0's communicator when some workers live on communicators of
+"""(`--respawn`, `--attach`) Rank 0's communicator when some workers live on communicators of
 their own: a replacement worker started with `MPI_Comm_spawn` talks to rank 0 on the 2-rank communicator of
 `Intercomm_merge` (rank 0 there is rank 0, the worker rank 1), yet keeps the worker rank W of the one it
 replaces, so the roles go on calling `comm.Isend(buf, dest=W, ...)` and reading `status.Get_source()` as
-before. RoutedComm routes each send and receive by worker rank, and probes every communicator in turn,
-setting the status's source to the worker rank (`Status.Set_source`). A message on COMM_WORLD from a rank a
-replacement took (sent by the dead worker before it died, delivered late) is received and discarded (`stale`).
+before. RoutedComm routes each send and receive by worker rank, and probes every communicator in turn (but
+those of joined workers reported dead), setting the status's source to the worker rank (`Status.Set_source`). A
+message on COMM_WORLD from a rank a replacement took (sent by the dead worker before it died, delivered late) is
+received and discarded (`stale`).
 
 Measured with the wheel's Open MPI 5.0.11 (docs/training.md, workers that die): spawn + merge take 1.2-2.6 s,
 also under ULFM.
@@ -30,11 +31,13 @@ class RoutedComm:
     def __init__(self, base: Any) -> None:
         self.base = base
         self.joined: dict[int, Any] = {}
+        self.dead: set[int] = set()  # joined workers whose death was reported (`failed_ranks`): no longer probed
         self.stale = 0  # messages of dead workers whose rank a replacement took, discarded
 
     def join(self, w: int, comm: Any) -> None:
         """Worker rank `w` now lives on `comm` (rank JOINED_RANK there): every call for `w` goes to it."""
         self.joined[w] = comm
+        self.dead.discard(w)
 
     def route(self, rank: int) -> tuple[Any, int]:
         """(the communicator, the rank on it) of worker rank `rank`."""
@@ -72,6 +75,8 @@ class RoutedComm:
         if found is not None:
             return found
         for w, comm in self.joined.items():
+            if w in self.dead:  # (a probe there raises its failure again: the workers after it would starve)
+                continue
             found = comm.Improbe(source=JOINED_RANK, tag=tag, status=status)
             if found is not None:
                 if status is not None:
@@ -84,8 +89,9 @@ class RoutedComm:
         """(`ulfm.failed_ranks`) The worker ranks known dead, each failure acknowledged: those of COMM_WORLD whose
         rank no replacement took, and each joined worker whose communicator reports its death; ascending."""
         dead = [r for r in ulfm.failed_ranks(self.base) if r not in self.joined]
-        dead += [w for w, comm in self.joined.items() if ulfm.failed_ranks(comm)]
-        return sorted(dead)
+        gone = [w for w, comm in self.joined.items() if w in self.dead or ulfm.failed_ranks(comm)]
+        self.dead.update(gone)
+        return sorted(dead + gone)
 
     # --- the rest: COMM_WORLD's ---
     def Get_rank(self) -> int:

@@ -65,6 +65,15 @@ def addresses(host: str) -> list[str]:
     return sorted({str(info[4][0]) for info in found})
 
 
+def shown(key: str, value: str) -> str:
+    """An identity's `key` ("network" or "dataset") as a refusal names it: the network's hash cut to 12 digits; the
+    dataset's name, and its file's fingerprint where it has one."""
+    if key == "network":
+        return f"SHA-256 {value[:12]}"
+    name, _, fingerprint = value.partition(":")
+    return repr(name) + (f" (fingerprint {fingerprint})" if fingerprint else "")
+
+
 class Peer:
     """A connection being read: its socket, address text, bytes so far and the time by which it must be whole."""
 
@@ -164,10 +173,12 @@ class Attacher:
         if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
             return self.refused(address, "a wrong token (the one in the job's attach file is needed)")
         for key, what in (("network", "network definition"), ("dataset", "dataset")):
-            if req.get(key) != self.expected[key]:
-                shown = self.expected[key] if key == "dataset" else self.expected[key][:12]
-                theirs = req.get(key) if key == "dataset" else str(req.get(key))[:12]
-                return self.refused(address, f"another {what} ({theirs!r}; the job's is {shown!r})")
+            theirs = req.get(key)
+            if not isinstance(theirs, str):
+                return self.refused(address, f"no {what} in the request (key {key!r})")
+            if theirs != self.expected[key]:
+                return self.refused(address, f"another {what} ({shown(key, theirs)}; the job's is "
+                                             f"{shown(key, self.expected[key])})")
         host, count = req.get("host", ""), req.get("count", 0)
         if not isinstance(host, str) or len(host) > 255 or any(c.isspace() or c == "," for c in host):
             return self.refused(address, f"host {host!r} is not one host name")

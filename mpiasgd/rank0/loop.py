@@ -640,10 +640,10 @@ class Rank0:
 
     def exited_workers(self) -> list[tuple[int, str, int]]:
         """(rank, host, pid) of the workers (and the other parameter-server shards) on this rank's host whose
-        process has exited (or is a zombie)."""
+        process has exited (or is a zombie); not those dropped already under ULFM (the run went on without them)."""
         gone = []
         for w, (host, pid) in self.pids.items():
-            if host != self.host or not pid:
+            if host != self.host or not pid or w in self.role.lost:
                 continue
             try:
                 with open(f"/proc/{pid}/stat") as f:

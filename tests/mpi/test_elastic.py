@@ -384,3 +384,57 @@ def test_a_checkpoint_resumes_with_another_number_of_workers(tmp_path, mode, bef
     later = t["pushes"][t["pushes"]["time"] > t["pushes"]["time"][t["pushes"]["version"] <= version].max()]
     assert set(later["worker"].tolist()) == set(range(1, after + 1))
     assert attrs["test_count"] == 360
+
+
+def events_in(path) -> list[tuple[float, str, str]]:
+    """(time, kind, text) of the running job's events ([] while the log cannot be read)."""
+    try:
+        with h5py.File(path, "r", libver="latest", swmr=True) as f:
+            return [(float(r["time"]), r["kind"].decode(), r["text"].decode()) for r in f["events"][()]]
+    except (OSError, KeyError):
+        return []
+
+
+def test_a_dead_attached_worker_does_not_stop_the_other_attached_ones(tmp_path):
+    """(a new user's trial) Workers 2 and 3 are killed and each brought back by an attach; then the attached worker
+    2 is killed: rank 0 drops it and the attached worker 3 goes on pushing (rank 0 probed the dead one's
+    communicator for ever and never heard worker 3). The run completes (mpiexec's exit status is Open MPI's 137
+    when a spawned process dies: docs/training.md)."""
+    launcher = find_launcher()
+    if launcher is None or "Open MPI" not in subprocess.run([launcher, "--version"], capture_output=True,
+                                                            text=True).stdout:
+        pytest.skip("ULFM needs Open MPI's mpiexec (--with-ft ulfm)")
+    log = tmp_path / "runs" / "el.h5"
+    cmd = [launcher, "-n", "4", *launcher_flags(launcher), *FT, sys.executable, "-m", "mpiasgd", "train", "--model",
+           "digits", "--no-progress", "--snapshot-interval", "0", "--name", "el", "--flush-interval", "0.2",
+           "--epochs", "600", "--attach"]
+    with open(tmp_path / "out.txt", "w") as o, open(tmp_path / "err.txt", "w") as e:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=mpi_env(), stdout=o, stderr=e, start_new_session=True)
+    deadline = time.monotonic() + TIMEOUT
+
+    def until(kind: str, count: int) -> list:
+        while sum(k == kind for _, k, _ in events_in(log)) < count:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err.txt").read_text()
+            time.sleep(0.2)
+        return [e for e in events_in(log) if e[1] == kind]
+
+    try:
+        while pushes(log) < 20:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err.txt").read_text()
+            time.sleep(0.2)
+        for n, victim in enumerate((2, 3), start=1):
+            os.kill(rank_pid(proc.pid, victim), signal.SIGKILL)
+            until("worker_lost", n)
+            assert attach(tmp_path, "--model", "digits").returncode == 0
+            joined = until("worker_joined", n)
+        os.kill(int(joined[0][2].split("(pid ")[1].split(")")[0]), signal.SIGKILL)  # the attached worker 2
+        lost = until("worker_lost", 3)[-1][0]
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the job hung\n{(tmp_path / 'err.txt').read_text()}")
+    finally:
+        kill_session(proc.pid)
+    attrs, t, _ = read_log(log)
+    assert attrs["status"] == "completed", (tmp_path / "err.txt").read_text()
+    mine = t["pushes"][t["pushes"]["worker"] == 3]
+    assert (mine["time"] > lost + 1.0).sum() >= 20, "the attached worker 3 stopped when the attached worker 2 died"

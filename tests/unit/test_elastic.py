@@ -248,3 +248,20 @@ def test_min_workers_counts_a_worker_whose_replacement_starts_until_it_fails(tmp
     with pytest.raises(Preempted):
         server2.r0.lose([3])
     assert spawned == [2] and "fewer than --min-workers 3" in server2.r0.preempted
+
+
+def test_a_dropped_worker_is_not_named_dead_at_a_signal(tmp_path):
+    """(a new user's trial) A worker dropped under ULFM and not brought back: a signal that follows ends the run as
+    preempted, not as failed by that worker's death (`exited_workers` leaves the dropped ones out)."""
+    import socket
+    import subprocess
+    import sys
+
+    server, _, _ = make_server(tmp_path, num_workers=3)
+    r0 = server.r0
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    r0.pids = {2: (socket.gethostname(), ended.pid), 3: (socket.gethostname(), ended.pid)}
+    assert [w for w, _, _ in r0.exited_workers()] == [2, 3]
+    r0.role.lose_worker(2)
+    assert [w for w, _, _ in r0.exited_workers()] == [3]

@@ -148,3 +148,38 @@ def test_an_ssp_replacement_starts_at_the_slowest_clock(tmp_path):
     role.rejoin_worker(2)
     role.join_worker(2)
     assert role.last_step[2] == 1 and role.gate.clock(2) == role.gate.slowest_clock() == 3
+
+
+class DeadPeer:
+    """A joined worker's communicator whose peer died: every probe raises ULFM's failure; its failed ranks."""
+
+    def __init__(self) -> None:
+        self.probes = 0
+
+    def Improbe(self, source, tag, status):
+        self.probes += 1
+        raise MPI.Exception(MPI.ERR_PROC_FAILED)
+
+
+def test_a_dead_joined_worker_does_not_starve_the_joined_workers_after_it(monkeypatch):
+    """(a new user's trial) Joined workers 2 and 3; 2 dies: its probe raises once, rank 0 hears of it
+    (`failed_ranks`), and from then on joined worker 3 is heard (it was starved: every probe stopped at 2's
+    failure). A new replacement for 2 is probed again."""
+    world, merged3, again = Network(4), Network(2), Network(2)
+    comm = RoutedComm(world.comm(0))
+    dead = DeadPeer()
+    comm.join(2, dead)
+    comm.join(3, merged3.comm(0))
+    living = (comm.base, comm.joined[3])
+    merged3.post(JOINED_RANK, 0, 12, b"\x03")
+    status = MPI.Status()
+    with pytest.raises(MPI.Exception):
+        comm.Improbe(MPI.ANY_SOURCE, 12, status)
+    monkeypatch.setattr(ulfm, "failed_ranks", lambda c: [] if any(c is x for x in living) else [JOINED_RANK])
+    assert comm.failed_ranks() == [2]
+    found = comm.Improbe(MPI.ANY_SOURCE, 12, status)
+    assert found is not None and status.Get_source() == 3 and dead.probes == 1
+    assert comm.failed_ranks() == [2]  # (still dead, still reported: rank 0 drops it once)
+    comm.join(2, again.comm(0))
+    again.post(JOINED_RANK, 0, 12, b"\x02")
+    assert comm.Improbe(MPI.ANY_SOURCE, 12, status) is not None and status.Get_source() == 2
