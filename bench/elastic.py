@@ -8,8 +8,8 @@ applied, and reach the test accuracy of runs nobody disturbed?
 
 First `--reference` undisturbed runs (seeds 0, 1, ...; ULFM on, nobody killed) give the accuracy's run-to-run
 noise. Then run i (training seed 100 + i) SIGKILLs k = kills[i % len(kills)] workers, drawn at random, each
-once the pushes in the log reach a random epoch in [0.1, 0.7] x --epochs (numpy seed (--seed, i); the log is
-flushed every 0.2 s). Every job is
+once the pushes in the log reach a random epoch in [0.1, 0.7] x --epochs ([0.1, 0.5] with --attach) (numpy seed
+(--seed, i); the log is flushed every 0.2 s). Every job is
 `mpiexec --with-ft ulfm --mca mpi_ft_detector true --mca mpi_ft_detector_thread true -n N+S python -m mpiasgd
 train --mode MODE --servers S ...` under a time limit (ssp: --staleness-bound 3). Each run's checks, printed:
 
@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             rng = np.random.default_rng([args.seed, i])
             k = args.kills[i % len(args.kills)]
             victims = sorted(int(v) for v in rng.choice(np.arange(1, args.workers + 1), k, replace=False))
-            times = [float(t) for t in rng.uniform(0.1, 0.7, k) * args.epochs]
+            # (--attach: by half the run, so that the attach command, a Python start-up on a busy node, comes first)
+            times = [float(t) for t in rng.uniform(0.1, 0.5 if args.attach else 0.7, k) * args.epochs]
             r = job(args, tmp, 100 + i, victims, times, num_train, num_test)
             runs.append(r)
             z = (r.accuracy - mean) / sd if sd > 0 else float("nan")
