@@ -320,12 +320,15 @@ def test_a_rank_that_dies_during_start_up_ends_the_job_and_it_does_not_hang(tmp_
     cmd = [launcher, *launcher_flags(launcher), *FT, "-n", "2", sys.executable, "-m", "mpiasgd", "train", "--model",
            "digits", "--no-progress", "--epochs", "1", ":", "-n", "1", sys.executable, "-c",
            "from mpi4py import MPI; import os, time; time.sleep(0.5); os._exit(9)"]
-    try:
-        done = subprocess.run(cmd, cwd=tmp_path, env=mpi_env(), capture_output=True, text=True, timeout=TIMEOUT,
-                              start_new_session=True)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the job hung after a rank died during start-up\n{e.stdout}\n{e.stderr}")
     said = "rank 2 of the job died during start-up (ULFM reported it: "
+    for _ in range(STARTS):  # (the others may crash inside MPI_Init when rank 2's death reaches them there: Open
+        try:                 # MPI under ULFM, once in a CI run; the job ended all the same: run again)
+            done = subprocess.run(cmd, cwd=tmp_path, env=mpi_env(), capture_output=True, text=True, timeout=TIMEOUT,
+                                  start_new_session=True)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"the job hung after a rank died during start-up\n{e.stdout}\n{e.stderr}")
+        if not ("Segmentation fault" in done.stderr and "ompi_mpi_init" in done.stderr and said not in done.stderr):
+            break
     assert said in done.stderr and "; the job ends" in done.stderr, done.stderr  # (rank 0 at least)
     assert done.returncode != 0, done.stdout + done.stderr
 
