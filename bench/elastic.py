@@ -31,7 +31,7 @@ train --mode MODE --servers S ...` under a time limit (ssp: --staleness-bound 3)
 A job that does not start (a rank crashed inside MPI_Init, before any code of mpiasgd ran: Open MPI under
 ULFM, docs/training.md) is started again, up to STARTS times in all, and counted.
 
-`--dry-run`: one reference run and one run with one kill, on digits for 20 epochs (500 with --attach) (the code
+`--dry-run`: one reference run and one run with one kill, on digits for 20 epochs (300 with --attach) (the code
 paths, not the numbers; CI runs it in tests/mpi).
 """
 
@@ -297,11 +297,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep", default=None, help="a folder to keep every job's run log and output in "
                         "(default: a temporary one, removed at the end)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="1 reference run, 1 run with 1 kill, 20 epochs (500 with --attach)")
+                        help="1 reference run, 1 run with 1 kill, 20 epochs (300 with --attach)")
     args = parser.parse_args(argv)
     if args.dry_run:
         # (--attach: long enough for the attach command to start and the worker to join before the end)
-        args.runs, args.kills, args.reference, args.epochs = 1, [1], 1, 500.0 if args.attach else 20.0
+        args.runs, args.kills, args.reference, args.epochs = 1, [1], 1, 300.0 if args.attach else 20.0
     if max(args.kills) >= args.workers:
         parser.error(f"--kills {max(args.kills)}: at least one of the {args.workers} workers must live")
     if (args.respawn or args.attach) and (args.servers > 1 or args.mode == "easgd"):
