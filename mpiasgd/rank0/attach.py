@@ -33,6 +33,8 @@ import sys
 import time
 from typing import Any
 
+from mpiasgd.runlog.summary import ATTACH_ORIGIN
+
 __all__ = ["ATTACH_SUFFIX", "REQUEST_BYTES", "REQUEST_TIMEOUT", "Attacher", "attach_path", "identity", "request"]
 
 ATTACH_SUFFIX = ".attach"   # RUN.attach beside RUN.h5
@@ -121,13 +123,11 @@ class Attacher:
         while True:
             try:
                 sock, address = self.server.accept()
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
+            except OSError:  # (BlockingIOError: no one waiting)
                 break
             where = f"{address[0]}:{address[1]}"
             if len(self.peers) >= MAX_PEERS:
-                self.refuse_now(sock, where, f"more than {MAX_PEERS} attach connections at once")
+                self.answer(sock, self.refused(where, f"more than {MAX_PEERS} attach connections at once"))
                 continue
             sock.setblocking(False)
             self.peers.append(Peer(sock, where, now + REQUEST_TIMEOUT))
@@ -192,18 +192,18 @@ class Attacher:
             return self.refused(address, f"no worker rank is lost: the job has its {len(r0.workers)} workers "
                                          "(an attach brings back lost ranks; a job does not grow beyond its launch's)")
         ranks = lost[:count] if count else lost
-        started = [w for w in ranks if respawner.spawn(w, host=host, origin=f"an attach from {address}")]
+        started = [w for w in ranks if respawner.spawn(w, host=host, origin=f"{ATTACH_ORIGIN} {address}")]
         if not started:
             return {"ok": False, "error": respawner.last_failure or "MPI_Comm_spawn failed"}
         where = f" on {host}" if host else ""
-        text = (f"an attach from {address}: rank 0 starts worker rank{'s' * (len(started) > 1)} "
+        text = (f"{ATTACH_ORIGIN} {address}: rank 0 starts worker rank{'s' * (len(started) > 1)} "
                 f"{', '.join(map(str, started))}{where} (MPI_Comm_spawn)")
         r0.rec.event("attach", text)
         print(f"mpiasgd: {text}", file=sys.stderr, flush=True)
         return {"ok": True, "ranks": started, "text": text}
 
     def refused(self, address: str, why: str) -> dict[str, Any]:
-        text = f"an attach from {address} refused: {why}; the run goes on"
+        text = f"{ATTACH_ORIGIN} {address} refused: {why}; the run goes on"
         self.r0.rec.event("attach_refused", text)
         print(f"mpiasgd: warning: {text}", file=sys.stderr, flush=True)
         return {"ok": False, "error": why}
@@ -211,9 +211,6 @@ class Attacher:
     def drop(self, peer: Peer, why: str) -> None:
         self.peers.remove(peer)
         self.answer(peer.sock, self.refused(peer.address, why))
-
-    def refuse_now(self, sock: socket.socket, address: str, why: str) -> None:
-        self.answer(sock, self.refused(address, why))
 
     @staticmethod
     def answer(sock: socket.socket, reply: dict[str, Any]) -> None:

@@ -124,6 +124,9 @@ def lost_workers(run: dict) -> list[tuple[float, str]]:
     return events_of(run, "worker_lost")
 
 
+ATTACH_ORIGIN = "an attach from"  # how a worker_joined event names a worker `mpiasgd attach` asked for ("... ADDRESS")
+
+
 def replaced_workers(run: dict) -> dict[int, float]:
     """{worker rank: training-log time} of each replacement that took a dead worker's rank (--respawn: a
     "worker_joined" event "worker rank R is back: ..."); the last one where a rank was replaced more than once."""
@@ -161,7 +164,7 @@ def summary_lines(path: str, run: dict | None = None) -> list[str]:
             again = [(u, joined) for u, joined in back if u >= t and joined.startswith(f"worker rank {rank} is back: ")]
             ranks.append(f"rank {rank} at {t:.1f} s" + (f" (replaced at {again[0][0]:.1f} s)" if again else ""))
             if again:
-                by.add("mpiasgd attach" if "an attach from" in again[0][1] else "--respawn")
+                by.add("mpiasgd attach" if ATTACH_ORIGIN in again[0][1] else "--respawn")
         replaced = sum("replaced" in r for r in ranks)
         how = ("died; the run went on without them" if not replaced else
                f"died; the run went on, {replaced} replaced by {' and '.join(sorted(by))}")
